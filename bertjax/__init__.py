@@ -1,0 +1,1 @@
+"""bertjax: BERT pretraining and fine-tuning in JAX/Flax."""

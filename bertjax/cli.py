@@ -1,0 +1,37 @@
+"""The `bertjax` command line: one subcommand group per module that owns the job.
+
+Each module listed in COMMAND_MODULES exposes `register(subparsers)`, which adds its subcommands and sets
+`func` on each parser to a callable taking the parsed args and returning an exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = (
+    "bertjax.interop.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(prog="bertjax", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        # Bad input is reported as one clear line, not a traceback.
+        print(f"bertjax {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
