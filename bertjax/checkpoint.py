@@ -1,0 +1,112 @@
+"""bertjax's checkpoint format: one Orbax composite checkpoint directory per model.
+
+Items:
+- `params`: the float32 param tree (Orbax StandardSave: sharded tensorstore arrays, restorable onto any mesh);
+- `model_config`: the BertConfig as JSON;
+- `vocab`: {"tokens": [...], "lower_case": bool}, so a checkpoint is self-contained (no separate vocab.txt).
+The pretraining trainer writes these same items (plus optimizer and data state) in each step directory, so every
+command that takes a checkpoint also takes a training step directory.
+
+Orbax writes to a temporary name and renames on completion, so a half-written checkpoint never has the final name.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from bertjax.config import BertConfig
+
+PARAMS, MODEL_CONFIG, VOCAB = "params", "model_config", "vocab"
+
+
+@dataclasses.dataclass
+class ModelCheckpoint:
+    params: dict
+    config: BertConfig
+    vocab: list[str]
+    lower_case: bool
+
+
+def read_vocab_file(path: str) -> list[str]:
+    """Tokens of a vocab.txt (one per line, id = line number)."""
+    path = epath.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"vocab file {path} does not exist")
+    tokens = path.read_text(encoding="utf-8").splitlines()
+    if not tokens:
+        raise ValueError(f"vocab file {path} is empty")
+    return tokens
+
+
+def write_vocab_file(tokens: list[str], path: str) -> None:
+    epath.Path(path).write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
+
+
+def _check_vocab(config: BertConfig, tokens: list[str], origin: str) -> None:
+    if len(tokens) != config.vocab_size:
+        raise ValueError(f"vocab mismatch in {origin}: the vocabulary has {len(tokens)} tokens but "
+                         f"config.vocab_size is {config.vocab_size}")
+
+
+def save_model(directory: str, params, config: BertConfig, vocab: list[str], lower_case: bool = True,
+               extra_items: dict | None = None) -> None:
+    """Writes params + config + vocab (and any extra Orbax args) as one composite checkpoint at `directory`."""
+    _check_vocab(config, vocab, directory)
+    items = {
+        PARAMS: ocp.args.StandardSave(params),
+        MODEL_CONFIG: ocp.args.JsonSave(config.to_dict()),
+        VOCAB: ocp.args.JsonSave({"tokens": list(vocab), "lower_case": bool(lower_case)}),
+    }
+    items.update(extra_items or {})
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(epath.Path(directory).absolute(), args=ocp.args.Composite(**items))
+
+
+def is_model_checkpoint(directory: str) -> bool:
+    path = epath.Path(directory)
+    return path.is_dir() and (path / MODEL_CONFIG).exists() and (path / PARAMS).exists()
+
+
+def load_config(directory: str) -> BertConfig:
+    """The BertConfig of a checkpoint, without reading its tensors."""
+    _require_checkpoint(directory)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        restored = checkpointer.restore(epath.Path(directory).absolute(),
+                                        args=ocp.args.Composite(**{MODEL_CONFIG: ocp.args.JsonRestore()}))
+    return BertConfig.from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
+
+
+def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
+    """Reads a checkpoint written by `save_model` (or a trainer step directory).
+
+    `abstract_params` (a tree of jax.ShapeDtypeStruct with shardings) restores straight onto a mesh; without
+    it, arrays land on the default device.
+    """
+    _require_checkpoint(directory)
+    path = epath.Path(directory).absolute()
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        metadata_only = checkpointer.restore(path, args=ocp.args.Composite(
+            **{MODEL_CONFIG: ocp.args.JsonRestore(), VOCAB: ocp.args.JsonRestore()}))
+        if abstract_params is None:
+            # Restore as host numpy arrays on one device, whatever mesh wrote them.
+            tree = checkpointer.metadata(path)[PARAMS]
+            tree = getattr(tree, "tree", tree)
+            abstract_params = jax.tree_util.tree_map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                               sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
+                tree)
+        restored = checkpointer.restore(path, args=ocp.args.Composite(
+            **{PARAMS: ocp.args.StandardRestore(abstract_params)}))
+    config = BertConfig.from_dict(metadata_only[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
+    vocab = metadata_only[VOCAB]
+    _check_vocab(config, vocab["tokens"], directory)
+    return ModelCheckpoint(restored[PARAMS], config, vocab["tokens"], vocab["lower_case"])
+
+
+def _require_checkpoint(directory: str) -> None:
+    if not is_model_checkpoint(directory):
+        raise FileNotFoundError(f"{directory} is not a bertjax checkpoint (expected the Orbax items "
+                                f"{PARAMS}/ and {MODEL_CONFIG}/ in it)")

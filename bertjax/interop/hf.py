@@ -1,0 +1,124 @@
+"""HuggingFace BERT directories (config.json + safetensors/pytorch_model.bin + vocab) <-> bertjax params.
+
+Import accepts BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification and
+BertForQuestionAnswering dumps. Export writes safetensors in the PyTorch key layout (transformers v5 has no Flax
+models), loadable by `transformers.<Architecture>.from_pretrained` and `AutoTokenizer.from_pretrained`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Mapping
+
+import numpy as np
+from etils import epath
+from safetensors.numpy import load_file, save_file
+
+from bertjax.checkpoint import read_vocab_file, write_vocab_file
+from bertjax.config import BertConfig
+from bertjax.interop import convert
+
+# Buffers and tied copies that HF writes but that carry no weights of their own.
+IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",
+                "cls.predictions.decoder.bias")
+# Keys under the "bert." prefix in task models; the heads ("cls.", "classifier.", "qa_outputs.") are not.
+_HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
+
+
+def read_state_dict(directory: str) -> dict[str, np.ndarray]:
+    """All tensors of an HF model directory: model.safetensors (single or sharded), else pytorch_model.bin."""
+    path = epath.Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"HF model directory {directory} does not exist")
+    if (path / "model.safetensors").exists():
+        return load_file(str(path / "model.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        tensors = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            tensors.update(load_file(str(path / shard)))
+        return tensors
+    if (path / "pytorch_model.bin").exists():
+        try:
+            import torch
+        except ImportError:
+            raise ValueError(f"{directory}/pytorch_model.bin needs torch to read; install torch or convert the "
+                             "directory to safetensors") from None
+        # weights_only=True: tensors only, no pickled code is executed.
+        state = torch.load(str(path / "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        return {k: v.float().numpy() for k, v in state.items()}
+    raise FileNotFoundError(f"{directory} holds no model.safetensors, model.safetensors.index.json or "
+                            "pytorch_model.bin")
+
+
+def normalize_keys(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF keys in the table's naming: no "bert." prefix on encoder keys; old gamma/beta LayerNorm names."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith("bert."):
+            key = key[len("bert."):]
+        if ".LayerNorm." in key:
+            key = key.replace(".LayerNorm.gamma", ".LayerNorm.weight").replace(".LayerNorm.beta", ".LayerNorm.bias")
+        out[key] = value
+    return out
+
+
+def load_hf(directory: str):
+    """(params, config, vocab tokens, lower_case) from an HF BERT directory."""
+    path = epath.Path(directory)
+    config = BertConfig.from_json_file(str(path / "config.json"))
+    tensors = normalize_keys(read_state_dict(directory))
+    params = convert.params_from_tensors(tensors, config, "hf", origin=directory, ignored=IGNORED_KEYS)
+    vocab = read_vocab_file(str(path / "vocab.txt"))
+    lower_case = True
+    tokenizer_config = path / "tokenizer_config.json"
+    if tokenizer_config.exists():
+        lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+    return params, config, vocab, lower_case
+
+
+def _architecture(params: Mapping) -> str:
+    groups = convert.held_groups(params)
+    if "classifier" in groups:
+        return "BertForSequenceClassification"
+    if "qa_outputs" in groups:
+        return "BertForQuestionAnswering"
+    if {"mlm", "nsp"} <= groups:
+        return "BertForPreTraining"
+    if "mlm" in groups:
+        return "BertForMaskedLM"
+    return "BertModel"
+
+
+def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: str, lower_case: bool = True,
+              architecture: str | None = None, id2label: dict[int, str] | None = None) -> str:
+    """Writes an HF directory for `params`; returns the architecture written (inferred from the heads held)."""
+    architecture = architecture or _architecture(params)
+    tensors = convert.tensors_from_params(params, config, "hf")
+    if architecture != "BertModel":
+        tensors = {(k if k.startswith(_HEAD_PREFIXES) else "bert." + k): v for k, v in tensors.items()}
+    if "cls.predictions.bias" in tensors:
+        # HF ties these to the embeddings / bias on load; writing them keeps older transformers happy too.
+        tensors["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"]
+        tensors["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"]
+    extra = {}
+    if "classifier" in params:
+        num_labels = int(np.shape(params["classifier"]["bias"])[0])
+        labels = id2label or {i: f"LABEL_{i}" for i in range(num_labels)}
+        extra = dict(num_labels=num_labels, id2label={str(i): l for i, l in labels.items()},
+                     label2id={l: i for i, l in labels.items()},
+                     problem_type="regression" if num_labels == 1 else "single_label_classification")
+    out = epath.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Tied tensors share memory in numpy views; safetensors needs each stored separately.
+    save_file({k: np.ascontiguousarray(v).copy() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config.to_hf_dict(architecture, **extra), indent=2))
+    write_vocab_file(vocab, str(out / "vocab.txt"))
+    tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lower_case,
+                        "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                        "mask_token": "[MASK]", "model_max_length": config.max_position_embeddings}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {k: tokenizer_config[k] for k in ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")},
+        indent=2))
+    return architecture

@@ -1,0 +1,134 @@
+"""The one table of BERT tensors: our param path <-> HF PyTorch key <-> Google TF variable name.
+
+Every importer and exporter is driven by this table, so a name is written down once. Layouts:
+- ours (Flax): Dense kernels [in, out]; attention projections split heads: q/k/v kernel [H, heads, head_dim],
+  bias [heads, head_dim], output kernel [heads, head_dim, H].
+- HF PyTorch: Linear weight [out, in]; LayerNorm weight/bias.
+- Google TF: kernels [in, out] (as ours, but unsplit); LayerNorm gamma/beta; seq_relationship/output_weights
+  is [2, H], i.e. stored like a PyTorch weight.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# Groups of tensors that a checkpoint may or may not hold (a BertModel dump has no MLM/NSP heads, a
+# BertForMaskedLM has no pooler and no NSP head, a fine-tuned model has a classifier or qa_outputs).
+GROUPS = ("encoder", "pooler", "mlm", "nsp", "classifier", "qa_outputs")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorName:
+    path: tuple[str, ...]   # our param path
+    hf: str                 # HF key without the "bert." prefix of the task models for encoder/pooler tensors
+    tf: str | None          # Google TF variable name (None: no TF counterpart)
+    kind: str               # "embedding" | "vector" | "kernel" (1 input axis) | "kernel2" (2 input axes)
+    group: str
+    tf_transposed: bool = False  # TF stores this kernel as [out, in]
+
+    @property
+    def hf_is_linear(self) -> bool:
+        return self.kind in ("kernel", "kernel2")
+
+
+def _encoder_names(num_layers: int) -> list[TensorName]:
+    names = []
+
+    def add(path, hf, tf, kind, group="encoder"):
+        names.append(TensorName(path, hf, tf, kind, group))
+
+    def layer_norm(path, hf, tf, group="encoder"):
+        add(path + ("scale",), hf + ".weight", tf + "/gamma", "vector", group)
+        add(path + ("bias",), hf + ".bias", tf + "/beta", "vector", group)
+
+    def dense(path, hf, tf, kind="kernel", group="encoder"):
+        add(path + ("kernel",), hf + ".weight", tf + "/kernel", kind, group)
+        add(path + ("bias",), hf + ".bias", tf + "/bias", "vector", group)
+
+    emb = ("bert", "embeddings")
+    for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
+        add(emb + (name, "embedding"), f"embeddings.{name}.weight", f"bert/embeddings/{name}", "embedding")
+    layer_norm(emb + ("LayerNorm",), "embeddings.LayerNorm", "bert/embeddings/LayerNorm")
+    for i in range(num_layers):
+        ours, hf, tf = ("bert", f"layer_{i}"), f"encoder.layer.{i}", f"bert/encoder/layer_{i}"
+        for proj in ("query", "key", "value"):
+            dense(ours + ("attention", "self", proj), f"{hf}.attention.self.{proj}",
+                  f"{tf}/attention/self/{proj}")
+        dense(ours + ("attention", "output_dense"), f"{hf}.attention.output.dense",
+              f"{tf}/attention/output/dense", kind="kernel2")
+        layer_norm(ours + ("attention", "output_LayerNorm"), f"{hf}.attention.output.LayerNorm",
+                   f"{tf}/attention/output/LayerNorm")
+        dense(ours + ("intermediate",), f"{hf}.intermediate.dense", f"{tf}/intermediate/dense")
+        dense(ours + ("output",), f"{hf}.output.dense", f"{tf}/output/dense")
+        layer_norm(ours + ("output_LayerNorm",), f"{hf}.output.LayerNorm", f"{tf}/output/LayerNorm")
+    dense(("bert", "pooler"), "pooler.dense", "bert/pooler/dense", group="pooler")
+    return names
+
+
+def tensor_names(num_layers: int) -> list[TensorName]:
+    """All tensors of a BertForPreTraining plus the fine-tuning heads, for `num_layers` layers."""
+    names = _encoder_names(num_layers)
+    names += [
+        TensorName(("predictions", "transform_dense", "kernel"), "cls.predictions.transform.dense.weight",
+                   "cls/predictions/transform/dense/kernel", "kernel", "mlm"),
+        TensorName(("predictions", "transform_dense", "bias"), "cls.predictions.transform.dense.bias",
+                   "cls/predictions/transform/dense/bias", "vector", "mlm"),
+        TensorName(("predictions", "transform_LayerNorm", "scale"), "cls.predictions.transform.LayerNorm.weight",
+                   "cls/predictions/transform/LayerNorm/gamma", "vector", "mlm"),
+        TensorName(("predictions", "transform_LayerNorm", "bias"), "cls.predictions.transform.LayerNorm.bias",
+                   "cls/predictions/transform/LayerNorm/beta", "vector", "mlm"),
+        TensorName(("predictions", "output_bias"), "cls.predictions.bias", "cls/predictions/output_bias",
+                   "vector", "mlm"),
+        TensorName(("seq_relationship", "kernel"), "cls.seq_relationship.weight",
+                   "cls/seq_relationship/output_weights", "kernel", "nsp", tf_transposed=True),
+        TensorName(("seq_relationship", "bias"), "cls.seq_relationship.bias", "cls/seq_relationship/output_bias",
+                   "vector", "nsp"),
+        # Fine-tuning heads (run_classifier / run_squad name them output_weights/output_bias too).
+        TensorName(("classifier", "kernel"), "classifier.weight", "output_weights", "kernel", "classifier",
+                   tf_transposed=True),
+        TensorName(("classifier", "bias"), "classifier.bias", "output_bias", "vector", "classifier"),
+        TensorName(("qa_outputs", "kernel"), "qa_outputs.weight", "cls/squad/output_weights", "kernel",
+                   "qa_outputs", tf_transposed=True),
+        TensorName(("qa_outputs", "bias"), "qa_outputs.bias", "cls/squad/output_bias", "vector", "qa_outputs"),
+    ]
+    return names
+
+
+# ---- layout conversions -------------------------------------------------------------------------------------
+
+def to_flat_inout(name: TensorName, ours: np.ndarray) -> np.ndarray:
+    """Our tensor in the unsplit layout of TF (kernels [in, out], biases 1-D)."""
+    if name.kind == "embedding":
+        return ours
+    if name.kind == "vector":
+        return ours.reshape(-1)
+    split = 1 if name.kind == "kernel" else 2
+    return ours.reshape(int(np.prod(ours.shape[:split])), int(np.prod(ours.shape[split:])))
+
+
+def to_hf(name: TensorName, ours: np.ndarray) -> np.ndarray:
+    flat = to_flat_inout(name, ours)
+    return np.ascontiguousarray(flat.T) if name.hf_is_linear else flat
+
+
+def to_tf(name: TensorName, ours: np.ndarray) -> np.ndarray:
+    flat = to_flat_inout(name, ours)
+    return np.ascontiguousarray(flat.T) if name.tf_transposed else flat
+
+
+def expected_source_shape(name: TensorName, our_shape: tuple[int, ...], source: str) -> tuple[int, ...]:
+    """The shape `source` ("hf" or "tf") stores for a tensor whose shape is `our_shape` here."""
+    return (to_hf if source == "hf" else to_tf)(name, np.empty(our_shape, np.float32)).shape
+
+
+def from_source(name: TensorName, value: np.ndarray, our_shape: tuple[int, ...], source: str) -> np.ndarray:
+    """A tensor read from `source` ("hf" or "tf") in our layout; a shape mismatch names both shapes."""
+    expected = expected_source_shape(name, our_shape, source)
+    key = name.hf if source == "hf" else name.tf
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"shape mismatch for tensor {key!r}: checkpoint has {tuple(value.shape)}, "
+                         f"the config expects {tuple(expected)}")
+    transposed = name.hf_is_linear if source == "hf" else name.tf_transposed
+    value = value.T if transposed else value
+    return np.ascontiguousarray(value.reshape(our_shape))

@@ -1,0 +1,282 @@
+"""BERT in Flax (linen), exactly as Google's BERT / HF's BertModel: post-LayerNorm encoder and the standard heads.
+
+Every parameter carries logical axis names (see `bertjax.sharding`) so that one set of rules maps the model onto
+any (data, fsdp, tensor) mesh. Parameters are float32; matmuls run in `config.dtype`; LayerNorm, softmax and the
+logits handed to losses are float32.
+
+Call convention (all modules): `apply({"params": p}, input_ids, input_mask, segment_ids, ..., deterministic=True)`
+with int32 [batch, length] inputs; pass `deterministic=False, rngs={"dropout": key}` to train with dropout.
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bertjax.attention import dot_product_attention
+from bertjax.config import BertConfig
+
+# The truncated normal of TF's truncated_normal_initializer(stddev) has a smaller std than `stddev`; jax's
+# initializer is parameterised by the std after truncation, hence the factor (std of N(0,1) cut at +-2).
+_TRUNCATION_STD = 0.87962566103423978
+
+
+def _kernel_init(config: BertConfig, names: tuple[str | None, ...]):
+    init = nn.initializers.truncated_normal(stddev=config.initializer_range * _TRUNCATION_STD)
+    return nn.with_logical_partitioning(init, names)
+
+
+def _zeros(names):
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+def _ones(names):
+    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
+
+
+def activation(name: str):
+    """The activation function named by `hidden_act`, with HF's meanings."""
+    return {
+        "gelu": functools.partial(jax.nn.gelu, approximate=False),
+        "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+        "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+        "gelu_fast": functools.partial(jax.nn.gelu, approximate=True),
+        "relu": jax.nn.relu,
+        "tanh": jnp.tanh,
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+    }[name]
+
+
+def _dtype(config: BertConfig):
+    return jnp.dtype(config.dtype)
+
+
+def _constrain(x, names):
+    """Sharding hint for activations; a no-op outside a mesh with logical axis rules."""
+    return nn.with_logical_constraint(x, names)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis, computed in float32; output in the compute dtype."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x):
+        features = x.shape[-1]
+        scale = self.param("scale", _ones(("embed",)), (features,), jnp.float32)
+        bias = self.param("bias", _zeros(("embed",)), (features,), jnp.float32)
+        x = x.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        variance = jnp.square(x - mean).mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(variance + self.config.layer_norm_eps) * scale + bias
+        return y.astype(_dtype(self.config))
+
+
+class Embeddings(nn.Module):
+    config: BertConfig
+
+    def setup(self):
+        c = self.config
+        init = lambda names: nn.with_logical_partitioning(
+            nn.initializers.truncated_normal(stddev=c.initializer_range * _TRUNCATION_STD), names)
+        self.word_embeddings = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=init(("vocab", "embed")),
+                                        param_dtype=jnp.float32, dtype=_dtype(c))
+        self.position_embeddings = nn.Embed(c.max_position_embeddings, c.hidden_size,
+                                            embedding_init=init((None, "embed")), param_dtype=jnp.float32,
+                                            dtype=_dtype(c))
+        self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size,
+                                              embedding_init=init((None, "embed")), param_dtype=jnp.float32,
+                                              dtype=_dtype(c))
+        self.LayerNorm = LayerNorm(c)
+        self.dropout = nn.Dropout(c.hidden_dropout_prob)
+
+    def __call__(self, input_ids, segment_ids, position_ids, deterministic: bool):
+        # Summed in float32, as the reference implementations do, before the LayerNorm.
+        x = (self.word_embeddings(input_ids).astype(jnp.float32)
+             + self.position_embeddings(position_ids).astype(jnp.float32)
+             + self.token_type_embeddings(segment_ids).astype(jnp.float32))
+        x = self.LayerNorm(x)
+        return self.dropout(x, deterministic=deterministic)
+
+    def attend(self, x):
+        """Logits against the word embeddings (the tied MLM decoder)."""
+        return self.word_embeddings.attend(x)
+
+
+class SelfAttention(nn.Module):
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, hidden, input_mask, packing_ids, deterministic: bool):
+        c = self.config
+        projection = functools.partial(
+            nn.DenseGeneral, features=(c.num_attention_heads, c.head_dim), dtype=_dtype(c),
+            param_dtype=jnp.float32, kernel_init=_kernel_init(c, ("embed", "heads", "kv")),
+            bias_init=_zeros(("heads", "kv")))
+        query = projection(name="query")(hidden)
+        key = projection(name="key")(hidden)
+        value = projection(name="value")(hidden)
+        query, key, value = (_constrain(t, ("activation_batch", "activation_length", "activation_heads",
+                                            "activation_kv")) for t in (query, key, value))
+        dropout_active = not deterministic and c.attention_probs_dropout_prob > 0
+        context = dot_product_attention(
+            query, key, value, input_mask, packing_ids, backend=c.attention_backend,
+            dropout_rate=c.attention_probs_dropout_prob,
+            dropout_rng=self.make_rng("dropout") if dropout_active else None, deterministic=deterministic)
+        return context
+
+
+class AttentionBlock(nn.Module):
+    """Self-attention, output projection, dropout, residual, LayerNorm (HF: BertAttention)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, hidden, input_mask, packing_ids, deterministic: bool):
+        c = self.config
+        context = SelfAttention(c, name="self")(hidden, input_mask, packing_ids, deterministic)
+        out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), dtype=_dtype(c), param_dtype=jnp.float32,
+                              kernel_init=_kernel_init(c, ("heads", "kv", "embed")),
+                              bias_init=_zeros(("embed",)), name="output_dense")(context)
+        out = nn.Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
+        return LayerNorm(c, name="output_LayerNorm")(out + hidden)
+
+
+class Layer(nn.Module):
+    """One encoder layer (HF: BertLayer): attention block, then the feed-forward block."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, hidden, input_mask, packing_ids, deterministic: bool):
+        c = self.config
+        hidden = AttentionBlock(c, name="attention")(hidden, input_mask, packing_ids, deterministic)
+        inner = nn.Dense(c.intermediate_size, dtype=_dtype(c), param_dtype=jnp.float32,
+                         kernel_init=_kernel_init(c, ("embed", "mlp")), bias_init=_zeros(("mlp",)),
+                         name="intermediate")(hidden)
+        inner = activation(c.hidden_act)(inner)
+        inner = _constrain(inner, ("activation_batch", "activation_length", "activation_mlp"))
+        out = nn.Dense(c.hidden_size, dtype=_dtype(c), param_dtype=jnp.float32,
+                       kernel_init=_kernel_init(c, ("mlp", "embed")), bias_init=_zeros(("embed",)),
+                       name="output")(inner)
+        out = nn.Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
+        out = LayerNorm(c, name="output_LayerNorm")(out + hidden)
+        return _constrain(out, ("activation_batch", "activation_length", "activation_embed"))
+
+
+class BertModel(nn.Module):
+    """Embeddings, encoder and pooler. Returns (sequence_output [B, L, H], pooled_output [B, H])."""
+
+    config: BertConfig
+    add_pooler: bool = True
+
+    def setup(self):
+        self.embeddings = Embeddings(self.config)
+        self.layers = [Layer(self.config, name=f"layer_{i}") for i in range(self.config.num_hidden_layers)]
+        if self.add_pooler:
+            self.pooler = nn.Dense(self.config.hidden_size, dtype=_dtype(self.config), param_dtype=jnp.float32,
+                                   kernel_init=_kernel_init(self.config, ("embed", "embed_out")),
+                                   bias_init=_zeros(("embed_out",)))
+
+    def __call__(self, input_ids, input_mask, segment_ids, *, packing_ids=None, position_ids=None,
+                 deterministic: bool = True):
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1], dtype=jnp.int32), input_ids.shape)
+        hidden = self.embeddings(input_ids, segment_ids, position_ids, deterministic)
+        hidden = _constrain(hidden, ("activation_batch", "activation_length", "activation_embed"))
+        for layer in self.layers:
+            hidden = layer(hidden, input_mask, packing_ids, deterministic)
+        pooled = jnp.tanh(self.pooler(hidden[:, 0])) if self.add_pooler else None
+        return hidden, pooled
+
+    def attend(self, x):
+        return self.embeddings.attend(x)
+
+
+class MaskedLMHead(nn.Module):
+    """Transform (Dense -> act -> LayerNorm), then logits against the tied word embeddings plus a bias."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, hidden, attend):
+        c = self.config
+        x = nn.Dense(c.hidden_size, dtype=_dtype(c), param_dtype=jnp.float32,
+                     kernel_init=_kernel_init(c, ("embed", "embed_out")), bias_init=_zeros(("embed_out",)),
+                     name="transform_dense")(hidden)
+        x = LayerNorm(c, name="transform_LayerNorm")(activation(c.hidden_act)(x))
+        bias = self.param("output_bias", _zeros(("vocab",)), (c.vocab_size,), jnp.float32)
+        return attend(x).astype(jnp.float32) + bias
+
+
+def gather_positions(sequence, positions):
+    """sequence [B, L, H] at positions [B, P] -> [B, P, H]."""
+    return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
+
+
+class BertForPreTraining(nn.Module):
+    """BERT with the MLM head (computed only at `masked_lm_positions`) and the NSP head.
+
+    Returns {"mlm_logits": [B, P, vocab], "nsp_logits": [B, 2]}, float32.
+    """
+
+    config: BertConfig
+
+    def setup(self):
+        self.bert = BertModel(self.config)
+        self.predictions = MaskedLMHead(self.config)
+        self.seq_relationship = nn.Dense(2, dtype=jnp.float32, param_dtype=jnp.float32,
+                                         kernel_init=_kernel_init(self.config, ("embed", None)),
+                                         bias_init=_zeros((None,)))
+
+    def __call__(self, input_ids, input_mask, segment_ids, masked_lm_positions, *, packing_ids=None,
+                 position_ids=None, deterministic: bool = True):
+        sequence, pooled = self.bert(input_ids, input_mask, segment_ids, packing_ids=packing_ids,
+                                     position_ids=position_ids, deterministic=deterministic)
+        mlm_logits = self.predictions(gather_positions(sequence, masked_lm_positions), self.bert.attend)
+        nsp_logits = self.seq_relationship(pooled.astype(jnp.float32))
+        return {"mlm_logits": mlm_logits, "nsp_logits": nsp_logits}
+
+
+class BertForSequenceClassification(nn.Module):
+    """Pooled [CLS] -> dropout -> Dense(num_labels); num_labels=1 is regression (STS-B). Float32 logits."""
+
+    config: BertConfig
+    num_labels: int
+
+    @nn.compact
+    def __call__(self, input_ids, input_mask, segment_ids, *, deterministic: bool = True):
+        _, pooled = BertModel(self.config, name="bert")(input_ids, input_mask, segment_ids,
+                                                          deterministic=deterministic)
+        pooled = nn.Dropout(self.config.hidden_dropout_prob)(pooled, deterministic=deterministic)
+        return nn.Dense(self.num_labels, dtype=jnp.float32, param_dtype=jnp.float32,
+                        kernel_init=_kernel_init(self.config, ("embed", None)), bias_init=_zeros((None,)),
+                        name="classifier")(pooled.astype(jnp.float32))
+
+
+class BertForQuestionAnswering(nn.Module):
+    """Per-token span start/end logits (SQuAD). Returns (start_logits, end_logits), each [B, L] float32."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, input_ids, input_mask, segment_ids, *, deterministic: bool = True):
+        sequence, _ = BertModel(self.config, add_pooler=False, name="bert")(
+            input_ids, input_mask, segment_ids, deterministic=deterministic)
+        logits = nn.Dense(2, dtype=jnp.float32, param_dtype=jnp.float32,
+                          kernel_init=_kernel_init(self.config, ("embed", None)), bias_init=_zeros((None,)),
+                          name="qa_outputs")(sequence.astype(jnp.float32))
+        return logits[..., 0], logits[..., 1]
+
+
+def init_params(module: nn.Module, config: BertConfig, rng, length: int = 8, num_masked: int = 2):
+    """Initial (boxed, logically partitioned) params of any bertjax module, from dummy inputs."""
+    ids = jnp.zeros((1, length), jnp.int32)
+    args = (ids, jnp.ones_like(ids), ids)
+    if isinstance(module, BertForPreTraining):
+        args += (jnp.zeros((1, num_masked), jnp.int32),)
+    return module.init(rng, *args)["params"]
