@@ -1,0 +1,81 @@
+"""Device mesh (data, fsdp, tensor) and the logical-axis rules that place BERT on it.
+
+Parameters and activations are annotated with logical axis names in `bertjax.model`; the rules below are the only
+place that says which mesh axis each name is split over (MaxText's scheme). Changing a parallelism strategy means
+changing rules, not model code.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# logical name -> mesh axis (or axes, or None = replicated).
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("embed_out", "tensor"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    # activations
+    ("activation_batch", BATCH_AXES),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv", None),
+    ("activation_mlp", "tensor"),
+)
+
+
+def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes for `num_devices`; one axis may be -1 to take the remaining devices."""
+    sizes = [data, fsdp, tensor]
+    if sum(1 for s in sizes if s == -1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if any(s == 0 or s < -1 for s in sizes) or num_devices % known:
+        raise ValueError(f"mesh data={data} fsdp={fsdp} tensor={tensor} does not divide {num_devices} devices")
+    sizes = [num_devices // known if s == -1 else s for s in sizes]
+    if int(np.prod(sizes)) != num_devices:
+        raise ValueError(f"mesh {sizes[0]}x{sizes[1]}x{sizes[2]} (data x fsdp x tensor) needs "
+                         f"{int(np.prod(sizes))} devices, have {num_devices}")
+    return tuple(sizes)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all), laid out for the physical topology."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = mesh_shape(len(devices), data, fsdp, tensor)
+    # Auto axis types: shardings come from the rules and jit, not from explicit-sharding types.
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules=DEFAULT_RULES):
+    """Context in which the model's activation sharding constraints resolve against `mesh`."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def param_shardings(boxed_params, mesh: Mesh, rules=DEFAULT_RULES):
+    """NamedShardings for a tree of logically annotated params (boxed, abstract or concrete)."""
+    specs = nn.get_partition_spec(boxed_params)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch-major arrays are split over data x fsdp and replicated over tensor."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
