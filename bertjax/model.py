@@ -96,8 +96,13 @@ class Embeddings(nn.Module):
 
     def __call__(self, input_ids, segment_ids, position_ids, deterministic: bool):
         # Summed in float32, as the reference implementations do, before the LayerNorm.
+        if position_ids is None:
+            # Positions 0..L-1: a slice of the table, which shards better than a gather.
+            positions = self.position_embeddings.embedding[None, : input_ids.shape[-1]]
+        else:
+            positions = self.position_embeddings(position_ids)
         x = (self.word_embeddings(input_ids).astype(jnp.float32)
-             + self.position_embeddings(position_ids).astype(jnp.float32)
+             + positions.astype(jnp.float32)
              + self.token_type_embeddings(segment_ids).astype(jnp.float32))
         x = self.LayerNorm(x)
         return self.dropout(x, deterministic=deterministic)
@@ -107,19 +112,41 @@ class Embeddings(nn.Module):
         return self.word_embeddings.attend(x)
 
 
+class HeadProjection(nn.Module):
+    """A Dense layer with the attention heads as their own kernel axis (shardable over "heads").
+
+    `to_heads`: [B, L, H] -> [B, L, heads, head_dim] with kernel [H, heads, head_dim];
+    otherwise [B, L, heads, head_dim] -> [B, L, H] with kernel [heads, head_dim, H].
+    (flax's DenseGeneral would do this but initialises a flat kernel, which breaks logical sharding metadata.)
+    """
+
+    config: BertConfig
+    to_heads: bool
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        if self.to_heads:
+            kernel_shape, kernel_names = (c.hidden_size, c.num_attention_heads, c.head_dim), ("embed", "heads", "kv")
+            bias_shape, bias_names, equation = (c.num_attention_heads, c.head_dim), ("heads", "kv"), "bld,dnh->blnh"
+        else:
+            kernel_shape, kernel_names = (c.num_attention_heads, c.head_dim, c.hidden_size), ("heads", "kv", "embed")
+            bias_shape, bias_names, equation = (c.hidden_size,), ("embed",), "blnh,nhd->bld"
+        kernel = self.param("kernel", _kernel_init(c, kernel_names), kernel_shape, jnp.float32)
+        bias = self.param("bias", _zeros(bias_names), bias_shape, jnp.float32)
+        dtype = _dtype(c)
+        return jnp.einsum(equation, x.astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
+
+
 class SelfAttention(nn.Module):
     config: BertConfig
 
     @nn.compact
     def __call__(self, hidden, input_mask, packing_ids, deterministic: bool):
         c = self.config
-        projection = functools.partial(
-            nn.DenseGeneral, features=(c.num_attention_heads, c.head_dim), dtype=_dtype(c),
-            param_dtype=jnp.float32, kernel_init=_kernel_init(c, ("embed", "heads", "kv")),
-            bias_init=_zeros(("heads", "kv")))
-        query = projection(name="query")(hidden)
-        key = projection(name="key")(hidden)
-        value = projection(name="value")(hidden)
+        query = HeadProjection(c, to_heads=True, name="query")(hidden)
+        key = HeadProjection(c, to_heads=True, name="key")(hidden)
+        value = HeadProjection(c, to_heads=True, name="value")(hidden)
         query, key, value = (_constrain(t, ("activation_batch", "activation_length", "activation_heads",
                                             "activation_kv")) for t in (query, key, value))
         dropout_active = not deterministic and c.attention_probs_dropout_prob > 0
@@ -139,9 +166,7 @@ class AttentionBlock(nn.Module):
     def __call__(self, hidden, input_mask, packing_ids, deterministic: bool):
         c = self.config
         context = SelfAttention(c, name="self")(hidden, input_mask, packing_ids, deterministic)
-        out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), dtype=_dtype(c), param_dtype=jnp.float32,
-                              kernel_init=_kernel_init(c, ("heads", "kv", "embed")),
-                              bias_init=_zeros(("embed",)), name="output_dense")(context)
+        out = HeadProjection(c, to_heads=False, name="output_dense")(context)
         out = nn.Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
         return LayerNorm(c, name="output_LayerNorm")(out + hidden)
 
@@ -184,8 +209,6 @@ class BertModel(nn.Module):
 
     def __call__(self, input_ids, input_mask, segment_ids, *, packing_ids=None, position_ids=None,
                  deterministic: bool = True):
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1], dtype=jnp.int32), input_ids.shape)
         hidden = self.embeddings(input_ids, segment_ids, position_ids, deterministic)
         hidden = _constrain(hidden, ("activation_batch", "activation_length", "activation_embed"))
         for layer in self.layers:
