@@ -73,7 +73,7 @@ def is_model_checkpoint(directory: str) -> bool:
 def load_config(directory: str) -> BertConfig:
     """The BertConfig of a checkpoint, without reading its tensors."""
     _require_checkpoint(directory)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    with ocp.Checkpointer(_handler()) as checkpointer:
         restored = checkpointer.restore(epath.Path(directory).absolute(),
                                         args=ocp.args.Composite(**{MODEL_CONFIG: ocp.args.JsonRestore()}))
     return BertConfig.from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
@@ -87,12 +87,12 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     """
     _require_checkpoint(directory)
     path = epath.Path(directory).absolute()
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    with ocp.Checkpointer(_handler()) as checkpointer:
         metadata_only = checkpointer.restore(path, args=ocp.args.Composite(
             **{MODEL_CONFIG: ocp.args.JsonRestore(), VOCAB: ocp.args.JsonRestore()}))
         if abstract_params is None:
             # Restore as host numpy arrays on one device, whatever mesh wrote them.
-            tree = checkpointer.metadata(path)[PARAMS]
+            tree = checkpointer.metadata(path).item_metadata[PARAMS]
             tree = getattr(tree, "tree", tree)
             abstract_params = jax.tree_util.tree_map(
                 lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
@@ -104,6 +104,13 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     vocab = metadata_only[VOCAB]
     _check_vocab(config, vocab["tokens"], directory)
     return ModelCheckpoint(restored[PARAMS], config, vocab["tokens"], vocab["lower_case"])
+
+
+def _handler() -> ocp.CompositeCheckpointHandler:
+    # Named handlers let Orbax read each item's metadata (shapes) without restoring it.
+    return ocp.CompositeCheckpointHandler(**{PARAMS: ocp.StandardCheckpointHandler(),
+                                             MODEL_CONFIG: ocp.JsonCheckpointHandler(),
+                                             VOCAB: ocp.JsonCheckpointHandler()})
 
 
 def _require_checkpoint(directory: str) -> None:
