@@ -178,10 +178,3 @@ def _read_json(path: str) -> dict[str, Any]:
         raise ValueError(f"{path}: expected a JSON object, got {type(values).__name__}")
     return values
 
-
-def check_vocab_size(config: BertConfig, vocab_path: str) -> None:
-    """Raises if the vocabulary file's entry count differs from config.vocab_size."""
-    entries = len(epath.Path(vocab_path).read_text(encoding="utf-8").splitlines())
-    if entries != config.vocab_size:
-        raise ValueError(f"vocab mismatch: {vocab_path} has {entries} entries but config.vocab_size is "
-                         f"{config.vocab_size}")

@@ -1,0 +1,121 @@
+"""Model behaviour beyond HF parity: sharding invariance, dropout RNG, compute dtype, embedding CLI."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from bertjax import model as model_lib
+from bertjax import sharding
+from bertjax.cli import main as cli
+from bertjax.config import BertConfig
+
+CONFIG = BertConfig.preset("tiny", vocab_size=96, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                           max_position_embeddings=32)
+
+
+@pytest.fixture(scope="module")
+def pretraining():
+    module = model_lib.BertForPreTraining(CONFIG)
+    boxed = model_lib.init_params(module, CONFIG, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    batch = dict(input_ids=rng.integers(0, 96, (8, 16)).astype(np.int32),
+                 input_mask=np.ones((8, 16), np.int32), segment_ids=np.zeros((8, 16), np.int32),
+                 masked_lm_positions=rng.integers(0, 12, (8, 3)).astype(np.int32))
+    batch["input_mask"][3, 9:] = 0
+    batch["segment_ids"][:, 8:] = 1
+    return module, boxed, batch
+
+
+def _apply(module):
+    return lambda params, b: module.apply({"params": params}, b["input_ids"], b["input_mask"], b["segment_ids"],
+                                          b["masked_lm_positions"])
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (1, 2, 4)])
+def test_sharded_output_equals_unsharded(pretraining, mesh_shape):
+    assert len(jax.devices()) == 8, "conftest sets 8 host devices"
+    module, boxed, batch = pretraining
+    params = nn.meta.unbox(boxed)
+    expected = jax.jit(_apply(module))(params, batch)
+    mesh = sharding.make_mesh(*mesh_shape)
+    param_shardings = sharding.param_shardings(boxed, mesh)
+    batch_sharding = sharding.batch_sharding(mesh)
+    with sharding.activate(mesh):
+        sharded_params = jax.device_put(params, param_shardings)
+        sharded_batch = jax.device_put(batch, batch_sharding)
+        out = jax.jit(_apply(module))(sharded_params, sharded_batch)
+    # Parameters really are split: the query kernel is spread over fsdp x tensor.
+    query = sharded_params["bert"]["layer_0"]["attention"]["self"]["query"]["kernel"]
+    assert query.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    assert len(query.addressable_shards) == 8
+    for key in expected:
+        np.testing.assert_allclose(np.asarray(out[key]), np.asarray(expected[key]), atol=1e-5)
+
+
+def test_mesh_shape_validation():
+    assert sharding.mesh_shape(8, data=-1, fsdp=2, tensor=2) == (2, 2, 2)
+    with pytest.raises(ValueError, match="does not divide 8 devices"):
+        sharding.mesh_shape(8, data=-1, fsdp=3)
+    with pytest.raises(ValueError, match="at most one mesh axis may be -1"):
+        sharding.mesh_shape(8, data=-1, fsdp=-1)
+
+
+def test_every_param_has_logical_axis_names(pretraining):
+    _, boxed, _ = pretraining
+    leaves = jax.tree_util.tree_leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    assert leaves and all(isinstance(leaf, nn.LogicallyPartitioned) for leaf in leaves)
+    assert all(len(leaf.names) == leaf.value.ndim for leaf in leaves)
+
+
+def test_dropout_uses_the_explicit_rng(pretraining):
+    module, boxed, batch = pretraining
+    params = nn.meta.unbox(boxed)
+    run = lambda key: module.apply({"params": params}, batch["input_ids"], batch["input_mask"],
+                                   batch["segment_ids"], batch["masked_lm_positions"], deterministic=False,
+                                   rngs={"dropout": key})["mlm_logits"]
+    a, b, c = run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
+    assert np.array_equal(a, b)
+    assert not np.allclose(a, c)
+    with pytest.raises(Exception, match="dropout"):
+        module.apply({"params": params}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
+                     batch["masked_lm_positions"], deterministic=False)
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits(pretraining):
+    module, boxed, batch = pretraining
+    params = nn.meta.unbox(boxed)
+    assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
+    bf16 = model_lib.BertForPreTraining(CONFIG.replace(dtype="bfloat16"))
+    out = _apply(bf16)(params, batch)
+    reference = _apply(module)(params, batch)
+    assert out["mlm_logits"].dtype == jnp.float32
+    # bf16 has ~3 significant digits: close to float32, but not identical.
+    assert 0 < float(jnp.abs(out["mlm_logits"] - reference["mlm_logits"]).max()) < 0.1
+
+
+def test_embed_cli_mean_pooling_matches_transformers(minilm_dir, tmp_path):
+    sentences = ["A man is playing a guitar.", "Someone plays an instrument on stage tonight.", "Stocks fell."]
+    (tmp_path / "in.txt").write_text("\n".join(sentences) + "\n")
+    assert cli(["embed", "--checkpoint", str(minilm_dir), "--input", str(tmp_path / "in.txt"),
+                "--output", str(tmp_path / "emb.npy"), "--pooling", "mean", "--max-len", "32",
+                "--batch-size", "2"]) == 0
+    ours = np.load(tmp_path / "emb.npy")
+    tokenizer = transformers.BertTokenizerFast.from_pretrained(str(minilm_dir))
+    reference = transformers.BertModel.from_pretrained(str(minilm_dir)).eval()
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = reference(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    expected = ((hidden * mask).sum(1) / mask.sum(1)).numpy()
+    assert ours.shape == (3, 384)
+    np.testing.assert_allclose(ours, expected, atol=1e-4)
+
+
+def test_embed_cli_rejects_empty_input(minilm_dir, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert cli(["embed", "--checkpoint", str(minilm_dir), "--input", str(tmp_path / "empty.txt"),
+                "--output", str(tmp_path / "o.npy")]) == 2
+    assert "holds no sentences" in capsys.readouterr().err
