@@ -11,6 +11,8 @@ import sys
 
 COMMAND_MODULES = (
     "bertjax.interop.cli",
+    "bertjax.data.cli",
+    "bertjax.finetune.cli",
 )
 
 

@@ -56,11 +56,19 @@ def load_squad_json(src: str) -> dict:
     """The official JSON of `src`: a file path, or "tfds:squad/v1.1" / "tfds:squad/v2.0[:split]" prepared locally."""
     if src.startswith("tfds:"):
         return _tfds_to_json(src[len("tfds:"):])
-    with open(src, encoding="utf-8") as f:
-        data = json.load(f)
-    if "data" not in data:
+    data = read_json(src)
+    if not isinstance(data, dict) or "data" not in data:
         raise ValueError(f"{src}: not a SQuAD JSON file (no 'data' key)")
     return data
+
+
+def read_json(path: str):
+    """A JSON file; a parse error is a ValueError naming the file, line and column."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
 
 
 def _tfds_to_json(spec: str) -> dict:

@@ -1,0 +1,132 @@
+"""The SQuAD fine-tuning job (v1.1 / v2.0): train on one official-format file, predict and score another.
+
+Writes to the workdir: predictions.json, nbest_predictions.json, null_odds.json (v2.0), metrics.json (the
+official metrics when the predict file has answers; for v2.0 also best_f1/best_f1_thresh, searched exactly over
+the best non-null answers), and optionally the model (bertjax checkpoint / HF BertForQuestionAnswering).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+
+import jax
+from etils import epath
+
+from bertjax.finetune import squad_data as sd
+from bertjax.finetune import squad_metrics as sm
+from bertjax.finetune.glue import load_init
+from bertjax.finetune.squad_postprocess import predict_answers
+from bertjax.finetune.trainer import Trainer, TrainSettings, span_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SquadSettings:
+    version: str = "1.1"
+    max_seq_length: int = 384
+    doc_stride: int = 128
+    max_query_length: int = 64
+    n_best_size: int = 20
+    max_answer_length: int = 30
+    null_score_diff_threshold: float = 0.0
+
+    @property
+    def version_2(self) -> bool:
+        return self.version.lstrip("v").startswith("2")
+
+
+def best_threshold(dataset: list, best_non_null: dict[str, str], null_odds: dict[str, float]) -> dict:
+    """The official best_exact/best_f1 sweep, run on the answers the model gives when it does answer.
+
+    (Sweeping over predictions already thresholded, as the official script is usually fed, undercounts
+    questions whose answer was suppressed.)
+    """
+    qid_to_has_ans = sm.make_qid_to_has_ans(dataset)
+    exact_raw, f1_raw = sm.get_raw_scores(dataset, best_non_null)
+    out = {}
+    sm.find_all_best_thresh(out, best_non_null, exact_raw, f1_raw, null_odds, qid_to_has_ans)
+    return out
+
+
+def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, init: str, train_file: str | None,
+        predict_file: str | None, save_checkpoint: bool = False, export_hf: bool = False) -> dict:
+    from bertjax.model import BertForQuestionAnswering
+
+    if not train_file and not predict_file:
+        raise ValueError("nothing to do: give --train and/or --predict")
+    ckpt, tokenizer = load_init(init)
+    if not train_file and "qa_outputs" not in ckpt.params:
+        raise ValueError(f"{init} has no span head (qa_outputs); give --train to fine-tune one")
+    os.makedirs(workdir, exist_ok=True)
+    trainer = Trainer(BertForQuestionAnswering(ckpt.config), ckpt.config, ckpt.params, span_loss, train_settings,
+                      source=init)
+    featurize = dict(max_seq_length=squad.max_seq_length, doc_stride=squad.doc_stride,
+                     max_query_length=squad.max_query_length)
+    result: dict = {"settings": dataclasses.asdict(squad), "train_settings": dataclasses.asdict(train_settings),
+                    "init": init}
+    if train_file:
+        data = sd.load_squad_json(train_file)
+        examples, feats = sd.featurize(data, tokenizer, ckpt.lower_case, True, squad.version_2, source=train_file,
+                                       **featurize)
+        log.info("train: %d questions -> %d windows", len(examples), len(feats))
+        result.update(trainer.train(feats.arrays()), num_train_examples=len(examples), num_train_windows=len(feats))
+        result["seconds_per_epoch"] = [h["seconds"] for h in result["history"]]
+    if predict_file:
+        data = sd.load_squad_json(predict_file)
+        examples, feats = sd.featurize(data, tokenizer, ckpt.lower_case, False, squad.version_2,
+                                       source=predict_file, **featurize)
+        start_logits, end_logits = trainer.predict(feats.arrays(), per_token=True)
+        started = time.perf_counter()
+        preds, nbest, null_odds, best_non_null = predict_answers(
+            examples, feats, start_logits, end_logits, squad.n_best_size, squad.max_answer_length,
+            squad.version_2, squad.null_score_diff_threshold)
+        seconds = time.perf_counter() - started
+        result["postprocess_seconds_per_1k_questions"] = 1000.0 * seconds / max(len(examples), 1)
+        _write_json(os.path.join(workdir, "predictions.json"), preds)
+        _write_json(os.path.join(workdir, "nbest_predictions.json"), nbest)
+        if squad.version_2:
+            _write_json(os.path.join(workdir, "null_odds.json"), null_odds)
+        if any(qa.get("answers") or qa.get("is_impossible") for a in data["data"] for p in a["paragraphs"]
+               for qa in p["qas"]):
+            version = "2.0" if squad.version_2 else "1.1"
+            metrics = sm.evaluate(data, preds, null_odds if squad.version_2 else None, version=version)
+            if squad.version_2:
+                metrics.update(best_threshold(data["data"], best_non_null, null_odds))
+            result["metrics"] = metrics
+            log.info("metrics: %s", metrics)
+    params = jax.device_get(trainer.params)
+    if save_checkpoint:
+        from bertjax.checkpoint import save_model
+
+        target = epath.Path(workdir) / "checkpoint"
+        if target.exists():
+            target.rmtree()
+        save_model(str(target), params, ckpt.config, ckpt.vocab, ckpt.lower_case)
+    if export_hf:
+        from bertjax.interop.hf import export_hf as export
+
+        export(params, ckpt.config, ckpt.vocab, os.path.join(workdir, "hf"), lower_case=ckpt.lower_case,
+               architecture="BertForQuestionAnswering")
+    _write_json(os.path.join(workdir, "metrics.json"), result)
+    return result
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, ensure_ascii=False)
+
+
+def eval_file(data_file: str, predictions_file: str, na_prob_file: str | None = None,
+              na_prob_thresh: float = 1.0, version: str | None = None) -> dict:
+    """`bertjax eval squad`: the official script's output for a predictions file (and optional null odds)."""
+    data = sd.load_squad_json(data_file)
+    preds = sd.read_json(predictions_file)
+    na_probs = sd.read_json(na_prob_file) if na_prob_file else None
+    version = (version or str(data.get("version", "1.1"))).lstrip("v")
+    if version.startswith("1"):
+        return sm.evaluate_v1(data["data"], preds)
+    return sm.evaluate_v2(data["data"], preds, na_probs, na_prob_thresh)

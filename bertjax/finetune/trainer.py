@@ -1,0 +1,205 @@
+"""The fine-tuning loop shared by the GLUE and SQuAD jobs: params from a pretrained encoder, jitted train and
+predict steps on a data-parallel mesh, batches padded to a few length buckets.
+
+Batches always have `batch_size` rows (a short last batch is padded with rows of weight 0, and the loss is the
+weighted mean), so every step has one of at most max_len / bucket shapes and nothing recompiles per batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import traverse_util
+
+from bertjax import sharding
+from bertjax.model import init_params
+from bertjax.optim import make_optimizer
+
+log = logging.getLogger(__name__)
+
+INPUT_KEYS = ("input_ids", "input_mask", "segment_ids")
+
+
+@dataclasses.dataclass
+class TrainSettings:
+    learning_rate: float = 2e-5
+    batch_size: int = 32
+    epochs: float = 3.0
+    warmup_proportion: float = 0.1
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    eval_batch_size: int = 64
+    length_bucket: int = 32  # pad each batch's length up to a multiple of this (fewer compiled shapes)
+
+
+def merge_pretrained(params: dict, pretrained: dict, source: str) -> dict:
+    """`params` (a fresh model with a head) with every encoder tensor taken from `pretrained["bert"]`.
+
+    A missing encoder tensor or a shape mismatch is an error; tensors the model does not have (the pooler for
+    span heads, MLM/NSP heads) are ignored. A pretrained tensor for the head itself (an already fine-tuned
+    checkpoint) is used when its shape fits.
+    """
+    if "bert" not in pretrained:
+        raise ValueError(f"{source}: no encoder parameters ('bert') in the checkpoint")
+    flat = traverse_util.flatten_dict(params)
+    source_flat = traverse_util.flatten_dict(pretrained)
+    out = {}
+    for path, value in flat.items():
+        if path in source_flat:
+            src = np.asarray(source_flat[path])
+            if src.shape != value.shape:
+                if path[0] == "bert":
+                    raise ValueError(f"{source}: tensor {'/'.join(path)} has shape {src.shape}, the model "
+                                     f"needs {value.shape}")
+                log.info("head %s: checkpoint shape %s != %s; freshly initialised", "/".join(path),
+                         src.shape, value.shape)
+                out[path] = value
+                continue
+            out[path] = jnp.asarray(src, value.dtype)
+        elif path[0] == "bert":
+            raise ValueError(f"{source}: encoder tensor {'/'.join(path)} is missing from the checkpoint")
+        else:
+            out[path] = value
+    return traverse_util.unflatten_dict(out)
+
+
+class Trainer:
+    """Holds a model, its params on a mesh, and jitted train / predict steps for one loss."""
+
+    def __init__(self, module: nn.Module, config, pretrained_params: dict, loss_fn: Callable, settings: TrainSettings,
+                 source: str = "checkpoint", mesh=None):
+        self.module, self.config, self.settings, self.loss_fn = module, config, settings, loss_fn
+        self.mesh = mesh or sharding.make_mesh()
+        n_data = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        for name in ("batch_size", "eval_batch_size"):
+            if getattr(settings, name) % n_data:
+                raise ValueError(f"{name}={getattr(settings, name)} is not divisible by the {n_data} data-parallel "
+                                 "devices")
+        key = jax.random.PRNGKey(settings.seed)
+        self.init_key, self.dropout_key = jax.random.split(key)
+        # Outside the mesh: the dummy init batch of 1 row cannot be split over the data axis.
+        boxed = init_params(module, config, self.init_key)
+        self.param_shardings = sharding.param_shardings(boxed, self.mesh)
+        params = merge_pretrained(nn.meta.unbox(boxed), pretrained_params, source)
+        self.params = jax.device_put(params, self.param_shardings)
+        self.batch_sharding = sharding.batch_sharding(self.mesh)
+        self._predict = jax.jit(self._predict_fn)
+
+    # ------------------------------------------------------------------------------------------- batching
+
+    def _batches(self, arrays: dict[str, np.ndarray], order: np.ndarray, batch_size: int):
+        """Fixed-size batches over `order`; length cut to the bucket that holds the longest row."""
+        max_len = arrays["input_ids"].shape[1]
+        lengths = arrays["input_mask"].sum(axis=1)
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            weights = np.ones(batch_size, np.float32)
+            if len(idx) < batch_size:
+                weights[len(idx):] = 0.0
+                idx = np.concatenate([idx, np.repeat(idx[:1], batch_size - len(idx))])
+            bucket = self.settings.length_bucket
+            length = min(max_len, max(bucket, int(math.ceil(lengths[idx].max() / bucket)) * bucket))
+            batch = {k: (v[idx, :length] if v.ndim == 2 and k in INPUT_KEYS else v[idx]) for k, v in arrays.items()}
+            batch["weights"] = weights
+            yield jax.device_put(batch, self.batch_sharding), int((weights > 0).sum())
+
+    # ------------------------------------------------------------------------------------------- training
+
+    def _loss(self, params, batch, rng):
+        outputs = self.module.apply({"params": params}, batch["input_ids"], batch["input_mask"],
+                                    batch["segment_ids"], deterministic=False, rngs={"dropout": rng})
+        per_example = self.loss_fn(outputs, batch)
+        return jnp.sum(per_example * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+
+    def train(self, arrays: dict[str, np.ndarray], epoch_end: Callable[[int, float], None] | None = None) -> dict:
+        """Trains on `arrays` for settings.epochs (fractions allowed); calls epoch_end(epoch, seconds) after each."""
+        s = self.settings
+        n = len(arrays["input_ids"])
+        if n == 0:
+            raise ValueError("no training examples")
+        steps_per_epoch = math.ceil(n / s.batch_size)
+        total_steps = max(1, int(math.ceil(steps_per_epoch * s.epochs)))
+        warmup = int(s.warmup_proportion * total_steps)
+        optimizer, schedule = make_optimizer(s.learning_rate, total_steps, warmup, weight_decay=s.weight_decay,
+                                             clip_norm=s.max_grad_norm)
+
+        def step(params, opt_state, batch, rng):
+            loss, grads = jax.value_and_grad(self._loss)(params, batch, rng)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        with sharding.activate(self.mesh):
+            opt_state = jax.jit(optimizer.init)(self.params)
+            train_step = jax.jit(step, donate_argnums=(0, 1))
+            rng = np.random.default_rng(s.seed)
+            params, step_index, history = self.params, 0, []
+            for epoch in range(math.ceil(s.epochs)):
+                started, losses = time.perf_counter(), []
+                order = rng.permutation(n)
+                for batch, _ in self._batches(arrays, order, s.batch_size):
+                    if step_index >= total_steps:
+                        break
+                    params, opt_state, loss = train_step(params, opt_state, batch,
+                                                         jax.random.fold_in(self.dropout_key, step_index))
+                    losses.append(loss)
+                    step_index += 1
+                self.params = params
+                mean_loss = float(np.mean(jax.device_get(losses))) if losses else float("nan")
+                seconds = time.perf_counter() - started
+                history.append({"epoch": epoch + 1, "steps": step_index, "train_loss": mean_loss,
+                                "seconds": seconds})
+                log.info("epoch %d: %d steps, loss %.4f, %.1fs", epoch + 1, step_index, mean_loss, seconds)
+                if epoch_end is not None:
+                    epoch_end(epoch + 1, seconds)
+        return {"total_steps": total_steps, "warmup_steps": warmup, "history": history}
+
+    # ------------------------------------------------------------------------------------------- inference
+
+    def _predict_fn(self, params, batch):
+        return self.module.apply({"params": params}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
+                                 deterministic=True)
+
+    def predict(self, arrays: dict[str, np.ndarray], per_token: bool = False):
+        """Model outputs for every row of `arrays`; per_token outputs ([B, L] logits) are padded back to the full
+        length with a very negative logit."""
+        n = len(arrays["input_ids"])
+        max_len = arrays["input_ids"].shape[1]
+        inputs = {k: arrays[k] for k in INPUT_KEYS}
+        outputs = []
+        with sharding.activate(self.mesh):
+            for batch, real in self._batches(inputs, np.arange(n), self.settings.eval_batch_size):
+                out = jax.device_get(self._predict(self.params, batch))
+                out = jax.tree_util.tree_map(lambda x, r=real: np.asarray(x[:r]), out)
+                if per_token:
+                    out = jax.tree_util.tree_map(
+                        lambda x: np.pad(x, ((0, 0), (0, max_len - x.shape[1])), constant_values=-1e4), out)
+                outputs.append(out)
+        if not outputs:
+            raise ValueError("nothing to predict")
+        return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs)
+
+
+# ------------------------------------------------------------------------------------------------- losses
+
+def classification_loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+
+
+def regression_loss(logits, batch):
+    return jnp.square(logits[:, 0] - batch["labels"])
+
+
+def span_loss(outputs, batch):
+    start_logits, end_logits = outputs
+    start = optax.softmax_cross_entropy_with_integer_labels(start_logits, batch["start_positions"])
+    end = optax.softmax_cross_entropy_with_integer_labels(end_logits, batch["end_positions"])
+    return (start + end) / 2.0

