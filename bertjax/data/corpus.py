@@ -1,0 +1,216 @@
+"""Corpus sources -> a tf.data stream of documents (each a 1-D string tensor of sentences).
+
+Formats (all read through tf.io.gfile, so gs:// paths work):
+  sentences   the original BERT format: one sentence per line, blank line between documents
+  paragraphs  one paragraph per line; a regex sentence splitter; each paragraph is a document unless
+              `doc_boundary_regex` marks document starts
+  wikitext    paragraphs with WikiText's ` = Title = ` lines starting articles (section headings dropped)
+  wrapped     hard-wrapped text (e.g. Project Gutenberg): blank-line separated paragraphs, each a document
+  tfds:NAME[:SPLIT]  a locally prepared TFDS dataset; each example's text field is a document
+
+Every stage is a stateless tf.data op or a scan, so the stream can be checkpointed mid-epoch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import tensorflow as tf
+
+FORMATS = ("sentences", "paragraphs", "wikitext", "wrapped")
+
+# A sentence ends at . ! ? (plus closing quotes/brackets) followed by whitespace and an upper-case
+# letter, digit or opening quote. RE2 has no look-ahead, so the next sentence's first char is re-emitted.
+_SENTENCE_END = r"([.!?][\"'”’)\]]*)\s+([\"'“‘(\[]*[\p{Lu}0-9])"
+_WIKITEXT_TITLE = r"\s*=\s[^=].*[^=]\s=\s*"
+_WIKITEXT_HEADING = r"\s*(=\s)+.*(\s=)+\s*"
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusConfig:
+    """Where the text is and how it is laid out."""
+
+    inputs: tuple[str, ...]
+    format: str = "sentences"
+    doc_boundary_regex: str | None = None  # paragraphs: a full-matching line starts a new document
+    skip_regex: str | None = None  # paragraphs: full-matching lines are dropped
+    max_line_chars: int = 100_000  # longer lines are truncated (and counted)
+    text_field: str = "text"  # tfds: the feature holding the document text
+    tfds_data_dir: str | None = None
+    line_batch: int = 1024  # lines processed per vectorised step
+
+    def __post_init__(self):
+        if isinstance(self.inputs, str):
+            object.__setattr__(self, "inputs", (self.inputs,))
+        if not self.is_tfds and self.format not in FORMATS:
+            raise ValueError(f"unknown corpus format {self.format!r}; expected one of {', '.join(FORMATS)}")
+        if self.max_line_chars < 1:
+            raise ValueError(f"max_line_chars must be >= 1, got {self.max_line_chars}")
+
+    @property
+    def is_tfds(self) -> bool:
+        return len(self.inputs) == 1 and self.inputs[0].startswith("tfds:")
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
+    """Sorted files matched by globs / paths (comma-separated lists allowed); a pattern matching nothing is an error."""
+    files: list[str] = []
+    for pattern in patterns:
+        for part in (p.strip() for p in pattern.split(",")):
+            if not part:
+                continue
+            matched = sorted(tf.io.gfile.glob(part))
+            matched = [m for m in matched if not tf.io.gfile.isdir(m)]
+            if not matched:
+                raise FileNotFoundError(f"input pattern {part!r} matches no files")
+            files.extend(matched)
+    if not files:
+        raise FileNotFoundError("no input files given")
+    return sorted(dict.fromkeys(files))
+
+
+def shard_files(files: Sequence[str], process_index: int, process_count: int) -> list[str]:
+    """The disjoint subset of `files` read by one process: files[process_index::process_count]."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+    if len(files) < process_count:
+        raise ValueError(f"{len(files)} input file(s) cannot be split over {process_count} processes; "
+                         "write more shards (bertjax data create --shards N) or use fewer hosts")
+    return list(files[process_index::process_count])
+
+
+def split_sentences(paragraphs: tf.Tensor) -> tf.RaggedTensor:
+    """Regex sentence splitter: [N] paragraphs -> ragged [N, (sentences)], stripped, empties dropped."""
+    marked = tf.strings.regex_replace(paragraphs, _SENTENCE_END, "\\1\n\\2")
+    sentences = tf.strings.strip(tf.strings.split(marked, "\n"))
+    return tf.ragged.boolean_mask(sentences, tf.strings.length(sentences) > 0)
+
+
+def _clean_lines(lines: tf.Tensor, max_chars: int) -> dict[str, tf.Tensor]:
+    """Invalid UTF-8 -> U+FFFD and over-long lines cut, each counted per line."""
+    valid = tf.strings.unicode_transcode(lines, "UTF-8", "UTF-8", errors="replace", replacement_char=0xFFFD)
+    too_long = tf.strings.length(valid, unit="UTF8_CHAR") > max_chars
+    cut = tf.where(too_long, tf.strings.substr(valid, 0, max_chars, unit="UTF8_CHAR"), valid)
+    return {"lines": tf.strings.strip(cut),
+            "invalid_utf8": tf.cast(tf.not_equal(valid, lines), tf.int32),
+            "truncated": tf.cast(too_long, tf.int32)}
+
+
+def _paragraphs_to_sentence_lines(batch: dict, config: CorpusConfig) -> dict[str, tf.Tensor]:
+    """A batch of paragraph lines -> the equivalent sentence-per-line stream ("" = document boundary)."""
+    lines = batch["lines"]
+    boundary_re, skip_re = config.doc_boundary_regex, config.skip_regex
+    if config.format == "wikitext":
+        boundary_re, skip_re = boundary_re or _WIKITEXT_TITLE, skip_re or _WIKITEXT_HEADING
+    is_boundary = tf.strings.regex_full_match(lines, boundary_re) if boundary_re else tf.zeros_like(lines, tf.bool)
+    is_skip = tf.strings.regex_full_match(lines, skip_re) if skip_re else tf.zeros_like(lines, tf.bool)
+    is_text = ~is_boundary & ~is_skip & (tf.strings.length(lines) > 0)
+    sentences = split_sentences(tf.where(is_text, lines, ""))
+    # Each paragraph is its own document unless documents are delimited by boundary lines.
+    ends_doc = is_boundary if boundary_re else is_text
+    marker = tf.RaggedTensor.from_row_lengths(
+        tf.fill([tf.reduce_sum(tf.cast(ends_doc, tf.int64))], ""), tf.cast(ends_doc, tf.int64))
+    if boundary_re:  # the boundary line opens the next document: close the current one first
+        rows = tf.concat([marker, sentences], axis=1)
+    else:
+        rows = tf.concat([sentences, marker], axis=1)
+
+    def per_sentence(counter):
+        return tf.gather(counter, rows.value_rowids())
+
+    return {"lines": rows.flat_values, "invalid_utf8": per_sentence(batch["invalid_utf8"]),
+            "truncated": per_sentence(batch["truncated"])}
+
+
+def _group_step(state: dict, batch: dict):
+    """scan step: append a batch of lines to the pending ones and emit every document a blank line closed."""
+    lines = tf.concat([state["lines"], batch["lines"]], 0)
+    invalid = tf.concat([state["invalid_utf8"], batch["invalid_utf8"]], 0)
+    truncated = tf.concat([state["truncated"], batch["truncated"]], 0)
+    blank = tf.equal(lines, "")
+    last_blank = tf.reduce_max(tf.concat([[-1], tf.cast(tf.where(blank)[:, 0], tf.int32)], 0))
+    done = last_blank + 1
+    doc_of_line = tf.cumsum(tf.cast(blank[:done], tf.int32), exclusive=True)
+    num_docs = tf.reduce_sum(tf.cast(blank[:done], tf.int32))
+    text = ~blank[:done]
+    doc_ids = tf.boolean_mask(doc_of_line, text)
+    docs = tf.RaggedTensor.from_value_rowids(tf.boolean_mask(lines[:done], text), doc_ids, nrows=num_docs)
+    nonempty = docs.row_lengths() > 0  # runs of blank lines are one boundary
+    out = {"sentences": tf.ragged.boolean_mask(docs, nonempty),
+           "invalid_utf8": tf.boolean_mask(
+               tf.math.unsorted_segment_sum(tf.boolean_mask(invalid[:done], text), doc_ids, num_docs), nonempty),
+           "truncated": tf.boolean_mask(
+               tf.math.unsorted_segment_sum(tf.boolean_mask(truncated[:done], text), doc_ids, num_docs), nonempty)}
+    new_state = {"lines": lines[done:], "invalid_utf8": invalid[done:], "truncated": truncated[done:]}
+    return new_state, out
+
+
+def _group_by_blank_lines(line_batches: tf.data.Dataset) -> tf.data.Dataset:
+    """Batches of cleaned lines (ending with a blank) -> documents {sentences, invalid_utf8, truncated}."""
+    initial = {"lines": tf.zeros([0], tf.string), "invalid_utf8": tf.zeros([0], tf.int32),
+               "truncated": tf.zeros([0], tf.int32)}
+    return line_batches.scan(initial, _group_step).unbatch()
+
+
+def _file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
+    """Documents of one text file (documents never span files)."""
+    lines = tf.data.TextLineDataset(path)
+    batches = lines.batch(config.line_batch).map(lambda b: _clean_lines(b, config.max_line_chars))
+    if config.format in ("paragraphs", "wikitext"):
+        batches = batches.map(lambda b: _paragraphs_to_sentence_lines(b, config))
+    # A final blank line closes the file's last document.
+    batches = batches.concatenate(tf.data.Dataset.from_tensors(
+        {"lines": tf.constant([""]), "invalid_utf8": tf.constant([0]), "truncated": tf.constant([0])}))
+    docs = _group_by_blank_lines(batches)
+    if config.format == "wrapped":
+        docs = docs.map(_wrapped_paragraph_to_document)
+    return docs
+
+
+def _wrapped_paragraph_to_document(doc: dict) -> dict:
+    paragraph = tf.strings.reduce_join(doc["sentences"], separator=" ")
+    return {**doc, "sentences": split_sentences(paragraph[None])[0]}
+
+
+def documents_from_files(files: Sequence[str], config: CorpusConfig, *, cycle_length: int = 4,
+                         shuffle_seed: int | None = None) -> tf.data.Dataset:
+    """Documents from text files, interleaving `cycle_length` files (deterministically).
+
+    shuffle_seed: if given, the file order is shuffled with it first (a per-epoch seed gives a per-epoch order).
+    """
+    file_ds = tf.data.Dataset.from_tensor_slices(list(files))
+    if shuffle_seed is not None:
+        file_ds = file_ds.shuffle(len(files), seed=shuffle_seed)
+    return file_ds.interleave(lambda f: _file_documents(f, config), cycle_length=cycle_length, block_length=1,
+                              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def tfds_documents(config: CorpusConfig, process_index: int = 0, process_count: int = 1) -> tf.data.Dataset:
+    """Documents from a locally prepared TFDS dataset `tfds:NAME[:SPLIT]` (never downloads)."""
+    import tensorflow_datasets as tfds
+
+    spec = config.inputs[0][len("tfds:"):]
+    name, _, split = spec.partition(":")
+    split = split or "train"
+    try:
+        builder = tfds.builder(name, data_dir=config.tfds_data_dir, try_gcs=False)
+    except Exception as error:  # tfds raises several registry/not-found types
+        raise FileNotFoundError(f"TFDS dataset {name!r} is unknown or unavailable: {error}") from error
+    if not builder.is_prepared():
+        raise FileNotFoundError(
+            f"TFDS dataset {name!r} is not prepared under {builder.data_dir}; this job never downloads: run "
+            f"tfds.builder({name!r}).download_and_prepare() where the network is available, or pass --tfds-data-dir")
+    if config.text_field not in builder.info.features:
+        raise ValueError(f"TFDS dataset {name!r} has no text field {config.text_field!r}; "
+                         f"fields: {', '.join(builder.info.features)}")
+    read_config = tfds.ReadConfig(input_context=tf.distribute.InputContext(
+        num_input_pipelines=process_count, input_pipeline_id=process_index))
+    ds = builder.as_dataset(split=split, shuffle_files=False, read_config=read_config)
+
+    def to_document(example):
+        text = _clean_lines(tf.strings.split(example[config.text_field], "\n"), config.max_line_chars)
+        sentences = split_sentences(text["lines"]).flat_values
+        return {"sentences": sentences, "invalid_utf8": tf.reduce_sum(text["invalid_utf8"]),
+                "truncated": tf.reduce_sum(text["truncated"])}
+
+    return ds.map(to_document).filter(lambda d: tf.size(d["sentences"]) > 0)

@@ -1,0 +1,69 @@
+"""Vocabulary training with BERT's special tokens: SentencePiece (sentencepiece library) or WordPiece
+(tensorflow-text's vocab learner). Training text is the sentence stream of any corpus source."""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import tensorflow as tf
+
+from bertjax.data import corpus
+from bertjax.data.tokenizers import SPECIAL_TOKENS
+
+VOCAB_TYPES = ("sentencepiece", "wordpiece")
+# [PAD] first so that pad id 0 matches BERT's convention; the rest in the released vocab order.
+RESERVED = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+assert set(RESERVED) == set(SPECIAL_TOKENS.values())
+
+
+def corpus_sentences(config: corpus.CorpusConfig, max_sentences: int | None = None) -> tf.data.Dataset:
+    """Every sentence of the corpus (a flat tf.string stream), capped at max_sentences."""
+    docs = corpus.documents_from_files(corpus.expand_inputs(config.inputs), config)
+    sentences = docs.flat_map(lambda d: tf.data.Dataset.from_tensor_slices(d["sentences"]))
+    return sentences.take(max_sentences) if max_sentences else sentences
+
+
+def train_sentencepiece(sentences: Iterator[str], out_dir: str, vocab_size: int, *, lower_case: bool = False,
+                        model_type: str = "unigram", character_coverage: float = 0.9999) -> str:
+    """Train `out_dir/spm.model` whose ids 0..4 are [PAD] [UNK] [CLS] [SEP] [MASK]; returns the path."""
+    import sentencepiece as spm
+
+    tf.io.gfile.makedirs(out_dir)
+    prefix = os.path.join(out_dir, "spm")
+    if lower_case:
+        sentences = (s.lower() for s in sentences)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
+        character_coverage=character_coverage, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
+        pad_piece="[PAD]", unk_piece="[UNK]", user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
+        hard_vocab_limit=False, minloglevel=2)
+    return prefix + ".model"
+
+
+def train_wordpiece(sentences: tf.data.Dataset, out_dir: str, vocab_size: int, *, lower_case: bool = True) -> str:
+    """Train `out_dir/vocab.txt` (BERT layout: reserved tokens first); returns the path."""
+    from tensorflow_text.tools.wordpiece_vocab import bert_vocab_from_dataset
+
+    tf.io.gfile.makedirs(out_dir)
+    vocab = bert_vocab_from_dataset.bert_vocab_from_dataset(
+        sentences.batch(1024).prefetch(2), vocab_size=vocab_size, reserved_tokens=RESERVED,
+        bert_tokenizer_params={"lower_case": lower_case}, learn_params={})
+    path = os.path.join(out_dir, "vocab.txt")
+    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+        f.write("".join(token + "\n" for token in vocab))
+    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+    return path
+
+
+def train_vocab(config: corpus.CorpusConfig, out_dir: str, vocab_size: int, vocab_type: str, *,
+                lower_case: bool | None = None, max_sentences: int | None = 5_000_000) -> str:
+    """Train a vocabulary of `vocab_type` on the corpus; returns the written vocab/model path."""
+    if vocab_type not in VOCAB_TYPES:
+        raise ValueError(f"--type {vocab_type!r}: expected one of {', '.join(VOCAB_TYPES)}")
+    if vocab_size <= len(RESERVED):
+        raise ValueError(f"--vocab-size {vocab_size} leaves no room beside the {len(RESERVED)} special tokens")
+    sentences = corpus_sentences(config, max_sentences)
+    if vocab_type == "sentencepiece":
+        return train_sentencepiece((s.decode("utf-8") for s in sentences.as_numpy_iterator()), out_dir,
+                                   vocab_size, lower_case=bool(lower_case))
+    return train_wordpiece(sentences, out_dir, vocab_size, lower_case=True if lower_case is None else lower_case)
