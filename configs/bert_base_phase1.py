@@ -1,0 +1,25 @@
+"""BERT-base phase 1 as in the paper: seq 128, batch 256, 90% of 1M steps, AdamW lr 1e-4, 10k warmup.
+
+Run (TPU pod slice, one process per host; see launch/):
+  bertjax pretrain --config bert-base-phase1 --workdir gs://BUCKET/bert-base \
+      --set data.input='gs://BUCKET/wiki/*.txt' --set data.vocab=gs://BUCKET/vocab.txt
+Compute: 900k steps x 256 seq x ~70 GFLOP/seq = 1.6e19 FLOP; estimate (not measured) ~2 h on a v4-32 (16 chips)
+at 50% MFU, bf16.
+"""
+from bertjax.train_config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.model.preset = "base"
+    c.model.dtype = "bfloat16"
+    c.data.max_seq_length = 128
+    c.data.max_predictions_per_seq = 20
+    c.train.steps = 900_000
+    c.train.batch_size = 256
+    c.train.log_every = 100
+    c.optimizer.learning_rate = 1e-4
+    c.optimizer.warmup_steps = 10_000
+    c.checkpoint.every = 10_000
+    c.checkpoint.keep_every = 100_000
+    return c

@@ -1,0 +1,25 @@
+"""BERT-base phase 2: seq 512 for the last 10% (100k steps), from a phase-1 checkpoint.
+
+Run:
+  bertjax pretrain --config bert-base-phase2 --workdir gs://BUCKET/bert-base-p2 \
+      --init-from gs://BUCKET/bert-base/checkpoints/900000 \
+      --set data.input='gs://BUCKET/wiki/*.txt' --set data.vocab=gs://BUCKET/vocab.txt
+Compute: 100k steps x 256 seq x 512 tokens x ~588 MFLOP/token = 7.7e18 FLOP; estimate (not measured) ~1 h on a
+v4-32 at 50% MFU.
+"""
+from bertjax.train_config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.model.preset = "base"
+    c.model.dtype = "bfloat16"
+    c.data.max_seq_length = 512
+    c.data.max_predictions_per_seq = 80
+    c.train.steps = 100_000
+    c.train.batch_size = 256
+    c.optimizer.learning_rate = 1e-4
+    c.optimizer.warmup_steps = 1_000
+    c.checkpoint.every = 10_000
+    c.reset_schedule = True
+    return c

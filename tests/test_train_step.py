@@ -1,0 +1,144 @@
+"""The train step against transformers.BertForPreTraining + torch AdamW, and its accumulation/skip behaviour."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from bertjax import model as model_lib
+from bertjax import optim, sharding, train
+from bertjax.config import BertConfig
+from bertjax.interop.hf import export_hf
+
+CONFIG = BertConfig(vocab_size=90, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0)
+BATCH, SEQ, MASKED, STEPS, WARMUP, LR = 8, 24, 4, 20, 5, 5e-3
+
+
+def _batches(count, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        input_mask = np.ones((BATCH, SEQ), np.int32)
+        lengths = rng.integers(10, SEQ + 1, BATCH)
+        input_mask[np.arange(SEQ)[None, :] >= lengths[:, None]] = 0
+        input_ids = rng.integers(5, 90, (BATCH, SEQ)).astype(np.int32) * input_mask
+        segment_ids = (np.arange(SEQ)[None, :] >= (lengths // 2)[:, None]).astype(np.int32) * input_mask
+        positions = np.stack([rng.choice(np.arange(1, 10), MASKED, replace=False) for _ in range(BATCH)])
+        weights = np.ones((BATCH, MASKED), np.float32)
+        weights[::3, -1] = 0.0  # padded prediction slots, as in the TFRecord format
+        positions = (positions * weights).astype(np.int32)
+        out.append(dict(input_ids=input_ids, input_mask=input_mask, segment_ids=segment_ids,
+                        masked_lm_positions=positions,
+                        masked_lm_ids=np.take_along_axis(input_ids, positions, 1) * weights.astype(np.int32),
+                        masked_lm_weights=weights,
+                        next_sentence_labels=rng.integers(0, 2, (BATCH, 1)).astype(np.int32)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mesh = sharding.make_mesh(data=-1)
+    model = model_lib.BertForPreTraining(CONFIG)
+    optimizer, schedule = optim.make_optimizer(LR, STEPS, WARMUP)
+    state, shardings, _ = train.make_sharded_state(jax.random.key(0), model=model, config=CONFIG,
+                                                   optimizer=optimizer, mesh=mesh, seq_len=SEQ, num_masked=MASKED)
+    return mesh, model, optimizer, schedule, state, shardings
+
+
+def _torch_losses(params, batches, tmp_path):
+    export_hf(jax.device_get(params), CONFIG, [f"t{i}" for i in range(90)], str(tmp_path / "hf"))
+    reference = transformers.BertForPreTraining.from_pretrained(str(tmp_path / "hf"))
+    reference.train()  # dropout probabilities are 0, so train mode is deterministic
+    decay = [p for n, p in reference.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in reference.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.999), eps=1e-6)
+    scheduler = transformers.get_linear_schedule_with_warmup(opt, WARMUP, STEPS)
+    losses = []
+    for batch in batches:
+        labels = np.full((BATCH, SEQ), -100, np.int64)
+        for b in range(BATCH):
+            for p, i, w in zip(batch["masked_lm_positions"][b], batch["masked_lm_ids"][b],
+                               batch["masked_lm_weights"][b]):
+                if w > 0:
+                    labels[b, p] = i
+        out = reference(input_ids=torch.from_numpy(batch["input_ids"]).long(),
+                        attention_mask=torch.from_numpy(batch["input_mask"]).long(),
+                        token_type_ids=torch.from_numpy(batch["segment_ids"]).long(),
+                        labels=torch.from_numpy(labels),
+                        next_sentence_label=torch.from_numpy(batch["next_sentence_labels"][:, 0]).long())
+        losses.append(out.loss.item())
+        opt.zero_grad()
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        scheduler.step()
+    return np.array(losses)
+
+
+def test_twenty_adamw_steps_match_transformers_and_torch(setup, tmp_path):
+    mesh, model, optimizer, schedule, state, shardings = setup
+    batches = _batches(STEPS)
+    expected = _torch_losses(state.params, batches, tmp_path)
+    step, _ = train.compile_steps(model=model, optimizer=optimizer, schedule=schedule,
+                                  step_config=train.StepConfig(), state_shardings_tree=shardings, mesh=mesh)
+    state = jax.tree_util.tree_map(jnp.copy, state)  # the step donates its input
+    losses = []
+    with sharding.activate(mesh):
+        for batch in batches:
+            state, metrics = step(state, train.global_batch(batch, mesh))
+            losses.append(float(metrics["loss"]))
+    losses = np.array(losses)
+    assert expected[-1] < expected[0] * 0.97, "the reference run learns something, so the test is not trivial"
+    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+
+
+def test_gradient_accumulation_equals_one_big_batch(setup):
+    mesh, model, optimizer, schedule, state, shardings = setup
+    batch = _batches(1, seed=5)[0]
+    results = {}
+    for accum in (1, 4):
+        step = jax.jit(lambda s, b, a=accum: train.train_step(
+            s, b, model=model, optimizer=optimizer, schedule=schedule,
+            step_config=train.StepConfig(grad_accum_steps=a)))
+        new_state, metrics = step(state, batch)
+        results[accum] = (new_state, metrics)
+    (one, m1), (four, m4) = results[1], results[4]
+    np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m4["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(four.params), jax.tree_util.tree_leaves(one.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_non_finite_gradient_skips_the_update(setup):
+    mesh, model, optimizer, schedule, state, shardings = setup
+    batch = _batches(1, seed=6)[0]
+    bad = jax.tree_util.tree_map(lambda x: x, state)
+    bad = bad.replace(params=jax.tree_util.tree_map(lambda x: x, bad.params))
+    bad.params["bert"]["embeddings"]["LayerNorm"]["scale"] = jnp.full((32,), jnp.nan)
+    step = jax.jit(lambda s, b: train.train_step(s, b, model=model, optimizer=optimizer, schedule=schedule,
+                                                 step_config=train.StepConfig()))
+    new_state, metrics = step(bad, batch)
+    assert int(new_state.nonfinite_total) == 1 and int(new_state.nonfinite_consecutive) == 1
+    assert int(new_state.step) == 1
+    kernel = lambda s: np.asarray(s.params["bert"]["layer_0"]["intermediate"]["kernel"])
+    assert np.array_equal(kernel(new_state), kernel(bad)), "a non-finite step must not change the params"
+    good_state, _ = step(*step(state, batch)[:1], batch)  # two steps: the warmup's first learning rate is 0
+    assert int(good_state.nonfinite_total) == 0 and not np.array_equal(kernel(good_state), kernel(state))
+
+
+def test_optimizer_state_is_sharded_like_its_params():
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    model = model_lib.BertForPreTraining(CONFIG)
+    optimizer, _ = optim.make_optimizer(LR, STEPS, WARMUP)
+    state, shardings, _ = train.make_sharded_state(jax.random.key(0), model=model, config=CONFIG,
+                                                   optimizer=optimizer, mesh=mesh, seq_len=SEQ, num_masked=MASKED)
+    param_spec = state.params["bert"]["layer_1"]["intermediate"]["kernel"].sharding.spec
+    adam_state = state.opt_state[1]
+    assert param_spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert adam_state.mu["bert"]["layer_1"]["intermediate"]["kernel"].sharding.spec == param_spec
+    assert adam_state.nu["bert"]["layer_1"]["intermediate"]["kernel"].sharding.spec == param_spec
