@@ -5,7 +5,8 @@ Formats (all read through tf.io.gfile, so gs:// paths work):
   paragraphs  one paragraph per line; a regex sentence splitter; each paragraph is a document unless
               `doc_boundary_regex` marks document starts
   wikitext    paragraphs with WikiText's ` = Title = ` lines starting articles (section headings dropped)
-  wrapped     hard-wrapped text (e.g. Project Gutenberg): blank-line separated paragraphs, each a document
+  wrapped     hard-wrapped text (e.g. Project Gutenberg): paragraphs separated by a blank line, documents
+              (chapters, tales) by a run of `wrapped_doc_blank_lines` blank lines
   tfds:NAME[:SPLIT]  a locally prepared TFDS dataset; each example's text field is a document
 
 Every stage is a stateless tf.data op or a scan, so the stream can be checkpointed mid-epoch.
@@ -38,6 +39,7 @@ class CorpusConfig:
     text_field: str = "text"  # tfds: the feature holding the document text
     tfds_data_dir: str | None = None
     line_batch: int = 1024  # lines processed per vectorised step
+    wrapped_doc_blank_lines: int = 3  # wrapped: this many blank lines end a document (Gutenberg: chapters)
 
     def __post_init__(self):
         if isinstance(self.inputs, str):
@@ -122,34 +124,42 @@ def _paragraphs_to_sentence_lines(batch: dict, config: CorpusConfig) -> dict[str
             "truncated": per_sentence(batch["truncated"])}
 
 
-def _group_step(state: dict, batch: dict):
-    """scan step: append a batch of lines to the pending ones and emit every document a blank line closed."""
+def _group_step(state: dict, batch: dict, min_blank_run: int):
+    """scan step: append a batch of lines to the pending ones and emit every document that a run of
+    `min_blank_run` blank lines closed. Shorter blank runs stay inside the document as "" lines."""
     lines = tf.concat([state["lines"], batch["lines"]], 0)
     invalid = tf.concat([state["invalid_utf8"], batch["invalid_utf8"]], 0)
     truncated = tf.concat([state["truncated"], batch["truncated"]], 0)
     blank = tf.equal(lines, "")
-    last_blank = tf.reduce_max(tf.concat([[-1], tf.cast(tf.where(blank)[:, 0], tf.int32)], 0))
-    done = last_blank + 1
-    doc_of_line = tf.cumsum(tf.cast(blank[:done], tf.int32), exclusive=True)
-    num_docs = tf.reduce_sum(tf.cast(blank[:done], tf.int32))
-    text = ~blank[:done]
-    doc_ids = tf.boolean_mask(doc_of_line, text)
-    docs = tf.RaggedTensor.from_value_rowids(tf.boolean_mask(lines[:done], text), doc_ids, nrows=num_docs)
-    nonempty = docs.row_lengths() > 0  # runs of blank lines are one boundary
-    out = {"sentences": tf.ragged.boolean_mask(docs, nonempty),
-           "invalid_utf8": tf.boolean_mask(
-               tf.math.unsorted_segment_sum(tf.boolean_mask(invalid[:done], text), doc_ids, num_docs), nonempty),
-           "truncated": tf.boolean_mask(
-               tf.math.unsorted_segment_sum(tf.boolean_mask(truncated[:done], text), doc_ids, num_docs), nonempty)}
+    index = tf.range(tf.size(lines))
+    text_index = tf.cast(tf.where(~blank)[:, 0], tf.int32)
+    last_text = tf.gather(tf.concat([[-1], text_index], 0), tf.searchsorted(text_index, index, side="right"))
+    boundary = blank & tf.equal(index - last_text, min_blank_run)  # the n-th blank line of a run
+    done = tf.reduce_max(tf.concat([[-1], tf.cast(tf.where(boundary)[:, 0], tf.int32)], 0)) + 1
+    closed = boundary[:done]
+    doc_of_line = tf.cumsum(tf.cast(closed, tf.int32), exclusive=True)
+    num_docs = tf.reduce_sum(tf.cast(closed, tf.int32))
+    keep = ~closed
+    doc_ids = tf.boolean_mask(doc_of_line, keep)
+    docs = tf.RaggedTensor.from_value_rowids(tf.boolean_mask(lines[:done], keep), doc_ids, nrows=num_docs)
+    has_text = tf.reduce_any(tf.not_equal(docs, ""), axis=1)  # blank-only groups are no documents
+
+    def per_doc(counter):
+        return tf.boolean_mask(tf.math.unsorted_segment_sum(tf.boolean_mask(counter[:done], keep), doc_ids,
+                                                            num_docs), has_text)
+
+    out = {"lines": tf.ragged.boolean_mask(docs, has_text), "invalid_utf8": per_doc(invalid),
+           "truncated": per_doc(truncated)}
     new_state = {"lines": lines[done:], "invalid_utf8": invalid[done:], "truncated": truncated[done:]}
     return new_state, out
 
 
-def _group_by_blank_lines(line_batches: tf.data.Dataset) -> tf.data.Dataset:
-    """Batches of cleaned lines (ending with a blank) -> documents {sentences, invalid_utf8, truncated}."""
+def _group_by_blank_lines(line_batches: tf.data.Dataset, min_blank_run: int = 1) -> tf.data.Dataset:
+    """Batches of cleaned lines -> groups of lines {lines, invalid_utf8, truncated} separated by runs of
+    at least `min_blank_run` blank lines (the caller ends the stream with such a run)."""
     initial = {"lines": tf.zeros([0], tf.string), "invalid_utf8": tf.zeros([0], tf.int32),
                "truncated": tf.zeros([0], tf.int32)}
-    return line_batches.scan(initial, _group_step).unbatch()
+    return line_batches.scan(initial, lambda st, b: _group_step(st, b, min_blank_run)).unbatch()
 
 
 def _file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
@@ -158,18 +168,27 @@ def _file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
     batches = lines.batch(config.line_batch).map(lambda b: _clean_lines(b, config.max_line_chars))
     if config.format in ("paragraphs", "wikitext"):
         batches = batches.map(lambda b: _paragraphs_to_sentence_lines(b, config))
-    # A final blank line closes the file's last document.
+    blank_run = config.wrapped_doc_blank_lines if config.format == "wrapped" else 1
+    # Blank lines at the end close the file's last document.
     batches = batches.concatenate(tf.data.Dataset.from_tensors(
-        {"lines": tf.constant([""]), "invalid_utf8": tf.constant([0]), "truncated": tf.constant([0])}))
-    docs = _group_by_blank_lines(batches)
-    if config.format == "wrapped":
-        docs = docs.map(_wrapped_paragraph_to_document)
-    return docs
+        {"lines": tf.fill([blank_run], ""), "invalid_utf8": tf.zeros([blank_run], tf.int32),
+         "truncated": tf.zeros([blank_run], tf.int32)}))
+    groups = _group_by_blank_lines(batches, blank_run)
+    to_document = _wrapped_lines_to_document if config.format == "wrapped" else _lines_to_document
+    return groups.map(to_document)
 
 
-def _wrapped_paragraph_to_document(doc: dict) -> dict:
-    paragraph = tf.strings.reduce_join(doc["sentences"], separator=" ")
-    return {**doc, "sentences": split_sentences(paragraph[None])[0]}
+def _lines_to_document(group: dict) -> dict:
+    lines = group.pop("lines")
+    return {"sentences": tf.boolean_mask(lines, tf.not_equal(lines, "")), **group}
+
+
+def _wrapped_lines_to_document(group: dict) -> dict:
+    """Hard-wrapped lines with blank lines between paragraphs -> the document's sentences."""
+    text = tf.strings.reduce_join(group.pop("lines"), separator="\n")
+    text = tf.strings.regex_replace(text, "\n\n+", "\x00")  # paragraph breaks
+    paragraphs = tf.strings.split(tf.strings.regex_replace(text, "\n", " "), "\x00")
+    return {"sentences": split_sentences(paragraphs).flat_values, **group}
 
 
 def documents_from_files(files: Sequence[str], config: CorpusConfig, *, cycle_length: int = 4,
