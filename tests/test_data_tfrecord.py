@@ -1,0 +1,200 @@
+"""`bertjax data create`: the original TFRecord format (checked with an independently written spec and
+with Python protobuf parsing), atomic shards, read-back, and clear errors for bad input."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bertjax.cli import main as bertjax_main
+from bertjax.data.pipeline import PretrainingDataConfig, make_pretraining_dataset
+from bertjax.data.tfrecord import ShardWriter, find_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ, PRED = 64, 10
+
+# Written here from the names and dtypes of google-research/bert's create_pretraining_data.py.
+ORIGINAL_SPEC = {
+    "input_ids": tf.io.FixedLenFeature([SEQ], tf.int64),
+    "input_mask": tf.io.FixedLenFeature([SEQ], tf.int64),
+    "segment_ids": tf.io.FixedLenFeature([SEQ], tf.int64),
+    "masked_lm_positions": tf.io.FixedLenFeature([PRED], tf.int64),
+    "masked_lm_ids": tf.io.FixedLenFeature([PRED], tf.int64),
+    "masked_lm_weights": tf.io.FixedLenFeature([PRED], tf.float32),
+    "next_sentence_labels": tf.io.FixedLenFeature([1], tf.int64),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus_slice(shared_data, tmp_path_factory) -> tuple[Path, str]:
+    """The first ~300 lines of WikiText-2 valid (a few articles) plus the vocab."""
+    lines = (shared_data / "wikitext-2" / "wiki.valid.raw").read_text(encoding="utf-8").splitlines(keepends=True)
+    path = tmp_path_factory.mktemp("corpus") / "wiki.slice.raw"
+    path.write_text("".join(lines[:300]), encoding="utf-8")
+    return path, str(shared_data / "bert" / "uncased_L-4_H-256_A-4" / "vocab.txt")
+
+
+def _create(corpus: Path, vocab: str, out: Path, *extra: str) -> int:
+    return bertjax_main(["data", "create", "--input", str(corpus), "--format", "wikitext", "--vocab", vocab,
+                         "--out", str(out), "--max-seq-length", str(SEQ), "--max-predictions", str(PRED),
+                         "--dupe-factor", "2", "--shards", "3", "--doc-buffer", "4", "--shuffle-buffer", "500",
+                         *extra])
+
+
+@pytest.fixture(scope="module")
+def created(corpus_slice, tmp_path_factory):
+    corpus, vocab = corpus_slice
+    out = tmp_path_factory.mktemp("records")
+    assert _create(corpus, vocab, out) == 0
+    return out
+
+
+def _records(out: Path) -> list[bytes]:
+    return [r.numpy() for r in tf.data.TFRecordDataset(sorted(str(p) for p in out.glob("*.tfrecord")))]
+
+
+def test_shards_metadata_and_no_leftovers(created):
+    names = sorted(os.listdir(created))
+    assert names == ["pretrain-00000-of-00003.tfrecord", "pretrain-00001-of-00003.tfrecord",
+                     "pretrain-00002-of-00003.tfrecord", "pretrain-metadata.json"]
+    meta = json.loads((created / "pretrain-metadata.json").read_text())
+    per_shard = [sum(1 for _ in tf.data.TFRecordDataset(str(created / n))) for n in names[:3]]
+    assert meta["examples_per_shard"] == per_shard and max(per_shard) - min(per_shard) <= 1
+    assert meta["examples"] > 200 and meta["stats"]["instances"] == meta["examples"]
+
+
+def test_records_have_exactly_the_original_features(created):
+    records = _records(created)
+    for raw in records[:50]:
+        example = tf.train.Example.FromString(raw)  # Python protobuf: independent of our in-graph encoder
+        features = example.features.feature
+        assert set(features) == set(ORIGINAL_SPEC)
+        for name, spec in ORIGINAL_SPEC.items():
+            kind = features[name].WhichOneof("kind")
+            assert kind == ("float_list" if spec.dtype == tf.float32 else "int64_list"), name
+            assert len(getattr(features[name], kind).value) == spec.shape[0], name
+    parsed = [tf.io.parse_single_example(r, ORIGINAL_SPEC) for r in records]
+    assert len(parsed) == len(records)
+
+
+def test_records_hold_masked_pairs_of_the_corpus_text(created, corpus_slice):
+    corpus, vocab_path = corpus_slice
+    vocab = Path(vocab_path).read_text(encoding="utf-8").splitlines()
+    # The text as the wikitext format defines it (headings dropped), as the uncased tokenizer sees it.
+    body = [line for line in corpus.read_text(encoding="utf-8").splitlines() if not re.match(r"^\s*=.*=\s*$", line)]
+    text = unicodedata.normalize("NFD", "\n".join(body).lower())
+    squashed = re.sub(r"\s+", "", "".join(c for c in text if unicodedata.category(c) != "Mn"))
+    parsed = [tf.io.parse_single_example(r, ORIGINAL_SPEC) for r in _records(created)]
+    found = labels = 0
+    for ex in parsed:
+        ex = {k: v.numpy() for k, v in ex.items()}
+        ids = ex["input_ids"].copy()
+        valid = ex["masked_lm_weights"] > 0
+        assert 1 <= valid.sum() <= PRED
+        ids[ex["masked_lm_positions"][valid]] = ex["masked_lm_ids"][valid]  # undo the masking
+        n = int(ex["input_mask"].sum())
+        tokens = [vocab[i] for i in ids[:n]]
+        assert tokens[0] == "[CLS]" and tokens[-1] == "[SEP]" and tokens.count("[SEP]") == 2
+        a = tokens[1:tokens.index("[SEP]")]
+        words = "".join(t[2:] if t.startswith("##") else t for t in a)
+        found += "[UNK]" in a or words in squashed
+        labels += int(ex["next_sentence_labels"][0])
+    assert found == len(parsed)  # every segment A is a piece of the corpus text
+    assert 0.3 < labels / len(parsed) < 0.7
+
+
+def test_reader_gives_back_the_written_examples(created):
+    direct = [{k: v.numpy() for k, v in tf.io.parse_single_example(r, ORIGINAL_SPEC).items()}
+              for r in _records(created)]
+    config = PretrainingDataConfig(inputs=(str(created),), input_kind="tfrecord", max_seq_length=SEQ,
+                                   max_predictions_per_seq=PRED, num_epochs=1, shuffle_buffer=64)
+    batches = list(make_pretraining_dataset(config, 7, drop_remainder=False).as_numpy_iterator())
+    read = [{k: b[k][i] for k in b} for b in batches for i in range(len(b["input_ids"]))]
+    assert all(v.dtype == (np.float32 if k == "masked_lm_weights" else np.int32) for k, v in batches[0].items())
+
+    def key(ex):
+        return tuple(np.concatenate([np.asarray(ex[k], np.float64).ravel() for k in sorted(ORIGINAL_SPEC)]))
+
+    assert sorted(map(key, read)) == sorted(map(key, direct))
+
+
+def test_same_seed_same_bytes(created, corpus_slice, tmp_path):
+    corpus, vocab = corpus_slice
+    assert _create(corpus, vocab, tmp_path) == 0
+    for name in ("pretrain-00000-of-00003.tfrecord", "pretrain-00002-of-00003.tfrecord"):
+        assert (tmp_path / name).read_bytes() == (created / name).read_bytes()
+
+
+def test_bad_input_counted_not_fatal(tmp_path, corpus_slice):
+    _, vocab = corpus_slice
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "empty.txt").write_bytes(b"")
+    (src / "text.txt").write_bytes(
+        b"The first document has a sentence.\nAnd a second one here.\n\n\x07\x07\n\n"
+        b"Caf\xe9 latin-1 bytes in this line.\nA one-sentence follow up.\n\n" + b"long " * 5000 + b"\n")
+    out = tmp_path / "out"
+    assert bertjax_main(["data", "create", "--input", str(src / "*.txt"), "--vocab", vocab, "--out", str(out),
+                         "--max-seq-length", "32", "--max-predictions", "5", "--dupe-factor", "3"]) == 0
+    stats = json.loads((out / "pretrain-metadata.json").read_text())["stats"]
+    assert stats["empty_files"] == 1 and stats["empty_documents"] == 1 and stats["invalid_utf8_lines"] == 1
+    assert stats["truncated_lines"] == 0 and stats["documents_read"] == 4
+    assert json.loads((out / "pretrain-metadata.json").read_text())["examples"] > 0
+
+
+@pytest.mark.parametrize("case, message", [
+    ("glob", r"nothing-\*\.txt.*matches no files"),
+    ("vocab", r"novocab\.txt has no \[MASK\] token"),
+    ("max_pred", r"max_predictions_per_seq=5 is inconsistent with max_seq_length=128"),
+])
+def test_bad_arguments_are_clear_errors(tmp_path, capsys, corpus_slice, case, message):
+    corpus, vocab = corpus_slice
+    args = {"--input": str(corpus), "--vocab": vocab, "--out": str(tmp_path / "out"), "--max-predictions": "20"}
+    if case == "glob":
+        args["--input"] = str(tmp_path / "nothing-*.txt")
+    elif case == "vocab":
+        bad = tmp_path / "novocab.txt"
+        bad.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nthe\n")
+        args["--vocab"] = str(bad)
+    else:
+        args["--max-predictions"] = "5"
+    assert bertjax_main(["data", "create", *sum(args.items(), ())]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.tfrecord"))
+
+
+def test_failed_write_leaves_no_final_shard(tmp_path):
+    with pytest.raises(RuntimeError):
+        with ShardWriter(str(tmp_path), 2) as writer:
+            writer.write([b"record"] * 10)
+            raise RuntimeError("crash while writing")
+    assert os.listdir(tmp_path) == []
+
+
+def test_killed_writer_leaves_no_final_shard(tmp_path):
+    script = ("import sys, time\n"
+              "from bertjax.data.tfrecord import ShardWriter\n"
+              "w = ShardWriter(sys.argv[1], 2)\n"
+              "w.write([b'x' * 1000] * 5000)\n"
+              "print('written', flush=True)\n"
+              "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    try:
+        assert proc.stdout.readline().strip() == "written"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    names = os.listdir(tmp_path)
+    assert len(names) == 2 and all(".tmp-" in n for n in names)  # only temporary names
+    with pytest.raises(FileNotFoundError):
+        find_shards([str(tmp_path)])  # readers never pick up a half-written shard
