@@ -191,15 +191,25 @@ def _wrapped_lines_to_document(group: dict) -> dict:
     return {"sentences": split_sentences(paragraphs).flat_values, **group}
 
 
+def file_order(files: Sequence[str], order_seed=None) -> tf.data.Dataset:
+    """The files as a dataset, permuted by a stateless RNG if `order_seed` (int [2]) is given.
+
+    Stateless on purpose: a seeded Dataset.shuffle inside a per-epoch function cannot be checkpointed.
+    """
+    names = tf.constant(list(files))
+    if order_seed is not None:
+        keys = tf.random.stateless_uniform([len(files)], tf.cast(order_seed, tf.int64))
+        names = tf.gather(names, tf.argsort(keys))
+    return tf.data.Dataset.from_tensor_slices(names)
+
+
 def documents_from_files(files: Sequence[str], config: CorpusConfig, *, cycle_length: int = 4,
-                         shuffle_seed: int | None = None) -> tf.data.Dataset:
+                         order_seed=None) -> tf.data.Dataset:
     """Documents from text files, interleaving `cycle_length` files (deterministically).
 
-    shuffle_seed: if given, the file order is shuffled with it first (a per-epoch seed gives a per-epoch order).
+    order_seed: if given (int [2]), the file order is permuted with it first (per-epoch seed: per-epoch order).
     """
-    file_ds = tf.data.Dataset.from_tensor_slices(list(files))
-    if shuffle_seed is not None:
-        file_ds = file_ds.shuffle(len(files), seed=shuffle_seed)
+    file_ds = file_order(files, order_seed)
     return file_ds.interleave(lambda f: _file_documents(f, config), cycle_length=cycle_length, block_length=1,
                               num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 

@@ -158,13 +158,13 @@ def _host_files(config: PretrainingDataConfig, process_index: int, process_count
     return corpus.shard_files(files, process_index, process_count)
 
 
-def _documents(config: PretrainingDataConfig, files: list[str], file_seed: tf.Tensor, process_index: int,
+def _documents(config: PretrainingDataConfig, files: list[str], order_seed: tf.Tensor, process_index: int,
                process_count: int) -> tf.data.Dataset:
     corpus_config = config.corpus_config()
     if corpus_config.is_tfds:
         return corpus.tfds_documents(corpus_config, process_index, process_count)
     return corpus.documents_from_files(files, corpus_config, cycle_length=config.file_cycle_length,
-                                       shuffle_seed=file_seed)
+                                       order_seed=order_seed)
 
 
 def _epochs(num_epochs: int | None) -> tf.data.Dataset:
@@ -197,8 +197,7 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
 
     if config.input_kind == "tfrecord":
         def epoch_examples(epoch):
-            file_seed = _fold(host_seed, 1, epoch)[0]
-            return tfrecord.tfrecord_examples(files, shuffle_seed=file_seed)
+            return tfrecord.tfrecord_examples(files, order_seed=_fold(host_seed, 1, epoch))
 
         ds = _epochs(config.num_epochs).flat_map(epoch_examples)
         ds = ds.shuffle(config.shuffle_buffer, seed=seed + process_index, reshuffle_each_iteration=False)
@@ -216,7 +215,7 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
     def epoch_instances(epoch):
         # Static: epoch e replays copy e % dupe_factor (same files order, instances and masks).
         stream = epoch % config.dupe_factor if static else epoch
-        docs = _documents(config, files, _fold(host_seed, 1, stream)[0], process_index, process_count)
+        docs = _documents(config, files, _fold(host_seed, 1, stream), process_index, process_count)
         blocks = tokenized_blocks(docs, tokenizer, config.doc_buffer_size).enumerate()
 
         parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}

@@ -127,13 +127,12 @@ def find_shards(patterns: Sequence[str]) -> list[str]:
     return [f for f in expand_inputs(expanded) if ".tmp-" not in os.path.basename(f)]
 
 
-def tfrecord_examples(files: Sequence[str], *, cycle_length: int = 8, shuffle_seed: int | None = None,
+def tfrecord_examples(files: Sequence[str], *, cycle_length: int = 8, order_seed=None,
                       compression: str | None = None) -> tf.data.Dataset:
-    """Serialized examples interleaved from `files` (deterministic; file order shuffled if a seed is given)."""
-    file_ds = tf.data.Dataset.from_tensor_slices(list(files))
-    if shuffle_seed is not None:
-        file_ds = file_ds.shuffle(len(files), seed=shuffle_seed)
-    return file_ds.interleave(
+    """Serialized examples interleaved from `files` (deterministic; file order permuted if a seed [2] is given)."""
+    from bertjax.data.corpus import file_order
+
+    return file_order(files, order_seed).interleave(
         lambda f: tf.data.TFRecordDataset(f, compression_type=compression or "", buffer_size=1 << 20),
         cycle_length=min(cycle_length, len(files)), block_length=16, num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True)
