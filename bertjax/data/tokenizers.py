@@ -228,7 +228,8 @@ class SentencePieceTokenizer(_Tokenizer):
         return self._tokenizer.tokenize(texts)
 
     def word_continuation_table(self) -> np.ndarray:
-        specials = set(SPECIAL_TOKENS.values())
+        # [UNK] stands for unknown characters *inside* a word here (not for a whole word as in WordPiece).
+        specials = set(SPECIAL_TOKENS.values()) - {"[UNK]"}
         return np.array([not t.startswith(self.WORD_START) and t not in specials for t in self.vocab], bool)
 
 

@@ -1,0 +1,87 @@
+"""`bertjax vocab train` (WordPiece and SentencePiece with BERT's special tokens) and the SentencePiece
+path through the pretraining pipeline with whole-word masking."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bertjax.cli import main as bertjax_main
+from bertjax.data.pipeline import PretrainingDataConfig, make_pretraining_dataset
+from bertjax.data.tokenizers import SentencePieceTokenizer, WordPieceTokenizer
+
+RESERVED = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+@pytest.fixture(scope="module")
+def texts(shared_data):
+    train = shared_data / "gutenberg" / "romeo_and_juliet_pg1513.txt"
+    held_out = (shared_data / "gutenberg" / "japanese_fairy_tales_ozaki_pg4018.txt").read_text(encoding="utf-8")
+    lines = [" ".join(p.split()) for p in held_out.split("\n\n")[200:400] if p.strip()]
+    return train, lines
+
+
+def test_wordpiece_vocab_train(texts, tmp_path):
+    train, held_out = texts
+    out = tmp_path / "wp"
+    assert bertjax_main(["vocab", "train", "--input", str(train), "--format", "wrapped", "--vocab-size", "1500",
+                         "--type", "wordpiece", "--out", str(out), "--max-sentences", "3000"]) == 0
+    vocab = (out / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    assert vocab[:5] == RESERVED and len(vocab) == len(set(vocab)) and len(vocab) > 500
+    assert any(t.startswith("##") for t in vocab)
+    tok = WordPieceTokenizer(str(out / "vocab.txt"))
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.BertTokenizerFast(vocab=str(out / "vocab.txt"), do_lower_case=True)
+    theirs = hf(held_out, max_length=256, padding="max_length", truncation=True)
+    ours = tok.encode(held_out, max_len=256)
+    np.testing.assert_array_equal(ours["input_ids"], np.asarray(theirs["input_ids"]))
+    ids = ours["input_ids"][ours["input_mask"] == 1]
+    assert np.mean(ids == tok.unk_id) < 0.02  # the learned vocab covers unseen English text
+
+
+def test_sentencepiece_vocab_train_and_whole_word_masking(texts, tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    train, held_out = texts
+    out = tmp_path / "sp"
+    assert bertjax_main(["vocab", "train", "--input", str(train), "--format", "wrapped", "--vocab-size", "1200",
+                         "--type", "sentencepiece", "--out", str(out)]) == 0
+    model = out / "spm.model"
+    reference = spm.SentencePieceProcessor(model_file=str(model))
+    assert [reference.id_to_piece(i) for i in range(5)] == RESERVED
+    tok = SentencePieceTokenizer(str(model))
+    assert tok.tokenize(held_out).to_list() == reference.encode(held_out)
+
+    # The SentencePiece path of the pipeline: whole-word masking never masks part of a "▁" word.
+    config = PretrainingDataConfig(inputs=(str(train),), vocab_path=str(model), corpus_format="wrapped",
+                                   max_seq_length=64, max_predictions_per_seq=10, whole_word_masking=True,
+                                   doc_buffer_size=4, shuffle_buffer=100, num_epochs=1)
+    partial = whole_multi = 0
+    for batch in make_pretraining_dataset(config, 32).as_numpy_iterator():
+        for row in range(len(batch["input_ids"])):
+            valid = batch["masked_lm_weights"][row] > 0
+            positions = batch["masked_lm_positions"][row][valid]
+            original = batch["input_ids"][row].copy()
+            original[positions] = batch["masked_lm_ids"][row][valid]  # undo the masking
+            words, current = [], None
+            for p in range(1, int(batch["input_mask"][row].sum())):
+                if original[p] in (tok.sep_id, tok.cls_id):
+                    current = None
+                elif reference.id_to_piece(int(original[p])).startswith("\u2581") or current is None:
+                    current = [p]
+                    words.append(current)
+                else:
+                    current.append(p)
+            chosen = set(positions.tolist())
+            for word in words:
+                hit = chosen.intersection(word)
+                partial += bool(hit) and len(hit) != len(word)
+                whole_multi += len(word) > 1 and len(hit) == len(word)
+    assert partial == 0 and whole_multi > 20
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--vocab-size", "4", "--type", "wordpiece"], "leaves no room"),
+])
+def test_bad_vocab_arguments(texts, tmp_path, capsys, argv, message):
+    train, _ = texts
+    assert bertjax_main(["vocab", "train", "--input", str(train), "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
