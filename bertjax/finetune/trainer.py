@@ -39,6 +39,7 @@ class TrainSettings:
     seed: int = 42
     eval_batch_size: int = 64
     length_bucket: int = 32  # pad each batch's length up to a multiple of this (fewer compiled shapes)
+    log_every: int = 50
 
 
 def merge_pretrained(params: dict, pretrained: dict, source: str) -> dict:
@@ -152,6 +153,9 @@ class Trainer:
                                                          jax.random.fold_in(self.dropout_key, step_index))
                     losses.append(loss)
                     step_index += 1
+                    if step_index % s.log_every == 0:
+                        log.info("step %d/%d: loss %.4f, %.1fs into epoch %d", step_index, total_steps, float(loss),
+                                 time.perf_counter() - started, epoch + 1)
                 self.params = params
                 mean_loss = float(np.mean(jax.device_get(losses))) if losses else float("nan")
                 seconds = time.perf_counter() - started
