@@ -217,3 +217,49 @@ def test_global_batch_from_host_batch(setup):
         assert arrays[name].addressable_shards[0].data.shape[0] == 2  # 16 rows over 8 devices
     per_feature = host_batch_to_global(batch, mesh, {k: PartitionSpec("data") for k in batch})
     assert per_feature["input_ids"].sharding.spec == PartitionSpec("data")
+
+
+MULTIPROCESS_SCRIPT = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import numpy as np
+import jax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, PartitionSpec
+port, pid, config_json, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
+from bertjax.data.global_batch import host_batch_to_global
+from bertjax.data.pipeline import PretrainingDataConfig, make_pretraining_dataset
+config = PretrainingDataConfig(**{k: tuple(v) if k == "inputs" else v for k, v in json.loads(config_json).items()})
+batch = next(make_pretraining_dataset(config, 16, jax.process_index(), jax.process_count()).as_numpy_iterator())
+mesh = Mesh(np.array(jax.devices()), ("data",))
+arrays = host_batch_to_global(batch, mesh, PartitionSpec("data"))
+gathered = {k: multihost_utils.process_allgather(v, tiled=True) for k, v in arrays.items()}
+np.savez(out, **{"local/" + k: v for k, v in batch.items()}, **{"global/" + k: v for k, v in gathered.items()},
+         shape=np.array(arrays["input_ids"].shape), devices=np.array(len(jax.devices())))
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_two_jax_processes_assemble_the_global_batch(setup, tmp_path):
+    """Two real JAX processes (jax.distributed on CPU, 2 devices each): each feeds its own host batch and
+    the global array is the two host batches stacked in process order."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    config = json.dumps(dataclasses.asdict(_config(setup)))
+    procs = [subprocess.Popen([sys.executable, "-c", MULTIPROCESS_SCRIPT, str(port), str(i), config,
+                               str(tmp_path / f"p{i}.npz")], cwd=ROOT,
+                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": ""}) for i in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    results = [np.load(tmp_path / f"p{i}.npz") for i in range(2)]
+    assert int(results[0]["devices"]) == 4 and tuple(results[0]["shape"]) == (16, SEQ)
+    for name in ("input_ids", "masked_lm_positions", "masked_lm_weights", "next_sentence_labels"):
+        expected = np.concatenate([results[0][f"local/{name}"], results[1][f"local/{name}"]])
+        assert results[0][f"local/{name}"].shape[0] == 8
+        for r in results:
+            np.testing.assert_array_equal(r[f"global/{name}"], expected)
+    assert not np.array_equal(results[0]["local/input_ids"], results[1]["local/input_ids"])
