@@ -93,7 +93,9 @@ def test_layout_and_nsp_balance(real, tokenizer):
     n = len(x["input_ids"])
     assert n > 5000
     labels = x["next_sentence_labels"]
-    assert abs(labels.mean() - 0.5) <= 0.02
+    # Random next is a fair coin except for one-segment chunks, which are always random next.
+    forced = real["stats"]["forced_random_next"]
+    assert abs((labels.sum() - forced) / (n - forced) - 0.5) <= 0.02
     length = x["input_mask"].sum(1)
     assert length.max() <= MAX_SEQ and (length >= 5).all()
     for ids, mask, seg, ln in zip(x["input_ids"], x["input_mask"], x["segment_ids"], length):
@@ -144,6 +146,14 @@ def test_segments_come_from_the_right_documents(real, tokenizer):
             checked["random_elsewhere" if b_docs - {doc} else "random_same"] += 1
     assert checked["actual"] > 500 and checked["random_elsewhere"] > 500
     assert checked["random_same"] <= real["stats"]["random_next_same_document"]
+
+
+def test_nsp_balance_without_short_sequences(real):
+    """Without short targets one-segment chunks are rare (document ends), and the labels are 50/50."""
+    passes = [create_instances(real["block"], InstanceConfig(MAX_SEQ, short_seq_prob=0.0), block_rng(11, p, 0, 0))
+              for p in range(2)]
+    labels = np.concatenate([p.next_sentence_label for p in passes])
+    assert len(labels) > 5000 and abs(labels.mean() - 0.5) <= 0.02
 
 
 def test_short_sequence_rate_on_real_text(real):
@@ -303,3 +313,42 @@ def test_inconsistent_max_predictions_is_a_clear_error(max_pred, match):
 def test_whole_word_needs_a_continuation_table():
     with pytest.raises(ValueError, match="continuation"):
         Masker(MaskingConfig(whole_word=True), vocab_size=10, mask_id=4, special_ids=[0, 2, 3])
+
+
+def _original_truncate_seq_pair(tokens_a: list, tokens_b: list, max_num_tokens: int, rng: random.Random):
+    """truncate_seq_pair exactly as published in create_pretraining_data.py."""
+    while True:
+        total_length = len(tokens_a) + len(tokens_b)
+        if total_length <= max_num_tokens:
+            break
+        trunc_tokens = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+        assert len(trunc_tokens) >= 1
+        if rng.random() < 0.5:
+            del trunc_tokens[0]
+        else:
+            trunc_tokens.pop()
+
+
+def test_truncate_seq_pair_matches_the_published_loop():
+    from bertjax.data.instances import _truncate_seq_pair
+
+    rng = random.Random(0)
+    for len_a in range(1, 30):
+        for len_b in range(1, 30):
+            for budget in (2, 3, 7, 10, 25, 40):
+                a, b = list(range(len_a)), list(range(100, 100 + len_b))
+                _original_truncate_seq_pair(a, b, budget, rng)
+                span_a, span_b = [0, len_a], [100, 100 + len_b]
+                _truncate_seq_pair(span_a, span_b, budget, rng)
+                assert (span_a[1] - span_a[0], span_b[1] - span_b[0]) == (len(a), len(b)), (len_a, len_b, budget)
+    # Front/back removals: same distribution as the loop's independent coin flips.
+    fronts_loop, fronts_ours = [], []
+    for _ in range(4000):
+        a = list(range(40))
+        _original_truncate_seq_pair(a, [0], 21, rng)
+        fronts_loop.append(a[0])
+        span = [0, 40]
+        _truncate_seq_pair(span, [0, 1], 21, rng)
+        fronts_ours.append(span[0])
+    for fronts in (fronts_loop, fronts_ours):
+        assert abs(np.mean(fronts) - 10) < 0.15 and abs(np.var(fronts) - 5) < 0.5  # Binomial(20, 1/2)

@@ -101,13 +101,26 @@ class _PartsBuilder:
 
 
 def _truncate_seq_pair(a: list[int], b: list[int], max_num_tokens: int, rng: random.Random):
-    """truncate_seq_pair on spans [start, end): trim the longer, from the front or back with equal odds."""
-    while (a[1] - a[0]) + (b[1] - b[0]) > max_num_tokens:
-        trunc = a if (a[1] - a[0]) > (b[1] - b[0]) else b
-        if rng.random() < 0.5:
-            trunc[0] += 1
-        else:
-            trunc[1] -= 1
+    """truncate_seq_pair on spans [start, end): one token at a time off the longer (B on a tie), from the
+    front or the back with equal odds.
+
+    Computed in closed form with the same distribution: which side loses a token depends only on the
+    lengths, and each removal's front/back coin is independent, so the front removals of a side are
+    Binomial(k, 1/2) (the popcount of k random bits) instead of k separate draws.
+    """
+    len_a, len_b = a[1] - a[0], b[1] - b[0]
+    if len_a + len_b <= max_num_tokens:
+        return
+    half_up, half_down = (max_num_tokens + 1) // 2, max_num_tokens // 2
+    if len_a <= len_b:  # B is trimmed while it is at least as long as A
+        new_a, new_b = (len_a, max_num_tokens - len_a) if 2 * len_a <= max_num_tokens + 1 else (half_up, half_down)
+    else:  # A is trimmed while it is strictly longer
+        new_a, new_b = (max_num_tokens - len_b, len_b) if 2 * len_b <= max_num_tokens else (half_up, half_down)
+    for span, removed in ((a, len_a - new_a), (b, len_b - new_b)):
+        if removed:
+            front = bin(rng.getrandbits(removed)).count("1")
+            span[0] += front
+            span[1] -= removed - front
 
 
 def _nsp_instances(block: Block, config: InstanceConfig, rng: random.Random, out: _PartsBuilder,
@@ -128,6 +141,9 @@ def _nsp_instances(block: Block, config: InstanceConfig, rng: random.Random, out
                 chunk_size = i - chunk_first + 1
                 a_end = rng.randint(1, chunk_size - 1) if chunk_size >= 2 else 1
                 span_a = [splits[chunk_first], splits[chunk_first + a_end]]
+                # A one-segment chunk is always a random next (so short targets push the label-1 share
+                # above 50%, as in the original); otherwise a fair coin decides.
+                stats["forced_random_next"] += chunk_size == 1
                 if chunk_size == 1 or rng.random() < 0.5:
                     label = 1
                     target_b = target - (span_a[1] - span_a[0])
@@ -230,8 +246,7 @@ def assemble(block: Block, instances: Instances, max_seq_length: int, cls_id: in
     instance_first_part = np.searchsorted(instances.part_instance, np.arange(n))
     cum = np.cumsum(cost) - cost
     offset = 1 + cum - cum[instance_first_part][instances.part_instance]
-    total = np.zeros(n, np.int64)
-    np.add.at(total, instances.part_instance, cost)
+    total = np.bincount(instances.part_instance, weights=cost, minlength=n).astype(np.int64)
     if n and total.max() + 1 > max_seq_length:
         raise AssertionError(f"instance of length {total.max() + 1} exceeds max_seq_length {max_seq_length}")
 
