@@ -117,3 +117,90 @@ def _require_checkpoint(directory: str) -> None:
     if not is_model_checkpoint(directory):
         raise FileNotFoundError(f"{directory} is not a bertjax checkpoint (expected the Orbax items "
                                 f"{PARAMS}/ and {MODEL_CONFIG}/ in it)")
+
+
+# ---- training checkpoints ------------------------------------------------------------------------------------------
+
+OPT_STATE, TRAIN_META, JOB_CONFIG = "opt_state", "train_meta", "job_config"
+
+
+class TrainCheckpointer:
+    """Orbax CheckpointManager over `<workdir>/checkpoints/<step>`, plus each process's input-pipeline position.
+
+    A step directory holds the model items above (so `bertjax export` takes it) plus the optimizer state, the
+    train meta (step, RNG, counters) and the job config. The input-pipeline position of process i is written to
+    `<workdir>/input_state/<step>/process_i` *before* the step's Orbax save starts, so every checkpoint Orbax
+    has finalised has its pipeline positions; Orbax finalises by renaming, so an interrupted save is never listed.
+    """
+
+    def __init__(self, workdir: str, *, every: int, keep: int, keep_every: int = 0, async_save: bool = True):
+        self.workdir = epath.Path(workdir)
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=every, max_to_keep=keep, keep_period=keep_every or None,
+            enable_async_checkpointing=async_save, create=True)
+        handlers = {PARAMS: ocp.StandardCheckpointHandler(), OPT_STATE: ocp.StandardCheckpointHandler(),
+                    TRAIN_META: ocp.StandardCheckpointHandler(), MODEL_CONFIG: ocp.JsonCheckpointHandler(),
+                    VOCAB: ocp.JsonCheckpointHandler(), JOB_CONFIG: ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.workdir / "checkpoints", options=options,
+                                             item_handlers=handlers)
+
+    def input_state_dir(self, step: int) -> str:
+        return str(self.workdir / "input_state" / str(step))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def should_save(self, step: int) -> bool:
+        return self.manager.should_save(step)
+
+    def save(self, step: int, state, *, config: BertConfig, vocab: list[str], lower_case: bool, job_config: dict,
+             save_input_state, force: bool = False) -> bool:
+        """Saves (asynchronously) if the step is due or `force`; `save_input_state(dir)` writes this process's
+        pipeline position first."""
+        if not (force or self.manager.should_save(step)):
+            return False
+        save_input_state(self.input_state_dir(step))
+        meta = {"step": state.step, "rng": state.rng, "nonfinite_total": state.nonfinite_total,
+                "nonfinite_consecutive": state.nonfinite_consecutive}
+        saved = self.manager.save(step, force=force, args=ocp.args.Composite(**{
+            PARAMS: ocp.args.StandardSave(state.params),
+            OPT_STATE: ocp.args.StandardSave(state.opt_state),
+            TRAIN_META: ocp.args.StandardSave(meta),
+            MODEL_CONFIG: ocp.args.JsonSave(config.to_dict()),
+            VOCAB: ocp.args.JsonSave({"tokens": list(vocab), "lower_case": bool(lower_case)}),
+            JOB_CONFIG: ocp.args.JsonSave(job_config),
+        }))
+        self._remove_stale_input_states()
+        return saved
+
+    def restore(self, step: int, abstract_state):
+        """The train state at `step`, laid out as `abstract_state` (any mesh: Orbax reshards on restore)."""
+        meta_target = {"step": abstract_state.step, "rng": abstract_state.rng,
+                       "nonfinite_total": abstract_state.nonfinite_total,
+                       "nonfinite_consecutive": abstract_state.nonfinite_consecutive}
+        restored = self.manager.restore(step, args=ocp.args.Composite(**{
+            PARAMS: ocp.args.StandardRestore(abstract_state.params),
+            OPT_STATE: ocp.args.StandardRestore(abstract_state.opt_state),
+            TRAIN_META: ocp.args.StandardRestore(meta_target),
+        }))
+        meta = restored[TRAIN_META]
+        return abstract_state.replace(params=restored[PARAMS], opt_state=restored[OPT_STATE], **meta)
+
+    def _remove_stale_input_states(self) -> None:
+        # Pipeline positions of checkpoints Orbax has deleted (or never finished) are dropped; the newest ones
+        # stay, since the save that writes them may still be in flight.
+        root = self.workdir / "input_state"
+        if not root.exists() or jax.process_index() != 0:
+            return
+        kept = set(self.manager.all_steps())
+        newest = max([int(p.name) for p in root.iterdir() if p.name.isdigit()], default=-1)
+        for path in root.iterdir():
+            if path.name.isdigit() and int(path.name) not in kept and int(path.name) < newest:
+                path.rmtree()
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# TensorFlow (used for tf.data and tokenizers only) logs at INFO level by default; keep warnings and errors.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 COMMAND_MODULES = (
     "bertjax.interop.cli",
     "bertjax.data.cli",
     "bertjax.finetune.cli",
+    "bertjax.train_cli",
 )
 
 

@@ -97,17 +97,21 @@ class MetricsWriter:
                 self.tensorboard.scalar(key, value, step)
         self.tensorboard.flush()
 
+    def mark_start(self, step: int) -> None:
+        """The ETA extrapolates from here (call after the first, compiling, step)."""
+        self.start_step, self.start_time = step, time.time()
+
     def console(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
-        if self.start_step is None:
-            self.start_step, self.start_time = step, time.time()
-        elapsed = time.time() - self.start_time
-        done = max(step - self.start_step, 1)
-        eta = elapsed / done * (self.total_steps - step)
+        if self.start_step is None or step <= self.start_step:
+            eta = "?"
+        else:
+            rate = (time.time() - self.start_time) / (step - self.start_step)
+            eta = _duration(rate * (self.total_steps - step))
         shown = " ".join(f"{k}={v:.4g}" for k, v in values.items()
                          if k in ("loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "sequences_per_s", "mfu"))
-        print(f"step {step}/{self.total_steps} {shown} eta {_duration(eta)}", file=sys.stdout, flush=True)
+        print(f"step {step}/{self.total_steps} {shown} eta {eta}", file=sys.stdout, flush=True)
 
     def close(self) -> None:
         if self.enabled:

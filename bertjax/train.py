@@ -33,7 +33,8 @@ class TrainState:
     step: jax.Array                   # int32: updates attempted so far
     params: Any
     opt_state: Any
-    rng: jax.Array                    # uint32[2] base key; step and microbatch are folded in
+    rng: jax.Array                    # raw key data (uint32) of the dropout base key; step and microbatch are
+                                      # folded in, so the key itself never changes and checkpoints as plain ints
     nonfinite_total: jax.Array        # int32: steps whose gradient was not finite (update skipped)
     nonfinite_consecutive: jax.Array  # int32: such steps in a row, up to now
 
@@ -101,7 +102,7 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
     accum = step_config.grad_accum_steps
     total_weight = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-5)
     total_count = jnp.asarray(batch["input_ids"].shape[0], jnp.float32)
-    step_rng = jax.random.fold_in(state.rng, state.step)
+    step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def micro_step(micro, index):
         def loss_fn(params):
@@ -158,7 +159,7 @@ def init_state(rng, *, model, config: BertConfig, optimizer, seq_len: int, num_m
     params_rng, dropout_rng = jax.random.split(rng)
     params = model_lib.init_params(model, config, params_rng, length=seq_len, num_masked=num_masked)
     return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=optimizer.init(params),
-                      rng=dropout_rng, nonfinite_total=jnp.zeros([], jnp.int32),
+                      rng=jax.random.key_data(dropout_rng), nonfinite_total=jnp.zeros([], jnp.int32),
                       nonfinite_consecutive=jnp.zeros([], jnp.int32))
 
 
@@ -168,17 +169,26 @@ def state_shardings(abstract_boxed_state: TrainState, mesh, rules=sharding.DEFAU
     return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
-def make_sharded_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked):
-    """(state initialised directly in its sharded layout, its shardings, the abstract unboxed state)."""
+def abstract_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked):
+    """(shardings, abstract unboxed state with those shardings): the layout to init or restore into."""
     init = functools.partial(init_state, model=model, config=config, optimizer=optimizer, seq_len=seq_len,
                              num_masked=num_masked)
     abstract = jax.eval_shape(init, rng)
     shardings = state_shardings(abstract, mesh)
+    unboxed = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                     nn.meta.unbox(abstract), shardings)
+    return shardings, unboxed
+
+
+def make_sharded_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked):
+    """(state initialised directly in its sharded layout, its shardings, the abstract unboxed state)."""
+    shardings, abstract = abstract_state(rng, model=model, config=config, optimizer=optimizer, mesh=mesh,
+                                         seq_len=seq_len, num_masked=num_masked)
+    init = functools.partial(init_state, model=model, config=config, optimizer=optimizer, seq_len=seq_len,
+                             num_masked=num_masked)
     with sharding.activate(mesh):
         state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
-    abstract_unboxed = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                              nn.meta.unbox(abstract), shardings)
-    return state, shardings, abstract_unboxed
+    return state, shardings, abstract
 
 
 def compile_steps(*, model, optimizer, schedule, step_config: StepConfig, state_shardings_tree, mesh):
