@@ -194,8 +194,10 @@ def test_restore_into_a_different_pipeline_fails_loudly(setup, tmp_path):
     other = iter(make_pretraining_dataset(PretrainingDataConfig(
         inputs=(setup["glob"],), vocab_path=setup["vocab"], max_seq_length=SEQ, max_predictions_per_seq=PRED,
         input_kind="text", masking="static"), 8))
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="differs from the one that saved it"):
         restore_iterator(other, path)
+    with pytest.raises(FileNotFoundError, match="no input pipeline checkpoint"):
+        restore_iterator(other, str(tmp_path / "missing"))
 
 
 def test_global_batch_from_host_batch(setup):

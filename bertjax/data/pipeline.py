@@ -250,8 +250,15 @@ def save_iterator(iterator, path: str) -> str:
 
 
 def restore_iterator(iterator, path: str):
-    """Restore a position written by `save_iterator` into a fresh iterator of the *same* pipeline."""
-    tf.train.Checkpoint(iterator=iterator).read(path).assert_consumed()
+    """Restore a position written by `save_iterator` into a fresh iterator of the *same* pipeline
+    (same config, process index and process count)."""
+    if not tf.io.gfile.exists(path + ".index"):
+        raise FileNotFoundError(f"no input pipeline checkpoint at {path}")
+    try:
+        tf.train.Checkpoint(iterator=iterator).read(path).assert_consumed()
+    except tf.errors.OpError as error:
+        raise ValueError(f"cannot restore the input pipeline position from {path}: this pipeline differs from "
+                         f"the one that saved it ({error.message.splitlines()[0][:300]})") from error
 
 
 def iterator_checkpoint_path(directory: str, process_index: int) -> str:
