@@ -187,6 +187,13 @@ def test_resume_in_a_fresh_process_gives_the_same_batches(setup, tmp_path):
                 np.testing.assert_array_equal(got[f"{i}/{k}"], v, err_msg=f"batch {i} {k}")
 
 
+def test_endless_pipeline_over_empty_input_is_refused(setup, tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"")
+    (tmp_path / "b.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="all 1 input file.*of process 1 are empty"):
+        make_pretraining_dataset(_config(setup, inputs=(str(tmp_path / "*.txt"),)), 8, 1, 2)
+
+
 def test_restore_into_a_different_pipeline_fails_loudly(setup, tmp_path):
     it = iter(make_pretraining_dataset(_config(setup), 8))
     next(it)

@@ -127,6 +127,13 @@ def test_reader_gives_back_the_written_examples(created):
     assert sorted(map(key, read)) == sorted(map(key, direct))
 
 
+def test_reader_refuses_other_shapes_than_written(created):
+    config = PretrainingDataConfig(inputs=(str(created),), input_kind="tfrecord", max_seq_length=128,
+                                   max_predictions_per_seq=20)
+    with pytest.raises(ValueError, match="max_seq_length=64, the pipeline asks for 128"):
+        make_pretraining_dataset(config, 8)
+
+
 def test_same_seed_same_bytes(created, corpus_slice, tmp_path):
     corpus, vocab = corpus_slice
     assert _create(corpus, vocab, tmp_path) == 0
@@ -144,10 +151,11 @@ def test_bad_input_counted_not_fatal(tmp_path, corpus_slice):
         b"Caf\xe9 latin-1 bytes in this line.\nA one-sentence follow up.\n\n" + b"long " * 5000 + b"\n")
     out = tmp_path / "out"
     assert bertjax_main(["data", "create", "--input", str(src / "*.txt"), "--vocab", vocab, "--out", str(out),
-                         "--max-seq-length", "32", "--max-predictions", "5", "--dupe-factor", "3"]) == 0
+                         "--max-seq-length", "32", "--max-predictions", "5", "--dupe-factor", "3",
+                         "--max-line-chars", "10000"]) == 0
     stats = json.loads((out / "pretrain-metadata.json").read_text())["stats"]
     assert stats["empty_files"] == 1 and stats["empty_documents"] == 1 and stats["invalid_utf8_lines"] == 1
-    assert stats["truncated_lines"] == 0 and stats["documents_read"] == 4
+    assert stats["truncated_lines"] == 1 and stats["documents_read"] == 4
     assert json.loads((out / "pretrain-metadata.json").read_text())["examples"] > 0
 
 

@@ -14,6 +14,7 @@ def _add_corpus_args(parser: argparse.ArgumentParser):
                         help="sentences: one per line, blank line between documents (the original format)")
     parser.add_argument("--tfds-data-dir", default=None)
     parser.add_argument("--text-field", default="text", help="TFDS feature holding the text")
+    parser.add_argument("--max-line-chars", type=int, default=100_000, help="longer lines are truncated (counted)")
     case = parser.add_mutually_exclusive_group()
     case.add_argument("--lower-case", dest="lower_case", action="store_true", default=None)
     case.add_argument("--no-lower-case", dest="lower_case", action="store_false")
@@ -29,7 +30,8 @@ def _create(args) -> int:
         masked_lm_prob=args.masked_lm_prob, short_seq_prob=args.short_seq_prob,
         next_sentence_prediction=not args.no_nsp, whole_word_masking=args.whole_word_masking, masking="static",
         dupe_factor=args.dupe_factor, doc_buffer_size=args.doc_buffer, shuffle_buffer=args.shuffle_buffer,
-        seed=args.seed, tfds_text_field=args.text_field, tfds_data_dir=args.tfds_data_dir)
+        seed=args.seed, tfds_text_field=args.text_field, tfds_data_dir=args.tfds_data_dir,
+        max_line_chars=args.max_line_chars)
     create_pretraining_data(config, args.out, args.shards, worker_index=args.worker_index,
                             num_workers=args.num_workers)
     return 0
@@ -40,7 +42,7 @@ def _vocab_train(args) -> int:
     from bertjax.data.vocab import train_vocab
 
     config = CorpusConfig(inputs=tuple(args.input), format=args.format, text_field=args.text_field,
-                          tfds_data_dir=args.tfds_data_dir)
+                          tfds_data_dir=args.tfds_data_dir, max_line_chars=args.max_line_chars)
     path = train_vocab(config, args.out, args.vocab_size, args.type, lower_case=args.lower_case,
                        max_sentences=args.max_sentences)
     print(f"wrote {path}")

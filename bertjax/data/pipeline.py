@@ -52,6 +52,7 @@ class PretrainingDataConfig:
     file_cycle_length: int = 4
     tfds_text_field: str = "text"
     tfds_data_dir: str | None = None
+    max_line_chars: int = 100_000
 
     def __post_init__(self):
         if isinstance(self.inputs, str):
@@ -76,7 +77,7 @@ class PretrainingDataConfig:
 
     def corpus_config(self) -> corpus.CorpusConfig:
         return corpus.CorpusConfig(inputs=self.inputs, format=self.corpus_format, text_field=self.tfds_text_field,
-                                   tfds_data_dir=self.tfds_data_dir)
+                                   tfds_data_dir=self.tfds_data_dir, max_line_chars=self.max_line_chars)
 
 
 def block_rng(seed: int, stream: int, process_index: int, block_index: int) -> random.Random:
@@ -152,10 +153,32 @@ def tokenized_blocks(documents: tf.data.Dataset, tokenizer, doc_buffer_size: int
 
 def _host_files(config: PretrainingDataConfig, process_index: int, process_count: int) -> list[str]:
     if config.input_kind == "tfrecord":
+        _check_tfrecord_metadata(config)
         files = tfrecord.find_shards(config.inputs)
     else:
         files = corpus.expand_inputs(config.inputs)
-    return corpus.shard_files(files, process_index, process_count)
+    files = corpus.shard_files(files, process_index, process_count)
+    # An endless pipeline over empty input would spin forever without yielding: refuse it up front.
+    if all(tf.io.gfile.stat(f).length == 0 for f in files):
+        raise ValueError(f"all {len(files)} input file(s) of process {process_index} are empty: {files[:3]}")
+    return files
+
+
+def _check_tfrecord_metadata(config: PretrainingDataConfig):
+    """Shapes must match what `data create` wrote (its metadata JSON, when present beside the shards)."""
+    import json
+    import os
+
+    for path in config.inputs:
+        meta_path = os.path.join(path, "pretrain-metadata.json")
+        if tf.io.gfile.isdir(path) and tf.io.gfile.exists(meta_path):
+            with tf.io.gfile.GFile(meta_path) as f:
+                written = json.load(f).get("feature_spec", {})
+            wanted = {"max_seq_length": config.max_seq_length,
+                      "max_predictions_per_seq": config.max_predictions_per_seq}
+            for key, value in wanted.items():
+                if key in written and written[key] != value:
+                    raise ValueError(f"{path} holds examples with {key}={written[key]}, the pipeline asks for {value}")
 
 
 def _documents(config: PretrainingDataConfig, files: list[str], order_seed: tf.Tensor, process_index: int,
