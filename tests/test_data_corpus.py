@@ -74,6 +74,14 @@ def test_empty_files_and_blank_documents_are_skipped(tmp_path):
     assert docs == [["Only sentence."]]
 
 
+def test_a_file_without_blank_lines_is_cut_into_bounded_documents(tmp_path):
+    path = tmp_path / "one-huge-doc.txt"
+    path.write_text("".join(f"Sentence number {i}.\n" for i in range(1000)))
+    docs = _sentences(_read([str(path)], line_batch=64, max_document_lines=200))
+    assert all(len(d) <= 200 + 64 for d in docs) and len(docs) >= 4
+    assert sum(docs, []) == [f"Sentence number {i}." for i in range(1000)]  # nothing lost or reordered
+
+
 def test_wikitext_articles_are_documents(shared_data):
     path = shared_data / "wikitext-2" / "wiki.test.raw"
     raw = path.read_text(encoding="utf-8")

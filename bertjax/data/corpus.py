@@ -36,6 +36,7 @@ class CorpusConfig:
     doc_boundary_regex: str | None = None  # paragraphs: a full-matching line starts a new document
     skip_regex: str | None = None  # paragraphs: full-matching lines are dropped
     max_line_chars: int = 100_000  # longer lines are truncated (and counted)
+    max_document_lines: int = 100_000  # a document with more lines is cut (bounds memory)
     text_field: str = "text"  # tfds: the feature holding the document text
     tfds_data_dir: str | None = None
     line_batch: int = 1024  # lines processed per vectorised step
@@ -124,9 +125,10 @@ def _paragraphs_to_sentence_lines(batch: dict, config: CorpusConfig) -> dict[str
             "truncated": per_sentence(batch["truncated"])}
 
 
-def _group_step(state: dict, batch: dict, min_blank_run: int):
+def _group_step(state: dict, batch: dict, min_blank_run: int, max_lines: int):
     """scan step: append a batch of lines to the pending ones and emit every document that a run of
-    `min_blank_run` blank lines closed. Shorter blank runs stay inside the document as "" lines."""
+    `min_blank_run` blank lines closed. Shorter blank runs stay inside the document as "" lines.
+    Pending lines never exceed ~max_lines: a longer document is cut there (memory stays bounded)."""
     lines = tf.concat([state["lines"], batch["lines"]], 0)
     invalid = tf.concat([state["invalid_utf8"], batch["invalid_utf8"]], 0)
     truncated = tf.concat([state["truncated"], batch["truncated"]], 0)
@@ -136,10 +138,13 @@ def _group_step(state: dict, batch: dict, min_blank_run: int):
     last_text = tf.gather(tf.concat([[-1], text_index], 0), tf.searchsorted(text_index, index, side="right"))
     boundary = blank & tf.equal(index - last_text, min_blank_run)  # the n-th blank line of a run
     done = tf.reduce_max(tf.concat([[-1], tf.cast(tf.where(boundary)[:, 0], tf.int32)], 0)) + 1
-    closed = boundary[:done]
-    doc_of_line = tf.cumsum(tf.cast(closed, tf.int32), exclusive=True)
-    num_docs = tf.reduce_sum(tf.cast(closed, tf.int32))
-    keep = ~closed
+    # No boundary and too many pending lines: close a document after the last line.
+    cut = tf.equal(done, 0) & (tf.size(lines) > max_lines)
+    done = tf.where(cut, tf.size(lines), done)
+    closes = boundary[:done] | (cut & tf.equal(index[:done], done - 1))
+    doc_of_line = tf.cumsum(tf.cast(closes, tf.int32), exclusive=True)
+    num_docs = tf.reduce_sum(tf.cast(closes, tf.int32))
+    keep = ~boundary[:done]
     doc_ids = tf.boolean_mask(doc_of_line, keep)
     docs = tf.RaggedTensor.from_value_rowids(tf.boolean_mask(lines[:done], keep), doc_ids, nrows=num_docs)
     has_text = tf.reduce_any(tf.not_equal(docs, ""), axis=1)  # blank-only groups are no documents
@@ -154,12 +159,13 @@ def _group_step(state: dict, batch: dict, min_blank_run: int):
     return new_state, out
 
 
-def _group_by_blank_lines(line_batches: tf.data.Dataset, min_blank_run: int = 1) -> tf.data.Dataset:
+def _group_by_blank_lines(line_batches: tf.data.Dataset, min_blank_run: int = 1,
+                          max_lines: int = 100_000) -> tf.data.Dataset:
     """Batches of cleaned lines -> groups of lines {lines, invalid_utf8, truncated} separated by runs of
     at least `min_blank_run` blank lines (the caller ends the stream with such a run)."""
     initial = {"lines": tf.zeros([0], tf.string), "invalid_utf8": tf.zeros([0], tf.int32),
                "truncated": tf.zeros([0], tf.int32)}
-    return line_batches.scan(initial, lambda st, b: _group_step(st, b, min_blank_run)).unbatch()
+    return line_batches.scan(initial, lambda st, b: _group_step(st, b, min_blank_run, max_lines)).unbatch()
 
 
 def _file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
@@ -173,7 +179,7 @@ def _file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
     batches = batches.concatenate(tf.data.Dataset.from_tensors(
         {"lines": tf.fill([blank_run], ""), "invalid_utf8": tf.zeros([blank_run], tf.int32),
          "truncated": tf.zeros([blank_run], tf.int32)}))
-    groups = _group_by_blank_lines(batches, blank_run)
+    groups = _group_by_blank_lines(batches, blank_run, config.max_document_lines)
     to_document = _wrapped_lines_to_document if config.format == "wrapped" else _lines_to_document
     return groups.map(to_document)
 
