@@ -36,7 +36,7 @@ def serialized_instances(config: pipeline.PretrainingDataConfig, files: list[str
                                    pad_id=tokenizer.pad_id, seed=config.seed, process_index=worker_index,
                                    stats=stats)
     masker = masking.masker_for_tokenizer(config.masking_config(), tokenizer)
-    base_seed = pipeline._fold(tf.constant([config.seed, 0], tf.int64), worker_index)
+    base_seed = pipeline.fold_seed(tf.constant([config.seed, 0], tf.int64), worker_index)
     corpus_config = config.corpus_config()
     if corpus_config.is_tfds:
         docs = corpus.tfds_documents(corpus_config)
@@ -49,8 +49,8 @@ def serialized_instances(config: pipeline.PretrainingDataConfig, files: list[str
     parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
     made = copies.map(lambda index, dupe, block: (index, dupe, maker.tf_map(
         block, index, tf.reshape(dupe, [1]), count_input=tf.equal(dupe, 0))), **parallel)
-    masked = made.map(lambda index, dupe, out: masker(out, pipeline._fold(base_seed, 2, dupe, index)), **parallel)
-    return masked.map(lambda out: tfrecord.serialize_batch(pipeline._finalize(out)), **parallel).unbatch()
+    masked = made.map(lambda index, dupe, out: masker(out, pipeline.fold_seed(base_seed, 2, dupe, index)), **parallel)
+    return masked.map(lambda out: tfrecord.serialize_batch(pipeline.finalize_batch(out)), **parallel).unbatch()
 
 
 def create_pretraining_data(config: pipeline.PretrainingDataConfig, out_dir: str, num_shards: int, *,

@@ -85,7 +85,8 @@ def block_rng(seed: int, stream: int, process_index: int, block_index: int) -> r
     return random.Random(f"bertjax/{seed}/{stream}/{process_index}/{block_index}")
 
 
-def _fold(seed: tf.Tensor, *values) -> tf.Tensor:
+def fold_seed(seed: tf.Tensor, *values) -> tf.Tensor:
+    """A stateless-RNG seed (int64 [2]) derived from `seed` and the given integers, in order."""
     for value in values:
         seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(value, tf.int64))
     return seed
@@ -194,7 +195,8 @@ def _epochs(num_epochs: int | None) -> tf.data.Dataset:
     return tf.data.Dataset.counter() if num_epochs is None else tf.data.Dataset.range(num_epochs)
 
 
-def _finalize(batch: dict) -> dict:
+def finalize_batch(batch: dict) -> dict:
+    """next_sentence_labels as [B, 1], as in the original TFRecord format."""
     batch = dict(batch)
     batch["next_sentence_labels"] = tf.reshape(batch["next_sentence_labels"], [-1, 1])
     return batch
@@ -214,13 +216,13 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
         raise ValueError(f"global batch {global_batch_size} is not divisible by {process_count} processes")
     batch_size = global_batch_size // process_count
     seed = config.seed
-    host_seed = _fold(tf.constant([seed, 0], tf.int64), process_index)
+    host_seed = fold_seed(tf.constant([seed, 0], tf.int64), process_index)
     corpus_config = config.corpus_config() if config.input_kind == "text" else None
     files = [] if corpus_config and corpus_config.is_tfds else _host_files(config, process_index, process_count)
 
     if config.input_kind == "tfrecord":
         def epoch_examples(epoch):
-            return tfrecord.tfrecord_examples(files, order_seed=_fold(host_seed, 1, epoch))
+            return tfrecord.tfrecord_examples(files, order_seed=fold_seed(host_seed, 1, epoch))
 
         ds = _epochs(config.num_epochs).flat_map(epoch_examples)
         ds = ds.shuffle(config.shuffle_buffer, seed=seed + process_index, reshuffle_each_iteration=False)
@@ -238,23 +240,24 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
     def epoch_instances(epoch):
         # Static: epoch e replays copy e % dupe_factor (same files order, instances and masks).
         stream = epoch % config.dupe_factor if static else epoch
-        docs = _documents(config, files, _fold(host_seed, 1, stream), process_index, process_count)
+        docs = _documents(config, files, fold_seed(host_seed, 1, stream), process_index, process_count)
         blocks = tokenized_blocks(docs, tokenizer, config.doc_buffer_size).enumerate()
 
         parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
         made = blocks.map(lambda index, block: (index, maker.tf_map(block, index, tf.reshape(stream, [1]))),
                           **parallel)
         if static:
-            return made.map(lambda index, out: masker(out, _fold(host_seed, 2, stream, index)), **parallel).unbatch()
+            masked = made.map(lambda index, out: masker(out, fold_seed(host_seed, 2, stream, index)), **parallel)
+            return masked.unbatch()
         return made.map(lambda index, out: out).unbatch()
 
     ds = _epochs(config.num_epochs).flat_map(epoch_instances)
     ds = ds.shuffle(config.shuffle_buffer, seed=seed + process_index, reshuffle_each_iteration=False)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     if not static:
-        ds = ds.enumerate().map(lambda i, b: masker(b, _fold(host_seed, 3, i)),
+        ds = ds.enumerate().map(lambda i, b: masker(b, fold_seed(host_seed, 3, i)),
                                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return _with_options(ds.map(_finalize), prefetch)
+    return _with_options(ds.map(finalize_batch), prefetch)
 
 
 def _with_options(ds: tf.data.Dataset, prefetch: int | None) -> tf.data.Dataset:
