@@ -157,3 +157,9 @@ def test_tfds_source_reads_a_local_dataset_and_never_downloads(tmp_path):
         tfds_documents(CorpusConfig(inputs=config.inputs, tfds_data_dir=str(tmp_path)))
     with pytest.raises(FileNotFoundError, match="not prepared.*never downloads"):
         tfds_documents(CorpusConfig(inputs=("tfds:wikipedia/20230601.en",), tfds_data_dir=str(tmp_path)))
+
+
+def test_cli_format_choices_match_the_corpus_formats():
+    from bertjax.data import cli, corpus
+
+    assert cli.FORMATS == corpus.FORMATS

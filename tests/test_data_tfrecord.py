@@ -206,3 +206,15 @@ def test_killed_writer_leaves_no_final_shard(tmp_path):
     assert len(names) == 2 and all(".tmp-" in n for n in names)  # only temporary names
     with pytest.raises(FileNotFoundError):
         find_shards([str(tmp_path)])  # readers never pick up a half-written shard
+
+
+def test_pipelines_wrapper_runs_data_create(tmp_path, corpus_slice, capsys):
+    import runpy
+
+    corpus, vocab = corpus_slice
+    wrapper = runpy.run_path(str(ROOT / "pipelines" / "create_pretraining_data.py"))
+    assert wrapper["main"](["--input", str(tmp_path / "none-*.txt"), "--vocab", vocab, "--out", str(tmp_path)]) == 2
+    assert "matches no files" in capsys.readouterr().err
+    assert wrapper["main"](["--input", str(corpus), "--format", "wikitext", "--vocab", vocab, "--out",
+                            str(tmp_path / "out"), "--dupe-factor", "1", "--shards", "2"]) == 0
+    assert len(find_shards([str(tmp_path / "out")])) == 2
