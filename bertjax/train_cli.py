@@ -21,6 +21,11 @@ def register(subparsers) -> None:
     parser.add_argument("--max-steps-this-run", type=int, help="stop (with a checkpoint) after this many steps")
     parser.set_defaults(func=_pretrain)
 
+    corpus = subparsers.add_parser("demo-corpus", help="write the embedded demo corpus (Python's reference "
+                                   "help topics, shipped with CPython) in the original format")
+    corpus.add_argument("--out", required=True, help="directory for train.txt and eval.txt")
+    corpus.set_defaults(func=_demo_corpus)
+
 
 def initialize_distributed(args: argparse.Namespace) -> None:
     """jax.distributed.initialize() for multi-process runs; must run before any other JAX call."""
@@ -48,6 +53,14 @@ def _pretrain(args: argparse.Namespace) -> int:
     result = pretrain.run(config, args.workdir, init_from=args.init_from,
                           max_steps_this_run=args.max_steps_this_run)
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
+
+
+def _demo_corpus(args: argparse.Namespace) -> int:
+    from bertjax.demo_corpus import write_demo_corpus
+
+    train_path, eval_path = write_demo_corpus(args.out)
+    print(f"wrote {train_path} and {eval_path}")
+    return 0
 
 
 def _keep_tensorflow_off_accelerators() -> None:
