@@ -62,9 +62,10 @@ def run_measured(cmd: list[str]) -> tuple[float, float, float, str]:
     return wall, float(cpu), int(rss_kb) / 1024, proc.stdout
 
 
-def run_create(corpus_glob: str, vocab: str, out: Path, extra: list[str]) -> tuple[float, float, float, str]:
+def run_create(corpus_glob: str, vocab: str, out: Path, extra: list[str],
+               entry: tuple[str, ...] = ("-m", "bertjax.cli", "data", "create")) -> tuple[float, float, float, str]:
     """`bertjax data create` with the reference's flags: (wall s, CPU s, peak RSS MB, last log line)."""
-    cmd = [sys.executable, "-m", "bertjax.cli", "data", "create", "--input", corpus_glob, "--vocab", vocab,
+    cmd = [sys.executable, *entry, "--input", corpus_glob, "--vocab", vocab,
            "--out", str(out), "--max-seq-length", "128", "--max-predictions", "20", "--dupe-factor", "5",
            "--shards", "8", *extra]
     wall, cpu, rss, stdout = run_measured(cmd)
@@ -110,6 +111,13 @@ def main(argv=None) -> int:
         print(f"(c) data create: {examples} instances in {wall:.1f} s wall ({examples / wall:,.0f} inst/s; "
               f"{cpu:.1f} s CPU), peak RSS {rss:.0f} MB | reference {REFERENCE_INSTANCES} in {REFERENCE_SECONDS} s"
               f": speed-up x{REFERENCE_SECONDS / wall:.2f} wall (target >= x2), RSS ratio {rss / REFERENCE_RSS_MB:.2f}")
+
+        # The same job through pipelines/create_pretraining_data.py, which imports only the data modules.
+        wall_p, cpu_p, rss_p, _ = run_create(str(tmp / "x4" / "*.txt"), args.vocab, tmp / "records-p",
+                                             ["--doc-buffer", str(args.doc_buffer)],
+                                             entry=(str(ROOT / "pipelines" / "create_pretraining_data.py"),))
+        print(f"(c) via pipelines/create_pretraining_data.py: {wall_p:.1f} s wall ({cpu_p:.1f} s CPU), peak RSS "
+              f"{rss_p:.0f} MB | speed-up x{REFERENCE_SECONDS / wall_p:.2f} wall")
 
         # (a) raw text -> masked batches, dynamic masking, 3 epochs after one warm-up epoch.
         config = PretrainingDataConfig(inputs=(str(tmp / "x4" / "*.txt"),), vocab_path=args.vocab,
