@@ -153,7 +153,7 @@ import numpy as np
 from bertjax.data.pipeline import PretrainingDataConfig, make_pretraining_dataset, restore_iterator
 spec = json.loads(sys.argv[1])
 for case in spec:
-    config = PretrainingDataConfig(**{k: tuple(v) if k == "inputs" else v for k, v in case["config"].items()})
+    config = PretrainingDataConfig(**case["config"])
     it = iter(make_pretraining_dataset(config, case["batch"], case["process_index"], case["process_count"]))
     restore_iterator(it, case["checkpoint"])
     batches = [next(it) for _ in range(case["after"])]
@@ -239,7 +239,7 @@ port, pid, config_json, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.ar
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
 from bertjax.data.global_batch import host_batch_to_global
 from bertjax.data.pipeline import PretrainingDataConfig, make_pretraining_dataset
-config = PretrainingDataConfig(**{k: tuple(v) if k == "inputs" else v for k, v in json.loads(config_json).items()})
+config = PretrainingDataConfig(**json.loads(config_json))
 batch = next(make_pretraining_dataset(config, 16, jax.process_index(), jax.process_count()).as_numpy_iterator())
 mesh = Mesh(np.array(jax.devices()), ("data",))
 arrays = host_batch_to_global(batch, mesh, PartitionSpec("data"))

@@ -43,8 +43,8 @@ class CorpusConfig:
     wrapped_doc_blank_lines: int = 3  # wrapped: this many blank lines end a document (Gutenberg: chapters)
 
     def __post_init__(self):
-        if isinstance(self.inputs, str):
-            object.__setattr__(self, "inputs", (self.inputs,))
+        # A single path, or a list (e.g. from a JSON/YAML config), becomes a tuple.
+        object.__setattr__(self, "inputs", (self.inputs,) if isinstance(self.inputs, str) else tuple(self.inputs))
         if not self.is_tfds and self.format not in FORMATS:
             raise ValueError(f"unknown corpus format {self.format!r}; expected one of {', '.join(FORMATS)}")
         if self.max_line_chars < 1:

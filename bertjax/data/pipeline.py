@@ -55,8 +55,8 @@ class PretrainingDataConfig:
     max_line_chars: int = 100_000
 
     def __post_init__(self):
-        if isinstance(self.inputs, str):
-            object.__setattr__(self, "inputs", (self.inputs,))
+        # A single path, or a list (e.g. from a JSON/YAML config), becomes a tuple.
+        object.__setattr__(self, "inputs", (self.inputs,) if isinstance(self.inputs, str) else tuple(self.inputs))
         if self.input_kind not in INPUT_KINDS:
             raise ValueError(f"input_kind={self.input_kind!r}; expected one of {INPUT_KINDS}")
         if self.masking not in MASKING_MODES:
