@@ -81,8 +81,7 @@ class Embeddings(nn.Module):
 
     def setup(self):
         c = self.config
-        init = lambda names: nn.with_logical_partitioning(
-            nn.initializers.truncated_normal(stddev=c.initializer_range * _TRUNCATION_STD), names)
+        init = functools.partial(_kernel_init, c)
         self.word_embeddings = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=init(("vocab", "embed")),
                                         param_dtype=jnp.float32, dtype=_dtype(c))
         self.position_embeddings = nn.Embed(c.max_position_embeddings, c.hidden_size,

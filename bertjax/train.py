@@ -15,11 +15,9 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
-from bertjax import metrics as metrics_lib
 from bertjax import model as model_lib
 from bertjax import optim, sharding
 from bertjax.config import BertConfig

@@ -1,5 +1,4 @@
 """The train step against transformers.BertForPreTraining + torch AdamW, and its accumulation/skip behaviour."""
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
