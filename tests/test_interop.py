@@ -15,11 +15,25 @@ from bertjax.interop import load_pretrained
 from bertjax.interop.tf import write_tf_checkpoint
 
 BUILTIN_SENTENCES = [
+    "Short.",
+    "The film works.",
+    "A quiet, patient drama.",
+    "It never quite finds its rhythm.",
     "the movie was a delight from start to finish .",
     "A gripping, beautifully shot thriller that never lets go.",
     "I wanted to like it, but the plot made no sense whatsoever.",
-    "Short.",
-] * 16
+    "Its best moments come when the two leads simply talk to each other about nothing in particular.",
+    "Even at two hours, the story feels rushed, as if whole scenes had been cut at the last minute.",
+    "What begins as a light comedy about a family reunion slowly turns into something darker and far more "
+    "interesting than its trailer suggests.",
+    "The soundtrack is wonderful.",
+    "Nobody in the cast seems to know what film they are in, and the director does not help them.",
+    "An honest, funny and moving portrait of growing up in a small town where everyone knows your name.",
+    "Dull.",
+    "Visually stunning yet emotionally empty, it is a film to admire rather than to love.",
+    "If you liked the first one, you will probably enjoy this sequel, although it adds very little that is new, "
+    "and its jokes are recycled from better movies of the same kind.",
+] * 4
 
 
 def _sst2_dev_sentences(shared_data_dir, count=96):
