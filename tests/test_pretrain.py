@@ -141,6 +141,21 @@ def test_eight_device_checkpoint_continues_on_fewer_devices(uninterrupted, corpu
                                rtol=1e-5)
 
 
+def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp_path):
+    workdir = tmp_path / "phase2"
+    argv = _argv(workdir, corpus, "--init-from", str(uninterrupted / "checkpoints" / str(STEPS)))
+    argv[argv.index("data.max_seq_length=64")] = "data.max_seq_length=128"  # phase 2: longer sequences
+    argv[argv.index("data.max_predictions_per_seq=10")] = "data.max_predictions_per_seq=20"
+    argv[argv.index(f"train.steps={STEPS}")] = "train.steps=2"
+    argv[argv.index("optimizer.warmup_steps=5")] = "optimizer.warmup_steps=1"
+    output = _run(argv)
+    assert "initialised from" in output and "fresh optimizer state and schedule" in output
+    phase2, fresh = _losses(workdir), _losses(uninterrupted)
+    assert sorted(phase2) == [1, 2]
+    # The first phase-2 step sees the phase-1 weights: far below a freshly initialised model's first loss.
+    assert phase2[1] < fresh[1] - 0.5
+
+
 def test_two_processes_match_one_process():
     sys.path.insert(0, str(REPO_ROOT))
     from launch.local import launch
