@@ -68,8 +68,10 @@ def _settings(args: argparse.Namespace):
 
 
 def _quiet_logs() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every read at INFO
+    """Progress (per-epoch loss, wall time) at INFO on stderr. The level is set on the "bertjax" logger, not the
+    root: importing absl (TF, Orbax) later resets the root level to WARNING."""
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("bertjax").setLevel(logging.INFO)
 
 
 def _glue(args: argparse.Namespace) -> int:
