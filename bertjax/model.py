@@ -76,6 +76,17 @@ class LayerNorm(nn.Module):
         return y.astype(_dtype(self.config))
 
 
+def small_table_lookup(table, ids):
+    """table[ids] for a table of a few rows (token types), float32, without a gather.
+
+    A gather's gradient is a scatter-add, which on GPU serialises its atomic adds when every token hits one of
+    two rows (measured: 59 of 99 ms of a BERT-base step on an H100). Selecting rows makes the gradient a plain
+    reduction; the forward value is exact (one row plus zeros).
+    """
+    hits = ids[..., None] == jnp.arange(table.shape[0])                     # [..., rows]
+    return jnp.sum(jnp.where(hits[..., None], table.astype(jnp.float32), 0.0), axis=-2)
+
+
 class Embeddings(nn.Module):
     config: BertConfig
 
@@ -102,7 +113,7 @@ class Embeddings(nn.Module):
             positions = self.position_embeddings(position_ids)
         x = (self.word_embeddings(input_ids).astype(jnp.float32)
              + positions.astype(jnp.float32)
-             + self.token_type_embeddings(segment_ids).astype(jnp.float32))
+             + small_table_lookup(self.token_type_embeddings.embedding, segment_ids))
         x = self.LayerNorm(x)
         return self.dropout(x, deterministic=deterministic)
 

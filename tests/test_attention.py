@@ -71,6 +71,32 @@ def test_backend_matches_reference_forward_and_gradient(inputs, backend):
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=1e-5)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the cuDNN fused attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("backend", ["dot_product", "cudnn"])
+def test_gpu_fused_backend_matches_reference_in_bfloat16(backend):
+    """cuDNN flash attention (bf16 only) at a BERT-like shape against the float32 reference on the same inputs."""
+    rng = np.random.default_rng(1)
+    shape = (4, 128, 4, 64)
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16) for _ in range(3))
+    input_mask = np.ones(shape[:2], np.int32)
+    input_mask[1, 70:] = 0
+    input_mask[3, 5:] = 0
+    valid = input_mask.astype(bool)
+    out = dot_product_attention(q, k, v, input_mask, backend=backend)
+    grads = jax.grad(_loss(backend, input_mask, None), argnums=(0, 1, 2))(q, k, v)
+    as32 = [t.astype(jnp.float32) for t in (q, k, v)]
+    reference = reference_attention(*as32, input_mask)
+    reference_grads = jax.grad(_loss("reference", input_mask, None), argnums=(0, 1, 2))(*as32)
+
+    def relative(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return np.linalg.norm(a - b) / np.linalg.norm(b)
+    assert out.dtype == jnp.bfloat16
+    assert relative(np.asarray(out, np.float32)[valid], np.asarray(reference)[valid]) < 1e-2
+    for grad, expected in zip(grads, reference_grads):
+        assert relative(grad, expected) < 2e-2
+
+
 def test_fully_padded_rows_are_finite(inputs):
     q, k, v, _, _ = inputs
     no_tokens = np.zeros((BATCH, LENGTH), np.int32)

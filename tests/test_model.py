@@ -119,3 +119,16 @@ def test_embed_cli_rejects_empty_input(minilm_dir, tmp_path, capsys):
     assert cli(["embed", "--checkpoint", str(minilm_dir), "--input", str(tmp_path / "empty.txt"),
                 "--output", str(tmp_path / "o.npy")]) == 2
     assert "holds no sentences" in capsys.readouterr().err
+
+
+def test_small_table_lookup_equals_gather_forward_and_gradient():
+    """The token-type lookup (no gather, so no scatter-add gradient) is exactly table[ids], gradient included."""
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 3, size=(4, 7)), jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(4, 7, 5)), jnp.float32)
+    np.testing.assert_array_equal(model_lib.small_table_lookup(table, ids), jnp.take(table, ids, axis=0))
+    grad = jax.grad(lambda t: jnp.sum(model_lib.small_table_lookup(t, ids) * weights))(table)
+    expected = np.zeros((3, 5), np.float32)
+    np.add.at(expected, np.asarray(ids), np.asarray(weights))
+    np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=1e-6)
