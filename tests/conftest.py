@@ -4,6 +4,9 @@ import os
 # Must happen before jax is imported anywhere: 8 host devices let tests build real meshes on CPU.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# float32 matmuls in full precision on every platform (GPUs default to TF32), so that the 1e-5 comparisons
+# against references hold on a GPU machine too; a no-op on CPU.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 import pathlib
 
