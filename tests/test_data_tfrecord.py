@@ -218,3 +218,31 @@ def test_pipelines_wrapper_runs_data_create(tmp_path, corpus_slice, capsys):
     assert wrapper["main"](["--input", str(corpus), "--format", "wikitext", "--vocab", vocab, "--out",
                             str(tmp_path / "out"), "--dupe-factor", "1", "--shards", "2"]) == 0
     assert len(find_shards([str(tmp_path / "out")])) == 2
+
+
+def test_workers_split_the_input_files_between_them(corpus_slice, tmp_path):
+    """--worker-index/--num-workers: each worker reads its own files and writes its own shards and metadata;
+    together they cover exactly what one worker over all files covers."""
+    corpus, vocab = corpus_slice
+    lines = corpus.read_text(encoding="utf-8").splitlines(keepends=True)
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for part in range(4):
+        (inputs / f"part-{part}.raw").write_text("".join(lines[part * 75:(part + 1) * 75]), encoding="utf-8")
+    glob = str(inputs / "part-*.raw")
+    for worker in (0, 1):
+        assert _create(Path(glob), vocab, tmp_path / "split", "--worker-index", str(worker),
+                       "--num-workers", "2") == 0
+    assert _create(Path(glob), vocab, tmp_path / "whole") == 0
+
+    names = sorted(p.name for p in (tmp_path / "split").iterdir())
+    assert names == ["pretrain-w00000-00000-of-00003.tfrecord", "pretrain-w00000-00001-of-00003.tfrecord",
+                     "pretrain-w00000-00002-of-00003.tfrecord", "pretrain-w00000-metadata.json",
+                     "pretrain-w00001-00000-of-00003.tfrecord", "pretrain-w00001-00001-of-00003.tfrecord",
+                     "pretrain-w00001-00002-of-00003.tfrecord", "pretrain-w00001-metadata.json"]
+    split = [json.loads((tmp_path / "split" / f"pretrain-w0000{w}-metadata.json").read_text()) for w in (0, 1)]
+    whole = json.loads((tmp_path / "whole" / "pretrain-metadata.json").read_text())
+    assert [m["stats"]["input_files"] for m in split] == [2, 2]
+    for counter in ("documents_read", "input_files"):
+        assert sum(m["stats"][counter] for m in split) == whole["stats"][counter], counter
+    assert len(find_shards([str(tmp_path / "split")])) == 6
