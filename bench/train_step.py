@@ -1,11 +1,11 @@
 """One pretraining step at BERT-base shape: bertjax vs transformers.BertForPreTraining + torch AdamW, same run.
 
-    .venv/bin/python bench/train_step.py [--batch 8] [--seq 128] [--repeats 5] [--lengths 128,256,512]
+    .venv/bin/python bench/train_step.py [--batch 8] [--seq 128] [--repeats 3] [--lengths 128,256,512]
 
 Prints sequences/s of each side and their ratio, model TFLOP/s and the fraction of a matmul peak measured in the
-same run (the CPU's reference for MFU), then bertjax's sequences/s at each of --lengths. Steps alternate between the
-two sides so that machine noise hits both alike; the reference runs in a child process, never at the same time. On an accelerator pass --dtype bfloat16 and the MFU is against
-the device's table peak.
+same run (the CPU's reference for MFU), then bertjax's sequences/s at each of --lengths. The sides take turns of a
+few steps so that machine noise hits both alike; the reference runs in a child process, never at the same time. On
+an accelerator pass --dtype bfloat16 and the MFU is against the device's table peak.
 """
 from __future__ import annotations
 
