@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bertjax.dropout import dropout
+
 FUSED_BACKENDS = ("dot_product", "cudnn", "pallas_tpu", "splash_tpu")
 
 
@@ -83,8 +85,7 @@ def reference_attention(query, key, value, input_mask, packing_ids=None, *, drop
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     if not deterministic and dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+        probs = dropout(probs, dropout_rate, dropout_rng)
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(value.dtype), value)
 
 

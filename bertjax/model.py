@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from bertjax.attention import dot_product_attention
 from bertjax.config import BertConfig
+from bertjax.dropout import Dropout
 
 # The truncated normal of TF's truncated_normal_initializer(stddev) has a smaller std than `stddev`; jax's
 # initializer is parameterised by the std after truncation, hence the factor (std of N(0,1) cut at +-2).
@@ -102,7 +103,7 @@ class Embeddings(nn.Module):
                                               embedding_init=init((None, "embed")), param_dtype=jnp.float32,
                                               dtype=_dtype(c))
         self.LayerNorm = LayerNorm(c)
-        self.dropout = nn.Dropout(c.hidden_dropout_prob)
+        self.dropout = Dropout(c.hidden_dropout_prob)
 
     def __call__(self, input_ids, segment_ids, position_ids, deterministic: bool):
         # Summed in float32, as the reference implementations do, before the LayerNorm.
@@ -177,7 +178,7 @@ class AttentionBlock(nn.Module):
         c = self.config
         context = SelfAttention(c, name="self")(hidden, input_mask, packing_ids, deterministic)
         out = HeadProjection(c, to_heads=False, name="output_dense")(context)
-        out = nn.Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
+        out = Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
         return LayerNorm(c, name="output_LayerNorm")(out + hidden)
 
 
@@ -198,7 +199,7 @@ class Layer(nn.Module):
         out = nn.Dense(c.hidden_size, dtype=_dtype(c), param_dtype=jnp.float32,
                        kernel_init=_kernel_init(c, ("mlp", "embed")), bias_init=_zeros(("embed",)),
                        name="output")(inner)
-        out = nn.Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
+        out = Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
         out = LayerNorm(c, name="output_LayerNorm")(out + hidden)
         return _constrain(out, ("activation_batch", "activation_length", "activation_embed"))
 
@@ -285,7 +286,7 @@ class BertForSequenceClassification(nn.Module):
     def __call__(self, input_ids, input_mask, segment_ids, *, deterministic: bool = True):
         _, pooled = BertModel(self.config, name="bert")(input_ids, input_mask, segment_ids,
                                                           deterministic=deterministic)
-        pooled = nn.Dropout(self.config.hidden_dropout_prob)(pooled, deterministic=deterministic)
+        pooled = Dropout(self.config.hidden_dropout_prob)(pooled, deterministic=deterministic)
         return nn.Dense(self.num_labels, dtype=jnp.float32, param_dtype=jnp.float32,
                         kernel_init=_kernel_init(self.config, ("embed", None)), bias_init=_zeros((None,)),
                         name="classifier")(pooled.astype(jnp.float32))

@@ -128,14 +128,20 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
 
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
-    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    keep_if_finite = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    def update(params, opt_state, grads):
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state
+
+    # A branch rather than a select per leaf: a select keeps old and new params and moments alive together, which
+    # costs XLA extra passes and copies over every tensor (measured: 0.2 s of a 3.9 s BERT-base step on CPU).
+    new_params, new_opt_state = jax.lax.cond(finite, update, lambda params, opt_state, grads: (params, opt_state),
+                                             state.params, state.opt_state, grads)
     nonfinite = (~finite).astype(jnp.int32)
     new_state = state.replace(
         step=state.step + 1,
-        params=keep_if_finite(new_params, state.params),
-        opt_state=keep_if_finite(new_opt_state, state.opt_state),
+        params=new_params,
+        opt_state=new_opt_state,
         nonfinite_total=state.nonfinite_total + nonfinite,
         nonfinite_consecutive=jnp.where(finite, 0, state.nonfinite_consecutive + 1))
     step_metrics = summarize(sums, step_config.nsp_loss)

@@ -1,0 +1,51 @@
+"""Dropout with a cheaper keep mask: 16 random bits per element, two elements per 32-bit threefry word.
+
+On CPU the threefry hash, not the masking, is what dropout costs: `jax.random.bernoulli` spends one 32-bit word
+per element, and XLA regenerates the bits in the backward pass rather than storing the mask. Two 16-bit draws per
+word halve that (measured: BERT-base step on a 2-core CPU, see docs/architecture.md). The keep probability is
+rounded to a multiple of 2^-16 (0.9 -> 0.8999939) and the kept values are scaled by the inverse of that rounded
+probability, so the output stays an unbiased estimate of the input, as in standard (inverted) dropout.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_LEVELS = 1 << 16
+
+
+def keep_threshold(rate: float) -> int:
+    """Draws (uniform on [0, 2^16)) below this are kept: round((1 - rate) * 2^16)."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    return round((1.0 - rate) * _LEVELS)
+
+
+def keep_mask(rng, rate: float, shape) -> jax.Array:
+    """Boolean keep mask of `shape`, each element kept with probability keep_threshold(rate) / 2^16."""
+    size = math.prod(shape)
+    words = jax.random.bits(rng, ((size + 1) // 2,), jnp.uint32)
+    draws = jnp.concatenate([words & jnp.uint32(_LEVELS - 1), words >> 16])[:size]
+    return (draws < jnp.uint32(keep_threshold(rate))).reshape(shape)
+
+
+def dropout(x, rate: float, rng) -> jax.Array:
+    """Inverted dropout of `x` (kept values scaled by 2^16 / threshold), in the dtype of `x`."""
+    keep = keep_mask(rng, rate, x.shape)
+    scale = _LEVELS / keep_threshold(rate)
+    return jnp.where(keep, x * jnp.asarray(scale, x.dtype), jnp.zeros((), x.dtype))
+
+
+class Dropout(nn.Module):
+    """`flax.linen.Dropout` with the mask of `keep_mask`; draws from the "dropout" RNG stream."""
+
+    rate: float
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        if deterministic or self.rate == 0.0:
+            return x
+        return dropout(x, self.rate, self.make_rng("dropout"))

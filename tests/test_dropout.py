@@ -1,0 +1,57 @@
+"""The 16-bit dropout mask (bertjax.dropout) against its definition: keep rate, independence, unbiasedness."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bertjax import dropout as dropout_lib
+
+
+def test_threshold_rounds_the_keep_probability_to_sixteen_bits():
+    assert dropout_lib.keep_threshold(0.1) == 58982            # round(0.9 * 65536)
+    assert dropout_lib.keep_threshold(0.5) == 32768
+    assert dropout_lib.keep_threshold(0.0) == 65536
+    with pytest.raises(ValueError, match=r"dropout rate must be in \[0, 1\), got 1.0"):
+        dropout_lib.keep_threshold(1.0)
+
+
+def test_keep_rate_matches_the_threshold_within_binomial_noise():
+    shape = (64, 128, 129)  # odd element count: the last word's upper half is dropped
+    keep = np.asarray(dropout_lib.keep_mask(jax.random.key(3), 0.1, shape))
+    assert keep.shape == shape and keep.dtype == bool
+    p = 58982 / 65536
+    n = keep.size
+    assert abs(keep.mean() - p) < 5 * np.sqrt(p * (1 - p) / n)
+
+
+def test_the_two_halves_of_a_word_are_independent_draws():
+    # Elements i and i + n/2 come from the low and high 16 bits of one word: their agreement must be that of
+    # independent coin flips (a shared or shifted half would make them agree far more often).
+    keep = np.asarray(dropout_lib.keep_mask(jax.random.key(0), 0.5, (1 << 20,)))
+    low, high = keep[: 1 << 19], keep[1 << 19:]
+    n = low.size
+    assert abs((low == high).mean() - 0.5) < 5 * np.sqrt(0.25 / n)
+    assert abs((keep[:-1] == keep[1:]).mean() - 0.5) < 5 * np.sqrt(0.25 / n)
+
+
+def test_dropout_is_unbiased_and_zeroes_the_dropped():
+    x = jnp.full((256, 1024), 2.0)
+    out = np.asarray(dropout_lib.dropout(x, 0.1, jax.random.key(7)))
+    kept = out != 0
+    np.testing.assert_allclose(out[kept], 2.0 * 65536 / 58982, rtol=1e-6)
+    assert abs(out.mean() - 2.0) < 5 * 2.0 * np.sqrt((1 / 0.9 - 1) / out.size)
+
+
+def test_same_key_same_mask_other_key_other_mask():
+    a = dropout_lib.keep_mask(jax.random.key(1), 0.1, (32, 32))
+    b = dropout_lib.keep_mask(jax.random.key(1), 0.1, (32, 32))
+    c = dropout_lib.keep_mask(jax.random.key(2), 0.1, (32, 32))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_gradient_flows_through_kept_elements_only():
+    x = jnp.ones((16, 64))
+    key = jax.random.key(5)
+    grad = np.asarray(jax.grad(lambda v: dropout_lib.dropout(v, 0.25, key).sum())(x))
+    keep = np.asarray(dropout_lib.keep_mask(key, 0.25, x.shape))
+    np.testing.assert_allclose(grad, np.where(keep, 65536 / 49152, 0.0), rtol=1e-6)
