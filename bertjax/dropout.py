@@ -33,10 +33,15 @@ def keep_mask(rng, rate: float, shape) -> jax.Array:
 
 
 def dropout(x, rate: float, rng) -> jax.Array:
-    """Inverted dropout of `x` (kept values scaled by 2^16 / threshold), in the dtype of `x`."""
+    """Inverted dropout of `x` (kept values scaled by 2^16 / threshold), in the dtype of `x`.
+
+    The scaling is done in float32 and rounded once: a bfloat16 scale factor would itself be off by ~0.2%, a bias
+    on every kept activation.
+    """
     keep = keep_mask(rng, rate, x.shape)
     scale = _LEVELS / keep_threshold(rate)
-    return jnp.where(keep, x * jnp.asarray(scale, x.dtype), jnp.zeros((), x.dtype))
+    scaled = (x.astype(jnp.float32) * scale).astype(x.dtype)
+    return jnp.where(keep, scaled, jnp.zeros((), x.dtype))
 
 
 class Dropout(nn.Module):

@@ -55,3 +55,13 @@ def test_gradient_flows_through_kept_elements_only():
     grad = np.asarray(jax.grad(lambda v: dropout_lib.dropout(v, 0.25, key).sum())(x))
     keep = np.asarray(dropout_lib.keep_mask(key, 0.25, x.shape))
     np.testing.assert_allclose(grad, np.where(keep, 65536 / 49152, 0.0), rtol=1e-6)
+
+
+def test_bfloat16_values_are_scaled_in_float32_and_rounded_once():
+    x = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32).astype(jnp.bfloat16)
+    out = dropout_lib.dropout(x, 0.1, jax.random.key(4))
+    assert out.dtype == jnp.bfloat16
+    keep = np.asarray(dropout_lib.keep_mask(jax.random.key(4), 0.1, x.shape))
+    expected = (np.asarray(x, np.float32) * (65536 / 58982)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out)[keep], expected[keep])
+    assert (np.asarray(out)[~keep] == 0).all()
