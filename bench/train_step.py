@@ -3,9 +3,11 @@
     .venv/bin/python bench/train_step.py [--batch 8] [--seq 128] [--repeats 3] [--lengths 128,256,512]
 
 Prints sequences/s of each side and their ratio, model TFLOP/s and the fraction of a matmul peak measured in the
-same run (the CPU's reference for MFU), then bertjax's sequences/s at each of --lengths. The sides take turns of a
-few steps so that machine noise hits both alike; the reference runs in a child process, never at the same time. On
-an accelerator pass --dtype bfloat16 and the MFU is against the device's table peak.
+same run (the CPU's reference for MFU: the faster of XLA's and torch's fp32 matmul), then bertjax's sequences/s at
+each of --lengths. The sides take turns of a few steps so that machine noise hits both alike; the reference runs in
+a child process, never at the same time. On a CPU both sides run with the malloc settings of bertjax.host_memory,
+which the `bertjax` command applies there. On an accelerator pass --dtype bfloat16 and the MFU is against the
+device's table peak.
 """
 from __future__ import annotations
 
@@ -95,10 +97,38 @@ def _torch(config, batch, seq, masked, threads):
     return run
 
 
+def _same_host_malloc_as_bertjax() -> bool:
+    """The malloc settings the `bertjax` command applies on CPU (bertjax.host_memory); both sides get them, for a
+    fair ratio (torch's CPU step gains as much from them as ours)."""
+    from bertjax import host_memory
+
+    return host_memory.jax_runs_on_cpu_only(os.environ) and host_memory.keep_freed_memory()
+
+
+def _torch_matmul_peak(size: int = 1024, repeats: int = 5) -> float | None:
+    """FLOP/s of torch's fp32 square matmul on the CPU (its MKL sgemm beats XLA's matmuls on some CPUs), the same
+    shape and best-of as bertjax.metrics.measure_matmul_peak; None on a GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    a = torch.ones(size, size)
+    a @ a
+    best = min(_seconds(lambda: a @ a) for _ in range(repeats))
+    return 2 * size ** 3 / best
+
+
+def _seconds(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
 def _serve_torch(config, batch, seq, masked, threads, conn):
     """Child process: builds the reference step, then times one step per request on `conn`."""
+    _same_host_malloc_as_bertjax()
     run = _torch(config, batch, seq, masked, threads)
-    conn.send("ready")
+    conn.send(("ready", _torch_matmul_peak()))
     while conn.recv():
         conn.send(run())
 
@@ -112,7 +142,8 @@ def _torch_in_subprocess(config, batch, seq, masked, threads):
     parent, child = context.Pipe()
     process = context.Process(target=_serve_torch, args=(config, batch, seq, masked, threads, child), daemon=True)
     process.start()
-    assert parent.recv() == "ready"
+    ready, matmul_peak = parent.recv()
+    assert ready == "ready"
 
     def run():
         parent.send(True)
@@ -122,6 +153,7 @@ def _torch_in_subprocess(config, batch, seq, masked, threads):
         parent.send(False)
         process.join()
     run.close = close
+    run.matmul_peak = matmul_peak
     return run
 
 
@@ -156,6 +188,7 @@ def main() -> int:
     parser.add_argument("--attention-dropout", type=float, default=0.1)
     parser.add_argument("--trace", metavar="DIR", help="also profile 3 bertjax steps into DIR and print the top ops")
     args = parser.parse_args()
+    malloc_tuned = _same_host_malloc_as_bertjax()  # before JAX starts its threads
 
     import jax
 
@@ -166,8 +199,16 @@ def main() -> int:
                                attention_probs_dropout_prob=args.attention_dropout,
                                attention_backend=args.attention_backend)
     device = jax.devices()[0]
+    reference = (None if args.skip_torch
+                 else _torch_in_subprocess(config, args.batch, args.seq, args.masked, args.threads))
     if device.platform == "cpu":
-        peak, peak_source = metrics.measure_matmul_peak(), "measured fp32 matmul peak"
+        # The machine's peak is the faster of the two frameworks' matmuls, each measured here, now.
+        peaks = {"XLA": metrics.measure_matmul_peak()}
+        if reference and reference.matmul_peak:
+            peaks["torch"] = reference.matmul_peak
+        peak = max(peaks.values())
+        peak_source = "best fp32 1024^3 matmul measured: " + ", ".join(
+            f"{name} {value / 1e9:.1f}" for name, value in peaks.items())
     else:
         peak, peak_source = metrics.device_peak_flops(device, args.dtype)
     flops = metrics.train_flops_per_sequence(config, args.seq, args.masked)
@@ -175,9 +216,9 @@ def main() -> int:
           f"{args.attention_backend}), batch {args.batch}, seq {args.seq}, "
           f"{args.dtype}, {device.device_kind}; {flops / 1e9:.1f} GFLOP/sequence; peak {peak / 1e9:.1f} GFLOP/s "
           f"({peak_source})")
+    print("  host malloc: " + ("keeps freed memory (bertjax.host_memory), both sides" if malloc_tuned
+                               else "glibc defaults"))
     ours = _ours(config, args.batch, args.seq, args.masked)
-    reference = (None if args.skip_torch
-                 else _torch_in_subprocess(config, args.batch, args.seq, args.masked, args.threads))
     ours_times, torch_times = [], []
     for _ in range(args.repeats):
         # Turns of a few steps per side; the first step after a switch is dropped: it pays for the other side's

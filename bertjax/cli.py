@@ -10,6 +10,8 @@ import importlib
 import os
 import sys
 
+from bertjax import host_memory
+
 # TensorFlow (used for tf.data and tokenizers only) logs at INFO level by default; keep warnings and errors.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -31,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if host_memory.jax_runs_on_cpu_only(os.environ):
+        # Before anything starts JAX's threads (see host_memory): ~9% faster CPU train steps.
+        host_memory.keep_freed_memory()
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

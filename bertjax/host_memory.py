@@ -1,0 +1,48 @@
+"""glibc malloc settings for XLA:CPU jobs: keep freed memory in the process instead of returning it to the OS.
+
+XLA:CPU allocates all of a step's temporaries as one block from a worker thread (1.6 GB for a BERT-base train
+step at batch 8, seq 128). glibc serves a block that large from a fresh mmap, unmaps it when the step ends, and
+the next step faults the same 1.6 GB back in as zeroed 4 KiB pages: 400k page faults and ~0.6 s of kernel time
+in a 3.3 s step on a 2-core machine (measured; torch's CPU step pays the same, 260k faults). Serving every
+thread from the main arena with mmap off and trimming off makes the block stay mapped and reused: no faults.
+
+Applied only where JAX can only run on the CPU. On TPU and GPU hosts the step's memory is on the device, and a
+single arena could slow tf.data's many threads.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import sys
+from collections.abc import Mapping
+
+# mallopt() parameters, from glibc's <malloc.h>.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+
+
+def jax_runs_on_cpu_only(environ: Mapping[str, str]) -> bool:
+    """True when JAX in this process can only pick the CPU backend (decided without initialising JAX)."""
+    platforms = {name.strip() for name in environ.get("JAX_PLATFORMS", "").split(",") if name.strip()}
+    if platforms:
+        return platforms == {"cpu"}
+    has_plugin = (bool(importlib.metadata.entry_points(group="jax_plugins"))
+                  or importlib.util.find_spec("jax_plugins") is not None)
+    return not has_plugin and importlib.util.find_spec("libtpu") is None
+
+
+def keep_freed_memory() -> bool:
+    """Sets glibc's malloc to one arena, no mmap and no trimming; True if applied (glibc on Linux only).
+
+    Call it before JAX creates its worker threads (before the first JAX computation): a thread that has already
+    attached to its own arena keeps it, and large blocks from such an arena are still mmapped.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version"):  # musl and other C libraries have no such knobs
+        return False
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))  # -1: never trim
+    return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
