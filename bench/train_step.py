@@ -102,7 +102,7 @@ def _same_host_malloc_as_bertjax() -> bool:
     fair ratio (torch's CPU step gains as much from them as ours)."""
     from bertjax import host_memory
 
-    return host_memory.should_keep_freed_memory(os.environ) and host_memory.keep_freed_memory()
+    return host_memory.keep_freed_memory_if_cpu_job(os.environ)
 
 
 def _torch_matmul_peak(size: int = 1024, repeats: int = 5) -> float | None:

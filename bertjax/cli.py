@@ -33,9 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if host_memory.should_keep_freed_memory(os.environ):
-        # Before anything starts JAX's threads (see host_memory): ~9% faster CPU train steps.
-        host_memory.keep_freed_memory()
+    # Before anything starts JAX's threads (see host_memory): ~9% faster CPU train steps.
+    host_memory.keep_freed_memory_if_cpu_job(os.environ)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

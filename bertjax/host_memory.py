@@ -53,6 +53,11 @@ def should_keep_freed_memory(environ: Mapping[str, str]) -> bool:
     return jax_runs_on_cpu_only(environ) and not user_chose_malloc(environ)
 
 
+def keep_freed_memory_if_cpu_job(environ: Mapping[str, str]) -> bool:
+    """keep_freed_memory() where should_keep_freed_memory(environ); True if applied. Call it first thing."""
+    return should_keep_freed_memory(environ) and keep_freed_memory()
+
+
 def keep_freed_memory() -> bool:
     """Sets glibc's malloc to one arena, no mmap and no trimming; True if applied (glibc on Linux only).
 

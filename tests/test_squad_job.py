@@ -68,12 +68,14 @@ def test_squad_v2_job_outputs_metrics_and_hf_export(tiny_init, tmp_path):
     for qid, text in preds.items():
         assert text == "" or text in contexts[qid]  # spans are slices of the original context
         assert (text == "") == (null_odds[qid] > 0.0)  # threshold 0
-        assert 1 <= len(nbest[qid]) <= 21  # the 20 best spans plus the null answer
         entries = nbest[qid]
         texts = [e["text"] for e in entries]
         assert texts.count("") == 1 and len(set(texts)) == len(texts)  # v2: the null once, no duplicate spans
         assert all(t in contexts[qid] for t in texts)
         scores = np.array([e["start_logit"] + e["end_logit"] for e in entries])
+        # At most the 20 best spans, then the null if it was not among them; all ranked by start + end logit.
+        assert len(entries) <= 21 and np.all(np.diff(scores) <= 0), scores
+        assert text == "" or text == next(t for t in texts if t)  # a span answer is the best-scored span
         np.testing.assert_allclose([e["probability"] for e in entries],
                                    np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum(), rtol=1e-6)
     official = sm.evaluate_v2(data["data"], preds, null_odds)
