@@ -33,8 +33,8 @@ def main() -> int:
     import transformers
 
     from bertjax import model as model_lib
-    from bertjax.config import BertConfig
-    from bertjax.interop import load_pretrained
+    from bertjax.model_config import BertConfig
+    from bertjax.interop.load import load_pretrained
 
     torch.set_num_threads(args.threads)
     config = BertConfig.preset(args.preset, dtype=args.dtype)

@@ -27,8 +27,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bertjax.finetune import glue_data as gd  # noqa: E402
-from bertjax.finetune import glue_metrics as gm  # noqa: E402
+from bertjax.finetune import glue_data  # noqa: E402
+from bertjax.finetune import glue_metrics  # noqa: E402
 
 
 def default_init() -> str:
@@ -42,32 +42,34 @@ def subsample(splits: dict, limit: int | None) -> dict:
     if not limit:
         return splits
     train = splits["train"]
-    cut = gd.Examples(train.guids[:limit], train.text_a[:limit], None if train.text_b is None else train.text_b[:limit],
-                      train.labels[:limit])
+    cut = glue_data.Examples(train.guids[:limit], train.text_a[:limit],
+                             None if train.text_b is None else train.text_b[:limit], train.labels[:limit])
     return dict(splits, train=cut)
 
 
-def run_ours(task: gd.GlueTask, splits: dict, args, seed: int) -> dict:
+def run_ours(task: glue_data.GlueTask, splits: dict, args, seed: int) -> dict:
     from bertjax.finetune import glue
-    from bertjax.finetune.trainer import Trainer, TrainSettings, classification_loss, regression_loss
+    from bertjax.finetune.settings import TrainSettings
+    from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss
+    from bertjax.interop.load import load_init
     from bertjax.model import BertForSequenceClassification
 
-    ckpt, tokenizer = glue.load_init(args.init)
+    ckpt, tokenizer = load_init(args.init)
     settings = TrainSettings(learning_rate=args.learning_rate, batch_size=args.batch_size, epochs=args.epochs,
                              seed=seed)
     loss = regression_loss if task.is_regression else classification_loss
     trainer = Trainer(BertForSequenceClassification(ckpt.config, task.num_labels), ckpt.config, ckpt.params, loss,
                       settings, source=args.init)
-    train = gd.featurize(splits["train"], tokenizer, args.max_seq_length)
-    dev = gd.featurize(splits["dev:dev"], tokenizer, args.max_seq_length)
+    train = glue_data.featurize(splits["train"], tokenizer, args.max_seq_length)
+    dev = glue_data.featurize(splits["dev:dev"], tokenizer, args.max_seq_length)
     info = trainer.train(train)
     preds = glue.predictions_from_logits(task, trainer.predict(dev))
-    return {"metrics": gm.compute_metrics(task.name, preds, dev["labels"]),
+    return {"metrics": glue_metrics.compute_metrics(task.name, preds, dev["labels"]),
             "seconds_per_epoch": [h["seconds"] for h in info["history"]],
             "train_loss": [h["train_loss"] for h in info["history"]]}
 
 
-def run_hf(task: gd.GlueTask, splits: dict, args, seed: int) -> dict:
+def run_hf(task: glue_data.GlueTask, splits: dict, args, seed: int) -> dict:
     import torch
     import transformers
 
@@ -76,7 +78,7 @@ def run_hf(task: gd.GlueTask, splits: dict, args, seed: int) -> dict:
     tokenizer = transformers.BertTokenizerFast(vocab=os.path.join(args.init, "vocab.txt"), do_lower_case=True)
     model = transformers.BertForSequenceClassification.from_pretrained(args.init, num_labels=task.num_labels)
 
-    def encode(ex: gd.Examples):
+    def encode(ex: glue_data.Examples):
         return tokenizer(ex.text_a, ex.text_b, truncation=True, max_length=args.max_seq_length)
 
     def batch(enc, idx):  # dynamic padding to the longest row of the batch
@@ -116,8 +118,8 @@ def run_hf(task: gd.GlueTask, splits: dict, args, seed: int) -> dict:
             logits.append(model(**batch(dev, range(start, min(start + 64, len(dev["input_ids"]))))).logits.numpy())
     logits = np.concatenate(logits)
     preds = logits[:, 0] if task.is_regression else logits.argmax(-1)
-    return {"metrics": gm.compute_metrics(task.name, preds, splits["dev:dev"].labels), "seconds_per_epoch": seconds,
-            "train_loss": losses}
+    return {"metrics": glue_metrics.compute_metrics(task.name, preds, splits["dev:dev"].labels),
+            "seconds_per_epoch": seconds, "train_loss": losses}
 
 
 def report(results_path: str, tolerance: float) -> int:
@@ -136,9 +138,9 @@ def report(results_path: str, tolerance: float) -> int:
                 continue
             keys = runs[0]["metrics"].keys()
             metric_means = {k: 100 * float(np.mean([r["metrics"][k] for r in runs])) for k in keys}
-            score = 100 * float(np.mean([gm.task_score(task, r["metrics"]) for r in runs]))
+            score = 100 * float(np.mean([glue_metrics.task_score(task, r["metrics"]) for r in runs]))
             means[(task, side)] = score
-            per_seed = ", ".join(f"{100 * gm.task_score(task, r['metrics']):.2f}" for r in runs)
+            per_seed = ", ".join(f"{100 * glue_metrics.task_score(task, r['metrics']):.2f}" for r in runs)
             secs = float(np.mean([s for r in runs for s in r["seconds_per_epoch"]]))
             print(f"| {task} | {side} | {[r['seed'] for r in runs]} | "
                   f"{', '.join(f'{k} {v:.2f}' for k, v in metric_means.items())} | {score:.2f} ({per_seed}) | {secs:.0f} |")
@@ -179,8 +181,8 @@ def main() -> int:
 
         torch.set_num_threads(os.cpu_count() or 1)
     for task_name in args.tasks:
-        task = gd.get_task(task_name)
-        splits = subsample(gd.read_glue_dir(task, args.data), args.max_train_examples)
+        task = glue_data.get_task(task_name)
+        splits = subsample(glue_data.read_glue_dir(task, args.data), args.max_train_examples)
         for seed in args.seeds:
             started = time.perf_counter()
             out = (run_ours if args.side == "ours" else run_hf)(task, splits, args, seed)

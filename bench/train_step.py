@@ -33,16 +33,16 @@ def _ours(config, batch, seq, masked):
     import jax
 
     from bertjax import model as model_lib
-    from bertjax import optim, sharding, train
+    from bertjax import optim, sharding, train_state, train_step
 
     mesh = sharding.make_mesh(data=1, devices=jax.devices()[:1])
     model = model_lib.BertForPreTraining(config)
-    optimizer, schedule = optim.make_optimizer(1e-4, 1000, 10)
-    state, shardings, _ = train.make_sharded_state(jax.random.key(0), model=model, config=config,
+    optimizer, schedule = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-4, warmup_steps=10), 1000)
+    state, shardings, _ = train_state.make_sharded_state(jax.random.key(0), model=model, config=config,
                                                    optimizer=optimizer, mesh=mesh, seq_len=seq, num_masked=masked)
-    step, _ = train.compile_steps(model=model, optimizer=optimizer, schedule=schedule,
-                                  step_config=train.StepConfig(), state_shardings_tree=shardings, mesh=mesh)
-    data = train.global_batch(_batch(np.random.default_rng(0), batch, seq, masked, config.vocab_size), mesh)
+    step, _ = train_step.compile_steps(model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=1,
+                                       nsp_loss=True, state_shardings_tree=shardings, mesh=mesh)
+    data = sharding.global_batch(_batch(np.random.default_rng(0), batch, seq, masked, config.vocab_size), mesh)
     holder = {"state": state}
 
     def run():
@@ -193,7 +193,7 @@ def main() -> int:
     import jax
 
     from bertjax import metrics
-    from bertjax.config import BertConfig
+    from bertjax.model_config import BertConfig
 
     config = BertConfig.preset(args.preset, dtype=args.dtype, hidden_dropout_prob=0.1,
                                attention_probs_dropout_prob=args.attention_dropout,

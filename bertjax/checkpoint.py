@@ -12,14 +12,47 @@ Orbax writes to a temporary name and renames on completion, so a half-written ch
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import traverse_util
 
-from bertjax.config import BertConfig
+from bertjax.model_config import BertConfig
+from bertjax.options import option
+
+log = logging.getLogger(__name__)
 
 PARAMS, MODEL_CONFIG, VOCAB = "params", "model_config", "vocab"
+OPT_STATE, TRAIN_META, JOB_CONFIG = "opt_state", "train_meta", "job_config"
+# The fields of a train state that are saved as the `train_meta` item (the rest are params and opt_state).
+TRAIN_META_FIELDS = ("step", "rng", "nonfinite_total", "nonfinite_consecutive")
+
+
+def item_handlers() -> dict[str, ocp.CheckpointHandler]:
+    """The Orbax handler of every item a bertjax checkpoint directory may hold. Named handlers let Orbax read an
+    item's metadata (shapes) without restoring it, and a trainer step directory reads as a model checkpoint."""
+    return {PARAMS: ocp.StandardCheckpointHandler(), MODEL_CONFIG: ocp.JsonCheckpointHandler(),
+            VOCAB: ocp.JsonCheckpointHandler(), OPT_STATE: ocp.StandardCheckpointHandler(),
+            TRAIN_META: ocp.StandardCheckpointHandler(), JOB_CONFIG: ocp.JsonCheckpointHandler()}
+
+
+def _model_items(params, config: BertConfig, vocab: list[str], lower_case: bool) -> dict:
+    return {PARAMS: ocp.args.StandardSave(params), MODEL_CONFIG: ocp.args.JsonSave(config.to_dict()),
+            VOCAB: ocp.args.JsonSave({"tokens": list(vocab), "lower_case": bool(lower_case)})}
+
+
+def _train_state_restore_args(abstract_state) -> dict:
+    meta = {name: getattr(abstract_state, name) for name in TRAIN_META_FIELDS}
+    return {PARAMS: ocp.args.StandardRestore(abstract_state.params),
+            OPT_STATE: ocp.args.StandardRestore(abstract_state.opt_state),
+            TRAIN_META: ocp.args.StandardRestore(meta)}
+
+
+def _train_state_from(restored, abstract_state):
+    return abstract_state.replace(params=restored[PARAMS], opt_state=restored[OPT_STATE], **restored[TRAIN_META])
 
 
 @dataclasses.dataclass
@@ -55,12 +88,7 @@ def save_model(directory: str, params, config: BertConfig, vocab: list[str], low
                extra_items: dict | None = None) -> None:
     """Writes params + config + vocab (and any extra Orbax args) as one composite checkpoint at `directory`."""
     _check_vocab(config, vocab, directory)
-    items = {
-        PARAMS: ocp.args.StandardSave(params),
-        MODEL_CONFIG: ocp.args.JsonSave(config.to_dict()),
-        VOCAB: ocp.args.JsonSave({"tokens": list(vocab), "lower_case": bool(lower_case)}),
-    }
-    items.update(extra_items or {})
+    items = {**_model_items(params, config, vocab, lower_case), **(extra_items or {})}
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(epath.Path(directory).absolute(), args=ocp.args.Composite(**items))
 
@@ -73,7 +101,7 @@ def is_model_checkpoint(directory: str) -> bool:
 def load_config(directory: str) -> BertConfig:
     """The BertConfig of a checkpoint, without reading its tensors."""
     _require_checkpoint(directory)
-    with ocp.Checkpointer(_handler()) as checkpointer:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         restored = checkpointer.restore(epath.Path(directory).absolute(),
                                         args=ocp.args.Composite(**{MODEL_CONFIG: ocp.args.JsonRestore()}))
     return BertConfig.from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
@@ -87,7 +115,7 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     """
     _require_checkpoint(directory)
     path = epath.Path(directory).absolute()
-    with ocp.Checkpointer(_handler()) as checkpointer:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         metadata_only = checkpointer.restore(path, args=ocp.args.Composite(
             **{MODEL_CONFIG: ocp.args.JsonRestore(), VOCAB: ocp.args.JsonRestore()}))
         if abstract_params is None:
@@ -106,15 +134,48 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     return ModelCheckpoint(restored[PARAMS], config, vocab["tokens"], vocab["lower_case"])
 
 
-def _handler() -> ocp.CompositeCheckpointHandler:
-    # Named handlers let Orbax read each item's metadata (shapes) without restoring it; the training items are
-    # named too, so a trainer step directory reads without "unknown item" warnings.
-    return ocp.CompositeCheckpointHandler(**{PARAMS: ocp.StandardCheckpointHandler(),
-                                             MODEL_CONFIG: ocp.JsonCheckpointHandler(),
-                                             VOCAB: ocp.JsonCheckpointHandler(),
-                                             "opt_state": ocp.StandardCheckpointHandler(),
-                                             "train_meta": ocp.StandardCheckpointHandler(),
-                                             "job_config": ocp.JsonCheckpointHandler()})
+def restore_train_state(step_dir: str, abstract_state):
+    """Params, optimizer state and train meta of a trainer step directory, laid out as `abstract_state` (any
+    mesh: Orbax reshards on restore). For continuing another run's schedule (`--init-from` a step directory)."""
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
+        restored = checkpointer.restore(epath.Path(step_dir).absolute(),
+                                        args=ocp.args.Composite(**_train_state_restore_args(abstract_state)))
+    return _train_state_from(restored, abstract_state)
+
+
+def merge_params(initialised: dict, loaded: dict, *, source: str, encoder_only: bool) -> dict:
+    """`initialised` (a fresh model's params) with the tensors `loaded` (a checkpoint's) holds at the same paths.
+
+    Every encoder tensor (embeddings and layers) must be in the checkpoint, with the model's shape; a missing
+    pooler or head stays initialised. Strict (`encoder_only=False`: pretraining from a checkpoint): a checkpoint
+    tensor the model lacks, or of another shape, is an error. Encoder-only (fine-tuning a new head): tensors the
+    model lacks are ignored, and a head of another shape (another label count) stays initialised.
+    """
+    flat = traverse_util.flatten_dict(initialised)
+    flat_loaded = traverse_util.flatten_dict(loaded)
+    merged = {}
+    for path, value in flat.items():
+        name = "/".join(path)
+        is_encoder = path[0] == "bert" and path[1] != "pooler"
+        if path not in flat_loaded:
+            if is_encoder:
+                raise ValueError(f"{source}: encoder tensor {name} is missing from the checkpoint")
+            log.info("%s: %s is not in the checkpoint; freshly initialised", source, name)
+            merged[path] = value
+            continue
+        tensor = np.asarray(flat_loaded[path])
+        if tensor.shape != value.shape:
+            if is_encoder or not encoder_only:
+                raise ValueError(f"{source}: tensor {name} has shape {tensor.shape}, the model needs {value.shape}")
+            log.info("%s: head %s has shape %s, not %s; freshly initialised", source, name, tensor.shape,
+                     value.shape)
+            merged[path] = value
+            continue
+        merged[path] = tensor.astype(value.dtype)
+    extra = sorted("/".join(path) for path in set(flat_loaded) - set(flat))
+    if extra and not encoder_only:
+        raise ValueError(f"{source}: tensors not in the model: {extra}")
+    return traverse_util.unflatten_dict(merged)
 
 
 def _require_checkpoint(directory: str) -> None:
@@ -125,7 +186,21 @@ def _require_checkpoint(directory: str) -> None:
 
 # ---- training checkpoints ------------------------------------------------------------------------------------------
 
-OPT_STATE, TRAIN_META, JOB_CONFIG = "opt_state", "train_meta", "job_config"
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """When a training job saves and what it keeps (a pretraining job's `checkpoint.*` keys)."""
+
+    every: int = option(1000, "steps between saves (and always at the end and on preemption)")
+    keep: int = option(3, "most recent checkpoints kept")
+    keep_every: int = option(0, "also keep every N-th step forever (0: none)")
+    async_save: bool = option(True, "write in the background while training goes on")
+
+    def __post_init__(self):
+        if self.every < 1:
+            raise ValueError(f"checkpoint.every={self.every} must be >= 1")
+        if self.keep < 1:
+            raise ValueError(f"checkpoint.keep={self.keep} must be >= 1 (0 would delete every checkpoint, the "
+                             "last one included)")
 
 
 class TrainCheckpointer:
@@ -137,25 +212,21 @@ class TrainCheckpointer:
     has finalised has its pipeline positions; Orbax finalises by renaming, so an interrupted save is never listed.
     """
 
-    def __init__(self, workdir: str, *, every: int, keep: int, keep_every: int = 0, async_save: bool = True):
+    def __init__(self, workdir: str, config: CheckpointConfig):
         # Orbax wants absolute local paths; remote ones (gs://...) already are.
         self.workdir = epath.Path(workdir) if "://" in str(workdir) else epath.Path(workdir).absolute()
-        self.every = every
-        options = ocp.CheckpointManagerOptions(
-            save_interval_steps=every, max_to_keep=keep, keep_period=keep_every or None,
-            enable_async_checkpointing=async_save, create=True)
-        handlers = {PARAMS: ocp.StandardCheckpointHandler(), OPT_STATE: ocp.StandardCheckpointHandler(),
-                    TRAIN_META: ocp.StandardCheckpointHandler(), MODEL_CONFIG: ocp.JsonCheckpointHandler(),
-                    VOCAB: ocp.JsonCheckpointHandler(), JOB_CONFIG: ocp.JsonCheckpointHandler()}
-        self.manager = ocp.CheckpointManager(self.workdir / "checkpoints", options=options,
-                                             item_handlers=handlers)
+        self.every = config.every
+        manager_options = ocp.CheckpointManagerOptions(
+            save_interval_steps=config.every, max_to_keep=config.keep, keep_period=config.keep_every or None,
+            enable_async_checkpointing=config.async_save, create=True)
+        self.manager = ocp.CheckpointManager(self.workdir / "checkpoints", options=manager_options,
+                                             item_handlers=item_handlers())
 
     def input_state_dir(self, step: int) -> str:
         return str(self.workdir / "input_state" / str(step))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
-
 
     def save(self, step: int, state, *, config: BertConfig, vocab: list[str], lower_case: bool, job_config: dict,
              save_input_state, force: bool = False) -> bool:
@@ -164,31 +235,18 @@ class TrainCheckpointer:
         if not (force or step % self.every == 0):
             return False
         save_input_state(self.input_state_dir(step))
-        meta = {"step": state.step, "rng": state.rng, "nonfinite_total": state.nonfinite_total,
-                "nonfinite_consecutive": state.nonfinite_consecutive}
-        saved = self.manager.save(step, force=True, args=ocp.args.Composite(**{
-            PARAMS: ocp.args.StandardSave(state.params),
-            OPT_STATE: ocp.args.StandardSave(state.opt_state),
-            TRAIN_META: ocp.args.StandardSave(meta),
-            MODEL_CONFIG: ocp.args.JsonSave(config.to_dict()),
-            VOCAB: ocp.args.JsonSave({"tokens": list(vocab), "lower_case": bool(lower_case)}),
-            JOB_CONFIG: ocp.args.JsonSave(job_config),
-        }))
+        meta = {name: getattr(state, name) for name in TRAIN_META_FIELDS}
+        saved = self.manager.save(step, force=True, args=ocp.args.Composite(
+            **_model_items(state.params, config, vocab, lower_case),
+            **{OPT_STATE: ocp.args.StandardSave(state.opt_state), TRAIN_META: ocp.args.StandardSave(meta),
+               JOB_CONFIG: ocp.args.JsonSave(job_config)}))
         self._remove_stale_input_states()
         return saved
 
     def restore(self, step: int, abstract_state):
         """The train state at `step`, laid out as `abstract_state` (any mesh: Orbax reshards on restore)."""
-        meta_target = {"step": abstract_state.step, "rng": abstract_state.rng,
-                       "nonfinite_total": abstract_state.nonfinite_total,
-                       "nonfinite_consecutive": abstract_state.nonfinite_consecutive}
-        restored = self.manager.restore(step, args=ocp.args.Composite(**{
-            PARAMS: ocp.args.StandardRestore(abstract_state.params),
-            OPT_STATE: ocp.args.StandardRestore(abstract_state.opt_state),
-            TRAIN_META: ocp.args.StandardRestore(meta_target),
-        }))
-        meta = restored[TRAIN_META]
-        return abstract_state.replace(params=restored[PARAMS], opt_state=restored[OPT_STATE], **meta)
+        restored = self.manager.restore(step, args=ocp.args.Composite(**_train_state_restore_args(abstract_state)))
+        return _train_state_from(restored, abstract_state)
 
     def _remove_stale_input_states(self) -> None:
         # Pipeline positions of checkpoints Orbax has deleted (or never finished) are dropped; the newest ones

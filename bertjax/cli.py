@@ -19,7 +19,7 @@ COMMAND_MODULES = (
     "bertjax.interop.cli",
     "bertjax.data.cli",
     "bertjax.finetune.cli",
-    "bertjax.train_cli",
+    "bertjax.pretrain_cli",
 )
 
 

@@ -2,27 +2,16 @@
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax.checkpoint import ModelCheckpoint, write_vocab_file
+from bertjax.checkpoint import ModelCheckpoint
+from bertjax.data.tokenizers import WordPieceTokenizer
 from bertjax.model import BertModel
 
 POOLINGS = ("cls", "mean")
-
-
-def tokenizer_for(checkpoint: ModelCheckpoint):
-    """The WordPiece tokenizer of a checkpoint's own vocabulary."""
-    from bertjax.data.tokenizers import WordPieceTokenizer
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "vocab.txt")
-        write_vocab_file(checkpoint.vocab, path)
-        return WordPieceTokenizer(path, lower_case=checkpoint.lower_case)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "pooling"))
@@ -48,7 +37,8 @@ def embed_sentences(checkpoint: ModelCheckpoint, sentences: list[str], *, poolin
                          f"{checkpoint.config.max_position_embeddings}")
     model = BertModel(checkpoint.config, add_pooler=False)
     params = {k: v for k, v in checkpoint.params["bert"].items() if k != "pooler"}
-    encoded = tokenizer_for(checkpoint).encode(sentences, max_len=max_len)
+    tokenizer = WordPieceTokenizer(checkpoint.vocab, lower_case=checkpoint.lower_case, source="the checkpoint")
+    encoded = tokenizer.encode(sentences, max_len=max_len)
     outputs = []
     for start in range(0, len(sentences), batch_size):
         batch = {k: v[start:start + batch_size] for k, v in encoded.items()}

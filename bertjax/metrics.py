@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from bertjax.config import BertConfig
+from bertjax.model_config import BertConfig
 
 # Dense bf16 peak FLOP/s per chip (vendor figures), keyed by a substring of jax's device_kind.
 PEAK_FLOPS_BY_DEVICE_KIND = {
@@ -67,6 +67,19 @@ def measure_matmul_peak(dtype=jnp.float32, size: int = 1024, repeats: int = 5) -
         matmul(a, a).block_until_ready()
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
+
+
+def to_python(values: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(values).items()}
+
+
+def step_seconds_metrics(step_time: float, batch_size: int, seq_len: int, flops_per_seq: float,
+                         peak_flops: float) -> dict[str, float]:
+    """Throughput and utilisation of one step that took `step_time` seconds."""
+    sequences = batch_size / step_time
+    per_device = sequences * flops_per_seq / jax.device_count()
+    return {"steps_per_s": 1.0 / step_time, "sequences_per_s": sequences, "tokens_per_s": sequences * seq_len,
+            "tflops_per_device": per_device / 1e12, "mfu": per_device / peak_flops}
 
 
 class MetricsWriter:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.attention import dot_product_attention
-from bertjax.config import BertConfig
+from bertjax.model_config import BertConfig
 from bertjax.dropout import Dropout
 
 # The truncated normal of TF's truncated_normal_initializer(stddev) has a smaller std than `stddev`; jax's

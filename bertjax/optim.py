@@ -6,9 +6,13 @@ TF optimizer omits Adam's bias correction; `bias_correction=True` (the default) 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
+
+from bertjax.options import option
 
 
 def linear_warmup_linear_decay(learning_rate: float, num_train_steps: int, warmup_steps: int) -> optax.Schedule:
@@ -71,26 +75,40 @@ def _scale_by_adam_no_bias_correction(b1: float, b2: float, eps: float) -> optax
     return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(learning_rate: float, num_train_steps: int, warmup_steps: int, *, weight_decay: float = 0.01,
-                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6, clip_norm: float | None = 1.0,
-                   bias_correction: bool = True, name: str = "adamw",
-                   decay: str = "linear") -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(optimizer, schedule).
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer and its schedule (a pretraining job's `optimizer.*` keys; BERT's recipe by default)."""
 
-    `name`: "adamw" (BERT) or "lamb" (You et al.: the same Adam direction and decoupled decay, scaled per
-    tensor by the trust ratio ||w|| / ||update||, as in large-batch recipes). `decay`: "linear" or "cosine"
-    after the linear warmup.
-    """
-    if name not in ("adamw", "lamb"):
-        raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'lamb'")
-    if decay not in SCHEDULES:
-        raise ValueError(f"unknown decay {decay!r}; expected one of {sorted(SCHEDULES)}")
-    schedule = SCHEDULES[decay](learning_rate, num_train_steps, warmup_steps)
-    adam = (optax.scale_by_adam(b1=b1, b2=b2, eps=eps) if bias_correction
-            else _scale_by_adam_no_bias_correction(b1, b2, eps))
-    chain = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
-    chain += [adam, optax.add_decayed_weights(weight_decay, mask=decay_mask)]
-    if name == "lamb":
+    name: str = option("adamw", "adamw (BERT) | lamb (You et al.: Adam direction and decoupled decay, scaled per "
+                       "tensor by the trust ratio ||w|| / ||update||, as in large-batch recipes)")
+    learning_rate: float = option(1e-4, "peak learning rate")
+    warmup_steps: int = option(10_000, "linear warmup from 0")
+    decay: str = option("linear", "after warmup, to 0 at the last step: linear | cosine")
+    weight_decay: float = option(0.01, "decoupled, not applied to LayerNorm parameters and biases")
+    b1: float = option(0.9)
+    b2: float = option(0.999)
+    eps: float = option(1e-6)
+    clip_norm: float = option(1.0, "global gradient-norm clip (0: none)")
+    bias_correction: bool = option(True, "false: the original TF AdamWeightDecayOptimizer (no bias correction)")
+
+    def __post_init__(self):
+        if self.name not in ("adamw", "lamb"):
+            raise ValueError(f"unknown optimizer {self.name!r}; expected 'adamw' or 'lamb'")
+        if self.decay not in SCHEDULES:
+            raise ValueError(f"unknown decay {self.decay!r}; expected one of {sorted(SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+
+
+def make_optimizer(config: OptimizerConfig, num_train_steps: int) -> tuple[optax.GradientTransformation,
+                                                                           optax.Schedule]:
+    """(optimizer, schedule) for `num_train_steps` updates."""
+    schedule = SCHEDULES[config.decay](config.learning_rate, num_train_steps, config.warmup_steps)
+    adam = (optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps) if config.bias_correction
+            else _scale_by_adam_no_bias_correction(config.b1, config.b2, config.eps))
+    chain = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm else []
+    chain += [adam, optax.add_decayed_weights(config.weight_decay, mask=decay_mask)]
+    if config.name == "lamb":
         chain.append(optax.scale_by_trust_ratio())
     chain.append(optax.scale_by_learning_rate(schedule))
     return optax.chain(*chain), schedule

@@ -7,12 +7,16 @@ changing rules, not model code.
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+import dataclasses
+from typing import Mapping, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from bertjax.data import schema
+from bertjax.options import option
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -51,6 +55,21 @@ def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1)
     return tuple(sizes)
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes (a pretraining job's `mesh.*` keys); -1 takes the remaining devices."""
+
+    data: int = option(-1, "data-parallel replicas")
+    fsdp: int = option(1, "parameter/optimizer-state shards (ZeRO-3 style), also data-parallel for the batch")
+    tensor: int = option(1, "tensor-parallel split of heads, MLP and vocabulary")
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        return mesh_shape(num_devices, self.data, self.fsdp, self.tensor)
+
+    def build(self, devices: Sequence | None = None) -> Mesh:
+        return make_mesh(self.data, self.fsdp, self.tensor, devices)
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh over `devices` (default: all), laid out for the physical topology."""
     devices = list(devices if devices is not None else jax.devices())
@@ -79,3 +98,16 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def global_batch(host_batch: Mapping[str, np.ndarray], mesh: Mesh,
+                 keys: Sequence[str] = schema.FEATURE_NAMES) -> dict[str, jax.Array]:
+    """Each process's numpy batch -> global jax.Arrays split over data x fsdp (multi-host: the global batch is the
+    processes' batches stacked in process order)."""
+    sharding = batch_sharding(mesh)
+    out = {}
+    for key in keys:
+        local = np.asarray(host_batch[key])
+        global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+        out[key] = jax.make_array_from_process_local_data(sharding, local, global_shape)
+    return out

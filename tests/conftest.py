@@ -31,3 +31,21 @@ def minilm_dir() -> pathlib.Path:
     path = pathlib.Path(package.__file__).parent / "model"
     assert (path / "model.safetensors").exists(), f"{path} lacks model.safetensors"
     return path
+
+
+def save_tiny_checkpoint(path: pathlib.Path, vocab_path: pathlib.Path, seed: int) -> str:
+    """A randomly initialised 1-layer BERT (hidden 32) with a real vocab, saved as a bertjax checkpoint (encoder
+    only), for fine-tuning jobs to start from."""
+    import flax.linen as nn
+    import jax
+
+    from bertjax.checkpoint import read_vocab_file, save_model
+    from bertjax.model import BertForSequenceClassification, init_params
+    from bertjax.model_config import BertConfig
+
+    vocab = read_vocab_file(str(vocab_path))
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    params = nn.meta.unbox(init_params(BertForSequenceClassification(config, 2), config, jax.random.PRNGKey(seed)))
+    save_model(str(path), {"bert": params["bert"]}, config, vocab)
+    return str(path)

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax.data.corpus import (CorpusConfig, documents_from_files, expand_inputs, shard_files, split_sentences,
-                                 tfds_documents)
+from bertjax.data.corpus import documents_from_files, expand_inputs, shard_files, split_sentences, tfds_documents
+from bertjax.data.data_config import CorpusConfig
 
 
 def _read(files, **kwargs) -> list[dict]:
-    config = CorpusConfig(inputs=tuple(files), **kwargs)
+    config = CorpusConfig(input=tuple(files), **kwargs)
     return list(documents_from_files(files, config, cycle_length=1).as_numpy_iterator())
 
 
@@ -86,7 +86,7 @@ def test_wikitext_articles_are_documents(shared_data):
     path = shared_data / "wikitext-2" / "wiki.test.raw"
     raw = path.read_text(encoding="utf-8")
     titles = re.findall(r"^ = [^=].* = $", raw, flags=re.M)
-    docs = _sentences(_read([str(path)], format="wikitext"))
+    docs = _sentences(_read([str(path)], corpus_format="wikitext"))
     assert len(docs) == len(titles) == 62
     assert docs[0][0].startswith("Robert Boulter is an English film , television and theatre actor .")
     heading = re.compile(r"^\s*=.*=\s*$")
@@ -100,7 +100,7 @@ def test_wrapped_text_keeps_every_word_and_splits_at_blank_line_runs(shared_data
     path = shared_data / "gutenberg" / "grimms_fairy_tales_pg52521.txt"
     raw = path.read_bytes().decode("utf-8").replace("\r", "")
     expected = [d for d in re.split(r"\n(?:[ \t]*\n){3,}", raw) if d.strip()]
-    docs = _sentences(_read([str(path)], format="wrapped"))
+    docs = _sentences(_read([str(path)], corpus_format="wrapped"))
     assert len(docs) == len(expected)
     for got, want in zip(docs, expected):
         assert " ".join(got).split() == want.split()
@@ -137,7 +137,7 @@ def test_shard_files_is_a_disjoint_cover():
 
 def test_unknown_format_is_rejected():
     with pytest.raises(ValueError, match="unknown corpus format 'xml'"):
-        CorpusConfig(inputs=("x",), format="xml")
+        CorpusConfig(input="x", corpus_format="xml")
 
 
 def test_tfds_source_reads_a_local_dataset_and_never_downloads(tmp_path):
@@ -148,18 +148,12 @@ def test_tfds_source_reads_a_local_dataset_and_never_downloads(tmp_path):
         split_datasets={"train": tf.data.Dataset.from_tensor_slices({"body": texts})},
         features=tfds.features.FeaturesDict({"body": tfds.features.Text()}), description="test corpus")
     builder.download_and_prepare()
-    config = CorpusConfig(inputs=("tfds:bertjax_test_corpus/default:train",), text_field="body",
+    config = CorpusConfig(input=("tfds:bertjax_test_corpus/default:train",), tfds_text_field="body",
                           tfds_data_dir=str(tmp_path))
     docs = _sentences(tfds_documents(config).as_numpy_iterator())
     assert docs == [["First doc.", "It has two sentences.", "A second paragraph here."], ["Other doc!", "Short."],
                     ["Third one."]]
     with pytest.raises(ValueError, match="no text field 'text'"):
-        tfds_documents(CorpusConfig(inputs=config.inputs, tfds_data_dir=str(tmp_path)))
+        tfds_documents(CorpusConfig(input=config.inputs, tfds_data_dir=str(tmp_path)))
     with pytest.raises(FileNotFoundError, match="not prepared.*never downloads"):
-        tfds_documents(CorpusConfig(inputs=("tfds:wikipedia/20230601.en",), tfds_data_dir=str(tmp_path)))
-
-
-def test_cli_format_choices_match_the_corpus_formats():
-    from bertjax.data import cli, corpus
-
-    assert cli.FORMATS == corpus.FORMATS
+        tfds_documents(CorpusConfig(input=("tfds:wikipedia/20230601.en",), tfds_data_dir=str(tmp_path)))

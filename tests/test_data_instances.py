@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax.data.corpus import CorpusConfig, documents_from_files
-from bertjax.data.instances import Block, InstanceConfig, assemble, create_instances
-from bertjax.data.masking import Masker, MaskingConfig, masker_for_tokenizer
-from bertjax.data.pipeline import block_rng
+from bertjax.data.corpus import documents_from_files
+from bertjax.data.data_config import CorpusConfig
+from bertjax.data.data_config import InstanceConfig, MaskingConfig
+from bertjax.data.instances import Block, assemble, create_instances
+from bertjax.data.masking import Masker, masker_for_tokenizer
+from bertjax.data.stages import block_rng
 from bertjax.data.tokenizers import WordPieceTokenizer
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -74,7 +76,7 @@ def real(tokenizer, tmp_path_factory):
     """Instances (2 passes) of the real corpus: the block, per-pass instances and assembled arrays."""
     docs = []
     for path, fmt in _corpus_files(tmp_path_factory):
-        ds = documents_from_files([path], CorpusConfig(inputs=(path,), format=fmt))
+        ds = documents_from_files([path], CorpusConfig(input=path, corpus_format=fmt))
         docs += [[s.decode() for s in d["sentences"]] for d in ds.as_numpy_iterator()]
     block = _block_of(tokenizer, docs)
     stats = collections.Counter()
@@ -312,7 +314,7 @@ def test_inconsistent_max_predictions_is_a_clear_error(max_pred, match):
 
 def test_whole_word_needs_a_continuation_table():
     with pytest.raises(ValueError, match="continuation"):
-        Masker(MaskingConfig(whole_word=True), vocab_size=10, mask_id=4, special_ids=[0, 2, 3])
+        Masker(MaskingConfig(whole_word_masking=True), vocab_size=10, mask_id=4, special_ids=[0, 2, 3])
 
 
 def _original_truncate_seq_pair(tokens_a: list, tokens_b: list, max_num_tokens: int, rng: random.Random):

@@ -14,8 +14,7 @@ from bertjax.cli import main as bertjax_main
 from bertjax.data import tfrecord
 from bertjax.data.pipeline import make_pretraining_dataset
 from bertjax.demo_corpus import write_demo_corpus
-from bertjax.pretrain import data_config_for
-from bertjax.train_config import load_config
+from bertjax.pretrain_config import load_config
 
 
 def _unmasked_rows(batch: dict) -> list[tuple[int, ...]]:
@@ -47,7 +46,7 @@ def test_data_create_and_pretraining_give_the_same_tokens(cased_sentencepiece, t
     config = load_config("bert-tiny", [f"data.input={corpus}", f"data.vocab={model}", "data.masking=static",
                                        "data.shuffle_buffer=1", "data.doc_buffer_size=200"])
     streamed = []
-    for batch in make_pretraining_dataset(data_config_for(config, inputs=config.data.input), 32).as_numpy_iterator():
+    for batch in make_pretraining_dataset(config.data, 32).as_numpy_iterator():
         streamed += _unmasked_rows(batch)
         if len(streamed) >= len(created):
             break

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from bertjax.data.pipeline import (PretrainingDataConfig, make_pretraining_dataset, restore_iterator,
-                                   save_iterator)
+from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.data.pipeline import make_pretraining_dataset, restore_iterator, save_iterator
 from bertjax.data.tfrecord import ShardWriter, serialize_batch
 from bertjax.data.tokenizers import WordPieceTokenizer
 
@@ -26,10 +25,11 @@ SEQ, PRED = 64, 10
 @pytest.fixture(scope="module")
 def setup(shared_data, tmp_path_factory):
     """Four small corpus files (consecutive WikiText-2 articles, original format) and the BERT vocab."""
-    from bertjax.data.corpus import CorpusConfig, documents_from_files
+    from bertjax.data.corpus import documents_from_files
+    from bertjax.data.data_config import CorpusConfig
 
     raw = str(shared_data / "wikitext-2" / "wiki.valid.raw")
-    docs = list(documents_from_files([raw], CorpusConfig(inputs=(raw,), format="wikitext")).as_numpy_iterator())
+    docs = list(documents_from_files([raw], CorpusConfig(input=raw, corpus_format="wikitext")).as_numpy_iterator())
     root = tmp_path_factory.mktemp("corpus")
     files = []
     for i in range(4):
@@ -42,7 +42,7 @@ def setup(shared_data, tmp_path_factory):
 
 
 def _config(setup, **overrides) -> PretrainingDataConfig:
-    base = dict(inputs=(setup["glob"],), vocab_path=setup["vocab"], max_seq_length=SEQ,
+    base = dict(input=(setup["glob"],), vocab=setup["vocab"], max_seq_length=SEQ,
                 max_predictions_per_seq=PRED, doc_buffer_size=2, shuffle_buffer=50, seed=3)
     return PretrainingDataConfig(**{**base, **overrides})
 
@@ -122,7 +122,7 @@ def test_tfrecord_input_is_sharded_by_file(tmp_path):
         writer.write(serialize_batch(batch).numpy())  # round-robin: shard k holds ids = k mod 4
     seen = []
     for host in range(2):
-        config = PretrainingDataConfig(inputs=(str(tmp_path),), input_kind="tfrecord", max_seq_length=SEQ,
+        config = PretrainingDataConfig(input=(str(tmp_path),), input_kind="tfrecord", max_seq_length=SEQ,
                                        max_predictions_per_seq=PRED, num_epochs=1)
         got = np.concatenate([b["input_ids"][:, 0] for b in
                               make_pretraining_dataset(config, 4, host, 2, drop_remainder=False).as_numpy_iterator()])
@@ -150,7 +150,8 @@ def test_static_masks_repeat_every_dupe_factor_epochs_dynamic_never(setup):
 RESUME_SCRIPT = """
 import json, sys
 import numpy as np
-from bertjax.data.pipeline import PretrainingDataConfig, make_pretraining_dataset, restore_iterator
+from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.data.pipeline import make_pretraining_dataset, restore_iterator
 spec = json.loads(sys.argv[1])
 for case in spec:
     config = PretrainingDataConfig(**case["config"])
@@ -191,7 +192,7 @@ def test_endless_pipeline_over_empty_input_is_refused(setup, tmp_path):
     (tmp_path / "a.txt").write_bytes(b"")
     (tmp_path / "b.txt").write_bytes(b"")
     with pytest.raises(ValueError, match="all 1 input file.*of process 1 are empty"):
-        make_pretraining_dataset(_config(setup, inputs=(str(tmp_path / "*.txt"),)), 8, 1, 2)
+        make_pretraining_dataset(_config(setup, input=(str(tmp_path / "*.txt"),)), 8, 1, 2)
 
 
 def test_restore_into_a_different_pipeline_fails_loudly(setup, tmp_path):
@@ -199,7 +200,7 @@ def test_restore_into_a_different_pipeline_fails_loudly(setup, tmp_path):
     next(it)
     path = save_iterator(it, str(tmp_path / "it"))
     other = iter(make_pretraining_dataset(PretrainingDataConfig(
-        inputs=(setup["glob"],), vocab_path=setup["vocab"], max_seq_length=SEQ, max_predictions_per_seq=PRED,
+        input=(setup["glob"],), vocab=setup["vocab"], max_seq_length=SEQ, max_predictions_per_seq=PRED,
         input_kind="text", masking="static"), 8))
     with pytest.raises(ValueError, match="differs from the one that saved it"):
         restore_iterator(other, path)
@@ -209,23 +210,19 @@ def test_restore_into_a_different_pipeline_fails_loudly(setup, tmp_path):
 
 def test_global_batch_from_host_batch(setup):
     jax = pytest.importorskip("jax")
-    from jax.sharding import Mesh, PartitionSpec
+    from bertjax import sharding
 
-    from bertjax.data.global_batch import host_batch_to_global
-
-    devices = np.array(jax.devices())
-    if devices.size < 8:
+    if jax.device_count() < 8:
         pytest.skip("needs 8 host devices (tests/conftest.py sets XLA_FLAGS before jax is imported)")
     batch = _take(make_pretraining_dataset(_config(setup), 16), 1)[0]
-    mesh = Mesh(devices[:8].reshape(4, 2), ("data", "fsdp"))
-    arrays = host_batch_to_global(batch, mesh, PartitionSpec(("data", "fsdp")))
+    mesh = sharding.make_mesh(data=4, fsdp=2, devices=jax.devices()[:8])
+    arrays = sharding.global_batch(batch, mesh)
+    assert set(arrays) == set(batch)
     for name, value in batch.items():
         assert arrays[name].shape == value.shape and arrays[name].dtype == value.dtype
         np.testing.assert_array_equal(np.asarray(arrays[name]), value)
         assert len(arrays[name].addressable_shards) == 8
         assert arrays[name].addressable_shards[0].data.shape[0] == 2  # 16 rows over 8 devices
-    per_feature = host_batch_to_global(batch, mesh, {k: PartitionSpec("data") for k in batch})
-    assert per_feature["input_ids"].sharding.spec == PartitionSpec("data")
 
 
 MULTIPROCESS_SCRIPT = """
@@ -234,15 +231,14 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import numpy as np
 import jax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, PartitionSpec
 port, pid, config_json, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
-from bertjax.data.global_batch import host_batch_to_global
-from bertjax.data.pipeline import PretrainingDataConfig, make_pretraining_dataset
+from bertjax import sharding
+from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.data.pipeline import make_pretraining_dataset
 config = PretrainingDataConfig(**json.loads(config_json))
 batch = next(make_pretraining_dataset(config, 16, jax.process_index(), jax.process_count()).as_numpy_iterator())
-mesh = Mesh(np.array(jax.devices()), ("data",))
-arrays = host_batch_to_global(batch, mesh, PartitionSpec("data"))
+arrays = sharding.global_batch(batch, sharding.make_mesh())
 gathered = {k: multihost_utils.process_allgather(v, tiled=True) for k, v in arrays.items()}
 np.savez(out, **{"local/" + k: v for k, v in batch.items()}, **{"global/" + k: v for k, v in gathered.items()},
          shape=np.array(arrays["input_ids"].shape), devices=np.array(len(jax.devices())))

@@ -16,7 +16,8 @@ import pytest
 import tensorflow as tf
 
 from bertjax.cli import main as bertjax_main
-from bertjax.data.pipeline import PretrainingDataConfig, make_pretraining_dataset
+from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.data.pipeline import make_pretraining_dataset
 from bertjax.data.tfrecord import ShardWriter, find_shards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +117,7 @@ def test_records_hold_masked_pairs_of_the_corpus_text(created, corpus_slice):
 def test_reader_gives_back_the_written_examples(created):
     direct = [{k: v.numpy() for k, v in tf.io.parse_single_example(r, ORIGINAL_SPEC).items()}
               for r in _records(created)]
-    config = PretrainingDataConfig(inputs=(str(created),), input_kind="tfrecord", max_seq_length=SEQ,
+    config = PretrainingDataConfig(input=(str(created),), input_kind="tfrecord", max_seq_length=SEQ,
                                    max_predictions_per_seq=PRED, num_epochs=1, shuffle_buffer=64)
     batches = list(make_pretraining_dataset(config, 7, drop_remainder=False).as_numpy_iterator())
     read = [{k: b[k][i] for k in b} for b in batches for i in range(len(b["input_ids"]))]
@@ -129,7 +130,7 @@ def test_reader_gives_back_the_written_examples(created):
 
 
 def test_reader_refuses_other_shapes_than_written(created):
-    config = PretrainingDataConfig(inputs=(str(created),), input_kind="tfrecord", max_seq_length=128,
+    config = PretrainingDataConfig(input=(str(created),), input_kind="tfrecord", max_seq_length=128,
                                    max_predictions_per_seq=20)
     with pytest.raises(ValueError, match="max_seq_length=64, the pipeline asks for 128"):
         make_pretraining_dataset(config, 8)

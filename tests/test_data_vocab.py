@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from bertjax.cli import main as bertjax_main
-from bertjax.data.pipeline import PretrainingDataConfig, make_pretraining_dataset
+from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.data.pipeline import make_pretraining_dataset
 from bertjax.data.tokenizers import SentencePieceTokenizer, WordPieceTokenizer
 
 RESERVED = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -51,7 +52,7 @@ def test_sentencepiece_vocab_train_and_whole_word_masking(texts, tmp_path):
     assert tok.tokenize(held_out).to_list() == reference.encode(held_out)
 
     # The SentencePiece path of the pipeline: whole-word masking never masks part of a "▁" word.
-    config = PretrainingDataConfig(inputs=(str(train),), vocab_path=str(model), corpus_format="wrapped",
+    config = PretrainingDataConfig(input=(str(train),), vocab=str(model), corpus_format="wrapped",
                                    max_seq_length=64, max_predictions_per_seq=10, whole_word_masking=True,
                                    doc_buffer_size=4, shuffle_buffer=100, num_epochs=1)
     partial = whole_multi = 0

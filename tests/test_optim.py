@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax.optim import decay_mask, linear_warmup_linear_decay, make_optimizer
+from bertjax.optim import OptimizerConfig, decay_mask, linear_warmup_linear_decay, make_optimizer
 
 
 def test_schedule_hand_values():
@@ -46,8 +46,8 @@ def test_decay_mask_excludes_layernorm_and_bias():
                     "dense": {"kernel": True, "bias": False}, "cls": {"output_bias": False}}
 
 
-def _run_ours(params, grads, **kw):
-    opt, _ = make_optimizer(**kw)
+def _run_ours(params, grads, num_train_steps, **kw):
+    opt, _ = make_optimizer(OptimizerConfig(**kw), num_train_steps)
     state = opt.init(params)
     for g in grads:
         updates, state = opt.update(g, state, params)
@@ -86,7 +86,7 @@ def test_adamw_without_bias_correction_hand_computed():
     p0, g1, g2 = 1.0, 0.5, -0.2
     lr, wd, eps, b1, b2 = 0.1, 0.01, 1e-6, 0.9, 0.999
     out = _run_ours({"w": jnp.full((2, 2), p0)}, [{"w": jnp.full((2, 2), g1)}, {"w": jnp.full((2, 2), g2)}],
-                    learning_rate=lr, num_train_steps=2, warmup_steps=0, weight_decay=wd, clip_norm=None,
+                    learning_rate=lr, num_train_steps=2, warmup_steps=0, weight_decay=wd, clip_norm=0.0,
                     bias_correction=False)
     m1, v1 = (1 - b1) * g1, (1 - b2) * g1 ** 2
     p1 = p0 - lr * 1.0 * (m1 / (np.sqrt(v1) + eps) + wd * p0)  # schedule factor 1 at step 0
@@ -97,4 +97,4 @@ def test_adamw_without_bias_correction_hand_computed():
 
 def test_unknown_optimizer_name():
     with pytest.raises(ValueError, match="unknown optimizer"):
-        make_optimizer(1e-4, 10, 1, name="sgd")
+        OptimizerConfig(name="sgd")

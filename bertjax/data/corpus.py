@@ -13,46 +13,17 @@ Every stage is a stateless tf.data op or a scan, so the stream can be checkpoint
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import tensorflow as tf
 
-FORMATS = ("sentences", "paragraphs", "wikitext", "wrapped")
+from bertjax.data.data_config import CorpusConfig
 
 # A sentence ends at . ! ? (plus closing quotes/brackets) followed by whitespace and an upper-case
 # letter, digit or opening quote. RE2 has no look-ahead, so the next sentence's first char is re-emitted.
 _SENTENCE_END = r"([.!?][\"'”’)\]]*)\s+([\"'“‘(\[]*[\p{Lu}0-9])"
 _WIKITEXT_TITLE = r"\s*=\s[^=].*[^=]\s=\s*"
 _WIKITEXT_HEADING = r"\s*(=\s)+.*(\s=)+\s*"
-
-
-@dataclasses.dataclass(frozen=True)
-class CorpusConfig:
-    """Where the text is and how it is laid out."""
-
-    inputs: tuple[str, ...]
-    format: str = "sentences"
-    doc_boundary_regex: str | None = None  # paragraphs: a full-matching line starts a new document
-    skip_regex: str | None = None  # paragraphs: full-matching lines are dropped
-    max_line_chars: int = 100_000  # longer lines are truncated (and counted)
-    max_document_lines: int = 100_000  # a document with more lines is cut (bounds memory)
-    text_field: str = "text"  # tfds: the feature holding the document text
-    tfds_data_dir: str | None = None
-    line_batch: int = 1024  # lines processed per vectorised step
-    wrapped_doc_blank_lines: int = 3  # wrapped: this many blank lines end a document (Gutenberg: chapters)
-
-    def __post_init__(self):
-        # A single path, or a list (e.g. from a JSON/YAML config), becomes a tuple.
-        object.__setattr__(self, "inputs", (self.inputs,) if isinstance(self.inputs, str) else tuple(self.inputs))
-        if not self.is_tfds and self.format not in FORMATS:
-            raise ValueError(f"unknown corpus format {self.format!r}; expected one of {', '.join(FORMATS)}")
-        if self.max_line_chars < 1:
-            raise ValueError(f"max_line_chars must be >= 1, got {self.max_line_chars}")
-
-    @property
-    def is_tfds(self) -> bool:
-        return len(self.inputs) == 1 and self.inputs[0].startswith("tfds:")
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
@@ -103,7 +74,7 @@ def _paragraphs_to_sentence_lines(batch: dict, config: CorpusConfig) -> dict[str
     """A batch of paragraph lines -> the equivalent sentence-per-line stream ("" = document boundary)."""
     lines = batch["lines"]
     boundary_re, skip_re = config.doc_boundary_regex, config.skip_regex
-    if config.format == "wikitext":
+    if config.corpus_format == "wikitext":
         boundary_re, skip_re = boundary_re or _WIKITEXT_TITLE, skip_re or _WIKITEXT_HEADING
     is_boundary = tf.strings.regex_full_match(lines, boundary_re) if boundary_re else tf.zeros_like(lines, tf.bool)
     is_skip = tf.strings.regex_full_match(lines, skip_re) if skip_re else tf.zeros_like(lines, tf.bool)
@@ -172,15 +143,15 @@ def _file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
     """Documents of one text file (documents never span files)."""
     lines = tf.data.TextLineDataset(path)
     batches = lines.batch(config.line_batch).map(lambda b: _clean_lines(b, config.max_line_chars))
-    if config.format in ("paragraphs", "wikitext"):
+    if config.corpus_format in ("paragraphs", "wikitext"):
         batches = batches.map(lambda b: _paragraphs_to_sentence_lines(b, config))
-    blank_run = config.wrapped_doc_blank_lines if config.format == "wrapped" else 1
+    blank_run = config.wrapped_doc_blank_lines if config.corpus_format == "wrapped" else 1
     # Blank lines at the end close the file's last document.
     batches = batches.concatenate(tf.data.Dataset.from_tensors(
         {"lines": tf.fill([blank_run], ""), "invalid_utf8": tf.zeros([blank_run], tf.int32),
          "truncated": tf.zeros([blank_run], tf.int32)}))
     groups = _group_by_blank_lines(batches, blank_run, config.max_document_lines)
-    to_document = _wrapped_lines_to_document if config.format == "wrapped" else _lines_to_document
+    to_document = _wrapped_lines_to_document if config.corpus_format == "wrapped" else _lines_to_document
     return groups.map(to_document)
 
 
@@ -235,15 +206,15 @@ def tfds_documents(config: CorpusConfig, process_index: int = 0, process_count: 
         raise FileNotFoundError(
             f"TFDS dataset {name!r} is not prepared under {builder.data_dir}; this job never downloads: run "
             f"tfds.builder({name!r}).download_and_prepare() where the network is available, or pass --tfds-data-dir")
-    if config.text_field not in builder.info.features:
-        raise ValueError(f"TFDS dataset {name!r} has no text field {config.text_field!r}; "
+    if config.tfds_text_field not in builder.info.features:
+        raise ValueError(f"TFDS dataset {name!r} has no text field {config.tfds_text_field!r}; "
                          f"fields: {', '.join(builder.info.features)}")
     read_config = tfds.ReadConfig(input_context=tf.distribute.InputContext(
         num_input_pipelines=process_count, input_pipeline_id=process_index))
     ds = builder.as_dataset(split=split, shuffle_files=False, read_config=read_config)
 
     def to_document(example):
-        text = _clean_lines(tf.strings.split(example[config.text_field], "\n"), config.max_line_chars)
+        text = _clean_lines(tf.strings.split(example[config.tfds_text_field], "\n"), config.max_line_chars)
         sentences = split_sentences(text["lines"]).flat_values
         return {"sentences": sentences, "invalid_utf8": tf.reduce_sum(text["invalid_utf8"]),
                 "truncated": tf.reduce_sum(text["truncated"])}

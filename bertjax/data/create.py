@@ -9,51 +9,49 @@ shuffles globally; the bounded shuffle is the one deliberate difference).
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
 import os
 import time
 
 import tensorflow as tf
 
-from bertjax.data import corpus, masking, pipeline, tfrecord
+from bertjax.data import corpus, masking, tfrecord
+from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.data.stages import InstanceMaker, finalize_batch, fold_seed, tokenized_blocks
 from bertjax.data.tokenizers import load_tokenizer
-
-METADATA_NAME = "pretrain-metadata.json"
 
 
 def count_empty_files(files: list[str]) -> int:
     return sum(1 for f in files if tf.io.gfile.stat(f).length == 0)
 
 
-def serialized_instances(config: pipeline.PretrainingDataConfig, files: list[str], tokenizer,
+def serialized_instances(config: PretrainingDataConfig, files: list[str], tokenizer,
                          stats: collections.Counter, worker_index: int = 0) -> tf.data.Dataset:
     """Serialized tf.train.Example strings of one pass over `files` with `dupe_factor` copies (unshuffled).
 
     Each (block, dupe) pair flows through separate parallel maps (instances in numpy, masking and
     serialization in TF), so the GIL-bound instance step overlaps with the TF ops.
     """
-    maker = pipeline.InstanceMaker(config.instance_config(), cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id,
-                                   pad_id=tokenizer.pad_id, seed=config.seed, process_index=worker_index,
-                                   stats=stats)
-    masker = masking.masker_for_tokenizer(config.masking_config(), tokenizer)
-    base_seed = pipeline.fold_seed(tf.constant([config.seed, 0], tf.int64), worker_index)
-    corpus_config = config.corpus_config()
-    if corpus_config.is_tfds:
-        docs = corpus.tfds_documents(corpus_config)
+    maker = InstanceMaker(config, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
+                          seed=config.seed, process_index=worker_index, stats=stats)
+    masker = masking.masker_for_tokenizer(config, tokenizer)
+    base_seed = fold_seed(tf.constant([config.seed, 0], tf.int64), worker_index)
+    if config.is_tfds:
+        docs = corpus.tfds_documents(config)
     else:
-        docs = corpus.documents_from_files(files, corpus_config, cycle_length=config.file_cycle_length)
-    blocks = pipeline.tokenized_blocks(docs, tokenizer, config.doc_buffer_size).enumerate()
+        docs = corpus.documents_from_files(files, config, cycle_length=config.file_cycle_length)
+    blocks = tokenized_blocks(docs, tokenizer, config.doc_buffer_size).enumerate()
     # The block is tokenized once and paired with each dupe index (the original's dupe loop).
     copies = blocks.flat_map(lambda index, block: tf.data.Dataset.range(config.dupe_factor).map(
         lambda dupe: (index, dupe, block)))
     parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
     made = copies.map(lambda index, dupe, block: (index, dupe, maker.tf_map(
         block, index, tf.reshape(dupe, [1]), count_input=tf.equal(dupe, 0))), **parallel)
-    masked = made.map(lambda index, dupe, out: masker(out, pipeline.fold_seed(base_seed, 2, dupe, index)), **parallel)
-    return masked.map(lambda out: tfrecord.serialize_batch(pipeline.finalize_batch(out)), **parallel).unbatch()
+    masked = made.map(lambda index, dupe, out: masker(out, fold_seed(base_seed, 2, dupe, index)), **parallel)
+    return masked.map(lambda out: tfrecord.serialize_batch(finalize_batch(out)), **parallel).unbatch()
 
 
-def create_pretraining_data(config: pipeline.PretrainingDataConfig, out_dir: str, num_shards: int, *,
+def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_shards: int, *,
                             worker_index: int = 0, num_workers: int = 1, write_batch: int = 512,
                             log=print) -> dict:
     """Write `num_shards` TFRecord shards (+ metadata JSON) for this worker's share of the input files.
@@ -63,15 +61,15 @@ def create_pretraining_data(config: pipeline.PretrainingDataConfig, out_dir: str
     """
     if config.input_kind != "text":
         raise ValueError("data create reads text corpora (input_kind='text')")
+    config.require_input()
     start = time.time()
-    corpus_config = config.corpus_config()
-    files = [] if corpus_config.is_tfds else corpus.shard_files(corpus.expand_inputs(config.inputs),
-                                                                worker_index, num_workers)
-    tokenizer = load_tokenizer(config.vocab_path, config.lower_case)
+    files = [] if config.is_tfds else corpus.shard_files(corpus.expand_inputs(config.inputs), worker_index,
+                                                         num_workers)
+    tokenizer = load_tokenizer(config.vocab, config.lower_case)
     stats = collections.Counter(input_files=len(files), empty_files=count_empty_files(files))
     ds = serialized_instances(config, files, tokenizer, stats, worker_index)
     ds = ds.shuffle(config.shuffle_buffer, seed=config.seed + worker_index).batch(write_batch).prefetch(4)
-    prefix = "pretrain" if num_workers == 1 else f"pretrain-w{worker_index:05d}"
+    prefix = tfrecord.shard_prefix(worker_index, num_workers)
     with tfrecord.ShardWriter(out_dir, num_shards, prefix=prefix) as writer:
         for records in ds.as_numpy_iterator():
             writer.write(records)
@@ -81,16 +79,11 @@ def create_pretraining_data(config: pipeline.PretrainingDataConfig, out_dir: str
         "examples": int(writer.counts.sum()),
         "stats": dict(sorted(stats.items())),
         "seconds": round(time.time() - start, 3),
-        "config": {k: v for k, v in vars(config).items()},
+        "config": dataclasses.asdict(config),
         "feature_spec": {"max_seq_length": config.max_seq_length,
                          "max_predictions_per_seq": config.max_predictions_per_seq},
     }
-    metadata_path = os.path.join(out_dir, METADATA_NAME if num_workers == 1 else
-                                 f"pretrain-w{worker_index:05d}-metadata.json")
-    tmp = metadata_path + ".tmp"
-    with tf.io.gfile.GFile(tmp, "w") as f:
-        json.dump(summary, f, indent=1, default=list)
-    tf.io.gfile.rename(tmp, metadata_path, overwrite=True)
+    tfrecord.write_metadata(out_dir, prefix, summary)
     log(f"wrote {summary['examples']} examples to {num_shards} shard(s) in {out_dir} "
         f"({summary['seconds']:.1f} s); " + ", ".join(f"{k}={v}" for k, v in summary["stats"].items()))
     return summary

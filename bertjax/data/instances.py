@@ -18,20 +18,7 @@ import random
 
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class InstanceConfig:
-    """Instance-shape parameters (names and defaults as in create_pretraining_data.py)."""
-
-    max_seq_length: int = 128
-    short_seq_prob: float = 0.1
-    next_sentence_prediction: bool = True
-
-    def __post_init__(self):
-        if self.max_seq_length < 5:
-            raise ValueError(f"max_seq_length={self.max_seq_length} is too small: [CLS] A [SEP] B [SEP] needs >= 5")
-        if not 0.0 <= self.short_seq_prob <= 1.0:
-            raise ValueError(f"short_seq_prob={self.short_seq_prob} is not a probability")
+from bertjax.data.data_config import InstanceConfig
 
 
 @dataclasses.dataclass

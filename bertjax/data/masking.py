@@ -10,34 +10,12 @@ dynamic masking a fresh seed per batch.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
 
-
-@dataclasses.dataclass(frozen=True)
-class MaskingConfig:
-    masked_lm_prob: float = 0.15
-    max_predictions_per_seq: int = 20
-    whole_word: bool = False
-
-    def validate(self, max_seq_length: int):
-        """Clear errors for values that cannot work with this sequence length."""
-        if not 0.0 < self.masked_lm_prob < 1.0:
-            raise ValueError(f"masked_lm_prob={self.masked_lm_prob} must be in (0, 1)")
-        if self.max_predictions_per_seq < 1:
-            raise ValueError(f"max_predictions_per_seq={self.max_predictions_per_seq} must be >= 1")
-        if self.max_predictions_per_seq > max_seq_length - 3:
-            raise ValueError(f"max_predictions_per_seq={self.max_predictions_per_seq} exceeds the "
-                             f"{max_seq_length - 3} maskable tokens of max_seq_length={max_seq_length}")
-        full = round(max_seq_length * self.masked_lm_prob)
-        if self.max_predictions_per_seq < full:
-            raise ValueError(
-                f"max_predictions_per_seq={self.max_predictions_per_seq} is inconsistent with max_seq_length="
-                f"{max_seq_length} and masked_lm_prob={self.masked_lm_prob}: a full sequence needs {full} "
-                f"predictions (use --max-predictions {full})")
+from bertjax.data.data_config import MaskingConfig
 
 
 class Masker:
@@ -47,13 +25,14 @@ class Masker:
                  continuation_table: np.ndarray | None = None):
         """special_ids: never masked ([CLS], [SEP], [PAD]); continuation_table: bool[vocab_size], True for
         pieces continuing a word (required for whole-word masking)."""
-        if config.whole_word and continuation_table is None:
+        if config.whole_word_masking and continuation_table is None:
             raise ValueError("whole-word masking needs the tokenizer's word continuation table")
         self.config = config
         self.vocab_size = int(vocab_size)
         self.mask_id = int(mask_id)
         self.special_ids = tf.constant(sorted(set(int(i) for i in special_ids)), tf.int32)
-        self.continuation = (tf.constant(np.asarray(continuation_table, bool)) if config.whole_word else None)
+        self.continuation = (tf.constant(np.asarray(continuation_table, bool)) if config.whole_word_masking
+                             else None)
 
     def __call__(self, features: dict[str, tf.Tensor], seed: tf.Tensor) -> dict[str, tf.Tensor]:
         """features: int32 input_ids / input_mask [B, L] (other keys pass through); seed: int [2].
@@ -144,4 +123,4 @@ def masker_for_tokenizer(config: MaskingConfig, tokenizer) -> Masker:
     """A Masker using the tokenizer's vocab size, [MASK] id, special ids and word-continuation table."""
     return Masker(config, vocab_size=tokenizer.vocab_size, mask_id=tokenizer.mask_id,
                   special_ids=tokenizer.special_ids,
-                  continuation_table=tokenizer.word_continuation_table() if config.whole_word else None)
+                  continuation_table=tokenizer.word_continuation_table() if config.whole_word_masking else None)

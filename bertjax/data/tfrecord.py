@@ -6,6 +6,7 @@ next_sentence_labels [1]; all int64 except masked_lm_weights float32. Readers ca
 """
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from typing import Iterable, Sequence
@@ -13,24 +14,18 @@ from typing import Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
-INT_FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
-                "next_sentence_labels")
-FLOAT_FEATURES = ("masked_lm_weights",)
-FEATURE_NAMES = INT_FEATURES[:3] + ("masked_lm_positions", "masked_lm_ids", "masked_lm_weights",
-                                    "next_sentence_labels")
+from bertjax.data import schema
+from bertjax.data.corpus import expand_inputs, file_order
+
 SHARD_SUFFIX = ".tfrecord"
+METADATA_SUFFIX = "-metadata.json"
 
 
 def feature_spec(max_seq_length: int, max_predictions_per_seq: int) -> dict[str, tf.io.FixedLenFeature]:
-    """tf.io parsing spec of one example."""
-    seq, pred = [max_seq_length], [max_predictions_per_seq]
-    return {"input_ids": tf.io.FixedLenFeature(seq, tf.int64),
-            "input_mask": tf.io.FixedLenFeature(seq, tf.int64),
-            "segment_ids": tf.io.FixedLenFeature(seq, tf.int64),
-            "masked_lm_positions": tf.io.FixedLenFeature(pred, tf.int64),
-            "masked_lm_ids": tf.io.FixedLenFeature(pred, tf.int64),
-            "masked_lm_weights": tf.io.FixedLenFeature(pred, tf.float32),
-            "next_sentence_labels": tf.io.FixedLenFeature([1], tf.int64)}
+    """tf.io parsing spec of one example (integers are int64 on disk)."""
+    shapes = schema.feature_shapes(max_seq_length, max_predictions_per_seq)
+    return {name: tf.io.FixedLenFeature(shape, tf.float32 if name in schema.FLOAT_FEATURES else tf.int64)
+            for name, shape in shapes.items()}
 
 
 def _encode(message: str, fields: list[str], values: list[tf.Tensor]) -> tf.Tensor:
@@ -46,11 +41,11 @@ def serialize_batch(batch: dict[str, tf.Tensor]) -> tf.Tensor:
     it is several times faster than building protos in Python and runs inside tf.data.
     """
     entries = []
-    for name in FEATURE_NAMES:
+    for name in schema.FEATURE_NAMES:
         value = tf.convert_to_tensor(batch[name])
         if value.shape.rank == 1:
             value = value[:, None]
-        if name in FLOAT_FEATURES:
+        if name in schema.FLOAT_FEATURES:
             values = _encode("tensorflow.FloatList", ["value"], [tf.cast(value, tf.float32)])
             feature = _encode("tensorflow.Feature", ["float_list"], [values[:, None]])
         else:
@@ -66,6 +61,34 @@ def parse_batch(serialized: tf.Tensor, max_seq_length: int, max_predictions_per_
     """Parse a batch of serialized examples; int64 features become int32."""
     parsed = tf.io.parse_example(serialized, feature_spec(max_seq_length, max_predictions_per_seq))
     return {k: tf.cast(v, tf.int32) if v.dtype == tf.int64 else v for k, v in parsed.items()}
+
+
+def shard_prefix(worker_index: int = 0, num_workers: int = 1) -> str:
+    """File-name prefix of one `data create` worker's shards (and of its metadata file)."""
+    return "pretrain" if num_workers == 1 else f"pretrain-w{worker_index:05d}"
+
+
+def write_metadata(out_dir: str, prefix: str, summary: dict) -> str:
+    """Writes `<prefix>-metadata.json` beside the shards (atomically: a temporary name, then a rename)."""
+    path = os.path.join(out_dir, prefix + METADATA_SUFFIX)
+    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=1, default=list)
+    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+    return path
+
+
+def read_metadata(directory: str) -> list[tuple[str, dict]]:
+    """(path, content) of every `data create` metadata file in `directory` (none for a file or glob)."""
+    if not tf.io.gfile.isdir(directory):
+        return []
+    found = []
+    for path in sorted(tf.io.gfile.glob(os.path.join(directory, "*" + METADATA_SUFFIX))):
+        with tf.io.gfile.GFile(path) as f:
+            try:
+                found.append((path, json.load(f)))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: not valid JSON ({error})") from None
+    return found
 
 
 def shard_paths(out_dir: str, num_shards: int, prefix: str = "pretrain") -> list[str]:
@@ -117,8 +140,6 @@ class ShardWriter:
 
 def find_shards(patterns: Sequence[str]) -> list[str]:
     """TFRecord shard files for globs or directories (temporary files of unfinished writes are ignored)."""
-    from bertjax.data.corpus import expand_inputs
-
     expanded = []
     for pattern in patterns:
         if tf.io.gfile.isdir(pattern):
@@ -130,8 +151,6 @@ def find_shards(patterns: Sequence[str]) -> list[str]:
 def tfrecord_examples(files: Sequence[str], *, cycle_length: int = 8, order_seed=None,
                       compression: str | None = None) -> tf.data.Dataset:
     """Serialized examples interleaved from `files` (deterministic; file order permuted if a seed [2] is given)."""
-    from bertjax.data.corpus import file_order
-
     return file_order(files, order_seed).interleave(
         lambda f: tf.data.TFRecordDataset(f, compression_type=compression or "", buffer_size=1 << 20),
         cycle_length=min(cycle_length, len(files)), block_length=16, num_parallel_calls=tf.data.AUTOTUNE,

@@ -173,10 +173,14 @@ def _longest_first(len_a: np.ndarray, len_b: np.ndarray, budget: int) -> tuple[n
 class WordPieceTokenizer(_Tokenizer):
     """BERT WordPiece from a vocab.txt, via tensorflow-text's FastBertTokenizer (in-graph)."""
 
-    def __init__(self, vocab_path: str, lower_case: bool = True, max_bytes_per_word: int = 100):
-        self.source = vocab_path
-        self.vocab = read_vocab(vocab_path)
-        ids = _special_ids(self.vocab, vocab_path)
+    def __init__(self, vocab: str | Sequence[str], lower_case: bool = True, max_bytes_per_word: int = 100,
+                 source: str | None = None):
+        """vocab: a vocab.txt path, or the tokens themselves (id = position), e.g. a checkpoint's vocabulary."""
+        if isinstance(vocab, str):
+            self.source, self.vocab = vocab, read_vocab(vocab)
+        else:
+            self.source, self.vocab = source or "the given token list", list(vocab)
+        ids = _special_ids(self.vocab, self.source)
         self.pad_id, self.unk_id, self.cls_id = ids["pad"], ids["unk"], ids["cls"]
         self.sep_id, self.mask_id = ids["sep"], ids["mask"]
         self.lower_case = lower_case

@@ -13,75 +13,44 @@ import logging
 import os
 import time
 
-import jax
 import numpy as np
-from etils import epath
 
-from bertjax.finetune import glue_data as gd
-from bertjax.finetune import glue_metrics as gm
-from bertjax.finetune.trainer import Trainer, TrainSettings, classification_loss, regression_loss
+from bertjax.finetune import glue_data, glue_metrics
+from bertjax.finetune.settings import TrainSettings
+from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss, write_fine_tuned
+from bertjax.interop.load import load_init
+from bertjax.model import BertForSequenceClassification
 
 log = logging.getLogger(__name__)
 
 
-def load_init(init: str):
-    """(ModelCheckpoint, WordPieceTokenizer) for any checkpoint interop reads."""
-    from bertjax.data.tokenizers import WordPieceTokenizer
-    from bertjax.interop import load_pretrained
-
-    ckpt = load_pretrained(init)
-    vocab_path = _vocab_file(init, ckpt.vocab)
-    return ckpt, WordPieceTokenizer(vocab_path, lower_case=ckpt.lower_case)
-
-
-def _vocab_file(init: str, tokens: list[str]) -> str:
-    """A vocab.txt holding exactly the checkpoint's tokens (ours keep the vocab inside the checkpoint)."""
-    beside = os.path.join(init, "vocab.txt")
-    if os.path.isfile(beside):
-        with open(beside, encoding="utf-8") as f:
-            if f.read().splitlines() == list(tokens):
-                return beside
-    import hashlib
-    import tempfile
-
-    digest = hashlib.sha1("\n".join(tokens).encode("utf-8")).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"bertjax-vocab-{digest}.txt")
-    if not os.path.exists(path):
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write("".join(t + "\n" for t in tokens))
-        os.replace(path + ".tmp", path)
-    return path
-
-
-def predictions_from_logits(task: gd.GlueTask, logits: np.ndarray) -> np.ndarray:
+def predictions_from_logits(task: glue_data.GlueTask, logits: np.ndarray) -> np.ndarray:
     return logits[:, 0] if task.is_regression else np.argmax(logits, axis=-1)
 
 
-def write_submission(task: gd.GlueTask, path: str, guids: list[str], preds: np.ndarray) -> None:
+def write_submission(task: glue_data.GlueTask, path: str, guids: list[str], preds: np.ndarray) -> None:
     """GLUE's submission TSV: a header, then index and the predicted label name (or score)."""
     with open(path, "w", encoding="utf-8") as f:
         f.write("index\tprediction\n")
         for guid, pred in zip(guids, preds):
-            f.write(f"{guid}\t{gd.label_name(task, pred)}\n")
+            f.write(f"{guid}\t{glue_data.label_name(task, pred)}\n")
 
 
-def _read_diagnostic(data: str) -> gd.Examples | None:
+def _read_diagnostic(data: str) -> glue_data.Examples | None:
     """GLUE's AX set (diagnostic/diagnostic.tsv: index, sentence1, sentence2), scored with the MNLI model."""
     path = os.path.join(data, "diagnostic", "diagnostic.tsv")
     if data.startswith("tfds") or not os.path.exists(path):
         return None
-    layout = gd.Layout(3, True, 1, 2, None, index=0)
-    return gd.read_split(dataclasses.replace(gd.get_task("mnli"), skip_short_rows=False), path, layout)
+    layout = glue_data.Layout(3, True, 1, 2, None, index=0)
+    return glue_data.read_split(dataclasses.replace(glue_data.get_task("mnli"), skip_short_rows=False), path, layout)
 
 
 def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *, init: str | None = None,
              loaded=None, max_seq_length: int = 128, eval_each_epoch: bool = False, save_checkpoint: bool = False,
              export_hf: bool = False) -> dict:
     """Fine-tune and evaluate one task; returns the dev_metrics.json content."""
-    from bertjax.model import BertForSequenceClassification
-
-    task = gd.get_task(task_name)
-    splits = gd.load_task(task, data)
+    task = glue_data.get_task(task_name)
+    splits = glue_data.load_task(task, data)
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     out_dir = os.path.join(workdir, task.name)
     os.makedirs(out_dir, exist_ok=True)
@@ -90,14 +59,14 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     module = BertForSequenceClassification(ckpt.config, task.num_labels)
     loss = regression_loss if task.is_regression else classification_loss
     trainer = Trainer(module, ckpt.config, ckpt.params, loss, settings, source=init or "checkpoint")
-    features = {name: gd.featurize(ex, tokenizer, max_seq_length) for name, ex in splits.items()}
+    features = {name: glue_data.featurize(ex, tokenizer, max_seq_length) for name, ex in splits.items()}
 
     def evaluate() -> dict:
         metrics = {}
         for split in task.splits:
             feats = features[f"dev:{split.name}"]
             preds = predictions_from_logits(task, trainer.predict(feats))
-            metrics[split.name] = gm.compute_metrics(task.name, preds, feats["labels"])
+            metrics[split.name] = glue_metrics.compute_metrics(task.name, preds, feats["labels"])
         return metrics
 
     per_epoch = []
@@ -106,7 +75,7 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     metrics = evaluate()
     for i, m in enumerate(per_epoch):
         train_info["history"][i]["dev"] = m
-    score = float(np.mean([gm.task_score(task.name, m) for m in metrics.values()]))
+    score = float(np.mean([glue_metrics.task_score(task.name, m) for m in metrics.values()]))
 
     for split in task.splits:
         test = f"test:{split.name}"
@@ -114,23 +83,12 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
             preds = predictions_from_logits(task, trainer.predict(features[test]))
             write_submission(task, os.path.join(out_dir, split.submission), splits[test].guids, preds)
     if task.name == "mnli" and (ax := _read_diagnostic(data)) is not None:
-        preds = predictions_from_logits(task, trainer.predict(gd.featurize(ax, tokenizer, max_seq_length)))
+        preds = predictions_from_logits(task, trainer.predict(glue_data.featurize(ax, tokenizer, max_seq_length)))
         write_submission(task, os.path.join(out_dir, "AX.tsv"), ax.guids, preds)
 
-    params = jax.device_get(trainer.params)
-    if save_checkpoint:
-        from bertjax.checkpoint import save_model
-
-        target = epath.Path(out_dir) / "checkpoint"
-        if target.exists():
-            target.rmtree()
-        save_model(str(target), params, ckpt.config, ckpt.vocab, ckpt.lower_case)
-    if export_hf:
-        from bertjax.interop.hf import export_hf as export
-
-        id2label = None if task.is_regression else dict(enumerate(task.labels))
-        export(params, ckpt.config, ckpt.vocab, os.path.join(out_dir, "hf"), lower_case=ckpt.lower_case,
-               architecture="BertForSequenceClassification", id2label=id2label)
+    id2label = None if task.is_regression else dict(enumerate(task.labels))
+    write_fine_tuned(trainer.params, ckpt, out_dir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
+                     architecture="BertForSequenceClassification", id2label=id2label)
 
     result = {
         "task": task.name, "metrics": metrics, "score": score,
@@ -145,7 +103,7 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     return result
 
 
-def run_all(data: str, workdir: str, settings: TrainSettings, *, init: str, tasks=gd.TASKS, **kwargs) -> dict:
+def run_all(data: str, workdir: str, settings: TrainSettings, *, init: str, tasks=glue_data.TASKS, **kwargs) -> dict:
     """Every task in `tasks` whose data exists; summary.json / summary.md with the GLUE average."""
     loaded = load_init(init)
     rows = {}

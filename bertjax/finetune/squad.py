@@ -12,31 +12,15 @@ import logging
 import os
 import time
 
-import jax
-from etils import epath
 
-from bertjax.finetune import squad_data as sd
-from bertjax.finetune import squad_metrics as sm
-from bertjax.finetune.glue import load_init
+from bertjax.finetune import squad_data, squad_metrics
+from bertjax.finetune.settings import SquadSettings, TrainSettings
 from bertjax.finetune.squad_postprocess import predict_answers
-from bertjax.finetune.trainer import Trainer, TrainSettings, span_loss
+from bertjax.finetune.trainer import Trainer, span_loss, write_fine_tuned
+from bertjax.interop.load import load_init
+from bertjax.model import BertForQuestionAnswering
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class SquadSettings:
-    version: str = "1.1"
-    max_seq_length: int = 384
-    doc_stride: int = 128
-    max_query_length: int = 64
-    n_best_size: int = 20
-    max_answer_length: int = 30
-    null_score_diff_threshold: float = 0.0
-
-    @property
-    def version_2(self) -> bool:
-        return self.version.lstrip("v").startswith("2")
 
 
 def best_threshold(dataset: list, best_non_null: dict[str, str], null_odds: dict[str, float]) -> dict:
@@ -45,17 +29,15 @@ def best_threshold(dataset: list, best_non_null: dict[str, str], null_odds: dict
     (Sweeping over predictions already thresholded, as the official script is usually fed, undercounts
     questions whose answer was suppressed.)
     """
-    qid_to_has_ans = sm.make_qid_to_has_ans(dataset)
-    exact_raw, f1_raw = sm.get_raw_scores(dataset, best_non_null)
+    qid_to_has_ans = squad_metrics.make_qid_to_has_ans(dataset)
+    exact_raw, f1_raw = squad_metrics.get_raw_scores(dataset, best_non_null)
     out = {}
-    sm.find_all_best_thresh(out, best_non_null, exact_raw, f1_raw, null_odds, qid_to_has_ans)
+    squad_metrics.find_all_best_thresh(out, best_non_null, exact_raw, f1_raw, null_odds, qid_to_has_ans)
     return out
 
 
 def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, init: str, train_file: str | None,
         predict_file: str | None, save_checkpoint: bool = False, export_hf: bool = False) -> dict:
-    from bertjax.model import BertForQuestionAnswering
-
     if not train_file and not predict_file:
         raise ValueError("nothing to do: give --train and/or --predict")
     ckpt, tokenizer = load_init(init)
@@ -69,16 +51,16 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
     result: dict = {"settings": dataclasses.asdict(squad), "train_settings": dataclasses.asdict(train_settings),
                     "init": init}
     if train_file:
-        data = sd.load_squad_json(train_file)
-        examples, feats = sd.featurize(data, tokenizer, ckpt.lower_case, True, squad.version_2, source=train_file,
-                                       **featurize)
+        data = squad_data.load_squad_json(train_file)
+        examples, feats = squad_data.featurize(data, tokenizer, ckpt.lower_case, True, squad.version_2,
+                                               source=train_file, **featurize)
         log.info("train: %d questions -> %d windows", len(examples), len(feats))
         result.update(trainer.train(feats.arrays()), num_train_examples=len(examples), num_train_windows=len(feats))
         result["seconds_per_epoch"] = [h["seconds"] for h in result["history"]]
     if predict_file:
-        data = sd.load_squad_json(predict_file)
-        examples, feats = sd.featurize(data, tokenizer, ckpt.lower_case, False, squad.version_2,
-                                       source=predict_file, **featurize)
+        data = squad_data.load_squad_json(predict_file)
+        examples, feats = squad_data.featurize(data, tokenizer, ckpt.lower_case, False, squad.version_2,
+                                               source=predict_file, **featurize)
         start_logits, end_logits = trainer.predict(feats.arrays(), per_token=True)
         started = time.perf_counter()
         preds, nbest, null_odds, best_non_null = predict_answers(
@@ -93,24 +75,13 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
         if any(qa.get("answers") or qa.get("is_impossible") for a in data["data"] for p in a["paragraphs"]
                for qa in p["qas"]):
             version = "2.0" if squad.version_2 else "1.1"
-            metrics = sm.evaluate(data, preds, null_odds if squad.version_2 else None, version=version)
+            metrics = squad_metrics.evaluate(data, preds, null_odds if squad.version_2 else None, version=version)
             if squad.version_2:
                 metrics.update(best_threshold(data["data"], best_non_null, null_odds))
             result["metrics"] = metrics
             log.info("metrics: %s", metrics)
-    params = jax.device_get(trainer.params)
-    if save_checkpoint:
-        from bertjax.checkpoint import save_model
-
-        target = epath.Path(workdir) / "checkpoint"
-        if target.exists():
-            target.rmtree()
-        save_model(str(target), params, ckpt.config, ckpt.vocab, ckpt.lower_case)
-    if export_hf:
-        from bertjax.interop.hf import export_hf as export
-
-        export(params, ckpt.config, ckpt.vocab, os.path.join(workdir, "hf"), lower_case=ckpt.lower_case,
-               architecture="BertForQuestionAnswering")
+    write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
+                     architecture="BertForQuestionAnswering")
     _write_json(os.path.join(workdir, "metrics.json"), result)
     return result
 
@@ -123,10 +94,10 @@ def _write_json(path: str, value) -> None:
 def eval_file(data_file: str, predictions_file: str, na_prob_file: str | None = None,
               na_prob_thresh: float = 1.0, version: str | None = None) -> dict:
     """`bertjax eval squad`: the official script's output for a predictions file (and optional null odds)."""
-    data = sd.load_squad_json(data_file)
-    preds = sd.read_json(predictions_file)
-    na_probs = sd.read_json(na_prob_file) if na_prob_file else None
+    data = squad_data.load_squad_json(data_file)
+    preds = squad_data.read_json(predictions_file)
+    na_probs = squad_data.read_json(na_prob_file) if na_prob_file else None
     version = (version or str(data.get("version", "1.1"))).lstrip("v")
     if version.startswith("1"):
-        return sm.evaluate_v1(data["data"], preds)
-    return sm.evaluate_v2(data["data"], preds, na_probs, na_prob_thresh)
+        return squad_metrics.evaluate_v1(data["data"], preds)
+    return squad_metrics.evaluate_v2(data["data"], preds, na_probs, na_prob_thresh)

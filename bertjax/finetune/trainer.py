@@ -6,7 +6,6 @@ weighted mean), so every step has one of at most max_len / bucket shapes and not
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -17,60 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import traverse_util
+from etils import epath
 
 from bertjax import sharding
+from bertjax.checkpoint import ModelCheckpoint, merge_params, save_model
+from bertjax.finetune.settings import TrainSettings
+from bertjax.interop.hf import export_hf
 from bertjax.model import init_params
-from bertjax.optim import make_optimizer
+from bertjax.optim import OptimizerConfig, make_optimizer
 
 log = logging.getLogger(__name__)
 
 INPUT_KEYS = ("input_ids", "input_mask", "segment_ids")
-
-
-@dataclasses.dataclass
-class TrainSettings:
-    learning_rate: float = 2e-5
-    batch_size: int = 32
-    epochs: float = 3.0
-    warmup_proportion: float = 0.1
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    eval_batch_size: int = 64
-    length_bucket: int = 32  # pad each batch's length up to a multiple of this (fewer compiled shapes)
-    log_every: int = 50
-
-
-def merge_pretrained(params: dict, pretrained: dict, source: str) -> dict:
-    """`params` (a fresh model with a head) with every encoder tensor taken from `pretrained["bert"]`.
-
-    A missing encoder tensor or a shape mismatch is an error; tensors the model does not have (the pooler for
-    span heads, MLM/NSP heads) are ignored. A pretrained tensor for the head itself (an already fine-tuned
-    checkpoint) is used when its shape fits.
-    """
-    if "bert" not in pretrained:
-        raise ValueError(f"{source}: no encoder parameters ('bert') in the checkpoint")
-    flat = traverse_util.flatten_dict(params)
-    source_flat = traverse_util.flatten_dict(pretrained)
-    out = {}
-    for path, value in flat.items():
-        if path in source_flat:
-            src = np.asarray(source_flat[path])
-            if src.shape != value.shape:
-                if path[0] == "bert":
-                    raise ValueError(f"{source}: tensor {'/'.join(path)} has shape {src.shape}, the model "
-                                     f"needs {value.shape}")
-                log.info("head %s: checkpoint shape %s != %s; freshly initialised", "/".join(path),
-                         src.shape, value.shape)
-                out[path] = value
-                continue
-            out[path] = jnp.asarray(src, value.dtype)
-        elif path[0] == "bert":
-            raise ValueError(f"{source}: encoder tensor {'/'.join(path)} is missing from the checkpoint")
-        else:
-            out[path] = value
-    return traverse_util.unflatten_dict(out)
 
 
 class Trainer:
@@ -90,7 +47,7 @@ class Trainer:
         # Outside the mesh: the dummy init batch of 1 row cannot be split over the data axis.
         boxed = init_params(module, config, self.init_key)
         self.param_shardings = sharding.param_shardings(boxed, self.mesh)
-        params = merge_pretrained(nn.meta.unbox(boxed), pretrained_params, source)
+        params = merge_params(nn.meta.unbox(boxed), pretrained_params, source=source, encoder_only=True)
         self.params = jax.device_put(params, self.param_shardings)
         self.batch_sharding = sharding.batch_sharding(self.mesh)
         self._predict = jax.jit(self._predict_fn)
@@ -130,8 +87,9 @@ class Trainer:
         steps_per_epoch = math.ceil(n / s.batch_size)
         total_steps = max(1, int(math.ceil(steps_per_epoch * s.epochs)))
         warmup = int(s.warmup_proportion * total_steps)
-        optimizer, schedule = make_optimizer(s.learning_rate, total_steps, warmup, weight_decay=s.weight_decay,
-                                             clip_norm=s.max_grad_norm)
+        optimizer, schedule = make_optimizer(OptimizerConfig(
+            learning_rate=s.learning_rate, warmup_steps=warmup, weight_decay=s.weight_decay,
+            clip_norm=s.max_grad_norm), total_steps)
 
         def step(params, opt_state, batch, rng):
             loss, grads = jax.value_and_grad(self._loss)(params, batch, rng)
@@ -190,6 +148,21 @@ class Trainer:
         if not outputs:
             raise ValueError("nothing to predict")
         return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs)
+
+
+def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_checkpoint: bool, hf: bool,
+                     architecture: str, **hf_config) -> None:
+    """The fine-tuned `params` (config and vocabulary of the `init` checkpoint) as a bertjax checkpoint in
+    <out_dir>/checkpoint and/or an HF `architecture` directory in <out_dir>/hf (extra config.json keys: hf_config)."""
+    params = jax.device_get(params)
+    if bertjax_checkpoint:
+        target = epath.Path(out_dir) / "checkpoint"
+        if target.exists():
+            target.rmtree()
+        save_model(str(target), params, init.config, init.vocab, init.lower_case)
+    if hf:
+        export_hf(params, init.config, init.vocab, str(epath.Path(out_dir) / "hf"), lower_case=init.lower_case,
+                  architecture=architecture, **hf_config)
 
 
 # ------------------------------------------------------------------------------------------------- losses

@@ -1,4 +1,7 @@
-"""`bertjax convert | export | info | embed`: checkpoint interop and feature extraction."""
+"""`bertjax convert | export | info | embed`: checkpoint interop and feature extraction.
+
+The jobs (JAX, TensorFlow) are imported only when a command runs, so `bertjax --help` stays fast.
+"""
 from __future__ import annotations
 
 import argparse
@@ -42,7 +45,7 @@ def register(subparsers) -> None:
 
 def _convert(args: argparse.Namespace) -> int:
     from bertjax.checkpoint import save_model
-    from bertjax.interop import load_pretrained
+    from bertjax.interop.load import load_pretrained
 
     if epath.Path(args.out).exists():
         raise ValueError(f"--out {args.out} already exists; choose a new directory")
@@ -72,7 +75,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from bertjax.interop import load_pretrained
+    from bertjax.interop.load import load_pretrained
 
     loaded = load_pretrained(args.checkpoint)
     print(f"checkpoint: {args.checkpoint}")
@@ -88,7 +91,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def _embed(args: argparse.Namespace) -> int:
     from bertjax.embed import embed_sentences, nearest_neighbours
-    from bertjax.interop import load_pretrained
+    from bertjax.interop.load import load_pretrained
 
     path = epath.Path(args.input)
     if not path.exists():
@@ -121,6 +124,13 @@ def parameter_counts(params) -> dict[str, int]:
 
 
 def _count(tree) -> int:
-    import jax
+    return int(sum(np.size(leaf) for leaf in _leaves(tree)))
 
-    return int(sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(tree)))
+
+def _leaves(tree):
+    """Every array of a nested dict of params (plain recursion: no JAX import for `info`)."""
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    else:
+        yield tree

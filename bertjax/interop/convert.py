@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from bertjax import model as model_lib
-from bertjax.config import BertConfig
+from bertjax.model_config import BertConfig
 from bertjax.interop import names as names_lib
 
 

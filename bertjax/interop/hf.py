@@ -14,7 +14,7 @@ from etils import epath
 from safetensors.numpy import load_file, save_file
 
 from bertjax.checkpoint import read_vocab_file, write_vocab_file
-from bertjax.config import BertConfig
+from bertjax.model_config import BertConfig
 from bertjax.interop import convert
 
 # Buffers and tied copies that HF writes but that carry no weights of their own.

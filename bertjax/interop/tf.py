@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bertjax.config import BertConfig
+from bertjax.model_config import BertConfig
 from bertjax.interop import convert
 
 # Optimizer slots and bookkeeping that continued-training checkpoints hold next to the weights.

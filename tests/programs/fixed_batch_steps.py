@@ -19,18 +19,18 @@ if args.num_processes > 1:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 from bertjax import model as model_lib  # noqa: E402  (after distributed init)
-from bertjax import optim, sharding, train  # noqa: E402
-from bertjax.config import BertConfig  # noqa: E402
+from bertjax import optim, sharding, train_state, train_step  # noqa: E402
+from bertjax.model_config import BertConfig  # noqa: E402
 
 config = BertConfig(vocab_size=90, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                     max_position_embeddings=32)
 mesh = sharding.make_mesh(data=-1, fsdp=2)
 model = model_lib.BertForPreTraining(config)
-optimizer, schedule = optim.make_optimizer(1e-3, 100, 2)
-state, shardings, _ = train.make_sharded_state(jax.random.key(0), model=model, config=config, optimizer=optimizer,
-                                               mesh=mesh, seq_len=16, num_masked=3)
-step, _ = train.compile_steps(model=model, optimizer=optimizer, schedule=schedule, step_config=train.StepConfig(),
-                              state_shardings_tree=shardings, mesh=mesh)
+optimizer, schedule = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=2), 100)
+state, shardings, _ = train_state.make_sharded_state(jax.random.key(0), model=model, config=config,
+                                                     optimizer=optimizer, mesh=mesh, seq_len=16, num_masked=3)
+step, _ = train_step.compile_steps(model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=1,
+                                   nsp_loss=True, state_shardings_tree=shardings, mesh=mesh)
 rng = np.random.default_rng(0)
 losses = []
 rows = slice(args.process_id * 16 // args.num_processes, (args.process_id + 1) * 16 // args.num_processes)
@@ -42,7 +42,7 @@ with sharding.activate(mesh):
                      masked_lm_positions=positions, masked_lm_ids=np.take_along_axis(ids, positions, 1),
                      masked_lm_weights=np.ones((16, 3), np.float32),
                      next_sentence_labels=rng.integers(0, 2, (16, 1)).astype(np.int32))
-        state, metrics = step(state, train.global_batch({k: v[rows] for k, v in batch.items()}, mesh))
+        state, metrics = step(state, sharding.global_batch({k: v[rows] for k, v in batch.items()}, mesh))
         losses.append(float(metrics["loss"]))
 if jax.process_index() == 0:
     print("LOSSES " + json.dumps(losses), flush=True)

@@ -1,20 +1,20 @@
 """Pretraining job config: presets, --set overrides with types, and errors before any compile."""
 import pytest
 
-from bertjax import train_config
+from bertjax import pretrain_config
 
 
 def test_presets_load_and_overrides_apply():
-    config = train_config.load_config("bert-tiny", ["train.steps=77", "optimizer.learning_rate=2e-4",
+    config = pretrain_config.load_config("bert-tiny", ["train.steps=77", "optimizer.learning_rate=2e-4",
                                                    "data.input=a.txt,b.txt", "data.vocab=v.txt",
                                                    "data.whole_word_masking=true", "checkpoint.every=5"])
     assert config.train.steps == 77 and config.optimizer.learning_rate == 2e-4
     assert config.data.input == "a.txt,b.txt" and config.data.whole_word_masking is True
     assert config.model.preset == "tiny"
     for name in ("bert-base-phase1", "bert-base-phase2", "bert-large-lamb-phase1"):
-        preset = train_config.load_config(name, ["data.input=x", "data.vocab=v"])
+        preset = pretrain_config.load_config(name, ["data.input=x", "data.vocab=v"])
         assert preset.train.steps > 1000
-    assert train_config.load_config("bert-base-phase2", ["data.input=x", "data.vocab=v"]).data.max_seq_length == 512
+    assert pretrain_config.load_config("bert-base-phase2", ["data.input=x", "data.vocab=v"]).data.max_seq_length == 512
 
 
 @pytest.mark.parametrize("override,message", [
@@ -27,24 +27,25 @@ def test_presets_load_and_overrides_apply():
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ValueError) as error:
-        train_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", override])
+        pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", override])
     assert message in str(error.value)
 
 
 def test_cross_field_validation():
     with pytest.raises(ValueError, match="data.input is empty"):
-        train_config.load_config("bert-tiny", ["data.vocab=v"])
+        pretrain_config.load_config("bert-tiny", ["data.vocab=v"])
     with pytest.raises(ValueError, match="not divisible by train.grad_accum_steps"):
-        train_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", "train.batch_size=30",
+        pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", "train.batch_size=30",
                                                "train.grad_accum_steps=4"])
-    config = train_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", "train.batch_size=12",
+    config = pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", "train.batch_size=12",
                                                     "mesh.data=8"])
     with pytest.raises(ValueError, match="12 sequences per microbatch is not divisible by the data-parallel size 8"):
-        train_config.validate(config, num_devices=8)
+        pretrain_config.validate(config, num_devices=8)
     with pytest.raises(ValueError, match="mesh: mesh data=3"):
-        train_config.validate(train_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v",
+        pretrain_config.validate(pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v",
                                                                      "mesh.data=3"]), num_devices=8)
     with pytest.raises(ValueError, match="unknown config 'bert-huge'"):
-        train_config.load_config("bert-huge")
+        pretrain_config.load_config("bert-huge")
     with pytest.raises(ValueError, match="exceeds model.max_position_embeddings"):
-        train_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", "data.max_seq_length=256"])
+        pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", "data.max_seq_length=256",
+                                                   "data.max_predictions_per_seq=40"])

@@ -1,4 +1,8 @@
-"""`bertjax pretrain`: the pretraining job's command line (config preset + --set overrides + distributed init)."""
+"""`bertjax pretrain`: the pretraining job's command line (config preset + --set overrides + distributed init).
+
+JAX, TensorFlow and the job are imported only when the command runs: `bertjax --help` stays fast, and
+jax.distributed.initialize must come before anything touches a device.
+"""
 from __future__ import annotations
 
 import argparse
@@ -21,11 +25,6 @@ def register(subparsers) -> None:
     parser.add_argument("--max-steps-this-run", type=int, help="stop (with a checkpoint) after this many steps")
     parser.set_defaults(func=_pretrain)
 
-    corpus = subparsers.add_parser("demo-corpus", help="write the embedded demo corpus (Python's reference "
-                                   "help topics, shipped with CPython) in the original format")
-    corpus.add_argument("--out", required=True, help="directory for train.txt and eval.txt")
-    corpus.set_defaults(func=_demo_corpus)
-
 
 def initialize_distributed(args: argparse.Namespace) -> None:
     """jax.distributed.initialize() for multi-process runs; must run before any other JAX call."""
@@ -42,10 +41,10 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from bertjax import train_config
+    from bertjax import pretrain_config
 
     # Validate what can be validated before touching devices, so a typo fails in a second.
-    config = train_config.load_config(args.config, args.overrides)
+    config = pretrain_config.load_config(args.config, args.overrides)
     initialize_distributed(args)
     _keep_tensorflow_off_accelerators()
     from bertjax import pretrain
@@ -53,14 +52,6 @@ def _pretrain(args: argparse.Namespace) -> int:
     result = pretrain.run(config, args.workdir, init_from=args.init_from,
                           max_steps_this_run=args.max_steps_this_run)
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
-
-
-def _demo_corpus(args: argparse.Namespace) -> int:
-    from bertjax.demo_corpus import write_demo_corpus
-
-    train_path, eval_path = write_demo_corpus(args.out)
-    print(f"wrote {train_path} and {eval_path}")
-    return 0
 
 
 def _keep_tensorflow_off_accelerators() -> None:

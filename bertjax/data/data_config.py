@@ -1,0 +1,140 @@
+"""The pretraining data options, each defined once: where the text is (CorpusConfig), how instances are cut
+(InstanceConfig), how they are masked (MaskingConfig), and all of them plus the stream's own settings
+(PretrainingDataConfig, the `data.*` keys of a pretraining job and the flags of `bertjax data create`).
+
+No TensorFlow here, so command lines can build their flags from these fields without importing it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from bertjax.options import option
+
+FORMATS = ("sentences", "paragraphs", "wikitext", "wrapped")
+MASKING_MODES = ("dynamic", "static")
+INPUT_KINDS = ("text", "tfrecord")
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusConfig:
+    """Where the text is and how it is laid out."""
+
+    input: str = option("", "comma-separated globs of text files, tfds:NAME[:SPLIT], or (input_kind=tfrecord) "
+                        "TFRecord files/directories", repeatable=True)
+    corpus_format: str = option("sentences", "sentences: one per line, blank line between documents (the original "
+                                "format) | paragraphs: one per line | wikitext | wrapped (hard-wrapped, e.g. "
+                                "Gutenberg)", flags=("--format",))
+    doc_boundary_regex: str | None = option(None, "paragraphs: a full-matching line starts a new document")
+    skip_regex: str | None = option(None, "paragraphs: full-matching lines are dropped")
+    max_line_chars: int = option(100_000, "longer lines are truncated (and counted)")
+    max_document_lines: int = option(100_000, "a document with more lines is cut (bounds memory)")
+    tfds_text_field: str = option("text", "tfds: the feature holding the document text", flags=("--text-field",))
+    tfds_data_dir: str | None = option(None, "tfds: the data directory of prepared datasets")
+    line_batch: int = option(1024, "lines processed per vectorised step")
+    wrapped_doc_blank_lines: int = option(3, "wrapped: this many blank lines end a document (Gutenberg: chapters)")
+
+    def __post_init__(self):
+        # A list of patterns (a JSON/YAML config, repeated flags) is kept as one comma-separated string.
+        if not isinstance(self.input, str):
+            object.__setattr__(self, "input", ",".join(self.input))
+        if not self.is_tfds and self.corpus_format not in FORMATS:
+            raise ValueError(f"unknown corpus format {self.corpus_format!r}; expected one of {', '.join(FORMATS)}")
+        if self.max_line_chars < 1:
+            raise ValueError(f"max_line_chars must be >= 1, got {self.max_line_chars}")
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The input patterns, one per comma-separated entry."""
+        return tuple(part.strip() for part in self.input.split(",") if part.strip())
+
+    @property
+    def is_tfds(self) -> bool:
+        return len(self.inputs) == 1 and self.inputs[0].startswith("tfds:")
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceConfig:
+    """Instance-shape parameters (names and defaults as in create_pretraining_data.py)."""
+
+    max_seq_length: int = option(128, "tokens per instance, [CLS] and [SEP]s included")
+    short_seq_prob: float = option(0.1, "probability of a shorter target length for a document's instances")
+    next_sentence_prediction: bool = option(True, "A/B pairs with 50% random next (false: RoBERTa-style "
+                                            "full-sentence packing, no NSP labels)", flags=("--nsp",))
+
+    def __post_init__(self):
+        if self.max_seq_length < 5:
+            raise ValueError(f"max_seq_length={self.max_seq_length} is too small: [CLS] A [SEP] B [SEP] needs >= 5")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise ValueError(f"short_seq_prob={self.short_seq_prob} is not a probability")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskingConfig:
+    """Masked-LM parameters (names and defaults as in create_pretraining_data.py)."""
+
+    masked_lm_prob: float = option(0.15, "fraction of tokens predicted")
+    max_predictions_per_seq: int = option(20, "most masked positions per instance", flags=("--max-predictions",))
+    whole_word_masking: bool = option(False, "mask all pieces of a word together")
+
+    def validate(self, max_seq_length: int):
+        """Clear errors for values that cannot work with this sequence length."""
+        if not 0.0 < self.masked_lm_prob < 1.0:
+            raise ValueError(f"masked_lm_prob={self.masked_lm_prob} must be in (0, 1)")
+        if self.max_predictions_per_seq < 1:
+            raise ValueError(f"max_predictions_per_seq={self.max_predictions_per_seq} must be >= 1")
+        if self.max_predictions_per_seq > max_seq_length - 3:
+            raise ValueError(f"max_predictions_per_seq={self.max_predictions_per_seq} exceeds the "
+                             f"{max_seq_length - 3} maskable tokens of max_seq_length={max_seq_length}")
+        full = round(max_seq_length * self.masked_lm_prob)
+        if self.max_predictions_per_seq < full:
+            raise ValueError(
+                f"max_predictions_per_seq={self.max_predictions_per_seq} is inconsistent with max_seq_length="
+                f"{max_seq_length} and masked_lm_prob={self.masked_lm_prob}: a full sequence needs {full} "
+                f"predictions (use --max-predictions {full})")
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
+    """Everything that defines the pretraining example stream (defaults = the original BERT flags).
+
+    It *is* a CorpusConfig, an InstanceConfig and a MaskingConfig (their fields are its own, flat, as in the
+    original flags), so each stage takes it directly.
+    """
+
+    input_kind: str = option("text", "text (corpus files or tfds:NAME) | tfrecord (shards of `data create`)")
+    vocab: str = option("", "vocab.txt (WordPiece) or .model (SentencePiece); text input only")
+    lower_case: bool | None = option(None, "lower-case and strip accents before tokenizing (default: true for "
+                                     "WordPiece, false for SentencePiece)")
+    masking: str = option("dynamic", "dynamic: new masks every epoch (RoBERTa) | static: dupe_factor fixed copies "
+                          "(the original)")
+    dupe_factor: int = option(10, "static masking: distinct (instances, masks) copies before repeating")
+    doc_buffer_size: int = option(1000, "documents per instance-creation block (bounds memory; random-next "
+                                  "sentences come from the same block)", flags=("--doc-buffer",))
+    shuffle_buffer: int = option(10_000, "instances")
+    prefetch_batches: int = option(2, "batches prepared ahead of the train step (0: none)")
+    seed: int = option(12345, "seeds instances, masks and shuffles")
+    num_epochs: int | None = option(None, "passes over the input (None: repeat forever)")
+    file_cycle_length: int = option(4, "input files read in parallel")
+    eval_input: str = option("", "held-out corpus for periodic MLM/NSP accuracy (pretraining; \"\" = none)")
+
+    def __post_init__(self):
+        CorpusConfig.__post_init__(self)
+        InstanceConfig.__post_init__(self)
+        self.validate(self.max_seq_length)
+        if self.input_kind not in INPUT_KINDS:
+            raise ValueError(f"input_kind={self.input_kind!r}; expected one of {INPUT_KINDS}")
+        if self.masking not in MASKING_MODES:
+            raise ValueError(f"masking={self.masking!r}; expected one of {MASKING_MODES}")
+        for name in ("dupe_factor", "doc_buffer_size", "shuffle_buffer", "file_cycle_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    def require_input(self) -> None:
+        """The checks that only a run (not a preset) needs: an input, and a vocab for text input."""
+        if not self.inputs:
+            raise ValueError("data.input is empty: give corpus files (--set data.input=GLOB)")
+        if self.input_kind == "text" and not self.vocab:
+            raise ValueError("data.vocab is empty: text input needs a vocab.txt or SentencePiece .model")
+
+    def replace(self, **changes) -> "PretrainingDataConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,44 @@
+"""Fine-tuning options, each defined once: the shared training settings and SQuAD's own. The `finetune` command
+line derives its flags from these fields (no JAX here, so building the parser stays fast)."""
+from __future__ import annotations
+
+import dataclasses
+
+from bertjax.options import option
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """The training loop of every fine-tuning job (BERT paper's recipe; each job sets its own lr/batch/epochs)."""
+
+    learning_rate: float = option(2e-5, "peak learning rate (linear warmup, then linear decay to 0)")
+    batch_size: int = option(32, "sequences per step")
+    epochs: float = option(3.0, "passes over the training set (fractions allowed)")
+    warmup_proportion: float = option(0.1, "share of the steps spent warming up")
+    weight_decay: float = option(0.01, "AdamW decoupled weight decay (not on LayerNorm and biases)")
+    max_grad_norm: float = option(1.0, "global gradient-norm clip (0: none)")
+    seed: int = option(42, "head initialisation, dropout and example order")
+    eval_batch_size: int = option(64, "sequences per prediction step")
+    length_bucket: int = option(32, "pad each batch's length up to a multiple of this (fewer compiled shapes)")
+    log_every: int = option(50, "steps between progress lines")
+
+
+@dataclasses.dataclass(frozen=True)
+class SquadSettings:
+    """SQuAD windowing and answer decoding (run_squad.py's flags and defaults)."""
+
+    version: str = option("1.1", "1.1 | 2.0 (2.0 may predict no answer)")
+    max_seq_length: int = option(384, "tokens per window")
+    doc_stride: int = option(128, "tokens between window starts")
+    max_query_length: int = option(64, "question tokens kept")
+    n_best_size: int = option(20, "candidates per question in nbest_predictions.json")
+    max_answer_length: int = option(30, "longest answer in tokens")
+    null_score_diff_threshold: float = option(0.0, "2.0: predict no answer when null score - best > this")
+
+    def __post_init__(self):
+        if self.version not in ("1.1", "2.0"):
+            raise ValueError(f"SQuAD version {self.version!r}; expected 1.1 or 2.0")
+
+    @property
+    def version_2(self) -> bool:
+        return self.version.startswith("2")

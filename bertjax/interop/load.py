@@ -1,0 +1,49 @@
+"""Loading any checkpoint a job starts from: a bertjax checkpoint, an HF directory or a TF checkpoint prefix."""
+from __future__ import annotations
+
+from etils import epath
+
+from bertjax.checkpoint import ModelCheckpoint, is_model_checkpoint, load_model, read_vocab_file
+from bertjax.data.tokenizers import WordPieceTokenizer
+from bertjax.interop.hf import load_hf
+from bertjax.interop.tf import load_tf
+
+
+def detect_format(src: str) -> str:
+    """"bertjax", "hf" or "tf" for a checkpoint path (a TF checkpoint is given by its prefix)."""
+    path = epath.Path(src)
+    if is_model_checkpoint(src):
+        return "bertjax"
+    if path.is_dir() and (path / "config.json").exists():
+        return "hf"
+    if epath.Path(src + ".index").exists():
+        return "tf"
+    raise FileNotFoundError(f"{src} is neither a bertjax checkpoint, an HF model directory (config.json + "
+                            "weights) nor a TF checkpoint prefix (<prefix>.index)")
+
+
+def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | None = None) -> ModelCheckpoint:
+    """Params, config and vocab from any supported checkpoint.
+
+    A TF checkpoint takes its bert_config.json and vocab.txt from `config_path` / `vocab_path`, defaulting to
+    the files beside the prefix, as Google's releases lay them out.
+    """
+    kind = detect_format(src)
+    if kind == "bertjax":
+        return load_model(src)
+    if kind == "hf":
+        params, config, vocab, lower_case = load_hf(src)
+        return ModelCheckpoint(params, config, vocab, lower_case)
+    folder = epath.Path(src).parent
+    params, config = load_tf(src, config_path or str(folder / "bert_config.json"))
+    vocab = read_vocab_file(vocab_path or str(folder / "vocab.txt"))
+    # Google's uncased releases lower-case; cased ones say so in their directory name.
+    lower_case = "cased" not in epath.Path(src).parent.name.replace("uncased", "")
+    return ModelCheckpoint(params, config, vocab, lower_case)
+
+
+def load_init(src: str) -> tuple[ModelCheckpoint, WordPieceTokenizer]:
+    """A checkpoint to start a job from (any format `load_pretrained` reads) and the WordPiece tokenizer of its own
+    vocabulary."""
+    checkpoint = load_pretrained(src)
+    return checkpoint, WordPieceTokenizer(checkpoint.vocab, lower_case=checkpoint.lower_case, source=src)

@@ -1,0 +1,137 @@
+"""The pretraining job's config: one typed tree of the options the job's parts define, presets, `--set KEY=VALUE`.
+
+`PretrainConfig` nests the config class of each part (model options derived from BertConfig, the data pipeline's
+PretrainingDataConfig, the loop's TrainConfig, OptimizerConfig, CheckpointConfig, MeshConfig); no option is
+restated here. A preset (configs/<name>.py with `get_config()`, big_vision style) edits the ConfigDict derived
+from those fields; `--set` overrides parse to each field's declared type, so an unknown key or a value of the
+wrong type is an error naming the key, and `validate` checks cross-field facts before anything is compiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+
+import ml_collections
+
+from bertjax import options
+from bertjax.checkpoint import CheckpointConfig
+from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.model_config import PRESETS, BertConfig, ModelOptions, build_model_config
+from bertjax.optim import OptimizerConfig
+from bertjax.options import option
+from bertjax.sharding import MeshConfig
+
+CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The loop and the step (`train.*` keys; google-research/bert run_pretraining.py's defaults)."""
+
+    steps: int = option(1_000_000, "optimizer updates in the whole run")
+    batch_size: int = option(256, "global batch, in sequences")
+    grad_accum_steps: int = option(1, "microbatches per step (each forward pass sees batch_size / this)")
+    seed: int = option(0, "parameter initialisation and dropout")
+    log_every: int = option(100, "steps between metric lines")
+    eval_every: int = option(0, "steps between evaluations on data.eval_input (0: none)")
+    eval_batches: int = option(10, "batches per evaluation")
+    max_consecutive_nonfinite: int = option(10, "this many non-finite gradients in a row stop the job")
+    nsp_loss: bool = option(True, "add the NSP loss (needs data.next_sentence_prediction)")
+
+    def __post_init__(self):
+        for key in ("steps", "batch_size", "grad_accum_steps", "log_every"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key}={getattr(self, key)} must be >= 1")
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(f"train.batch_size={self.batch_size} is not divisible by "
+                             f"train.grad_accum_steps={self.grad_accum_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    """Every option of a pretraining job, grouped by the part that uses it."""
+
+    model: ModelOptions = option(default_factory=ModelOptions)
+    data: PretrainingDataConfig = option(default_factory=PretrainingDataConfig)
+    train: TrainConfig = option(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = option(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = option(default_factory=CheckpointConfig)
+    mesh: MeshConfig = option(default_factory=MeshConfig)
+    init_from: str = option("", "checkpoint to start from (phase 2 from phase 1; HF/TF too)")
+    reset_schedule: bool = option(True, "with init_from: restart the step count and LR schedule")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def bert_config(self, vocab_size: int) -> BertConfig:
+        """The BertConfig the job trains (`vocab_size`: its vocabulary's, unless model.vocab_size is set)."""
+        return build_model_config(self.model, vocab_size)
+
+    def eval_data(self) -> PretrainingDataConfig:
+        """The held-out stream: data.eval_input with static masks from its own seed, so evals compare."""
+        return self.data.replace(input=self.data.eval_input, masking="static", seed=self.data.seed + 1)
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every key of a pretraining job with its default (what presets start from)."""
+    return options.to_config_dict(PretrainConfig())
+
+
+def load_config(name_or_path: str, overrides: list[str] = ()) -> PretrainConfig:
+    """A preset (name in configs/ or a path to a .py with get_config()), then KEY=VALUE overrides, validated."""
+    path = pathlib.Path(name_or_path)
+    if path.suffix != ".py":
+        path = CONFIGS_DIR / (name_or_path.replace("-", "_") + ".py")
+    if not path.exists():
+        known = sorted(p.stem.replace("_", "-") for p in CONFIGS_DIR.glob("*.py") if not p.stem.startswith("_"))
+        raise ValueError(f"unknown config {name_or_path!r}: {path} does not exist; known presets: {known}")
+    spec = importlib.util.spec_from_file_location(f"bertjax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    values = module.get_config()
+    values.lock()
+    for override in overrides:
+        options.apply_override(values, PretrainConfig, override)
+    try:
+        config = options.from_config_dict(PretrainConfig, values)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"invalid pretraining config: {error}") from None
+    validate(config)
+    return config
+
+
+def validate(config: PretrainConfig, num_devices: int | None = None) -> None:
+    """Cross-field checks, run before any compile. With `num_devices`, also the mesh and batch split."""
+    problems = []
+    if config.model.preset not in PRESETS:
+        problems.append(f"model.preset={config.model.preset!r}; expected one of {sorted(PRESETS)}")
+    if config.optimizer.warmup_steps > config.train.steps:
+        problems.append(f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be in [0, train.steps="
+                        f"{config.train.steps}]")
+    max_positions = config.model.max_position_embeddings
+    if config.data.max_seq_length > max_positions:
+        problems.append(f"data.max_seq_length={config.data.max_seq_length} exceeds "
+                        f"model.max_position_embeddings={max_positions}")
+    if config.train.nsp_loss and not config.data.next_sentence_prediction:
+        problems.append("train.nsp_loss=true needs data.next_sentence_prediction=true")
+    if config.train.eval_every and not config.data.eval_input:
+        problems.append("train.eval_every is set but data.eval_input is empty")
+    try:
+        config.data.require_input()
+    except ValueError as error:
+        problems.append(str(error))
+    if num_devices is not None and not problems:
+        try:
+            data, fsdp, _ = config.mesh.shape(num_devices)
+        except ValueError as error:
+            problems.append(f"mesh: {error}")
+        else:
+            micro = config.train.batch_size // config.train.grad_accum_steps
+            if micro % (data * fsdp):
+                problems.append(f"train.batch_size={config.train.batch_size} / grad_accum_steps="
+                                f"{config.train.grad_accum_steps} = {micro} sequences per microbatch is not "
+                                f"divisible by the data-parallel size {data * fsdp} (mesh data={data} x "
+                                f"fsdp={fsdp})")
+    if problems:
+        raise ValueError("invalid pretraining config: " + "; ".join(problems))

@@ -1,0 +1,66 @@
+"""The pretraining train state: what it holds, how it is initialised, and its sharded layout on a mesh.
+
+Everything a resumed run needs to continue bit-exactly (params, optimizer state, step, RNG, non-finite counters)
+is in the state; the input-pipeline position is saved beside it (see checkpoint.TrainCheckpointer).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bertjax import model as model_lib
+from bertjax import sharding
+from bertjax.model_config import BertConfig
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array                   # int32: updates attempted so far
+    params: Any
+    opt_state: Any
+    rng: jax.Array                    # raw key data (uint32) of the dropout base key; step and microbatch are
+                                      # folded in, so the key itself never changes and checkpoints as plain ints
+    nonfinite_total: jax.Array        # int32: steps whose gradient was not finite (update skipped)
+    nonfinite_consecutive: jax.Array  # int32: such steps in a row, up to now
+
+
+def init_state(rng, *, model, config: BertConfig, optimizer, seq_len: int, num_masked: int) -> TrainState:
+    """A fresh state with boxed (logically annotated) params and optimizer state."""
+    params_rng, dropout_rng = jax.random.split(rng)
+    params = model_lib.init_params(model, config, params_rng, length=seq_len, num_masked=num_masked)
+    return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=optimizer.init(params),
+                      rng=jax.random.key_data(dropout_rng), nonfinite_total=jnp.zeros([], jnp.int32),
+                      nonfinite_consecutive=jnp.zeros([], jnp.int32))
+
+
+def state_shardings(abstract_boxed_state: TrainState, mesh, rules=sharding.DEFAULT_RULES):
+    """NamedShardings for every leaf of the (unboxed) state; optimizer moments inherit their param's names."""
+    specs = nn.get_partition_spec(abstract_boxed_state)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def abstract_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked):
+    """(shardings, abstract unboxed state with those shardings): the layout to init or restore into."""
+    init = functools.partial(init_state, model=model, config=config, optimizer=optimizer, seq_len=seq_len,
+                             num_masked=num_masked)
+    abstract = jax.eval_shape(init, rng)
+    shardings = state_shardings(abstract, mesh)
+    unboxed = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                     nn.meta.unbox(abstract), shardings)
+    return shardings, unboxed
+
+
+def make_sharded_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked):
+    """(state initialised directly in its sharded layout, its shardings, the abstract unboxed state)."""
+    shardings, abstract = abstract_state(rng, model=model, config=config, optimizer=optimizer, mesh=mesh,
+                                         seq_len=seq_len, num_masked=num_masked)
+    init = functools.partial(init_state, model=model, config=config, optimizer=optimizer, seq_len=seq_len,
+                             num_masked=num_masked)
+    with sharding.activate(mesh):
+        state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
+    return state, shardings, abstract
