@@ -16,25 +16,15 @@ MALLOC_*/GLIBC_TUNABLES malloc setting, or a preloaded malloc, turns this off.
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata
-import importlib.util
 import sys
 from collections.abc import Mapping
+
+from bertjax.platforms import jax_runs_on_cpu_only
 
 # mallopt() parameters, from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
-
-
-def jax_runs_on_cpu_only(environ: Mapping[str, str]) -> bool:
-    """True when JAX in this process can only pick the CPU backend (decided without initialising JAX)."""
-    platforms = {name.strip() for name in environ.get("JAX_PLATFORMS", "").split(",") if name.strip()}
-    if platforms:
-        return platforms == {"cpu"}
-    has_plugin = (bool(importlib.metadata.entry_points(group="jax_plugins"))
-                  or importlib.util.find_spec("jax_plugins") is not None)
-    return not has_plugin and importlib.util.find_spec("libtpu") is None
 
 
 _USER_MALLOC_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",

@@ -12,6 +12,11 @@ import pathlib
 
 import pytest
 
+from bertjax import platforms
+
+# libtpu (installed to compile for TPU topologies) must not make JAX probe for TPU chips on a machine without them.
+platforms.use_cpu_where_no_accelerator(os.environ)
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 

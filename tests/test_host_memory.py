@@ -54,13 +54,36 @@ def test_cpu_only_follows_jax_platforms(environ, expected):
     assert host_memory.jax_runs_on_cpu_only(environ) is expected
 
 
-def test_cpu_only_without_jax_platforms_depends_on_installed_accelerator_plugins(monkeypatch):
+def test_cpu_only_without_jax_platforms_depends_on_tpu_chips_not_on_libtpu(monkeypatch, tmp_path):
     import importlib.util
+
+    from bertjax import platforms
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "libtpu" else real_find_spec(name, *a))
+    # libtpu installed, no TPU on the PCI bus (a gVNIC shares Google's vendor id): JAX can only use the CPU.
+    pci = tmp_path / "pci"
+    for name, vendor, device in (("0000:00:04.0", "0x1ae0", "0x0042"), ("0000:00:05.0", "0x8086", "0x0063")):
+        (pci / name).mkdir(parents=True)
+        (pci / name / "vendor").write_text(vendor + "\n")
+        (pci / name / "device").write_text(device + "\n")
+    detect = platforms.tpu_chips_present
+    assert not detect(str(pci))
+    monkeypatch.setattr(platforms, "tpu_chips_present", lambda: False)
+    assert host_memory.jax_runs_on_cpu_only({}) is True
+    assert host_memory.jax_runs_on_cpu_only({"JAX_FORCE_TPU_INIT": "1"}) is False
+    environ = {}
+    assert platforms.use_cpu_where_no_accelerator(environ) and environ == {"JAX_PLATFORMS": "cpu"}
+    # A TPU VM: a v5e chip on the bus.
+    (pci / "0000:00:06.0").mkdir()
+    (pci / "0000:00:06.0" / "vendor").write_text("0x1ae0\n")
+    (pci / "0000:00:06.0" / "device").write_text("0x0063\n")
+    assert detect(str(pci))
+    monkeypatch.setattr(platforms, "tpu_chips_present", lambda: True)
     assert host_memory.jax_runs_on_cpu_only({}) is False
+    environ = {}
+    assert not platforms.use_cpu_where_no_accelerator(environ) and environ == {}
 
 
 @pytest.mark.parametrize("environ, expected", [
