@@ -9,6 +9,7 @@ wrong type is an error naming the key, and `validate` checks cross-field facts b
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import importlib.util
 import pathlib
 
@@ -22,7 +23,8 @@ from bertjax.optim import OptimizerConfig
 from bertjax.options import option
 from bertjax.sharding import MeshConfig
 
-CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
+# configs/ at the top of the repository, installed as the package bertjax.configs (see pyproject.toml).
+CONFIGS_DIR = pathlib.Path(str(importlib.resources.files("bertjax.configs")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +80,9 @@ def default_config() -> ml_collections.ConfigDict:
     return options.to_config_dict(PretrainConfig())
 
 
-def load_config(name_or_path: str, overrides: list[str] = ()) -> PretrainConfig:
-    """A preset (name in configs/ or a path to a .py with get_config()), then KEY=VALUE overrides, validated."""
+def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool = True) -> PretrainConfig:
+    """A preset (name in configs/ or a path to a .py with get_config()), then KEY=VALUE overrides, validated
+    (`require_data=False`: a config that is only compiled needs no input files)."""
     path = pathlib.Path(name_or_path)
     if path.suffix != ".py":
         path = CONFIGS_DIR / (name_or_path.replace("-", "_") + ".py")
@@ -97,12 +100,13 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> PretrainConfig:
         config = options.from_config_dict(PretrainConfig, values)
     except (TypeError, ValueError) as error:
         raise ValueError(f"invalid pretraining config: {error}") from None
-    validate(config)
+    validate(config, require_data=require_data)
     return config
 
 
-def validate(config: PretrainConfig, num_devices: int | None = None) -> None:
-    """Cross-field checks, run before any compile. With `num_devices`, also the mesh and batch split."""
+def validate(config: PretrainConfig, num_devices: int | None = None, require_data: bool = True) -> None:
+    """Cross-field checks, run before any compile. With `num_devices`, also the mesh and batch split;
+    `require_data=False` for a config that is only compiled, never run (no input needed)."""
     problems = []
     if config.model.preset not in PRESETS:
         problems.append(f"model.preset={config.model.preset!r}; expected one of {sorted(PRESETS)}")
@@ -118,7 +122,8 @@ def validate(config: PretrainConfig, num_devices: int | None = None) -> None:
     if config.train.eval_every and not config.data.eval_input:
         problems.append("train.eval_every is set but data.eval_input is empty")
     try:
-        config.data.require_input()
+        if require_data:
+            config.data.require_input()
     except ValueError as error:
         problems.append(str(error))
     if num_devices is not None and not problems:
