@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from bertjax.data import schema
@@ -57,25 +58,46 @@ def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1)
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh axis sizes (a pretraining job's `mesh.*` keys); -1 takes the remaining devices."""
+    """Mesh axis sizes (a pretraining job's `mesh.*` keys); -1 takes the remaining devices of a slice."""
 
-    data: int = option(-1, "data-parallel replicas")
+    data: int = option(-1, "data-parallel replicas within a slice")
     fsdp: int = option(1, "parameter/optimizer-state shards (ZeRO-3 style), also data-parallel for the batch")
     tensor: int = option(1, "tensor-parallel split of heads, MLP and vocabulary")
+    dcn_data: int = option(1, "slices (multi-slice TPU over the data-center network): the data axis spans them, "
+                           "data-parallel only, so only gradients cross the slower network")
+
+    def __post_init__(self):
+        if self.dcn_data < 1:
+            raise ValueError(f"mesh.dcn_data={self.dcn_data} must be >= 1")
 
     def shape(self, num_devices: int) -> tuple[int, int, int]:
-        return mesh_shape(num_devices, self.data, self.fsdp, self.tensor)
+        """(data over all slices, fsdp, tensor) for `num_devices` devices in all."""
+        if num_devices % self.dcn_data:
+            raise ValueError(f"{num_devices} devices do not split into mesh.dcn_data={self.dcn_data} slices")
+        data, fsdp, tensor = mesh_shape(num_devices // self.dcn_data, self.data, self.fsdp, self.tensor)
+        return data * self.dcn_data, fsdp, tensor
 
     def build(self, devices: Sequence | None = None) -> Mesh:
-        return make_mesh(self.data, self.fsdp, self.tensor, devices)
+        return make_mesh(self.data, self.fsdp, self.tensor, devices, dcn_data=self.dcn_data)
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all), laid out for the physical topology."""
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None,
+              dcn_data: int = 1) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all), laid out for the physical topology; with
+    `dcn_data` slices, a hybrid mesh whose data axis runs across the slices (devices need a slice_index)."""
     devices = list(devices if devices is not None else jax.devices())
-    shape = mesh_shape(len(devices), data, fsdp, tensor)
     # Auto axis types: shardings come from the rules and jit, not from explicit-sharding types.
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    axis_types = (AxisType.Auto,) * 3
+    if dcn_data == 1:
+        return jax.make_mesh(mesh_shape(len(devices), data, fsdp, tensor), MESH_AXES, axis_types=axis_types,
+                             devices=devices)
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    if None in slices or len(slices) != dcn_data:
+        raise ValueError(f"mesh.dcn_data={dcn_data} needs devices from {dcn_data} slices; these come from "
+                         f"{'no multi-slice setup' if None in slices else f'{len(slices)} slice(s)'}")
+    ici = mesh_shape(len(devices) // dcn_data, data, fsdp, tensor)
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (dcn_data, 1, 1), devices)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 @contextlib.contextmanager

@@ -132,6 +132,9 @@ def compile_only_devices(topology: Topology) -> list:
     without TPU_WORKER_HOSTNAMES libtpu logs an error, without TPU_ACCELERATOR_TYPE a warning.
     """
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu locks /tmp/libtpu_lockfile so one process owns the chips; compile-only devices own none, and
+    # without this a second compiling process (or a test beside one) fails to load libtpu.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.accelerator_type)
     from jax.experimental import topologies  # noqa: PLC0415 (keeps jax out of this module's import)

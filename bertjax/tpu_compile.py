@@ -1,0 +1,190 @@
+"""Ahead-of-time compile of the pretraining step for a TPU slice, on any machine: does it fit, what will it cost.
+
+The function the job runs (`train_step.compile_steps` with the job's model, optimizer, mesh, logical-axis rules
+and shardings) is lowered for the slice's compile-only devices (libtpu through jax.experimental.topologies) and
+compiled by XLA:TPU. Its memory analysis (per chip) says whether it fits HBM, its cost analysis (per chip) counts
+the FLOPs XLA will run; the time and chip-hours follow from bertjax's analytic model FLOPs at an assumed MFU.
+A program larger than HBM fails to compile (RESOURCE_EXHAUSTED); that is reported as not fitting, with the size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+
+from bertjax import metrics, sharding, train_state, train_step
+from bertjax.data import schema
+from bertjax.data.tokenizers import load_tokenizer
+from bertjax.model import BertForPreTraining
+from bertjax.optim import make_optimizer
+from bertjax.pretrain_config import PretrainConfig, validate
+from bertjax.topologies import Topology, compile_only_devices
+
+# BERT's uncased WordPiece vocabulary: the vocab size assumed when the config names neither a size nor a vocab.
+DEFAULT_VOCAB_SIZE = 30522
+_OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\).*?available HBM \(([\d.]+)([KMGT])\)", re.S)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """What compiling one configuration gave: the per-chip need and FLOPs, or the out-of-memory size."""
+
+    fits: bool
+    hbm_bytes_per_chip: int          # arguments + outputs + temporaries - aliased (or the size XLA said it needs)
+    xla_flops_per_chip: float | None
+    argument_bytes_per_chip: int | None = None   # the train state and the batch (the state is donated)
+    temp_bytes_per_chip: int | None = None       # activations, gradients, gathered params...
+    detail: str = ""
+
+
+def job_for_topology(config: PretrainConfig, topology: Topology) -> PretrainConfig:
+    """The job's config on `topology`: a multi-slice topology spreads the data axis over its slices."""
+    if topology.num_slices > 1 and config.mesh.dcn_data == 1:
+        config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, dcn_data=topology.num_slices))
+    if config.mesh.dcn_data != topology.num_slices:
+        raise ValueError(f"mesh.dcn_data={config.mesh.dcn_data} but the topology has {topology.num_slices} slice(s)")
+    validate(config, topology.chips, require_data=False)
+    return config
+
+
+def vocab_size_of(config: PretrainConfig) -> int:
+    if config.model.vocab_size:
+        return config.model.vocab_size
+    return len(load_tokenizer(config.data.vocab, config.data.lower_case).vocab) if config.data.vocab else \
+        DEFAULT_VOCAB_SIZE
+
+
+def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> CompiledStep:
+    """Compiles the job's train step for `devices` (compile-only TPU devices); never runs it."""
+    mesh = config.mesh.build(devices)
+    bert_config = config.bert_config(vocab_size)
+    model = BertForPreTraining(bert_config)
+    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+    seq_len, num_masked = config.data.max_seq_length, config.data.max_predictions_per_seq
+    shardings, abstract = train_state.abstract_state(
+        jax.random.key(config.train.seed), model=model, config=bert_config, optimizer=optimizer, mesh=mesh,
+        seq_len=seq_len, num_masked=num_masked)
+    step_fn, _ = train_step.compile_steps(
+        model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=config.train.grad_accum_steps,
+        nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh)
+    batch_sharding = sharding.batch_sharding(mesh)
+    batch = {name: jax.ShapeDtypeStruct((config.train.batch_size,) + shape, np.dtype(schema.FEATURES[name][0]),
+                                        sharding=batch_sharding)
+             for name, shape in schema.feature_shapes(seq_len, num_masked).items()}
+    with sharding.activate(mesh):
+        lowered = step_fn.lower(abstract, batch)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as error:
+        match = _OUT_OF_HBM.search(str(error))
+        if not match:
+            raise
+        need = int(float(match[1]) * _UNITS[match[2]])
+        return CompiledStep(False, need, None, detail=str(error).strip().splitlines()[0][:400])
+    memory = compiled.memory_analysis()
+    need = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+            - memory.alias_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return CompiledStep(True, int(need), float(cost.get("flops", 0.0)), int(memory.argument_size_in_bytes),
+                        int(memory.temp_size_in_bytes))
+
+
+def report(config: PretrainConfig, topology: Topology, mfu: float, compiled: CompiledStep,
+           vocab_size: int) -> dict:
+    """The fit and cost figures of one compiled configuration (the keys `bertjax compile --json` prints)."""
+    chips = topology.chips
+    data, fsdp, tensor = config.mesh.shape(chips)
+    bert_config = config.bert_config(vocab_size)
+    seq_len = config.data.max_seq_length
+    model_flops = config.train.batch_size * metrics.train_flops_per_sequence(
+        bert_config, seq_len, config.data.max_predictions_per_seq)
+    step_seconds = model_flops / (chips * topology.peak_flops_per_chip * mfu)
+    total_hours = config.train.steps * step_seconds / 3600
+    fits = compiled.fits and compiled.hbm_bytes_per_chip <= topology.usable_hbm_bytes_per_chip
+    return {
+        "topology": topology.topology, "accelerator_type": topology.accelerator_type,
+        "num_slices": topology.num_slices, "chips": chips, "hosts": topology.hosts,
+        "mesh": {"data": data, "fsdp": fsdp, "tensor": tensor, "dcn_data": config.mesh.dcn_data},
+        "global_batch": config.train.batch_size, "grad_accum_steps": config.train.grad_accum_steps,
+        "per_chip_batch": config.train.batch_size // config.train.grad_accum_steps / (data * fsdp),
+        "seq_len": seq_len, "vocab_size": vocab_size,
+        "fits": fits,
+        "hbm_capacity_bytes_per_chip": topology.usable_hbm_bytes_per_chip,
+        "hbm_published_bytes_per_chip": topology.hbm_bytes_per_chip,
+        "hbm_bytes_per_chip": compiled.hbm_bytes_per_chip,
+        "argument_bytes_per_chip": compiled.argument_bytes_per_chip,
+        "temp_bytes_per_chip": compiled.temp_bytes_per_chip,
+        "xla_flops_per_step": None if compiled.xla_flops_per_chip is None else compiled.xla_flops_per_chip * chips,
+        "model_flops_per_step": model_flops,
+        "mfu_assumed": mfu, "peak_flops_per_chip": topology.peak_flops_per_chip,
+        "step_seconds": step_seconds,
+        "tokens_per_second": config.train.batch_size * seq_len / step_seconds,
+        "steps": config.train.steps, "total_hours": total_hours, "chip_hours": total_hours * chips,
+        "detail": compiled.detail,
+    }
+
+
+def compile_for_topology(config: PretrainConfig, topology: Topology, mfu: float = 0.5) -> dict:
+    """Compile the job's step for `topology` and report (see `report`)."""
+    config = job_for_topology(config, topology)
+    vocab_size = vocab_size_of(config)
+    compiled = compile_step(config, compile_only_devices(topology), vocab_size)
+    return report(config, topology, mfu, compiled, vocab_size)
+
+
+def fit_batch(config: PretrainConfig, topology: Topology, mfu: float = 0.5) -> dict:
+    """The smallest grad_accum_steps (the largest per-chip microbatch, same global batch) whose step fits HBM,
+    found by compiling (a binary search: more accumulation never needs more memory); the report of that
+    configuration, or of the most accumulated one when none fits (its `fits` is then False)."""
+    config = job_for_topology(config, topology)
+    vocab_size = vocab_size_of(config)
+    devices = compile_only_devices(topology)
+    data, fsdp, _ = config.mesh.shape(topology.chips)
+    per_step = config.train.batch_size // (data * fsdp)
+    choices = [a for a in range(config.train.grad_accum_steps, per_step + 1) if per_step % a == 0]
+    results = {}
+
+    def compiled(accum: int) -> dict:
+        if accum not in results:
+            candidate = dataclasses.replace(config, train=dataclasses.replace(config.train, grad_accum_steps=accum))
+            results[accum] = report(candidate, topology, mfu, compile_step(candidate, devices, vocab_size),
+                                    vocab_size)
+        return results[accum]
+
+    low, high = 0, len(choices) - 1
+    if not compiled(choices[high])["fits"]:
+        return results[choices[high]]
+    while low < high:  # choices[high] fits; find the first that does
+        middle = (low + high) // 2
+        if compiled(choices[middle])["fits"]:
+            high = middle
+        else:
+            low = middle + 1
+    return compiled(choices[high])
+
+
+def describe(result: dict) -> str:
+    """The report as lines for a person."""
+    gib = 2**30
+    lines = [
+        f"{result['accelerator_type']} x{result['num_slices']} ({result['topology']}): {result['chips']} chips, "
+        f"{result['hosts']} hosts; mesh {result['mesh']}",
+        f"batch {result['global_batch']} (per chip {result['per_chip_batch']:g} per microbatch, "
+        f"grad_accum_steps {result['grad_accum_steps']}), seq {result['seq_len']}",
+        f"HBM per chip: needs {result['hbm_bytes_per_chip'] / gib:.2f} GiB of "
+        f"{result['hbm_capacity_bytes_per_chip'] / gib:.2f} GiB usable: "
+        + ("fits" if result["fits"] else
+           f"DOES NOT FIT (over by {(result['hbm_bytes_per_chip'] - result['hbm_capacity_bytes_per_chip']) / gib:.2f}"
+           " GiB)"),
+        f"FLOPs per step: model {result['model_flops_per_step']:.4g}"
+        + ("" if result["xla_flops_per_step"] is None else
+           f", XLA {result['xla_flops_per_step']:.4g} ({result['xla_flops_per_step'] / result['model_flops_per_step']:.3f}x)"),
+        f"at {100 * result['mfu_assumed']:g}% MFU: {result['step_seconds'] * 1e3:.1f} ms/step, "
+        f"{result['tokens_per_second']:,.0f} tokens/s; {result['steps']} steps = {result['total_hours']:.2f} h, "
+        f"{result['chip_hours']:,.0f} chip-hours",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""`bertjax compile`: the job's train step compiled by XLA:TPU for real TPU topologies (libtpu's compile-only
+devices) on this CPU machine; fit, FLOPs and cost figures."""
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("libtpu", reason="bertjax compile needs libtpu (pip install -e '.[test]' installs jax[tpu])")
+
+from bertjax import metrics, topologies, tpu_compile  # noqa: E402
+from bertjax.cli import main as bertjax_main  # noqa: E402
+from bertjax.pretrain_config import load_config  # noqa: E402
+
+REQUIRED_KEYS = {"topology", "chips", "hosts", "mesh", "per_chip_batch", "fits", "hbm_capacity_bytes_per_chip",
+                 "hbm_bytes_per_chip", "xla_flops_per_step", "model_flops_per_step", "mfu_assumed", "step_seconds",
+                 "tokens_per_second", "total_hours", "chip_hours"}
+
+
+def _tiny(*overrides):
+    return load_config("bert-tiny", list(overrides), require_data=False)
+
+
+def _param_bytes(config) -> int:
+    import jax
+
+    from bertjax.model import BertForPreTraining, init_params
+
+    bert = config.bert_config(tpu_compile.DEFAULT_VOCAB_SIZE)
+    shapes = jax.eval_shape(lambda: init_params(BertForPreTraining(bert), bert, jax.random.key(0), length=8,
+                                                num_masked=2))
+    return sum(4 * int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+
+
+@pytest.mark.parametrize("name, chips, hosts", [("v5e:2x2", 4, 1), ("v4-8", 4, 1), ("v6e-8", 8, 1)])
+def test_tiny_step_compiles_for_two_generations_and_reports_its_cost(name, chips, hosts):
+    config = _tiny()
+    result = tpu_compile.compile_for_topology(config, topologies.parse_topology(name), mfu=0.5)
+    assert REQUIRED_KEYS <= set(result)
+    assert (result["chips"], result["hosts"], result["fits"]) == (chips, hosts, True)
+    assert result["mesh"] == {"data": chips, "fsdp": 1, "tensor": 1, "dcn_data": 1}
+    assert result["per_chip_batch"] == 32 / chips
+    # Data parallel: every chip holds the params and both Adam moments (float32).
+    assert result["hbm_bytes_per_chip"] >= 3 * _param_bytes(config)
+    assert result["hbm_bytes_per_chip"] < result["hbm_capacity_bytes_per_chip"]
+    expected = 32 * metrics.train_flops_per_sequence(config.bert_config(30522), 128, 20)
+    assert result["model_flops_per_step"] == expected
+    # XLA also counts what the analytic count leaves out (softmax, LayerNorm, GELU, the optimizer): a little more.
+    assert 1.0 < result["xla_flops_per_step"] / expected < 1.2
+    peak = topologies.parse_topology(name).peak_flops_per_chip
+    assert result["step_seconds"] == pytest.approx(expected / (chips * peak * 0.5))
+    assert result["chip_hours"] == pytest.approx(result["total_hours"] * chips)
+    assert result["total_hours"] == pytest.approx(300 * result["step_seconds"] / 3600)
+
+
+def test_fsdp_splits_the_params_and_moments_over_chips():
+    topology = topologies.parse_topology("v5e:2x2")
+    replicated = tpu_compile.compile_for_topology(_tiny(), topology)
+    sharded = tpu_compile.compile_for_topology(_tiny("mesh.data=1", "mesh.fsdp=4"), topology)
+    assert sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "dcn_data": 1}
+    state = 3 * _param_bytes(_tiny())  # params and both Adam moments, float32
+    # Data parallel: every chip holds the whole state; fsdp: a quarter of it (LayerNorm and bias vectors,
+    # a small part, stay whole). The step's total need shrinks less: it gathers the params it computes with.
+    assert replicated["argument_bytes_per_chip"] >= state
+    assert sharded["argument_bytes_per_chip"] < 0.3 * state
+    assert sharded["hbm_bytes_per_chip"] < replicated["hbm_bytes_per_chip"]
+
+
+def test_two_slices_spread_the_data_axis_over_the_slices():
+    result = tpu_compile.compile_for_topology(_tiny(), topologies.parse_topology("v5e:2x2", num_slices=2))
+    assert (result["chips"], result["hosts"], result["num_slices"], result["fits"]) == (8, 2, 2, True)
+    assert result["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "dcn_data": 2}
+
+
+def test_a_state_over_hbm_exits_1_with_the_size_and_no_accumulation_helps(capsys):
+    # A 12M-token vocabulary: params and Adam moments alone (~18 GB a chip, data parallel) exceed a v5e chip.
+    args = ["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--set", "model.vocab_size=12000000",
+            "--fit-batch"]
+    assert bertjax_main(args) == 1
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" in captured.out
+    assert "does not fit HBM" in captured.err and "no grad_accum_steps fits either" in captured.err
+    over = float(captured.err.split("HBM: ")[1].split(" GiB")[0])
+    assert over > 2.0  # 1.5e9 params x 12 bytes = 18 GB against 15.75 GiB usable
+
+
+@pytest.mark.slow
+def test_a_step_over_hbm_exits_1_with_the_size_and_fit_batch_finds_one_that_fits(capsys):
+    # 65536 sequences of BERT-tiny activations at once do not fit a v5e chip's 16 GiB; in 8 microbatches they do.
+    args = ["compile", "--config", "bert-tiny", "--topology", "v5litepod-4", "--set", "train.batch_size=65536",
+            "--set", "train.steps=1000", "--json", "--fit-batch"]
+    assert bertjax_main(args) == 1
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["fits"] is False and result["hbm_bytes_per_chip"] > result["hbm_capacity_bytes_per_chip"]
+    assert "does not fit HBM" in captured.err and "GiB per chip over" in captured.err
+    fit = result["fit"]
+    assert fit["fits"] is True and fit["grad_accum_steps"] > 1 and fit["global_batch"] == 65536
+    # The proposal is the report of that configuration's own compile: it fits with room to spare.
+    assert f"--set train.grad_accum_steps={fit['grad_accum_steps']}" in captured.err
+    assert fit["per_chip_batch"] == 65536 / 4 / fit["grad_accum_steps"]
+    assert fit["hbm_bytes_per_chip"] <= fit["hbm_capacity_bytes_per_chip"] < result["hbm_bytes_per_chip"]
+
+
+def test_bad_mesh_or_batch_is_an_error_before_compiling(capsys):
+    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--set", "mesh.data=3"]) == 2
+    assert "mesh" in capsys.readouterr().err
+    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2",
+                         "--set", "train.batch_size=30"]) == 2
+    assert "not divisible by the data-parallel size 4" in capsys.readouterr().err
+    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v9z-16"]) == 2
+    assert "unknown TPU generation" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, seq", [("bert-base-phase1", 128), ("bert-base-phase2", 512)])
+def test_bert_base_fits_v5e_4x4_and_xla_counts_the_model_flops(preset, seq):
+    result = tpu_compile.compile_for_topology(load_config(preset, require_data=False),
+                                              topologies.parse_topology("v5e:4x4"))
+    assert result["fits"] and result["seq_len"] == seq
+    assert result["xla_flops_per_step"] == pytest.approx(result["model_flops_per_step"], rel=0.10)
