@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "bertjax.data.cli",
     "bertjax.finetune.cli",
     "bertjax.pretrain_cli",
+    "bertjax.launch_cli",
 )
 
 

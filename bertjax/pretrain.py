@@ -6,6 +6,7 @@ that donates the state, log, eval, checkpoint, check for preemption.
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import time
 
@@ -23,6 +24,9 @@ from bertjax.data.tokenizers import load_tokenizer
 from bertjax.interop.load import load_pretrained
 from bertjax.optim import make_optimizer
 from bertjax.pretrain_config import PretrainConfig, validate
+
+
+COMPLETION_MARKER = "COMPLETED"
 
 
 class TooManyNonFiniteSteps(RuntimeError):
@@ -176,6 +180,9 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
         checkpointer.close()
         writer.close()
         preemption.restore()
+    if status == "completed" and process_index == 0:
+        # After the last save is finalised: a babysitter restarts the job until this file exists.
+        (epath.Path(workdir) / COMPLETION_MARKER).write_text(json.dumps({"final_step": step}))
     return RunResult(step, status, last_metrics)
 
 

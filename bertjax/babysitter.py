@@ -1,0 +1,61 @@
+"""Keeps a pretraining job running through preemptions, whatever runs it (a TPU slice, local processes).
+
+The job resumes by itself from its workdir's latest complete checkpoint, so bringing it back is: run the same
+command again. The babysitter runs it, and after every end looks at the workdir: the job's completion marker
+(`<workdir>/COMPLETED`, written by `bertjax pretrain` after its last save) means done; otherwise it runs it again,
+until `max_restarts` is spent. A job that fails the same way twice in a row (not a preemption) is not a
+preemption to wait out: it stops with the log tail.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Protocol
+
+from etils import epath
+
+COMPLETION_MARKER = "COMPLETED"  # = bertjax.pretrain.COMPLETION_MARKER (kept literal: no JAX import here)
+
+
+class Backend(Protocol):
+    """Something that runs a `bertjax ...` command on all of a job's workers and reports how it ended:
+    (kind, log tail), kind "exited" (every worker ended by itself), "preempted" (workers killed or gone) or
+    "failed" (a worker exited with an error)."""
+
+    def run(self, command: list[str]) -> tuple[str, str]: ...
+
+
+def failure_signature(log_tail: str) -> str:
+    """The last error line of a log, without numbers that change between runs (pids, times, addresses)."""
+    lines = [line for line in log_tail.splitlines() if re.search(r"error|Error|Exception|Traceback", line)]
+    return re.sub(r"\d+", "N", lines[-1].strip()) if lines else log_tail.strip()[-200:]
+
+
+def is_completed(workdir: str) -> bool:
+    return (epath.Path(workdir) / COMPLETION_MARKER).exists()
+
+
+def babysit(backend: Backend, command: list[str], workdir: str, max_restarts: int,
+            log: Callable[[str], None] = print) -> int:
+    """Runs `command` until the job in `workdir` completes (0), or it fails the same way twice in a row or
+    `max_restarts` restarts are spent (1)."""
+    restarts, previous_failure = 0, None
+    while True:
+        kind, log_tail = backend.run(command)
+        if is_completed(workdir):
+            log(f"babysitter: job completed after {restarts} restart(s)")
+            return 0
+        if kind == "preempted":
+            previous_failure = None
+        else:
+            signature = failure_signature(log_tail)
+            if signature == previous_failure:
+                log(f"babysitter: the job failed the same way twice in a row; not restarting. Last output:\n"
+                    f"{log_tail}")
+                return 1
+            previous_failure = signature
+        if restarts >= max_restarts:
+            log(f"babysitter: {max_restarts} restart(s) spent and the job has not completed. Last output:\n"
+                f"{log_tail}")
+            return 1
+        restarts += 1
+        log(f"babysitter: the job ended ({kind}) before completing; restart {restarts}/{max_restarts}")
