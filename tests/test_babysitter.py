@@ -1,0 +1,82 @@
+"""The babysitter with the local backend: real multi-process pretraining jobs, killed like preempted hosts."""
+import json
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from bertjax.babysitter import babysit, failure_signature
+from bertjax.demo_corpus import write_demo_corpus
+from tests.conftest import REPO_ROOT
+from tests.test_pretrain import _argv, _env, _final_params
+
+sys.path.insert(0, str(REPO_ROOT))
+from launch.local import LocalProcesses, launch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def two_file_corpus(tmp_path_factory, minilm_dir):
+    """The demo corpus as two files, one for each of two processes."""
+    folder = tmp_path_factory.mktemp("corpus2")
+    train_path, _ = write_demo_corpus(str(folder))
+    documents = open(train_path, encoding="utf-8").read().split("\n\n")
+    for index in range(2):
+        (folder / f"part{index}.txt").write_text("\n\n".join(documents[index::2]), encoding="utf-8")
+    return str(folder / "part*.txt"), str(minilm_dir / "vocab.txt")
+
+
+def _command(workdir, corpus):
+    return _argv(workdir, corpus)[3:]  # without the "python -m bertjax.cli" prefix
+
+
+def test_same_failure_twice_stops_with_the_log_tail(two_file_corpus, tmp_path):
+    messages = []
+    backend = LocalProcesses(2, 1, env=_env(1))
+    command = _command(tmp_path / "run", ("/nonexistent/corpus-*.txt", two_file_corpus[1]))
+    assert babysit(backend, command, str(tmp_path / "run"), max_restarts=5, log=messages.append) == 1
+    assert "restart 1/5" in messages[0] and "failed the same way twice" in messages[-1]
+    assert "matches no files" in messages[-1]
+    assert len(messages) == 2  # one restart, then the stop: not a restart loop
+
+
+def test_failure_signature_ignores_numbers_that_change_between_runs():
+    first = "[p0] I1122 12:00:01 pid 4242 started\n[p0] bertjax pretrain: error: worker 3 lost at 0x7f00\n"
+    second = "[p0] I1122 13:30:59 pid 5151 started\n[p0] bertjax pretrain: error: worker 3 lost at 0x7f99\n"
+    assert failure_signature(first) == failure_signature(second)
+    assert failure_signature(first) != failure_signature("[p0] ValueError: something else\n")
+
+
+@pytest.mark.slow
+def test_job_killed_twice_is_restarted_and_ends_bit_exact(two_file_corpus, tmp_path):
+    reference = tmp_path / "reference"
+    assert launch(_command(reference, two_file_corpus), processes=2, devices_per_process=4, env=_env(4)) == 0
+    assert (reference / "COMPLETED").exists()
+
+    workdir = tmp_path / "babysat"
+    backend = LocalProcesses(2, 4, env=_env(4))
+    kills = []
+
+    def kill_at(steps):
+        # SIGKILL worker 1 (a host gone, as in a preemption) once the job has logged each step in `steps`.
+        for target in steps:
+            while True:
+                metrics = workdir / "metrics.jsonl"
+                logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] \
+                    if metrics.exists() else []
+                if logged and logged[-1] >= target and backend.children and backend.children[1].poll() is None:
+                    backend.children[1].send_signal(signal.SIGKILL)
+                    kills.append(logged[-1])
+                    break
+                time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_at, args=([15, 27],), daemon=True)
+    killer.start()
+    messages = []
+    assert babysit(backend, _command(workdir, two_file_corpus), str(workdir), max_restarts=3,
+                   log=messages.append) == 0
+    assert len(kills) == 2 and kills[0] >= 15 and kills[1] >= 27
+    assert sum("restart" in m and "preempted" in m for m in messages) == 2
+    for ours, theirs in zip(_final_params(workdir), _final_params(reference)):
+        assert (ours == theirs).all()
