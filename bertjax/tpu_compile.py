@@ -118,7 +118,10 @@ def report(config: PretrainConfig, topology: Topology, mfu: float, compiled: Com
         "hbm_bytes_per_chip": compiled.hbm_bytes_per_chip,
         "argument_bytes_per_chip": compiled.argument_bytes_per_chip,
         "temp_bytes_per_chip": compiled.temp_bytes_per_chip,
-        "xla_flops_per_step": None if compiled.xla_flops_per_chip is None else compiled.xla_flops_per_chip * chips,
+        # XLA's cost analysis counts a loop's body once: the accumulation scan's microbatch is scaled by its trip
+        # count (which counts the optimizer update, under 1% of a step, that many times too).
+        "xla_flops_per_step": None if compiled.xla_flops_per_chip is None else
+        compiled.xla_flops_per_chip * chips * config.train.grad_accum_steps,
         "model_flops_per_step": model_flops,
         "mfu_assumed": mfu, "peak_flops_per_chip": topology.peak_flops_per_chip,
         "step_seconds": step_seconds,
