@@ -13,7 +13,8 @@ from typing import Callable, Protocol
 
 from etils import epath
 
-COMPLETION_MARKER = "COMPLETED"  # = bertjax.pretrain.COMPLETION_MARKER (kept literal: no JAX import here)
+# Written by `bertjax pretrain` (process 0) once its last checkpoint is finalised.
+COMPLETION_MARKER = "COMPLETED"
 
 
 class Backend(Protocol):

@@ -23,10 +23,9 @@ from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.interop.load import load_pretrained
 from bertjax.optim import make_optimizer
+from bertjax.babysitter import COMPLETION_MARKER
+from bertjax.model_config import BertConfig
 from bertjax.pretrain_config import PretrainConfig, validate
-
-
-COMPLETION_MARKER = "COMPLETED"
 
 
 class TooManyNonFiniteSteps(RuntimeError):
@@ -75,6 +74,35 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool):
 
 
 @dataclasses.dataclass
+class JobStep:
+    """What a pretraining job computes on a mesh: its model, the state's layout and the jitted steps."""
+
+    bert_config: BertConfig
+    rng: jax.Array
+    state_args: dict          # model, config, optimizer, seq_len, num_masked: how the state is initialised
+    shardings: object         # NamedShardings of every state leaf
+    abstract_state: object    # the state as ShapeDtypeStructs with those shardings (what restores and AOT take)
+    train_step: object        # jitted, state donated
+    eval_step: object
+
+
+def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
+    """The model, state layout and steps of the job on `mesh`: what `run` trains with and `bertjax compile`
+    compiles for a TPU slice (one builder, so the two cannot drift apart)."""
+    bert_config = config.bert_config(vocab_size)
+    model = model_lib.BertForPreTraining(bert_config)
+    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+    state_args = dict(model=model, config=bert_config, optimizer=optimizer, seq_len=config.data.max_seq_length,
+                      num_masked=config.data.max_predictions_per_seq)
+    rng = jax.random.key(config.train.seed)
+    shardings, abstract = train_state.abstract_state(rng, mesh=mesh, **state_args)
+    step_fn, eval_fn = train_step.compile_steps(
+        model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=config.train.grad_accum_steps,
+        nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh)
+    return JobStep(bert_config, rng, state_args, shardings, abstract, step_fn, eval_fn)
+
+
+@dataclasses.dataclass
 class RunResult:
     final_step: int
     status: str            # "completed" | "preempted" | "stopped" (max_steps_this_run)
@@ -90,32 +118,25 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     mesh = config.mesh.build()
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     vocab, lower_case = list(tokenizer.vocab), tokenizer.lower_case
-    bert_config = config.bert_config(len(vocab))
-    model = model_lib.BertForPreTraining(bert_config)
-    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+    job = build_job_step(config, mesh, len(vocab))
+    bert_config, shardings, abstract = job.bert_config, job.shardings, job.abstract_state
     seq_len, num_masked = config.data.max_seq_length, config.data.max_predictions_per_seq
-    shapes = dict(model=model, config=bert_config, optimizer=optimizer, mesh=mesh, seq_len=seq_len,
-                  num_masked=num_masked)
 
-    rng = jax.random.key(config.train.seed)
     checkpointer = checkpoint_lib.TrainCheckpointer(workdir, config.checkpoint)
     dataset = pipeline_lib.make_pretraining_dataset(config.data, config.train.batch_size, process_index,
                                                     process_count)
     iterator = iter(dataset)
     latest = checkpointer.latest_step()
     if latest is not None:
-        shardings, abstract = train_state.abstract_state(rng, **shapes)
         state = checkpointer.restore(latest, abstract)
         pipeline_lib.restore_iterator(iterator, pipeline_lib.iterator_checkpoint_path(
             checkpointer.input_state_dir(latest), process_index))
         _log(f"resumed from {workdir}/checkpoints/{latest}")
     else:
-        state, shardings, abstract = train_state.make_sharded_state(rng, **shapes)
+        state = train_state.init_sharded_state(job.rng, shardings, mesh, **job.state_args)
         if init_from:
             state = _init_from(state, init_from, shardings, abstract, config.reset_schedule)
-    step_fn, eval_fn = train_step.compile_steps(
-        model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=config.train.grad_accum_steps,
-        nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh)
+    step_fn, eval_fn = job.train_step, job.eval_step
 
     eval_batches = _eval_batches(config, process_index, process_count) if config.train.eval_every else None
     writer = metrics_lib.MetricsWriter(workdir, config.train.steps, enabled=process_index == 0)

@@ -84,7 +84,7 @@ def _compile(args: argparse.Namespace) -> int:
 
     result = tpu_compile.compile_for_topology(config, topology, args.mfu)
     if not result["fits"] and args.fit_batch:
-        result["fit"] = tpu_compile.fit_batch(config, topology, args.mfu)
+        result["fit"] = tpu_compile.fit_batch(config, topology, args.mfu, requested=result)
     print(json.dumps(result) if args.json else tpu_compile.describe(result))
     if not result["fits"]:
         over = (result["hbm_bytes_per_chip"] - result["hbm_capacity_bytes_per_chip"]) / 2**30

@@ -121,11 +121,11 @@ def validate(config: PretrainConfig, num_devices: int | None = None, require_dat
         problems.append("train.nsp_loss=true needs data.next_sentence_prediction=true")
     if config.train.eval_every and not config.data.eval_input:
         problems.append("train.eval_every is set but data.eval_input is empty")
-    try:
-        if require_data:
+    if require_data:
+        try:
             config.data.require_input()
-    except ValueError as error:
-        problems.append(str(error))
+        except ValueError as error:
+            problems.append(str(error))
     if num_devices is not None and not problems:
         try:
             data, fsdp, _ = config.mesh.shape(num_devices)

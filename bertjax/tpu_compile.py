@@ -1,8 +1,8 @@
 """Ahead-of-time compile of the pretraining step for a TPU slice, on any machine: does it fit, what will it cost.
 
-The function the job runs (`train_step.compile_steps` with the job's model, optimizer, mesh, logical-axis rules
-and shardings) is lowered for the slice's compile-only devices (libtpu through jax.experimental.topologies) and
-compiled by XLA:TPU. Its memory analysis (per chip) says whether it fits HBM, its cost analysis (per chip) counts
+The function the job runs (`pretrain.build_job_step`, the builder `pretrain.run` trains with: the job's model,
+optimizer, mesh, logical-axis rules and shardings) is lowered for the slice's compile-only devices (libtpu
+through jax.experimental.topologies) and compiled by XLA:TPU. Its memory analysis (per chip) says whether it fits HBM, its cost analysis (per chip) counts
 the FLOPs XLA will run; the time and chip-hours follow from bertjax's analytic model FLOPs at an assumed MFU.
 A program larger than HBM fails to compile (RESOURCE_EXHAUSTED); that is reported as not fitting, with the size.
 """
@@ -14,11 +14,10 @@ import re
 import jax
 import numpy as np
 
-from bertjax import metrics, sharding, train_state, train_step
+from bertjax import metrics, sharding
 from bertjax.data import schema
 from bertjax.data.tokenizers import load_tokenizer
-from bertjax.model import BertForPreTraining
-from bertjax.optim import make_optimizer
+from bertjax.pretrain import build_job_step
 from bertjax.pretrain_config import PretrainConfig, validate
 from bertjax.topologies import Topology, compile_only_devices
 
@@ -60,22 +59,14 @@ def vocab_size_of(config: PretrainConfig) -> int:
 def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> CompiledStep:
     """Compiles the job's train step for `devices` (compile-only TPU devices); never runs it."""
     mesh = config.mesh.build(devices)
-    bert_config = config.bert_config(vocab_size)
-    model = BertForPreTraining(bert_config)
-    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
-    seq_len, num_masked = config.data.max_seq_length, config.data.max_predictions_per_seq
-    shardings, abstract = train_state.abstract_state(
-        jax.random.key(config.train.seed), model=model, config=bert_config, optimizer=optimizer, mesh=mesh,
-        seq_len=seq_len, num_masked=num_masked)
-    step_fn, _ = train_step.compile_steps(
-        model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=config.train.grad_accum_steps,
-        nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh)
+    job = build_job_step(config, mesh, vocab_size)
     batch_sharding = sharding.batch_sharding(mesh)
+    shapes = schema.feature_shapes(config.data.max_seq_length, config.data.max_predictions_per_seq)
     batch = {name: jax.ShapeDtypeStruct((config.train.batch_size,) + shape, np.dtype(schema.FEATURES[name][0]),
                                         sharding=batch_sharding)
-             for name, shape in schema.feature_shapes(seq_len, num_masked).items()}
+             for name, shape in shapes.items()}
     with sharding.activate(mesh):
-        lowered = step_fn.lower(abstract, batch)
+        lowered = job.train_step.lower(job.abstract_state, batch)
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as error:
@@ -139,17 +130,18 @@ def compile_for_topology(config: PretrainConfig, topology: Topology, mfu: float 
     return report(config, topology, mfu, compiled, vocab_size)
 
 
-def fit_batch(config: PretrainConfig, topology: Topology, mfu: float = 0.5) -> dict:
+def fit_batch(config: PretrainConfig, topology: Topology, mfu: float = 0.5, requested: dict | None = None) -> dict:
     """The smallest grad_accum_steps (the largest per-chip microbatch, same global batch) whose step fits HBM,
     found by compiling (a binary search: more accumulation never needs more memory); the report of that
-    configuration, or of the most accumulated one when none fits (its `fits` is then False)."""
+    configuration, or of the most accumulated one when none fits (its `fits` is then False). `requested`: the
+    report of `config` itself if already compiled (not compiled again)."""
     config = job_for_topology(config, topology)
     vocab_size = vocab_size_of(config)
     devices = compile_only_devices(topology)
     data, fsdp, _ = config.mesh.shape(topology.chips)
     per_step = config.train.batch_size // (data * fsdp)
     choices = [a for a in range(config.train.grad_accum_steps, per_step + 1) if per_step % a == 0]
-    results = {}
+    results = {} if requested is None else {requested["grad_accum_steps"]: requested}
 
     def compiled(accum: int) -> dict:
         if accum not in results:
@@ -185,7 +177,8 @@ def describe(result: dict) -> str:
            " GiB)"),
         f"FLOPs per step: model {result['model_flops_per_step']:.4g}"
         + ("" if result["xla_flops_per_step"] is None else
-           f", XLA {result['xla_flops_per_step']:.4g} ({result['xla_flops_per_step'] / result['model_flops_per_step']:.3f}x)"),
+           f", XLA {result['xla_flops_per_step']:.4g} "
+           f"({result['xla_flops_per_step'] / result['model_flops_per_step']:.3f}x)"),
         f"at {100 * result['mfu_assumed']:g}% MFU: {result['step_seconds'] * 1e3:.1f} ms/step, "
         f"{result['tokens_per_second']:,.0f} tokens/s; {result['steps']} steps = {result['total_hours']:.2f} h, "
         f"{result['chip_hours']:,.0f} chip-hours",

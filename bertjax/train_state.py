@@ -55,12 +55,18 @@ def abstract_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked):
     return shardings, unboxed
 
 
+def init_sharded_state(rng, shardings, mesh, *, model, config, optimizer, seq_len, num_masked) -> TrainState:
+    """A fresh state initialised directly in its sharded layout (`shardings` from `abstract_state`)."""
+    init = functools.partial(init_state, model=model, config=config, optimizer=optimizer, seq_len=seq_len,
+                             num_masked=num_masked)
+    with sharding.activate(mesh):
+        return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
+
+
 def make_sharded_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked):
     """(state initialised directly in its sharded layout, its shardings, the abstract unboxed state)."""
     shardings, abstract = abstract_state(rng, model=model, config=config, optimizer=optimizer, mesh=mesh,
                                          seq_len=seq_len, num_masked=num_masked)
-    init = functools.partial(init_state, model=model, config=config, optimizer=optimizer, seq_len=seq_len,
-                             num_masked=num_masked)
-    with sharding.activate(mesh):
-        state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
+    state = init_sharded_state(rng, shardings, mesh, model=model, config=config, optimizer=optimizer,
+                               seq_len=seq_len, num_masked=num_masked)
     return state, shardings, abstract
