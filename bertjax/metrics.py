@@ -27,22 +27,25 @@ PEAK_FLOPS_BY_DEVICE_KIND = {
 }
 
 
-def forward_flops_per_sequence(config: BertConfig, seq_len: int, num_masked: int) -> float:
-    """Matmul FLOPs of one forward pass of BertForPreTraining with the MLM head at `num_masked` positions.
+def train_flops(config: BertConfig, seq_len: int, real_tokens: float, masked_tokens: float,
+                instances: float) -> float:
+    """Matmul FLOPs of forward + backward (twice the forward) of BertForPreTraining on real tokens only.
 
-    Per layer and token: Q/K/V/output projections 4*2*H^2, feed-forward 2*2*H*I, attention scores and
-    context 2*2*L*H; plus the pooler, and the MLM head (transform 2*H^2 and decoder 2*H*V) at masked positions.
+    Forward, per layer and real token: Q/K/V/output projections 4*2*H^2, feed-forward 2*2*H*I, attention scores
+    and context 2*2*L*H (L = the row length the kernels attend over); per masked token the MLM head (transform
+    2*H^2, decoder 2*H*V); per instance the pooler and NSP classifier. Padding positions count nothing, so
+    packed and unpacked runs are compared on the work that trains the model.
     """
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    per_token_layer = 8 * h * h + 4 * h * inter + 4 * seq_len * h
-    encoder = layers * per_token_layer * seq_len
-    heads = num_masked * (2 * h * h + 2 * h * config.vocab_size) + 2 * h * h + 2 * h * 2
-    return float(encoder + heads)
+    per_token = layers * (8 * h * h + 4 * h * inter + 4 * seq_len * h)
+    forward = (real_tokens * per_token + masked_tokens * (2 * h * h + 2 * h * config.vocab_size)
+               + instances * (2 * h * h + 2 * h * 2))
+    return 3.0 * float(forward)
 
 
 def train_flops_per_sequence(config: BertConfig, seq_len: int, num_masked: int) -> float:
-    """Forward + backward (the backward pass costs twice the forward)."""
-    return 3.0 * forward_flops_per_sequence(config, seq_len, num_masked)
+    """train_flops of one full (unpadded) sequence with `num_masked` predictions."""
+    return train_flops(config, seq_len, seq_len, num_masked, 1)
 
 
 def device_peak_flops(device=None, dtype: str = "bfloat16") -> tuple[float, str]:
@@ -73,12 +76,15 @@ def to_python(values: dict) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(values).items()}
 
 
-def step_seconds_metrics(step_time: float, batch_size: int, seq_len: int, flops_per_seq: float,
-                         peak_flops: float) -> dict[str, float]:
-    """Throughput and utilisation of one step that took `step_time` seconds."""
-    sequences = batch_size / step_time
-    per_device = sequences * flops_per_seq / jax.device_count()
-    return {"steps_per_s": 1.0 / step_time, "sequences_per_s": sequences, "tokens_per_s": sequences * seq_len,
+def interval_metrics(seconds: float, steps: int, rows_per_step: int, seq_len: int, counts: dict,
+                     config: BertConfig, peak_flops: float) -> dict[str, float]:
+    """Throughput and utilisation over `steps` steps that took `seconds`; `counts`: the steps' summed
+    real_tokens, masked_tokens and instances (as the train step reports them)."""
+    flops = train_flops(config, seq_len, counts["real_tokens"], counts["masked_tokens"], counts["instances"])
+    per_device = flops / seconds / jax.device_count()
+    return {"steps_per_s": steps / seconds, "sequences_per_s": steps * rows_per_step / seconds,
+            "tokens_per_s": steps * rows_per_step * seq_len / seconds,
+            "real_tokens_per_s": counts["real_tokens"] / seconds, "instances_per_s": counts["instances"] / seconds,
             "tflops_per_device": per_device / 1e12, "mfu": per_device / peak_flops}
 
 
@@ -123,7 +129,8 @@ class MetricsWriter:
             rate = (time.time() - self.start_time) / (step - self.start_step)
             eta = _duration(rate * (self.total_steps - step))
         shown = " ".join(f"{k}={v:.4g}" for k, v in values.items()
-                         if k in ("loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "sequences_per_s", "mfu"))
+                         if k in ("loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "padding_fraction",
+                                   "real_tokens_per_s", "mfu"))
         print(f"step {step}/{self.total_steps} {shown} eta {eta}", file=sys.stdout, flush=True)
 
     def close(self) -> None:

@@ -219,13 +219,17 @@ class BertModel(nn.Module):
                                    bias_init=_zeros(("embed_out",)))
 
     def __call__(self, input_ids, input_mask, segment_ids, *, packing_ids=None, position_ids=None,
-                 deterministic: bool = True):
+                 pool_positions=None, deterministic: bool = True):
+        """packing_ids/position_ids: packed rows (attention stays inside a packing id, positions restart);
+        pool_positions [B, k]: pool there (each packed instance's [CLS]) -> pooled [B, k, H], else [B, H]."""
         hidden = self.embeddings(input_ids, segment_ids, position_ids, deterministic)
         hidden = _constrain(hidden, ("activation_batch", "activation_length", "activation_embed"))
         for layer in self.layers:
             hidden = layer(hidden, input_mask, packing_ids, deterministic)
-        pooled = jnp.tanh(self.pooler(hidden[:, 0])) if self.add_pooler else None
-        return hidden, pooled
+        if not self.add_pooler:
+            return hidden, None
+        first = hidden[:, 0] if pool_positions is None else gather_positions(hidden, pool_positions)
+        return hidden, jnp.tanh(self.pooler(first))
 
     def attend(self, x):
         return self.embeddings.attend(x)
@@ -255,7 +259,8 @@ def gather_positions(sequence, positions):
 class BertForPreTraining(nn.Module):
     """BERT with the MLM head (computed only at `masked_lm_positions`) and the NSP head.
 
-    Returns {"mlm_logits": [B, P, vocab], "nsp_logits": [B, 2]}, float32.
+    Returns {"mlm_logits": [B, P, vocab], "nsp_logits": [B, 2]} (packed rows, `nsp_positions` [B, k] given:
+    [B, k, 2], one per instance's [CLS]), float32.
     """
 
     config: BertConfig
@@ -268,9 +273,10 @@ class BertForPreTraining(nn.Module):
                                          bias_init=_zeros((None,)))
 
     def __call__(self, input_ids, input_mask, segment_ids, masked_lm_positions, *, packing_ids=None,
-                 position_ids=None, deterministic: bool = True):
+                 position_ids=None, nsp_positions=None, deterministic: bool = True):
         sequence, pooled = self.bert(input_ids, input_mask, segment_ids, packing_ids=packing_ids,
-                                     position_ids=position_ids, deterministic=deterministic)
+                                     position_ids=position_ids, pool_positions=nsp_positions,
+                                     deterministic=deterministic)
         mlm_logits = self.predictions(gather_positions(sequence, masked_lm_positions), self.bert.attend)
         nsp_logits = self.seq_relationship(pooled.astype(jnp.float32))
         return {"mlm_logits": mlm_logits, "nsp_logits": nsp_logits}

@@ -28,6 +28,10 @@ from bertjax.model_config import BertConfig
 from bertjax.pretrain_config import PretrainConfig, validate
 
 
+# Per-step counts the train step reports, summed over a logging interval for throughput (not logged per step).
+_COUNTED = ("real_tokens", "masked_tokens", "instances")
+
+
 class TooManyNonFiniteSteps(RuntimeError):
     pass
 
@@ -120,7 +124,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     vocab, lower_case = list(tokenizer.vocab), tokenizer.lower_case
     job = build_job_step(config, mesh, len(vocab))
     bert_config, shardings, abstract = job.bert_config, job.shardings, job.abstract_state
-    seq_len, num_masked = config.data.max_seq_length, config.data.max_predictions_per_seq
+    seq_len = config.data.max_seq_length
 
     checkpointer = checkpoint_lib.TrainCheckpointer(workdir, config.checkpoint)
     dataset = pipeline_lib.make_pretraining_dataset(config.data, config.train.batch_size, process_index,
@@ -140,7 +144,6 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
 
     eval_batches = _eval_batches(config, process_index, process_count) if config.train.eval_every else None
     writer = metrics_lib.MetricsWriter(workdir, config.train.steps, enabled=process_index == 0)
-    flops_per_seq = metrics_lib.train_flops_per_sequence(bert_config, seq_len, num_masked)
     peak_flops, peak_source = metrics_lib.device_peak_flops(dtype=bert_config.dtype)
     _log(f"mesh {dict(mesh.shape)}, {jax.device_count()} devices, {process_count} processes; model "
          f"{sum(np.size(x) for x in jax.tree_util.tree_leaves(abstract.params)):,} params; peak "
@@ -156,7 +159,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     step = int(state.step)
     start_step = step
     status, last_metrics, previous = "completed", {}, None
-    interval_start, interval_steps = None, 0
+    interval_start, interval_steps, interval_counts = None, 0, None
     try:
         with sharding.activate(mesh):
             while step < config.train.steps:
@@ -171,17 +174,22 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
                 previous = step_metrics  # read one step late, so the check never stalls dispatch
                 if interval_start is None:
                     jax.block_until_ready(step_metrics)  # the first step includes compilation: not timed
-                    interval_start, interval_steps = time.perf_counter(), 0
+                    interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
                     writer.mark_start(step)
                 else:
                     interval_steps += 1
+                    # Summed on the device (asynchronous adds), read only when logging.
+                    counts = {k: step_metrics[k] for k in _COUNTED}
+                    interval_counts = counts if interval_counts is None else jax.tree_util.tree_map(
+                        jax.numpy.add, interval_counts, counts)
                 if step % config.train.log_every == 0 or step == config.train.steps:
-                    last_metrics = metrics_lib.to_python(step_metrics)
+                    last_metrics = {k: v for k, v in metrics_lib.to_python(step_metrics).items()
+                                    if k not in _COUNTED}
                     if interval_steps:
-                        seconds = (time.perf_counter() - interval_start) / interval_steps
-                        last_metrics.update(metrics_lib.step_seconds_metrics(
-                            seconds, config.train.batch_size, seq_len, flops_per_seq, peak_flops))
-                    interval_start, interval_steps = time.perf_counter(), 0
+                        last_metrics.update(metrics_lib.interval_metrics(
+                            time.perf_counter() - interval_start, interval_steps, config.train.batch_size, seq_len,
+                            metrics_lib.to_python(interval_counts), bert_config, peak_flops))
+                    interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
                     writer.write(step, last_metrics)
                     writer.console(step, last_metrics)
                 if eval_batches and step % config.train.eval_every == 0:

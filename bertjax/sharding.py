@@ -16,7 +16,6 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from bertjax.data import schema
 from bertjax.options import option
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -122,13 +121,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def global_batch(host_batch: Mapping[str, np.ndarray], mesh: Mesh,
-                 keys: Sequence[str] = schema.FEATURE_NAMES) -> dict[str, jax.Array]:
+def global_batch(host_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """Each process's numpy batch -> global jax.Arrays split over data x fsdp (multi-host: the global batch is the
     processes' batches stacked in process order)."""
     sharding = batch_sharding(mesh)
     out = {}
-    for key in keys:
+    for key in host_batch:
         local = np.asarray(host_batch[key])
         global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
         out[key] = jax.make_array_from_process_local_data(sharding, local, global_shape)

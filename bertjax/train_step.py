@@ -1,7 +1,8 @@
 """The pretraining objective and the sharded, jitted train and eval steps.
 
-The MLM and NSP losses are computed as sums and normalised by the whole step's totals, so gradient accumulation
-over microbatches equals one big batch exactly; a non-finite gradient skips the update and is counted.
+The MLM and NSP losses are computed as sums and normalised by the whole step's totals (masked tokens, instances),
+so gradient accumulation over microbatches equals one big batch exactly, and packed rows equal the same instances
+unpacked; a non-finite gradient skips the update and is counted.
 """
 from __future__ import annotations
 
@@ -22,17 +23,28 @@ def pretraining_sums(outputs: dict, batch: dict) -> dict:
     labels = batch["masked_lm_ids"].astype(jnp.int32)
     weights = batch["masked_lm_weights"].astype(jnp.float32)
     mlm_nll = -jnp.take_along_axis(mlm_logp, labels[..., None], axis=-1)[..., 0]
-    nsp_logp = jax.nn.log_softmax(outputs["nsp_logits"].astype(jnp.float32), axis=-1)
+    # One NSP prediction per instance: per row unpacked, per filled slot of a packed row.
+    nsp_logp = jax.nn.log_softmax(outputs["nsp_logits"].astype(jnp.float32).reshape(-1, 2), axis=-1)
     nsp_labels = batch["next_sentence_labels"].reshape(-1).astype(jnp.int32)
+    nsp_weights = _nsp_weights(batch)
     nsp_nll = -jnp.take_along_axis(nsp_logp, nsp_labels[:, None], axis=-1)[:, 0]
     return {
         "mlm_loss_sum": jnp.sum(mlm_nll * weights),
         "mlm_correct": jnp.sum((mlm_logp.argmax(-1) == labels) * weights),
         "mlm_weight": jnp.sum(weights),
-        "nsp_loss_sum": jnp.sum(nsp_nll),
-        "nsp_correct": jnp.sum((nsp_logp.argmax(-1) == nsp_labels).astype(jnp.float32)),
-        "nsp_count": jnp.asarray(nsp_labels.shape[0], jnp.float32),
+        "nsp_loss_sum": jnp.sum(nsp_nll * nsp_weights),
+        "nsp_correct": jnp.sum((nsp_logp.argmax(-1) == nsp_labels) * nsp_weights),
+        "nsp_count": jnp.sum(nsp_weights),
+        "real_tokens": jnp.sum(batch["input_mask"].astype(jnp.float32)),
+        "positions": jnp.asarray(batch["input_mask"].size, jnp.float32),
     }
+
+
+def _nsp_weights(batch: dict):
+    """1 per real instance: every row unpacked, the filled slots of packed rows."""
+    if "next_sentence_weights" in batch:
+        return batch["next_sentence_weights"].reshape(-1).astype(jnp.float32)
+    return jnp.ones(batch["next_sentence_labels"].size, jnp.float32)
 
 
 def _objective(sums: dict, total_weight, total_count, nsp_loss: bool):
@@ -52,10 +64,12 @@ def summarize(sums: dict, nsp_loss: bool) -> dict:
     return out
 
 
-def _forward(model, params, batch, *, deterministic: bool, rng=None):
+def forward(model, params, batch: dict, *, deterministic: bool, rng=None):
+    """The pretraining outputs for a batch dict, packed or not (its optional packing features passed on)."""
     return model.apply({"params": params}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
-                       batch["masked_lm_positions"], deterministic=deterministic,
-                       rngs=None if deterministic else {"dropout": rng})
+                       batch["masked_lm_positions"], packing_ids=batch.get("packing_ids"),
+                       position_ids=batch.get("position_ids"), nsp_positions=batch.get("instance_cls_positions"),
+                       deterministic=deterministic, rngs=None if deterministic else {"dropout": rng})
 
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: optax.GradientTransformation,
@@ -66,12 +80,12 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
     """
     accum = grad_accum_steps
     total_weight = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-5)
-    total_count = jnp.asarray(batch["input_ids"].shape[0], jnp.float32)
+    total_count = jnp.maximum(jnp.sum(_nsp_weights(batch)), 1.0)
     step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def micro_step(micro, index):
         def loss_fn(params):
-            outputs = _forward(model, params, micro, deterministic=False, rng=jax.random.fold_in(step_rng, index))
+            outputs = forward(model, params, micro, deterministic=False, rng=jax.random.fold_in(step_rng, index))
             sums = pretraining_sums(outputs, micro)
             return _objective(sums, total_weight, total_count, nsp_loss), sums
         (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -114,6 +128,10 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
         nonfinite_total=state.nonfinite_total + nonfinite,
         nonfinite_consecutive=jnp.where(finite, 0, state.nonfinite_consecutive + 1))
     step_metrics = summarize(sums, nsp_loss)
+    step_metrics["padding_fraction"] = 1.0 - sums["real_tokens"] / sums["positions"]
+    # Counts the loop sums over a logging interval for throughput and MFU (real tokens only).
+    step_metrics.update(real_tokens=sums["real_tokens"], masked_tokens=sums["mlm_weight"],
+                        instances=sums["nsp_count"])
     step_metrics.update(grad_norm=grad_norm, learning_rate=schedule(state.step),
                         nonfinite_total=new_state.nonfinite_total.astype(jnp.float32),
                         nonfinite_consecutive=new_state.nonfinite_consecutive.astype(jnp.float32))
@@ -122,7 +140,7 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
 
 def eval_sums(params, batch: dict, *, model: nn.Module) -> dict:
     """MLM/NSP loss and hit sums on a batch, without dropout."""
-    return pretraining_sums(_forward(model, params, batch, deterministic=True), batch)
+    return pretraining_sums(forward(model, params, batch, deterministic=True), batch)
 
 
 def compile_steps(*, model, optimizer, schedule, grad_accum_steps: int, nsp_loss: bool, state_shardings_tree,

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from bertjax.cli import main as bertjax_main
-from bertjax.data import tfrecord
+from bertjax.data import schema, tfrecord
 from bertjax.data.pipeline import make_pretraining_dataset
 from bertjax.demo_corpus import write_demo_corpus
 from bertjax.pretrain_config import load_config
@@ -41,7 +41,7 @@ def test_data_create_and_pretraining_give_the_same_tokens(cased_sentencepiece, t
                          "--dupe-factor", "1", "--doc-buffer", "200", "--shuffle-buffer", "1"]) == 0
     created = []
     for serialized in tf.data.TFRecordDataset(tfrecord.find_shards([str(out)])).batch(256):
-        created += _unmasked_rows({k: v.numpy() for k, v in tfrecord.parse_batch(serialized, 128, 20).items()})
+        created += _unmasked_rows({k: v.numpy() for k, v in tfrecord.parse_batch(serialized, schema.feature_shapes(128, 20)).items()})
 
     config = load_config("bert-tiny", [f"data.input={corpus}", f"data.vocab={model}", "data.masking=static",
                                        "data.shuffle_buffer=1", "data.doc_buffer_size=200"])

@@ -65,6 +65,46 @@ def test_batch_contract(setup):
     assert {k: (v.dtype.type, v.shape) for k, v in batch.items()} == expected
 
 
+def _instances_of(batches) -> list[bytes]:
+    """Every instance's (masked) tokens, segments and NSP label, packed rows split at their packing ids."""
+    out = []
+    for b in batches:
+        for r in range(len(b["input_ids"])):
+            if "packing_ids" not in b:
+                n = b["input_mask"][r].sum()
+                out.append((b["input_ids"][r, :n].tobytes(), b["segment_ids"][r, :n].tobytes(),
+                            int(b["next_sentence_labels"][r, 0])))
+                continue
+            for slot in np.flatnonzero(b["next_sentence_weights"][r]):
+                where = b["packing_ids"][r] == slot + 1
+                assert b["instance_cls_positions"][r, slot] == np.flatnonzero(where)[0]
+                out.append((b["input_ids"][r, where].tobytes(), b["segment_ids"][r, where].tobytes(),
+                            int(b["next_sentence_labels"][r, slot])))
+    return sorted(out)
+
+
+def test_packing_holds_the_same_instances_in_fewer_rows(setup):
+    """Static masks: one epoch packed and unpacked hold the same masked instances; packed rows have the packed
+    layout, fewer rows and less padding."""
+    def epoch(**packing):
+        config = _config(setup, masking="static", num_epochs=1, max_seq_length=128, max_predictions_per_seq=20,
+                         doc_buffer_size=4, **packing)
+        return list(make_pretraining_dataset(config, 16, drop_remainder=False).as_numpy_iterator())
+
+    plain, packed = epoch(), epoch(packing=True, max_instances_per_row=3)
+    shapes = {k: (v.dtype.type, v.shape[1:]) for k, v in packed[0].items()}
+    assert shapes == {"input_ids": (np.int32, (128,)), "input_mask": (np.int32, (128,)),
+                      "segment_ids": (np.int32, (128,)), "packing_ids": (np.int32, (128,)),
+                      "position_ids": (np.int32, (128,)), "masked_lm_positions": (np.int32, (23,)),
+                      "masked_lm_ids": (np.int32, (23,)), "masked_lm_weights": (np.float32, (23,)),
+                      "next_sentence_labels": (np.int32, (3,)), "instance_cls_positions": (np.int32, (3,)),
+                      "next_sentence_weights": (np.float32, (3,))}
+    assert _instances_of(packed) == _instances_of(plain)
+    rows = lambda batches: sum(len(b["input_ids"]) for b in batches)
+    padding = lambda batches: 1 - sum(b["input_mask"].sum() for b in batches) / (128 * rows(batches))
+    assert rows(packed) < rows(plain) and padding(packed) < padding(plain)
+
+
 def _unmasked_segments_a(batches, vocab) -> list[np.ndarray]:
     out = []
     for b in batches:
@@ -164,11 +204,13 @@ for case in spec:
 
 def test_resume_in_a_fresh_process_gives_the_same_batches(setup, tmp_path):
     """10 batches, save, restore in a new process: the next 5 equal those of an uninterrupted run
-    (text input with dynamic whole-word masking on host 1 of 2, and static masking on one host)."""
+    (text input with dynamic whole-word masking on host 1 of 2, static masking on one host, packed rows)."""
     cases = [
         dict(config=_config(setup, whole_word_masking=True), batch=16, process_index=1, process_count=2),
         dict(config=_config(setup, masking="static", dupe_factor=2, doc_buffer_size=3), batch=8,
              process_index=0, process_count=1),
+        dict(config=_config(setup, packing=True, max_instances_per_row=3), batch=4, process_index=1,
+             process_count=2),
     ]
     expected = []
     for n, case in enumerate(cases):
@@ -247,7 +289,8 @@ jax.distributed.shutdown()
 
 
 @pytest.mark.slow
-def test_two_jax_processes_assemble_the_global_batch(setup, tmp_path):
+@pytest.mark.parametrize("packing", [False, True])
+def test_two_jax_processes_assemble_the_global_batch(setup, tmp_path, packing):
     """Two real JAX processes (jax.distributed on CPU, 2 devices each): each feeds its own host batch and
     the global array is the two host batches stacked in process order."""
     import socket
@@ -255,14 +298,15 @@ def test_two_jax_processes_assemble_the_global_batch(setup, tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    config = json.dumps(dataclasses.asdict(_config(setup)))
+    config = json.dumps(dataclasses.asdict(_config(setup, packing=packing)))
     procs = [subprocess.Popen([sys.executable, "-c", MULTIPROCESS_SCRIPT, str(port), str(i), config,
                                str(tmp_path / f"p{i}.npz")], cwd=ROOT,
                               env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": ""}) for i in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     results = [np.load(tmp_path / f"p{i}.npz") for i in range(2)]
     assert int(results[0]["devices"]) == 4 and tuple(results[0]["shape"]) == (16, SEQ)
-    for name in ("input_ids", "masked_lm_positions", "masked_lm_weights", "next_sentence_labels"):
+    names = ["input_ids", "masked_lm_positions", "masked_lm_weights", "next_sentence_labels"]
+    for name in names + (["packing_ids", "position_ids", "instance_cls_positions"] if packing else []):
         expected = np.concatenate([results[0][f"local/{name}"], results[1][f"local/{name}"]])
         assert results[0][f"local/{name}"].shape[0] == 8
         for r in results:

@@ -2,6 +2,7 @@
 with Python protobuf parsing), atomic shards, read-back, and clear errors for bad input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 from bertjax.cli import main as bertjax_main
+from bertjax.data import tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.pipeline import make_pretraining_dataset
 from bertjax.data.tfrecord import ShardWriter, find_shards
@@ -134,6 +136,36 @@ def test_reader_refuses_other_shapes_than_written(created):
                                    max_predictions_per_seq=20)
     with pytest.raises(ValueError, match="max_seq_length=64, the pipeline asks for 128"):
         make_pretraining_dataset(config, 8)
+
+
+def test_packed_records_read_back_by_a_packed_pipeline_only(created, corpus_slice, tmp_path):
+    """`data create --pack`: the packed features (metadata says so), the same examples through the reader,
+    the same instance count as the unpacked records, and a reader without packing refused."""
+    corpus, vocab = corpus_slice
+    assert _create(corpus, vocab, tmp_path, "--pack", "--max-instances-per-row", "3") == 0
+    meta = json.loads((tmp_path / "pretrain-metadata.json").read_text())
+    assert meta["feature_spec"] == {"max_seq_length": SEQ, "max_predictions_per_seq": PRED, "instances_per_row": 3}
+    records = _records(tmp_path)
+    unpacked = json.loads((created / "pretrain-metadata.json").read_text())
+    assert len(records) == meta["examples"] < unpacked["examples"]
+    shapes = PretrainingDataConfig(max_seq_length=SEQ, max_predictions_per_seq=PRED, packing=True,
+                                   max_instances_per_row=3).feature_shapes()
+    example = tf.train.Example.FromString(records[0]).features.feature
+    assert {name: len(getattr(f, f.WhichOneof("kind")).value) for name, f in example.items()} == \
+        {name: shape[0] for name, shape in shapes.items()}
+    instances = sum(float(tf.io.parse_single_example(r, tfrecord.feature_spec(shapes))["next_sentence_weights"]
+                          .numpy().sum()) for r in records)
+    assert instances == unpacked["examples"] == meta["stats"]["instances"]
+
+    config = PretrainingDataConfig(input=(str(tmp_path),), input_kind="tfrecord", max_seq_length=SEQ,
+                                   max_predictions_per_seq=PRED, num_epochs=1, packing=True,
+                                   max_instances_per_row=3)
+    batches = list(make_pretraining_dataset(config, 7, drop_remainder=False).as_numpy_iterator())
+    assert sum(len(b["input_ids"]) for b in batches) == len(records)
+    assert sum(b["next_sentence_weights"].sum() for b in batches) == instances
+    with pytest.raises(ValueError, match=r"instances_per_row=3, the pipeline asks for None \(set "
+                                         r"data.packing=true, data.max_instances_per_row=3\)"):
+        make_pretraining_dataset(dataclasses.replace(config, packing=False), 8)
 
 
 def test_same_seed_same_bytes(created, corpus_slice, tmp_path):

@@ -76,10 +76,20 @@ def _final_params(workdir, step=STEPS):
     return jax.tree_util.tree_leaves(load_model(str(workdir / "checkpoints" / str(step))).params)
 
 
+PACKING = ("--set", "data.packing=true", "--set", "data.max_instances_per_row=3")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, corpus):
     workdir = tmp_path_factory.mktemp("uninterrupted")
     _run(_argv(workdir, corpus))
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_packed(tmp_path_factory, corpus):
+    workdir = tmp_path_factory.mktemp("uninterrupted_packed")
+    _run(_argv(workdir, corpus, *PACKING))
     return workdir
 
 
@@ -89,22 +99,27 @@ def test_uninterrupted_run_writes_metrics_and_checkpoints(uninterrupted):
     records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
     last = records[-1]
     for key in ("loss", "mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy", "learning_rate", "grad_norm",
-                "steps_per_s", "sequences_per_s", "tokens_per_s", "tflops_per_device", "mfu"):
+                "steps_per_s", "sequences_per_s", "tokens_per_s", "real_tokens_per_s", "padding_fraction",
+                "tflops_per_device", "mfu"):
         assert key in last, key
-    assert 0 < last["mfu"] < 1
+    assert 0 < last["mfu"] < 1 and 0 <= last["padding_fraction"] < 1
+    assert last["real_tokens_per_s"] == pytest.approx(last["tokens_per_s"] * (1 - last["padding_fraction"]), rel=0.5)
     assert any(p.name.startswith("events.out.tfevents") for p in (uninterrupted / "tensorboard").iterdir())
     # keep=3 most recent of the saves every 10 steps
     assert sorted(int(p.name) for p in (uninterrupted / "checkpoints").iterdir() if p.name.isdigit()) == [20, 30, 40]
 
 
-def test_sigterm_then_resume_is_bit_exact(uninterrupted, corpus, tmp_path):
+@pytest.mark.parametrize("packing", [False, True])
+def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, packing):
+    uninterrupted = request.getfixturevalue("uninterrupted_packed" if packing else "uninterrupted")
+    extra = PACKING if packing else ()
     workdir = tmp_path / "preempted"
-    code, output = _run_until(_argv(workdir, corpus), "step 20/", signal.SIGTERM)
+    code, output = _run_until(_argv(workdir, corpus, *extra), "step 20/", signal.SIGTERM)
     assert code == 0, output[-3000:]
     assert "preempted at step" in output
     stopped_at = int(output.split("preempted at step ")[1].split(";")[0])
     assert 20 <= stopped_at < STEPS
-    _run(_argv(workdir, corpus))
+    _run(_argv(workdir, corpus, *extra))
     expected, resumed = _losses(uninterrupted), _losses(workdir)
     assert [resumed[s] for s in range(21, STEPS + 1)] == [expected[s] for s in range(21, STEPS + 1)]
     for a, b in zip(_final_params(workdir), _final_params(uninterrupted)):

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from bertjax.data import corpus, masking, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.data.stages import InstanceMaker, finalize_batch, fold_seed, tokenized_blocks
+from bertjax.data.stages import InstanceMaker, finalize_batch, fold_seed, pack_block, tokenized_blocks
 from bertjax.data.tokenizers import load_tokenizer
 
 
@@ -48,6 +48,8 @@ def serialized_instances(config: PretrainingDataConfig, files: list[str], tokeni
     made = copies.map(lambda index, dupe, block: (index, dupe, maker.tf_map(
         block, index, tf.reshape(dupe, [1]), count_input=tf.equal(dupe, 0))), **parallel)
     masked = made.map(lambda index, dupe, out: masker(out, fold_seed(base_seed, 2, dupe, index)), **parallel)
+    if config.packing:
+        masked = masked.map(lambda out: pack_block(out, config.max_instances_per_row, tokenizer.pad_id), **parallel)
     return masked.map(lambda out: tfrecord.serialize_batch(finalize_batch(out)), **parallel).unbatch()
 
 
@@ -80,8 +82,7 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
         "stats": dict(sorted(stats.items())),
         "seconds": round(time.time() - start, 3),
         "config": dataclasses.asdict(config),
-        "feature_spec": {"max_seq_length": config.max_seq_length,
-                         "max_predictions_per_seq": config.max_predictions_per_seq},
+        "feature_spec": tfrecord.feature_spec_metadata(config),
     }
     tfrecord.write_metadata(out_dir, prefix, summary)
     log(f"wrote {summary['examples']} examples to {num_shards} shard(s) in {out_dir} "

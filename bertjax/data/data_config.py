@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from bertjax.data import schema
 from bertjax.options import option
 
 FORMATS = ("sentences", "paragraphs", "wikitext", "wrapped")
@@ -116,6 +117,9 @@ class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
     num_epochs: int | None = option(None, "passes over the input (None: repeat forever)")
     file_cycle_length: int = option(4, "input files read in parallel")
     eval_input: str = option("", "held-out corpus for periodic MLM/NSP accuracy (pretraining; \"\" = none)")
+    packing: bool = option(False, "pack several complete instances per row (best-fit decreasing over each "
+                           "block's instances; attention stays inside an instance)", flags=("--pack",))
+    max_instances_per_row: int = option(4, "packing: most instances in one row (NSP slots per row)")
 
     def __post_init__(self):
         CorpusConfig.__post_init__(self)
@@ -125,7 +129,8 @@ class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
             raise ValueError(f"input_kind={self.input_kind!r}; expected one of {INPUT_KINDS}")
         if self.masking not in MASKING_MODES:
             raise ValueError(f"masking={self.masking!r}; expected one of {MASKING_MODES}")
-        for name in ("dupe_factor", "doc_buffer_size", "shuffle_buffer", "file_cycle_length"):
+        for name in ("dupe_factor", "doc_buffer_size", "shuffle_buffer", "file_cycle_length",
+                     "max_instances_per_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
@@ -135,6 +140,15 @@ class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
             raise ValueError("data.input is empty: give corpus files (--set data.input=GLOB)")
         if self.input_kind == "text" and not self.vocab:
             raise ValueError("data.vocab is empty: text input needs a vocab.txt or SentencePiece .model")
+
+    @property
+    def instances_per_row(self) -> int | None:
+        """NSP slots per row when packing, None for the original one-instance rows."""
+        return self.max_instances_per_row if self.packing else None
+
+    def feature_shapes(self) -> dict[str, tuple[int]]:
+        """Per-example shape of every feature of this stream's batches (or TFRecords)."""
+        return schema.feature_shapes(self.max_seq_length, self.max_predictions_per_seq, self.instances_per_row)
 
     def replace(self, **changes) -> "PretrainingDataConfig":
         return dataclasses.replace(self, **changes)

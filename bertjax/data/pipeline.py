@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from bertjax.data import corpus, masking, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.data.stages import InstanceMaker, finalize_batch, fold_seed, tokenized_blocks
+from bertjax.data.stages import InstanceMaker, finalize_batch, fold_seed, pack_block, tokenized_blocks
 from bertjax.data.tokenizers import load_tokenizer
 
 
@@ -37,14 +37,18 @@ def _host_files(config: PretrainingDataConfig, process_index: int, process_count
 
 def _check_tfrecord_metadata(config: PretrainingDataConfig):
     """Shapes must match what `data create` wrote (every metadata file beside the shards)."""
-    wanted = {"max_seq_length": config.max_seq_length, "max_predictions_per_seq": config.max_predictions_per_seq}
+    wanted = tfrecord.feature_spec_metadata(config)
     for path in config.inputs:
         for meta_path, metadata in tfrecord.read_metadata(path):
-            written = metadata.get("feature_spec", {})
+            written = {"instances_per_row": None, **metadata.get("feature_spec", {})}
             for key, value in wanted.items():
                 if key in written and written[key] != value:
+                    hint = ""
+                    if key == "instances_per_row":  # None = unpacked rows
+                        hint = (f" (set data.packing=true, data.max_instances_per_row={written[key]})"
+                                if written[key] else " (they are unpacked: set data.packing=false)")
                     raise ValueError(f"{meta_path}: the shards hold examples with {key}={written[key]}, the "
-                                     f"pipeline asks for {value}")
+                                     f"pipeline asks for {value}{hint}")
 
 
 def _documents(config: PretrainingDataConfig, files: list[str], order_seed: tf.Tensor, process_index: int,
@@ -65,7 +69,8 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
 
     Each element: int32 input_ids, input_mask, segment_ids [B, max_seq_length]; masked_lm_positions,
     masked_lm_ids [B, max_predictions_per_seq]; float32 masked_lm_weights [B, max_predictions_per_seq];
-    int32 next_sentence_labels [B, 1]. Process i reads only its files (files[i::n]); the stream is a
+    int32 next_sentence_labels [B, 1]; with `config.packing`, the packed layout of data/schema.py. Process i
+    reads only its files (files[i::n]); the stream is a
     pure function of (config, process_index, process_count). `stats`, if given, collects counters.
     """
     config.require_input()
@@ -84,7 +89,7 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
         ds = _epochs(config.num_epochs).flat_map(epoch_examples)
         ds = ds.shuffle(config.shuffle_buffer, seed=seed + process_index, reshuffle_each_iteration=False)
         ds = ds.batch(batch_size, drop_remainder=drop_remainder)
-        ds = ds.map(lambda s: tfrecord.parse_batch(s, config.max_seq_length, config.max_predictions_per_seq),
+        ds = ds.map(lambda s: tfrecord.parse_batch(s, config.feature_shapes()),
                     num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return _with_options(ds, config.prefetch_batches)
 
@@ -103,15 +108,20 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
         parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
         made = blocks.map(lambda index, block: (index, maker.tf_map(block, index, tf.reshape(stream, [1]))),
                           **parallel)
-        if static:
+        if static or config.packing:
+            # Packing masks each block before packing it (as static masking does); dynamic masking stays
+            # dynamic because every epoch makes new instances from its own stream.
             masked = made.map(lambda index, out: masker(out, fold_seed(host_seed, 2, stream, index)), **parallel)
+            if config.packing:
+                masked = masked.map(lambda out: pack_block(out, config.max_instances_per_row, tokenizer.pad_id),
+                                    **parallel)
             return masked.unbatch()
         return made.map(lambda index, out: out).unbatch()
 
     ds = _epochs(config.num_epochs).flat_map(epoch_instances)
     ds = ds.shuffle(config.shuffle_buffer, seed=seed + process_index, reshuffle_each_iteration=False)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
-    if not static:
+    if not static and not config.packing:
         ds = ds.enumerate().map(lambda i, b: masker(b, fold_seed(host_seed, 3, i)),
                                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return _with_options(ds.map(finalize_batch), config.prefetch_batches)

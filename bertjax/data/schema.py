@@ -1,11 +1,21 @@
-"""The pretraining batch: feature names, dtypes and widths, as in google-research/bert's TFRecords.
+"""The pretraining batch: feature names, dtypes and widths, as in google-research/bert's TFRecords, plus the
+features of packed rows.
 
-Read by the TFRecord writer/reader and by the train step's batch assembly; no TensorFlow or JAX here, so both
-sides import it.
+Read by the TFRecord writer/reader, the pipeline and the train step's batch assembly; no TensorFlow or JAX here,
+so all sides import it.
+
+A packed row holds several complete instances ([CLS] A [SEP] B [SEP] each) one after the other:
+- `packing_ids` [seq]: 1..k for the instance a token belongs to, 0 for padding (attention stays inside an id);
+- `position_ids` [seq]: positions restarting at 0 for each instance;
+- `instance_cls_positions` [k]: where each instance's [CLS] is (its NSP head reads there);
+- `next_sentence_labels` / `next_sentence_weights` [k]: per instance, weight 0 for empty slots;
+- masked_lm_* [max_predictions_per_seq + k]: the masks of all its instances (see `predictions_per_row`).
+Unpacked rows keep exactly the original seven features.
 """
 from __future__ import annotations
 
-# name -> (dtype in a batch, width: "seq" = max_seq_length, "pred" = max_predictions_per_seq, or a number).
+# name -> (dtype in a batch, width: "seq" = max_seq_length, "pred" = predictions per row, "inst" = instances
+# per row (1 unpacked)).
 FEATURES = {
     "input_ids": ("int32", "seq"),
     "input_mask": ("int32", "seq"),
@@ -13,13 +23,40 @@ FEATURES = {
     "masked_lm_positions": ("int32", "pred"),
     "masked_lm_ids": ("int32", "pred"),
     "masked_lm_weights": ("float32", "pred"),
-    "next_sentence_labels": ("int32", 1),
+    "next_sentence_labels": ("int32", "inst"),
+}
+PACKED_FEATURES = {
+    **FEATURES,
+    "packing_ids": ("int32", "seq"),
+    "position_ids": ("int32", "seq"),
+    "instance_cls_positions": ("int32", "inst"),
+    "next_sentence_weights": ("float32", "inst"),
 }
 FEATURE_NAMES = tuple(FEATURES)
-FLOAT_FEATURES = tuple(name for name, (dtype, _) in FEATURES.items() if dtype == "float32")
 
 
-def feature_shapes(max_seq_length: int, max_predictions_per_seq: int) -> dict[str, tuple[int]]:
-    """Per-example shape of every feature."""
-    widths = {"seq": max_seq_length, "pred": max_predictions_per_seq}
-    return {name: (widths.get(width, width),) for name, (_, width) in FEATURES.items()}
+def predictions_per_row(max_predictions_per_seq: int, instances_per_row: int | None) -> int:
+    """Width of the masked_lm_* features of a row.
+
+    An instance of n tokens gets min(max_pred, max(1, round(0.15 n))) <= 0.15 n + 1 masks, and max_pred is at
+    least round(0.15 max_seq_length) (MaskingConfig.validate), so the k instances of a packed row (n summing to at
+    most max_seq_length) need at most max_pred + k slots: a cap that grows with k, not k times max_pred (the MLM
+    head's vocabulary projection runs at every slot).
+    """
+    return max_predictions_per_seq + (instances_per_row or 0)
+
+
+def batch_features(packed: bool) -> dict[str, tuple[str, str]]:
+    return PACKED_FEATURES if packed else FEATURES
+
+
+def feature_shapes(max_seq_length: int, max_predictions_per_seq: int,
+                   instances_per_row: int | None = None) -> dict[str, tuple[int]]:
+    """Per-example shape of every feature; `instances_per_row` (packing) gives the packed layout."""
+    widths = {"seq": max_seq_length, "pred": predictions_per_row(max_predictions_per_seq, instances_per_row),
+              "inst": instances_per_row or 1}
+    return {name: (widths[width],) for name, (_, width) in batch_features(bool(instances_per_row)).items()}
+
+
+def feature_dtypes(packed: bool) -> dict[str, str]:
+    return {name: dtype for name, (dtype, _) in batch_features(packed).items()}

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from bertjax.data import packing, schema
 from bertjax.data.data_config import InstanceConfig
 from bertjax.data.instances import Block, assemble, create_instances
 
@@ -87,8 +88,26 @@ def tokenized_blocks(documents: tf.data.Dataset, tokenizer, doc_buffer_size: int
                                                         deterministic=True)
 
 
+def pack_block(features: dict[str, tf.Tensor], max_instances: int, pad_id: int) -> dict[str, tf.Tensor]:
+    """A block's masked instances -> packed rows (data/packing.py; a pure function of the block)."""
+    names = tuple(schema.PACKED_FEATURES)
+    dtypes = [tf.as_dtype(schema.PACKED_FEATURES[name][0]) for name in names]
+    inputs = [features[k] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions",
+                                    "masked_lm_ids", "masked_lm_weights", "next_sentence_labels")]
+
+    def pack(*arrays):
+        packed = packing.pack_instances(dict(zip(schema.FEATURE_NAMES, arrays)), max_instances, pad_id)
+        return tuple(packed[name] for name in names)
+
+    outputs = tf.numpy_function(pack, inputs, dtypes, stateful=False)
+    seq_len = features["input_ids"].shape[1]
+    shapes = schema.feature_shapes(seq_len, features["masked_lm_positions"].shape[1], max_instances)
+    return {name: tf.ensure_shape(out, [None, shapes[name][0]]) for name, out in zip(names, outputs)}
+
+
 def finalize_batch(batch: dict) -> dict:
-    """next_sentence_labels as [B, 1], as in the original TFRecord format."""
+    """next_sentence_labels as [B, 1], as in the original TFRecord format (packed rows already have [B, k])."""
     batch = dict(batch)
-    batch["next_sentence_labels"] = tf.reshape(batch["next_sentence_labels"], [-1, 1])
+    if "packing_ids" not in batch:
+        batch["next_sentence_labels"] = tf.reshape(batch["next_sentence_labels"], [-1, 1])
     return batch

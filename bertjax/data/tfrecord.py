@@ -3,6 +3,8 @@
 Features (google-research/bert create_pretraining_data.py): input_ids, input_mask, segment_ids
 [max_seq_length]; masked_lm_positions, masked_lm_ids, masked_lm_weights [max_predictions_per_seq];
 next_sentence_labels [1]; all int64 except masked_lm_weights float32. Readers cast int64 -> int32.
+Packed rows (`--pack`) add packing_ids, position_ids, instance_cls_positions and next_sentence_weights, with
+wider masked_lm_* and next_sentence_labels (data/schema.py); the metadata JSON records `instances_per_row`.
 """
 from __future__ import annotations
 
@@ -21,11 +23,17 @@ SHARD_SUFFIX = ".tfrecord"
 METADATA_SUFFIX = "-metadata.json"
 
 
-def feature_spec(max_seq_length: int, max_predictions_per_seq: int) -> dict[str, tf.io.FixedLenFeature]:
-    """tf.io parsing spec of one example (integers are int64 on disk)."""
-    shapes = schema.feature_shapes(max_seq_length, max_predictions_per_seq)
-    return {name: tf.io.FixedLenFeature(shape, tf.float32 if name in schema.FLOAT_FEATURES else tf.int64)
+def feature_spec(shapes: dict[str, tuple[int]]) -> dict[str, tf.io.FixedLenFeature]:
+    """tf.io parsing spec of one example with these feature shapes (integers are int64 on disk)."""
+    dtypes = schema.feature_dtypes("packing_ids" in shapes)
+    return {name: tf.io.FixedLenFeature(shape, tf.float32 if dtypes[name] == "float32" else tf.int64)
             for name, shape in shapes.items()}
+
+
+def feature_spec_metadata(config) -> dict:
+    """The shapes a stream's records have, as written to (and checked against) the metadata JSON."""
+    return {"max_seq_length": config.max_seq_length, "max_predictions_per_seq": config.max_predictions_per_seq,
+            "instances_per_row": config.instances_per_row}
 
 
 def _encode(message: str, fields: list[str], values: list[tf.Tensor]) -> tf.Tensor:
@@ -41,11 +49,12 @@ def serialize_batch(batch: dict[str, tf.Tensor]) -> tf.Tensor:
     it is several times faster than building protos in Python and runs inside tf.data.
     """
     entries = []
-    for name in schema.FEATURE_NAMES:
+    dtypes = schema.feature_dtypes("packing_ids" in batch)
+    for name in dtypes:
         value = tf.convert_to_tensor(batch[name])
         if value.shape.rank == 1:
             value = value[:, None]
-        if name in schema.FLOAT_FEATURES:
+        if dtypes[name] == "float32":
             values = _encode("tensorflow.FloatList", ["value"], [tf.cast(value, tf.float32)])
             feature = _encode("tensorflow.Feature", ["float_list"], [values[:, None]])
         else:
@@ -57,9 +66,9 @@ def serialize_batch(batch: dict[str, tf.Tensor]) -> tf.Tensor:
     return _encode("tensorflow.Example", ["features"], [features[:, None]])
 
 
-def parse_batch(serialized: tf.Tensor, max_seq_length: int, max_predictions_per_seq: int) -> dict[str, tf.Tensor]:
-    """Parse a batch of serialized examples; int64 features become int32."""
-    parsed = tf.io.parse_example(serialized, feature_spec(max_seq_length, max_predictions_per_seq))
+def parse_batch(serialized: tf.Tensor, shapes: dict[str, tuple[int]]) -> dict[str, tf.Tensor]:
+    """Parse a batch of serialized examples with these feature shapes; int64 features become int32."""
+    parsed = tf.io.parse_example(serialized, feature_spec(shapes))
     return {k: tf.cast(v, tf.int32) if v.dtype == tf.int64 else v for k, v in parsed.items()}
 
 
