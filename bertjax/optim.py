@@ -96,8 +96,21 @@ class OptimizerConfig:
             raise ValueError(f"unknown optimizer {self.name!r}; expected 'adamw' or 'lamb'")
         if self.decay not in SCHEDULES:
             raise ValueError(f"unknown decay {self.decay!r}; expected one of {sorted(SCHEDULES)}")
+        problems = []
+        if not self.learning_rate > 0:
+            problems.append(f"learning_rate={self.learning_rate} must be > 0")
         if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+            problems.append(f"warmup_steps={self.warmup_steps} must be >= 0")
+        for name in ("weight_decay", "clip_norm"):
+            if not getattr(self, name) >= 0:
+                problems.append(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if not self.eps > 0:
+            problems.append(f"eps={self.eps} must be > 0")
+        if problems:
+            raise ValueError("optimizer: " + "; ".join(problems))
 
 
 def make_optimizer(config: OptimizerConfig, num_train_steps: int) -> tuple[optax.GradientTransformation,

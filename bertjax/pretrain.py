@@ -23,6 +23,7 @@ from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.interop.load import load_pretrained
 from bertjax.optim import make_optimizer
+from bertjax.train_step import TooManyNonFiniteSteps
 from bertjax.babysitter import COMPLETION_MARKER
 from bertjax.model_config import BertConfig
 from bertjax.pretrain_config import PretrainConfig, validate
@@ -30,10 +31,6 @@ from bertjax.pretrain_config import PretrainConfig, validate
 
 # Per-step counts the train step reports, summed over a logging interval for throughput (not logged per step).
 _COUNTED = ("real_tokens", "masked_tokens", "instances")
-
-
-class TooManyNonFiniteSteps(RuntimeError):
-    pass
 
 
 class PreemptionFlag:

@@ -110,6 +110,11 @@ def validate(config: PretrainConfig, num_devices: int | None = None, require_dat
     problems = []
     if config.model.preset not in PRESETS:
         problems.append(f"model.preset={config.model.preset!r}; expected one of {sorted(PRESETS)}")
+    else:
+        try:  # the model's own checks (ranges, head split), before a vocabulary is read
+            config.bert_config(config.model.vocab_size or 30522)
+        except ValueError as error:
+            problems.append(f"model: {error}")
     if config.optimizer.warmup_steps > config.train.steps:
         problems.append(f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be in [0, train.steps="
                         f"{config.train.steps}]")

@@ -17,6 +17,10 @@ from bertjax import sharding
 from bertjax.train_state import TrainState
 
 
+class TooManyNonFiniteSteps(RuntimeError):
+    """Raised by a training loop after too many non-finite gradients in a row (each one skipped its update)."""
+
+
 def pretraining_sums(outputs: dict, batch: dict) -> dict:
     """Sums (not means) of the MLM and NSP losses and hits over a batch, so microbatches add up exactly."""
     mlm_logp = jax.nn.log_softmax(outputs["mlm_logits"].astype(jnp.float32), axis=-1)

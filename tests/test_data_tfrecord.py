@@ -168,6 +168,43 @@ def test_packed_records_read_back_by_a_packed_pipeline_only(created, corpus_slic
         make_pretraining_dataset(dataclasses.replace(config, packing=False), 8)
 
 
+def test_an_earlier_run_in_out_is_refused_or_replaced_and_readers_follow_the_metadata(created, corpus_slice,
+                                                                                      tmp_path, capsys):
+    """A second run into the same --out with fewer shards would have left the old ones to be read too."""
+    import shutil
+
+    corpus, vocab = corpus_slice
+    out = tmp_path / "records"
+    shutil.copytree(created, out)
+    assert _create(corpus, vocab, out, "--shards", "2") == 2
+    assert "already holds 4 file(s) of an earlier `data create` run" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == sorted(os.listdir(created))  # nothing touched
+
+    assert _create(corpus, vocab, out, "--shards", "2", "--overwrite") == 0
+    assert sorted(os.listdir(out)) == ["pretrain-00000-of-00002.tfrecord", "pretrain-00001-of-00002.tfrecord",
+                                       "pretrain-metadata.json"]
+    # A stray shard that no metadata lists (copied in by hand, or left by an older tool) is not read.
+    shutil.copy(created / "pretrain-00000-of-00003.tfrecord", out / "stray.tfrecord")
+    meta = json.loads((out / "pretrain-metadata.json").read_text())
+    config = PretrainingDataConfig(input=(str(out),), input_kind="tfrecord", max_seq_length=SEQ,
+                                   max_predictions_per_seq=PRED, num_epochs=1)
+    read = sum(len(b["input_ids"]) for b in make_pretraining_dataset(config, 16, drop_remainder=False)
+               .as_numpy_iterator())
+    assert read == meta["examples"]
+    (out / "pretrain-00001-of-00002.tfrecord").unlink()
+    with pytest.raises(FileNotFoundError, match="pretrain-00001-of-00002.tfrecord: listed in .*metadata.json but "
+                                                "missing"):
+        make_pretraining_dataset(config, 16)
+
+
+def test_empty_input_is_an_error_and_writes_nothing(tmp_path, corpus_slice, capsys):
+    _, vocab = corpus_slice
+    (tmp_path / "empty.txt").write_text("\n\n", encoding="utf-8")
+    assert _create(tmp_path / "empty.txt", vocab, tmp_path / "out") == 2
+    assert "no instances from" in capsys.readouterr().err
+    assert not list((tmp_path / "out").glob("*.tfrecord")) and not (tmp_path / "out" / "pretrain-metadata.json").exists()
+
+
 def test_same_seed_same_bytes(created, corpus_slice, tmp_path):
     corpus, vocab = corpus_slice
     assert _create(corpus, vocab, tmp_path) == 0

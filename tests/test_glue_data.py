@@ -71,6 +71,11 @@ def test_unknown_label_names_file_and_line(tmp_path):
     path = _write(tmp_path / "s.tsv", ["h\t" * 9 + "h", "\t".join(["x"] * 9 + ["high"])])
     with pytest.raises(ValueError, match=rf"{path}:2: label 'high' is not a number"):
         glue_data.read_split(stsb, path, stsb.dev)
+    for bad in ("nan", "inf", "-Infinity"):  # float() takes them; a NaN score made every weight NaN
+        path = _write(tmp_path / "s.tsv", ["h\t" * 9 + "h", "\t".join(["x"] * 9 + ["1.5"]),
+                                           "\t".join(["x"] * 9 + [bad])])
+        with pytest.raises(ValueError, match=rf"{path}:3: label '{bad}' is not a finite number"):
+            glue_data.read_split(stsb, path, stsb.train)
 
 
 def test_qqp_short_rows_skipped_and_counted(tmp_path, caplog):

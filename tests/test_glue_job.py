@@ -145,6 +145,35 @@ def test_regression_export_gives_same_dev_predictions_in_transformers(tiny_init,
     _check_export(tmp_path / "work" / "stsb", "stsb", data, tiny_init, result["metrics"]["dev"])
 
 
+def test_non_finite_gradients_skip_updates_and_stop_the_job(tiny_init, tmp_path):
+    """Finite labels so large that the squared error overflows float32: each step's gradient norm is inf, the
+    update is skipped, and after max_consecutive_nonfinite such steps the job stops before saving anything."""
+    from bertjax.finetune import glue
+    from bertjax.train_step import TooManyNonFiniteSteps
+
+    data = tmp_path / "glue"
+    header = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2", "score"]
+    for split in ("train", "dev"):
+        _write(data / "STS-B" / f"{split}.tsv", [header] + [[str(i)] + ["x"] * 6 + ["a film", "a movie", "1e30"]
+                                                            for i in range(40)])
+    settings = TrainSettings(learning_rate=1e-3, batch_size=8, epochs=1, max_consecutive_nonfinite=3)
+    with pytest.raises(TooManyNonFiniteSteps, match="3 consecutive steps had a non-finite gradient"):
+        glue.run_task("stsb", str(data), str(tmp_path / "work"), settings, init=tiny_init, max_seq_length=16,
+                      save_checkpoint=True)
+    assert not list((tmp_path / "work").rglob("*.safetensors")) and not list((tmp_path / "work").rglob("params"))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("learning_rate", -1e-3, "learning_rate=-0.001 must be > 0"),
+    ("warmup_proportion", 1.5, r"warmup_proportion=1.5 must be in \[0, 1\]"),
+    ("batch_size", 0, "batch_size=0 must be >= 1"),
+    ("epochs", 0.0, "epochs=0.0 must be > 0"),
+])
+def test_settings_out_of_range_are_refused(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        TrainSettings(**{key: value})
+
+
 def test_cli_finetune_glue(tiny_init, tmp_path, capsys):
     from bertjax.cli import main
 

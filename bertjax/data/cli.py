@@ -24,7 +24,7 @@ def _create(args: argparse.Namespace) -> int:
     from bertjax.data.create import create_pretraining_data
 
     create_pretraining_data(data_config_from_flags(args), args.out, args.shards, worker_index=args.worker_index,
-                            num_workers=args.num_workers)
+                            num_workers=args.num_workers, overwrite=args.overwrite)
     return 0
 
 
@@ -55,6 +55,8 @@ def register(subparsers) -> None:
     create.add_argument("--shards", type=int, default=1)
     create.add_argument("--worker-index", type=int, default=0, help="this worker's share of the input files")
     create.add_argument("--num-workers", type=int, default=1)
+    create.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run's shards in --out (removed once the new ones are complete)")
     create.set_defaults(func=_create)
 
     vocab = subparsers.add_parser("vocab", help="vocabularies").add_subparsers(dest="vocab_command", required=True)

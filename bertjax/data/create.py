@@ -55,7 +55,7 @@ def serialized_instances(config: PretrainingDataConfig, files: list[str], tokeni
 
 def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_shards: int, *,
                             worker_index: int = 0, num_workers: int = 1, write_batch: int = 512,
-                            log=print) -> dict:
+                            overwrite: bool = False, log=print) -> dict:
     """Write `num_shards` TFRecord shards (+ metadata JSON) for this worker's share of the input files.
 
     Returns the summary that is also written to pretrain-metadata.json: examples per shard and the
@@ -64,6 +64,13 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     if config.input_kind != "text":
         raise ValueError("data create reads text corpora (input_kind='text')")
     config.require_input()
+    # An earlier run's shards would be read together with this run's (a directory input): refuse, or with
+    # `overwrite` remove them only after this run's shards are complete (a failed run loses nothing).
+    earlier = tfrecord.earlier_run_files(out_dir, worker_index, num_workers)
+    if earlier and not overwrite:
+        raise ValueError(f"{out_dir} already holds {len(earlier)} file(s) of an earlier `data create` run ("
+                         f"{', '.join(os.path.basename(p) for p in earlier[:3])}{', ...' if len(earlier) > 3 else ''})"
+                         f": choose another --out, or pass --overwrite to replace them")
     start = time.time()
     files = [] if config.is_tfds else corpus.shard_files(corpus.expand_inputs(config.inputs), worker_index,
                                                          num_workers)
@@ -75,6 +82,14 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     with tfrecord.ShardWriter(out_dir, num_shards, prefix=prefix) as writer:
         for records in ds.as_numpy_iterator():
             writer.write(records)
+    if writer.counts.sum() == 0:
+        for path in writer.paths:
+            tf.io.gfile.remove(path)
+        raise ValueError(f"no instances from {config.input!r}: the input has no document with text (nothing "
+                         f"written to {out_dir})")
+    for path in earlier:
+        if path not in writer.paths and tf.io.gfile.exists(path):
+            tf.io.gfile.remove(path)
     summary = {
         "shards": [os.path.basename(p) for p in writer.paths],
         "examples_per_shard": writer.counts.tolist(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from typing import Iterable, Sequence
 
@@ -147,14 +148,42 @@ class ShardWriter:
         return False
 
 
+def earlier_run_files(out_dir: str, worker_index: int = 0, num_workers: int = 1) -> list[str]:
+    """Shards, unfinished shards and metadata in `out_dir` that a new `data create` run of this worker would be
+    mixed with: all of them, except the files of the other workers of a multi-worker run."""
+    if not tf.io.gfile.isdir(out_dir):
+        return []
+    ours = []
+    for name in sorted(tf.io.gfile.listdir(out_dir)):
+        if not (name.endswith(SHARD_SUFFIX) or f"{SHARD_SUFFIX}.tmp-" in name or name.endswith(METADATA_SUFFIX)):
+            continue
+        other_worker = re.match(r"pretrain-w(\d+)-", name)
+        if num_workers > 1 and other_worker and int(other_worker[1]) != worker_index:
+            continue
+        ours.append(os.path.join(out_dir, name))
+    return ours
+
+
 def find_shards(patterns: Sequence[str]) -> list[str]:
-    """TFRecord shard files for globs or directories (temporary files of unfinished writes are ignored)."""
-    expanded = []
+    """TFRecord shard files for globs or directories (temporary files of unfinished writes are ignored).
+
+    A directory written by `data create` is read as its metadata lists it (every worker's metadata file), so
+    files that are not part of a finished run are never read; a listed shard that is missing is an error.
+    """
+    found = []
     for pattern in patterns:
-        if tf.io.gfile.isdir(pattern):
-            pattern = os.path.join(pattern, f"*{SHARD_SUFFIX}")
-        expanded.append(pattern)
-    return [f for f in expand_inputs(expanded) if ".tmp-" not in os.path.basename(f)]
+        listed = [(meta_path, name) for meta_path, meta in read_metadata(pattern) for name in meta.get("shards", [])]
+        if not listed:
+            if tf.io.gfile.isdir(pattern):
+                pattern = os.path.join(pattern, f"*{SHARD_SUFFIX}")
+            found += [f for f in expand_inputs([pattern]) if ".tmp-" not in os.path.basename(f)]
+            continue
+        for meta_path, name in listed:
+            path = os.path.join(pattern, name)
+            if not tf.io.gfile.exists(path):
+                raise FileNotFoundError(f"{path}: listed in {meta_path} but missing")
+            found.append(path)
+    return sorted(dict.fromkeys(found))
 
 
 def tfrecord_examples(files: Sequence[str], *, cycle_length: int = 8, order_seed=None,

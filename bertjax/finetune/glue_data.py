@@ -9,6 +9,7 @@ as the HF processor does.
 from __future__ import annotations
 
 import csv
+import math
 import dataclasses
 import logging
 import os
@@ -131,9 +132,12 @@ def read_tsv_rows(path: str) -> list[tuple[int, list[str]]]:
 def _parse_label(task: GlueTask, raw: str, where: str):
     if task.is_regression:
         try:
-            return float(raw)
+            value = float(raw)
         except ValueError:
             raise ValueError(f"{where}: label {raw!r} is not a number") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: label {raw!r} is not a finite number")
+        return value
     if raw not in task.labels:
         raise ValueError(f"{where}: unknown label {raw!r} for {task.name}; expected one of {list(task.labels)}")
     return task.labels.index(raw)

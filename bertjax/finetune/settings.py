@@ -21,6 +21,25 @@ class TrainSettings:
     eval_batch_size: int = option(64, "sequences per prediction step")
     length_bucket: int = option(32, "pad each batch's length up to a multiple of this (fewer compiled shapes)")
     log_every: int = option(50, "steps between progress lines")
+    max_consecutive_nonfinite: int = option(10, "this many non-finite gradients in a row stop the job (each one "
+                                            "skips its update)")
+
+    def __post_init__(self):
+        problems = []
+        if not self.learning_rate > 0:
+            problems.append(f"learning_rate={self.learning_rate} must be > 0")
+        if not self.epochs > 0:
+            problems.append(f"epochs={self.epochs} must be > 0")
+        if not 0 <= self.warmup_proportion <= 1:
+            problems.append(f"warmup_proportion={self.warmup_proportion} must be in [0, 1]")
+        for name in ("weight_decay", "max_grad_norm"):
+            if not getattr(self, name) >= 0:
+                problems.append(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("batch_size", "eval_batch_size", "length_bucket", "log_every", "max_consecutive_nonfinite"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be >= 1")
+        if problems:
+            raise ValueError("fine-tuning settings: " + "; ".join(problems))
 
 
 @dataclasses.dataclass(frozen=True)

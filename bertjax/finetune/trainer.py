@@ -24,6 +24,7 @@ from bertjax.finetune.settings import TrainSettings
 from bertjax.interop.hf import export_hf
 from bertjax.model import init_params
 from bertjax.optim import OptimizerConfig, make_optimizer
+from bertjax.train_step import TooManyNonFiniteSteps
 
 log = logging.getLogger(__name__)
 
@@ -93,24 +94,43 @@ class Trainer:
 
         def step(params, opt_state, batch, rng):
             loss, grads = jax.value_and_grad(self._loss)(params, batch, rng)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+            finite = jnp.isfinite(optax.tree.norm(grads))
+
+            def update(params, opt_state):
+                updates, new_opt_state = optimizer.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), new_opt_state
+
+            # As in pretraining: a non-finite gradient skips the update (params and moments unchanged).
+            params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), params, opt_state)
+            return params, opt_state, loss, finite
 
         with sharding.activate(self.mesh):
             opt_state = jax.jit(optimizer.init)(self.params)
             train_step = jax.jit(step, donate_argnums=(0, 1))
             rng = np.random.default_rng(s.seed)
             params, step_index, history = self.params, 0, []
+            nonfinite_total, nonfinite_run = 0, 0
             for epoch in range(math.ceil(s.epochs)):
                 started, losses = time.perf_counter(), []
                 order = rng.permutation(n)
                 for batch, _ in self._batches(arrays, order, s.batch_size):
                     if step_index >= total_steps:
                         break
-                    params, opt_state, loss = train_step(params, opt_state, batch,
-                                                         jax.random.fold_in(self.dropout_key, step_index))
-                    losses.append(loss)
+                    params, opt_state, loss, finite = train_step(params, opt_state, batch,
+                                                                 jax.random.fold_in(self.dropout_key, step_index))
                     step_index += 1
+                    if bool(finite):
+                        losses.append(loss)
+                        nonfinite_run = 0
+                    else:
+                        nonfinite_total, nonfinite_run = nonfinite_total + 1, nonfinite_run + 1
+                        log.warning("step %d: non-finite gradient, update skipped (%d so far)", step_index,
+                                    nonfinite_total)
+                        if nonfinite_run >= s.max_consecutive_nonfinite:
+                            raise TooManyNonFiniteSteps(
+                                f"{nonfinite_run} consecutive steps had a non-finite gradient (up to step "
+                                f"{step_index}); stopping without saving. Lower the learning rate, or check the "
+                                f"training data for non-finite values.")
                     if step_index % s.log_every == 0:
                         log.info("step %d/%d: loss %.4f, %.1fs into epoch %d", step_index, total_steps, float(loss),
                                  time.perf_counter() - started, epoch + 1)
@@ -122,7 +142,8 @@ class Trainer:
                 log.info("epoch %d: %d steps, loss %.4f, %.1fs", epoch + 1, step_index, mean_loss, seconds)
                 if epoch_end is not None:
                     epoch_end(epoch + 1, seconds)
-        return {"total_steps": total_steps, "warmup_steps": warmup, "history": history}
+        return {"total_steps": total_steps, "warmup_steps": warmup, "history": history,
+                "nonfinite_steps": nonfinite_total}
 
     # ------------------------------------------------------------------------------------------- inference
 
