@@ -243,6 +243,11 @@ class TrainCheckpointer:
         self._remove_stale_input_states()
         return saved
 
+    def saved_job_config(self, step: int) -> dict:
+        """The job config (PretrainConfig.to_dict()) the step was saved with."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(**{JOB_CONFIG: ocp.args.JsonRestore()}))
+        return restored[JOB_CONFIG]
+
     def restore(self, step: int, abstract_state):
         """The train state at `step`, laid out as `abstract_state` (any mesh: Orbax reshards on restore)."""
         restored = self.manager.restore(step, args=ocp.args.Composite(**_train_state_restore_args(abstract_state)))

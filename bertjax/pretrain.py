@@ -26,7 +26,7 @@ from bertjax.optim import make_optimizer
 from bertjax.train_step import TooManyNonFiniteSteps
 from bertjax.babysitter import COMPLETION_MARKER
 from bertjax.model_config import BertConfig
-from bertjax.pretrain_config import PretrainConfig, validate
+from bertjax.pretrain_config import PretrainConfig, check_resume_config, validate
 
 
 # Per-step counts the train step reports, summed over a logging interval for throughput (not logged per step).
@@ -111,7 +111,7 @@ class RunResult:
 
 
 def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
-        max_steps_this_run: int | None = None) -> RunResult:
+        max_steps_this_run: int | None = None, allow_config_change: bool = False) -> RunResult:
     """Trains until config.train.steps (resuming from the workdir's latest checkpoint), or until preempted."""
     validate(config, jax.device_count())
     init_from = init_from or config.init_from
@@ -129,6 +129,14 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     iterator = iter(dataset)
     latest = checkpointer.latest_step()
     if latest is not None:
+        try:
+            changed = check_resume_config(checkpointer.saved_job_config(latest), config.to_dict(),
+                                          allow_changes=allow_config_change, where=f"{workdir}/checkpoints/{latest}")
+        except ValueError:
+            checkpointer.close()  # its background threads would keep the process alive
+            raise
+        if changed:
+            _log(f"resuming with changed config keys: {', '.join(changed)}")
         state = checkpointer.restore(latest, abstract)
         pipeline_lib.restore_iterator(iterator, pipeline_lib.iterator_checkpoint_path(
             checkpointer.input_state_dir(latest), process_index))

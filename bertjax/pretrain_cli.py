@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
     parser.add_argument("--max-steps-this-run", type=int, help="stop (with a checkpoint) after this many steps")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume a run whose schedule/optimizer/batch/data settings were changed since it "
+                             "saved (model and data shapes can never change)")
     parser.set_defaults(func=_pretrain)
 
     aot = subparsers.add_parser("compile", help="compile the pretraining step for a TPU slice on this machine: "
@@ -66,7 +69,7 @@ def _pretrain(args: argparse.Namespace) -> int:
     from bertjax import pretrain
 
     result = pretrain.run(config, args.workdir, init_from=args.init_from,
-                          max_steps_this_run=args.max_steps_this_run)
+                          max_steps_this_run=args.max_steps_this_run, allow_config_change=args.allow_config_change)
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import importlib.util
+import json
 import pathlib
 
 import ml_collections
@@ -102,6 +103,51 @@ def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool
         raise ValueError(f"invalid pretraining config: {error}") from None
     validate(config, require_data=require_data)
     return config
+
+
+# Resuming a run with a changed config (the step directory holds the config it was saved with):
+# - these keys define the state or the stream's shapes: a change cannot continue the run;
+_FIXED_ON_RESUME = ("model.", "data.max_seq_length", "data.max_predictions_per_seq", "data.packing",
+                    "data.max_instances_per_row", "data.next_sentence_prediction")
+# - these only change how the run is watched, saved or laid out: free;
+_FREE_ON_RESUME = ("train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite",
+                   "checkpoint.", "mesh.", "data.prefetch_batches", "data.eval_input", "init_from",
+                   "reset_schedule")
+# - the rest (the schedule, the optimizer, the batch, the stream) change the run's meaning mid-way: refused
+#   unless asked for (`--allow-config-change`).
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def check_resume_config(saved: dict, current: dict, *, allow_changes: bool, where: str) -> list[str]:
+    """The keys whose value differs between the config a checkpoint was saved with and this run's.
+
+    Raises ValueError naming them if any cannot change on resume, or if any changes the run's meaning and
+    `allow_changes` is false; returns the changed keys otherwise (free ones included).
+    """
+    # As JSON stores them (tuples become lists); a key the saved config lacks is an option added since, whose
+    # default reproduces the older behaviour: not a change.
+    old, new = _flat(saved), _flat(json.loads(json.dumps(current)))
+    changed = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+    show = lambda keys: ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+    fixed = [k for k in changed if k.startswith(_FIXED_ON_RESUME)]
+    if fixed:
+        raise ValueError(f"{where} was saved with another model or data shape ({show(fixed)}); these cannot change "
+                         f"when resuming: use a new --workdir (with --init-from to start from its weights)")
+    meaningful = [k for k in changed if not k.startswith(_FREE_ON_RESUME)]
+    if meaningful and not allow_changes:
+        raise ValueError(f"{where} was saved with a different config ({show(meaningful)}); resuming would change "
+                         f"the run mid-way (e.g. rescale the learning-rate schedule): pass --allow-config-change "
+                         f"to resume with it anyway, or use a new --workdir")
+    return changed
 
 
 def validate(config: PretrainConfig, num_devices: int | None = None, require_data: bool = True) -> None:

@@ -156,6 +156,33 @@ def test_eight_device_checkpoint_continues_on_fewer_devices(uninterrupted, corpu
                                rtol=1e-5)
 
 
+def test_resume_with_a_changed_config_is_refused_or_allowed_by_name(uninterrupted, corpus, tmp_path):
+    """Raising train.steps on resume used to rescale the LR schedule silently; a model change dumped Orbax's tree."""
+    workdir = tmp_path / "changed"
+    shutil.copytree(uninterrupted, workdir)
+    for step in (30, 40):
+        shutil.rmtree(workdir / "checkpoints" / str(step))
+
+    def attempt(*extra):
+        argv = [a.replace(f"train.steps={STEPS}", "train.steps=60") if "--bigger" in extra else a
+                for a in _argv(workdir, corpus, *[e for e in extra if e != "--bigger"])]
+        return subprocess.run(argv, env=_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+
+    def error_line(result):  # one line of ours, no traceback (TensorFlow's start-up lines aside)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        [line] = [x for x in result.stderr.splitlines() if x.startswith("bertjax pretrain: error:")]
+        return line
+
+    refused = error_line(attempt("--bigger"))
+    assert "train.steps: 40 -> 60" in refused and "--allow-config-change" in refused
+    shape = error_line(attempt("--set", "model.hidden_size=64", "--set", "model.num_attention_heads=2"))
+    assert "model.hidden_size: 0 -> 64" in shape and "cannot change when resuming" in shape
+    allowed = attempt("--bigger", "--allow-config-change", "--set", "train.log_every=2", "--max-steps-this-run", "2")
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert "resuming with changed config keys: train.log_every, train.steps" in allowed.stdout
+    assert "step 22/60" in allowed.stdout
+
+
 def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp_path):
     workdir = tmp_path / "phase2"
     argv = _argv(workdir, corpus, "--init-from", str(uninterrupted / "checkpoints" / str(STEPS)))
