@@ -17,6 +17,7 @@ import logging
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from etils import epath
 from flax import traverse_util
 
@@ -242,6 +243,27 @@ class TrainCheckpointer:
                JOB_CONFIG: ocp.args.JsonSave(job_config)}))
         self._remove_stale_input_states()
         return saved
+
+    def steps(self) -> list[int]:
+        """Every complete (finalised) step, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def step_dir(self, step: int) -> str:
+        return str(self.workdir / "checkpoints" / str(step))
+
+    def set_aside(self, step: int) -> str:
+        """Moves a step that cannot be restored to `<step>.corrupt` (kept for inspection, never listed again);
+        returns the new path. Process 0 moves it; every process then forgets the step."""
+        target = epath.Path(self.step_dir(step) + ".corrupt")
+        if jax.process_index() == 0:
+            suffix = 1
+            while target.exists():
+                target, suffix = epath.Path(f"{self.step_dir(step)}.corrupt{suffix}"), suffix + 1
+            epath.Path(self.step_dir(step)).rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"bertjax set aside step {step}")
+        self.manager.reload()
+        return str(target)
 
     def saved_job_config(self, step: int) -> dict:
         """The job config (PretrainConfig.to_dict()) the step was saved with."""

@@ -103,6 +103,53 @@ def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
     return JobStep(bert_config, rng, state_args, shardings, abstract, step_fn, eval_fn)
 
 
+def _resume(checkpointer, abstract, dataset, config: PretrainConfig, allow_config_change: bool,
+            process_index: int):
+    """(state, input iterator) from the newest step that restores, or None without any step.
+
+    A step that cannot be read (a truncated or missing file, garbage metadata) is moved aside as
+    `<step>.corrupt` with a one-line warning, and the next older one is tried. A config that cannot resume
+    is a ValueError (check_resume_config), not a broken step.
+    """
+    steps = checkpointer.steps()
+    for step in reversed(steps):
+        where = checkpointer.step_dir(step)
+        try:
+            saved = checkpointer.saved_job_config(step)
+        except Exception as error:  # noqa: BLE001 - any storage or format error makes the step unusable
+            _set_aside(checkpointer, step, error)
+            continue
+        changed = check_resume_config(saved, config.to_dict(), allow_changes=allow_config_change, where=where)
+        if changed:
+            _log(f"resuming with changed config keys: {', '.join(changed)}")
+        try:
+            state = checkpointer.restore(step, abstract)
+            iterator = iter(dataset)
+            pipeline_lib.restore_iterator(iterator, pipeline_lib.iterator_checkpoint_path(
+                checkpointer.input_state_dir(step), process_index))
+        except Exception as error:  # noqa: BLE001
+            data_changes = [k for k in changed if k.startswith("data.")]
+            if isinstance(error, ValueError) and data_changes:  # the change, not the step, is the problem
+                raise ValueError(f"{where}: the input pipeline cannot continue with the changed "
+                                 f"{', '.join(data_changes)} ({error})") from None
+            _set_aside(checkpointer, step, error)
+            continue
+        _log(f"resumed from {where}")
+        return state, iterator
+    if steps:
+        _log(f"warning: none of the {len(steps)} checkpoint(s) could be restored; starting from step 0 (the broken "
+             f"ones are kept as *.corrupt)")
+    return None
+
+
+def _set_aside(checkpointer, step: int, error: Exception) -> None:
+    where = checkpointer.step_dir(step)
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    moved = checkpointer.set_aside(step)
+    _log(f"warning: cannot restore {where} ({type(error).__name__}: {reason}); moved it to {moved} and trying the "
+         f"previous checkpoint")
+
+
 @dataclasses.dataclass
 class RunResult:
     final_step: int
@@ -126,22 +173,15 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     checkpointer = checkpoint_lib.TrainCheckpointer(workdir, config.checkpoint)
     dataset = pipeline_lib.make_pretraining_dataset(config.data, config.train.batch_size, process_index,
                                                     process_count)
-    iterator = iter(dataset)
-    latest = checkpointer.latest_step()
-    if latest is not None:
-        try:
-            changed = check_resume_config(checkpointer.saved_job_config(latest), config.to_dict(),
-                                          allow_changes=allow_config_change, where=f"{workdir}/checkpoints/{latest}")
-        except ValueError:
-            checkpointer.close()  # its background threads would keep the process alive
-            raise
-        if changed:
-            _log(f"resuming with changed config keys: {', '.join(changed)}")
-        state = checkpointer.restore(latest, abstract)
-        pipeline_lib.restore_iterator(iterator, pipeline_lib.iterator_checkpoint_path(
-            checkpointer.input_state_dir(latest), process_index))
-        _log(f"resumed from {workdir}/checkpoints/{latest}")
+    try:
+        resumed = _resume(checkpointer, abstract, dataset, config, allow_config_change, process_index)
+    except ValueError:
+        checkpointer.close()  # its background threads would keep the process alive
+        raise
+    if resumed is not None:
+        state, iterator = resumed
     else:
+        iterator = iter(dataset)
         state = train_state.init_sharded_state(job.rng, shardings, mesh, **job.state_args)
         if init_from:
             state = _init_from(state, init_from, shardings, abstract, config.reset_schedule)

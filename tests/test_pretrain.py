@@ -183,6 +183,24 @@ def test_resume_with_a_changed_config_is_refused_or_allowed_by_name(uninterrupte
     assert "step 22/60" in allowed.stdout
 
 
+def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(uninterrupted, corpus, tmp_path):
+    """A truncated params file in the newest step used to block resuming behind ~150 lines of traceback."""
+    workdir = tmp_path / "corrupt"
+    shutil.copytree(uninterrupted, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "40")
+    for path in (workdir / "checkpoints" / "30" / "params").rglob("*"):
+        if path.is_file() and path.stat().st_size > 64:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    (workdir / "metrics.jsonl").write_text("")
+    output = _run(_argv(workdir, corpus))
+    [warning] = [line for line in output.splitlines() if line.startswith("warning: cannot restore")]
+    assert "checkpoints/30" in warning and "checkpoints/30.corrupt" in warning
+    assert "resumed from" in output and "checkpoints/20" in output
+    assert (workdir / "checkpoints" / "30.corrupt").is_dir()
+    expected, resumed = _losses(uninterrupted), _losses(workdir)
+    assert [resumed[s] for s in range(21, STEPS + 1)] == [expected[s] for s in range(21, STEPS + 1)]
+
+
 def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp_path):
     workdir = tmp_path / "phase2"
     argv = _argv(workdir, corpus, "--init-from", str(uninterrupted / "checkpoints" / str(STEPS)))
