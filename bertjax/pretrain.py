@@ -5,6 +5,7 @@ that donates the state, log, eval, checkpoint, check for preemption.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import signal
@@ -171,8 +172,9 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     seq_len = config.data.max_seq_length
 
     checkpointer = checkpoint_lib.TrainCheckpointer(workdir, config.checkpoint)
+    input_stats = collections.Counter()
     dataset = pipeline_lib.make_pretraining_dataset(config.data, config.train.batch_size, process_index,
-                                                    process_count)
+                                                    process_count, stats=input_stats)
     try:
         resumed = _resume(checkpointer, abstract, dataset, config, allow_config_change, process_index)
     except ValueError:
@@ -205,6 +207,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     start_step = step
     status, last_metrics, previous = "completed", {}, None
     interval_start, interval_steps, interval_counts = None, 0, None
+    reported_input = collections.Counter()
     try:
         with sharding.activate(mesh):
             while step < config.train.steps:
@@ -235,8 +238,10 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
                             time.perf_counter() - interval_start, interval_steps, config.train.batch_size, seq_len,
                             metrics_lib.to_python(interval_counts), bert_config, peak_flops))
                     interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
+                    last_metrics.update(_input_metrics(input_stats))
                     writer.write(step, last_metrics)
                     writer.console(step, last_metrics)
+                    reported_input = _warn_about_input(input_stats, reported_input, config.data.max_line_chars)
                 if eval_batches and step % config.train.eval_every == 0:
                     writer.write(step, _evaluate(eval_fn, state.params, eval_batches, mesh,
                                                  config.train.nsp_loss), prefix="eval_")
@@ -258,6 +263,29 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
         # After the last save is finalised: a babysitter restarts the job until this file exists.
         (epath.Path(workdir) / COMPLETION_MARKER).write_text(json.dumps({"final_step": step}))
     return RunResult(step, status, last_metrics)
+
+
+# The input pipeline's counters (this process's; blocks read ahead of training included) as metrics.
+_INPUT_COUNTERS = {"documents_read": "input_documents", "empty_documents": "input_empty_documents",
+                   "instances": "input_instances", "invalid_utf8_lines": "input_invalid_utf8_lines",
+                   "truncated_lines": "input_truncated_lines"}
+
+
+def _input_metrics(stats) -> dict:
+    return {name: float(stats[key]) for key, name in _INPUT_COUNTERS.items()}
+
+
+def _warn_about_input(stats, reported, max_line_chars: int):
+    """A console line whenever more input lines were damaged or cut since the last one; returns what is reported."""
+    invalid = stats["invalid_utf8_lines"] - reported["invalid_utf8_lines"]
+    truncated = stats["truncated_lines"] - reported["truncated_lines"]
+    if invalid:
+        _log(f"input: {stats['invalid_utf8_lines']} line(s) with invalid UTF-8 so far (the bad bytes replaced by "
+             f"U+FFFD)")
+    if truncated:
+        _log(f"input: {stats['truncated_lines']} line(s) longer than data.max_line_chars={max_line_chars} so far; "
+             f"each was cut there and the rest of it is not trained on")
+    return collections.Counter({k: stats[k] for k in ("invalid_utf8_lines", "truncated_lines")})
 
 
 def _eval_batches(config: PretrainConfig, process_index: int, process_count: int) -> list[dict]:

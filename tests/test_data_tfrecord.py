@@ -230,16 +230,46 @@ def test_bad_input_counted_not_fatal(tmp_path, corpus_slice):
     assert json.loads((out / "pretrain-metadata.json").read_text())["examples"] > 0
 
 
+def test_bad_lines_of_paragraphs_are_counted_once_each(tmp_path, corpus_slice):
+    """A damaged or over-long paragraph is one line however many sentences it splits into."""
+    _, vocab = corpus_slice
+    (tmp_path / "p.txt").write_bytes(
+        b"A fine first paragraph. It has two sentences.\n"
+        b"Caf\xe9 one. Caf\xe9 two. Caf\xe9 three. Four is here.\n"
+        + b"Long words here. " * 800 + b"\nA last short paragraph. With a second sentence.\n")
+    out = tmp_path / "out"
+    assert bertjax_main(["data", "create", "--input", str(tmp_path / "p.txt"), "--format", "paragraphs", "--vocab",
+                         vocab, "--out", str(out), "--max-seq-length", "32", "--max-predictions", "5",
+                         "--max-line-chars", "1000"]) == 0
+    stats = json.loads((out / "pretrain-metadata.json").read_text())["stats"]
+    assert stats["invalid_utf8_lines"] == 1 and stats["truncated_lines"] == 1
+
+
 @pytest.mark.parametrize("case, message", [
     ("glob", r"nothing-\*\.txt.*matches no files"),
     ("vocab", r"novocab\.txt has no \[MASK\] token"),
     ("max_pred", r"max_predictions_per_seq=5 is inconsistent with max_seq_length=128"),
+    # Binary input used to be read as a few lines of replacement characters, without a word.
+    ("binary", r"lib\.so: binary \(NUL bytes in its first 64 KiB\)"),
+    ("gzip", r"wiki\.txt\.gz: a compressed archive \(gzip/zip/bzip2/xz\): decompress it first"),
+    ("latin1", r"latin1\.txt: not UTF-8 text \(\d+ of the first \d+ characters are invalid\)"),
 ])
 def test_bad_arguments_are_clear_errors(tmp_path, capsys, corpus_slice, case, message):
     corpus, vocab = corpus_slice
     args = {"--input": str(corpus), "--vocab": vocab, "--out": str(tmp_path / "out"), "--max-predictions": "20"}
     if case == "glob":
         args["--input"] = str(tmp_path / "nothing-*.txt")
+    elif case == "binary":
+        args["--input"] = str(tmp_path / "lib.so")
+        (tmp_path / "lib.so").write_bytes(bytes(range(256)) * 400)
+    elif case == "gzip":
+        import gzip
+
+        args["--input"] = str(tmp_path / "wiki.txt.gz")
+        (tmp_path / "wiki.txt.gz").write_bytes(gzip.compress(corpus.read_bytes()))
+    elif case == "latin1":
+        args["--input"] = str(tmp_path / "latin1.txt")
+        (tmp_path / "latin1.txt").write_bytes("Caf\u00e9 \u00e0 la cr\u00e8me. \u00c9t\u00e9.\n".encode("latin-1") * 500)
     elif case == "vocab":
         bad = tmp_path / "novocab.txt"
         bad.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nthe\n")

@@ -201,6 +201,29 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(u
     assert [resumed[s] for s in range(21, STEPS + 1)] == [expected[s] for s in range(21, STEPS + 1)]
 
 
+def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path):
+    """Invalid UTF-8 and cut lines reach the console and metrics.jsonl; a binary file is one error line."""
+    train_path, vocab = corpus
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(open(train_path, "rb").read() + b"\n\nCaf\xe9 au lait is a drink.\n" + b"word " * 6000 + b"\n")
+    workdir = tmp_path / "run"
+    steps = ("--set", "train.steps=3", "--set", "optimizer.warmup_steps=1", "--set", "data.max_line_chars=20000",
+             "--set", "data.doc_buffer_size=1000", "--set", "checkpoint.every=1000")
+    output = _run(_argv(workdir, (str(bad), vocab), *steps))
+    assert "input: 1 line(s) with invalid UTF-8 so far" in output
+    assert "input: 1 line(s) longer than data.max_line_chars=20000 so far" in output
+    last = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["input_invalid_utf8_lines"] == 1 and last["input_truncated_lines"] == 1
+    assert last["input_documents"] > 10
+
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    result = subprocess.run(_argv(tmp_path / "run2", (str(binary), vocab), *steps), env=_env(), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "model.bin: binary (NUL bytes in its first 64 KiB)" in result.stderr
+
+
 def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp_path):
     workdir = tmp_path / "phase2"
     argv = _argv(workdir, corpus, "--init-from", str(uninterrupted / "checkpoints" / str(STEPS)))

@@ -53,6 +53,29 @@ def shard_files(files: Sequence[str], process_index: int, process_count: int) ->
     return list(files[process_index::process_count])
 
 
+_SNIFF_BYTES = 1 << 16
+
+
+def check_text_files(files: Sequence[str]) -> None:
+    """Refuses files that are not UTF-8 text (judged by their first 64 KiB): a binary file or an archive would
+    otherwise be read as a few lines of replacement characters, and a job would train on nothing."""
+    for path in files:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+        if head.startswith((b"\x1f\x8b", b"PK\x03\x04", b"BZh", b"\xfd7zXZ")):
+            problem = "a compressed archive (gzip/zip/bzip2/xz): decompress it first"
+        elif b"\x00" in head:
+            problem = "binary (NUL bytes in its first 64 KiB)"
+        else:
+            # A multi-byte character cut at the end of the sample is not an error.
+            text = head.decode("utf-8", errors="replace")[:-1]
+            invalid = text.count("\ufffd")
+            problem = (f"not UTF-8 text ({invalid} of the first {len(text)} characters are invalid)"
+                       if text and invalid > 0.05 * len(text) else None)
+        if problem:
+            raise ValueError(f"{path}: {problem}; text corpora are read as UTF-8 lines")
+
+
 def split_sentences(paragraphs: tf.Tensor) -> tf.RaggedTensor:
     """Regex sentence splitter: [N] paragraphs -> ragged [N, (sentences)], stripped, empties dropped."""
     marked = tf.strings.regex_replace(paragraphs, _SENTENCE_END, "\\1\n\\2")
@@ -90,7 +113,10 @@ def _paragraphs_to_sentence_lines(batch: dict, config: CorpusConfig) -> dict[str
         rows = tf.concat([sentences, marker], axis=1)
 
     def per_sentence(counter):
-        return tf.gather(counter, rows.value_rowids())
+        # A line's count goes to its first sentence only (it is a count of lines, not of sentences).
+        row = rows.value_rowids()
+        first = tf.equal(tf.range(tf.size(row), dtype=row.dtype), tf.gather(rows.row_starts(), row))
+        return tf.gather(counter, row) * tf.cast(first, counter.dtype)
 
     return {"lines": rows.flat_values, "invalid_utf8": per_sentence(batch["invalid_utf8"]),
             "truncated": per_sentence(batch["truncated"])}

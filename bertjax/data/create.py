@@ -74,6 +74,7 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     start = time.time()
     files = [] if config.is_tfds else corpus.shard_files(corpus.expand_inputs(config.inputs), worker_index,
                                                          num_workers)
+    corpus.check_text_files(files)
     tokenizer = load_tokenizer(config.vocab, config.lower_case)
     stats = collections.Counter(input_files=len(files), empty_files=count_empty_files(files))
     ds = serialized_instances(config, files, tokenizer, stats, worker_index)

@@ -29,6 +29,8 @@ def _host_files(config: PretrainingDataConfig, process_index: int, process_count
     else:
         files = corpus.expand_inputs(config.inputs)
     files = corpus.shard_files(files, process_index, process_count)
+    if config.input_kind == "text":
+        corpus.check_text_files(files)
     # An endless pipeline over empty input would spin forever without yielding: refuse it up front.
     if all(tf.io.gfile.stat(f).length == 0 for f in files):
         raise ValueError(f"all {len(files)} input file(s) of process {process_index} are empty: {files[:3]}")
