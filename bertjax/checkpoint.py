@@ -116,19 +116,24 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     """
     _require_checkpoint(directory)
     path = epath.Path(directory).absolute()
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
-        metadata_only = checkpointer.restore(path, args=ocp.args.Composite(
-            **{MODEL_CONFIG: ocp.args.JsonRestore(), VOCAB: ocp.args.JsonRestore()}))
-        if abstract_params is None:
-            # Restore as host numpy arrays on one device, whatever mesh wrote them.
-            tree = checkpointer.metadata(path).item_metadata[PARAMS]
-            tree = getattr(tree, "tree", tree)
-            abstract_params = jax.tree_util.tree_map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
-                                               sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
-                tree)
-        restored = checkpointer.restore(path, args=ocp.args.Composite(
-            **{PARAMS: ocp.args.StandardRestore(abstract_params)}))
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
+            metadata_only = checkpointer.restore(path, args=ocp.args.Composite(
+                **{MODEL_CONFIG: ocp.args.JsonRestore(), VOCAB: ocp.args.JsonRestore()}))
+            if abstract_params is None:
+                # Restore as host numpy arrays on one device, whatever mesh wrote them.
+                tree = checkpointer.metadata(path).item_metadata[PARAMS]
+                tree = getattr(tree, "tree", tree)
+                abstract_params = jax.tree_util.tree_map(
+                    lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                                   sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
+                    tree)
+            restored = checkpointer.restore(path, args=ocp.args.Composite(
+                **{PARAMS: ocp.args.StandardRestore(abstract_params)}))
+    except Exception as error:  # noqa: BLE001 - Orbax/TensorStore raise many types for a damaged directory
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise ValueError(f"{directory}: cannot read the checkpoint ({type(error).__name__}: {reason}); it is "
+                         f"damaged or incomplete") from None
     config = BertConfig.from_dict(metadata_only[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
     vocab = metadata_only[VOCAB]
     _check_vocab(config, vocab["tokens"], directory)

@@ -167,6 +167,8 @@ def read_split(task: GlueTask, path: str, layout: Layout) -> Examples:
             labels.append(_parse_label(task, row[layout.label], where))
     if skipped:
         log.warning("%s: skipped %d malformed rows (too few columns)", path, skipped)
+    if not guids:
+        raise ValueError(f"{path}: no examples ({len(rows)} line(s), header included)")
     label_array = None
     if layout.label is not None:
         label_array = np.asarray(labels, np.float32 if task.is_regression else np.int32)

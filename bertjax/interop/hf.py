@@ -6,6 +6,8 @@ models), loadable by `transformers.<Architecture>.from_pretrained` and `AutoToke
 """
 from __future__ import annotations
 
+import pickle
+
 import json
 from typing import Mapping
 
@@ -44,7 +46,12 @@ def read_state_dict(directory: str) -> dict[str, np.ndarray]:
             raise ValueError(f"{directory}/pytorch_model.bin needs torch to read; install torch or convert the "
                              "directory to safetensors") from None
         # weights_only=True: tensors only, no pickled code is executed.
-        state = torch.load(str(path / "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(str(path / "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise ValueError(f"{directory}/pytorch_model.bin holds more than tensors (pickled objects or code); "
+                             "bertjax never unpickles code: convert the model to safetensors with the tool that "
+                             "wrote it, from a source you trust") from None
         return {k: v.float().numpy() for k, v in state.items()}
     raise FileNotFoundError(f"{directory} holds no model.safetensors, model.safetensors.index.json or "
                             "pytorch_model.bin")

@@ -1,0 +1,114 @@
+"""Bad input on the command line gets one line that names the file, not a traceback (exit code 2)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bertjax.cli import main as bertjax_main
+from tests.conftest import save_tiny_checkpoint
+
+
+class Payload:
+    """Stands for any pickled object that is not a tensor."""
+
+
+def _error(capsys, argv: list[str]) -> str:
+    """Runs `bertjax argv`; asserts exit code 2 and one error line; returns it."""
+    assert bertjax_main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bertjax ")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, minilm_dir) -> str:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", minilm_dir / "vocab.txt", seed=0)
+
+
+@pytest.mark.parametrize("damage", ["truncated params", "garbage metadata"])
+def test_a_damaged_checkpoint_is_named(tiny_checkpoint, tmp_path, capsys, damage):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    if damage == "truncated params":
+        for path in (broken / "params").rglob("*"):
+            if path.is_file() and path.stat().st_size > 64 and path.name != "_METADATA":
+                path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        (broken / "params" / "_METADATA").write_bytes(np.random.default_rng(0).bytes(300))
+    line = _error(capsys, ["info", str(broken)])
+    assert f"{broken}: cannot read the checkpoint" in line
+
+
+SQUAD = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [{"context": "Paris is in France.", "qas": [
+    {"id": "q1", "question": "Where is Paris?", "is_impossible": False,
+     "answers": [{"text": "France", "answer_start": 12}]}]}]}]}
+
+
+@pytest.mark.parametrize("predictions, message", [
+    ({}, r"none of its 0 question id\(s\) is one of the 1 questions"),
+    ({"other": "France"}, r"none of its 1 question id\(s\) is one of the 1 questions"),
+    (["France"], r"expected a JSON object \{question id: answer text\}, got list"),
+    ({"q1": 3}, r"got dict with non-string answers"),
+])
+def test_eval_squad_refuses_predictions_of_another_shape_or_dataset(tmp_path, capsys, predictions, message):
+    (tmp_path / "data.json").write_text(json.dumps(SQUAD))
+    (tmp_path / "pred.json").write_text(json.dumps(predictions))
+    line = _error(capsys, ["eval", "squad", "--data", str(tmp_path / "data.json"), "--predictions",
+                           str(tmp_path / "pred.json")])
+    assert str(tmp_path / "pred.json") in line and re.search(message, line)
+
+
+def test_eval_squad_warns_about_ids_it_ignores(tmp_path, capsys):
+    (tmp_path / "data.json").write_text(json.dumps(SQUAD))
+    (tmp_path / "pred.json").write_text(json.dumps({"q1": "France", "x": "a", "y": "b"}))
+    assert bertjax_main(["eval", "squad", "--data", str(tmp_path / "data.json"), "--predictions",
+                         str(tmp_path / "pred.json")]) == 0
+    captured = capsys.readouterr()
+    assert "2 of its 3 question id(s) are not in" in captured.err
+    assert json.loads(captured.out)["exact"] == 100.0
+
+
+def test_an_empty_glue_file_is_named(tiny_checkpoint, tmp_path, capsys):
+    (tmp_path / "SST-2").mkdir()
+    (tmp_path / "SST-2" / "train.tsv").write_text("sentence\tlabel\n")
+    (tmp_path / "SST-2" / "dev.tsv").write_text("sentence\tlabel\ngood\t1\n")
+    line = _error(capsys, ["finetune", "glue", "--task", "sst2", "--data", str(tmp_path), "--init", tiny_checkpoint,
+                           "--workdir", str(tmp_path / "work")])
+    assert f"{tmp_path / 'SST-2' / 'train.tsv'}: no examples" in line
+
+
+def test_a_tf_checkpoint_without_its_data_file_is_named(tmp_path, capsys, minilm_dir):
+    import tensorflow as tf
+
+    prefix = str(tmp_path / "model.ckpt")
+    variables = {"bert/embeddings/word_embeddings": tf.Variable(np.zeros((4, 2), np.float32))}
+    checkpoint = tf.train.Checkpoint(**{k.replace("/", "_"): v for k, v in variables.items()})
+    written = checkpoint.write(prefix)
+    for data in Path(tmp_path).glob("model.ckpt.data-*"):
+        data.unlink()
+    (tmp_path / "bert_config.json").write_text(json.dumps({
+        "vocab_size": 4, "hidden_size": 4, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 8,
+        "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
+        "max_position_embeddings": 16, "type_vocab_size": 2, "initializer_range": 0.02}))
+    line = _error(capsys, ["convert", "--from", "tf", written, "--config", str(tmp_path / "bert_config.json"),
+                           "--vocab", str(minilm_dir / "vocab.txt"), "--out", str(tmp_path / "out")])
+    assert written in line
+
+
+def test_a_pickle_with_code_is_refused_with_the_safetensors_advice(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 4, "hidden_size": 4,
+                                                       "num_attention_heads": 2, "intermediate_size": 8}))
+    # An object of a class of ours: loading it would import and run our code, which weights_only refuses.
+    torch.save({"weights": Payload()}, directory / "pytorch_model.bin")
+    line = _error(capsys, ["info", str(directory)])
+    assert "pytorch_model.bin holds more than tensors" in line and "never unpickles code" in line
+    assert "weights_only=False" not in line
