@@ -197,6 +197,25 @@ def test_an_earlier_run_in_out_is_refused_or_replaced_and_readers_follow_the_met
         make_pretraining_dataset(config, 16)
 
 
+def test_a_truncated_shard_or_shards_of_another_shape_are_named(created, tmp_path):
+    import shutil
+
+    out = tmp_path / "records"
+    shutil.copytree(created, out)
+    shard = out / "pretrain-00001-of-00003.tfrecord"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    config = PretrainingDataConfig(input=(str(out),), input_kind="tfrecord", max_seq_length=SEQ,
+                                   max_predictions_per_seq=PRED)
+    with pytest.raises(ValueError, match=rf"{shard}: \d+ bytes, but .*pretrain-metadata.json recorded \d+: the "
+                                         "shard is truncated"):
+        make_pretraining_dataset(config, 8)
+    # Shards named by a glob are checked against the metadata beside them too.
+    glob = dataclasses.replace(config, input=str(created / "*.tfrecord"), max_seq_length=128,
+                               max_predictions_per_seq=20)
+    with pytest.raises(ValueError, match="max_seq_length=64, the pipeline asks for 128"):
+        make_pretraining_dataset(glob, 8)
+
+
 def test_empty_input_is_an_error_and_writes_nothing(tmp_path, corpus_slice, capsys):
     _, vocab = corpus_slice
     (tmp_path / "empty.txt").write_text("\n\n", encoding="utf-8")

@@ -95,6 +95,8 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
         "shards": [os.path.basename(p) for p in writer.paths],
         "examples_per_shard": writer.counts.tolist(),
         "examples": int(writer.counts.sum()),
+        # Readers compare each shard's size with this: a shard cut short or replaced is named before training.
+        "bytes_per_shard": [tf.io.gfile.stat(p).length for p in writer.paths],
         "stats": dict(sorted(stats.items())),
         "seconds": round(time.time() - start, 3),
         "config": dataclasses.asdict(config),

@@ -13,6 +13,7 @@ restored in a fresh process (`restore_iterator`) to continue bit-identically.
 from __future__ import annotations
 
 import collections
+import os
 
 import tensorflow as tf
 
@@ -24,8 +25,8 @@ from bertjax.data.tokenizers import load_tokenizer
 
 def _host_files(config: PretrainingDataConfig, process_index: int, process_count: int) -> list[str]:
     if config.input_kind == "tfrecord":
-        _check_tfrecord_metadata(config)
         files = tfrecord.find_shards(config.inputs)
+        _check_tfrecord_metadata(config, files)
     else:
         files = corpus.expand_inputs(config.inputs)
     files = corpus.shard_files(files, process_index, process_count)
@@ -37,11 +38,12 @@ def _host_files(config: PretrainingDataConfig, process_index: int, process_count
     return files
 
 
-def _check_tfrecord_metadata(config: PretrainingDataConfig):
-    """Shapes must match what `data create` wrote (every metadata file beside the shards)."""
+def _check_tfrecord_metadata(config: PretrainingDataConfig, files: list[str]):
+    """Shapes must match what `data create` wrote (every metadata file beside the shards, however they were
+    named: a directory, a glob or files)."""
     wanted = tfrecord.feature_spec_metadata(config)
-    for path in config.inputs:
-        for meta_path, metadata in tfrecord.read_metadata(path):
+    for directory in sorted({os.path.dirname(f) for f in files}):
+        for meta_path, metadata in tfrecord.read_metadata(directory):
             written = {"instances_per_row": None, **metadata.get("feature_spec", {})}
             for key, value in wanted.items():
                 if key in written and written[key] != value:

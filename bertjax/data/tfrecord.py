@@ -172,16 +172,22 @@ def find_shards(patterns: Sequence[str]) -> list[str]:
     """
     found = []
     for pattern in patterns:
-        listed = [(meta_path, name) for meta_path, meta in read_metadata(pattern) for name in meta.get("shards", [])]
+        listed = [(meta_path, name, size) for meta_path, meta in read_metadata(pattern)
+                  for name, size in zip(meta.get("shards", []),
+                                        meta.get("bytes_per_shard", [None] * len(meta.get("shards", []))))]
         if not listed:
             if tf.io.gfile.isdir(pattern):
                 pattern = os.path.join(pattern, f"*{SHARD_SUFFIX}")
             found += [f for f in expand_inputs([pattern]) if ".tmp-" not in os.path.basename(f)]
             continue
-        for meta_path, name in listed:
+        for meta_path, name, size in listed:
             path = os.path.join(pattern, name)
             if not tf.io.gfile.exists(path):
                 raise FileNotFoundError(f"{path}: listed in {meta_path} but missing")
+            actual = tf.io.gfile.stat(path).length
+            if size is not None and actual != size:
+                raise ValueError(f"{path}: {actual} bytes, but {meta_path} recorded {size}: the shard is truncated "
+                                 f"or was replaced; write it again (bertjax data create --overwrite)")
             found.append(path)
     return sorted(dict.fromkeys(found))
 
