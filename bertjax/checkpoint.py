@@ -12,6 +12,7 @@ Orbax writes to a temporary name and renames on completion, so a half-written ch
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 
 import jax
@@ -209,6 +210,34 @@ class CheckpointConfig:
                              "last one included)")
 
 
+class CheckpointWriteError(ValueError):
+    """A checkpoint could not be written (a full or read-only disk, ...): the job stops; older steps stay good."""
+
+    # The command line exits at once after its one-line message: Orbax's failed background saves would otherwise
+    # print a hundred "Event loop is closed" tracebacks at interpreter shutdown.
+    exit_now = True
+
+
+def _write_error(directory, error: Exception) -> CheckpointWriteError:
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" in text or "No space left" in text or getattr(error, "errno", None) == errno.ENOSPC:
+        reason = "no space left on device"
+    else:
+        reason = f"{type(error).__name__}: {(text.strip().splitlines() or [''])[0][:300]}"
+    return CheckpointWriteError(f"cannot write checkpoint to {directory}: {reason}")
+
+
+def check_writable(directory: str) -> None:
+    """Creates `directory` and writes (then removes) a small file in it; CheckpointWriteError if it cannot."""
+    probe = epath.Path(directory) / f".bertjax-write-test-{jax.process_index()}"
+    try:
+        epath.Path(directory).mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise _write_error(directory, error) from None
+
+
 class TrainCheckpointer:
     """Orbax CheckpointManager over `<workdir>/checkpoints/<step>`, plus each process's input-pipeline position.
 
@@ -222,6 +251,7 @@ class TrainCheckpointer:
         # Orbax wants absolute local paths; remote ones (gs://...) already are.
         self.workdir = epath.Path(workdir) if "://" in str(workdir) else epath.Path(workdir).absolute()
         self.every = config.every
+        check_writable(str(self.workdir / "checkpoints"))
         manager_options = ocp.CheckpointManagerOptions(
             save_interval_steps=config.every, max_to_keep=config.keep, keep_period=config.keep_every or None,
             enable_async_checkpointing=config.async_save, create=True)
@@ -240,12 +270,16 @@ class TrainCheckpointer:
         pipeline position first."""
         if not (force or step % self.every == 0):
             return False
-        save_input_state(self.input_state_dir(step))
         meta = {name: getattr(state, name) for name in TRAIN_META_FIELDS}
-        saved = self.manager.save(step, force=True, args=ocp.args.Composite(
-            **_model_items(state.params, config, vocab, lower_case),
-            **{OPT_STATE: ocp.args.StandardSave(state.opt_state), TRAIN_META: ocp.args.StandardSave(meta),
-               JOB_CONFIG: ocp.args.JsonSave(job_config)}))
+        try:
+            save_input_state(self.input_state_dir(step))
+            # An asynchronous save's failure surfaces here at the next save, or in close().
+            saved = self.manager.save(step, force=True, args=ocp.args.Composite(
+                **_model_items(state.params, config, vocab, lower_case),
+                **{OPT_STATE: ocp.args.StandardSave(state.opt_state), TRAIN_META: ocp.args.StandardSave(meta),
+                   JOB_CONFIG: ocp.args.JsonSave(job_config)}))
+        except Exception as error:  # noqa: BLE001 - storage errors come as many types
+            raise _write_error(self.workdir / "checkpoints", error) from None
         self._remove_stale_input_states()
         return saved
 
@@ -293,8 +327,21 @@ class TrainCheckpointer:
                 path.rmtree()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001
+            raise _write_error(self.workdir / "checkpoints", error) from None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        failed = None
+        try:
+            self.wait()
+        except CheckpointWriteError as error:
+            failed = error
+        try:
+            self.manager.close()
+        except Exception as error:  # noqa: BLE001 - after a failed save, close() re-raises the same failure
+            if failed is None:
+                raise _write_error(self.workdir / "checkpoints", error) from None
+        if failed is not None:
+            raise failed

@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, KeyError) as error:
         # Bad input is reported as one clear line, not a traceback.
         print(f"bertjax {args.command}: error: {error}", file=sys.stderr)
+        if getattr(error, "exit_now", False):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         return 2
 
 

@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import json
 import signal
+import sys
 import time
 
 import jax
@@ -256,9 +257,15 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
             save(step, force=True)
         _log(f"{status} at step {step}; checkpoints in {workdir}/checkpoints")
     finally:
-        checkpointer.close()
-        writer.close()
-        preemption.restore()
+        failing = sys.exc_info()[1] is not None
+        try:
+            checkpointer.close()
+        except checkpoint_lib.CheckpointWriteError:
+            if not failing:  # else the error already on its way out says it
+                raise
+        finally:
+            writer.close()
+            preemption.restore()
     if status == "completed" and process_index == 0:
         # After the last save is finalised: a babysitter restarts the job until this file exists.
         (epath.Path(workdir) / COMPLETION_MARKER).write_text(json.dumps({"final_step": step}))

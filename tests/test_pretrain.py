@@ -224,6 +224,45 @@ def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path):
     assert "model.bin: binary (NUL bytes in its first 64 KiB)" in result.stderr
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs (root and mount(2) needed: skipped elsewhere)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mount_point)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_a_full_disk_is_named_and_nothing_is_marked_complete(corpus, small_disk):
+    """A disk that is full at the start is one line before any work; one that fills at the first save ends the
+    job with the same line (Orbax's threads log their own tracebacks before it) and no COMPLETED marker."""
+    argv = lambda workdir: _argv(workdir, corpus, "--set", "train.steps=3", "--set", "optimizer.warmup_steps=1",
+                                 "--set", "checkpoint.every=1")
+    expected = "bertjax pretrain: error: cannot write checkpoint to {}: no space left on device"
+
+    with open(small_disk / "filler", "wb") as f:  # fill the disk
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    full = subprocess.run(argv(small_disk / "full"), env=_env(devices=1), cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert full.returncode == 2 and "Traceback" not in full.stderr
+    assert full.stderr.strip().splitlines()[-1] == expected.format(small_disk / "full" / "checkpoints")
+    (small_disk / "filler").unlink()
+
+    fills = subprocess.run(argv(small_disk / "run"), env=_env(devices=1), cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=600)
+    assert fills.returncode == 2
+    assert fills.stderr.strip().splitlines()[-1] == expected.format(small_disk / "run" / "checkpoints")
+    assert not (small_disk / "run" / "COMPLETED").exists()
+
+
 def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp_path):
     workdir = tmp_path / "phase2"
     argv = _argv(workdir, corpus, "--init-from", str(uninterrupted / "checkpoints" / str(STEPS)))
