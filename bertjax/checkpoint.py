@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from etils import epath
 from flax import traverse_util
 
+from bertjax.errors import first_line
 from bertjax.model_config import BertConfig
 from bertjax.options import option
 
@@ -132,9 +133,8 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
             restored = checkpointer.restore(path, args=ocp.args.Composite(
                 **{PARAMS: ocp.args.StandardRestore(abstract_params)}))
     except Exception as error:  # noqa: BLE001 - Orbax/TensorStore raise many types for a damaged directory
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        raise ValueError(f"{directory}: cannot read the checkpoint ({type(error).__name__}: {reason}); it is "
-                         f"damaged or incomplete") from None
+        raise ValueError(f"{directory}: cannot read the checkpoint ({first_line(error)}); it is damaged or "
+                         f"incomplete") from None
     config = BertConfig.from_dict(metadata_only[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
     vocab = metadata_only[VOCAB]
     _check_vocab(config, vocab["tokens"], directory)
@@ -223,7 +223,7 @@ def _write_error(directory, error: Exception) -> CheckpointWriteError:
     if "RESOURCE_EXHAUSTED" in text or "No space left" in text or getattr(error, "errno", None) == errno.ENOSPC:
         reason = "no space left on device"
     else:
-        reason = f"{type(error).__name__}: {(text.strip().splitlines() or [''])[0][:300]}"
+        reason = first_line(error)
     return CheckpointWriteError(f"cannot write checkpoint to {directory}: {reason}")
 
 

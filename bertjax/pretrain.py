@@ -27,6 +27,7 @@ from bertjax.interop.load import load_pretrained
 from bertjax.optim import make_optimizer
 from bertjax.train_step import TooManyNonFiniteSteps
 from bertjax.babysitter import COMPLETION_MARKER
+from bertjax.errors import first_line
 from bertjax.model_config import BertConfig
 from bertjax.pretrain_config import PretrainConfig, check_resume_config, validate
 
@@ -146,10 +147,9 @@ def _resume(checkpointer, abstract, dataset, config: PretrainConfig, allow_confi
 
 def _set_aside(checkpointer, step: int, error: Exception) -> None:
     where = checkpointer.step_dir(step)
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     moved = checkpointer.set_aside(step)
-    _log(f"warning: cannot restore {where} ({type(error).__name__}: {reason}); moved it to {moved} and trying the "
-         f"previous checkpoint")
+    _log(f"warning: cannot restore {where} ({first_line(error, 200)}); moved it to {moved} and trying the previous "
+         f"checkpoint")
 
 
 @dataclasses.dataclass

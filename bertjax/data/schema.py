@@ -46,6 +46,11 @@ def predictions_per_row(max_predictions_per_seq: int, instances_per_row: int | N
     return max_predictions_per_seq + (instances_per_row or 0)
 
 
+def is_packed(feature_names) -> bool:
+    """Whether a batch (or a spec) with these feature names has the packed layout."""
+    return "packing_ids" in feature_names
+
+
 def batch_features(packed: bool) -> dict[str, tuple[str, str]]:
     return PACKED_FEATURES if packed else FEATURES
 

@@ -108,6 +108,6 @@ def pack_block(features: dict[str, tf.Tensor], max_instances: int, pad_id: int) 
 def finalize_batch(batch: dict) -> dict:
     """next_sentence_labels as [B, 1], as in the original TFRecord format (packed rows already have [B, k])."""
     batch = dict(batch)
-    if "packing_ids" not in batch:
+    if not schema.is_packed(batch):
         batch["next_sentence_labels"] = tf.reshape(batch["next_sentence_labels"], [-1, 1])
     return batch

@@ -26,7 +26,7 @@ METADATA_SUFFIX = "-metadata.json"
 
 def feature_spec(shapes: dict[str, tuple[int]]) -> dict[str, tf.io.FixedLenFeature]:
     """tf.io parsing spec of one example with these feature shapes (integers are int64 on disk)."""
-    dtypes = schema.feature_dtypes("packing_ids" in shapes)
+    dtypes = schema.feature_dtypes(schema.is_packed(shapes))
     return {name: tf.io.FixedLenFeature(shape, tf.float32 if dtypes[name] == "float32" else tf.int64)
             for name, shape in shapes.items()}
 
@@ -50,7 +50,7 @@ def serialize_batch(batch: dict[str, tf.Tensor]) -> tf.Tensor:
     it is several times faster than building protos in Python and runs inside tf.data.
     """
     entries = []
-    dtypes = schema.feature_dtypes("packing_ids" in batch)
+    dtypes = schema.feature_dtypes(schema.is_packed(batch))
     for name in dtypes:
         value = tf.convert_to_tensor(batch[name])
         if value.shape.rank == 1:

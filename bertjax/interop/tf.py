@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from bertjax.errors import first_line
 from bertjax.model_config import BertConfig
 from bertjax.interop import convert
 
@@ -18,7 +19,7 @@ def read_tf_checkpoint(prefix: str) -> dict[str, np.ndarray]:
     try:
         reader = tf.train.load_checkpoint(prefix)
     except (tf.errors.OpError, ValueError) as error:
-        raise FileNotFoundError(f"cannot read TF checkpoint {prefix!r}: {_first_line(error)}") from None
+        raise FileNotFoundError(f"cannot read TF checkpoint {prefix!r}: {first_line(error)}") from None
     tensors = {}
     for name in reader.get_variable_to_shape_map():
         if name in _SKIPPED_NAMES or name.endswith(_SKIPPED_SUFFIXES):
@@ -26,14 +27,10 @@ def read_tf_checkpoint(prefix: str) -> dict[str, np.ndarray]:
         try:
             tensors[name] = np.asarray(reader.get_tensor(name))
         except tf.errors.OpError as error:  # e.g. the .data file missing or cut: the index alone reads fine
-            raise ValueError(f"TF checkpoint {prefix!r}: cannot read tensor {name!r} ({_first_line(error)}); are "
+            raise ValueError(f"TF checkpoint {prefix!r}: cannot read tensor {name!r} ({first_line(error)}); are "
                              f"all its {prefix}.data-* files there and complete?") from None
     return tensors
 
-
-def _first_line(error: Exception) -> str:
-    text = getattr(error, "message", None) or str(error)
-    return (text.strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def load_tf(prefix: str, config_path: str):
