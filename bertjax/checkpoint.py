@@ -143,7 +143,7 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
 
 def restore_train_state(step_dir: str, abstract_state):
     """Params, optimizer state and train meta of a trainer step directory, laid out as `abstract_state` (any
-    mesh: Orbax reshards on restore). For continuing another run's schedule (`--init-from` a step directory)."""
+    mesh: Orbax reshards on restore). For continuing another run's schedule (`--init` a step directory)."""
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         restored = checkpointer.restore(epath.Path(step_dir).absolute(),
                                         args=ocp.args.Composite(**_train_state_restore_args(abstract_state)))
@@ -236,6 +236,29 @@ def check_writable(directory: str) -> None:
         probe.unlink()
     except OSError as error:
         raise _write_error(directory, error) from None
+
+
+def complete_steps(run_dir: str) -> list[int]:
+    """The finalised steps (oldest first) under a run directory (WORKDIR or WORKDIR/checkpoints); [] if none."""
+    path = epath.Path(run_dir)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if not path.is_dir():
+        return []
+    return sorted(ocp.utils.checkpoint_steps(path))
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A run directory (WORKDIR, or WORKDIR/checkpoints) stands for its newest complete step; any other path
+    (a step, a model checkpoint, an HF directory, a TF prefix) is returned unchanged."""
+    root = epath.Path(path)
+    if is_model_checkpoint(path) or not root.is_dir():
+        return path
+    steps = complete_steps(path)
+    if not steps:
+        return path
+    checkpoints = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    return str(checkpoints / str(steps[-1]))
 
 
 class TrainCheckpointer:

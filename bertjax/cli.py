@@ -10,10 +10,7 @@ import importlib
 import os
 import sys
 
-from bertjax import host_memory, platforms
-
-# TensorFlow (used for tf.data and tokenizers only) logs at INFO level by default; keep warnings and errors.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from bertjax import host_memory, platforms, quiet
 
 COMMAND_MODULES = (
     "bertjax.interop.cli",
@@ -26,15 +23,49 @@ COMMAND_MODULES = (
 
 # Commands whose steps all have one shape, where keeping freed memory pays (see host_memory).
 FIXED_SHAPE_COMMANDS = ("pretrain",)
+# Commands that never import TensorFlow (the others start it quietly before they run).
+WITHOUT_TENSORFLOW = ("config", "launch", "eval", "demo-corpus")
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Help lines end with the option's default, where it has a meaningful one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        shown = action.default not in (None, "", argparse.SUPPRESS, False) or isinstance(action.default, bool) \
+            and action.nargs == 0 and not isinstance(action, argparse._StoreTrueAction)
+        if "%(default)" in text or "(default" in text or not action.option_strings or not shown or action.required:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser with every registered subcommand."""
+    """The full argument parser with every registered subcommand; every command shows its defaults in --help
+    and takes --verbose."""
     parser = argparse.ArgumentParser(prog="bertjax", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    for path, command in walk_commands(parser):
+        command.formatter_class = HelpWithDefaults
+        if not _subcommands(command):
+            command.add_argument("--verbose", action="store_true",
+                                 help="also show TensorFlow's and XLA's native start-up log lines")
     return parser
+
+
+def walk_commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(("data", "create"), parser) for every parser of the tree, the root first (path ())."""
+    yield path, parser
+    for name, child in _subcommands(parser).items():
+        yield from walk_commands(child, path + (name,))
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict:
+    for action in parser._actions:  # argparse keeps the subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         # run one compiled shape over and over: with several shapes (fine-tuning's length buckets, eval,
         # prediction) the never-shrinking heap grew to 12 GB for a 22M-parameter fine-tune.
         host_memory.keep_freed_memory_if_cpu_job(os.environ)
+    if args.command not in WITHOUT_TENSORFLOW:
+        quiet.start_tensorflow(verbose=args.verbose)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as error:

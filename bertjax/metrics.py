@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
-import sys
+import os
+import pathlib
+import platform
 import time
 
 import jax
@@ -10,7 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
+from bertjax.console import Console, duration, metric_text
 from bertjax.model_config import BertConfig
+
+# The step metrics shown on the console (all of them go to metrics.jsonl and TensorBoard).
+CONSOLE_KEYS = ("loss", "mlm_loss", "sbo_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "padding_fraction",
+                "real_tokens_per_s", "mfu")
 
 # Dense bf16 peak FLOP/s per chip (vendor figures), keyed by a substring of jax's device_kind.
 PEAK_FLOPS_BY_DEVICE_KIND = {
@@ -48,15 +55,57 @@ def train_flops_per_sequence(config: BertConfig, seq_len: int, num_masked: int) 
     return train_flops(config, seq_len, seq_len, num_masked, 1)
 
 
-def device_peak_flops(device=None, dtype: str = "bfloat16") -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the figure comes from). CPUs: a measured matmul peak."""
+def device_peak_flops(device=None, dtype: str = "bfloat16", cache_dir: str | None = None) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure comes from). Accelerators: the vendor table. CPUs: a matmul
+    peak measured once per machine and cached (see cached_matmul_peak), so MFU compares across runs."""
     device = device or jax.devices()[0]
     if device.platform != "cpu":
         for kind, peak in PEAK_FLOPS_BY_DEVICE_KIND.items():
             if kind.lower() in device.device_kind.lower():
                 return peak, f"{device.device_kind} bf16 table"
-    peak = measure_matmul_peak(jnp.float32 if dtype == "float32" or device.platform == "cpu" else jnp.bfloat16)
-    return peak, f"measured {device.device_kind} matmul peak"
+    dtype = jnp.float32 if dtype == "float32" or device.platform == "cpu" else jnp.bfloat16
+    if device.platform != "cpu":
+        return measure_matmul_peak(dtype), f"measured {device.device_kind} matmul peak"
+    return cached_matmul_peak(device, dtype, cache_dir)
+
+
+def cached_matmul_peak(device, dtype, cache_dir: str | None = None) -> tuple[float, str]:
+    """The CPU matmul peak from DIR/matmul_peak.json (default $XDG_CACHE_HOME/bertjax, else ~/.cache/bertjax),
+    measured and stored on the first call for this machine (CPU model, core count, JAX version, dtype).
+
+    Re-measuring at every start gave 0.065-0.204 TFLOP/s on one 2-core machine (other load, frequency), which made
+    MFU incomparable between runs; delete the file to measure again."""
+    directory = pathlib.Path(cache_dir or os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    path = directory / "bertjax" / "matmul_peak.json" if cache_dir is None else directory / "matmul_peak.json"
+    key = f"{_cpu_model()} | {os.cpu_count()} cores | {device.device_kind} | jax {jax.__version__} | " \
+          f"{jnp.dtype(dtype).name}"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return float(cache[key]["flops"]), f"cpu matmul peak measured {cache[key]['measured']}, cached in {path}"
+    peak = measure_matmul_peak(dtype, repeats=20)
+    cache[key] = {"flops": peak, "measured": time.strftime("%Y-%m-%d")}
+    try:  # a read-only home only costs the caching
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(cache, indent=1))
+        partial.replace(path)
+        where = f"cached in {path}"
+    except OSError as error:
+        where = f"not cached: {error}"
+    return peak, f"cpu matmul peak measured now, {where}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def measure_matmul_peak(dtype=jnp.float32, size: int = 1024, repeats: int = 5) -> float:
@@ -89,21 +138,24 @@ def interval_metrics(seconds: float, steps: int, rows_per_step: int, seq_len: in
 
 
 class MetricsWriter:
-    """Writes each logged step to DIR/metrics.jsonl, TensorBoard event files and a console line (process 0 only)."""
+    """Writes each logged step to DIR/metrics.jsonl and TensorBoard event files (process 0 only), and the step
+    line with its ETA to the console."""
 
-    def __init__(self, workdir: str, total_steps: int, enabled: bool = True):
+    def __init__(self, workdir: str, total_steps: int, enabled: bool = True, console: Console | None = None):
         self.enabled = enabled
         self.total_steps = total_steps
+        self.console_out = console or Console(enabled)
         self.start_time = time.time()
         self.start_step: int | None = None
+        directory = epath.Path(workdir)
+        self.jsonl_path = directory / "metrics.jsonl"
+        self.tensorboard_dir = directory / "tensorboard"
         if not enabled:
             return
-        directory = epath.Path(workdir)
         directory.mkdir(parents=True, exist_ok=True)
-        self.jsonl_path = directory / "metrics.jsonl"
         from flax.metrics import tensorboard
 
-        self.tensorboard = tensorboard.SummaryWriter(str(directory / "tensorboard"))
+        self.tensorboard = tensorboard.SummaryWriter(str(self.tensorboard_dir))
 
     def write(self, step: int, values: dict[str, float], prefix: str = "") -> None:
         if not self.enabled:
@@ -120,24 +172,14 @@ class MetricsWriter:
         """The ETA extrapolates from here (call after the first, compiling, step)."""
         self.start_step, self.start_time = step, time.time()
 
-    def console(self, step: int, values: dict[str, float]) -> None:
-        if not self.enabled:
-            return
+    def console(self, step: int, values: dict[str, float], keys=CONSOLE_KEYS) -> None:
         if self.start_step is None or step <= self.start_step:
             eta = "?"
         else:
             rate = (time.time() - self.start_time) / (step - self.start_step)
-            eta = _duration(rate * (self.total_steps - step))
-        shown = " ".join(f"{k}={v:.4g}" for k, v in values.items()
-                         if k in ("loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "padding_fraction",
-                                   "real_tokens_per_s", "mfu"))
-        print(f"step {step}/{self.total_steps} {shown} eta {eta}", file=sys.stdout, flush=True)
+            eta = duration(rate * (self.total_steps - step))
+        self.console_out.line(f"step {step}/{self.total_steps} {metric_text(values, keys)} eta {eta}")
 
     def close(self) -> None:
         if self.enabled:
             self.tensorboard.close()
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"

@@ -132,14 +132,14 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, exclude: Iterable[s
         default = defaults.get(field.name, field.default)
         spellings = [flag_name(field.name), *field.metadata.get("flags", ())]
         help_text = field.metadata.get("help", "")
-        common = dict(dest=field.name, help=help_text + (f" (default: {default})" if default not in ("", None)
-                                                           else ""))
+        # argparse %-formats help strings ("50%" would break); the default is shown by the help formatter.
+        common = dict(dest=field.name, help=help_text.replace("%", "%%"))
         if kind is bool:
             parser.add_argument(*spellings, action=argparse.BooleanOptionalAction, default=default, **common)
         elif field.metadata.get("repeatable"):
             parser.add_argument(*spellings, action="append", required=field.name in required, **common)
         elif field.name in required:
-            parser.add_argument(*spellings, type=kind, required=True, **{**common, "help": help_text})
+            parser.add_argument(*spellings, type=kind, required=True, **common)
         else:
             parser.add_argument(*spellings, type=kind, default=default, **common)
 

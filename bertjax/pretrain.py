@@ -27,6 +27,7 @@ from bertjax.interop.load import load_pretrained
 from bertjax.optim import make_optimizer
 from bertjax.train_step import TooManyNonFiniteSteps
 from bertjax.babysitter import COMPLETION_MARKER
+from bertjax.console import Console, duration, metric_text
 from bertjax.errors import first_line
 from bertjax.model_config import BertConfig
 from bertjax.pretrain_config import PretrainConfig, check_resume_config, validate
@@ -60,20 +61,31 @@ class PreemptionFlag:
             signal.signal(sig, handler)
 
 
+def _resolved_input(data):
+    """data.input's kind decided; a run needs a vocabulary (its size shapes the model, checkpoints carry it)."""
+    data = pipeline_lib.resolve_input(data)
+    if not data.vocab:
+        raise ValueError(f"data.vocab is empty and the `data create` metadata of data.input={data.input!r} names no "
+                         f"readable vocabulary: set data.vocab to the vocab the shards were made with")
+    return data
+
+
 def _numpy_batch(element) -> dict:
     return {k: v.numpy() for k, v in element.items()}
 
 
-def _init_from(state, source: str, shardings, abstract, reset_schedule: bool):
+def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, log):
     """The state started from a checkpoint: a trainer step directory continues its schedule unless
-    `reset_schedule`; anything else (ours, HF, TF) gives its params, the rest stays initialised."""
+    `reset_schedule`; anything else (ours, HF, TF) gives its params, the rest stays initialised. A run directory
+    stands for its newest complete step."""
+    source = checkpoint_lib.resolve_checkpoint(source)
     if not reset_schedule and (epath.Path(source) / checkpoint_lib.OPT_STATE).exists():
         state = checkpoint_lib.restore_train_state(source, abstract)
-        _log(f"continuing from {source} at step {int(state.step)} (optimizer state and schedule kept)")
+        log(f"continuing from {source} at step {int(state.step)} (optimizer state and schedule kept)")
         return state
     merged = checkpoint_lib.merge_params(jax.device_get(state.params), load_pretrained(source).params,
-                                         source=f"--init-from {source}", encoder_only=False)
-    _log(f"initialised from {source} (fresh optimizer state and schedule)")
+                                         source=f"--init {source}", encoder_only=False)
+    log(f"initialised from {source} (fresh optimizer state and schedule)")
     return state.replace(params=jax.device_put(merged, shardings.params))
 
 
@@ -107,7 +119,7 @@ def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
 
 
 def _resume(checkpointer, abstract, dataset, config: PretrainConfig, allow_config_change: bool,
-            process_index: int):
+            process_index: int, log):
     """(state, input iterator) from the newest step that restores, or None without any step.
 
     A step that cannot be read (a truncated or missing file, garbage metadata) is moved aside as
@@ -120,11 +132,11 @@ def _resume(checkpointer, abstract, dataset, config: PretrainConfig, allow_confi
         try:
             saved = checkpointer.saved_job_config(step)
         except Exception as error:  # noqa: BLE001 - any storage or format error makes the step unusable
-            _set_aside(checkpointer, step, error)
+            _set_aside(checkpointer, step, error, log)
             continue
         changed = check_resume_config(saved, config.to_dict(), allow_changes=allow_config_change, where=where)
         if changed:
-            _log(f"resuming with changed config keys: {', '.join(changed)}")
+            log(f"resuming with changed config keys: {', '.join(changed)}")
         try:
             state = checkpointer.restore(step, abstract)
             iterator = iter(dataset)
@@ -135,21 +147,65 @@ def _resume(checkpointer, abstract, dataset, config: PretrainConfig, allow_confi
             if isinstance(error, ValueError) and data_changes:  # the change, not the step, is the problem
                 raise ValueError(f"{where}: the input pipeline cannot continue with the changed "
                                  f"{', '.join(data_changes)} ({error})") from None
-            _set_aside(checkpointer, step, error)
+            _set_aside(checkpointer, step, error, log)
             continue
-        _log(f"resumed from {where}")
+        log(f"resumed from {where}")
         return state, iterator
     if steps:
-        _log(f"warning: none of the {len(steps)} checkpoint(s) could be restored; starting from step 0 (the broken "
+        log(f"warning: none of the {len(steps)} checkpoint(s) could be restored; starting from step 0 (the broken "
              f"ones are kept as *.corrupt)")
     return None
 
 
-def _set_aside(checkpointer, step: int, error: Exception) -> None:
+def _set_aside(checkpointer, step: int, error: Exception, log) -> None:
     where = checkpointer.step_dir(step)
     moved = checkpointer.set_aside(step)
-    _log(f"warning: cannot restore {where} ({first_line(error, 200)}); moved it to {moved} and trying the previous "
+    log(f"warning: cannot restore {where} ({first_line(error, 200)}); moved it to {moved} and trying the previous "
          f"checkpoint")
+
+
+def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_mfu: float = 0.5) -> str:
+    """`pretrain --dry-run`: everything a run checks before its first step, then the step compiled on this
+    machine's devices, as lines for a person (nothing is written)."""
+    from bertjax import tpu_compile  # compile-only devices and the memory report live there
+
+    validate(config, jax.device_count())
+    config = dataclasses.replace(config, data=_resolved_input(config.data))
+    mesh = config.mesh.build()
+    tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
+    batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
+        config.data, config.train.batch_size, jax.process_index(), jax.process_count()))))
+    if init_from or config.init_from:
+        load_pretrained(init_from or config.init_from)  # readable, before any device time is spent
+    compiled = tpu_compile.compile_step(config, jax.devices(), len(tokenizer.vocab))
+    bert_config = config.bert_config(len(tokenizer.vocab))
+    params = sum(np.size(x) for x in jax.tree_util.tree_leaves(
+        build_job_step(config, mesh, len(tokenizer.vocab)).abstract_state.params))
+    peak, peak_source = metrics_lib.device_peak_flops(dtype=bert_config.dtype)
+    flops = config.train.batch_size * metrics_lib.train_flops_per_sequence(
+        bert_config, config.data.max_seq_length, config.data.max_predictions_per_seq)
+    step_seconds = flops / (jax.device_count() * peak * assumed_mfu)
+    saved = checkpoint_lib.complete_steps(workdir)
+    gib = 2**30
+    return "\n".join([
+        f"config valid; mesh {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
+        f"{jax.process_count()} process(es)",
+        f"model {params:,} params ({config.model.preset}, dtype {bert_config.dtype}), vocabulary "
+        f"{len(tokenizer.vocab):,} ({config.data.vocab})",
+        f"input {config.data.input!r} ({config.data.input_kind}): first batch read, "
+        f"{' '.join(f'{k}{list(v.shape)}' for k, v in batch.items() if k in ('input_ids', 'masked_lm_ids'))}",
+        f"step compiled: {compiled.hbm_bytes_per_chip / gib:.2f} GiB per device (state and batch "
+        f"{(compiled.argument_bytes_per_chip or 0) / gib:.2f} GiB, temporaries "
+        f"{(compiled.temp_bytes_per_chip or 0) / gib:.2f} GiB)",
+        f"model FLOPs per step {flops:.4g}; at {assumed_mfu:.0%} MFU of {peak / 1e12:.3g} TFLOP/s per device "
+        f"({peak_source}): {step_seconds:.3g} s/step, {config.train.steps} steps = "
+        f"{duration(config.train.steps * step_seconds)}",
+        f"workdir {workdir}: " + (f"would resume from step {saved[-1]} (checkpoints: {saved})" if saved else
+                                  "no checkpoints; would start at step 0"
+                                  + (f" from {init_from or config.init_from}" if init_from or config.init_from
+                                     else "")),
+        "dry run: nothing trained or written",
+    ])
 
 
 @dataclasses.dataclass
@@ -163,6 +219,8 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
         max_steps_this_run: int | None = None, allow_config_change: bool = False) -> RunResult:
     """Trains until config.train.steps (resuming from the workdir's latest checkpoint), or until preempted."""
     validate(config, jax.device_count())
+    # The input kind decided (and the vocab of `data create` shards found) once, before anything is saved.
+    config = dataclasses.replace(config, data=_resolved_input(config.data))
     init_from = init_from or config.init_from
     process_index, process_count = jax.process_index(), jax.process_count()
     mesh = config.mesh.build()
@@ -172,12 +230,17 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     bert_config, shardings, abstract = job.bert_config, job.shardings, job.abstract_state
     seq_len = config.data.max_seq_length
 
+    console = Console(enabled=process_index == 0)
+    log = console.line
+    run_start = time.perf_counter()
     checkpointer = checkpoint_lib.TrainCheckpointer(workdir, config.checkpoint)
+    if process_index == 0:  # the effective config of this run, readable without Orbax
+        (epath.Path(workdir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     input_stats = collections.Counter()
     dataset = pipeline_lib.make_pretraining_dataset(config.data, config.train.batch_size, process_index,
                                                     process_count, stats=input_stats)
     try:
-        resumed = _resume(checkpointer, abstract, dataset, config, allow_config_change, process_index)
+        resumed = _resume(checkpointer, abstract, dataset, config, allow_config_change, process_index, log)
     except ValueError:
         checkpointer.close()  # its background threads would keep the process alive
         raise
@@ -187,15 +250,16 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
         iterator = iter(dataset)
         state = train_state.init_sharded_state(job.rng, shardings, mesh, **job.state_args)
         if init_from:
-            state = _init_from(state, init_from, shardings, abstract, config.reset_schedule)
+            state = _init_from(state, init_from, shardings, abstract, config.reset_schedule, log)
     step_fn, eval_fn = job.train_step, job.eval_step
 
     eval_batches = _eval_batches(config, process_index, process_count) if config.train.eval_every else None
-    writer = metrics_lib.MetricsWriter(workdir, config.train.steps, enabled=process_index == 0)
+    writer = metrics_lib.MetricsWriter(workdir, config.train.steps, enabled=process_index == 0, console=console)
     peak_flops, peak_source = metrics_lib.device_peak_flops(dtype=bert_config.dtype)
-    _log(f"mesh {dict(mesh.shape)}, {jax.device_count()} devices, {process_count} processes; model "
-         f"{sum(np.size(x) for x in jax.tree_util.tree_leaves(abstract.params)):,} params; peak "
-         f"{peak_flops / 1e12:.3g} TFLOP/s per device ({peak_source})")
+    log(f"mesh {dict(mesh.shape)}, {jax.device_count()} devices, {process_count} processes; model "
+        f"{sum(np.size(x) for x in jax.tree_util.tree_leaves(abstract.params)):,} params; batch "
+        f"{config.train.batch_size} x {seq_len} tokens; peak {peak_flops / 1e12:.3g} TFLOP/s per device "
+        f"({peak_source})")
 
     save_input = lambda directory: pipeline_lib.save_iterator(
         iterator, pipeline_lib.iterator_checkpoint_path(directory, process_index))
@@ -208,11 +272,20 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     start_step = step
     status, last_metrics, previous = "completed", {}, None
     interval_start, interval_steps, interval_counts = None, 0, None
+    totals = collections.Counter()  # the timed steps' real tokens and seconds, for the run's mean throughput
+    evals = []  # (step, eval metrics)
     reported_input = collections.Counter()
+    evaluate = lambda at_step: evals.append((at_step, _evaluate_and_report(
+        eval_fn, state.params, eval_batches, mesh, config.train.nsp_loss, at_step, writer, log)))
     try:
         with sharding.activate(mesh):
+            if eval_batches and step == 0:  # where learning starts from, for the eval curve
+                evaluate(0)
             while step < config.train.steps:
                 batch = sharding.global_batch(_numpy_batch(next(iterator)), mesh)
+                if interval_start is None:
+                    log(f"compiling the train step (step {step + 1} includes it) ...")
+                    compile_start = time.perf_counter()
                 state, step_metrics = step_fn(state, batch)
                 step += 1
                 if previous is not None and int(previous["nonfinite_consecutive"]) >= \
@@ -223,6 +296,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
                 previous = step_metrics  # read one step late, so the check never stalls dispatch
                 if interval_start is None:
                     jax.block_until_ready(step_metrics)  # the first step includes compilation: not timed
+                    log(f"step {step} compiled and ran in {duration(time.perf_counter() - compile_start)}")
                     interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
                     writer.mark_start(step)
                 else:
@@ -235,17 +309,19 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
                     last_metrics = {k: v for k, v in metrics_lib.to_python(step_metrics).items()
                                     if k not in _COUNTED}
                     if interval_steps:
+                        seconds = time.perf_counter() - interval_start
+                        counted = metrics_lib.to_python(interval_counts)
                         last_metrics.update(metrics_lib.interval_metrics(
-                            time.perf_counter() - interval_start, interval_steps, config.train.batch_size, seq_len,
-                            metrics_lib.to_python(interval_counts), bert_config, peak_flops))
+                            seconds, interval_steps, config.train.batch_size, seq_len, counted, bert_config,
+                            peak_flops))
+                        totals.update(seconds=seconds, steps=interval_steps, **counted)
                     interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
                     last_metrics.update(_input_metrics(input_stats))
                     writer.write(step, last_metrics)
                     writer.console(step, last_metrics)
-                    reported_input = _warn_about_input(input_stats, reported_input, config.data.max_line_chars)
+                    reported_input = _warn_about_input(input_stats, reported_input, config.data.max_line_chars, log)
                 if eval_batches and step % config.train.eval_every == 0:
-                    writer.write(step, _evaluate(eval_fn, state.params, eval_batches, mesh,
-                                                 config.train.nsp_loss), prefix="eval_")
+                    evaluate(step)
                 save(step)
                 if preemption.agreed(step):
                     status = "preempted"
@@ -255,7 +331,6 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
                     break
         if checkpointer.latest_step() != step:
             save(step, force=True)
-        _log(f"{status} at step {step}; checkpoints in {workdir}/checkpoints")
     finally:
         failing = sys.exc_info()[1] is not None
         try:
@@ -266,6 +341,10 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
         finally:
             writer.close()
             preemption.restore()
+    for text in _summary(status, step, start_step, config.train.steps, time.perf_counter() - run_start, totals,
+                         bert_config, seq_len, peak_flops, last_metrics, evals, checkpointer.latest_step(), workdir,
+                         writer):
+        log(text)
     if status == "completed" and process_index == 0:
         # After the last save is finalised: a babysitter restarts the job until this file exists.
         (epath.Path(workdir) / COMPLETION_MARKER).write_text(json.dumps({"final_step": step}))
@@ -282,24 +361,65 @@ def _input_metrics(stats) -> dict:
     return {name: float(stats[key]) for key, name in _INPUT_COUNTERS.items()}
 
 
-def _warn_about_input(stats, reported, max_line_chars: int):
+def _warn_about_input(stats, reported, max_line_chars: int, log):
     """A console line whenever more input lines were damaged or cut since the last one; returns what is reported."""
     invalid = stats["invalid_utf8_lines"] - reported["invalid_utf8_lines"]
     truncated = stats["truncated_lines"] - reported["truncated_lines"]
     if invalid:
-        _log(f"input: {stats['invalid_utf8_lines']} line(s) with invalid UTF-8 so far (the bad bytes replaced by "
+        log(f"input: {stats['invalid_utf8_lines']} line(s) with invalid UTF-8 so far (the bad bytes replaced by "
              f"U+FFFD)")
     if truncated:
-        _log(f"input: {stats['truncated_lines']} line(s) longer than data.max_line_chars={max_line_chars} so far; "
+        log(f"input: {stats['truncated_lines']} line(s) longer than data.max_line_chars={max_line_chars} so far; "
              f"each was cut there and the rest of it is not trained on")
     return collections.Counter({k: stats[k] for k in ("invalid_utf8_lines", "truncated_lines")})
 
 
 def _eval_batches(config: PretrainConfig, process_index: int, process_count: int) -> list[dict]:
     """A fixed held-out set: static masks from a fixed seed, so evals at different steps are comparable."""
-    dataset = pipeline_lib.make_pretraining_dataset(config.eval_data(), config.train.batch_size, process_index,
-                                                    process_count)
+    dataset = pipeline_lib.make_pretraining_dataset(pipeline_lib.resolve_input(config.eval_data(), "data.eval_input"),
+                                                    config.train.batch_size, process_index, process_count)
     return [_numpy_batch(element) for element in dataset.take(config.train.eval_batches)]
+
+
+def _evaluate_and_report(eval_fn, params, batches, mesh, nsp_loss: bool, step: int, writer, log) -> dict:
+    values = {**_evaluate(eval_fn, params, batches, mesh, nsp_loss),
+              "most_frequent_token_accuracy": most_frequent_token_accuracy(batches)}
+    writer.write(step, values, prefix="eval_")
+    log(f"eval at step {step}: {metric_text(values, ('loss', 'mlm_accuracy', 'nsp_accuracy'))} (always predicting "
+        f"the most frequent masked token: mlm_accuracy={values['most_frequent_token_accuracy']:.4g})")
+    return values
+
+
+def most_frequent_token_accuracy(batches: list[dict]) -> float:
+    """The MLM accuracy of always predicting the eval set's most frequent masked token: the baseline a model
+    must beat to have learned more than the token distribution."""
+    ids = np.concatenate([b["masked_lm_ids"].ravel() for b in batches])
+    weights = np.concatenate([b["masked_lm_weights"].ravel() for b in batches]) > 0
+    counts = np.bincount(ids[weights])
+    return float(counts.max() / max(weights.sum(), 1)) if counts.size else 0.0
+
+
+def _summary(status: str, step: int, start_step: int, total_steps: int, wall_seconds: float, totals, bert_config,
+             seq_len: int, peak_flops: float, last_metrics: dict, evals: list, saved_step, workdir: str,
+             writer) -> list[str]:
+    """The closing lines: how far, how long, how fast, the final and best metrics, and where everything is."""
+    lines = [f"{status} at step {step}/{total_steps}: {step - start_step} steps in {duration(wall_seconds)}"]
+    if totals["seconds"]:
+        mean = metrics_lib.interval_metrics(totals["seconds"], totals["steps"], 1, seq_len, totals, bert_config,
+                                            peak_flops)
+        lines[0] += (f" (timed steps: {mean['steps_per_s']:.3g} steps/s, {mean['real_tokens_per_s']:,.0f} real "
+                     f"tokens/s, mean MFU {mean['mfu']:.3g})")
+    if last_metrics:
+        lines.append(f"  last step: {metric_text(last_metrics, ('loss', 'mlm_accuracy', 'nsp_accuracy'))}")
+    if evals:
+        first, last = evals[0], evals[-1]
+        best = max(evals, key=lambda e: e[1]["mlm_accuracy"])
+        lines.append(f"  eval mlm_accuracy: {first[1]['mlm_accuracy']:.4g} at step {first[0]} -> "
+                     f"{last[1]['mlm_accuracy']:.4g} at step {last[0]} (best {best[1]['mlm_accuracy']:.4g} at step "
+                     f"{best[0]}; most frequent token {last[1]['most_frequent_token_accuracy']:.4g})")
+    lines.append(f"  checkpoints: {workdir}/checkpoints (newest: step {saved_step})")
+    lines.append(f"  metrics: {writer.jsonl_path}; TensorBoard: tensorboard --logdir {writer.tensorboard_dir}")
+    return lines
 
 
 def _evaluate(eval_fn, params, batches, mesh, nsp_loss: bool) -> dict:
@@ -309,7 +429,3 @@ def _evaluate(eval_fn, params, batches, mesh, nsp_loss: bool) -> dict:
         totals = sums if totals is None else {k: totals[k] + sums[k] for k in sums}
     return metrics_lib.to_python(train_step.summarize(totals, nsp_loss))
 
-
-def _log(message: str) -> None:
-    if jax.process_index() == 0:
-        print(message, flush=True)

@@ -17,8 +17,9 @@ def register(subparsers) -> None:
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics and logs (local or gs://)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (repeatable), e.g. --set train.steps=1000")
-    parser.add_argument("--init-from", default="", help="start from this checkpoint (phase 2 from phase 1; "
-                        "also HF directories and TF checkpoints)")
+    parser.add_argument("--init", "--init-from", dest="init", default="",
+                        help="start from this checkpoint: a step or run directory (phase 2 from phase 1), an HF "
+                             "directory or a TF checkpoint prefix")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() with auto-detection (TPU pods, SLURM...)")
     parser.add_argument("--coordinator", help="host:port of process 0 (multi-process without auto-detection)")
@@ -28,7 +29,21 @@ def register(subparsers) -> None:
     parser.add_argument("--allow-config-change", action="store_true",
                         help="resume a run whose schedule/optimizer/batch/data settings were changed since it "
                              "saved (model and data shapes can never change)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the config, read one batch, build the mesh and compile the step on this "
+                             "machine's devices, print the plan (memory, FLOPs, time) and exit without training")
     parser.set_defaults(func=_pretrain)
+
+    config = subparsers.add_parser("config", help="list the pretraining presets, or print one's effective config")
+    configs = config.add_subparsers(dest="job", required=True)
+    configs.add_parser("list", help="the presets in configs/ with their one-line descriptions").set_defaults(
+        func=_config_list)
+    show = configs.add_parser("show", help="the effective config of a preset (or .py) with --set overrides, "
+                              "validated, as JSON (what a run writes to WORKDIR/config.json)")
+    show.add_argument("name", help="preset name (see `bertjax config list`) or a .py path")
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key (repeatable)")
+    show.set_defaults(func=_config_show)
 
     aot = subparsers.add_parser("compile", help="compile the pretraining step for a TPU slice on this machine: "
                                 "HBM fit, FLOPs, time and chip-hours before renting it")
@@ -65,10 +80,12 @@ def _pretrain(args: argparse.Namespace) -> int:
     # Validate what can be validated before touching devices, so a typo fails in a second.
     config = pretrain_config.load_config(args.config, args.overrides)
     initialize_distributed(args)
-    _keep_tensorflow_off_accelerators()
     from bertjax import pretrain
 
-    result = pretrain.run(config, args.workdir, init_from=args.init_from,
+    if args.dry_run:
+        print(pretrain.plan(config, args.workdir, init_from=args.init))
+        return 0
+    result = pretrain.run(config, args.workdir, init_from=args.init,
                           max_steps_this_run=args.max_steps_this_run, allow_config_change=args.allow_config_change)
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
 
@@ -82,7 +99,6 @@ def _compile(args: argparse.Namespace) -> int:
     if not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu {args.mfu}: expected a fraction in (0, 1]")
     config = pretrain_config.load_config(args.config, args.overrides, require_data=False)
-    _keep_tensorflow_off_accelerators()
     from bertjax import tpu_compile
 
     result = tpu_compile.compile_for_topology(config, topology, args.mfu)
@@ -100,9 +116,20 @@ def _compile(args: argparse.Namespace) -> int:
     return 0 if result["fits"] else 1
 
 
-def _keep_tensorflow_off_accelerators() -> None:
-    # tf.data runs on the host; without this TensorFlow would reserve GPU memory that JAX needs.
-    import tensorflow as tf
 
-    tf.config.set_visible_devices([], "GPU")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+def _config_list(args: argparse.Namespace) -> int:
+    from bertjax import pretrain_config
+
+    for name, description in pretrain_config.presets().items():
+        print(f"{name:<24} {description}")
+    return 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    import json
+
+    from bertjax import pretrain_config
+
+    config = pretrain_config.load_config(args.name, args.overrides, require_data=False)
+    print(json.dumps(config.to_dict(), indent=2))
+    return 0

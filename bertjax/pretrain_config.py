@@ -8,6 +8,7 @@ wrong type is an error naming the key, and `validate` checks cross-field facts b
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.resources
 import importlib.util
@@ -73,12 +74,24 @@ class PretrainConfig:
 
     def eval_data(self) -> PretrainingDataConfig:
         """The held-out stream: data.eval_input with static masks from its own seed, so evals compare."""
-        return self.data.replace(input=self.data.eval_input, masking="static", seed=self.data.seed + 1)
+        return self.data.replace(input=self.data.eval_input, input_kind="auto", masking="static",
+                                 seed=self.data.seed + 1)
 
 
 def default_config() -> ml_collections.ConfigDict:
     """Every key of a pretraining job with its default (what presets start from)."""
     return options.to_config_dict(PretrainConfig())
+
+
+def presets() -> dict[str, str]:
+    """{preset name: the first line of its docstring} for every preset in configs/."""
+    found = {}
+    for path in sorted(CONFIGS_DIR.glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        found[path.stem.replace("_", "-")] = doc.strip().splitlines()[0] if doc.strip() else ""
+    return found
 
 
 def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool = True) -> PretrainConfig:
@@ -88,8 +101,8 @@ def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool
     if path.suffix != ".py":
         path = CONFIGS_DIR / (name_or_path.replace("-", "_") + ".py")
     if not path.exists():
-        known = sorted(p.stem.replace("_", "-") for p in CONFIGS_DIR.glob("*.py") if not p.stem.startswith("_"))
-        raise ValueError(f"unknown config {name_or_path!r}: {path} does not exist; known presets: {known}")
+        raise ValueError(f"unknown config {name_or_path!r}: {path} does not exist; known presets: "
+                         f"{sorted(presets())} (bertjax config list)")
     spec = importlib.util.spec_from_file_location(f"bertjax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -141,7 +154,7 @@ def check_resume_config(saved: dict, current: dict, *, allow_changes: bool, wher
     fixed = [k for k in changed if k.startswith(_FIXED_ON_RESUME)]
     if fixed:
         raise ValueError(f"{where} was saved with another model or data shape ({show(fixed)}); these cannot change "
-                         f"when resuming: use a new --workdir (with --init-from to start from its weights)")
+                         f"when resuming: use a new --workdir (with --init to start from its weights)")
     meaningful = [k for k in changed if not k.startswith(_FREE_ON_RESUME)]
     if meaningful and not allow_changes:
         raise ValueError(f"{where} was saved with a different config ({show(meaningful)}); resuming would change "

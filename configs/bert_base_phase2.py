@@ -2,7 +2,7 @@
 
 Run:
   bertjax pretrain --config bert-base-phase2 --workdir gs://BUCKET/bert-base-p2 \
-      --init-from gs://BUCKET/bert-base/checkpoints/900000 \
+      --init gs://BUCKET/bert-base/checkpoints/900000 \
       --set data.input='gs://BUCKET/wiki/*.txt' --set data.vocab=gs://BUCKET/vocab.txt
 Compute: 100k steps x 256 seq x 512 tokens x ~588 MFLOP/token = 7.7e18 FLOP; estimate (not measured) ~1 h on a
 v4-32 at 50% MFU.

@@ -265,7 +265,7 @@ def test_a_full_disk_is_named_and_nothing_is_marked_complete(corpus, small_disk)
 
 def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp_path):
     workdir = tmp_path / "phase2"
-    argv = _argv(workdir, corpus, "--init-from", str(uninterrupted / "checkpoints" / str(STEPS)))
+    argv = _argv(workdir, corpus, "--init", str(uninterrupted / "checkpoints" / str(STEPS)))
     argv[argv.index("data.max_seq_length=64")] = "data.max_seq_length=128"  # phase 2: longer sequences
     argv[argv.index("data.max_predictions_per_seq=10")] = "data.max_predictions_per_seq=20"
     argv[argv.index(f"train.steps={STEPS}")] = "train.steps=2"

@@ -61,8 +61,9 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     Returns the summary that is also written to pretrain-metadata.json: examples per shard and the
     counters (documents, empty documents/files skipped, invalid UTF-8 and truncated lines...).
     """
-    if config.input_kind != "text":
+    if config.input_kind == "tfrecord":
         raise ValueError("data create reads text corpora (input_kind='text')")
+    config = config.replace(input_kind="text")
     config.require_input()
     # An earlier run's shards would be read together with this run's (a directory input): refuse, or with
     # `overwrite` remove them only after this run's shards are complete (a failed run loses nothing).

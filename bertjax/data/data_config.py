@@ -13,7 +13,7 @@ from bertjax.options import option
 
 FORMATS = ("sentences", "paragraphs", "wikitext", "wrapped")
 MASKING_MODES = ("dynamic", "static")
-INPUT_KINDS = ("text", "tfrecord")
+INPUT_KINDS = ("auto", "text", "tfrecord")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +102,10 @@ class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
     original flags), so each stage takes it directly.
     """
 
-    input_kind: str = option("text", "text (corpus files or tfds:NAME) | tfrecord (shards of `data create`)")
-    vocab: str = option("", "vocab.txt (WordPiece) or .model (SentencePiece); text input only")
+    input_kind: str = option("auto", "auto (tfrecord if the input is TFRecord files, else text) | text (corpus "
+                             "files or tfds:NAME) | tfrecord (shards of `data create`)")
+    vocab: str = option("", "vocab.txt (WordPiece) or .model (SentencePiece); with tfrecord input, defaults to "
+                        "the one `data create` recorded in its metadata")
     lower_case: bool | None = option(None, "lower-case and strip accents before tokenizing (default: true for "
                                      "WordPiece, false for SentencePiece)")
     masking: str = option("dynamic", "dynamic: new masks every epoch (RoBERTa) | static: dupe_factor fixed copies "
@@ -137,7 +139,7 @@ class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
     def require_input(self) -> None:
         """The checks that only a run (not a preset) needs: an input, and a vocab for text input."""
         if not self.inputs:
-            raise ValueError("data.input is empty: give corpus files (--set data.input=GLOB)")
+            raise ValueError("data.input is empty: give corpus files or `data create` shards (--set data.input=GLOB)")
         if self.input_kind == "text" and not self.vocab:
             raise ValueError("data.vocab is empty: text input needs a vocab.txt or SentencePiece .model")
 

@@ -38,6 +38,28 @@ def _host_files(config: PretrainingDataConfig, process_index: int, process_count
     return files
 
 
+def resolve_input(config: PretrainingDataConfig, key: str = "data.input") -> PretrainingDataConfig:
+    """The config with its input kind decided (`auto`: TFRecords of `data create`, else text) and checked, and
+    for TFRecord input without data.vocab, the vocabulary `data create` recorded in its metadata (when still
+    readable); `key` names the option in errors (data.input or data.eval_input)."""
+    config.require_input()
+    found = tfrecord.detect_kind(config.inputs)
+    kind = found if config.input_kind == "auto" else config.input_kind
+    if kind != found and not config.is_tfds:
+        raise ValueError(f"{key}={config.input!r} holds {found} files, but data.input_kind={config.input_kind}: "
+                         f"set data.input_kind=auto (or {found})")
+    config = config.replace(input_kind=kind)
+    if kind == "tfrecord" and not config.vocab:
+        directories = sorted({os.path.dirname(f) for f in tfrecord.find_shards(config.inputs)})
+        recorded = [meta.get("config", {}).get("vocab") for directory in directories
+                    for _, meta in tfrecord.read_metadata(directory)]
+        readable = [v for v in recorded if v and tf.io.gfile.exists(v)]
+        if readable:
+            config = config.replace(vocab=readable[0])
+    config.require_input()
+    return config
+
+
 def _check_tfrecord_metadata(config: PretrainingDataConfig, files: list[str]):
     """Shapes must match what `data create` wrote (every metadata file beside the shards, however they were
     named: a directory, a glob or files)."""
@@ -77,7 +99,7 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
     reads only its files (files[i::n]); the stream is a
     pure function of (config, process_index, process_count). `stats`, if given, collects counters.
     """
-    config.require_input()
+    config = resolve_input(config)
     if global_batch_size % process_count:
         raise ValueError(f"global batch {global_batch_size} is not divisible by {process_count} processes")
     batch_size = global_batch_size // process_count

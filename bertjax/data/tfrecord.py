@@ -192,6 +192,34 @@ def find_shards(patterns: Sequence[str]) -> list[str]:
     return sorted(dict.fromkeys(found))
 
 
+def is_tfrecord_file(path: str) -> bool:
+    """True if the file's first record reads as a TFRecord (its length and CRC check out); an empty file or text
+    is not."""
+    try:
+        for _ in tf.data.TFRecordDataset(path).take(1):
+            return True
+    except (tf.errors.DataLossError, tf.errors.OutOfRangeError, tf.errors.InvalidArgumentError):
+        pass
+    return False
+
+
+def detect_kind(patterns: Sequence[str]) -> str:
+    """"tfrecord" for `data create` output (a directory with its metadata, or TFRecord files), else "text"."""
+    for pattern in patterns:
+        if pattern.startswith("tfds:"):
+            return "text"
+        if tf.io.gfile.isdir(pattern):
+            if read_metadata(pattern):
+                return "tfrecord"
+            files = sorted(os.path.join(pattern, f) for f in tf.io.gfile.listdir(pattern))
+        else:
+            files = sorted(tf.io.gfile.glob(pattern))
+        files = [f for f in files if not tf.io.gfile.isdir(f) and tf.io.gfile.stat(f).length > 0]
+        if files:
+            return "tfrecord" if is_tfrecord_file(files[0]) else "text"
+    return "text"
+
+
 def tfrecord_examples(files: Sequence[str], *, cycle_length: int = 8, order_seed=None,
                       compression: str | None = None) -> tf.data.Dataset:
     """Serialized examples interleaved from `files` (deterministic; file order permuted if a seed [2] is given)."""

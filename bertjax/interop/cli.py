@@ -11,6 +11,10 @@ import numpy as np
 from etils import epath
 
 
+_ANY_CHECKPOINT = ("bertjax checkpoint (a step directory, or a run directory: its newest complete step), HF model "
+                   "directory or TF checkpoint prefix")
+
+
 def register(subparsers) -> None:
     convert = subparsers.add_parser("convert", help="import an HF or original TF checkpoint as a bertjax checkpoint")
     convert.add_argument("src", help="HF model directory, or TF checkpoint prefix (e.g. .../bert_model.ckpt)")
@@ -21,18 +25,18 @@ def register(subparsers) -> None:
     convert.add_argument("--cased", action="store_true", help="the vocabulary is cased (TF; no lower-casing)")
     convert.set_defaults(func=_convert)
 
-    export = subparsers.add_parser("export", help="export a bertjax checkpoint to an HF directory (safetensors)")
-    export.add_argument("checkpoint")
+    export = subparsers.add_parser("export", help="export a checkpoint to an HF directory (safetensors)")
+    export.add_argument("checkpoint", help=_ANY_CHECKPOINT)
     export.add_argument("--to", choices=("hf",), default="hf")
-    export.add_argument("--out", required=True)
+    export.add_argument("--out", required=True, help="output HF directory (must not exist)")
     export.set_defaults(func=_export)
 
     info = subparsers.add_parser("info", help="print a checkpoint's config and parameter counts by module")
-    info.add_argument("checkpoint", help="bertjax checkpoint, HF directory or TF prefix")
+    info.add_argument("checkpoint", help=_ANY_CHECKPOINT)
     info.set_defaults(func=_info)
 
     embed = subparsers.add_parser("embed", help="sentence vectors (one sentence per line) to a .npy file")
-    embed.add_argument("--checkpoint", required=True, help="bertjax checkpoint, HF directory or TF prefix")
+    embed.add_argument("--checkpoint", required=True, help=_ANY_CHECKPOINT)
     embed.add_argument("--input", required=True, help="text file, one sentence per line")
     embed.add_argument("--output", required=True, help=".npy file for the float32 [sentences, hidden] matrix")
     embed.add_argument("--pooling", choices=("cls", "mean"), default="cls")
@@ -65,20 +69,27 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from bertjax.checkpoint import load_model
+    from bertjax.checkpoint import resolve_checkpoint
     from bertjax.interop.hf import export_hf
+    from bertjax.interop.load import load_pretrained
 
-    loaded = load_model(args.checkpoint)
+    if epath.Path(args.out).exists():
+        raise ValueError(f"--out {args.out} already exists; choose a new directory")
+    source = resolve_checkpoint(args.checkpoint)
+    loaded = load_pretrained(source)
     architecture = export_hf(loaded.params, loaded.config, loaded.vocab, args.out, lower_case=loaded.lower_case)
-    print(f"wrote {args.out} as {architecture}")
+    print(f"wrote {args.out} as {architecture} (from {source})")
     return 0
 
 
 def _info(args: argparse.Namespace) -> int:
     from bertjax.interop.load import load_pretrained
 
-    loaded = load_pretrained(args.checkpoint)
-    print(f"checkpoint: {args.checkpoint}")
+    from bertjax.checkpoint import resolve_checkpoint
+
+    source = resolve_checkpoint(args.checkpoint)
+    loaded = load_pretrained(source)
+    print(f"checkpoint: {source}")
     for key, value in loaded.config.to_dict().items():
         print(f"  {key}: {value}")
     print(f"vocabulary: {len(loaded.vocab)} tokens, lower_case={loaded.lower_case}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pickle
 
 import json
+import os
 from typing import Mapping
 
 import numpy as np
@@ -96,6 +97,16 @@ def _architecture(params: Mapping) -> str:
     return "BertModel"
 
 
+def _readable_as_umask_allows(path: epath.Path) -> None:
+    """safetensors creates its file with mode 0600; an exported model is meant to be shared like the JSON files
+    beside it (0644 under the usual umask)."""
+    if "://" in str(path):
+        return
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: str, lower_case: bool = True,
               architecture: str | None = None, id2label: dict[int, str] | None = None) -> str:
     """Writes an HF directory for `params`; returns the architecture written (inferred from the heads held)."""
@@ -119,6 +130,7 @@ def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: st
     # Tied tensors share memory in numpy views; safetensors needs each stored separately.
     save_file({k: np.ascontiguousarray(v).copy() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
+    _readable_as_umask_allows(out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config.to_hf_dict(architecture, **extra), indent=2))
     write_vocab_file(vocab, str(out / "vocab.txt"))
     tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lower_case,

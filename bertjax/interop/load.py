@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from etils import epath
 
-from bertjax.checkpoint import ModelCheckpoint, is_model_checkpoint, load_model, read_vocab_file
+from bertjax.checkpoint import ModelCheckpoint, is_model_checkpoint, load_model, read_vocab_file, resolve_checkpoint
 from bertjax.data.tokenizers import WordPieceTokenizer
 from bertjax.interop.hf import load_hf
 from bertjax.interop.tf import load_tf
@@ -18,16 +18,18 @@ def detect_format(src: str) -> str:
         return "hf"
     if epath.Path(src + ".index").exists():
         return "tf"
-    raise FileNotFoundError(f"{src} is neither a bertjax checkpoint, an HF model directory (config.json + "
-                            "weights) nor a TF checkpoint prefix (<prefix>.index)")
+    raise FileNotFoundError(f"{src} is neither a bertjax checkpoint (a step, or a run directory with complete "
+                            "steps), an HF model directory (config.json + weights) nor a TF checkpoint prefix "
+                            "(<prefix>.index)")
 
 
 def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | None = None) -> ModelCheckpoint:
-    """Params, config and vocab from any supported checkpoint.
+    """Params, config and vocab from any supported checkpoint (a run directory: its newest complete step).
 
     A TF checkpoint takes its bert_config.json and vocab.txt from `config_path` / `vocab_path`, defaulting to
     the files beside the prefix, as Google's releases lay them out.
     """
+    src = resolve_checkpoint(src)
     kind = detect_format(src)
     if kind == "bertjax":
         return load_model(src)

@@ -1,0 +1,79 @@
+"""One console style for every job: timestamped lines, durations, and a progress bar where a terminal is attached.
+
+Lines go to stdout with the wall-clock time in front, so a log file read later says when each thing happened.
+A job's progress is a tqdm bar on a terminal (lines are written above it) and nothing but the lines in a log.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def duration(seconds: float) -> str:
+    """7s, 3m05s, 2h04m09s."""
+    seconds = int(round(max(seconds, 0)))
+    hours, minutes, secs = seconds // 3600, seconds % 3600 // 60, seconds % 60
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def metric_text(values: dict, keys=None) -> str:
+    """`loss=2.301 mlm_accuracy=0.4112` for the given keys (all of them by default), in that order."""
+    keys = values.keys() if keys is None else [k for k in keys if k in values]
+    return " ".join(f"{k}={values[k]:.4g}" for k in keys)
+
+
+class Console:
+    """Timestamped lines (only where `enabled`: process 0 of a multi-process job) and an optional progress bar."""
+
+    def __init__(self, enabled: bool = True, stream=None):
+        self.enabled = enabled
+        self.stream = stream or sys.stdout
+        self._bar = None
+
+    def line(self, message: str) -> None:
+        if not self.enabled:
+            return
+        text = f"{time.strftime('%H:%M:%S')} {message}"
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def start_progress(self, total: int, initial: int = 0, unit: str = "step") -> None:
+        """A tqdm bar over `total` steps when the stream is a terminal; without one, progress is the lines."""
+        if self.enabled and self.stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit=unit, file=self.stream, dynamic_ncols=True,
+                             leave=False)
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def close_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def timed(self, what: str):
+        """`with console.timed("compiling the train step"):` -> "compiling the train step ..." then "... done in 14s"."""
+        return _Timed(self, what)
+
+
+class _Timed:
+    def __init__(self, console: Console, what: str):
+        self.console, self.what = console, what
+
+    def __enter__(self):
+        self.console.line(f"{self.what} ...")
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if kind is None:
+            self.seconds = time.perf_counter() - self.start
+            self.console.line(f"{self.what}: done in {duration(self.seconds)}")
+        return False
