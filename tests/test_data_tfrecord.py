@@ -366,3 +366,24 @@ def test_workers_split_the_input_files_between_them(corpus_slice, tmp_path):
     for counter in ("documents_read", "input_files"):
         assert sum(m["stats"][counter] for m in split) == whole["stats"][counter], counter
     assert len(find_shards([str(tmp_path / "split")])) == 6
+
+
+def test_input_kind_is_detected_and_a_wrong_one_names_the_key(created, corpus_slice, tmp_path):
+    """`data.input=DIR` of `data create` shards used to ask for a vocab; a text eval file with TFRecord training
+    crashed inside TensorFlow ("Is this even a TFRecord file?")."""
+    from bertjax.data import tfrecord
+    from bertjax.data.pipeline import resolve_input
+
+    corpus, vocab = corpus_slice
+    assert tfrecord.detect_kind([str(created)]) == "tfrecord"
+    assert tfrecord.detect_kind([str(created / "*.tfrecord")]) == "tfrecord"
+    assert tfrecord.detect_kind([str(corpus)]) == "text"
+    (tmp_path / "empty.txt").write_text("")
+    assert not tfrecord.is_tfrecord_file(str(tmp_path / "empty.txt"))
+    # Shards without data.vocab: the vocabulary `data create` recorded in the metadata.
+    resolved = resolve_input(PretrainingDataConfig(input=(str(created),), max_seq_length=SEQ,
+                                                   max_predictions_per_seq=PRED))
+    assert (resolved.input_kind, resolved.vocab) == ("tfrecord", vocab)
+    wrong = PretrainingDataConfig(input=(str(corpus),), input_kind="tfrecord", vocab=vocab)
+    with pytest.raises(ValueError, match=r"data.eval_input=.* holds text files, but data.input_kind=tfrecord"):
+        resolve_input(wrong, "data.eval_input")

@@ -2,6 +2,7 @@
 restore onto fewer devices, multi-process equivalence, and (slow) the loss falling on real text."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,10 +42,18 @@ def _env(devices=8):
     return env
 
 
-def _run(argv, devices=8, timeout=600):
+def _run(argv, devices=8, timeout=600, keep=False):
     result = subprocess.run(argv, env=_env(devices), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return result if keep else result.stdout
+
+
+TIMESTAMP = re.compile(r"^\d\d:\d\d:\d\d ")
+
+
+def _message(line: str) -> str:
+    """A console line without its timestamp."""
+    return TIMESTAMP.sub("", line)
 
 
 def _run_until(argv, line_prefix, sig, devices=8):
@@ -54,7 +63,7 @@ def _run_until(argv, line_prefix, sig, devices=8):
     output = []
     for line in process.stdout:
         output.append(line)
-        if line.startswith(line_prefix):
+        if _message(line).startswith(line_prefix):
             process.send_signal(sig)
             break
     output += process.stdout.readlines()
@@ -80,10 +89,15 @@ PACKING = ("--set", "data.packing=true", "--set", "data.max_instances_per_row=3"
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, corpus):
+def uninterrupted_run(tmp_path_factory, corpus):
+    """(workdir, the finished process with its console output)."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    _run(_argv(workdir, corpus))
-    return workdir
+    return workdir, _run(_argv(workdir, corpus), keep=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    return uninterrupted_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +123,49 @@ def test_uninterrupted_run_writes_metrics_and_checkpoints(uninterrupted):
     assert sorted(int(p.name) for p in (uninterrupted / "checkpoints").iterdir() if p.name.isdigit()) == [20, 30, 40]
 
 
+# What TensorFlow, XLA and absl write natively at start-up (glog/absl prefixes such as "I0000 00:00:17...",
+# "E0000 ... cuInit"), oneDNN's notice and gloo's connection lines: none of it belongs on a normal run's console.
+NATIVE_LOG_LINE = re.compile(r"^[IWEF]\d{4} |absl::InitializeLog|cuInit|cudart|oneDNN|\[Gloo\]")
+
+
+def test_the_console_is_quiet_timestamped_and_ends_with_a_summary(uninterrupted_run):
+    workdir, result = uninterrupted_run
+    assert not [l for l in result.stderr.splitlines() if NATIVE_LOG_LINE.search(l)], result.stderr[:2000]
+    lines = result.stdout.splitlines()
+    assert lines and all(TIMESTAMP.match(line) for line in lines), lines[:5]
+    messages = [_message(line) for line in lines]
+    assert any(m.startswith("compiling the train step") for m in messages)
+    assert any(re.match(r"step 1 compiled and ran in \d+", m) for m in messages)
+    assert any(re.match(rf"step 1/{STEPS} loss=\S+ .* eta \S+$", m) for m in messages)
+    summary = messages[messages.index(next(m for m in messages if m.startswith("completed at step"))):]
+    assert re.match(rf"completed at step {STEPS}/{STEPS}: {STEPS} steps in \S+ \(timed steps: .* real tokens/s, "
+                    r"mean MFU [\d.]+\)", summary[0]), summary
+    assert summary[1].startswith("  last step: loss=")
+    assert f"{workdir}/checkpoints (newest: step {STEPS})" in summary[2]
+    assert f"{workdir}/metrics.jsonl" in summary[3] and f"{workdir}/tensorboard" in summary[3]
+    # The effective config sits beside the checkpoints, equal to what `config show` prints for the same flags.
+    written = json.loads((workdir / "config.json").read_text())
+    argv = _argv(workdir, ("CORPUS", "VOCAB"))
+    overrides = [a for a in argv[argv.index("--set"):] if a != "--set"]
+    shown = subprocess.run([sys.executable, "-m", "bertjax.cli", "config", "show", "bert-tiny",
+                            *[x for o in overrides for x in ("--set", o)]], env=_env(), cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    expected = json.loads(shown.stdout)
+    assert written["train"] == expected["train"] and written["model"] == expected["model"]
+    assert written["data"]["input_kind"] == "text"  # auto, decided when the run started
+
+
+def test_dry_run_compiles_and_plans_without_writing(corpus, tmp_path):
+    workdir = tmp_path / "planned"
+    output = _run(_argv(workdir, corpus, "--dry-run"), devices=2)
+    assert "config valid; mesh {'data': 2, 'fsdp': 1, 'tensor': 1} over 2 cpu device(s)" in output
+    assert "first batch read, input_ids[8, 64] masked_lm_ids[8, 10]" in output
+    assert re.search(r"step compiled: [\d.]+ GiB per device", output)
+    assert "no checkpoints; would start at step 0" in output
+    assert not workdir.exists()
+
+
 @pytest.mark.parametrize("packing", [False, True])
 def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, packing):
     uninterrupted = request.getfixturevalue("uninterrupted_packed" if packing else "uninterrupted")
@@ -117,7 +174,7 @@ def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, packing):
     code, output = _run_until(_argv(workdir, corpus, *extra), "step 20/", signal.SIGTERM)
     assert code == 0, output[-3000:]
     assert "preempted at step" in output
-    stopped_at = int(output.split("preempted at step ")[1].split(";")[0])
+    stopped_at = int(output.split("preempted at step ")[1].split("/")[0])
     assert 20 <= stopped_at < STEPS
     _run(_argv(workdir, corpus, *extra))
     expected, resumed = _losses(uninterrupted), _losses(workdir)
@@ -193,7 +250,7 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(u
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     (workdir / "metrics.jsonl").write_text("")
     output = _run(_argv(workdir, corpus))
-    [warning] = [line for line in output.splitlines() if line.startswith("warning: cannot restore")]
+    [warning] = [_message(line) for line in output.splitlines() if _message(line).startswith("warning: cannot restore")]
     assert "checkpoints/30" in warning and "checkpoints/30.corrupt" in warning
     assert "resumed from" in output and "checkpoints/20" in output
     assert (workdir / "checkpoints" / "30.corrupt").is_dir()
@@ -265,13 +322,13 @@ def test_a_full_disk_is_named_and_nothing_is_marked_complete(corpus, small_disk)
 
 def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp_path):
     workdir = tmp_path / "phase2"
-    argv = _argv(workdir, corpus, "--init", str(uninterrupted / "checkpoints" / str(STEPS)))
+    argv = _argv(workdir, corpus, "--init", str(uninterrupted))  # a run directory: its newest complete step
     argv[argv.index("data.max_seq_length=64")] = "data.max_seq_length=128"  # phase 2: longer sequences
     argv[argv.index("data.max_predictions_per_seq=10")] = "data.max_predictions_per_seq=20"
     argv[argv.index(f"train.steps={STEPS}")] = "train.steps=2"
     argv[argv.index("optimizer.warmup_steps=5")] = "optimizer.warmup_steps=1"
     output = _run(argv)
-    assert "initialised from" in output and "fresh optimizer state and schedule" in output
+    assert f"initialised from {uninterrupted}/checkpoints/{STEPS} (fresh optimizer state and schedule)" in output
     phase2, fresh = _losses(workdir), _losses(uninterrupted)
     assert sorted(phase2) == [1, 2]
     # The first phase-2 step sees the phase-1 weights: far below a freshly initialised model's first loss.

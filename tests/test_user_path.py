@@ -1,0 +1,120 @@
+"""The user's path around the jobs: presets listed and shown, run directories standing for their newest step,
+export's rules, the cached CPU peak, and the README's commands checked against the real argument parser."""
+import json
+import pathlib
+import re
+import shlex
+import stat
+
+import pytest
+
+from bertjax import cli
+from tests.conftest import REPO_ROOT, save_tiny_checkpoint
+
+
+def test_config_list_names_every_preset_with_its_description(capsys):
+    assert cli.main(["config", "list"]) == 0
+    listed = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    files = sorted(p.stem.replace("_", "-") for p in (REPO_ROOT / "configs").glob("*.py") if p.stem != "__init__")
+    assert sorted(listed) == files
+    assert listed["bert-tiny"].startswith("BERT-tiny (L2/H128/A2)")
+
+
+def test_config_show_prints_the_validated_effective_config(capsys):
+    assert cli.main(["config", "show", "bert-tiny", "--set", "train.steps=77", "--set", "optimizer.warmup_steps=7"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["train"]["steps"] == 77 and shown["model"]["preset"] == "tiny"
+    assert cli.main(["config", "show", "bert-tiny", "--set", "train.stepz=1"]) == 2
+    assert "train.stepz" in capsys.readouterr().err
+    assert cli.main(["config", "show", "bert-tiny", "--set", "train.steps=5"]) == 2  # warmup 30 > 5 steps
+    assert "optimizer.warmup_steps=30 must be in [0, train.steps=5]" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, minilm_dir):
+    """A run directory as pretraining leaves it: finished steps 5 and 12, and an unfinished save of step 15."""
+    run = tmp_path_factory.mktemp("run")
+    for step, seed in ((5, 0), (12, 1)):
+        save_tiny_checkpoint(run / "checkpoints" / str(step), minilm_dir / "vocab.txt", seed)
+    (run / "checkpoints" / "15.orbax-checkpoint-tmp-1234").mkdir()
+    return run
+
+
+def test_a_run_directory_stands_for_its_newest_complete_step(run_dir, tmp_path, capsys):
+    from bertjax.checkpoint import complete_steps, resolve_checkpoint
+
+    assert complete_steps(str(run_dir)) == [5, 12]
+    newest = str(run_dir / "checkpoints" / "12")
+    assert resolve_checkpoint(str(run_dir)) == resolve_checkpoint(str(run_dir / "checkpoints")) == newest
+    assert resolve_checkpoint(str(run_dir / "checkpoints" / "5")) == str(run_dir / "checkpoints" / "5")
+    assert resolve_checkpoint(str(tmp_path)) == str(tmp_path)  # no steps: left for the loader to name
+    assert cli.main(["info", str(run_dir)]) == 0
+    assert capsys.readouterr().out.startswith(f"checkpoint: {newest}\n")
+
+
+def test_export_takes_a_run_directory_writes_shareable_files_and_never_overwrites(run_dir, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert cli.main(["export", str(run_dir), "--out", str(out)]) == 0
+    assert f"(from {run_dir}/checkpoints/12)" in capsys.readouterr().out
+    for path in out.iterdir():
+        assert path.stat().st_mode & stat.S_IROTH, f"{path.name} is not world-readable"
+    before = (out / "model.safetensors").read_bytes()
+    assert cli.main(["export", str(run_dir / "checkpoints" / "5"), "--out", str(out)]) == 2
+    assert f"--out {out} already exists" in capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == before
+    # An HF directory exports too (every checkpoint command takes one).
+    assert cli.main(["export", str(out), "--out", str(tmp_path / "again")]) == 0
+
+
+def test_the_cpu_peak_is_measured_once_per_machine(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from bertjax.metrics import cached_matmul_peak
+
+    first, where = cached_matmul_peak(jax.devices()[0], jnp.float32, cache_dir=str(tmp_path))
+    assert first > 1e9 and "measured now" in where
+    again, where = cached_matmul_peak(jax.devices()[0], jnp.float32, cache_dir=str(tmp_path))
+    assert again == first and f"cached in {tmp_path}" in where
+    [entry] = json.loads((tmp_path / "matmul_peak.json").read_text()).values()
+    assert entry["flops"] == first
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every `bertjax ...` command line in the README's code blocks (continuation lines joined)."""
+    text = (REPO_ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line.startswith("bertjax "):
+                commands.append(shlex.split(line.replace("...", "")))
+    return commands
+
+
+def _check_command(words: list[str], tree: dict, leaves: set, line: str) -> tuple[str, ...]:
+    """The command path of `bertjax WORDS...`, after checking its flags (a launcher's `-- JOB` is checked too)."""
+    path = ()
+    for word in words:
+        if path + (word,) not in tree:
+            break
+        path += (word,)
+    assert path in leaves, f"README: {line!r} is not a bertjax command"
+    flags = {s for action in tree[path]._actions for s in action.option_strings}
+    rest = words[len(path):]
+    for index, word in enumerate(rest):
+        if word == "--":
+            _check_command(rest[index + 1:], tree, leaves, line)
+            break
+        if word.startswith("--"):
+            assert word.split("=")[0] in flags, f"README: {line!r}: {word} is not a flag of {' '.join(path)}"
+    return path
+
+
+def test_every_command_is_documented_and_every_documented_command_parses():
+    parser = cli.build_parser()
+    tree = {path: command for path, command in cli.walk_commands(parser)}
+    leaves = {path for path, command in tree.items() if not cli._subcommands(command)}
+    documented = {_check_command(argv[1:], tree, leaves, " ".join(argv)) for argv in _readme_commands()}
+    missing = sorted(" ".join(p) for p in leaves - documented)
+    assert not missing, f"commands without a README example: {missing}"
