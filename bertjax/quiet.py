@@ -5,7 +5,8 @@ Importing TensorFlow writes C++ log lines straight to file descriptor 2 before i
 its first device query writes "failed call to cuInit: ... UNKNOWN ERROR (303)" on a machine without a GPU.
 TF_CPP_MIN_LOG_LEVEL does not reach them, so fd 2 is pointed at a temporary file for exactly those two moments;
 what was captured is discarded when they succeed and written back when they fail, so a real import or device
-error is never hidden. Later native messages (a crash report) reach the terminal as they always do.
+error is never hidden. Later native messages (a crash report) reach the terminal as they always do. Joining a
+multi-process job on CPU, gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks" per process: held the same way.
 """
 from __future__ import annotations
 
@@ -16,32 +17,38 @@ import tempfile
 
 
 @contextlib.contextmanager
-def native_stderr_held(verbose: bool = False):
-    """Hold what native code writes to fd 2 inside the block; write it back only if the block raises."""
+def native_output_held(verbose: bool = False, fds: tuple[int, ...] = (2,)):
+    """Hold what native code writes to the file descriptors `fds` inside the block; write it back only if the
+    block raises."""
     if verbose:
         yield
         return
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved_fd = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            os.dup2(saved_fd, 2)
-            held.seek(0)
-            os.write(2, held.read())
-            raise
-        finally:
-            os.dup2(saved_fd, 2)
-            os.close(saved_fd)
+    saved = {fd: os.dup(fd) for fd in fds}
+    held = {fd: tempfile.TemporaryFile() for fd in fds}
+    for fd in fds:
+        os.dup2(held[fd].fileno(), fd)
+    try:
+        yield
+    except BaseException:
+        for fd in fds:
+            os.dup2(saved[fd], fd)
+            held[fd].seek(0)
+            os.write(fd, held[fd].read())
+        raise
+    finally:
+        for fd in fds:
+            os.dup2(saved[fd], fd)
+            os.close(saved[fd])
+            held[fd].close()
 
 
 def start_tensorflow(verbose: bool = False) -> None:
     """Import TensorFlow quietly and keep it off accelerators: it only runs tf.data and tokenizers on the host,
     and would otherwise reserve GPU memory that JAX needs."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0" if verbose else os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")
-    with native_stderr_held(verbose):
+    with native_output_held(verbose):
         import tensorflow as tf
 
         tf.config.set_visible_devices([], "GPU")
