@@ -94,7 +94,8 @@ def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
     """The model, state layout and steps of the job on `mesh`: what `run` trains with and `bertjax compile`
     compiles for a TPU slice (one builder, so the two cannot drift apart)."""
     bert_config = config.bert_config(vocab_size)
-    model = model_lib.BertForPreTraining(bert_config)
+    model = model_lib.BertForPreTraining(bert_config,
+                                         span_boundary_objective=config.train.span_boundary_objective)
     optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
     state_args = dict(model=model, config=bert_config, optimizer=optimizer, seq_len=config.data.max_seq_length,
                       num_masked=config.data.max_predictions_per_seq)
@@ -237,7 +238,8 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
                     if interval_steps:
                         last_metrics.update(metrics_lib.interval_metrics(
                             time.perf_counter() - interval_start, interval_steps, config.train.batch_size, seq_len,
-                            metrics_lib.to_python(interval_counts), bert_config, peak_flops))
+                            metrics_lib.to_python(interval_counts), bert_config, peak_flops,
+                            sbo=config.train.span_boundary_objective))
                     interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
                     last_metrics.update(_input_metrics(input_stats))
                     writer.write(step, last_metrics)
