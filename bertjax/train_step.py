@@ -1,8 +1,8 @@
 """The pretraining objective and the sharded, jitted train and eval steps.
 
-The MLM, NSP and (SpanBERT) SBO losses are computed as sums and normalised by the whole step's totals (masked tokens, instances),
-so gradient accumulation over microbatches equals one big batch exactly, and packed rows equal the same instances
-unpacked; a non-finite gradient skips the update and is counted.
+The MLM, NSP and (SpanBERT) SBO losses are computed as sums and normalised by the whole step's totals (masked tokens,
+instances), so gradient accumulation over microbatches equals one big batch exactly, and packed rows equal the same
+instances unpacked; a non-finite gradient skips the update and is counted.
 """
 from __future__ import annotations
 
@@ -86,12 +86,13 @@ def summarize(sums: dict, nsp_loss: bool) -> dict:
 
 
 def forward(model, params, batch: dict, *, deterministic: bool, rng=None):
-    """The pretraining outputs for a batch dict, packed or not (its optional packing features passed on)."""
+    """The pretraining outputs for a batch dict, packed or not (its optional packing and span features passed on)."""
     return model.apply({"params": params}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
                        batch["masked_lm_positions"], packing_ids=batch.get("packing_ids"),
                        position_ids=batch.get("position_ids"), nsp_positions=batch.get("instance_cls_positions"),
                        span_left_positions=batch.get("span_left_positions"),
-                       span_right_positions=batch.get("span_right_positions"), deterministic=deterministic, rngs=None if deterministic else {"dropout": rng})
+                       span_right_positions=batch.get("span_right_positions"), deterministic=deterministic,
+                       rngs=None if deterministic else {"dropout": rng})
 
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: optax.GradientTransformation,

@@ -398,8 +398,8 @@ def test_sbo_weights_are_exported_beside_a_clean_hf_model(tmp_path):
 def test_pretraining_with_sbo_lowers_both_losses(shared_data, tmp_path):
     """`bertjax pretrain` (the CLI, CPU) with the spanbert-tiny preset on WikiText-2 valid: 40 steps."""
     workdir = tmp_path / "run"
-    argv = [sys.executable, "-m", "bertjax.cli", "pretrain", "--config", str(REPO_ROOT / "configs" / "spanbert_tiny.py"),
-            "--workdir", str(workdir), "--set", f"data.input={shared_data / 'wikitext-2' / 'wiki.valid.raw'}",
+    argv = [sys.executable, "-m", "bertjax.cli", "pretrain",
+            "--config", str(REPO_ROOT / "configs" / "spanbert_tiny.py"), "--workdir", str(workdir), "--set", f"data.input={shared_data / 'wikitext-2' / 'wiki.valid.raw'}",
             "--set", "data.corpus_format=wikitext",
             "--set", f"data.vocab={shared_data / 'bert' / 'uncased_L-4_H-256_A-4' / 'vocab.txt'}",
             "--set", "data.max_seq_length=64", "--set", "data.max_predictions_per_seq=10",

@@ -3,9 +3,10 @@
 Features (google-research/bert create_pretraining_data.py): input_ids, input_mask, segment_ids
 [max_seq_length]; masked_lm_positions, masked_lm_ids, masked_lm_weights [max_predictions_per_seq];
 next_sentence_labels [1]; all int64 except masked_lm_weights float32. Readers cast int64 -> int32.
-Span masking adds span_left_positions / span_right_positions [max_predictions_per_seq] (metadata:
-`masking_scheme`). Packed rows (`--pack`) add packing_ids, position_ids, instance_cls_positions and next_sentence_weights, with
+Packed rows (`--pack`) add packing_ids, position_ids, instance_cls_positions and next_sentence_weights, with
 wider masked_lm_* and next_sentence_labels (data/schema.py); the metadata JSON records `instances_per_row`.
+Span masking adds span_left_positions / span_right_positions [max_predictions_per_seq]; the metadata records
+`masking_scheme`.
 """
 from __future__ import annotations
 
