@@ -35,18 +35,21 @@ PEAK_FLOPS_BY_DEVICE_KIND = {
 
 
 def train_flops(config: BertConfig, seq_len: int, real_tokens: float, masked_tokens: float,
-                instances: float) -> float:
+                instances: float, sbo: bool = False) -> float:
     """Matmul FLOPs of forward + backward (twice the forward) of BertForPreTraining on real tokens only.
 
     Forward, per layer and real token: Q/K/V/output projections 4*2*H^2, feed-forward 2*2*H*I, attention scores
     and context 2*2*L*H (L = the row length the kernels attend over); per masked token the MLM head (transform
-    2*H^2, decoder 2*H*V); per instance the pooler and NSP classifier. Padding positions count nothing, so
+    2*H^2, decoder 2*H*V), and with the SBO head (`sbo`) its two layers (2*3H*H + 2*H^2) and decoder again; per
+    instance the pooler and NSP classifier. Padding positions count nothing, so
     packed and unpacked runs are compared on the work that trains the model.
     """
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     per_token = layers * (8 * h * h + 4 * h * inter + 4 * seq_len * h)
-    forward = (real_tokens * per_token + masked_tokens * (2 * h * h + 2 * h * config.vocab_size)
-               + instances * (2 * h * h + 2 * h * 2))
+    per_masked = 2 * h * h + 2 * h * config.vocab_size
+    if sbo:
+        per_masked += 2 * 3 * h * h + 2 * h * h + 2 * h * config.vocab_size
+    forward = real_tokens * per_token + masked_tokens * per_masked + instances * (2 * h * h + 2 * h * 2)
     return 3.0 * float(forward)
 
 
@@ -126,10 +129,10 @@ def to_python(values: dict) -> dict[str, float]:
 
 
 def interval_metrics(seconds: float, steps: int, rows_per_step: int, seq_len: int, counts: dict,
-                     config: BertConfig, peak_flops: float) -> dict[str, float]:
+                     config: BertConfig, peak_flops: float, sbo: bool = False) -> dict[str, float]:
     """Throughput and utilisation over `steps` steps that took `seconds`; `counts`: the steps' summed
-    real_tokens, masked_tokens and instances (as the train step reports them)."""
-    flops = train_flops(config, seq_len, counts["real_tokens"], counts["masked_tokens"], counts["instances"])
+    real_tokens, masked_tokens and instances (as the train step reports them); `sbo`: the SBO head runs."""
+    flops = train_flops(config, seq_len, counts["real_tokens"], counts["masked_tokens"], counts["instances"], sbo)
     per_device = flops / seconds / jax.device_count()
     return {"steps_per_s": steps / seconds, "sequences_per_s": steps * rows_per_step / seconds,
             "tokens_per_s": steps * rows_per_step * seq_len / seconds,

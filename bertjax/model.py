@@ -251,19 +251,52 @@ class MaskedLMHead(nn.Module):
         return attend(x).astype(jnp.float32) + bias
 
 
+# Relative positions (a token's offset inside its span) the SBO head embeds; later offsets share the last
+# embedding. Spans are at most 10 words, but merged spans can be longer (SpanBERT's code: 20 targets per span).
+SBO_MAX_SPAN_TOKENS = 32
+
+
+class SpanBoundaryHead(nn.Module):
+    """SpanBERT's span boundary objective (Joshi et al. 2020, section 3.2): for a token x_i of the masked span
+    (s, e), h0 = [x_{s-1}; x_{e+1}; p_{i-s+1}] (the encoder states of the two boundary tokens and a learned
+    relative position embedding), h1 = LayerNorm(GeLU(W1 h0)), y_i = LayerNorm(GeLU(W2 h1)), and y_i is scored
+    against the tied word embeddings plus its own output bias, like the MLM head. The position embedding has
+    the hidden size (the paper gives none; SpanBERT's code uses 200 for H = 768/1024)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, left, right, relative_positions, attend):
+        """left/right [B, P, H]: boundary states; relative_positions [B, P] int: i - s (0 = first token)."""
+        c = self.config
+        table = self.param("position_embeddings", _kernel_init(c, (None, "embed")),
+                           (SBO_MAX_SPAN_TOKENS, c.hidden_size), jnp.float32)
+        index = jnp.clip(relative_positions, 0, SBO_MAX_SPAN_TOKENS - 1)
+        x = jnp.concatenate([left.astype(jnp.float32), right.astype(jnp.float32), table[index]], axis=-1)
+        for i in (1, 2):
+            x = nn.Dense(c.hidden_size, dtype=_dtype(c), param_dtype=jnp.float32,
+                         kernel_init=_kernel_init(c, (None, "embed_out")), bias_init=_zeros(("embed_out",)),
+                         name=f"dense_{i}")(x)
+            x = LayerNorm(c, name=f"LayerNorm_{i}")(activation(c.hidden_act)(x))
+        bias = self.param("output_bias", _zeros(("vocab",)), (c.vocab_size,), jnp.float32)
+        return attend(x).astype(jnp.float32) + bias
+
+
 def gather_positions(sequence, positions):
     """sequence [B, L, H] at positions [B, P] -> [B, P, H]."""
     return jnp.take_along_axis(sequence, positions[..., None].astype(jnp.int32), axis=1)
 
 
 class BertForPreTraining(nn.Module):
-    """BERT with the MLM head (computed only at `masked_lm_positions`) and the NSP head.
+    """BERT with the MLM head (computed only at `masked_lm_positions`) and the NSP head; with
+    `span_boundary_objective`, also SpanBERT's SBO head (`span_boundary`) at the same positions.
 
     Returns {"mlm_logits": [B, P, vocab], "nsp_logits": [B, 2]} (packed rows, `nsp_positions` [B, k] given:
-    [B, k, 2], one per instance's [CLS]), float32.
+    [B, k, 2], one per instance's [CLS]), plus "sbo_logits" [B, P, vocab] with the SBO head, float32.
     """
 
     config: BertConfig
+    span_boundary_objective: bool = False
 
     def setup(self):
         self.bert = BertModel(self.config)
@@ -271,15 +304,27 @@ class BertForPreTraining(nn.Module):
         self.seq_relationship = nn.Dense(2, dtype=jnp.float32, param_dtype=jnp.float32,
                                          kernel_init=_kernel_init(self.config, ("embed", None)),
                                          bias_init=_zeros((None,)))
+        if self.span_boundary_objective:
+            self.span_boundary = SpanBoundaryHead(self.config)
 
     def __call__(self, input_ids, input_mask, segment_ids, masked_lm_positions, *, packing_ids=None,
-                 position_ids=None, nsp_positions=None, deterministic: bool = True):
+                 position_ids=None, nsp_positions=None, span_left_positions=None, span_right_positions=None,
+                 deterministic: bool = True):
+        """span_left/right_positions [B, P]: the tokens just outside each prediction's span (SBO only)."""
         sequence, pooled = self.bert(input_ids, input_mask, segment_ids, packing_ids=packing_ids,
                                      position_ids=position_ids, pool_positions=nsp_positions,
                                      deterministic=deterministic)
         mlm_logits = self.predictions(gather_positions(sequence, masked_lm_positions), self.bert.attend)
         nsp_logits = self.seq_relationship(pooled.astype(jnp.float32))
-        return {"mlm_logits": mlm_logits, "nsp_logits": nsp_logits}
+        outputs = {"mlm_logits": mlm_logits, "nsp_logits": nsp_logits}
+        if self.span_boundary_objective:
+            if span_left_positions is None or span_right_positions is None:
+                raise ValueError("the span boundary objective needs span_left_positions and span_right_positions "
+                                 "(batches of data.masking_scheme=span)")
+            outputs["sbo_logits"] = self.span_boundary(
+                gather_positions(sequence, span_left_positions), gather_positions(sequence, span_right_positions),
+                masked_lm_positions - span_left_positions - 1, self.bert.attend)
+        return outputs
 
 
 class BertForSequenceClassification(nn.Module):
@@ -317,6 +362,10 @@ def init_params(module: nn.Module, config: BertConfig, rng, length: int = 8, num
     """Initial (boxed, logically partitioned) params of any bertjax module, from dummy inputs."""
     ids = jnp.zeros((1, length), jnp.int32)
     args = (ids, jnp.ones_like(ids), ids)
+    kwargs = {}
     if isinstance(module, BertForPreTraining):
         args += (jnp.zeros((1, num_masked), jnp.int32),)
-    return module.init(rng, *args)["params"]
+        if module.span_boundary_objective:
+            kwargs = {"span_left_positions": jnp.zeros((1, num_masked), jnp.int32),
+                      "span_right_positions": jnp.zeros((1, num_masked), jnp.int32)}
+    return module.init(rng, *args, **kwargs)["params"]

@@ -106,7 +106,8 @@ def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
     """The model, state layout and steps of the job on `mesh`: what `run` trains with and `bertjax compile`
     compiles for a TPU slice (one builder, so the two cannot drift apart)."""
     bert_config = config.bert_config(vocab_size)
-    model = model_lib.BertForPreTraining(bert_config)
+    model = model_lib.BertForPreTraining(bert_config,
+                                         span_boundary_objective=config.train.span_boundary_objective)
     optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
     state_args = dict(model=model, config=bert_config, optimizer=optimizer, seq_len=config.data.max_seq_length,
                       num_masked=config.data.max_predictions_per_seq)
@@ -313,7 +314,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
                         counted = metrics_lib.to_python(interval_counts)
                         last_metrics.update(metrics_lib.interval_metrics(
                             seconds, interval_steps, config.train.batch_size, seq_len, counted, bert_config,
-                            peak_flops))
+                            peak_flops, sbo=config.train.span_boundary_objective))
                         totals.update(seconds=seconds, steps=interval_steps, **counted)
                     interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
                     last_metrics.update(_input_metrics(input_stats))
@@ -343,7 +344,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
             preemption.restore()
     for text in _summary(status, step, start_step, config.train.steps, time.perf_counter() - run_start, totals,
                          bert_config, seq_len, peak_flops, last_metrics, evals, checkpointer.latest_step(), workdir,
-                         writer):
+                         writer, sbo=config.train.span_boundary_objective):
         log(text)
     if status == "completed" and process_index == 0:
         # After the last save is finalised: a babysitter restarts the job until this file exists.
@@ -401,12 +402,12 @@ def most_frequent_token_accuracy(batches: list[dict]) -> float:
 
 def _summary(status: str, step: int, start_step: int, total_steps: int, wall_seconds: float, totals, bert_config,
              seq_len: int, peak_flops: float, last_metrics: dict, evals: list, saved_step, workdir: str,
-             writer) -> list[str]:
+             writer, sbo: bool = False) -> list[str]:
     """The closing lines: how far, how long, how fast, the final and best metrics, and where everything is."""
     lines = [f"{status} at step {step}/{total_steps}: {step - start_step} steps in {duration(wall_seconds)}"]
     if totals["seconds"]:
         mean = metrics_lib.interval_metrics(totals["seconds"], totals["steps"], 1, seq_len, totals, bert_config,
-                                            peak_flops)
+                                            peak_flops, sbo=sbo)
         lines[0] += (f" (timed steps: {mean['steps_per_s']:.3g} steps/s, {mean['real_tokens_per_s']:,.0f} real "
                      f"tokens/s, mean MFU {mean['mfu']:.3g})")
     if last_metrics:

@@ -42,6 +42,8 @@ class TrainConfig:
     eval_batches: int = option(10, "batches per evaluation")
     max_consecutive_nonfinite: int = option(10, "this many non-finite gradients in a row stop the job")
     nsp_loss: bool = option(True, "add the NSP loss (needs data.next_sentence_prediction)")
+    span_boundary_objective: bool = option(False, "add SpanBERT's span boundary objective head and loss (needs "
+                                           "data.masking_scheme=span)")
 
     def __post_init__(self):
         for key in ("steps", "batch_size", "grad_accum_steps", "log_every"):
@@ -121,7 +123,8 @@ def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool
 # Resuming a run with a changed config (the step directory holds the config it was saved with):
 # - these keys define the state or the stream's shapes: a change cannot continue the run;
 _FIXED_ON_RESUME = ("model.", "data.max_seq_length", "data.max_predictions_per_seq", "data.packing",
-                    "data.max_instances_per_row", "data.next_sentence_prediction")
+                    "data.max_instances_per_row", "data.next_sentence_prediction", "data.masking_scheme",
+                    "train.span_boundary_objective")
 # - these only change how the run is watched, saved or laid out: free;
 _FREE_ON_RESUME = ("train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite",
                    "checkpoint.", "mesh.", "data.prefetch_batches", "data.eval_input", "init_from",
@@ -183,6 +186,9 @@ def validate(config: PretrainConfig, num_devices: int | None = None, require_dat
                         f"model.max_position_embeddings={max_positions}")
     if config.train.nsp_loss and not config.data.next_sentence_prediction:
         problems.append("train.nsp_loss=true needs data.next_sentence_prediction=true")
+    if config.train.span_boundary_objective and config.data.masking_scheme != "span":
+        problems.append(f"train.span_boundary_objective=true needs data.masking_scheme=span (the SBO predicts the "
+                        f"tokens of masked spans from their boundaries), got {config.data.masking_scheme!r}")
     if config.train.eval_every and not config.data.eval_input:
         problems.append("train.eval_every is set but data.eval_input is empty")
     if require_data:

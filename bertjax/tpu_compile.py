@@ -61,10 +61,11 @@ def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> Comp
     mesh = config.mesh.build(devices)
     job = build_job_step(config, mesh, vocab_size)
     batch_sharding = sharding.batch_sharding(mesh)
-    dtypes = schema.feature_dtypes(config.data.packing)
+    shapes = config.data.feature_shapes()
+    dtypes = schema.feature_dtypes(shapes)
     batch = {name: jax.ShapeDtypeStruct((config.train.batch_size,) + shape, np.dtype(dtypes[name]),
                                         sharding=batch_sharding)
-             for name, shape in config.data.feature_shapes().items()}
+             for name, shape in shapes.items()}
     with sharding.activate(mesh):
         lowered = job.train_step.lower(job.abstract_state, batch)
     try:

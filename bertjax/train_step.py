@@ -1,8 +1,8 @@
 """The pretraining objective and the sharded, jitted train and eval steps.
 
-The MLM and NSP losses are computed as sums and normalised by the whole step's totals (masked tokens, instances),
-so gradient accumulation over microbatches equals one big batch exactly, and packed rows equal the same instances
-unpacked; a non-finite gradient skips the update and is counted.
+The MLM, NSP and (SpanBERT) SBO losses are computed as sums and normalised by the whole step's totals (masked tokens,
+instances), so gradient accumulation over microbatches equals one big batch exactly, and packed rows equal the same
+instances unpacked; a non-finite gradient skips the update and is counted.
 """
 from __future__ import annotations
 
@@ -21,20 +21,27 @@ class TooManyNonFiniteSteps(RuntimeError):
     """Raised by a training loop after too many non-finite gradients in a row (each one skipped its update)."""
 
 
+def _token_nll(logits, labels):
+    """(negative log-likelihood of `labels`, whether the argmax is the label), float32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0], logp.argmax(-1) == labels
+
+
 def pretraining_sums(outputs: dict, batch: dict) -> dict:
-    """Sums (not means) of the MLM and NSP losses and hits over a batch, so microbatches add up exactly."""
-    mlm_logp = jax.nn.log_softmax(outputs["mlm_logits"].astype(jnp.float32), axis=-1)
+    """Sums (not means) of the MLM, NSP (and SBO) losses and hits over a batch, so microbatches add up exactly.
+
+    The SBO predicts the same masked tokens as the MLM, so it shares the MLM weights and normaliser."""
     labels = batch["masked_lm_ids"].astype(jnp.int32)
     weights = batch["masked_lm_weights"].astype(jnp.float32)
-    mlm_nll = -jnp.take_along_axis(mlm_logp, labels[..., None], axis=-1)[..., 0]
+    mlm_nll, mlm_hit = _token_nll(outputs["mlm_logits"], labels)
     # One NSP prediction per instance: per row unpacked, per filled slot of a packed row.
     nsp_logp = jax.nn.log_softmax(outputs["nsp_logits"].astype(jnp.float32).reshape(-1, 2), axis=-1)
     nsp_labels = batch["next_sentence_labels"].reshape(-1).astype(jnp.int32)
     nsp_weights = _nsp_weights(batch)
     nsp_nll = -jnp.take_along_axis(nsp_logp, nsp_labels[:, None], axis=-1)[:, 0]
-    return {
+    sums = {
         "mlm_loss_sum": jnp.sum(mlm_nll * weights),
-        "mlm_correct": jnp.sum((mlm_logp.argmax(-1) == labels) * weights),
+        "mlm_correct": jnp.sum(mlm_hit * weights),
         "mlm_weight": jnp.sum(weights),
         "nsp_loss_sum": jnp.sum(nsp_nll * nsp_weights),
         "nsp_correct": jnp.sum((nsp_logp.argmax(-1) == nsp_labels) * nsp_weights),
@@ -42,6 +49,10 @@ def pretraining_sums(outputs: dict, batch: dict) -> dict:
         "real_tokens": jnp.sum(batch["input_mask"].astype(jnp.float32)),
         "positions": jnp.asarray(batch["input_mask"].size, jnp.float32),
     }
+    if "sbo_logits" in outputs:
+        sbo_nll, sbo_hit = _token_nll(outputs["sbo_logits"], labels)
+        sums.update(sbo_loss_sum=jnp.sum(sbo_nll * weights), sbo_correct=jnp.sum(sbo_hit * weights))
+    return sums
 
 
 def _nsp_weights(batch: dict):
@@ -52,8 +63,11 @@ def _nsp_weights(batch: dict):
 
 
 def _objective(sums: dict, total_weight, total_count, nsp_loss: bool):
-    """Weighted mean MLM cross-entropy (+ mean NSP cross-entropy), normalised by the whole step's totals."""
+    """Weighted mean MLM cross-entropy (+ SBO's, over the same tokens) (+ mean NSP cross-entropy), normalised by
+    the whole step's totals."""
     loss = sums["mlm_loss_sum"] / total_weight
+    if "sbo_loss_sum" in sums:
+        loss = loss + sums["sbo_loss_sum"] / total_weight
     if nsp_loss:
         loss = loss + sums["nsp_loss_sum"] / total_count
     return loss
@@ -65,15 +79,20 @@ def summarize(sums: dict, nsp_loss: bool) -> dict:
     out = {"mlm_loss": sums["mlm_loss_sum"] / weight, "mlm_accuracy": sums["mlm_correct"] / weight,
            "nsp_loss": sums["nsp_loss_sum"] / count, "nsp_accuracy": sums["nsp_correct"] / count}
     out["loss"] = out["mlm_loss"] + (out["nsp_loss"] if nsp_loss else 0.0)
+    if "sbo_loss_sum" in sums:
+        out.update(sbo_loss=sums["sbo_loss_sum"] / weight, sbo_accuracy=sums["sbo_correct"] / weight)
+        out["loss"] = out["loss"] + out["sbo_loss"]
     return out
 
 
 def forward(model, params, batch: dict, *, deterministic: bool, rng=None):
-    """The pretraining outputs for a batch dict, packed or not (its optional packing features passed on)."""
+    """The pretraining outputs for a batch dict, packed or not (its optional packing and span features passed on)."""
     return model.apply({"params": params}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
                        batch["masked_lm_positions"], packing_ids=batch.get("packing_ids"),
                        position_ids=batch.get("position_ids"), nsp_positions=batch.get("instance_cls_positions"),
-                       deterministic=deterministic, rngs=None if deterministic else {"dropout": rng})
+                       span_left_positions=batch.get("span_left_positions"),
+                       span_right_positions=batch.get("span_right_positions"), deterministic=deterministic,
+                       rngs=None if deterministic else {"dropout": rng})
 
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: optax.GradientTransformation,

@@ -144,7 +144,8 @@ def test_packed_records_read_back_by_a_packed_pipeline_only(created, corpus_slic
     corpus, vocab = corpus_slice
     assert _create(corpus, vocab, tmp_path, "--pack", "--max-instances-per-row", "3") == 0
     meta = json.loads((tmp_path / "pretrain-metadata.json").read_text())
-    assert meta["feature_spec"] == {"max_seq_length": SEQ, "max_predictions_per_seq": PRED, "instances_per_row": 3}
+    assert meta["feature_spec"] == {"max_seq_length": SEQ, "max_predictions_per_seq": PRED, "instances_per_row": 3,
+                                    "masking_scheme": "token"}
     records = _records(tmp_path)
     unpacked = json.loads((created / "pretrain-metadata.json").read_text())
     assert len(records) == meta["examples"] < unpacked["examples"]

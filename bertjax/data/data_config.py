@@ -7,12 +7,18 @@ No TensorFlow here, so command lines can build their flags from these fields wit
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from bertjax.data import schema
 from bertjax.options import option
 
 FORMATS = ("sentences", "paragraphs", "wikitext", "wrapped")
 MASKING_MODES = ("dynamic", "static")
+MASKING_SCHEMES = ("token", "span")
+# SpanBERT (Joshi et al. 2020, section 3.1): span lengths in words ~ Geometric(p=0.2) on 1..10 (renormalised, as
+# SpanBERT's code does: mean 3.8 words).
+SPAN_GEOMETRIC_P = 0.2
+SPAN_MAX_WORDS = 10
 INPUT_KINDS = ("auto", "text", "tfrecord")
 
 
@@ -76,9 +82,14 @@ class MaskingConfig:
     masked_lm_prob: float = option(0.15, "fraction of tokens predicted")
     max_predictions_per_seq: int = option(20, "most masked positions per instance", flags=("--max-predictions",))
     whole_word_masking: bool = option(False, "mask all pieces of a word together")
+    masking_scheme: str = option("token", "token: BERT's per-token (or whole-word) choice | span: SpanBERT's "
+                                 "whole-word spans, geometric lengths (p=0.2, at most 10 words), 80/10/10 per span, "
+                                 "with span boundaries for the SBO; single-segment instances (no NSP)")
 
     def validate(self, max_seq_length: int):
         """Clear errors for values that cannot work with this sequence length."""
+        if self.masking_scheme not in MASKING_SCHEMES:
+            raise ValueError(f"masking_scheme={self.masking_scheme!r}; expected one of {', '.join(MASKING_SCHEMES)}")
         if not 0.0 < self.masked_lm_prob < 1.0:
             raise ValueError(f"masked_lm_prob={self.masked_lm_prob} must be in (0, 1)")
         if self.max_predictions_per_seq < 1:
@@ -87,6 +98,8 @@ class MaskingConfig:
             raise ValueError(f"max_predictions_per_seq={self.max_predictions_per_seq} exceeds the "
                              f"{max_seq_length - 3} maskable tokens of max_seq_length={max_seq_length}")
         full = round(max_seq_length * self.masked_lm_prob)
+        if self.masking_scheme == "span":  # SpanBERT's budget: ceil(prob * tokens), [CLS] and [SEP] not counted
+            full = math.ceil((max_seq_length - 2) * self.masked_lm_prob)
         if self.max_predictions_per_seq < full:
             raise ValueError(
                 f"max_predictions_per_seq={self.max_predictions_per_seq} is inconsistent with max_seq_length="
@@ -135,6 +148,15 @@ class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
                      "max_instances_per_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.masking_scheme == "span":
+            # SpanBERT trains on single contiguous segments without NSP: the FULL-SENTENCES instances of
+            # next_sentence_prediction=false (segment ids all 0). They fill their rows, so packing has nothing to gain.
+            if self.next_sentence_prediction:
+                raise ValueError("masking_scheme=span trains on single segments without NSP (SpanBERT): set "
+                                 "next_sentence_prediction=false (data.next_sentence_prediction / --no-nsp)")
+            if self.packing:
+                raise ValueError("masking_scheme=span does not support packing (its single-segment instances "
+                                 "already fill max_seq_length): set packing=false")
 
     def require_input(self) -> None:
         """The checks that only a run (not a preset) needs: an input, and a vocab for text input."""
@@ -150,7 +172,8 @@ class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
 
     def feature_shapes(self) -> dict[str, tuple[int]]:
         """Per-example shape of every feature of this stream's batches (or TFRecords)."""
-        return schema.feature_shapes(self.max_seq_length, self.max_predictions_per_seq, self.instances_per_row)
+        return schema.feature_shapes(self.max_seq_length, self.max_predictions_per_seq, self.instances_per_row,
+                                     span=self.masking_scheme == "span")
 
     def replace(self, **changes) -> "PretrainingDataConfig":
         return dataclasses.replace(self, **changes)

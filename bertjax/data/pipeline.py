@@ -66,13 +66,16 @@ def _check_tfrecord_metadata(config: PretrainingDataConfig, files: list[str]):
     wanted = tfrecord.feature_spec_metadata(config)
     for directory in sorted({os.path.dirname(f) for f in files}):
         for meta_path, metadata in tfrecord.read_metadata(directory):
-            written = {"instances_per_row": None, **metadata.get("feature_spec", {})}
+            # Records written before these keys existed are unpacked and token-masked.
+            written = {"instances_per_row": None, "masking_scheme": "token", **metadata.get("feature_spec", {})}
             for key, value in wanted.items():
                 if key in written and written[key] != value:
                     hint = ""
                     if key == "instances_per_row":  # None = unpacked rows
                         hint = (f" (set data.packing=true, data.max_instances_per_row={written[key]})"
                                 if written[key] else " (they are unpacked: set data.packing=false)")
+                    if key == "masking_scheme":
+                        hint = f" (set data.masking_scheme={written[key]})"
                     raise ValueError(f"{meta_path}: the shards hold examples with {key}={written[key]}, the "
                                      f"pipeline asks for {value}{hint}")
 

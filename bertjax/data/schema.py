@@ -11,6 +11,10 @@ A packed row holds several complete instances ([CLS] A [SEP] B [SEP] each) one a
 - `next_sentence_labels` / `next_sentence_weights` [k]: per instance, weight 0 for empty slots;
 - masked_lm_* [max_predictions_per_seq + k]: the masks of all its instances (see `predictions_per_row`).
 Unpacked rows keep exactly the original seven features.
+
+Span masking (SpanBERT, `data.masking_scheme=span`) adds, per prediction, the span boundary of the span boundary
+objective: `span_left_positions` / `span_right_positions` [pred], the unmasked tokens just outside the masked span
+the prediction lies in (x_{s-1} and x_{e+1}; [CLS] or [SEP] at the sequence ends), 0 in empty slots.
 """
 from __future__ import annotations
 
@@ -32,7 +36,12 @@ PACKED_FEATURES = {
     "instance_cls_positions": ("int32", "inst"),
     "next_sentence_weights": ("float32", "inst"),
 }
+SPAN_FEATURES = {
+    "span_left_positions": ("int32", "pred"),
+    "span_right_positions": ("int32", "pred"),
+}
 FEATURE_NAMES = tuple(FEATURES)
+_ALL = {**PACKED_FEATURES, **SPAN_FEATURES}
 
 
 def predictions_per_row(max_predictions_per_seq: int, instances_per_row: int | None) -> int:
@@ -51,17 +60,24 @@ def is_packed(feature_names) -> bool:
     return "packing_ids" in feature_names
 
 
-def batch_features(packed: bool) -> dict[str, tuple[str, str]]:
-    return PACKED_FEATURES if packed else FEATURES
+def has_span_boundaries(feature_names) -> bool:
+    """Whether a batch (or a spec) with these feature names carries span boundaries (span masking)."""
+    return "span_left_positions" in feature_names
+
+
+def batch_features(packed: bool, span: bool = False) -> dict[str, tuple[str, str]]:
+    return {**(PACKED_FEATURES if packed else FEATURES), **(SPAN_FEATURES if span else {})}
 
 
 def feature_shapes(max_seq_length: int, max_predictions_per_seq: int,
-                   instances_per_row: int | None = None) -> dict[str, tuple[int]]:
-    """Per-example shape of every feature; `instances_per_row` (packing) gives the packed layout."""
+                   instances_per_row: int | None = None, span: bool = False) -> dict[str, tuple[int]]:
+    """Per-example shape of every feature; `instances_per_row` (packing) gives the packed layout, `span` adds the
+    span boundaries of span masking."""
     widths = {"seq": max_seq_length, "pred": predictions_per_row(max_predictions_per_seq, instances_per_row),
               "inst": instances_per_row or 1}
-    return {name: (widths[width],) for name, (_, width) in batch_features(bool(instances_per_row)).items()}
+    return {name: (widths[width],) for name, (_, width) in batch_features(bool(instances_per_row), span).items()}
 
 
-def feature_dtypes(packed: bool) -> dict[str, str]:
-    return {name: dtype for name, (dtype, _) in batch_features(packed).items()}
+def feature_dtypes(feature_names) -> dict[str, str]:
+    """dtype of each of these features (a batch, a spec or a list of names)."""
+    return {name: _ALL[name][0] for name in feature_names}

@@ -5,6 +5,8 @@ Features (google-research/bert create_pretraining_data.py): input_ids, input_mas
 next_sentence_labels [1]; all int64 except masked_lm_weights float32. Readers cast int64 -> int32.
 Packed rows (`--pack`) add packing_ids, position_ids, instance_cls_positions and next_sentence_weights, with
 wider masked_lm_* and next_sentence_labels (data/schema.py); the metadata JSON records `instances_per_row`.
+Span masking adds span_left_positions / span_right_positions [max_predictions_per_seq]; the metadata records
+`masking_scheme`.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ METADATA_SUFFIX = "-metadata.json"
 
 def feature_spec(shapes: dict[str, tuple[int]]) -> dict[str, tf.io.FixedLenFeature]:
     """tf.io parsing spec of one example with these feature shapes (integers are int64 on disk)."""
-    dtypes = schema.feature_dtypes(schema.is_packed(shapes))
+    dtypes = schema.feature_dtypes(shapes)
     return {name: tf.io.FixedLenFeature(shape, tf.float32 if dtypes[name] == "float32" else tf.int64)
             for name, shape in shapes.items()}
 
@@ -34,7 +36,7 @@ def feature_spec(shapes: dict[str, tuple[int]]) -> dict[str, tf.io.FixedLenFeatu
 def feature_spec_metadata(config) -> dict:
     """The shapes a stream's records have, as written to (and checked against) the metadata JSON."""
     return {"max_seq_length": config.max_seq_length, "max_predictions_per_seq": config.max_predictions_per_seq,
-            "instances_per_row": config.instances_per_row}
+            "instances_per_row": config.instances_per_row, "masking_scheme": config.masking_scheme}
 
 
 def _encode(message: str, fields: list[str], values: list[tf.Tensor]) -> tf.Tensor:
@@ -50,7 +52,7 @@ def serialize_batch(batch: dict[str, tf.Tensor]) -> tf.Tensor:
     it is several times faster than building protos in Python and runs inside tf.data.
     """
     entries = []
-    dtypes = schema.feature_dtypes(schema.is_packed(batch))
+    dtypes = schema.feature_dtypes(batch)
     for name in dtypes:
         value = tf.convert_to_tensor(batch[name])
         if value.shape.rank == 1:

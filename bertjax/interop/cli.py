@@ -79,6 +79,11 @@ def _export(args: argparse.Namespace) -> int:
     loaded = load_pretrained(source)
     architecture = export_hf(loaded.params, loaded.config, loaded.vocab, args.out, lower_case=loaded.lower_case)
     print(f"wrote {args.out} as {architecture} (from {source})")
+    if "span_boundary" in loaded.params:
+        from bertjax.interop.names import SBO_FILE
+
+        print(f"note: the span boundary objective (SBO) head is not part of HF BERT; its weights are in "
+              f"{args.out}/{SBO_FILE} (PyTorch layout), which transformers ignores")
     return 0
 
 

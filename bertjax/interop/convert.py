@@ -13,14 +13,15 @@ from bertjax.interop import names as names_lib
 
 
 def param_shapes(config: BertConfig, num_labels: int | None = None) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Shape of every param path of a BertForPreTraining (+ classifier / qa_outputs heads), from the model."""
+    """Shape of every param path of a BertForPreTraining with the SBO head (+ classifier / qa_outputs heads), from
+    the model."""
     def shapes_of(module, heads_only: tuple[str, ...] = ()):
         tree = jax.eval_shape(lambda: model_lib.init_params(module, config, jax.random.key(0)))
         flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(tree))[0]
         out = {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
         return {p: s for p, s in out.items() if not heads_only or p[0] in heads_only}
 
-    shapes = shapes_of(model_lib.BertForPreTraining(config))
+    shapes = shapes_of(model_lib.BertForPreTraining(config, span_boundary_objective=True))
     shapes.update(shapes_of(model_lib.BertForQuestionAnswering(config), ("qa_outputs",)))
     if num_labels is not None:
         shapes.update(shapes_of(model_lib.BertForSequenceClassification(config, num_labels), ("classifier",)))
@@ -80,6 +81,8 @@ def tensors_from_params(params: Mapping, config: BertConfig, target: str) -> dic
     convert = names_lib.to_hf if target == "hf" else names_lib.to_tf
     out = {}
     for name in table:
+        if target == "tf" and name.tf is None:
+            continue
         node = params
         for part in name.path:
             node = node.get(part) if isinstance(node, Mapping) else None
@@ -97,7 +100,7 @@ def held_groups(params: Mapping) -> set[str]:
     if "pooler" in params.get("bert", {}):
         groups.add("pooler")
     for top, group in (("predictions", "mlm"), ("seq_relationship", "nsp"), ("classifier", "classifier"),
-                       ("qa_outputs", "qa_outputs")):
+                       ("qa_outputs", "qa_outputs"), ("span_boundary", names_lib.SBO_GROUP)):
         if top in params:
             groups.add(group)
     return groups

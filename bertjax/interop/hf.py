@@ -3,6 +3,7 @@
 Import accepts BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification and
 BertForQuestionAnswering dumps. Export writes safetensors in the PyTorch key layout (transformers v5 has no Flax
 models), loadable by `transformers.<Architecture>.from_pretrained` and `AutoTokenizer.from_pretrained`.
+A SpanBERT SBO head, which HF BERT has no place for, goes to its own file beside them (names.SBO_FILE).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from bertjax.checkpoint import read_vocab_file, write_vocab_file
 from bertjax.model_config import BertConfig
 from bertjax.interop import convert
+from bertjax.interop import names as names_lib
 
 # Buffers and tied copies that HF writes but that carry no weights of their own.
 IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",
@@ -112,6 +114,8 @@ def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: st
     """Writes an HF directory for `params`; returns the architecture written (inferred from the heads held)."""
     architecture = architecture or _architecture(params)
     tensors = convert.tensors_from_params(params, config, "hf")
+    # Not part of any HF BERT architecture: kept out of model.safetensors (no unexpected keys on load).
+    sbo = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("span_boundary.")]}
     if architecture != "BertModel":
         tensors = {(k if k.startswith(_HEAD_PREFIXES) else "bert." + k): v for k, v in tensors.items()}
     if "cls.predictions.bias" in tensors:
@@ -131,6 +135,10 @@ def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: st
     save_file({k: np.ascontiguousarray(v).copy() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     _readable_as_umask_allows(out / "model.safetensors")
+    if sbo:
+        save_file({k: np.ascontiguousarray(v) for k, v in sbo.items()}, str(out / names_lib.SBO_FILE),
+                  metadata={"format": "pt"})
+        _readable_as_umask_allows(out / names_lib.SBO_FILE)
     (out / "config.json").write_text(json.dumps(config.to_hf_dict(architecture, **extra), indent=2))
     write_vocab_file(vocab, str(out / "vocab.txt"))
     tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lower_case,

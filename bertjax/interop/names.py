@@ -15,7 +15,11 @@ import numpy as np
 
 # Groups of tensors that a checkpoint may or may not hold (a BertModel dump has no MLM/NSP heads, a
 # BertForMaskedLM has no pooler and no NSP head, a fine-tuned model has a classifier or qa_outputs).
-GROUPS = ("encoder", "pooler", "mlm", "nsp", "classifier", "qa_outputs")
+GROUPS = ("encoder", "pooler", "mlm", "nsp", "classifier", "qa_outputs", "sbo")
+# SpanBERT's span boundary objective head has no HF BERT counterpart: the HF export writes it to this file beside
+# model.safetensors (PyTorch layout, the "hf" names of the table), so transformers loads the BERT model without
+# unexpected keys.
+SBO_GROUP, SBO_FILE = "sbo", "span_boundary_head.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +95,22 @@ def tensor_names(num_layers: int) -> list[TensorName]:
         TensorName(("qa_outputs", "kernel"), "qa_outputs.weight", "cls/squad/output_weights", "kernel",
                    "qa_outputs", tf_transposed=True),
         TensorName(("qa_outputs", "bias"), "qa_outputs.bias", "cls/squad/output_bias", "vector", "qa_outputs"),
+        # SpanBERT's SBO head (model.SpanBoundaryHead); no TF counterpart.
+        TensorName(("span_boundary", "position_embeddings"), "span_boundary.position_embeddings.weight", None,
+                   "embedding", SBO_GROUP),
     ]
+    for i in (1, 2):
+        names += [
+            TensorName(("span_boundary", f"dense_{i}", "kernel"), f"span_boundary.dense_{i}.weight", None, "kernel",
+                       SBO_GROUP),
+            TensorName(("span_boundary", f"dense_{i}", "bias"), f"span_boundary.dense_{i}.bias", None, "vector",
+                       SBO_GROUP),
+            TensorName(("span_boundary", f"LayerNorm_{i}", "scale"), f"span_boundary.LayerNorm_{i}.weight", None,
+                       "vector", SBO_GROUP),
+            TensorName(("span_boundary", f"LayerNorm_{i}", "bias"), f"span_boundary.LayerNorm_{i}.bias", None,
+                       "vector", SBO_GROUP),
+        ]
+    names.append(TensorName(("span_boundary", "output_bias"), "span_boundary.bias", None, "vector", SBO_GROUP))
     return names
 
 
