@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from bertjax.cli import main as cli  # noqa: E402
 from bertjax.embed import LayerSelection, embed_sentences, parse_layers, word_spans  # noqa: E402
-from tests.conftest import save_tiny_checkpoint  # noqa: E402
+from tests.conftest import save_tiny_hf  # noqa: E402
 
 SENTENCES = ["A man is playing a guitar.", "Someone plays an instrument on stage tonight, unbelievably well.",
              "Stocks fell.", "The café's naïve owner didn't re-open on Tuesday!"]
@@ -141,11 +141,11 @@ def test_finetune_features_on_real_sst2(shared_data, minilm_dir, tmp_path):
     from bertjax.finetune import features
 
     data = _glue_slice(shared_data, tmp_path / "glue", 300, 120)
-    init = save_tiny_checkpoint(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
+    init = save_tiny_hf(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
     work = tmp_path / "work"
     assert cli(["finetune", "features", "--task", "sst2", "--data", str(data), "--init", init, "--workdir",
                 str(work), "--layers", "0,1", "--pooling", "mean", "--max-train-examples", "200",
-                "--max-seq-length", "64", "--cv-folds", "3"]) == 0
+                "--max-seq-length", "32", "--cv-folds", "3"]) == 0
     result = json.loads((work / "sst2" / "features_metrics.json").read_text())
     assert result["num_train_examples"] == 200 and result["num_train_available"] == 300
     assert result["feature_width"] == 64 and result["C"] in features.C_GRID

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bertjax.finetune import swag_data
-from tests.conftest import save_tiny_checkpoint
+from tests.conftest import save_tiny_hf
 
 HEADER = ["", "video-id", "fold-ind", "startphrase", "sent1", "sent2", "gold-source", "ending0", "ending1",
           "ending2", "ending3", "label"]
@@ -106,12 +106,13 @@ def test_each_choice_scored_on_its_own_cls():
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16)
     model = BertForMultipleChoice(config)
-    params = nn.meta.unbox(init_params(model, config, jax.random.PRNGKey(0)))
+    params = nn.meta.unbox(jax.jit(lambda key: init_params(model, config, key))(jax.random.PRNGKey(0)))
+    apply = jax.jit(lambda ids, mask: model.apply({"params": params}, ids, mask, jnp.zeros_like(ids)))
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, 4, 8), 5, 50)
     mask = jnp.ones_like(ids).at[:, :, 6:].set(0)
-    logits = model.apply({"params": params}, ids, mask, jnp.zeros_like(ids))
+    logits = apply(ids, mask)
     assert logits.shape == (2, 4)
-    alone = model.apply({"params": params}, ids[1, 2][None], mask[1, 2][None], jnp.zeros((1, 8), jnp.int32))
+    alone = apply(ids[1, 2][None], mask[1, 2][None])
     np.testing.assert_allclose(logits[1, 2], alone[0], atol=1e-6)
     labels = jnp.array([3, 0])
     loss = classification_loss(logits, {"labels": labels})
@@ -132,7 +133,7 @@ def test_multiple_choice_job_learns_separable_example_and_exports(minilm_dir, tm
     val_rows = _separable(32, seed=3)
     _write_csv(data / "val.csv", val_rows)
     _write_csv(data / "test.csv", [r[:-1] for r in _separable(5, seed=4)], HEADER[:-1])
-    init = save_tiny_checkpoint(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
+    init = save_tiny_hf(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
     work = tmp_path / "work"
     assert cli(["finetune", "multiple-choice", "--data", str(data), "--init", init, "--workdir", str(work),
                 "--max-seq-length", "32", "--learning-rate", "1e-2", "--batch-size", "16", "--epochs", "8",
