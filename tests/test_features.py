@@ -155,3 +155,27 @@ def test_finetune_features_on_real_sst2(shared_data, minilm_dir, tmp_path):
     accuracy = accuracy_score([r[3] for r in rows], [r[2] for r in rows])
     assert result["metrics"]["dev"]["accuracy"] == pytest.approx(accuracy)
     assert result["score"] == pytest.approx(accuracy)
+
+
+def test_regression_tasks_get_ridge_with_alpha_from_the_grid():
+    """STS-B's path: RidgeCV on standardised features recovers a linear target; alpha comes from the grid."""
+    from bertjax.finetune import features
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 20))
+    y = x @ rng.normal(size=20) + 0.1 * rng.normal(size=300)
+    preds, info = features.fit_predict(x[:200], y[:200], x[200:], regression=True)
+    assert info["regressor"] == "RidgeCV" and info["alpha"] in features.ALPHA_GRID
+    assert np.corrcoef(preds, y[200:])[0, 1] > 0.99
+
+
+def test_train_subset_is_seeded_and_keeps_file_order():
+    from bertjax.finetune import features
+    from bertjax.finetune.glue_data import Examples
+
+    examples = Examples([str(i) for i in range(50)], [f"s{i}" for i in range(50)], None, np.arange(50))
+    a, b = features.subsample(examples, 10, seed=3), features.subsample(examples, 10, seed=3)
+    assert a.guids == b.guids and a.guids == sorted(a.guids, key=int) and len(set(a.guids)) == 10
+    assert [int(g) for g in a.guids] == a.labels.tolist()
+    assert features.subsample(examples, 10, seed=4).guids != a.guids
+    assert features.subsample(examples, None, seed=3) is examples
