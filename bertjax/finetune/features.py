@@ -36,10 +36,10 @@ ALPHA_GRID = tuple(float(a) for a in np.logspace(-2, 4, 7))   # ridge penalties 
 
 def subsample(examples: glue_data.Examples, max_examples: int | None, seed: int) -> glue_data.Examples:
     """A random subset of `max_examples` rows (all when None or larger), in file order; seeded."""
+    if max_examples is not None and max_examples < 1:
+        raise ValueError(f"max_train_examples={max_examples} must be >= 1")
     if max_examples is None or max_examples >= len(examples):
         return examples
-    if max_examples < 1:
-        raise ValueError(f"max_train_examples={max_examples} must be >= 1")
     keep = np.sort(np.random.default_rng(seed).choice(len(examples), max_examples, replace=False))
     return glue_data.Examples(
         [examples.guids[i] for i in keep], [examples.text_a[i] for i in keep],
