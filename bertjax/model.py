@@ -205,7 +205,13 @@ class Layer(nn.Module):
 
 
 class BertModel(nn.Module):
-    """Embeddings, encoder and pooler. Returns (sequence_output [B, L, H], pooled_output [B, H])."""
+    """Embeddings, encoder and pooler. Returns (sequence_output [B, L, H], pooled_output [B, H]).
+
+    Every hidden state is also sown into the "intermediates" collection as `hidden_states`, a tuple of
+    num_hidden_layers + 1 arrays numbered as transformers' `output_hidden_states` (0 = the embeddings' output,
+    i = layer i's output). It is stored only when the caller asks for it (`mutable=["intermediates"]`); otherwise
+    `sow` does nothing, so training and inference pay nothing for it.
+    """
 
     config: BertConfig
     add_pooler: bool = True
@@ -224,8 +230,10 @@ class BertModel(nn.Module):
         pool_positions [B, k]: pool there (each packed instance's [CLS]) -> pooled [B, k, H], else [B, H]."""
         hidden = self.embeddings(input_ids, segment_ids, position_ids, deterministic)
         hidden = _constrain(hidden, ("activation_batch", "activation_length", "activation_embed"))
+        self.sow("intermediates", "hidden_states", hidden)
         for layer in self.layers:
             hidden = layer(hidden, input_mask, packing_ids, deterministic)
+            self.sow("intermediates", "hidden_states", hidden)
         if not self.add_pooler:
             return hidden, None
         first = hidden[:, 0] if pool_positions is None else gather_positions(hidden, pool_positions)
@@ -341,6 +349,26 @@ class BertForSequenceClassification(nn.Module):
         return nn.Dense(self.num_labels, dtype=jnp.float32, param_dtype=jnp.float32,
                         kernel_init=_kernel_init(self.config, ("embed", None)), bias_init=_zeros((None,)),
                         name="classifier")(pooled.astype(jnp.float32))
+
+
+class BertForMultipleChoice(nn.Module):
+    """SWAG-style multiple choice (HF: BertForMultipleChoice): each choice is its own [CLS] context [SEP] ending
+    [SEP] row; pooled [CLS] -> dropout -> Dense(1) scores it. Inputs [B, choices, L] give logits [B, choices]
+    (a softmax across the choices is the loss's business); [B, L] gives [B]. The head is `classifier` with one
+    output, as HF names it."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, input_ids, input_mask, segment_ids, *, deterministic: bool = True):
+        leading, length = input_ids.shape[:-1], input_ids.shape[-1]
+        flat = [x.reshape(-1, length) for x in (input_ids, input_mask, segment_ids)]
+        _, pooled = BertModel(self.config, name="bert")(*flat, deterministic=deterministic)
+        pooled = Dropout(self.config.hidden_dropout_prob)(pooled, deterministic=deterministic)
+        scores = nn.Dense(1, dtype=jnp.float32, param_dtype=jnp.float32,
+                          kernel_init=_kernel_init(self.config, ("embed", None)), bias_init=_zeros((None,)),
+                          name="classifier")(pooled.astype(jnp.float32))
+        return scores.reshape(leading)
 
 
 class BertForQuestionAnswering(nn.Module):

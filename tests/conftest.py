@@ -54,3 +54,22 @@ def save_tiny_checkpoint(path: pathlib.Path, vocab_path: pathlib.Path, seed: int
     params = nn.meta.unbox(init_params(BertForSequenceClassification(config, 2), config, jax.random.PRNGKey(seed)))
     save_model(str(path), {"bert": params["bert"]}, config, vocab)
     return str(path)
+
+
+def save_tiny_hf(path: pathlib.Path, vocab_path: pathlib.Path, seed: int) -> str:
+    """The model of `save_tiny_checkpoint` written as an HF BertModel directory (safetensors): no Orbax save, which
+    costs seconds to a minute on a busy CPU."""
+    import flax.linen as nn
+    import jax
+
+    from bertjax.checkpoint import read_vocab_file
+    from bertjax.interop.hf import export_hf
+    from bertjax.model import BertModel, init_params
+    from bertjax.model_config import BertConfig
+
+    vocab = read_vocab_file(str(vocab_path))
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    params = nn.meta.unbox(init_params(BertModel(config), config, jax.random.PRNGKey(seed)))
+    export_hf({"bert": params}, config, vocab, str(path))
+    return str(path)

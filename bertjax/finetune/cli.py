@@ -1,4 +1,4 @@
-"""`bertjax finetune glue | finetune squad | eval squad`.
+"""`bertjax finetune glue | squad | features | multiple-choice`, `eval squad`.
 
 The flags come from the fields of `bertjax.finetune.settings`; the jobs (JAX, TensorFlow) are imported only when a
 command runs, so `bertjax --help` stays fast.
@@ -23,7 +23,8 @@ def _add_train_args(parser: argparse.ArgumentParser, **job_defaults) -> None:
 
 
 def register(subparsers) -> None:
-    finetune = subparsers.add_parser("finetune", help="fine-tune on GLUE or SQuAD")
+    finetune = subparsers.add_parser(
+        "finetune", help="fine-tune on GLUE, SQuAD or SWAG; or fit a classifier on frozen features")
     jobs = finetune.add_subparsers(dest="job", required=True)
 
     glue = jobs.add_parser("glue", help="fine-tune and evaluate GLUE tasks; writes dev metrics and submission TSVs")
@@ -33,6 +34,35 @@ def register(subparsers) -> None:
     glue.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
     _add_train_args(glue, learning_rate=2e-5, batch_size=32, epochs=3.0)
     glue.set_defaults(func=_glue)
+
+    features = jobs.add_parser(
+        "features", help="frozen features + scikit-learn logistic regression (C by cross-validation on train); "
+                         "GLUE dev metric")
+    features.add_argument("--task", required=True, choices=TASKS)
+    features.add_argument("--data", required=True, help="GLUE directory (<Task>/train.tsv ...) or 'tfds[:DATA_DIR]'")
+    features.add_argument("--init", required=True, help="bertjax checkpoint, HF model directory or TF checkpoint prefix")
+    features.add_argument("--workdir", required=True, help="output directory (<workdir>/<task>/features_metrics.json)")
+    features.add_argument("--layers", default="last",
+                          help="last | second-to-last | sum-last-4 | concat-last-4 | N[,M...] (0 = embeddings "
+                               "output, as transformers' output_hidden_states)")
+    features.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    features.add_argument("--classifier", choices=("logreg",), default="logreg",
+                          help="logreg: LogisticRegressionCV (STS-B: RidgeCV)")
+    features.add_argument("--max-train-examples", type=int,
+                          help="fit on a seeded random subset of this many training examples (CPU budgets)")
+    features.add_argument("--max-seq-length", type=int, default=128)
+    features.add_argument("--batch-size", type=int, default=64, help="sequences per feature-extraction step")
+    features.add_argument("--cv-folds", type=int, default=5)
+    features.add_argument("--seed", type=int, default=42, help="training subset and CV folds")
+    features.set_defaults(func=_features)
+
+    choice = jobs.add_parser("multiple-choice", help="fine-tune on SWAG-layout CSVs (train.csv, val.csv, optional "
+                                                     "test.csv); val accuracy and predictions")
+    choice.add_argument("--data", required=True, help="directory with SWAG's train.csv and val.csv (test.csv optional)")
+    choice.add_argument("--max-seq-length", type=int, default=128)
+    # The BERT paper's SWAG recipe: lr 2e-5, batch 16, 3 epochs.
+    _add_train_args(choice, learning_rate=2e-5, batch_size=16, epochs=3.0)
+    choice.set_defaults(func=_multiple_choice)
 
     squad = jobs.add_parser("squad", help="fine-tune on SQuAD 1.1/2.0 and predict (official JSON or tfds:squad/...)")
     squad.add_argument("--train", help="training file (omit to only predict with a QA checkpoint)")
@@ -72,6 +102,30 @@ def _glue(args: argparse.Namespace) -> int:
         return 0
     result = glue.run_task(args.task, args.data, args.workdir, settings, init=args.init, **common)
     print(json.dumps({"task": result["task"], "metrics": result["metrics"], "score": result["score"]}))
+    return 0
+
+
+def _features(args: argparse.Namespace) -> int:
+    from bertjax.finetune import features
+
+    _quiet_logs()
+    result = features.run_task(args.task, args.data, args.workdir, init=args.init, layers=args.layers,
+                               pooling=args.pooling, classifier=args.classifier, max_seq_length=args.max_seq_length,
+                               max_train_examples=args.max_train_examples, batch_size=args.batch_size,
+                               cv_folds=args.cv_folds, seed=args.seed)
+    print(json.dumps({k: result[k] for k in ("task", "metrics", "score", "layers", "pooling",
+                                              "num_train_examples")}))
+    return 0
+
+
+def _multiple_choice(args: argparse.Namespace) -> int:
+    from bertjax.finetune import multiple_choice
+
+    _quiet_logs()
+    result = multiple_choice.run(args.data, args.workdir, options.from_flags(TrainSettings, args), init=args.init,
+                                 max_seq_length=args.max_seq_length, save_checkpoint=args.save_checkpoint,
+                                 export_hf=args.export_hf)
+    print(json.dumps(result["metrics"]))
     return 0
 
 

@@ -56,9 +56,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- batching
 
     def _batches(self, arrays: dict[str, np.ndarray], order: np.ndarray, batch_size: int):
-        """Fixed-size batches over `order`; length cut to the bucket that holds the longest row."""
-        max_len = arrays["input_ids"].shape[1]
-        lengths = arrays["input_mask"].sum(axis=1)
+        """Fixed-size batches over `order`; length cut to the bucket that holds the longest row. Inputs are
+        [N, L], or [N, choices, L] (multiple choice: the longest choice decides)."""
+        max_len = arrays["input_ids"].shape[-1]
+        lengths = arrays["input_mask"].sum(axis=-1)
         for start in range(0, len(order), batch_size):
             idx = order[start:start + batch_size]
             weights = np.ones(batch_size, np.float32)
@@ -67,7 +68,7 @@ class Trainer:
                 idx = np.concatenate([idx, np.repeat(idx[:1], batch_size - len(idx))])
             bucket = self.settings.length_bucket
             length = min(max_len, max(bucket, int(math.ceil(lengths[idx].max() / bucket)) * bucket))
-            batch = {k: (v[idx, :length] if v.ndim == 2 and k in INPUT_KEYS else v[idx]) for k, v in arrays.items()}
+            batch = {k: (v[idx][..., :length] if k in INPUT_KEYS else v[idx]) for k, v in arrays.items()}
             batch["weights"] = weights
             yield jax.device_put(batch, self.batch_sharding), int((weights > 0).sum())
 

@@ -35,15 +35,23 @@ def register(subparsers) -> None:
     info.add_argument("checkpoint", help=_ANY_CHECKPOINT)
     info.set_defaults(func=_info)
 
-    embed = subparsers.add_parser("embed", help="sentence vectors (one sentence per line) to a .npy file")
+    embed = subparsers.add_parser(
+        "embed", help="features of sentences (one per line): pooled vectors to .npy, or per-token vectors to .npz")
     embed.add_argument("--checkpoint", required=True, help=_ANY_CHECKPOINT)
     embed.add_argument("--input", required=True, help="text file, one sentence per line")
-    embed.add_argument("--output", required=True, help=".npy file for the float32 [sentences, hidden] matrix")
-    embed.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    embed.add_argument("--output", required=True,
+                       help="cls/mean: .npy file for the float32 [sentences, D] matrix; none: .npz file of "
+                            "per-token vectors and the word-to-token map (layout in bertjax/embed.py)")
+    embed.add_argument("--layers", default="last",
+                       help="last | second-to-last | sum-last-4 | concat-last-4 | N[,M...] (hidden states numbered "
+                            "as transformers' output_hidden_states: 0 = embeddings output, -1 = last; a list is "
+                            "concatenated in the order given)")
+    embed.add_argument("--pooling", choices=("cls", "mean", "none"), default="cls",
+                       help="none: every token's vector with a map from whitespace words to token positions")
     embed.add_argument("--max-len", type=int, default=128)
     embed.add_argument("--batch-size", type=int, default=64)
     embed.add_argument("--show-neighbours", action="store_true",
-                       help="print each sentence's nearest neighbour by cosine similarity")
+                       help="print each sentence's nearest neighbour by cosine similarity (cls/mean)")
     embed.set_defaults(func=_embed)
 
 
@@ -106,7 +114,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _embed(args: argparse.Namespace) -> int:
-    from bertjax.embed import embed_sentences, nearest_neighbours
+    from bertjax.embed import embed_sentences, embed_tokens, nearest_neighbours
     from bertjax.interop.load import load_pretrained
 
     path = epath.Path(args.input)
@@ -117,10 +125,21 @@ def _embed(args: argparse.Namespace) -> int:
     if not sentences:
         raise ValueError(f"--input {args.input} holds no sentences (one per line expected)")
     loaded = load_pretrained(args.checkpoint)
-    vectors = embed_sentences(loaded, sentences, pooling=args.pooling, max_len=args.max_len,
+    if args.pooling == "none":
+        arrays = embed_tokens(loaded, sentences, layers=args.layers, max_len=args.max_len,
                               batch_size=args.batch_size)
-    np.save(args.output, vectors)
-    print(f"wrote {args.output}: {vectors.shape[0]} x {vectors.shape[1]} float32 ({args.pooling} pooling)")
+        with open(args.output, "wb") as f:  # a file object: np.savez would add .npz to any other suffix
+            np.savez(f, **arrays)
+        print(f"wrote {args.output}: {len(sentences)} sentences, {arrays['vectors'].shape[0]} tokens x "
+              f"{arrays['vectors'].shape[1]} float32, {arrays['word_spans'].shape[0]} words (layers "
+              f"{args.layers})")
+        return 0
+    vectors = embed_sentences(loaded, sentences, pooling=args.pooling, layers=args.layers, max_len=args.max_len,
+                              batch_size=args.batch_size)
+    with open(args.output, "wb") as f:
+        np.save(f, vectors)
+    print(f"wrote {args.output}: {vectors.shape[0]} x {vectors.shape[1]} float32 ({args.pooling} pooling, "
+          f"layers {args.layers})")
     if args.show_neighbours:
         for i, (j, similarity) in enumerate(nearest_neighbours(vectors)):
             print(f"  {similarity:5.3f}  {sentences[i]!r}  ->  {sentences[j]!r}")

@@ -1,8 +1,9 @@
 """HuggingFace BERT directories (config.json + safetensors/pytorch_model.bin + vocab) <-> bertjax params.
 
-Import accepts BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification and
-BertForQuestionAnswering dumps. Export writes safetensors in the PyTorch key layout (transformers v5 has no Flax
-models), loadable by `transformers.<Architecture>.from_pretrained` and `AutoTokenizer.from_pretrained`.
+Import accepts BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification,
+BertForMultipleChoice (read as a one-output classifier head) and BertForQuestionAnswering dumps. Export writes
+safetensors in the PyTorch key layout (transformers v5 has no Flax models), loadable by
+`transformers.<Architecture>.from_pretrained` and `AutoTokenizer.from_pretrained`.
 A SpanBERT SBO head, which HF BERT has no place for, goes to its own file beside them (names.SBO_FILE).
 """
 from __future__ import annotations
@@ -123,7 +124,7 @@ def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: st
         tensors["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"]
         tensors["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"]
     extra = {}
-    if "classifier" in params:
+    if "classifier" in params and architecture != "BertForMultipleChoice":  # its one output is not a label
         num_labels = int(np.shape(params["classifier"]["bias"])[0])
         labels = id2label or {i: f"LABEL_{i}" for i in range(num_labels)}
         extra = dict(num_labels=num_labels, id2label={str(i): l for i, l in labels.items()},
