@@ -5,6 +5,7 @@ A job's progress is a tqdm bar on a terminal (lines are written above it) and no
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -77,3 +78,24 @@ class _Timed:
             self.seconds = time.perf_counter() - self.start
             self.console.line(f"{self.what}: done in {duration(self.seconds)}")
         return False
+
+
+def route_logging_to_console(stream=None) -> None:
+    """The jobs' `logging` messages (the "bertjax" loggers: readers' skipped-row counts, job steps) as console
+    lines: timestamped on stdout, warnings marked. The level is set on the "bertjax" logger, not the root:
+    importing absl (TF, Orbax) resets the root level to WARNING."""
+    logger = logging.getLogger("bertjax")
+    if any(getattr(h, "bertjax_console", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(stream or sys.stdout)
+    handler.setFormatter(_ConsoleFormat())
+    handler.bertjax_console = True
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+class _ConsoleFormat(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = "warning: " if record.levelno >= logging.WARNING else ""
+        return f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {prefix}{record.getMessage()}"

@@ -146,11 +146,11 @@ def test_finetune_features_on_real_sst2(shared_data, minilm_dir, tmp_path):
     assert cli(["finetune", "features", "--task", "sst2", "--data", str(data), "--init", init, "--workdir",
                 str(work), "--layers", "0,1", "--pooling", "mean", "--max-train-examples", "200",
                 "--max-seq-length", "32", "--cv-folds", "3"]) == 0
-    result = json.loads((work / "sst2" / "features_metrics.json").read_text())
+    result = json.loads((work / "metrics.json").read_text())
     assert result["num_train_examples"] == 200 and result["num_train_available"] == 300
     assert result["feature_width"] == 64 and result["C"] in features.C_GRID
     assert result["classifier"] == "LogisticRegressionCV" and len(result["cv_mean_scores"]) == len(features.C_GRID)
-    rows = [line.split("\t") for line in (work / "sst2" / "dev_predictions.tsv").read_text().splitlines()[1:]]
+    rows = [line.split("\t") for line in (work / "dev_predictions.tsv").read_text().splitlines()[1:]]
     assert len(rows) == 120
     accuracy = accuracy_score([r[3] for r in rows], [r[2] for r in rows])
     assert result["metrics"]["dev"]["accuracy"] == pytest.approx(accuracy)

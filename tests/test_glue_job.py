@@ -3,6 +3,7 @@ format, and its HF export gives the same dev predictions in transformers."""
 from __future__ import annotations
 
 import json
+import re
 import random
 from pathlib import Path
 
@@ -73,10 +74,15 @@ def test_glue_all_learns_and_writes_submissions(tiny_init, tmp_path):
     table = (tmp_path / "work" / "summary.md").read_text()
     assert "| sst2 |" in table and "rte | data missing" in table and "2/3 tasks" in table
 
-    result = json.loads((tmp_path / "work" / "sst2" / "dev_metrics.json").read_text())
+    result = json.loads((tmp_path / "work" / "sst2" / "metrics.json").read_text())
     assert len(result["history"]) == 6 and result["total_steps"] == 6 * 10 and result["warmup_steps"] == 6
     assert result["history"][-1]["train_loss"] < result["history"][0]["train_loss"]
     assert "dev" in result["history"][0] and len(result["seconds_per_epoch"]) == 6
+    # The training curve and each epoch's dev metrics, as pretraining writes them.
+    records = [json.loads(l) for l in (tmp_path / "work" / "sst2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [50, 60]  # every log_every=50 steps, and the last
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [10 * e for e in range(1, 7)]
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "work" / "sst2" / "tensorboard").iterdir())
 
     lines = (tmp_path / "work" / "sst2" / "SST-2.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and len(lines) == 11
@@ -142,7 +148,7 @@ def test_regression_export_gives_same_dev_predictions_in_transformers(tiny_init,
     settings = TrainSettings(learning_rate=1e-3, batch_size=16, epochs=1, seed=3)
     result = glue.run_task("stsb", str(data), str(tmp_path / "work"), settings, init=tiny_init, max_seq_length=32,
                            save_checkpoint=True, export_hf=True)
-    _check_export(tmp_path / "work" / "stsb", "stsb", data, tiny_init, result["metrics"]["dev"])
+    _check_export(tmp_path / "work", "stsb", data, tiny_init, result["metrics"]["dev"])
 
 
 def test_non_finite_gradients_skip_updates_and_stop_the_job(tiny_init, tmp_path):
@@ -182,9 +188,15 @@ def test_cli_finetune_glue(tiny_init, tmp_path, capsys):
                str(tmp_path / "w"), "--epochs", "1", "--batch-size", "16", "--max-seq-length", "32",
                "--learning-rate", "1e-3"])
     assert rc == 0
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr().out.strip().splitlines()
+    printed = json.loads(out[-1])
     assert printed["task"] == "sst2" and 0.0 <= printed["metrics"]["dev"]["accuracy"] <= 1.0
-    assert (tmp_path / "w" / "sst2" / "SST-2.tsv").exists()
+    assert (tmp_path / "w" / "SST-2.tsv").exists() and (tmp_path / "w" / "metrics.json").exists()
+    # One console style: timestamped lines, the compile, progress with learning rate and ETA.
+    assert all(re.match(r"\d\d:\d\d:\d\d ", line) for line in out[:-1]), out
+    assert any("compiling the train step" in line for line in out)
+    assert any(re.search(r" step \d+/\d+ epoch=1 loss=\S+ learning_rate=\S+ examples_per_s=\S+ eta \S+$", line)
+               for line in out), out
     # Bad input: a TSV row with the wrong column count is one clear error line naming file and line.
     with open(data / "SST-2" / "train.tsv", "a", encoding="utf-8") as f:
         f.write("one\ttoo\tmany\n")

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 
 from bertjax import options
+from bertjax.console import route_logging_to_console
 from bertjax.finetune.glue_data import TASKS
 from bertjax.finetune.settings import SquadSettings, TrainSettings
 
 
+INIT_HELP = ("checkpoint to start from: a bertjax run directory (its newest complete step) or step, an HF model "
+             "directory or a TF checkpoint prefix")
+
+
 def _add_train_args(parser: argparse.ArgumentParser, **job_defaults) -> None:
-    parser.add_argument("--init", required=True, help="bertjax checkpoint, HF model directory or TF checkpoint prefix")
+    parser.add_argument("--init", required=True, help=INIT_HELP)
     parser.add_argument("--workdir", required=True, help="output directory")
     options.add_flags(parser, TrainSettings, defaults=job_defaults)
     parser.add_argument("--save-checkpoint", action="store_true", help="write the fine-tuned bertjax checkpoint")
@@ -40,8 +44,8 @@ def register(subparsers) -> None:
                          "GLUE dev metric")
     features.add_argument("--task", required=True, choices=TASKS)
     features.add_argument("--data", required=True, help="GLUE directory (<Task>/train.tsv ...) or 'tfds[:DATA_DIR]'")
-    features.add_argument("--init", required=True, help="bertjax checkpoint, HF model directory or TF checkpoint prefix")
-    features.add_argument("--workdir", required=True, help="output directory (<workdir>/<task>/features_metrics.json)")
+    features.add_argument("--init", required=True, help=INIT_HELP)
+    features.add_argument("--workdir", required=True, help="output directory (metrics.json, dev_predictions.tsv)")
     features.add_argument("--layers", default="last",
                           help="last | second-to-last | sum-last-4 | concat-last-4 | N[,M...] (0 = embeddings "
                                "output, as transformers' output_hidden_states)")
@@ -82,17 +86,10 @@ def register(subparsers) -> None:
     squad_eval.set_defaults(func=_eval_squad)
 
 
-def _quiet_logs() -> None:
-    """Progress (per-epoch loss, wall time) at INFO on stderr. The level is set on the "bertjax" logger, not the
-    root: importing absl (TF, Orbax) later resets the root level to WARNING."""
-    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("bertjax").setLevel(logging.INFO)
-
-
 def _glue(args: argparse.Namespace) -> int:
     from bertjax.finetune import glue
 
-    _quiet_logs()
+    route_logging_to_console()
     settings = options.from_flags(TrainSettings, args)
     common = dict(max_seq_length=args.max_seq_length, eval_each_epoch=args.eval_each_epoch,
                   save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)
@@ -108,7 +105,7 @@ def _glue(args: argparse.Namespace) -> int:
 def _features(args: argparse.Namespace) -> int:
     from bertjax.finetune import features
 
-    _quiet_logs()
+    route_logging_to_console()
     result = features.run_task(args.task, args.data, args.workdir, init=args.init, layers=args.layers,
                                pooling=args.pooling, classifier=args.classifier, max_seq_length=args.max_seq_length,
                                max_train_examples=args.max_train_examples, batch_size=args.batch_size,
@@ -121,7 +118,7 @@ def _features(args: argparse.Namespace) -> int:
 def _multiple_choice(args: argparse.Namespace) -> int:
     from bertjax.finetune import multiple_choice
 
-    _quiet_logs()
+    route_logging_to_console()
     result = multiple_choice.run(args.data, args.workdir, options.from_flags(TrainSettings, args), init=args.init,
                                  max_seq_length=args.max_seq_length, save_checkpoint=args.save_checkpoint,
                                  export_hf=args.export_hf)
@@ -132,7 +129,7 @@ def _multiple_choice(args: argparse.Namespace) -> int:
 def _squad(args: argparse.Namespace) -> int:
     from bertjax.finetune import squad
 
-    _quiet_logs()
+    route_logging_to_console()
     result = squad.run(args.workdir, options.from_flags(TrainSettings, args), options.from_flags(SquadSettings, args),
                        init=args.init, train_file=args.train, predict_file=args.predict,
                        save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)

@@ -12,7 +12,7 @@ several times cheaper on a small CPU, and the standardisation it then sees is fi
 which holds no dev information. The CV score is accuracy, CoLA's is the Matthews correlation (its GLUE metric).
 Regression (STS-B): RidgeCV over the same standardised features, alpha chosen by efficient leave-one-out.
 
-Writes <workdir>/<task>/features_metrics.json and dev_predictions.tsv (row, prediction, label).
+Writes <workdir>/metrics.json and dev_predictions.tsv (row, prediction, label).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
              layers: str = "last", pooling: str = "cls", classifier: str = "logreg", max_seq_length: int = 128,
              max_train_examples: int | None = None, batch_size: int = 64, cv_folds: int = 5,
              seed: int = 42) -> dict:
-    """Extract features, fit, score the dev split(s); returns the features_metrics.json content."""
+    """Extract features, fit, score the dev split(s), writing into `workdir`; returns the metrics.json content."""
     from bertjax.interop.load import load_init
 
     if classifier not in CLASSIFIERS:
@@ -98,7 +98,7 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     parse_layers(layers, ckpt.config.num_hidden_layers)  # a bad spec fails before any encoding
     train = subsample(splits["train"], max_train_examples, seed)
-    out_dir = os.path.join(workdir, task.name)
+    out_dir = workdir
     os.makedirs(out_dir, exist_ok=True)
 
     started = time.perf_counter()
@@ -136,7 +136,7 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
               "feature_width": int(train_x.shape[1]), "num_train_examples": len(train),
               "num_train_available": len(splits["train"]), "max_seq_length": max_seq_length, "seed": seed,
               **fit_info, "feature_seconds": feature_seconds, "fit_seconds": fit_seconds, "init": init}
-    with open(os.path.join(out_dir, "features_metrics.json"), "w") as f:
+    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
         json.dump(result, f, indent=2)
     log.info("%s: %s (score %.4f; %s)", task.name, metrics, score,
              f"C={fit_info['C']:g}" if "C" in fit_info else f"alpha={fit_info['alpha']:g}")

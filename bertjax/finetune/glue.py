@@ -1,9 +1,10 @@
 """The GLUE fine-tuning job: one task (or all nine) from a pretrained encoder.
 
-Per task it writes to <workdir>/<task>/: dev_metrics.json (metrics per dev split, the GLUE task score, per-epoch
+A task writes to its workdir (`all`: one <workdir>/<task>/ each): metrics.json (metrics per dev split, the GLUE task score, per-epoch
 loss and wall time, the settings), the GLUE submission file(s) for the test split(s) (<TASK>.tsv with
 `index<TAB>prediction`, label names as GLUE expects; MNLI-m/MNLI-mm, and AX.tsv when diagnostic/ is present),
-and optionally the fine-tuned model (bertjax checkpoint and/or HF directory). `all` adds summary.{json,md}.
+metrics.jsonl and tensorboard/ (the training curve), and optionally the fine-tuned model (bertjax checkpoint and/or
+HF directory). `all` adds summary.{json,md}.
 """
 from __future__ import annotations
 
@@ -48,11 +49,11 @@ def _read_diagnostic(data: str) -> glue_data.Examples | None:
 def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *, init: str | None = None,
              loaded=None, max_seq_length: int = 128, eval_each_epoch: bool = False, save_checkpoint: bool = False,
              export_hf: bool = False) -> dict:
-    """Fine-tune and evaluate one task; returns the dev_metrics.json content."""
+    """Fine-tune and evaluate one task, writing into `workdir`; returns the metrics.json content."""
     task = glue_data.get_task(task_name)
     splits = glue_data.load_task(task, data)
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
-    out_dir = os.path.join(workdir, task.name)
+    out_dir = workdir
     os.makedirs(out_dir, exist_ok=True)
     started = time.perf_counter()
 
@@ -70,8 +71,14 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
         return metrics
 
     per_epoch = []
-    train_info = trainer.train(features["train"],
-                               epoch_end=(lambda e, s: per_epoch.append(evaluate())) if eval_each_epoch else None)
+
+    def epoch_end(epoch: int, seconds: float) -> dict:
+        per_epoch.append(evaluate())
+        return {(f"{split}_{k}" if len(per_epoch[-1]) > 1 else k): v
+                for split, values in per_epoch[-1].items() for k, v in values.items()}
+
+    train_info = trainer.train(features["train"], epoch_end=epoch_end if eval_each_epoch else None,
+                               workdir=out_dir)
     metrics = evaluate()
     for i, m in enumerate(per_epoch):
         train_info["history"][i]["dev"] = m
@@ -97,9 +104,8 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
         "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
         "total_seconds": time.perf_counter() - started, "init": init,
     }
-    with open(os.path.join(out_dir, "dev_metrics.json"), "w") as f:
+    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
         json.dump(result, f, indent=2)
-    log.info("%s: %s (score %.4f)", task.name, metrics, score)
     return result
 
 
@@ -109,7 +115,7 @@ def run_all(data: str, workdir: str, settings: TrainSettings, *, init: str, task
     rows = {}
     for name in tasks:
         try:
-            result = run_task(name, data, workdir, settings, init=init, loaded=loaded, **kwargs)
+            result = run_task(name, data, os.path.join(workdir, name), settings, init=init, loaded=loaded, **kwargs)
         except FileNotFoundError as error:
             log.warning("%s: skipped (%s)", name, error)
             rows[name] = {"missing": str(error)}

@@ -55,7 +55,7 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
                       source=init or "checkpoint")
     features = {"train": swag_data.featurize(train, tokenizer, max_seq_length),
                 "val": swag_data.featurize(val, tokenizer, max_seq_length)}
-    train_info = trainer.train(features["train"])
+    train_info = trainer.train(features["train"], workdir=workdir)
 
     val_logits = trainer.predict(features["val"])
     write_predictions(os.path.join(workdir, "val_predictions.csv"), val, val_logits)

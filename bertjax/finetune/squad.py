@@ -57,7 +57,7 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
         examples, feats = squad_data.featurize(data, tokenizer, ckpt.lower_case, True, squad.version_2,
                                                source=train_file, **featurize)
         log.info("train: %d questions -> %d windows", len(examples), len(feats))
-        result.update(trainer.train(feats.arrays()), num_train_examples=len(examples), num_train_windows=len(feats))
+        result.update(trainer.train(feats.arrays(), workdir=workdir), num_train_examples=len(examples), num_train_windows=len(feats))
         result["seconds_per_epoch"] = [h["seconds"] for h in result["history"]]
     if predict_file:
         data = squad_data.load_squad_json(predict_file)

@@ -6,7 +6,6 @@ weighted mean), so every step has one of at most max_len / bucket shapes and not
 """
 from __future__ import annotations
 
-import logging
 import math
 import time
 from typing import Callable
@@ -19,14 +18,15 @@ import optax
 from etils import epath
 
 from bertjax import sharding
+from bertjax.console import Console, duration, metric_text
 from bertjax.checkpoint import ModelCheckpoint, merge_params, save_model
 from bertjax.finetune.settings import TrainSettings
 from bertjax.interop.hf import export_hf
+from bertjax.metrics import MetricsWriter
 from bertjax.model import init_params
 from bertjax.optim import OptimizerConfig, make_optimizer
 from bertjax.train_step import TooManyNonFiniteSteps
 
-log = logging.getLogger(__name__)
 
 INPUT_KEYS = ("input_ids", "input_mask", "segment_ids")
 
@@ -80,8 +80,11 @@ class Trainer:
         per_example = self.loss_fn(outputs, batch)
         return jnp.sum(per_example * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
 
-    def train(self, arrays: dict[str, np.ndarray], epoch_end: Callable[[int, float], None] | None = None) -> dict:
-        """Trains on `arrays` for settings.epochs (fractions allowed); calls epoch_end(epoch, seconds) after each."""
+    def train(self, arrays: dict[str, np.ndarray], epoch_end: Callable[[int, float], dict | None] | None = None,
+              workdir: str | None = None) -> dict:
+        """Trains on `arrays` for settings.epochs (fractions allowed); calls epoch_end(epoch, seconds) after each
+        (a dict it returns is logged as eval metrics). Progress goes to the console every settings.log_every steps
+        and, with `workdir`, to WORKDIR/metrics.jsonl and WORKDIR/tensorboard as in pretraining."""
         s = self.settings
         n = len(arrays["input_ids"])
         if n == 0:
@@ -92,6 +95,8 @@ class Trainer:
         optimizer, schedule = make_optimizer(OptimizerConfig(
             learning_rate=s.learning_rate, warmup_steps=warmup, weight_decay=s.weight_decay,
             clip_norm=s.max_grad_norm), total_steps)
+        console = Console()
+        writer = MetricsWriter(workdir or "", total_steps, enabled=workdir is not None, console=console)
 
         def step(params, opt_state, batch, rng):
             loss, grads = jax.value_and_grad(self._loss)(params, batch, rng)
@@ -105,44 +110,74 @@ class Trainer:
             params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), params, opt_state)
             return params, opt_state, loss, finite
 
+        console.line(f"training: {n:,} examples, {total_steps:,} steps of {s.batch_size} ({s.epochs:g} epochs, "
+                     f"{warmup} warmup), peak learning rate {s.learning_rate:g}")
         with sharding.activate(self.mesh):
             opt_state = jax.jit(optimizer.init)(self.params)
             train_step = jax.jit(step, donate_argnums=(0, 1))
             rng = np.random.default_rng(s.seed)
             params, step_index, history = self.params, 0, []
             nonfinite_total, nonfinite_run = 0, 0
-            for epoch in range(math.ceil(s.epochs)):
-                started, losses = time.perf_counter(), []
-                order = rng.permutation(n)
-                for batch, _ in self._batches(arrays, order, s.batch_size):
-                    if step_index >= total_steps:
-                        break
-                    params, opt_state, loss, finite = train_step(params, opt_state, batch,
-                                                                 jax.random.fold_in(self.dropout_key, step_index))
-                    step_index += 1
-                    if bool(finite):
-                        losses.append(loss)
-                        nonfinite_run = 0
-                    else:
-                        nonfinite_total, nonfinite_run = nonfinite_total + 1, nonfinite_run + 1
-                        log.warning("step %d: non-finite gradient, update skipped (%d so far)", step_index,
-                                    nonfinite_total)
-                        if nonfinite_run >= s.max_consecutive_nonfinite:
-                            raise TooManyNonFiniteSteps(
-                                f"{nonfinite_run} consecutive steps had a non-finite gradient (up to step "
-                                f"{step_index}); stopping without saving. Lower the learning rate, or check the "
-                                f"training data for non-finite values.")
-                    if step_index % s.log_every == 0:
-                        log.info("step %d/%d: loss %.4f, %.1fs into epoch %d", step_index, total_steps, float(loss),
-                                 time.perf_counter() - started, epoch + 1)
-                self.params = params
-                mean_loss = float(np.mean(jax.device_get(losses))) if losses else float("nan")
-                seconds = time.perf_counter() - started
-                history.append({"epoch": epoch + 1, "steps": step_index, "train_loss": mean_loss,
-                                "seconds": seconds})
-                log.info("epoch %d: %d steps, loss %.4f, %.1fs", epoch + 1, step_index, mean_loss, seconds)
-                if epoch_end is not None:
-                    epoch_end(epoch + 1, seconds)
+            interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
+            console.start_progress(total_steps)
+            try:
+                for epoch in range(math.ceil(s.epochs)):
+                    started, losses = time.perf_counter(), []
+                    order = rng.permutation(n)
+                    for batch, _ in self._batches(arrays, order, s.batch_size):
+                        if step_index >= total_steps:
+                            break
+                        if step_index == 0:
+                            console.line("compiling the train step (step 1 includes it) ...")
+                        params, opt_state, loss, finite = train_step(
+                            params, opt_state, batch, jax.random.fold_in(self.dropout_key, step_index))
+                        step_index += 1
+                        console.advance()
+                        if step_index == 1:
+                            jax.block_until_ready(loss)
+                            console.line(f"step 1 compiled and ran in {duration(time.perf_counter() - started)}")
+                            writer.mark_start(1)
+                            interval_start = time.perf_counter()
+                        else:
+                            interval_steps += 1
+                        if bool(finite):
+                            losses.append(loss)
+                            interval_losses.append(loss)
+                            nonfinite_run = 0
+                        else:
+                            nonfinite_total, nonfinite_run = nonfinite_total + 1, nonfinite_run + 1
+                            console.line(f"warning: step {step_index}: non-finite gradient, update skipped "
+                                         f"({nonfinite_total} so far)")
+                            if nonfinite_run >= s.max_consecutive_nonfinite:
+                                raise TooManyNonFiniteSteps(
+                                    f"{nonfinite_run} consecutive steps had a non-finite gradient (up to step "
+                                    f"{step_index}); stopping without saving. Lower the learning rate, or check the "
+                                    f"training data for non-finite values.")
+                        if step_index % s.log_every == 0 or step_index == total_steps:
+                            seconds = max(time.perf_counter() - interval_start, 1e-9)
+                            values = {"loss": float(np.mean(jax.device_get(interval_losses))) if interval_losses
+                                      else float("nan"),
+                                      "learning_rate": float(schedule(step_index - 1)), "epoch": epoch + 1,
+                                      "examples_per_s": interval_steps * s.batch_size / seconds}
+                            writer.write(step_index, values)
+                            writer.console(step_index, values,
+                                           keys=("epoch", "loss", "learning_rate", "examples_per_s"))
+                            interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
+                    self.params = params
+                    mean_loss = float(np.mean(jax.device_get(losses))) if losses else float("nan")
+                    seconds = time.perf_counter() - started
+                    history.append({"epoch": epoch + 1, "steps": step_index, "train_loss": mean_loss,
+                                    "seconds": seconds})
+                    console.line(f"epoch {epoch + 1}: {step_index} steps, mean loss {mean_loss:.4f}, "
+                                 f"{duration(seconds)}")
+                    if epoch_end is not None:
+                        evaluated = epoch_end(epoch + 1, seconds)
+                        if evaluated:
+                            writer.write(step_index, evaluated, prefix="eval_")
+                            console.line(f"eval after epoch {epoch + 1}: {metric_text(evaluated)}")
+            finally:
+                console.close_progress()
+                writer.close()
         return {"total_steps": total_steps, "warmup_steps": warmup, "history": history,
                 "nonfinite_steps": nonfinite_total}
 
