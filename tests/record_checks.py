@@ -26,15 +26,17 @@ def check_nsp_balance(labels: np.ndarray, forced_random_next: int, tolerance: fl
 
 
 def check_static_masks(original: dict, m: dict, max_pred: int, special_ids, mask_id: int, *,
-                       rate_tolerance: float, split_tolerance: float):
+                       rate_tolerance: float, split_tolerance: float, rate_of: str = "candidates"):
     """15% of the non-special tokens, the original's count per sequence (Python round, at least 1, at most
     max_pred), increasing positions, labels = the original ids, only recorded positions changed, and each chosen
-    token 80% [MASK] / 10% kept / 10% a random id. original: the unmasked input_ids / input_mask; m: the masked
+    token 80% [MASK] / 10% kept / 10% a random id. rate_of: "candidates" (non-special tokens) or "tokens" (all,
+    the original's base: at short lengths the 3 special tokens weigh, e.g. 10 of 61 candidates at 64). original: the unmasked input_ids / input_mask; m: the masked
     input_ids and masked_lm_positions / _ids / _weights."""
     weights = m["masked_lm_weights"]
     special = np.isin(original["input_ids"], list(special_ids))
     candidates = ((original["input_mask"] == 1) & ~special).sum()
-    assert abs(weights.sum() / candidates - 0.15) <= rate_tolerance
+    base = candidates if rate_of == "candidates" else original["input_mask"].sum()
+    assert abs(weights.sum() / base - 0.15) <= rate_tolerance
     expected = [min(max_pred, max(1, int(round(n * 0.15)))) for n in original["input_mask"].sum(1)]
     np.testing.assert_array_equal(weights.sum(1), expected)
 

@@ -73,7 +73,7 @@ def _multiset(out: Path) -> collections.Counter:
 def test_records_pass_the_original_formats_checks(two_workers, corpus):
     out, summary = two_workers
     records = _records(out)
-    assert len(records) == summary["examples"] > 2000
+    assert len(records) == summary["examples"] > 1500
     for raw in records[:20]:  # Python protobuf: independent of the in-graph encoder
         features = tf.train.Example.FromString(raw).features.feature
         assert {k: len(getattr(f, f.WhichOneof("kind")).value) for k, f in features.items()} == \
@@ -89,12 +89,13 @@ def test_records_pass_the_original_formats_checks(two_workers, corpus):
     tokenizer = load_tokenizer(corpus[1], None)
     check_nsp_layout(original, SEQ, tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id)
     check_static_masks(original, m, PRED, tokenizer.special_ids, tokenizer.mask_id, rate_tolerance=0.01,
-                       split_tolerance=0.015)
+                       split_tolerance=0.015, rate_of="tokens")
     check_nsp_balance(m["next_sentence_labels"][:, 0], summary["stats"]["forced_random_next"], 0.04)
 
 
-def test_same_multiset_on_one_and_two_workers_and_across_runs(two_workers, corpus, tmp_path):
-    """Also the --overwrite path: the 1-worker run replaces a copy of the 2-worker output with 2 shards."""
+def test_same_multiset_on_one_and_two_workers(two_workers, corpus, tmp_path):
+    """Two runs (2 worker processes, then 1 in-memory worker through the CLI) give the same multiset. Also the
+    --overwrite path: the second run replaces a copy of the first one's output, with 2 shards instead of 3."""
     out, _ = two_workers
     reference = _multiset(out)
     one = tmp_path / "one"
@@ -105,6 +106,15 @@ def test_same_multiset_on_one_and_two_workers_and_across_runs(two_workers, corpu
     assert sorted(os.listdir(one)) == ["pretrain-00000-of-00002.tfrecord", "pretrain-00001-of-00002.tfrecord",
                                        "pretrain-metadata.json"]
     assert _multiset(one) == reference
+
+
+@pytest.mark.slow
+def test_same_multiset_on_threads_on_a_second_run_and_not_for_another_seed(two_workers, corpus, tmp_path):
+    out, _ = two_workers
+    reference = _multiset(out)
+    again = tmp_path / "again"
+    beam_create.create_with_beam(_config(corpus), str(again), 4, beam_options=MULTI_PROCESSING)
+    assert _multiset(again) == reference
     threads = tmp_path / "threads"
     beam_create.create_with_beam(_config(corpus), str(threads), 3, beam_options=[
         "direct_running_mode=multi_threading", "direct_num_workers=2"])
