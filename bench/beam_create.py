@@ -121,7 +121,8 @@ def measure(inputs: str, out: Path, runner: str, workers: int, extra: list[str])
     meta = json.loads((out / "pretrain-metadata.json").read_text())
     roles: dict[str, list[float]] = {}
     for role, peak, _ in result["processes"].values():
-        roles.setdefault(role, []).append(round(peak))
+        if peak >= 20:  # not the shell wrappers that start the workers
+            roles.setdefault(role, []).append(round(peak))
     return {"runner": runner, "examples": meta["examples"], "wall_s": round(result["wall_s"], 1),
             "job_s": meta["seconds"], "instances_per_s_wall": round(meta["examples"] / result["wall_s"], 1),
             "instances_per_s_job": round(meta["examples"] / meta["seconds"], 1),

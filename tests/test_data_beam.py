@@ -38,12 +38,16 @@ FLAGS = ["--format", "wikitext", "--max-seq-length", str(SEQ), "--max-prediction
 
 @pytest.fixture(scope="module")
 def corpus(shared_data, tmp_path_factory) -> tuple[str, str]:
-    """Three files of real WikiText-2 text (a few articles each), so that both workers read."""
+    """Three files of real WikiText-2 text (a few articles each), so that both workers read; the third has two
+    lines with invalid UTF-8 (counted, not fatal)."""
     directory = tmp_path_factory.mktemp("beam-corpus")
     valid = (shared_data / "wikitext-2" / "wiki.valid.raw").read_text(encoding="utf-8").splitlines(keepends=True)
     test = (shared_data / "wikitext-2" / "wiki.test.raw").read_text(encoding="utf-8").splitlines(keepends=True)
-    for name, lines in (("a", valid[:300]), ("b", valid[300:600]), ("c", test[:300])):
+    for name, lines in (("a", valid[:300]), ("b", valid[300:600])):
         (directory / f"wiki-{name}.txt").write_text("".join(lines), encoding="utf-8")
+    bad = [b" The caf\xe9 opened in 1921 and closed in 1950 . \n", b" Its sign read \xff\xfe in gold letters . \n"]
+    encoded = [line.encode("utf-8") for line in test[:300]]
+    (directory / "wiki-c.txt").write_bytes(b"".join(encoded[:20] + bad + encoded[20:]))
     return str(directory / "wiki-*.txt"), str(shared_data / "bert" / "uncased_L-4_H-256_A-4" / "vocab.txt")
 
 
@@ -133,14 +137,14 @@ def test_metadata_counters_and_the_pretraining_reader(two_workers):
     per_shard = [sum(1 for _ in tf.data.TFRecordDataset(str(out / n))) for n in meta["shards"]]
     assert meta["examples_per_shard"] == per_shard and sum(per_shard) == meta["examples"] == meta["stats"]["instances"]
     assert meta["bytes_per_shard"] == [(out / n).stat().st_size for n in meta["shards"]]
-    stats = meta["stats"]
+    stats, metrics = meta["stats"], summary["beam_metrics"]
+    assert stats["invalid_utf8_lines"] == 2 and stats["truncated_lines"] == 0 and metrics["invalid_utf8_lines"] == 2
     assert stats["input_files"] == 3 and stats["document_passes"] == 2 * (stats["documents_read"] -
                                                                           stats["empty_documents"])
     # Buckets of at least --doc-buffer documents, fewer than twice as many.
     low, high = meta["documents_per_bucket"]
     assert 4 <= low <= high < 8 and stats["buckets"] == meta["buckets"] > 1
     # The same counters as Beam metrics (the runner's, summed over workers).
-    metrics = summary["beam_metrics"]
     assert {k: metrics.get(k, 0) for k in ("documents_read", "instances", "buckets", "forced_random_next")} == \
         {k: stats[k] for k in ("documents_read", "instances", "buckets", "forced_random_next")}
 
@@ -218,3 +222,26 @@ def test_killed_job_leaves_no_shard_and_a_rerun_completes(two_workers, corpus, t
     assert wrapper["main"](["--input", pattern, "--vocab", vocab, "--out", str(out), "--shards", "3", *FLAGS,
                             *[a for option in MULTI_PROCESSING for a in ("--beam-option", option)]]) == 0
     assert _multiset(out) == reference
+
+
+@pytest.mark.slow
+def test_worker_memory_stays_flat_on_a_corpus_of_several_hundred_mb(shared_data, tmp_path):
+    """WikiText-2 valid+test repeated (BERTJAX_BEAM_MEMORY_COPIES, default 125: ~300 MB, one file per copy, titles
+    renamed per copy) on 2 worker processes: every worker's sampled RSS stays within 512 MiB of its peak on one
+    copy. (The DirectRunner's own process holds the shuffle, as Dataflow's shuffle service would: not a worker.)"""
+    bench = runpy.run_path(str(ROOT / "bench" / "beam_create.py"))
+    copies = int(os.environ.get("BERTJAX_BEAM_MEMORY_COPIES", "125"))
+    flags = ["--max-seq-length", "128", "--max-predictions", "20", "--dupe-factor", "1", "--shards", "8",
+             "--doc-buffer", "100"]
+    peaks = {}
+    for scale in (1, copies):
+        files = bench["write_corpus"](tmp_path / f"corpus-{scale}", scale)
+        if scale == copies:
+            assert sum(p.stat().st_size for p in files) > (200e6 if copies >= 100 else 0)
+        result = bench["measure"](str(tmp_path / f"corpus-{scale}" / "*.txt"), tmp_path / f"out-{scale}", "beam", 2,
+                                  flags)
+        peaks[scale] = result["peak_rss_mib"]["worker"]
+        for pattern in (f"corpus-{scale}",):
+            shutil.rmtree(tmp_path / pattern)
+    small, large = max(peaks[1]), max(peaks[copies])
+    assert large <= small + 512, f"worker peak RSS {large} MiB at {copies}x vs {small} MiB at 1x"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import os
 import time
 
@@ -264,7 +265,8 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     metadata = os.path.join(out_dir, tfrecord.shard_prefix() + tfrecord.METADATA_SUFFIX)
     if not tf.io.gfile.exists(metadata):
         raise create.no_instances_error(config, out_dir)
-    summary = dict(tfrecord.read_metadata(out_dir)[0][1]) if tfrecord.read_metadata(out_dir) else {}
+    with tf.io.gfile.GFile(metadata) as f:
+        summary = json.load(f)
     counters = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
     summary["beam_metrics"] = {c.key.metric.name: c.committed for c in counters}
     log(f"wrote {summary['examples']} examples to {len(summary['shards'])} shard(s) in {out_dir} with Beam's "
