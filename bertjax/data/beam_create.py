@@ -119,14 +119,20 @@ class ReadDocuments(beam.DoFn):
         self.config = config
 
     def setup(self):
-        self.tokenizer = load_tokenizer(self.config.vocab, self.config.lower_case)
+        tokenizer = load_tokenizer(self.config.vocab, self.config.lower_case)
+        # One pipeline for every file (its source yields the current file): building one per file would add its
+        # traced functions to TensorFlow's function library each time.
+        self._path = None
+        paths = tf.data.Dataset.from_generator(lambda: iter([self._path]),
+                                               output_signature=tf.TensorSpec([], tf.string))
+        docs = paths.flat_map(lambda path: corpus.file_documents(path, self.config))
+        self.blocks = tokenized_blocks(docs, tokenizer, _TOKENIZE_BATCH)
 
     def process(self, item):
-        file_index, path = item
+        file_index, self._path = item
         stats = collections.Counter()
-        docs = corpus.documents_from_files([path], self.config, cycle_length=1)
         ordinal = 0
-        for block in tokenized_blocks(docs, self.tokenizer, _TOKENIZE_BATCH).as_numpy_iterator():
+        for block in self.blocks.as_numpy_iterator():
             # The local path's input counters: the same function (Block.from_ragged) drops empty entries.
             stats.update(invalid_utf8_lines=int(block["invalid_utf8"].sum()),
                          truncated_lines=int(block["truncated"].sum()))
