@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import time
+import uuid
 
 import apache_beam as beam
 import numpy as np
@@ -199,7 +200,7 @@ def _shard_info(path: str) -> tuple[str, int, int]:
 
 
 def _finish(_, stats: dict, shards: list, table: dict, config: PretrainingDataConfig, out_dir: str,
-            earlier: list[str], start: float, runner: str):
+            earlier: list[str], start: float, runner: str, run_id: str):
     """The last step: metadata for the complete shards, or (no instances) the empty shards removed."""
     shards = sorted(shards)
     if sum(count for _, count, _ in shards) == 0:
@@ -208,13 +209,13 @@ def _finish(_, stats: dict, shards: list, table: dict, config: PretrainingDataCo
         return
     create.finish_run(config, out_dir, tfrecord.shard_prefix(), [p for p, _, _ in shards],
                       [c for _, c, _ in shards], stats, start, earlier, log=lambda *_: None,
-                      runner=f"beam/{runner}", buckets=table["buckets"],
+                      runner=f"beam/{runner}", run_id=run_id, buckets=table["buckets"],
                       documents_per_bucket=[table["documents"] // table["buckets"],
                                             -(-table["documents"] // table["buckets"])])
 
 
 def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], out_dir: str, num_shards: int, *,
-                   base_stats: dict, earlier: list[str], start: float, runner: str):
+                   base_stats: dict, earlier: list[str], start: float, runner: str, run_id: str):
     """Adds the `data create` transforms to `pipeline` (see the module docstring)."""
     seed = config.seed
     read = (pipeline
@@ -243,7 +244,7 @@ def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], ou
      | "Once" >> beam.Create([None])
      | "WriteMetadata" >> beam.Map(_finish, beam.pvalue.AsSingleton(stats), beam.pvalue.AsList(shards),
                                    beam.pvalue.AsSingleton(table), config=config, out_dir=out_dir, earlier=earlier,
-                                   start=start, runner=runner))
+                                   start=start, runner=runner, run_id=run_id))
 
 
 def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: int, *, runner: str = "DirectRunner",
@@ -264,15 +265,18 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     tf.io.gfile.makedirs(out_dir)
     base_stats = {"input_files": len(files), "empty_files": create.count_empty_files(files)}
     pipeline = beam.Pipeline(options=options)
+    run_id = uuid.uuid4().hex  # tells this run's metadata from an earlier run's (--overwrite, nothing made)
     build_pipeline(pipeline, config, files, out_dir, num_shards, base_stats=base_stats, earlier=earlier,
-                   start=start, runner=runner)
+                   start=start, runner=runner, run_id=run_id)
     result = pipeline.run()
     result.wait_until_finish()
     metadata = os.path.join(out_dir, tfrecord.shard_prefix() + tfrecord.METADATA_SUFFIX)
-    if not tf.io.gfile.exists(metadata):
+    summary = {}
+    if tf.io.gfile.exists(metadata):
+        with tf.io.gfile.GFile(metadata) as f:
+            summary = json.load(f)
+    if summary.get("run_id") != run_id:
         raise create.no_instances_error(config, out_dir)
-    with tf.io.gfile.GFile(metadata) as f:
-        summary = json.load(f)
     counters = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
     summary["beam_metrics"] = {c.key.metric.name: c.committed for c in counters}
     log(f"wrote {summary['examples']} examples to {len(summary['shards'])} shard(s) in {out_dir} with Beam's "
