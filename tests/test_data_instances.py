@@ -17,6 +17,7 @@ from bertjax.data.instances import Block, assemble, create_instances
 from bertjax.data.masking import Masker, masker_for_tokenizer
 from bertjax.data.stages import block_rng
 from bertjax.data.tokenizers import WordPieceTokenizer
+from tests.record_checks import check_nsp_balance, check_nsp_layout, check_static_masks
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 MAX_SEQ, MAX_PRED = 128, 20
@@ -92,21 +93,9 @@ def real(tokenizer, tmp_path_factory):
 
 def test_layout_and_nsp_balance(real, tokenizer):
     x = real["merged"]
-    n = len(x["input_ids"])
-    assert n > 5000
-    labels = x["next_sentence_labels"]
-    # Random next is a fair coin except for one-segment chunks, which are always random next.
-    forced = real["stats"]["forced_random_next"]
-    assert abs((labels.sum() - forced) / (n - forced) - 0.5) <= 0.02
-    length = x["input_mask"].sum(1)
-    assert length.max() <= MAX_SEQ and (length >= 5).all()
-    for ids, mask, seg, ln in zip(x["input_ids"], x["input_mask"], x["segment_ids"], length):
-        assert (mask[:ln] == 1).all() and (mask[ln:] == 0).all() and (ids[ln:] == tokenizer.pad_id).all()
-        seps = np.flatnonzero(ids[:ln] == tokenizer.sep_id)
-        # [CLS] A [SEP] B [SEP]: exactly two [SEP]s, the last one closing the sequence.
-        assert ids[0] == tokenizer.cls_id and len(seps) == 2 and seps[1] == ln - 1 and seps[0] >= 2
-        assert (seg[:seps[0] + 1] == 0).all() and (seg[seps[0] + 1:ln] == 1).all() and (seg[ln:] == 0).all()
-        assert tokenizer.cls_id not in ids[1:ln]
+    assert len(x["input_ids"]) > 5000
+    check_nsp_balance(x["next_sentence_labels"], real["stats"]["forced_random_next"], 0.02)
+    check_nsp_layout(x, MAX_SEQ, tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id)
 
 
 def _find_all(haystack: bytes, needle: bytes) -> list[int]:
@@ -235,36 +224,9 @@ def masked(real, tokenizer):
 
 
 def test_masking_statistics_over_100k_positions(real, masked, tokenizer):
-    x, m = real["merged"], masked
-    weights = m["masked_lm_weights"]
-    assert weights.sum() >= 100_000
-    original, special = x["input_ids"], np.isin(x["input_ids"], [tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id])
-    candidates = ((x["input_mask"] == 1) & ~special).sum()
-    assert abs(weights.sum() / candidates - 0.15) <= 0.005
-    # The count per sequence is the original's formula (Python round: half to even).
-    expected = [min(MAX_PRED, max(1, int(round(n * 0.15)))) for n in x["input_mask"].sum(1)]
-    np.testing.assert_array_equal(weights.sum(1), expected)
-
-    rows = np.repeat(np.arange(len(weights)), MAX_PRED).reshape(weights.shape)
-    valid = weights > 0
-    pos, r = m["masked_lm_positions"][valid], rows[valid]
-    both = valid[:, 1:] & valid[:, :-1]
-    assert (valid[:, 1:] <= valid[:, :-1]).all()  # real predictions first, then padding
-    assert (np.diff(m["masked_lm_positions"], axis=1)[both] > 0).all()  # increasing positions
-    assert not special[r, pos].any()  # [CLS]/[SEP]/[PAD] are never chosen
-    np.testing.assert_array_equal(m["masked_lm_ids"][valid], original[r, pos])  # labels are the originals
-    assert (m["masked_lm_ids"][~valid] == 0).all() and (m["masked_lm_positions"][~valid] == 0).all()
-    # Only the recorded positions changed.
-    changed = m["input_ids"] != original
-    recorded = np.zeros_like(changed)
-    recorded[r, pos] = True
-    assert not (changed & ~recorded).any()
-    new = m["input_ids"][r, pos]
-    as_mask = np.mean(new == tokenizer.mask_id)
-    kept = np.mean(new == original[r, pos])
-    assert abs(as_mask - 0.8) <= 0.01 and abs(kept - 0.1) <= 0.01 and abs(1 - as_mask - kept - 0.1) <= 0.01
-    random_ids = new[(new != tokenizer.mask_id) & (new != original[r, pos])]
-    assert len(np.unique(random_ids)) > 0.5 * len(random_ids)  # random ids are spread over the vocab
+    assert masked["masked_lm_weights"].sum() >= 100_000
+    check_static_masks(real["merged"], masked, MAX_PRED, [tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id],
+                       tokenizer.mask_id, rate_tolerance=0.005, split_tolerance=0.01)
 
 
 def _words(ids: np.ndarray, length: int, tokenizer) -> list[list[int]]:

@@ -21,6 +21,17 @@ def data_config_from_flags(args: argparse.Namespace) -> PretrainingDataConfig:
 
 
 def _create(args: argparse.Namespace) -> int:
+    if args.runner == "beam":
+        if args.num_workers != 1 or args.worker_index != 0:
+            raise ValueError("--runner beam spreads the work over Beam's workers itself: drop --worker-index/"
+                             "--num-workers")
+        from bertjax.data.beam_create import create_with_beam
+
+        create_with_beam(data_config_from_flags(args), args.out, args.shards, runner=args.beam_runner,
+                         beam_options=args.beam_option or [], overwrite=args.overwrite)
+        return 0
+    if args.beam_option or args.beam_runner != "DirectRunner":
+        raise ValueError("--beam-runner/--beam-option need --runner beam")
     from bertjax.data.create import create_pretraining_data
 
     create_pretraining_data(data_config_from_flags(args), args.out, args.shards, worker_index=args.worker_index,
@@ -57,6 +68,14 @@ def register(subparsers) -> None:
     create.add_argument("--num-workers", type=int, default=1)
     create.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run's shards in --out (removed once the new ones are complete)")
+    create.add_argument("--runner", choices=("local", "beam"), default="local",
+                        help="local: this machine (split by hand with --worker-index/--num-workers) | beam: an "
+                        "Apache Beam pipeline (pipelines/beam_create.py), same records format and metadata")
+    create.add_argument("--beam-runner", default="DirectRunner",
+                        choices=("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner"))
+    create.add_argument("--beam-option", action="append", metavar="KEY=VALUE",
+                        help="a Beam pipeline option, repeatable (e.g. project=P, region=R, temp_location=gs://..., "
+                        "direct_num_workers=2)")
     create.set_defaults(func=_create)
 
     vocab = subparsers.add_parser("vocab", help="vocabularies").add_subparsers(dest="vocab_command", required=True)

@@ -181,6 +181,11 @@ def _file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
     return groups.map(to_document)
 
 
+def file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
+    """Documents of one text file (`path`: a scalar string tensor, so one pipeline can serve many files)."""
+    return _file_documents(path, config)
+
+
 def _lines_to_document(group: dict) -> dict:
     lines = group.pop("lines")
     return {"sentences": tf.boolean_mask(lines, tf.not_equal(lines, "")), **group}

@@ -25,17 +25,47 @@ def count_empty_files(files: list[str]) -> int:
     return sum(1 for f in files if tf.io.gfile.stat(f).length == 0)
 
 
+class BlockPasses:
+    """One (block, dupe) pass of `data create`: a tokenized block -> unmasked instances (numpy, the original
+    algorithm) -> static masks -> packed rows (`--pack`) -> serialized tf.train.Example strings.
+
+    The one implementation of those steps for both runners: the local path runs each step as its own parallel
+    tf.data map (so the GIL-bound instance step overlaps with the TF ops); the Beam path (data/beam_create.py)
+    calls `records` on each bucket of documents. Instances and masks are pure functions of (seed, worker_index,
+    block index, dupe) and the block's documents.
+    """
+
+    def __init__(self, config: PretrainingDataConfig, tokenizer, stats: collections.Counter, worker_index: int = 0):
+        self.config, self.pad_id = config, tokenizer.pad_id
+        self.maker = InstanceMaker(config, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
+                                   seed=config.seed, process_index=worker_index, stats=stats)
+        self.masker = masking.masker_for_tokenizer(config, tokenizer)
+        self.base_seed = fold_seed(tf.constant([config.seed, 0], tf.int64), worker_index)
+
+    def instances(self, index, dupe, block: dict, count_input=None) -> dict:
+        """count_input: whether the block's input counters are counted (default: on the block's first dupe)."""
+        return self.maker.tf_map(block, index, tf.reshape(dupe, [1]),
+                                 count_input=tf.equal(dupe, 0) if count_input is None else count_input)
+
+    def mask(self, index, dupe, instances: dict) -> dict:
+        return self.masker(instances, fold_seed(self.base_seed, 2, dupe, index))
+
+    def pack(self, masked: dict) -> dict:
+        return pack_block(masked, self.config.max_instances_per_row, self.pad_id) if self.config.packing else masked
+
+    @staticmethod
+    def serialize(rows: dict) -> tf.Tensor:
+        return tfrecord.serialize_batch(finalize_batch(rows))
+
+    def records(self, index, dupe, block: dict, count_input=None) -> tf.Tensor:
+        """All steps in one call: the serialized records [N] of one (block, dupe) pass."""
+        return self.serialize(self.pack(self.mask(index, dupe, self.instances(index, dupe, block, count_input))))
+
+
 def serialized_instances(config: PretrainingDataConfig, files: list[str], tokenizer,
                          stats: collections.Counter, worker_index: int = 0) -> tf.data.Dataset:
-    """Serialized tf.train.Example strings of one pass over `files` with `dupe_factor` copies (unshuffled).
-
-    Each (block, dupe) pair flows through separate parallel maps (instances in numpy, masking and
-    serialization in TF), so the GIL-bound instance step overlaps with the TF ops.
-    """
-    maker = InstanceMaker(config, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
-                          seed=config.seed, process_index=worker_index, stats=stats)
-    masker = masking.masker_for_tokenizer(config, tokenizer)
-    base_seed = fold_seed(tf.constant([config.seed, 0], tf.int64), worker_index)
+    """Serialized tf.train.Example strings of one pass over `files` with `dupe_factor` copies (unshuffled)."""
+    passes = BlockPasses(config, tokenizer, stats, worker_index)
     if config.is_tfds:
         docs = corpus.tfds_documents(config)
     else:
@@ -45,12 +75,53 @@ def serialized_instances(config: PretrainingDataConfig, files: list[str], tokeni
     copies = blocks.flat_map(lambda index, block: tf.data.Dataset.range(config.dupe_factor).map(
         lambda dupe: (index, dupe, block)))
     parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
-    made = copies.map(lambda index, dupe, block: (index, dupe, maker.tf_map(
-        block, index, tf.reshape(dupe, [1]), count_input=tf.equal(dupe, 0))), **parallel)
-    masked = made.map(lambda index, dupe, out: masker(out, fold_seed(base_seed, 2, dupe, index)), **parallel)
+    made = copies.map(lambda index, dupe, block: (index, dupe, passes.instances(index, dupe, block)), **parallel)
+    masked = made.map(passes.mask, **parallel)
     if config.packing:
-        masked = masked.map(lambda out: pack_block(out, config.max_instances_per_row, tokenizer.pad_id), **parallel)
-    return masked.map(lambda out: tfrecord.serialize_batch(finalize_batch(out)), **parallel).unbatch()
+        masked = masked.map(passes.pack, **parallel)
+    return masked.map(passes.serialize, **parallel).unbatch()
+
+
+def earlier_run_check(out_dir: str, overwrite: bool, worker_index: int = 0, num_workers: int = 1) -> list[str]:
+    """An earlier run's files in `out_dir` (they would be read together with this run's, a directory input):
+    refused, or with `overwrite` returned, to be removed only after this run's shards are complete (a failed run
+    loses nothing)."""
+    earlier = tfrecord.earlier_run_files(out_dir, worker_index, num_workers)
+    if earlier and not overwrite:
+        raise ValueError(f"{out_dir} already holds {len(earlier)} file(s) of an earlier `data create` run ("
+                         f"{', '.join(os.path.basename(p) for p in earlier[:3])}{', ...' if len(earlier) > 3 else ''})"
+                         f": choose another --out, or pass --overwrite to replace them")
+    return earlier
+
+
+def no_instances_error(config: PretrainingDataConfig, out_dir: str) -> ValueError:
+    return ValueError(f"no instances from {config.input!r}: the input has no document with text (nothing "
+                      f"written to {out_dir})")
+
+
+def finish_run(config: PretrainingDataConfig, out_dir: str, prefix: str, paths: list[str], counts: list[int],
+               stats: dict, start: float, earlier: list[str], log=print, **extra) -> dict:
+    """Writes `<prefix>-metadata.json` for the finished shards `paths` (with `counts` examples each), removes the
+    earlier run's files that this run did not replace, and returns the summary (`extra` keys are added to it)."""
+    for path in earlier:
+        if path not in paths and tf.io.gfile.exists(path):
+            tf.io.gfile.remove(path)
+    summary = {
+        "shards": [os.path.basename(p) for p in paths],
+        "examples_per_shard": [int(c) for c in counts],
+        "examples": int(sum(counts)),
+        # Readers compare each shard's size with this: a shard cut short or replaced is named before training.
+        "bytes_per_shard": [tf.io.gfile.stat(p).length for p in paths],
+        "stats": dict(sorted(stats.items())),
+        "seconds": round(time.time() - start, 3),
+        "config": dataclasses.asdict(config),
+        "feature_spec": tfrecord.feature_spec_metadata(config),
+        **extra,
+    }
+    tfrecord.write_metadata(out_dir, prefix, summary)
+    log(f"wrote {summary['examples']} examples to {len(paths)} shard(s) in {out_dir} "
+        f"({summary['seconds']:.1f} s); " + ", ".join(f"{k}={v}" for k, v in summary["stats"].items()))
+    return summary
 
 
 def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_shards: int, *,
@@ -65,13 +136,7 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
         raise ValueError("data create reads text corpora (input_kind='text')")
     config = config.replace(input_kind="text")
     config.require_input()
-    # An earlier run's shards would be read together with this run's (a directory input): refuse, or with
-    # `overwrite` remove them only after this run's shards are complete (a failed run loses nothing).
-    earlier = tfrecord.earlier_run_files(out_dir, worker_index, num_workers)
-    if earlier and not overwrite:
-        raise ValueError(f"{out_dir} already holds {len(earlier)} file(s) of an earlier `data create` run ("
-                         f"{', '.join(os.path.basename(p) for p in earlier[:3])}{', ...' if len(earlier) > 3 else ''})"
-                         f": choose another --out, or pass --overwrite to replace them")
+    earlier = earlier_run_check(out_dir, overwrite, worker_index, num_workers)
     start = time.time()
     files = [] if config.is_tfds else corpus.shard_files(corpus.expand_inputs(config.inputs), worker_index,
                                                          num_workers)
@@ -87,23 +152,5 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     if writer.counts.sum() == 0:
         for path in writer.paths:
             tf.io.gfile.remove(path)
-        raise ValueError(f"no instances from {config.input!r}: the input has no document with text (nothing "
-                         f"written to {out_dir})")
-    for path in earlier:
-        if path not in writer.paths and tf.io.gfile.exists(path):
-            tf.io.gfile.remove(path)
-    summary = {
-        "shards": [os.path.basename(p) for p in writer.paths],
-        "examples_per_shard": writer.counts.tolist(),
-        "examples": int(writer.counts.sum()),
-        # Readers compare each shard's size with this: a shard cut short or replaced is named before training.
-        "bytes_per_shard": [tf.io.gfile.stat(p).length for p in writer.paths],
-        "stats": dict(sorted(stats.items())),
-        "seconds": round(time.time() - start, 3),
-        "config": dataclasses.asdict(config),
-        "feature_spec": tfrecord.feature_spec_metadata(config),
-    }
-    tfrecord.write_metadata(out_dir, prefix, summary)
-    log(f"wrote {summary['examples']} examples to {num_shards} shard(s) in {out_dir} "
-        f"({summary['seconds']:.1f} s); " + ", ".join(f"{k}={v}" for k, v in summary["stats"].items()))
-    return summary
+        raise no_instances_error(config, out_dir)
+    return finish_run(config, out_dir, prefix, writer.paths, writer.counts.tolist(), stats, start, earlier, log)
