@@ -251,8 +251,9 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
                      beam_options: list[str] = (), overwrite: bool = False, log=print) -> dict:
     """Runs the pipeline to completion and returns the summary written to pretrain-metadata.json (plus
     "beam_metrics": the runner's committed counters)."""
-    if config.input_kind != "text" or config.is_tfds:
+    if config.input_kind == "tfrecord" or config.is_tfds:
         raise ValueError("data create --runner beam reads text files (not tfds: or TFRecord input)")
+    config = config.replace(input_kind="text")
     if num_shards < 1:
         raise ValueError(f"--shards must be >= 1, got {num_shards}")
     config.require_input()
