@@ -386,6 +386,23 @@ class BertForQuestionAnswering(nn.Module):
         return logits[..., 0], logits[..., 1]
 
 
+class BertForTokenClassification(nn.Module):
+    """Per-token labels (NER): sequence output -> dropout -> Dense(num_labels); no pooler, as HF's model.
+    Returns [B, L, num_labels] float32 logits."""
+
+    config: BertConfig
+    num_labels: int
+
+    @nn.compact
+    def __call__(self, input_ids, input_mask, segment_ids, *, deterministic: bool = True):
+        sequence, _ = BertModel(self.config, add_pooler=False, name="bert")(
+            input_ids, input_mask, segment_ids, deterministic=deterministic)
+        sequence = Dropout(self.config.hidden_dropout_prob)(sequence, deterministic=deterministic)
+        return nn.Dense(self.num_labels, dtype=jnp.float32, param_dtype=jnp.float32,
+                        kernel_init=_kernel_init(self.config, ("embed", None)), bias_init=_zeros((None,)),
+                        name="classifier")(sequence.astype(jnp.float32))
+
+
 def init_params(module: nn.Module, config: BertConfig, rng, length: int = 8, num_masked: int = 2):
     """Initial (boxed, logically partitioned) params of any bertjax module, from dummy inputs."""
     ids = jnp.zeros((1, length), jnp.int32)

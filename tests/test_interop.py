@@ -238,12 +238,13 @@ def test_checkpoint_round_trip_and_half_written_checkpoint(minilm, tmp_path):
         load_model(str(tmp_path / "partial.orbax-checkpoint-tmp-1"))
 
 
-@pytest.mark.parametrize("architecture", ["BertForSequenceClassification", "BertForQuestionAnswering"])
+@pytest.mark.parametrize("architecture", ["BertForSequenceClassification", "BertForTokenClassification",
+                                          "BertForQuestionAnswering"])
 def test_fine_tuning_heads_match_transformers_and_round_trip(architecture, tmp_path):
     torch.manual_seed(3)
     config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=64, max_position_embeddings=32,
-                                     num_labels=3 if architecture == "BertForSequenceClassification" else 2)
+                                     num_labels=2 if architecture == "BertForQuestionAnswering" else 3)
     reference = getattr(transformers, architecture)(config).eval()
     reference.save_pretrained(str(tmp_path / "src"))
     (tmp_path / "src/vocab.txt").write_text("".join(f"w{i}\n" for i in range(50)))
@@ -258,6 +259,11 @@ def test_fine_tuning_heads_match_transformers_and_round_trip(architecture, tmp_p
         module = model_lib.BertForSequenceClassification(loaded.config, num_labels=3)
         logits = module.apply({"params": loaded.params}, ids, mask, np.zeros_like(ids))
         np.testing.assert_allclose(np.asarray(logits), out.logits.numpy(), atol=1e-5)
+    elif architecture == "BertForTokenClassification":  # no pooler: the export infers the token classifier
+        assert "pooler" not in loaded.params["bert"]
+        logits = model_lib.BertForTokenClassification(loaded.config, num_labels=3).apply(
+            {"params": loaded.params}, ids, mask, np.zeros_like(ids))
+        np.testing.assert_allclose(np.asarray(logits)[mask == 1], out.logits.numpy()[mask == 1], atol=1e-5)
     else:
         start, end = model_lib.BertForQuestionAnswering(loaded.config).apply(
             {"params": loaded.params}, ids, mask, np.zeros_like(ids))

@@ -1,4 +1,4 @@
-"""`bertjax finetune glue | squad | features | multiple-choice`, `eval squad`.
+"""`bertjax finetune glue | squad | ner | features | multiple-choice`, `eval squad`.
 
 The flags come from the fields of `bertjax.finetune.settings`; the jobs (JAX, TensorFlow) are imported only when a
 command runs, so `bertjax --help` stays fast.
@@ -11,7 +11,7 @@ import json
 from bertjax import options
 from bertjax.console import route_logging_to_console
 from bertjax.finetune.glue_data import TASKS
-from bertjax.finetune.settings import SquadSettings, TrainSettings
+from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
 
 
 INIT_HELP = ("checkpoint to start from: a bertjax run directory (its newest complete step) or step, an HF model "
@@ -28,7 +28,7 @@ def _add_train_args(parser: argparse.ArgumentParser, **job_defaults) -> None:
 
 def register(subparsers) -> None:
     finetune = subparsers.add_parser(
-        "finetune", help="fine-tune on GLUE, SQuAD or SWAG; or fit a classifier on frozen features")
+        "finetune", help="fine-tune on GLUE, SQuAD, CoNLL-2003 NER or SWAG; or fit a classifier on frozen features")
     jobs = finetune.add_subparsers(dest="job", required=True)
 
     glue = jobs.add_parser("glue", help="fine-tune and evaluate GLUE tasks; writes dev metrics and submission TSVs")
@@ -74,6 +74,13 @@ def register(subparsers) -> None:
     options.add_flags(squad, SquadSettings, required=("version",))
     _add_train_args(squad, learning_rate=3e-5, batch_size=12, epochs=2.0)
     squad.set_defaults(func=_squad)
+
+    ner = jobs.add_parser("ner", help="fine-tune a token classifier on CoNLL-2003 (column format); writes entity "
+                          "P/R/F1 (conlleval) on valid/test and CoNLL-format predictions")
+    ner.add_argument("--data", required=True, help="directory with train.txt, valid.txt (and test.txt)")
+    options.add_flags(ner, NerSettings)
+    _add_train_args(ner, learning_rate=5e-5, batch_size=32, epochs=3.0)
+    ner.set_defaults(func=_ner)
 
     evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics")
     evals = evaluate.add_subparsers(dest="job", required=True)
@@ -134,6 +141,17 @@ def _squad(args: argparse.Namespace) -> int:
                        init=args.init, train_file=args.train, predict_file=args.predict,
                        save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)
     print(json.dumps(result.get("metrics", {})))
+    return 0
+
+
+def _ner(args: argparse.Namespace) -> int:
+    from bertjax.finetune import ner
+
+    _quiet_logs()
+    result = ner.run(args.data, args.workdir, options.from_flags(TrainSettings, args),
+                     options.from_flags(NerSettings, args), init=args.init, save_checkpoint=args.save_checkpoint,
+                     export_hf=args.export_hf)
+    print(json.dumps({split: m["overall"] for split, m in result["metrics"].items()}))
     return 0
 
 

@@ -61,3 +61,21 @@ class SquadSettings:
     @property
     def version_2(self) -> bool:
         return self.version.startswith("2")
+
+
+@dataclasses.dataclass(frozen=True)
+class NerSettings:
+    """CoNLL-2003 NER windowing (the label sits on each word's first sub-token)."""
+
+    max_seq_length: int = option(128, "tokens per window, [CLS] and [SEP] included")
+    doc_stride: int = option(64, "sub-tokens between window starts when a sentence needs several windows")
+    max_train_sentences: int = option(0, "train on the first N sentences of train.txt only (0: all)")
+
+    def __post_init__(self):
+        if self.max_seq_length < 3:
+            raise ValueError(f"max_seq_length={self.max_seq_length} leaves no room for a token beside [CLS]/[SEP]")
+        if not 1 <= self.doc_stride <= self.max_seq_length - 2:
+            raise ValueError(f"doc_stride={self.doc_stride} must be in [1, max_seq_length - 2 = "
+                             f"{self.max_seq_length - 2}]")
+        if self.max_train_sentences < 0:
+            raise ValueError(f"max_train_sentences={self.max_train_sentences} must be >= 0")

@@ -188,8 +188,8 @@ class Trainer:
                                  deterministic=True)
 
     def predict(self, arrays: dict[str, np.ndarray], per_token: bool = False):
-        """Model outputs for every row of `arrays`; per_token outputs ([B, L] logits) are padded back to the full
-        length with a very negative logit."""
+        """Model outputs for every row of `arrays`; per_token outputs ([B, L] or [B, L, labels] logits) are padded
+        back to the full length with a very negative logit."""
         n = len(arrays["input_ids"])
         max_len = arrays["input_ids"].shape[1]
         inputs = {k: arrays[k] for k in INPUT_KEYS}
@@ -200,7 +200,8 @@ class Trainer:
                 out = jax.tree_util.tree_map(lambda x, r=real: np.asarray(x[:r]), out)
                 if per_token:
                     out = jax.tree_util.tree_map(
-                        lambda x: np.pad(x, ((0, 0), (0, max_len - x.shape[1])), constant_values=-1e4), out)
+                        lambda x: np.pad(x, ((0, 0), (0, max_len - x.shape[1])) + ((0, 0),) * (x.ndim - 2),
+                                     constant_values=-1e4), out)
                 outputs.append(out)
         if not outputs:
             raise ValueError("nothing to predict")
@@ -230,6 +231,19 @@ def classification_loss(logits, batch):
 
 def regression_loss(logits, batch):
     return jnp.square(logits[:, 0] - batch["labels"])
+
+
+def token_classification_loss(logits, batch):
+    """Cross-entropy over the labelled tokens (label_ids >= 0), averaged over all labelled tokens of the batch
+    (as HF's BertForTokenClassification), returned per example so that the Trainer's weighted mean over rows
+    gives exactly that token-level mean: row i carries sum_i(token losses) * sum(w) / sum_j(w_j * tokens_j)."""
+    labels = batch["label_ids"][:, :logits.shape[1]]  # the batch was cut to its length bucket, the labels not
+    mask = labels >= 0
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
+    per_row = jnp.sum(jnp.where(mask, losses, 0.0), axis=1)
+    weights = batch["weights"]
+    tokens = jnp.sum(mask.sum(axis=1) * weights)
+    return per_row * jnp.sum(weights) / jnp.maximum(tokens, 1.0)
 
 
 def span_loss(outputs, batch):

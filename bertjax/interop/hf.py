@@ -1,10 +1,11 @@
 """HuggingFace BERT directories (config.json + safetensors/pytorch_model.bin + vocab) <-> bertjax params.
 
 Import accepts BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification,
-BertForMultipleChoice (read as a one-output classifier head) and BertForQuestionAnswering dumps. Export writes
-safetensors in the PyTorch key layout (transformers v5 has no Flax models), loadable by
-`transformers.<Architecture>.from_pretrained` and `AutoTokenizer.from_pretrained`.
-A SpanBERT SBO head, which HF BERT has no place for, goes to its own file beside them (names.SBO_FILE).
+BertForMultipleChoice (read as a one-output classifier head), BertForTokenClassification and BertForQuestionAnswering
+dumps (the classifiers hold `classifier.*`; the token classifier has no pooler). Export writes safetensors in the
+PyTorch key layout (transformers v5 has no Flax models), loadable by `transformers.<Architecture>.from_pretrained`
+and `AutoTokenizer.from_pretrained`. A SpanBERT SBO head, which HF BERT has no place for, goes to its own file
+beside them (names.SBO_FILE).
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def load_hf(directory: str):
 def _architecture(params: Mapping) -> str:
     groups = convert.held_groups(params)
     if "classifier" in groups:
-        return "BertForSequenceClassification"
+        # HF's token classifier has no pooler; its sequence classifier always has one.
+        return "BertForSequenceClassification" if "pooler" in groups else "BertForTokenClassification"
     if "qa_outputs" in groups:
         return "BertForQuestionAnswering"
     if {"mlm", "nsp"} <= groups:
@@ -128,8 +130,9 @@ def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: st
         num_labels = int(np.shape(params["classifier"]["bias"])[0])
         labels = id2label or {i: f"LABEL_{i}" for i in range(num_labels)}
         extra = dict(num_labels=num_labels, id2label={str(i): l for i, l in labels.items()},
-                     label2id={l: i for i, l in labels.items()},
-                     problem_type="regression" if num_labels == 1 else "single_label_classification")
+                     label2id={l: i for i, l in labels.items()})
+        if architecture == "BertForSequenceClassification":
+            extra["problem_type"] = "regression" if num_labels == 1 else "single_label_classification"
     out = epath.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Tied tensors share memory in numpy views; safetensors needs each stored separately.

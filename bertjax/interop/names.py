@@ -14,7 +14,8 @@ import dataclasses
 import numpy as np
 
 # Groups of tensors that a checkpoint may or may not hold (a BertModel dump has no MLM/NSP heads, a
-# BertForMaskedLM has no pooler and no NSP head, a fine-tuned model has a classifier or qa_outputs).
+# BertForMaskedLM has no pooler and no NSP head, a fine-tuned model has a classifier or qa_outputs). The
+# sequence and token classifiers share the `classifier` tensors ([num_labels, H] in HF); only the sequence one has a pooler.
 GROUPS = ("encoder", "pooler", "mlm", "nsp", "classifier", "qa_outputs", "sbo")
 # SpanBERT's span boundary objective head has no HF BERT counterpart: the HF export writes it to this file beside
 # model.safetensors (PyTorch layout, the "hf" names of the table), so transformers loads the BERT model without

@@ -1,0 +1,67 @@
+"""The CoNLL-2003 NER job: fine-tune a token classifier on train.txt, score valid.txt and test.txt.
+
+Writes to the workdir: predictions_{valid,test}.txt (`word gold predicted` per line, a blank line between
+sentences: conlleval's input), metrics.json (entity-level precision/recall/F1 per type and overall as conlleval
+computes them, per split; per-epoch loss and wall time; the labels and settings), labels.json, and optionally the
+model (bertjax checkpoint / HF BertForTokenClassification with id2label).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+
+from bertjax.finetune import ner_data, ner_metrics
+from bertjax.finetune.settings import NerSettings, TrainSettings
+from bertjax.finetune.trainer import Trainer, token_classification_loss, write_fine_tuned
+from bertjax.interop.load import load_init
+from bertjax.model import BertForTokenClassification
+
+log = logging.getLogger(__name__)
+
+
+def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, init: str, loaded=None,
+        save_checkpoint: bool = False, export_hf: bool = False) -> dict:
+    """Fine-tune and evaluate; returns the metrics.json content. `loaded`: (checkpoint, tokenizer) already read."""
+    splits = ner_data.read_conll_dir(data)
+    train = splits["train"].head(ner.max_train_sentences)
+    ckpt, tokenizer = loaded if loaded is not None else load_init(init)
+    os.makedirs(workdir, exist_ok=True)
+    started = time.perf_counter()
+
+    labels = ner_data.label_list(dataclasses.replace(train, tags=[ner_data.iob1_to_iob2(t) for t in train.tags]))
+    window = dict(max_seq_length=ner.max_seq_length, doc_stride=ner.doc_stride)
+    train_features = ner_data.featurize(train, tokenizer, labels, **window)
+    log.info("train: %d sentences -> %d windows, %d labels", len(train), len(train_features), len(labels))
+    trainer = Trainer(BertForTokenClassification(ckpt.config, len(labels)), ckpt.config, ckpt.params,
+                      token_classification_loss, settings, source=init)
+    train_info = trainer.train(train_features.arrays, workdir=workdir)
+
+    metrics = {}
+    for split in ("valid", "test"):
+        if split not in splits:
+            continue
+        sentences = splits[split]
+        features = ner_data.featurize(sentences, tokenizer, None, **window)
+        logits = trainer.predict(features.arrays, per_token=True)
+        predicted = ner_data.decode(features, logits, sentences, labels)
+        ner_data.write_predictions(os.path.join(workdir, f"predictions_{split}.txt"), sentences, predicted)
+        metrics[split] = ner_metrics.entity_scores(sentences.tags, predicted)
+        overall = metrics[split]["overall"]
+        log.info("%s: precision %.4f recall %.4f F1 %.4f (%d sentences, %d windows)", split, overall["precision"],
+                 overall["recall"], overall["f1"], len(sentences), len(features))
+
+    write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
+                     architecture="BertForTokenClassification", id2label=dict(enumerate(labels)))
+    result = {"metrics": metrics, "labels": labels, "num_train_sentences": len(train),
+              "num_train_windows": len(train_features), "settings": dataclasses.asdict(settings),
+              "ner_settings": dataclasses.asdict(ner), **train_info,
+              "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
+              "total_seconds": time.perf_counter() - started, "init": init}
+    with open(os.path.join(workdir, "labels.json"), "w", encoding="utf-8") as f:
+        json.dump(labels, f)
+    with open(os.path.join(workdir, "metrics.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    return result
