@@ -300,8 +300,10 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
                     log(f"step {step} compiled and ran in {duration(time.perf_counter() - compile_start)}")
                     interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
                     writer.mark_start(step)
+                    console.start_progress(config.train.steps, initial=step)
                 else:
                     interval_steps += 1
+                    console.advance()
                     # Summed on the device (asynchronous adds), read only when logging.
                     counts = {k: step_metrics[k] for k in _COUNTED}
                     interval_counts = counts if interval_counts is None else jax.tree_util.tree_map(
@@ -333,6 +335,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
         if checkpointer.latest_step() != step:
             save(step, force=True)
     finally:
+        console.close_progress()
         failing = sys.exc_info()[1] is not None
         try:
             checkpointer.close()

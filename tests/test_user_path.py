@@ -118,3 +118,17 @@ def test_every_command_is_documented_and_every_documented_command_parses():
     documented = {_check_command(argv[1:], tree, leaves, " ".join(argv)) for argv in _readme_commands()}
     missing = sorted(" ".join(p) for p in leaves - documented)
     assert not missing, f"commands without a README example: {missing}"
+
+
+def test_help_writes_no_native_log_lines():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "bertjax.cli", "--help"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "finetune" in result.stdout
+    assert result.stderr == ""
+    shown = subprocess.run([sys.executable, "-m", "bertjax.cli", "data", "create", "--help"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert "A/B pairs with 50% random next" in shown.stdout and "(default: 0.15)" in shown.stdout
+    assert shown.stderr == ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from bertjax import options
+from bertjax.console import Console
 from bertjax.data.data_config import CorpusConfig, PretrainingDataConfig
 
 # Options of the streaming pipeline only; `data create` writes one static pass per dupe.
@@ -28,14 +29,14 @@ def _create(args: argparse.Namespace) -> int:
         from bertjax.data.beam_create import create_with_beam
 
         create_with_beam(data_config_from_flags(args), args.out, args.shards, runner=args.beam_runner,
-                         beam_options=args.beam_option or [], overwrite=args.overwrite)
+                         beam_options=args.beam_option or [], overwrite=args.overwrite, log=Console().line)
         return 0
     if args.beam_option or args.beam_runner != "DirectRunner":
         raise ValueError("--beam-runner/--beam-option need --runner beam")
     from bertjax.data.create import create_pretraining_data
 
     create_pretraining_data(data_config_from_flags(args), args.out, args.shards, worker_index=args.worker_index,
-                            num_workers=args.num_workers, overwrite=args.overwrite)
+                            num_workers=args.num_workers, overwrite=args.overwrite, log=Console().line)
     return 0
 
 

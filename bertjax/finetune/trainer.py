@@ -178,6 +178,10 @@ class Trainer:
             finally:
                 console.close_progress()
                 writer.close()
+        seconds = max(sum(h["seconds"] for h in history), 1e-9)
+        console.line(f"trained {step_index} steps in {duration(seconds)} ({step_index * s.batch_size / seconds:.1f} "
+                     f"examples/s), final epoch loss {history[-1]['train_loss']:.4f}"
+                     + (f"; curve in {writer.jsonl_path} and {writer.tensorboard_dir}" if workdir else ""))
         return {"total_steps": total_steps, "warmup_steps": warmup, "history": history,
                 "nonfinite_steps": nonfinite_total}
 
