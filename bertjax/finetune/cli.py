@@ -147,7 +147,7 @@ def _squad(args: argparse.Namespace) -> int:
 def _ner(args: argparse.Namespace) -> int:
     from bertjax.finetune import ner
 
-    _quiet_logs()
+    route_logging_to_console()
     result = ner.run(args.data, args.workdir, options.from_flags(TrainSettings, args),
                      options.from_flags(NerSettings, args), init=args.init, save_checkpoint=args.save_checkpoint,
                      export_hf=args.export_hf)
