@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(error, "exit_now", False):
             sys.stdout.flush()
             sys.stderr.flush()
+            # Orbax's writer threads may still be dying with tracebacks of their own: our line stays the last.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
             os._exit(2)
         return 2
 
