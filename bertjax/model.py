@@ -19,13 +19,14 @@ from bertjax.attention import dot_product_attention
 from bertjax.model_config import BertConfig
 from bertjax.dropout import Dropout
 
-# The truncated normal of TF's truncated_normal_initializer(stddev) has a smaller std than `stddev`; jax's
-# initializer is parameterised by the std after truncation, hence the factor (std of N(0,1) cut at +-2).
-_TRUNCATION_STD = 0.87962566103423978
+# TF BERT's truncated_normal_initializer(stddev=initializer_range): a normal of std `stddev` cut at +-2 std, whose
+# own std is 0.8796 * stddev (0.0176 for 0.02). jax's truncated_normal takes the same untruncated `stddev`; scaling
+# it by 0.8796 as well (as before 2026-11-23) gave std 0.0155, a smaller fresh head than BERT's or HF's.
+_TRUNCATED_STD = 0.87962566103423978  # std of N(0, 1) cut at +-2
 
 
 def _kernel_init(config: BertConfig, names: tuple[str | None, ...]):
-    init = nn.initializers.truncated_normal(stddev=config.initializer_range * _TRUNCATION_STD)
+    init = nn.initializers.truncated_normal(stddev=config.initializer_range)
     return nn.with_logical_partitioning(init, names)
 
 

@@ -132,3 +132,17 @@ def test_small_table_lookup_equals_gather_forward_and_gradient():
     expected = np.zeros((3, 5), np.float32)
     np.add.at(expected, np.asarray(ids), np.asarray(weights))
     np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_fresh_kernels_are_tf_berts_truncated_normal():
+    """initializer_range is the std of the untruncated normal (TF BERT's truncated_normal_initializer), so a fresh
+    kernel has std 0.8796 * 0.02 = 0.0176 and nothing beyond 2 * 0.02. The factor used to be applied twice (std
+    0.0155): the NER head started smaller than BERT's or HF's."""
+    config = BertConfig.preset("tiny", vocab_size=96, hidden_size=256, num_attention_heads=4, intermediate_size=512,
+                               max_position_embeddings=32)
+    params = nn.meta.unbox(model_lib.init_params(model_lib.BertForTokenClassification(config, 64), config,
+                                                 jax.random.key(0)))
+    kernel = np.asarray(params["classifier"]["kernel"])  # 16384 draws: the std is known to ~0.5%
+    assert kernel.std() == pytest.approx(model_lib._TRUNCATED_STD * config.initializer_range, rel=0.02)
+    assert np.abs(kernel).max() <= 2 * config.initializer_range
+    assert np.all(np.asarray(params["classifier"]["bias"]) == 0)
