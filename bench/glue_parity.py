@@ -153,26 +153,26 @@ def report(results_path: str, tolerance: float) -> int:
     return 0 if ok else 1
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parity_parser(description: str, data: str, results: str, learning_rate: float,
+                  epochs_type=float) -> argparse.ArgumentParser:
+    """The flags every parity bench shares (this one and bench/ner_parity.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--side", choices=("ours", "hf"))
-    parser.add_argument("--tasks", nargs="+", default=["mrpc", "stsb"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "glue"))
+    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / data))
     parser.add_argument("--init", default=None, help="HF model directory (default: all-MiniLM-L6-v2)")
-    parser.add_argument("--learning-rate", type=float, default=2e-5)
+    parser.add_argument("--learning-rate", type=float, default=learning_rate)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--epochs", type=float, default=3)
+    parser.add_argument("--epochs", type=epochs_type, default=3)
     parser.add_argument("--max-seq-length", type=int, default=128)
-    parser.add_argument("--max-train-examples", type=int, default=None, help="quick check of the script only")
-    parser.add_argument("--results", default=os.path.join(tempfile.gettempdir(), "glue_parity.jsonl"))
+    parser.add_argument("--results", default=os.path.join(tempfile.gettempdir(), results))
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--tolerance", type=float, default=1.5)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    if args.report:
-        return report(args.results, args.tolerance)
+    return parser
+
+
+def prepare_side(parser: argparse.ArgumentParser, args) -> None:
+    """Logging, the default checkpoint and torch's threads for the side being run; `--side` is required."""
     if not args.side:
         parser.error("--side is required unless --report")
     args.init = args.init or default_init()
@@ -180,6 +180,24 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(os.cpu_count() or 1)
+
+
+def append_result(path: str, row: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def main() -> int:
+    parser = parity_parser(__doc__.splitlines()[0], "glue", "glue_parity.jsonl", 2e-5)
+    parser.add_argument("--tasks", nargs="+", default=["mrpc", "stsb"])
+    parser.add_argument("--max-train-examples", type=int, default=None, help="quick check of the script only")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    if args.report:
+        return report(args.results, args.tolerance)
+    prepare_side(parser, args)
     for task_name in args.tasks:
         task = glue_data.get_task(task_name)
         splits = subsample(glue_data.read_glue_dir(task, args.data), args.max_train_examples)
@@ -189,9 +207,7 @@ def main() -> int:
             row = {"task": task.name, "side": args.side, "seed": seed, **out,
                    "total_seconds": time.perf_counter() - started, "train_examples": len(splits["train"]),
                    "epochs": args.epochs, "learning_rate": args.learning_rate, "batch_size": args.batch_size}
-            with open(args.results, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
-            print(json.dumps(row), flush=True)
+            append_result(args.results, row)
     return 0
 
 

