@@ -12,14 +12,18 @@ The algorithm at scale:
 3. A bucket is the local path's block: its documents in permuted order, then `create.BlockPasses` (the one
    implementation of instances, static masking, packing and serialization) for each dupe with block index =
    bucket, so each dupe draws with its own seeds. The bucket's records are permuted (seeded) before writing.
-4. `beam.io.WriteToTFRecord` writes the shards under temporary names and renames them only when every shard is
-   complete; a worker that fails is retried by the runner, and a killed job leaves no file under a shard name.
-   Records are spread round-robin over the shards.
-5. A last step counts each shard's records and bytes and writes `pretrain-metadata.json` (shards, sizes,
-   counters, config), removing an earlier run's files only then (--overwrite).
+4. Records never go through the runner: a bucket writes its records to fragment files under
+   `out/beam-temp-<run id>/` (bucket b covers shards [b*S/B, max(b*S/B + 1, (b+1)*S/B)), its records dealt
+   round-robin over them, so every shard gets records even when B < S) and emits only (shard, fragment) names.
+   Each shard is the byte concatenation of its fragments in bucket order (TFRecord framing concatenates),
+   written under the temporary directory.
+5. A last step, after every shard is complete, renames the shards to their final names, writes
+   `pretrain-metadata.json` (shards, sizes, counters, config), removes an earlier run's files (--overwrite) and
+   the temporary directory. A worker that fails is retried by the runner (fragment and shard names carry a
+   per-attempt id); a killed job leaves no file under a shard name, only `beam-temp-*`.
 
 Every draw depends only on the seed and the input, never on bundle or worker layout: the same seed and input
-give the same multiset of records on any runner and worker count (which shard holds a record is the runner's).
+give the same records in the same shards on any runner and worker count.
 Counters go to Beam metrics (live, in the runner's UI) and, summed exactly once by a combine, to the metadata.
 """
 from __future__ import annotations
@@ -47,6 +51,7 @@ from bertjax.data.tokenizers import load_tokenizer
 BEAM_RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
 METRICS_NAMESPACE = "bertjax"
 _TOKENIZE_BATCH = 256  # documents tokenized per vectorised call while reading (does not change the output)
+_COPY_CHUNK = 16 << 20  # bytes per read when a shard is concatenated from its fragments
 
 
 def permute_index(index: int, n: int, seed: int, rounds: int = 4) -> int:
@@ -148,14 +153,32 @@ class ReadDocuments(beam.DoFn):
         yield beam.pvalue.TaggedOutput("stats", dict(stats))
 
 
+def bucket_shards(bucket: int, buckets: int, num_shards: int) -> range:
+    """The shards that bucket `bucket` of `buckets` writes to: contiguous, one per bucket when buckets >= shards
+    (each shard then gets floor or ceil of buckets / shards buckets), several when fewer buckets than shards (the
+    ranges then cover every shard)."""
+    first = bucket * num_shards // buckets
+    return range(first, max(first + 1, (bucket + 1) * num_shards // buckets))
+
+
+def _write_records(path: str, records) -> None:
+    with tf.io.TFRecordWriter(path) as writer:
+        for record in records:
+            writer.write(record)
+
+
 class BucketRecords(beam.DoFn):
     """(bucket, [(permuted index, document)]) -> the serialized records of every dupe pass over the bucket,
-    permuted with a seeded RNG; the bucket's counters on the "stats" output."""
+    permuted with a seeded RNG and written to fragment files in `temp_dir` (one per shard the bucket covers);
+    emits (shard, (bucket, fragment path, records)) and the bucket's counters on the "stats" output."""
 
-    def __init__(self, config: PretrainingDataConfig):
+    def __init__(self, config: PretrainingDataConfig, temp_dir: str, num_shards: int):
         self.config = config
+        self.temp_dir = temp_dir
+        self.num_shards = num_shards
 
     def setup(self):
+        tf.io.gfile.makedirs(self.temp_dir)
         self.stats = collections.Counter()
         self.passes = create.BlockPasses(self.config, load_tokenizer(self.config.vocab, self.config.lower_case),
                                          self.stats)
@@ -164,7 +187,7 @@ class BucketRecords(beam.DoFn):
         self.records = tf.function(lambda index, dupe, block: self.passes.records(index, dupe, block, False),
                                    reduce_retracing=True, autograph=False)
 
-    def process(self, item):
+    def process(self, item, table: dict):
         bucket, documents = item
         documents = sorted(documents, key=lambda d: d[0])  # permuted order: independent of arrival order
         ids = np.concatenate([d[1][0] for d in documents])
@@ -178,13 +201,42 @@ class BucketRecords(beam.DoFn):
         records = np.concatenate([
             self.records(tf.constant(bucket, tf.int64), tf.constant(dupe, tf.int64), block).numpy()
             for dupe in range(self.config.dupe_factor)])
-        order = np.random.default_rng([self.config.seed, 1, bucket]).permutation(len(records))
-        for i in order:
-            yield bytes(records[i])
+        records = records[np.random.default_rng([self.config.seed, 1, bucket]).permutation(len(records))]
+        shards = bucket_shards(bucket, table["buckets"], self.num_shards)
+        attempt = uuid.uuid4().hex  # a retried or duplicated bundle never writes over another attempt's file
+        for i, shard in enumerate(shards):
+            path = os.path.join(self.temp_dir, f"fragment-{shard:05d}-{bucket:09d}-{attempt}{tfrecord.SHARD_SUFFIX}")
+            part = records[i::len(shards)]
+            _write_records(path, part)
+            yield shard, (bucket, path, len(part))
         stats = collections.Counter(self.stats)
         stats["buckets"] += 1
         _report(stats)
         yield beam.pvalue.TaggedOutput("stats", dict(stats))
+
+
+class ConcatenateShard(beam.DoFn):
+    """(shard, [(bucket, fragment path, records)]) -> the shard written under `temp_dir` as its fragments' bytes
+    in bucket order; emits (shard, temporary path, records)."""
+
+    def __init__(self, temp_dir: str, num_shards: int):
+        self.temp_dir = temp_dir
+        self.num_shards = num_shards
+
+    def process(self, item):
+        shard, fragments = item
+        name = os.path.basename(_shard_path("", shard, self.num_shards))
+        path = os.path.join(self.temp_dir, f"{uuid.uuid4().hex}-{name}")
+        with tf.io.gfile.GFile(path, "wb") as out:
+            for _, fragment, _ in sorted(fragments):
+                with tf.io.gfile.GFile(fragment, "rb") as f:
+                    while chunk := f.read(_COPY_CHUNK):
+                        out.write(chunk)
+        yield shard, path, sum(count for _, _, count in fragments)
+
+
+def _shard_path(out_dir: str, shard: int, num_shards: int) -> str:
+    return os.path.join(out_dir, f"{tfrecord.shard_prefix()}-{shard:05d}-of-{num_shards:05d}{tfrecord.SHARD_SUFFIX}")
 
 
 def _assign_bucket(item, table: dict, seed: int):
@@ -194,30 +246,30 @@ def _assign_bucket(item, table: dict, seed: int):
     return bucket_of(permuted, n, table["buckets"]), (permuted, document)
 
 
-def _shard_info(path: str) -> tuple[str, int, int]:
-    count = int(tf.data.TFRecordDataset(path, buffer_size=1 << 20).reduce(np.int64(0), lambda n, _: n + 1))
-    return path, count, tf.io.gfile.stat(path).length
-
-
-def _finish(_, stats: dict, shards: list, table: dict, config: PretrainingDataConfig, out_dir: str,
-            earlier: list[str], start: float, runner: str, run_id: str):
-    """The last step: metadata for the complete shards, or (no instances) the empty shards removed."""
+def _finish(_, stats: dict, shards: list, table: dict, config: PretrainingDataConfig, out_dir: str, temp_dir: str,
+            num_shards: int, earlier: list[str], start: float, runner: str, run_id: str):
+    """The last step, once every shard is complete: the shards renamed to their final names and the metadata
+    written (or, no instances, nothing), then the temporary directory removed."""
     shards = sorted(shards)
-    if sum(count for _, count, _ in shards) == 0:
-        for path, _, _ in shards:
-            tf.io.gfile.remove(path)
-        return
-    create.finish_run(config, out_dir, tfrecord.shard_prefix(), [p for p, _, _ in shards],
-                      [c for _, c, _ in shards], stats, start, earlier, log=lambda *_: None,
-                      runner=f"beam/{runner}", run_id=run_id, buckets=table["buckets"],
-                      documents_per_bucket=[table["documents"] // table["buckets"],
-                                            -(-table["documents"] // table["buckets"])])
+    if shards and sum(count for _, _, count in shards) > 0:
+        if [shard for shard, _, _ in shards] != list(range(num_shards)):
+            raise RuntimeError(f"shards {[s for s, _, _ in shards]} made, expected 0..{num_shards - 1}")
+        paths = [_shard_path(out_dir, shard, num_shards) for shard, _, _ in shards]
+        for (_, temporary, _), path in zip(shards, paths):
+            tf.io.gfile.rename(temporary, path, overwrite=True)
+        create.finish_run(config, out_dir, tfrecord.shard_prefix(), paths, [c for _, _, c in shards], stats, start,
+                          earlier, log=lambda *_: None, runner=f"beam/{runner}", run_id=run_id,
+                          buckets=table["buckets"], documents_per_bucket=[table["documents"] // table["buckets"],
+                                                                          -(-table["documents"] // table["buckets"])])
+    if tf.io.gfile.exists(temp_dir):
+        tf.io.gfile.rmtree(temp_dir)
 
 
 def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], out_dir: str, num_shards: int, *,
                    base_stats: dict, earlier: list[str], start: float, runner: str, run_id: str):
     """Adds the `data create` transforms to `pipeline` (see the module docstring)."""
     seed = config.seed
+    temp_dir = os.path.join(out_dir, f"beam-temp-{run_id}")
     read = (pipeline
             | "Files" >> beam.Create(list(enumerate(files)))
             | "SpreadFiles" >> beam.Reshuffle()  # one file per work item, on any worker
@@ -231,20 +283,20 @@ def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], ou
     made = (documents
             | "AssignBucket" >> beam.Map(_assign_bucket, beam.pvalue.AsSingleton(table), seed)
             | "GroupBuckets" >> beam.GroupByKey()
-            | "InstancesAndMasks" >> beam.ParDo(BucketRecords(config)).with_outputs("stats", main="records"))
+            | "InstancesAndMasks" >> beam.ParDo(BucketRecords(config, temp_dir, num_shards),
+                                                beam.pvalue.AsSingleton(table)).with_outputs("stats", main="fragments"))
     stats = ((pipeline | "BaseStats" >> beam.Create([base_stats]), read.stats, made.stats)
              | "AllStats" >> beam.Flatten()
              | "SumStats" >> beam.CombineGlobally(_sum_counters))
-    written = (made.records
-               | "WriteShards" >> beam.io.WriteToTFRecord(os.path.join(out_dir, tfrecord.shard_prefix()),
-                                                          file_name_suffix=tfrecord.SHARD_SUFFIX,
-                                                          num_shards=num_shards))
-    shards = written | "CountShards" >> beam.Map(_shard_info)
+    shards = (made.fragments
+              | "GroupShards" >> beam.GroupByKey()  # names and counts only
+              | "ConcatenateShards" >> beam.ParDo(ConcatenateShard(temp_dir, num_shards)))
     (pipeline
      | "Once" >> beam.Create([None])
      | "WriteMetadata" >> beam.Map(_finish, beam.pvalue.AsSingleton(stats), beam.pvalue.AsList(shards),
-                                   beam.pvalue.AsSingleton(table), config=config, out_dir=out_dir, earlier=earlier,
-                                   start=start, runner=runner, run_id=run_id))
+                                   beam.pvalue.AsSingleton(table), config=config, out_dir=out_dir,
+                                   temp_dir=temp_dir, num_shards=num_shards, earlier=earlier, start=start,
+                                   runner=runner, run_id=run_id))
 
 
 def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: int, *, runner: str = "DirectRunner",
