@@ -2,14 +2,19 @@
 an Apache Beam pipeline (DirectRunner, Dataflow, Flink, Spark) for corpora that outgrow one machine.
 
 The algorithm at scale:
-1. Each input file is read and tokenized by one worker (the local path's corpus reader and tokenizer); every
-   non-empty document is keyed (file index, ordinal in the file).
-2. With the count of documents per file (a small side input), document keys become global indices 0..n-1, which
-   a keyed bijection (a Feistel network seeded by --seed) permutes; bucket b holds the permuted indices in
-   [b*n/B, (b+1)*n/B) for B = max(1, n // doc_buffer_size) buckets. So every bucket holds at least
-   `--doc-buffer` documents (fewer only when the whole corpus has fewer: then one bucket holds all of them) and
-   fewer than twice as many: random-next segments are drawn from at least that many other documents.
-3. A bucket is the local path's block: its documents in permuted order, then `create.BlockPasses` (the one
+1. Each input file is read and tokenized by one worker (the local path's corpus reader and tokenizer); its
+   non-empty documents are written in chunks of c = max(1, doc_buffer // 16) consecutive documents to a spill
+   file under `out/beam-temp-<run id>/`, and only a reference per chunk (file index, chunk ordinal, documents,
+   path, byte range) goes on. Documents never pass through the runner's shuffle or side inputs: the
+   DirectRunner hands a worker its whole share of a grouped collection as one bundle, so a worker's memory grew
+   with the corpus when documents were grouped by bucket (see docs/architecture.md).
+2. One step plans the buckets from the references (a few numbers per chunk): chunks get global indices in
+   (file, ordinal) order, a keyed bijection (a Feistel network seeded by --seed) orders them, and bucket k takes
+   the chunks whose first document falls in [k*n/B, (k+1)*n/B) of that order, B = max(1, n // (doc_buffer + c))
+   for n documents. So every bucket holds more than `--doc-buffer` documents (all of them when the corpus is
+   smaller) gathered from at least 16 places all over the corpus, and fewer than 2 * (doc_buffer + c) + c:
+   random-next segments are drawn from at least that many other documents, and a worker holds one bucket.
+3. A bucket is the local path's block: its chunks read back in permuted order, then `create.BlockPasses` (the one
    implementation of instances, static masking, packing and serialization) for each dupe with block index =
    bucket, so each dupe draws with its own seeds. The bucket's records are permuted (seeded) before writing.
 4. Records never go through the runner: a bucket writes its records to fragment files under
@@ -72,23 +77,56 @@ def permute_index(index: int, n: int, seed: int, rounds: int = 4) -> int:
             return x
 
 
-def num_buckets(num_documents: int, documents_per_bucket: int) -> int:
-    """Buckets of at least `documents_per_bucket` documents each (one bucket for a smaller corpus)."""
-    return max(1, num_documents // documents_per_bucket)
+def documents_per_chunk(doc_buffer_size: int) -> int:
+    """Documents per spilled chunk: a bucket gathers at least 16 chunks from places all over the corpus."""
+    return max(1, doc_buffer_size // 16)
 
 
-def bucket_of(permuted: int, num_documents: int, buckets: int) -> int:
-    """Contiguous ranges of permuted indices: bucket sizes are floor or ceil of num_documents / buckets."""
-    return permuted * buckets // num_documents
+def plan_buckets(chunks: list[tuple[int, int, int]], doc_buffer_size: int, seed: int) -> dict:
+    """(file index, chunk ordinal, documents) of every chunk -> the buckets: "members" [bucket] lists the chunks
+    (their positions in `chunks`) in permuted order; "documents", "buckets", "documents_per_bucket" [min, max].
+
+    Chunks get global indices in (file, ordinal) order, a seeded permutation orders them, and bucket k takes the
+    chunks whose first document falls in [k*n/B, (k+1)*n/B) of that order, with B = max(1, n // (doc_buffer +
+    c)) for n documents in chunks of at most c: so every bucket holds more than `doc_buffer` documents (all of
+    them when the corpus is smaller) and fewer than 2 * (doc_buffer + c) + c."""
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i][:2])
+    n = sum(c[2] for c in chunks)
+    if n == 0:
+        return {"members": [], "documents": 0, "buckets": 0, "documents_per_bucket": [0, 0]}
+    largest = max(c[2] for c in chunks)
+    buckets = max(1, n // (doc_buffer_size + largest))
+    permuted = [order[permute_index(i, len(order), seed)] for i in range(len(order))]
+    members: list[list[int]] = [[] for _ in range(buckets)]
+    before = 0
+    for position in permuted:
+        members[before * buckets // n].append(position)
+        before += chunks[position][2]
+    sizes = [sum(chunks[i][2] for i in m) for m in members]
+    return {"members": members, "documents": n, "buckets": buckets, "documents_per_bucket": [min(sizes), max(sizes)]}
 
 
-def document_table(counts: dict[int, int], documents_per_bucket: int) -> dict:
-    """Per-file document counts -> each file's first global index, the total and the number of buckets."""
-    offsets, total = {}, 0
-    for file_index in sorted(counts):
-        offsets[file_index] = total
-        total += counts[file_index]
-    return {"offsets": offsets, "documents": total, "buckets": num_buckets(total, documents_per_bucket)}
+def encode_chunk(documents: list[tuple[np.ndarray, np.ndarray]]) -> bytes:
+    """Documents (token ids, sentence lengths) -> one spill record: counts, sentence lengths, ids (int32)."""
+    header = np.array([len(documents), sum(len(d[1]) for d in documents), sum(len(d[0]) for d in documents)],
+                      np.int64)
+    parts = [header.tobytes(), np.array([len(d[1]) for d in documents], np.int32).tobytes()]
+    parts += [d[1].astype(np.int32).tobytes() for d in documents] + [d[0].astype(np.int32).tobytes() for d in documents]
+    return b"".join(parts)
+
+
+def decode_chunk(data: bytes) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The inverse of `encode_chunk`."""
+    docs, sentences, tokens = np.frombuffer(data[:24], np.int64)
+    body = np.frombuffer(data[24:], np.int32)
+    if len(body) != docs + sentences + tokens:
+        raise ValueError(f"a spilled chunk of {len(data)} bytes does not hold {docs} documents, {sentences} "
+                         f"sentences and {tokens} tokens")
+    per_doc, lengths, ids = np.split(body, [docs, docs + sentences])
+    sentence_splits = np.concatenate([[0], np.cumsum(per_doc)])
+    token_splits = np.concatenate([[0], np.cumsum(lengths)])
+    return [(ids[token_splits[sentence_splits[d]]:token_splits[sentence_splits[d + 1]]],
+             lengths[sentence_splits[d]:sentence_splits[d + 1]]) for d in range(docs)]
 
 
 def beam_pipeline_options(runner: str, options: list[str]):
@@ -117,14 +155,18 @@ def _report(stats: collections.Counter):
             Metrics.counter(METRICS_NAMESPACE, name).inc(int(value))
 
 
-class ReadDocuments(beam.DoFn):
-    """(file index, path) -> ((file index, ordinal), (token ids, sentence lengths)) per non-empty document,
-    plus the file's counters on the "stats" output (documents, empty ones, bad lines)."""
+class SpillDocuments(beam.DoFn):
+    """(file index, path) -> the file's non-empty documents, tokenized, written in chunks of
+    `documents_per_chunk` to a spill file in `temp_dir`; emits a reference per chunk: (file index, chunk
+    ordinal, documents, spill path, byte offset, bytes), and the file's counters on the "stats" output."""
 
-    def __init__(self, config: PretrainingDataConfig):
+    def __init__(self, config: PretrainingDataConfig, temp_dir: str):
         self.config = config
+        self.temp_dir = temp_dir
+        self.chunk_size = documents_per_chunk(config.doc_buffer_size)
 
     def setup(self):
+        tf.io.gfile.makedirs(self.temp_dir)
         tokenizer = load_tokenizer(self.config.vocab, self.config.lower_case)
         # One pipeline for every file (its source yields the current file): building one per file would add its
         # traced functions to TensorFlow's function library each time.
@@ -134,10 +176,7 @@ class ReadDocuments(beam.DoFn):
         docs = paths.flat_map(lambda path: corpus.file_documents(path, self.config))
         self.blocks = tokenized_blocks(docs, tokenizer, _TOKENIZE_BATCH)
 
-    def process(self, item):
-        file_index, self._path = item
-        stats = collections.Counter()
-        ordinal = 0
+    def _documents(self, stats: collections.Counter):
         for block in self.blocks.as_numpy_iterator():
             # The local path's input counters: the same function (Block.from_ragged) drops empty entries.
             stats.update(invalid_utf8_lines=int(block["invalid_utf8"].sum()),
@@ -146,11 +185,45 @@ class ReadDocuments(beam.DoFn):
             splits, doc_splits = clean.sentence_splits, clean.doc_splits
             for d in range(clean.num_documents):
                 sentence_splits = splits[doc_splits[d]:doc_splits[d + 1] + 1]
-                ids = clean.ids[sentence_splits[0]:sentence_splits[-1]]
-                yield (file_index, ordinal), (ids.astype(np.int32), np.diff(sentence_splits).astype(np.int32))
-                ordinal += 1
+                yield clean.ids[sentence_splits[0]:sentence_splits[-1]], np.diff(sentence_splits)
+
+    def process(self, item):
+        file_index, self._path = item
+        stats = collections.Counter()
+        # A retried or duplicated bundle writes its own file: a reference names the attempt that made it.
+        spill = os.path.join(self.temp_dir, f"documents-{file_index:06d}-{uuid.uuid4().hex}.bin")
+        references, chunk, offset = [], [], 0
+        with tf.io.gfile.GFile(spill, "wb") as out:
+            def flush():
+                nonlocal offset
+                data = encode_chunk(chunk)
+                out.write(data)
+                references.append((file_index, len(references), len(chunk), spill, offset, len(data)))
+                offset += len(data)
+                chunk.clear()
+
+            for document in self._documents(stats):
+                chunk.append(document)
+                if len(chunk) == self.chunk_size:
+                    flush()
+            if chunk:
+                flush()
         _report(stats)
+        yield from references
         yield beam.pvalue.TaggedOutput("stats", dict(stats))
+
+
+def _read_chunk(reference) -> list[tuple[np.ndarray, np.ndarray]]:
+    _, _, documents, path, offset, size = reference
+    with tf.io.gfile.GFile(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    if len(data) != size:
+        raise ValueError(f"{path}: {len(data)} bytes at offset {offset}, expected {size}")
+    chunk = decode_chunk(data)
+    if len(chunk) != documents:
+        raise ValueError(f"{path} at offset {offset}: {len(chunk)} documents, expected {documents}")
+    return chunk
 
 
 def bucket_shards(bucket: int, buckets: int, num_shards: int) -> range:
@@ -168,7 +241,8 @@ def _write_records(path: str, records) -> None:
 
 
 class BucketRecords(beam.DoFn):
-    """(bucket, [(permuted index, document)]) -> the serialized records of every dupe pass over the bucket,
+    """(bucket, buckets, [chunk reference] in permuted order) -> the serialized records of every dupe pass over
+    the bucket's documents (read back from the spill files),
     permuted with a seeded RNG and written to fragment files in `temp_dir` (one per shard the bucket covers);
     emits (shard, (bucket, fragment path, records)) and the bucket's counters on the "stats" output."""
 
@@ -187,12 +261,12 @@ class BucketRecords(beam.DoFn):
         self.records = tf.function(lambda index, dupe, block: self.passes.records(index, dupe, block, False),
                                    reduce_retracing=True, autograph=False)
 
-    def process(self, item, table: dict):
-        bucket, documents = item
-        documents = sorted(documents, key=lambda d: d[0])  # permuted order: independent of arrival order
-        ids = np.concatenate([d[1][0] for d in documents])
-        sentence_lengths = np.concatenate([d[1][1] for d in documents])
-        sentences_per_doc = np.array([len(d[1][1]) for d in documents], np.int64)
+    def process(self, item):
+        bucket, buckets, references = item
+        documents = [document for reference in references for document in _read_chunk(reference)]
+        ids = np.concatenate([d[0] for d in documents])
+        sentence_lengths = np.concatenate([d[1] for d in documents])
+        sentences_per_doc = np.array([len(d[1]) for d in documents], np.int64)
         block = {"ids": tf.constant(ids),
                  "sentence_splits": tf.constant(np.concatenate([[0], np.cumsum(sentence_lengths)]), tf.int64),
                  "doc_splits": tf.constant(np.concatenate([[0], np.cumsum(sentences_per_doc)]), tf.int64),
@@ -202,7 +276,7 @@ class BucketRecords(beam.DoFn):
             self.records(tf.constant(bucket, tf.int64), tf.constant(dupe, tf.int64), block).numpy()
             for dupe in range(self.config.dupe_factor)])
         records = records[np.random.default_rng([self.config.seed, 1, bucket]).permutation(len(records))]
-        shards = bucket_shards(bucket, table["buckets"], self.num_shards)
+        shards = bucket_shards(bucket, buckets, self.num_shards)
         attempt = uuid.uuid4().hex  # a retried or duplicated bundle never writes over another attempt's file
         for i, shard in enumerate(shards):
             path = os.path.join(self.temp_dir, f"fragment-{shard:05d}-{bucket:09d}-{attempt}{tfrecord.SHARD_SUFFIX}")
@@ -239,14 +313,15 @@ def _shard_path(out_dir: str, shard: int, num_shards: int) -> str:
     return os.path.join(out_dir, f"{tfrecord.shard_prefix()}-{shard:05d}-of-{num_shards:05d}{tfrecord.SHARD_SUFFIX}")
 
 
-def _assign_bucket(item, table: dict, seed: int):
-    (file_index, ordinal), document = item
-    n = table["documents"]
-    permuted = permute_index(table["offsets"][file_index] + ordinal, n, seed)
-    return bucket_of(permuted, n, table["buckets"]), (permuted, document)
+def _plan_references(references: list, doc_buffer_size: int, seed: int) -> dict:
+    """`plan_buckets` over chunk references; "members" then holds each bucket's references in permuted order."""
+    ordered = sorted(references, key=lambda r: r[:2])  # (file index, chunk ordinal): not the arrival order
+    plan = plan_buckets([r[:3] for r in ordered], doc_buffer_size, seed)
+    plan["members"] = [[ordered[i] for i in members] for members in plan["members"]]
+    return plan
 
 
-def _finish(_, stats: dict, shards: list, table: dict, config: PretrainingDataConfig, out_dir: str, temp_dir: str,
+def _finish(_, stats: dict, shards: list, plan: dict, config: PretrainingDataConfig, out_dir: str, temp_dir: str,
             num_shards: int, earlier: list[str], start: float, runner: str, run_id: str):
     """The last step, once every shard is complete: the shards renamed to their final names and the metadata
     written (or, no instances, nothing), then the temporary directory removed."""
@@ -259,8 +334,7 @@ def _finish(_, stats: dict, shards: list, table: dict, config: PretrainingDataCo
             tf.io.gfile.rename(temporary, path, overwrite=True)
         create.finish_run(config, out_dir, tfrecord.shard_prefix(), paths, [c for _, _, c in shards], stats, start,
                           earlier, log=lambda *_: None, runner=f"beam/{runner}", run_id=run_id,
-                          buckets=table["buckets"], documents_per_bucket=[table["documents"] // table["buckets"],
-                                                                          -(-table["documents"] // table["buckets"])])
+                          buckets=plan["buckets"], documents_per_bucket=plan["documents_per_bucket"])
     if tf.io.gfile.exists(temp_dir):
         tf.io.gfile.rmtree(temp_dir)
 
@@ -268,33 +342,32 @@ def _finish(_, stats: dict, shards: list, table: dict, config: PretrainingDataCo
 def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], out_dir: str, num_shards: int, *,
                    base_stats: dict, earlier: list[str], start: float, runner: str, run_id: str):
     """Adds the `data create` transforms to `pipeline` (see the module docstring)."""
-    seed = config.seed
     temp_dir = os.path.join(out_dir, f"beam-temp-{run_id}")
     read = (pipeline
             | "Files" >> beam.Create(list(enumerate(files)))
             | "SpreadFiles" >> beam.Reshuffle()  # one file per work item, on any worker
-            | "ReadAndTokenize" >> beam.ParDo(ReadDocuments(config)).with_outputs("stats", main="documents"))
-    documents = read.documents
-    table = (documents
-             | "FileOfDocument" >> beam.Map(lambda item: item[0][0])
-             | "DocumentsPerFile" >> beam.combiners.Count.PerElement()
-             | "CountsAsDict" >> beam.combiners.ToDict()
-             | "DocumentTable" >> beam.Map(document_table, config.doc_buffer_size))
-    made = (documents
-            | "AssignBucket" >> beam.Map(_assign_bucket, beam.pvalue.AsSingleton(table), seed)
-            | "GroupBuckets" >> beam.GroupByKey()
-            | "InstancesAndMasks" >> beam.ParDo(BucketRecords(config, temp_dir, num_shards),
-                                                beam.pvalue.AsSingleton(table)).with_outputs("stats", main="fragments"))
+            | "ReadTokenizeSpill" >> beam.ParDo(SpillDocuments(config, temp_dir)).with_outputs("stats",
+                                                                                             main="chunks"))
+    # Only chunk references (a few numbers and a path each) go through the runner from here on.
+    plan = (read.chunks
+            | "AllChunks" >> beam.combiners.ToList()
+            | "PlanBuckets" >> beam.Map(_plan_references, config.doc_buffer_size, config.seed))
+    made = (plan
+            | "Buckets" >> beam.FlatMap(lambda p: [(b, p["buckets"], refs) for b, refs in enumerate(p["members"])])
+            | "SpreadBuckets" >> beam.Reshuffle()
+            | "InstancesAndMasks" >> beam.ParDo(BucketRecords(config, temp_dir, num_shards)).with_outputs(
+                "stats", main="fragments"))
     stats = ((pipeline | "BaseStats" >> beam.Create([base_stats]), read.stats, made.stats)
              | "AllStats" >> beam.Flatten()
              | "SumStats" >> beam.CombineGlobally(_sum_counters))
+    plan_summary = plan | "PlanSummary" >> beam.Map(lambda p: {k: v for k, v in p.items() if k != "members"})
     shards = (made.fragments
               | "GroupShards" >> beam.GroupByKey()  # names and counts only
               | "ConcatenateShards" >> beam.ParDo(ConcatenateShard(temp_dir, num_shards)))
     (pipeline
      | "Once" >> beam.Create([None])
      | "WriteMetadata" >> beam.Map(_finish, beam.pvalue.AsSingleton(stats), beam.pvalue.AsList(shards),
-                                   beam.pvalue.AsSingleton(table), config=config, out_dir=out_dir,
+                                   beam.pvalue.AsSingleton(plan_summary), config=config, out_dir=out_dir,
                                    temp_dir=temp_dir, num_shards=num_shards, earlier=earlier, start=start,
                                    runner=runner, run_id=run_id))
 
