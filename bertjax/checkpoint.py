@@ -3,7 +3,9 @@
 Items:
 - `params`: the float32 param tree (Orbax StandardSave: sharded tensorstore arrays, restorable onto any mesh);
 - `model_config`: the BertConfig as JSON;
-- `vocab`: {"tokens": [...], "lower_case": bool}, so a checkpoint is self-contained (no separate vocab.txt).
+- `vocab`: {"tokens": [...], "lower_case": bool}, so a checkpoint is self-contained (no separate vocab.txt);
+- `head` (fine-tune jobs only): {"architecture": the HF class, "id2label": {"0": label, ...}}, so that
+  `bertjax export` writes the job's own class and labels later (multiple choice is not inferable from tensors).
 The pretraining trainer writes these same items (plus optimizer and data state) in each step directory, so every
 command that takes a checkpoint also takes a training step directory.
 
@@ -29,7 +31,7 @@ from bertjax.options import option
 log = logging.getLogger(__name__)
 
 PARAMS, MODEL_CONFIG, VOCAB = "params", "model_config", "vocab"
-OPT_STATE, TRAIN_META, JOB_CONFIG = "opt_state", "train_meta", "job_config"
+OPT_STATE, TRAIN_META, JOB_CONFIG, HEAD = "opt_state", "train_meta", "job_config", "head"
 # The fields of a train state that are saved as the `train_meta` item (the rest are params and opt_state).
 TRAIN_META_FIELDS = ("step", "rng", "nonfinite_total", "nonfinite_consecutive")
 
@@ -39,7 +41,8 @@ def item_handlers() -> dict[str, ocp.CheckpointHandler]:
     item's metadata (shapes) without restoring it, and a trainer step directory reads as a model checkpoint."""
     return {PARAMS: ocp.StandardCheckpointHandler(), MODEL_CONFIG: ocp.JsonCheckpointHandler(),
             VOCAB: ocp.JsonCheckpointHandler(), OPT_STATE: ocp.StandardCheckpointHandler(),
-            TRAIN_META: ocp.StandardCheckpointHandler(), JOB_CONFIG: ocp.JsonCheckpointHandler()}
+            TRAIN_META: ocp.StandardCheckpointHandler(), JOB_CONFIG: ocp.JsonCheckpointHandler(),
+            HEAD: ocp.JsonCheckpointHandler()}
 
 
 def _model_items(params, config: BertConfig, vocab: list[str], lower_case: bool) -> dict:
@@ -64,6 +67,7 @@ class ModelCheckpoint:
     config: BertConfig
     vocab: list[str]
     lower_case: bool
+    head: dict | None = None  # a fine-tuned head's {"architecture", "id2label"}, where known
 
 
 def read_vocab_file(path: str) -> list[str]:
@@ -88,10 +92,13 @@ def _check_vocab(config: BertConfig, tokens: list[str], origin: str) -> None:
 
 
 def save_model(directory: str, params, config: BertConfig, vocab: list[str], lower_case: bool = True,
-               extra_items: dict | None = None) -> None:
-    """Writes params + config + vocab (and any extra Orbax args) as one composite checkpoint at `directory`."""
+               extra_items: dict | None = None, head: dict | None = None) -> None:
+    """Writes params + config + vocab (+ a fine-tuned `head`'s description, and any extra Orbax args) as one
+    composite checkpoint at `directory`."""
     _check_vocab(config, vocab, directory)
     items = {**_model_items(params, config, vocab, lower_case), **(extra_items or {})}
+    if head is not None:
+        items[HEAD] = ocp.args.JsonSave(head)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(epath.Path(directory).absolute(), args=ocp.args.Composite(**items))
 
@@ -120,8 +127,9 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     path = epath.Path(directory).absolute()
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
+            json_items = [MODEL_CONFIG, VOCAB] + ([HEAD] if (path / HEAD).exists() else [])
             metadata_only = checkpointer.restore(path, args=ocp.args.Composite(
-                **{MODEL_CONFIG: ocp.args.JsonRestore(), VOCAB: ocp.args.JsonRestore()}))
+                **{name: ocp.args.JsonRestore() for name in json_items}))
             if abstract_params is None:
                 # Restore as host numpy arrays on one device, whatever mesh wrote them.
                 tree = checkpointer.metadata(path).item_metadata[PARAMS]
@@ -138,7 +146,7 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     config = BertConfig.from_dict(metadata_only[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
     vocab = metadata_only[VOCAB]
     _check_vocab(config, vocab["tokens"], directory)
-    return ModelCheckpoint(restored[PARAMS], config, vocab["tokens"], vocab["lower_case"])
+    return ModelCheckpoint(restored[PARAMS], config, vocab["tokens"], vocab["lower_case"], metadata_only.get(HEAD))
 
 
 def restore_train_state(step_dir: str, abstract_state):

@@ -76,9 +76,11 @@ def _objective(sums: dict, total_weight, total_count, nsp_loss: bool):
 def summarize(sums: dict, nsp_loss: bool) -> dict:
     weight = jnp.maximum(sums["mlm_weight"], 1e-5)
     count = jnp.maximum(sums["nsp_count"], 1.0)
-    out = {"mlm_loss": sums["mlm_loss_sum"] / weight, "mlm_accuracy": sums["mlm_correct"] / weight,
-           "nsp_loss": sums["nsp_loss_sum"] / count, "nsp_accuracy": sums["nsp_correct"] / count}
-    out["loss"] = out["mlm_loss"] + (out["nsp_loss"] if nsp_loss else 0.0)
+    out = {"mlm_loss": sums["mlm_loss_sum"] / weight, "mlm_accuracy": sums["mlm_correct"] / weight}
+    out["loss"] = out["mlm_loss"]
+    if nsp_loss:  # without it the NSP head is untrained: its accuracy would only be a coin's, shown as a metric
+        out.update(nsp_loss=sums["nsp_loss_sum"] / count, nsp_accuracy=sums["nsp_correct"] / count)
+        out["loss"] = out["loss"] + out["nsp_loss"]
     if "sbo_loss_sum" in sums:
         out.update(sbo_loss=sums["sbo_loss_sum"] / weight, sbo_accuracy=sums["sbo_correct"] / weight)
         out["loss"] = out["loss"] + out["sbo_loss"]

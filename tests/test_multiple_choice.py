@@ -139,7 +139,7 @@ def test_multiple_choice_job_learns_separable_example_and_exports(minilm_dir, tm
     work = tmp_path / "work"
     assert cli(["finetune", "multiple-choice", "--data", str(data), "--init", init, "--workdir", str(work),
                 "--max-seq-length", "32", "--learning-rate", "1e-2", "--batch-size", "16", "--epochs", "8",
-                "--eval-batch-size", "16", "--seed", "1", "--export-hf"]) == 0
+                "--eval-batch-size", "16", "--seed", "1", "--export-hf", "--save-checkpoint"]) == 0
     result = json.loads((work / "metrics.json").read_text())
     assert result["metrics"]["accuracy"] >= 0.9, result
     assert result["history"][-1]["train_loss"] < result["history"][0]["train_loss"] < 1.5  # ln 4 = 1.386 at chance
@@ -160,3 +160,15 @@ def test_multiple_choice_job_learns_separable_example_and_exports(minilm_dir, tm
         logits = reference(**{k: v.view(len(val_rows), 4, -1) for k, v in batch.items()}).logits.numpy()
     ours = np.array([[float(p[f"score{k}"]) for k in range(4)] for p in predictions])
     np.testing.assert_allclose(logits, ours, atol=1e-4)
+    # The saved checkpoint remembers its head: a later `bertjax export` writes BertForMultipleChoice (the tensors
+    # alone read as a one-label sequence classifier), and so does a round trip through `convert`.
+    assert cli(["export", str(work / "checkpoint"), "--out", str(tmp_path / "later")]) == 0
+    assert cli(["convert", str(tmp_path / "later"), "--from", "hf", "--out", str(tmp_path / "converted")]) == 0
+    assert cli(["export", str(tmp_path / "converted"), "--out", str(tmp_path / "again")]) == 0
+    for exported in ("later", "again"):
+        config = json.loads((tmp_path / exported / "config.json").read_text())
+        assert config["architectures"] == ["BertForMultipleChoice"] and "id2label" not in config
+    later = transformers.BertForMultipleChoice.from_pretrained(str(tmp_path / "again")).eval()
+    with torch.no_grad():
+        again = later(**{k: v.view(len(val_rows), 4, -1) for k, v in batch.items()}).logits.numpy()
+    np.testing.assert_allclose(again, logits, atol=1e-6)

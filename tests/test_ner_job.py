@@ -88,6 +88,13 @@ def test_cli_finetune_ner_writes_predictions_metrics_and_hf_export(shared_data, 
     # The export reads back (the architecture is inferred: a classifier without a pooler).
     reread = load_pretrained(str(work / "hf"))
     np.testing.assert_allclose(reread.params["classifier"]["kernel"], fine_tuned.params["classifier"]["kernel"])
+    # A later `bertjax export` of the saved checkpoint keeps the labels (not LABEL_0, ...).
+    assert fine_tuned.head == {"architecture": "BertForTokenClassification",
+                               "id2label": {str(i): l for i, l in enumerate(labels)}}
+    assert reread.head == fine_tuned.head
+    assert main(["export", str(work / "checkpoint"), "--out", str(tmp_path / "later")]) == 0
+    later = json.loads((tmp_path / "later" / "config.json").read_text())
+    assert later["architectures"] == config["architectures"] and later["id2label"] == config["id2label"]
 
 
 def test_cli_finetune_ner_bad_file_is_one_line(tmp_path, capsys):

@@ -141,3 +141,14 @@ def test_optimizer_state_is_sharded_like_its_params():
     assert param_spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     assert adam_state.mu["bert"]["layer_1"]["intermediate"]["kernel"].sharding.spec == param_spec
     assert adam_state.nu["bert"]["layer_1"]["intermediate"]["kernel"].sharding.spec == param_spec
+
+
+def test_nsp_metrics_only_with_the_nsp_loss():
+    """Hand-made sums: 4 masked tokens (3 right, loss sum 8), 2 instances (1 right, NSP loss sum 3). Without the
+    NSP loss the untrained head's accuracy is not reported (it would read as a coin flip's)."""
+    sums = {"mlm_loss_sum": jnp.float32(8.0), "mlm_correct": jnp.float32(3.0), "mlm_weight": jnp.float32(4.0),
+            "nsp_loss_sum": jnp.float32(3.0), "nsp_correct": jnp.float32(1.0), "nsp_count": jnp.float32(2.0)}
+    with_nsp = {k: float(v) for k, v in train_step.summarize(sums, nsp_loss=True).items()}
+    assert with_nsp == {"mlm_loss": 2.0, "mlm_accuracy": 0.75, "nsp_loss": 1.5, "nsp_accuracy": 0.5, "loss": 3.5}
+    without = {k: float(v) for k, v in train_step.summarize(sums, nsp_loss=False).items()}
+    assert without == {"mlm_loss": 2.0, "mlm_accuracy": 0.75, "loss": 2.0}

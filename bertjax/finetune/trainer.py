@@ -221,7 +221,10 @@ def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_che
         target = epath.Path(out_dir) / "checkpoint"
         if target.exists():
             target.rmtree()
-        save_model(str(target), params, init.config, init.vocab, init.lower_case)
+        head = {"architecture": architecture}
+        if hf_config.get("id2label"):  # regression (STS-B) has none
+            head["id2label"] = {str(i): label for i, label in hf_config["id2label"].items()}
+        save_model(str(target), params, init.config, init.vocab, init.lower_case, head=head)
     if hf:
         export_hf(params, init.config, init.vocab, str(epath.Path(out_dir) / "hf"), lower_case=init.lower_case,
                   architecture=architecture, **hf_config)

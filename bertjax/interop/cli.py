@@ -71,7 +71,7 @@ def _convert(args: argparse.Namespace) -> int:
                                     ".../bert_model.ckpt)")
         loaded = load_pretrained(args.src, config_path=args.config, vocab_path=args.vocab)
         loaded.lower_case = not args.cased
-    save_model(args.out, loaded.params, loaded.config, loaded.vocab, loaded.lower_case)
+    save_model(args.out, loaded.params, loaded.config, loaded.vocab, loaded.lower_case, head=loaded.head)
     print(f"wrote {args.out}: {_count(loaded.params):,} parameters, modules {sorted(loaded.params)}")
     return 0
 
@@ -85,7 +85,10 @@ def _export(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out} already exists; choose a new directory")
     source = resolve_checkpoint(args.checkpoint)
     loaded = load_pretrained(source)
-    architecture = export_hf(loaded.params, loaded.config, loaded.vocab, args.out, lower_case=loaded.lower_case)
+    head = loaded.head or {}  # a fine-tune job's class and labels; otherwise inferred from the tensors held
+    id2label = {int(i): label for i, label in head["id2label"].items()} if "id2label" in head else None
+    architecture = export_hf(loaded.params, loaded.config, loaded.vocab, args.out, lower_case=loaded.lower_case,
+                             architecture=head.get("architecture"), id2label=id2label)
     print(f"wrote {args.out} as {architecture} (from {source})")
     if "span_boundary" in loaded.params:
         from bertjax.interop.names import SBO_FILE

@@ -88,6 +88,23 @@ def load_hf(directory: str):
     return params, config, vocab, lower_case
 
 
+FINE_TUNED_HEADS = ("BertForSequenceClassification", "BertForTokenClassification", "BertForMultipleChoice",
+                    "BertForQuestionAnswering")
+
+
+def hf_head(directory: str) -> dict | None:
+    """A fine-tuned HF directory's head: {"architecture"} plus its "id2label" where the class has labels (None for
+    an encoder or a pretraining model)."""
+    config = json.loads((epath.Path(directory) / "config.json").read_text())
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture not in FINE_TUNED_HEADS:
+        return None
+    head = {"architecture": architecture}
+    if architecture in FINE_TUNED_HEADS[:2] and config.get("id2label"):
+        head["id2label"] = {str(k): v for k, v in config["id2label"].items()}
+    return head
+
+
 def _architecture(params: Mapping) -> str:
     groups = convert.held_groups(params)
     if "classifier" in groups:

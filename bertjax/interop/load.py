@@ -5,7 +5,7 @@ from etils import epath
 
 from bertjax.checkpoint import ModelCheckpoint, is_model_checkpoint, load_model, read_vocab_file, resolve_checkpoint
 from bertjax.data.tokenizers import WordPieceTokenizer
-from bertjax.interop.hf import load_hf
+from bertjax.interop.hf import hf_head, load_hf
 from bertjax.interop.tf import load_tf
 
 
@@ -35,7 +35,7 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
         return load_model(src)
     if kind == "hf":
         params, config, vocab, lower_case = load_hf(src)
-        return ModelCheckpoint(params, config, vocab, lower_case)
+        return ModelCheckpoint(params, config, vocab, lower_case, hf_head(src))
     folder = epath.Path(src).parent
     params, config = load_tf(src, config_path or str(folder / "bert_config.json"))
     vocab = read_vocab_file(vocab_path or str(folder / "vocab.txt"))
