@@ -48,7 +48,7 @@ demo-embed: install
 		--output $(DEMO)-embed/embeddings.npy --pooling mean --show-neighbours
 
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=20
 
 test-slow: install
 	$(BIN)/pytest -q -m slow

@@ -124,12 +124,15 @@ def test_layer_specs_are_checked():
 
 
 def _glue_slice(shared_data, root, train_rows: int, dev_rows: int):
-    """The first rows of the real SST-2 train/dev files in the GLUE layout (header kept)."""
+    """The first rows of the real SST-2 train/dev files in the GLUE layout (header kept), and a test.tsv."""
     for name, rows in (("train", train_rows), ("dev", dev_rows)):
         lines = (shared_data / "glue" / "SST-2" / f"{name}.tsv").read_text(encoding="utf-8").splitlines()
         target = root / "SST-2" / f"{name}.tsv"
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text("\n".join(lines[:rows + 1]) + "\n", encoding="utf-8")
+        if name == "dev":  # GLUE's test layout (index, sentence; no label) over the first dev sentences
+            test = [f"{i}\t{line.split(chr(9))[0]}" for i, line in enumerate(lines[1:31])]
+            (root / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "\n".join(test) + "\n", encoding="utf-8")
     return root
 
 
@@ -155,6 +158,12 @@ def test_finetune_features_on_real_sst2(shared_data, minilm_dir, tmp_path):
     accuracy = accuracy_score([r[3] for r in rows], [r[2] for r in rows])
     assert result["metrics"]["dev"]["accuracy"] == pytest.approx(accuracy)
     assert result["score"] == pytest.approx(accuracy)
+    # GLUE's submission file for the test rows (here the first 30 dev sentences in the test layout, so each must
+    # get the prediction its dev twin got).
+    submission = [line.split("\t") for line in (work / "SST-2.tsv").read_text().splitlines()]
+    assert submission[0] == ["index", "prediction"] and len(submission) == 31
+    assert [r[0] for r in submission[1:]] == [str(i) for i in range(30)]
+    assert [r[1] for r in submission[1:]] == [r[2] for r in rows[:30]]
 
 
 def test_regression_tasks_get_ridge_with_alpha_from_the_grid():

@@ -12,7 +12,8 @@ several times cheaper on a small CPU, and the standardisation it then sees is fi
 which holds no dev information. The CV score is accuracy, CoLA's is the Matthews correlation (its GLUE metric).
 Regression (STS-B): RidgeCV over the same standardised features, alpha chosen by efficient leave-one-out.
 
-Writes <workdir>/metrics.json and dev_predictions.tsv (row, prediction, label).
+Writes <workdir>/metrics.json, dev_predictions.tsv (row, prediction, label) and, where the data has test files,
+GLUE's submission file(s) (<TASK>.tsv: index, prediction), as the fine-tuning job does.
 """
 from __future__ import annotations
 
@@ -110,13 +111,15 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
     train_x = features(train)
     dev = {split.name: splits[f"dev:{split.name}"] for split in task.splits}
     dev_x = {name: features(examples) for name, examples in dev.items()}
+    tests = {split: splits[f"test:{split.name}"] for split in task.splits if f"test:{split.name}" in splits}
+    test_x = [features(examples) for examples in tests.values()]
     feature_seconds = time.perf_counter() - started
     log.info("%s: features of %d train and %d dev examples (%d wide) in %.1fs", task.name, len(train),
              sum(len(e) for e in dev.values()), train_x.shape[1], feature_seconds)
 
     started = time.perf_counter()
     names = list(dev)
-    stacked = np.concatenate([dev_x[n] for n in names])
+    stacked = np.concatenate([dev_x[n] for n in names] + test_x)  # one fit scores dev and test rows
     preds, fit_info = fit_predict(train_x, train.labels, stacked, regression=task.is_regression,
                                   scoring="matthews_corrcoef" if task.name == "cola" else "accuracy",
                                   cv_folds=cv_folds, seed=seed)
@@ -131,6 +134,10 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
             metrics[name] = glue_metrics.compute_metrics(task.name, split_preds, labels)
             for guid, pred, label in zip(dev[name].guids, split_preds, labels):
                 f.write(f"{name}\t{guid}\t{glue_data.label_name(task, pred)}\t{glue_data.label_name(task, label)}\n")
+    for (split, examples) in tests.items():
+        glue_data.write_submission(task, os.path.join(out_dir, split.submission), examples.guids,
+                                   preds[offset:offset + len(examples.guids)])
+        offset += len(examples.guids)
     score = float(np.mean([glue_metrics.task_score(task.name, m) for m in metrics.values()]))
     result = {"task": task.name, "metrics": metrics, "score": score, "layers": layers, "pooling": pooling,
               "feature_width": int(train_x.shape[1]), "num_train_examples": len(train),

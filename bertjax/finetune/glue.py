@@ -29,14 +29,6 @@ def predictions_from_logits(task: glue_data.GlueTask, logits: np.ndarray) -> np.
     return logits[:, 0] if task.is_regression else np.argmax(logits, axis=-1)
 
 
-def write_submission(task: glue_data.GlueTask, path: str, guids: list[str], preds: np.ndarray) -> None:
-    """GLUE's submission TSV: a header, then index and the predicted label name (or score)."""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("index\tprediction\n")
-        for guid, pred in zip(guids, preds):
-            f.write(f"{guid}\t{glue_data.label_name(task, pred)}\n")
-
-
 def _read_diagnostic(data: str) -> glue_data.Examples | None:
     """GLUE's AX set (diagnostic/diagnostic.tsv: index, sentence1, sentence2), scored with the MNLI model."""
     path = os.path.join(data, "diagnostic", "diagnostic.tsv")
@@ -88,10 +80,10 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
         test = f"test:{split.name}"
         if test in features:
             preds = predictions_from_logits(task, trainer.predict(features[test]))
-            write_submission(task, os.path.join(out_dir, split.submission), splits[test].guids, preds)
+            glue_data.write_submission(task, os.path.join(out_dir, split.submission), splits[test].guids, preds)
     if task.name == "mnli" and (ax := _read_diagnostic(data)) is not None:
         preds = predictions_from_logits(task, trainer.predict(glue_data.featurize(ax, tokenizer, max_seq_length)))
-        write_submission(task, os.path.join(out_dir, "AX.tsv"), ax.guids, preds)
+        glue_data.write_submission(task, os.path.join(out_dir, "AX.tsv"), ax.guids, preds)
 
     id2label = None if task.is_regression else dict(enumerate(task.labels))
     write_fine_tuned(trainer.params, ckpt, out_dir, bertjax_checkpoint=save_checkpoint, hf=export_hf,

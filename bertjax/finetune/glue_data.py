@@ -248,6 +248,14 @@ def featurize(examples: Examples, tokenizer, max_seq_length: int) -> dict[str, n
     return out
 
 
+def write_submission(task: GlueTask, path: str, guids: list[str], preds) -> None:
+    """GLUE's submission TSV: a header, then index and the predicted label name (or score)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("index\tprediction\n")
+        for guid, pred in zip(guids, preds):
+            f.write(f"{guid}\t{label_name(task, pred)}\n")
+
+
 def label_name(task: GlueTask, pred) -> str:
     """A prediction as GLUE's submission format writes it (label name, or the score for STS-B)."""
     if task.is_regression:
