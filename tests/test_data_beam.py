@@ -104,6 +104,8 @@ def test_same_multiset_on_one_and_two_workers(two_workers, corpus, tmp_path):
     reference = _multiset(out)
     one = tmp_path / "one"
     shutil.copytree(out, one)
+    (one / "beam-temp-killed").mkdir()  # what a killed run leaves: --overwrite removes it too
+    (one / "beam-temp-killed" / "documents-000000-0.bin").write_bytes(b"x")
     pattern, vocab = corpus
     assert bertjax_main(["data", "create", "--runner", "beam", "--input", pattern, "--vocab", vocab, "--out",
                          str(one), "--shards", "2", "--overwrite", *FLAGS]) == 0
@@ -238,12 +240,15 @@ def test_killed_job_leaves_no_shard_and_a_rerun_completes(two_workers, corpus, t
     finally:
         proc.wait(timeout=60)
     assert not list(out.glob("*.tfrecord")) and not (out / "pretrain-metadata.json").exists()
+    stale = list(out.glob("beam-temp-*"))
+    assert len(stale) == 1
     with pytest.raises(FileNotFoundError):
         find_shards([str(out)])
     wrapper = runpy.run_path(str(ROOT / "pipelines" / "beam_create.py"))
     assert wrapper["main"](["--input", pattern, "--vocab", vocab, "--out", str(out), "--shards", "3", *FLAGS,
                             *[a for option in MULTI_PROCESSING for a in ("--beam-option", option)]]) == 0
     assert _multiset(out) == reference
+    assert list(out.glob("beam-temp-*")) == stale  # named, not removed without --overwrite
 
 
 @pytest.mark.slow

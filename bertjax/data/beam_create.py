@@ -372,6 +372,23 @@ def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], ou
                                    runner=runner, run_id=run_id))
 
 
+def _stale_temporary_directories(out_dir: str, overwrite: bool, log) -> None:
+    """A killed job's `beam-temp-*` (spills, fragments, unfinished shards; never read as data): removed with
+    --overwrite, named otherwise (another job may still be writing into the same --out)."""
+    stale = sorted(tf.io.gfile.glob(os.path.join(out_dir, "beam-temp-*")))
+    if not stale:
+        return
+    names = ", ".join(os.path.basename(p) for p in stale[:3]) + (", ..." if len(stale) > 3 else "")
+    if overwrite:
+        for path in stale:
+            tf.io.gfile.rmtree(path)
+        log(f"removed {len(stale)} temporary director{'y' if len(stale) == 1 else 'ies'} of unfinished runs "
+            f"({names}) from {out_dir}")
+    else:
+        log(f"note: {out_dir} holds {len(stale)} temporary director{'y' if len(stale) == 1 else 'ies'} of "
+            f"unfinished runs ({names}); delete them, or pass --overwrite, once no job writes there")
+
+
 def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: int, *, runner: str = "DirectRunner",
                      beam_options: list[str] = (), overwrite: bool = False, log=print) -> dict:
     """Runs the pipeline to completion and returns the summary written to pretrain-metadata.json (plus
@@ -389,6 +406,7 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     corpus.check_text_files(files)
     load_tokenizer(config.vocab, config.lower_case)  # a bad vocab fails here, not on every worker
     tf.io.gfile.makedirs(out_dir)
+    _stale_temporary_directories(out_dir, overwrite, log)
     base_stats = {"input_files": len(files), "empty_files": create.count_empty_files(files)}
     pipeline = beam.Pipeline(options=options)
     run_id = uuid.uuid4().hex  # tells this run's metadata from an earlier run's (--overwrite, nothing made)
