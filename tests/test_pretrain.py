@@ -166,7 +166,8 @@ def test_dry_run_compiles_and_plans_without_writing(corpus, tmp_path):
     assert not workdir.exists()
 
 
-@pytest.mark.parametrize("packing", [False, True])
+# Unpacked: slow-marked, for the default suite's time; the SIGKILL test below resumes an unpacked run bit-exactly.
+@pytest.mark.parametrize("packing", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, packing):
     uninterrupted = request.getfixturevalue("uninterrupted_packed" if packing else "uninterrupted")
     extra = PACKING if packing else ()

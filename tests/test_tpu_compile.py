@@ -38,7 +38,8 @@ def _param_bytes(config) -> int:
     return sum(4 * int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
 
 
-@pytest.mark.parametrize("name, chips, hosts", [("v5e:2x2", 4, 1), ("v4-8", 4, 1), ("v6e-8", 8, 1)])
+@pytest.mark.parametrize("name, chips, hosts", [("v5e:2x2", 4, 1), ("v4-8", 4, 1),
+                                                pytest.param("v6e-8", 8, 1, marks=pytest.mark.slow)])
 def test_tiny_step_compiles_for_two_generations_and_reports_its_cost(name, chips, hosts):
     config = _tiny()
     result = _compiled(name)
