@@ -171,6 +171,17 @@ def parity_parser(description: str, data: str, results: str, learning_rate: floa
     return parser
 
 
+def report_or_run(parser: argparse.ArgumentParser, report, run) -> int:
+    """Parses the flags; `--report` prints `report(results, tolerance)`, otherwise `run(args)` for the side."""
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    if args.report:
+        return report(args.results, args.tolerance)
+    prepare_side(parser, args)
+    return run(args)
+
+
 def prepare_side(parser: argparse.ArgumentParser, args) -> None:
     """Logging, the default checkpoint and torch's threads for the side being run; `--side` is required."""
     if not args.side:
@@ -192,12 +203,10 @@ def main() -> int:
     parser = parity_parser(__doc__.splitlines()[0], "glue", "glue_parity.jsonl", 2e-5)
     parser.add_argument("--tasks", nargs="+", default=["mrpc", "stsb"])
     parser.add_argument("--max-train-examples", type=int, default=None, help="quick check of the script only")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    if args.report:
-        return report(args.results, args.tolerance)
-    prepare_side(parser, args)
+    return report_or_run(parser, report, run_tasks)
+
+
+def run_tasks(args) -> int:
     for task_name in args.tasks:
         task = glue_data.get_task(task_name)
         splits = subsample(glue_data.read_glue_dir(task, args.data), args.max_train_examples)

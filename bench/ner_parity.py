@@ -21,7 +21,6 @@ The figures in docs/architecture.md (a 2-core CPU shared with other jobs) used, 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import sys
@@ -35,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bertjax.finetune import ner_data, ner_metrics  # noqa: E402
-from glue_parity import append_result, parity_parser, prepare_side  # noqa: E402  (bench/ is the script's path)
+from glue_parity import append_result, parity_parser, report_or_run  # noqa: E402  (bench/ is the script's path)
 
 
 def write_subset(data: str, out: str, max_train: int, max_eval: int) -> str:
@@ -186,12 +185,10 @@ def main() -> int:
     parser.add_argument("--max-train-sentences", type=int, default=0, help="first N train sentences (0: all)")
     parser.add_argument("--max-eval-sentences", type=int, default=0, help="first N valid/test sentences (0: all)")
     parser.add_argument("--subset-dir", default=os.path.join(tempfile.gettempdir(), "ner_parity_data"))
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    if args.report:
-        return report(args.results, args.tolerance)
-    prepare_side(parser, args)
+    return report_or_run(parser, report, run_seeds)
+
+
+def run_seeds(args) -> int:
     data = write_subset(args.data, os.path.join(args.subset_dir, args.side), args.max_train_sentences,
                         args.max_eval_sentences)
     for seed in args.seeds:
@@ -203,6 +200,7 @@ def main() -> int:
             "epochs": args.epochs, "learning_rate": args.learning_rate, "batch_size": args.batch_size,
             "max_seq_length": args.max_seq_length})
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
