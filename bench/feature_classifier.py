@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from bertjax.embed import encoded_features, parse_layers  # noqa: E402
 from bertjax.finetune import features as features_job  # noqa: E402
 from bertjax.finetune import glue_data, glue_metrics  # noqa: E402
+from bertjax.finetune.embed import encoded_features, parse_layers  # noqa: E402
 
 
 def default_init() -> str:

@@ -32,9 +32,9 @@ def main() -> int:
     import torch
     import transformers
 
-    from bertjax import model as model_lib
-    from bertjax.model_config import BertConfig
     from bertjax.interop.load import load_pretrained
+    from bertjax.model import bert as model_lib
+    from bertjax.model.config import BertConfig
 
     torch.set_num_threads(args.threads)
     config = BertConfig.preset(args.preset, dtype=args.dtype)

@@ -27,8 +27,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bertjax.finetune import glue_data  # noqa: E402
-from bertjax.finetune import glue_metrics  # noqa: E402
+from bertjax.finetune import (
+    glue_data,  # noqa: E402
+    glue_metrics,  # noqa: E402
+)
 
 
 def default_init() -> str:
@@ -52,7 +54,7 @@ def run_ours(task: glue_data.GlueTask, splits: dict, args, seed: int) -> dict:
     from bertjax.finetune.settings import TrainSettings
     from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss
     from bertjax.interop.load import load_init
-    from bertjax.model import BertForSequenceClassification
+    from bertjax.model.bert import BertForSequenceClassification
 
     ckpt, tokenizer = load_init(args.init)
     settings = TrainSettings(learning_rate=args.learning_rate, batch_size=args.batch_size, epochs=args.epochs,

@@ -38,8 +38,8 @@ def ours_steps(features, init, settings, batches, total_steps, num_labels):
 
     from bertjax.finetune.trainer import Trainer, token_classification_loss
     from bertjax.interop.load import load_init
-    from bertjax.model import BertForTokenClassification
-    from bertjax.optim import OptimizerConfig, make_optimizer
+    from bertjax.model.bert import BertForTokenClassification
+    from bertjax.pretraining.optim import OptimizerConfig, make_optimizer
 
     ckpt, _ = load_init(init)
     trainer = Trainer(BertForTokenClassification(ckpt.config, num_labels), ckpt.config, ckpt.params,

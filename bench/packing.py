@@ -54,10 +54,12 @@ def step_real_tokens_per_s(configs: dict, model_name: str, steps: int) -> dict[s
     import jax
     import numpy as np
 
-    from bertjax import model as model_lib
-    from bertjax import optim, train_state, train_step
     from bertjax.data.pipeline import make_pretraining_dataset
-    from bertjax.model_config import BertConfig
+    from bertjax.model import bert as model_lib
+    from bertjax.model.config import BertConfig
+    from bertjax.pretraining import optim
+    from bertjax.pretraining import state as train_state
+    from bertjax.pretraining import step as train_step
 
     seq = next(iter(configs.values())).max_seq_length
     rows = BATCH_TOKENS // seq

@@ -32,8 +32,11 @@ def _batch(rng, batch, seq, masked, vocab):
 def _ours(config, batch, seq, masked):
     import jax
 
-    from bertjax import model as model_lib
-    from bertjax import optim, sharding, train_state, train_step
+    from bertjax import sharding
+    from bertjax.model import bert as model_lib
+    from bertjax.pretraining import optim
+    from bertjax.pretraining import state as train_state
+    from bertjax.pretraining import step as train_step
 
     mesh = sharding.make_mesh(data=1, devices=jax.devices()[:1])
     model = model_lib.BertForPreTraining(config)
@@ -107,7 +110,7 @@ def _same_host_malloc_as_bertjax() -> bool:
 
 def _torch_matmul_peak(size: int = 1024, repeats: int = 5) -> float | None:
     """FLOP/s of torch's fp32 square matmul on the CPU (its MKL sgemm beats XLA's matmuls on some CPUs), the same
-    shape and best-of as bertjax.metrics.measure_matmul_peak; None on a GPU."""
+    shape and best-of as bertjax.pretraining.metrics.measure_matmul_peak; None on a GPU."""
     import torch
 
     if torch.cuda.is_available():
@@ -192,8 +195,8 @@ def main() -> int:
 
     import jax
 
-    from bertjax import metrics
-    from bertjax.model_config import BertConfig
+    from bertjax.model.config import BertConfig
+    from bertjax.pretraining import metrics
 
     config = BertConfig.preset(args.preset, dtype=args.dtype, hidden_dropout_prob=0.1,
                                attention_probs_dropout_prob=args.attention_dropout,

@@ -20,13 +20,17 @@ import logging
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from etils import epath
 from flax import traverse_util
+from jax.experimental import multihost_utils
 
 from bertjax.errors import first_line
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 from bertjax.options import option
+
+# Written into a pretraining workdir by process 0 once the run's last checkpoint is finalised: the job is done
+# (what the babysitter looks for before running the job again).
+COMPLETION_MARKER = "COMPLETED"
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ COMMAND_MODULES = (
     "bertjax.interop.cli",
     "bertjax.data.cli",
     "bertjax.finetune.cli",
-    "bertjax.pretrain_cli",
-    "bertjax.launch_cli",
+    "bertjax.pretraining.cli",
+    "bertjax.cloud.cli",
 )
 
 

@@ -1,6 +1,6 @@
 """Device mesh (data, fsdp, tensor) and the logical-axis rules that place BERT on it.
 
-Parameters and activations are annotated with logical axis names in `bertjax.model`; the rules below are the only
+Parameters and activations are annotated with logical axis names in `bertjax.model.bert`; the rules below are the only
 place that says which mesh axis each name is split over (MaxText's scheme). Changing a parallelism strategy means
 changing rules, not model code.
 """

@@ -6,7 +6,7 @@ Run (TPU pod slice, one process per host; see launch/):
 Compute: 900k steps x 256 seq x ~70 GFLOP/seq = 1.6e19 FLOP; estimate (not measured) ~2 h on a v4-32 (16 chips)
 at 50% MFU, bf16.
 """
-from bertjax.pretrain_config import default_config
+from bertjax.pretraining.config import default_config
 
 
 def get_config():

@@ -7,7 +7,7 @@ Run:
 Compute: 100k steps x 256 seq x 512 tokens x ~588 MFLOP/token = 7.7e18 FLOP; estimate (not measured) ~1 h on a
 v4-32 at 50% MFU.
 """
-from bertjax.pretrain_config import default_config
+from bertjax.pretraining.config import default_config
 
 
 def get_config():

@@ -5,7 +5,7 @@ Run:
       --set data.input='gs://BUCKET/wiki/*.txt' --set data.vocab=gs://BUCKET/vocab.txt
 Compute: 7038 steps x 65536 seq x ~3.3 x 70 GFLOP/seq ~ 1.1e20 FLOP; estimate (not measured) ~14 h on a v4-32 at 50% MFU.
 """
-from bertjax.pretrain_config import default_config
+from bertjax.pretraining.config import default_config
 
 
 def get_config():

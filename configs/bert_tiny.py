@@ -3,7 +3,7 @@
 Run:  bertjax pretrain --config bert-tiny --workdir runs/tiny --set data.input=CORPUS_GLOB --set data.vocab=VOCAB
 Time: 300 steps of batch 32, seq 128 take a few minutes on a 2-core CPU machine (see README for measured figures).
 """
-from bertjax.pretrain_config import default_config
+from bertjax.pretraining.config import default_config
 
 
 def get_config():

@@ -5,7 +5,11 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from bertjax.attention import dot_product_attention, reference_attention, resolve_backend
+from bertjax.model.attention import (
+    dot_product_attention,
+    reference_attention,
+    resolve_backend,
+)
 
 BATCH, LENGTH, HEADS, HEAD_DIM = 3, 40, 2, 16
 

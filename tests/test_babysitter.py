@@ -7,13 +7,11 @@ import time
 
 import pytest
 
-from bertjax.babysitter import babysit, failure_signature
-from bertjax.demo_corpus import write_demo_corpus
+from bertjax.cloud.babysitter import babysit, failure_signature
+from bertjax.cloud.local import LocalProcesses, launch
+from bertjax.data.demo_corpus import write_demo_corpus
 from tests.conftest import REPO_ROOT
 from tests.test_pretrain import _argv, _env, _final_params
-
-sys.path.insert(0, str(REPO_ROOT))
-from launch.local import LocalProcesses, launch  # noqa: E402
 
 
 @pytest.fixture(scope="module")

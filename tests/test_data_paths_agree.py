@@ -12,9 +12,9 @@ import tensorflow as tf
 
 from bertjax.cli import main as bertjax_main
 from bertjax.data import schema, tfrecord
+from bertjax.data.demo_corpus import write_demo_corpus
 from bertjax.data.pipeline import make_pretraining_dataset
-from bertjax.demo_corpus import write_demo_corpus
-from bertjax.pretrain_config import load_config
+from bertjax.pretraining.config import load_config
 
 
 def _unmasked_rows(batch: dict) -> list[tuple[int, ...]]:

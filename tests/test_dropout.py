@@ -1,10 +1,10 @@
-"""The 16-bit dropout mask (bertjax.dropout) against its definition: keep rate, independence, unbiasedness."""
+"""The 16-bit dropout mask (bertjax.model.dropout) against its definition: keep rate, independence, unbiasedness."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import dropout as dropout_lib
+from bertjax.model import dropout as dropout_lib
 
 
 def test_threshold_rounds_the_keep_probability_to_sixteen_bits():

@@ -12,7 +12,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from bertjax.cli import main as cli  # noqa: E402
-from bertjax.embed import LayerSelection, embed_sentences, parse_layers, word_spans  # noqa: E402
+from bertjax.finetune.embed import (  # noqa: E402
+    LayerSelection,
+    embed_sentences,
+    parse_layers,
+    word_spans,
+)
 from tests.conftest import save_tiny_hf  # noqa: E402
 
 SENTENCES = ["A man is playing a guitar.", "Someone plays an instrument on stage tonight, unbelievably well.",

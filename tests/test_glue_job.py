@@ -3,15 +3,14 @@ format, and its HF export gives the same dev predictions in transformers."""
 from __future__ import annotations
 
 import json
-import re
 import random
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bertjax.finetune import glue_data
-from bertjax.finetune import glue_metrics
+from bertjax.finetune import glue_data, glue_metrics
 from bertjax.finetune.settings import TrainSettings
 from tests.conftest import save_tiny_checkpoint
 
@@ -113,7 +112,7 @@ def _check_export(out: Path, task_name: str, data: Path, init: str, dev_metrics:
 
     from bertjax.finetune import glue
     from bertjax.interop.load import load_init, load_pretrained
-    from bertjax.model import BertForSequenceClassification
+    from bertjax.model.bert import BertForSequenceClassification
 
     task = glue_data.get_task(task_name)
     _, tokenizer = load_init(init)
@@ -155,7 +154,7 @@ def test_non_finite_gradients_skip_updates_and_stop_the_job(tiny_init, tmp_path)
     """Finite labels so large that the squared error overflows float32: each step's gradient norm is inf, the
     update is skipped, and after max_consecutive_nonfinite such steps the job stops before saving anything."""
     from bertjax.finetune import glue
-    from bertjax.train_step import TooManyNonFiniteSteps
+    from bertjax.pretraining.step import TooManyNonFiniteSteps
 
     data = tmp_path / "glue"
     header = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2", "score"]

@@ -7,12 +7,12 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from bertjax import model as model_lib
 from bertjax.checkpoint import load_model, save_model
 from bertjax.cli import main as cli
-from bertjax.model_config import BertConfig
 from bertjax.interop.load import load_pretrained
 from bertjax.interop.tf import write_tf_checkpoint
+from bertjax.model import bert as model_lib
+from bertjax.model.config import BertConfig
 
 BUILTIN_SENTENCES = [
     "Short.",

@@ -37,7 +37,7 @@ def test_gke_dry_run_matches_the_golden_xpk_command(capsys):
 def test_the_request_is_a_real_queued_resource_message():
     from google.cloud import tpu_v2alpha1 as tpu
 
-    from bertjax.cloud_tpu import SliceSpec, queued_resource_request
+    from bertjax.cloud.tpu import SliceSpec, queued_resource_request
 
     request = queued_resource_request(SliceSpec("n", "v6e-16", "us-east5-b", "p", "spot"))
     assert isinstance(request, tpu.CreateQueuedResourceRequest)

@@ -1,4 +1,6 @@
-"""docs/architecture.md's Layout section lists exactly the modules in the tree."""
+"""The package's layout: docs/architecture.md's Layout section lists exactly the modules in the tree, and no
+module of `bertjax/` imports itself back through others (an import cycle)."""
+import ast
 import pathlib
 import re
 
@@ -13,3 +15,72 @@ def test_layout_lists_every_module_and_only_existing_ones():
                for p in (ROOT / folder).rglob("*.py")}
     assert sorted(in_tree - listed) == [], "modules missing from docs/architecture.md's Layout"
     assert sorted(listed - in_tree) == [], "Layout lists modules that do not exist"
+
+
+def import_graph(package_dir: pathlib.Path) -> dict[str, set[str]]:
+    """{module: modules of the same package it imports}, anywhere in the module (also inside functions: a lazy
+    import still ties the two modules together)."""
+    package = package_dir.name
+    modules = {".".join(p.relative_to(package_dir.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in package_dir.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # `from a.b import c` imports the module a.b.c if there is one, else a name of a.b
+                edges.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules
+                             else node.module for alias in node.names)
+        graph[name] = {edge for edge in edges if edge in modules and edge != name and edge.startswith(package)}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_cycle_finder_sees_a_lazy_import_cycle(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "loop.py").write_text("from pkg.sub import job\n")
+    (package / "sub" / "job.py").write_text("def f():\n    from pkg import compiler\n")
+    (package / "compiler.py").write_text("import pkg.loop\n")
+    (package / "leaf.py").write_text("from pkg.sub.job import f\n")
+    assert import_cycles(import_graph(package)) == [["pkg.compiler", "pkg.loop", "pkg.sub.job"]]
+
+
+def test_no_import_cycles_in_the_package():
+    graph = import_graph(ROOT / "bertjax")
+    assert "bertjax.pretraining.job" in graph["bertjax.cloud.compile"]  # the graph sees the package's imports
+    assert import_cycles(graph) == []

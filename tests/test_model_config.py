@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from bertjax.model_config import BertConfig, PRESETS
+from bertjax.model.config import PRESETS, BertConfig
 
 
 def test_reads_google_bert_config(shared_data):

@@ -1,10 +1,15 @@
-"""bertjax.optim against hand-computed values and against torch.optim.AdamW + HF's linear schedule."""
+"""bertjax.pretraining.optim against hand-computed values and against torch.optim.AdamW + HF's linear schedule."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax.optim import OptimizerConfig, decay_mask, linear_warmup_linear_decay, make_optimizer
+from bertjax.pretraining.optim import (
+    OptimizerConfig,
+    decay_mask,
+    linear_warmup_linear_decay,
+    make_optimizer,
+)
 
 
 def test_schedule_hand_values():

@@ -4,12 +4,13 @@ import dataclasses
 
 import pytest
 
-from bertjax import options, pretrain_config
+from bertjax import options
 from bertjax.cli import build_parser
 from bertjax.data.cli import data_config_from_flags
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.finetune.settings import SquadSettings, TrainSettings
-from bertjax.model_config import BertConfig, ModelOptions
+from bertjax.model.config import BertConfig, ModelOptions
+from bertjax.pretraining import config as pretrain_config
 
 
 def test_job_keys_are_the_config_classes_fields():

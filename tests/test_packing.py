@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from bertjax import model as model_lib
-from bertjax import optim, train_state, train_step
 from bertjax.data.packing import best_fit_decreasing, pack_instances
-from bertjax.model_config import BertConfig
+from bertjax.model import bert as model_lib
+from bertjax.model.config import BertConfig
+from bertjax.pretraining import optim
+from bertjax.pretraining import state as train_state
+from bertjax.pretraining import step as train_step
 
 SEQ, MASKED, MAX_INSTANCES, VOCAB, CLS, SEP = 32, 4, 4, 90, 2, 3
 CONFIG = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bertjax.checkpoint import load_model
-from bertjax.demo_corpus import write_demo_corpus
+from bertjax.data.demo_corpus import write_demo_corpus
 from tests.conftest import REPO_ROOT
 
 STEPS = 40
@@ -337,8 +337,7 @@ def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp
 
 
 def test_two_processes_match_one_process():
-    sys.path.insert(0, str(REPO_ROOT))
-    from launch.local import launch
+    from bertjax.cloud.local import launch
 
     program = [sys.executable, str(REPO_ROOT / "tests/programs/fixed_batch_steps.py")]
     single = subprocess.run(program, env=_env(8), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)

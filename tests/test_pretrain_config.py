@@ -1,7 +1,7 @@
 """Pretraining job config: presets, --set overrides with types, and errors before any compile."""
 import pytest
 
-from bertjax import pretrain_config
+from bertjax.pretraining import config as pretrain_config
 
 
 def test_presets_load_and_overrides_apply():

@@ -15,7 +15,12 @@ import pytest
 import tensorflow as tf
 
 from bertjax.data.corpus import documents_from_files
-from bertjax.data.data_config import CorpusConfig, InstanceConfig, MaskingConfig, PretrainingDataConfig
+from bertjax.data.data_config import (
+    CorpusConfig,
+    InstanceConfig,
+    MaskingConfig,
+    PretrainingDataConfig,
+)
 from bertjax.data.instances import Block, assemble, create_instances
 from bertjax.data.masking import masker_for_tokenizer, span_length_probabilities
 from bertjax.data.stages import block_rng
@@ -266,7 +271,7 @@ def test_span_options_are_validated():
     # SpanBERT's budget at 128 tokens is ceil(0.15 * 126) = 19.
     with pytest.raises(ValueError, match="needs 19 predictions"):
         PretrainingDataConfig(masking_scheme="span", next_sentence_prediction=False, max_predictions_per_seq=18)
-    from bertjax.pretrain_config import load_config
+    from bertjax.pretraining.config import load_config
 
     with pytest.raises(ValueError, match="span_boundary_objective=true needs data.masking_scheme=span"):
         load_config(str(REPO_ROOT / "configs" / "bert_tiny.py"), ["train.span_boundary_objective=true"],
@@ -326,8 +331,8 @@ def test_sbo_head_matches_its_formula_in_numpy():
     import flax.linen as nn
     import jax
 
-    from bertjax import model as model_lib
-    from bertjax.model_config import BertConfig
+    from bertjax.model import bert as model_lib
+    from bertjax.model.config import BertConfig
 
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16)
@@ -373,10 +378,10 @@ def test_sbo_weights_are_exported_beside_a_clean_hf_model(tmp_path):
     import transformers
     from safetensors.numpy import load_file
 
-    from bertjax import model as model_lib
     from bertjax.interop.hf import export_hf
     from bertjax.interop.names import SBO_FILE
-    from bertjax.model_config import BertConfig
+    from bertjax.model import bert as model_lib
+    from bertjax.model.config import BertConfig
 
     config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16)

@@ -1,4 +1,4 @@
-"""bertjax.topologies: TPU accelerator types and topology strings -> what get_topology_desc needs, chips, hosts.
+"""bertjax.cloud.topologies: TPU accelerator types and topology strings -> what get_topology_desc needs, chips, hosts.
 
 The expected values come from Google Cloud's TPU docs (v4: 2 TensorCores a chip, v4-32 = 16 chips; v5p: v5p-32
 = 32 TensorCores = 16 chips, 2x2x1 = 4 chips on 1 machine, 2x2x2 = 8 chips on 2; v5e/v6e: the number counts
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from bertjax.topologies import GiB, parse_topology
+from bertjax.cloud.topologies import GiB, parse_topology
 
 
 @pytest.mark.parametrize("name, topology, chips, hosts", [
@@ -125,13 +125,13 @@ def test_rejects_bad_num_slices_and_non_strings():
 
 
 def test_importing_the_module_does_not_import_jax():
-    code = "import sys, bertjax.topologies; assert 'jax' not in sys.modules, 'jax imported'"
+    code = "import sys, bertjax.cloud.topologies; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 _DEVICE_COUNTS = textwrap.dedent("""
     import json, sys
-    from bertjax.topologies import GENERATIONS, compile_only_devices, parse_topology
+    from bertjax.cloud.topologies import GENERATIONS, compile_only_devices, parse_topology
     result = {}
     for name in sys.argv[1:]:
         for num_slices in (1, 2):
@@ -170,7 +170,7 @@ def test_parsed_counts_match_libtpu_compile_only_devices():
 _COMPILE_SEMANTICS = textwrap.dedent("""
     import json, re
     import numpy as np
-    from bertjax.topologies import compile_only_devices, parse_topology
+    from bertjax.cloud.topologies import compile_only_devices, parse_topology
     import jax, jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     topology = parse_topology("v5litepod-4")

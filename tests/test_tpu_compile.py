@@ -8,9 +8,11 @@ import pytest
 
 pytest.importorskip("libtpu", reason="bertjax compile needs libtpu (pip install -e '.[test]' installs jax[tpu])")
 
-from bertjax import metrics, topologies, tpu_compile  # noqa: E402
 from bertjax.cli import main as bertjax_main  # noqa: E402
-from bertjax.pretrain_config import load_config  # noqa: E402
+from bertjax.cloud import compile as tpu_compile
+from bertjax.cloud import topologies
+from bertjax.pretraining import metrics  # noqa: E402
+from bertjax.pretraining.config import load_config  # noqa: E402
 
 REQUIRED_KEYS = {"topology", "chips", "hosts", "mesh", "per_chip_batch", "fits", "hbm_capacity_bytes_per_chip",
                  "hbm_bytes_per_chip", "xla_flops_per_step", "model_flops_per_step", "mfu_assumed", "step_seconds",
@@ -30,7 +32,7 @@ def _compiled(name: str, *overrides: str, num_slices: int = 1) -> dict:
 def _param_bytes(config) -> int:
     import jax
 
-    from bertjax.model import BertForPreTraining, init_params
+    from bertjax.model.bert import BertForPreTraining, init_params
 
     bert = config.bert_config(tpu_compile.DEFAULT_VOCAB_SIZE)
     shapes = jax.eval_shape(lambda: init_params(BertForPreTraining(bert), bert, jax.random.key(0), length=8,

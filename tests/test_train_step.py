@@ -6,10 +6,13 @@ import pytest
 import torch
 import transformers
 
-from bertjax import model as model_lib
-from bertjax import optim, sharding, train_state, train_step
-from bertjax.model_config import BertConfig
+from bertjax import sharding
 from bertjax.interop.hf import export_hf
+from bertjax.model import bert as model_lib
+from bertjax.model.config import BertConfig
+from bertjax.pretraining import optim
+from bertjax.pretraining import state as train_state
+from bertjax.pretraining import step as train_step
 
 CONFIG = BertConfig(vocab_size=90, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                     intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,

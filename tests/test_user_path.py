@@ -70,7 +70,7 @@ def test_the_cpu_peak_is_measured_once_per_machine(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from bertjax.metrics import cached_matmul_peak
+    from bertjax.pretraining.metrics import cached_matmul_peak
 
     first, where = cached_matmul_peak(jax.devices()[0], jnp.float32, cache_dir=str(tmp_path))
     assert first > 1e9 and "measured now" in where

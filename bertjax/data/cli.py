@@ -50,7 +50,7 @@ def _vocab_train(args: argparse.Namespace) -> int:
 
 
 def _demo_corpus(args: argparse.Namespace) -> int:
-    from bertjax.demo_corpus import write_demo_corpus
+    from bertjax.data.demo_corpus import write_demo_corpus
 
     train_path, eval_path = write_demo_corpus(args.out)
     print(f"wrote {train_path} and {eval_path}")

@@ -17,7 +17,13 @@ import tensorflow as tf
 
 from bertjax.data import corpus, masking, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.data.stages import InstanceMaker, finalize_batch, fold_seed, pack_block, tokenized_blocks
+from bertjax.data.stages import (
+    InstanceMaker,
+    finalize_batch,
+    fold_seed,
+    pack_block,
+    tokenized_blocks,
+)
 from bertjax.data.tokenizers import load_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""`bertjax finetune glue | squad | ner | features | multiple-choice`, `eval squad`.
+"""`bertjax finetune glue | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of sentences).
 
 The flags come from the fields of `bertjax.finetune.settings`; the jobs (JAX, TensorFlow) are imported only when a
 command runs, so `bertjax --help` stays fast.
@@ -12,7 +12,7 @@ from bertjax import options
 from bertjax.console import route_logging_to_console
 from bertjax.finetune.glue_data import TASKS
 from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
-
+from bertjax.interop.cli import ANY_CHECKPOINT_HELP
 
 INIT_HELP = ("checkpoint to start from: a bertjax run directory (its newest complete step) or step, an HF model "
              "directory or a TF checkpoint prefix")
@@ -82,6 +82,25 @@ def register(subparsers) -> None:
     _add_train_args(ner, learning_rate=5e-5, batch_size=32, epochs=3.0)
     ner.set_defaults(func=_ner)
 
+    embed = subparsers.add_parser(
+        "embed", help="features of sentences (one per line): pooled vectors to .npy, or per-token vectors to .npz")
+    embed.add_argument("--checkpoint", required=True, help=ANY_CHECKPOINT_HELP)
+    embed.add_argument("--input", required=True, help="text file, one sentence per line")
+    embed.add_argument("--output", required=True,
+                       help="cls/mean: .npy file for the float32 [sentences, D] matrix; none: .npz file of "
+                            "per-token vectors and the word-to-token map (layout in bertjax/finetune/embed.py)")
+    embed.add_argument("--layers", default="last",
+                       help="last | second-to-last | sum-last-4 | concat-last-4 | N[,M...] (hidden states numbered "
+                            "as transformers' output_hidden_states: 0 = embeddings output, -1 = last; a list is "
+                            "concatenated in the order given)")
+    embed.add_argument("--pooling", choices=("cls", "mean", "none"), default="cls",
+                       help="none: every token's vector with a map from whitespace words to token positions")
+    embed.add_argument("--max-len", type=int, default=128)
+    embed.add_argument("--batch-size", type=int, default=64)
+    embed.add_argument("--show-neighbours", action="store_true",
+                       help="print each sentence's nearest neighbour by cosine similarity (cls/mean)")
+    embed.set_defaults(func=_embed)
+
     evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics")
     evals = evaluate.add_subparsers(dest="job", required=True)
     squad_eval = evals.add_parser("squad", help="the official SQuAD v1.1 / v2.0 evaluation of a predictions file")
@@ -91,6 +110,42 @@ def register(subparsers) -> None:
     squad_eval.add_argument("--na-prob-thresh", type=float, default=1.0)
     squad_eval.add_argument("--version", choices=("1.1", "2.0"), help="override the dataset's version")
     squad_eval.set_defaults(func=_eval_squad)
+
+
+def _embed(args: argparse.Namespace) -> int:
+    import numpy as np
+    from etils import epath
+
+    from bertjax.finetune.embed import embed_sentences, embed_tokens, nearest_neighbours
+    from bertjax.interop.load import load_pretrained
+
+    path = epath.Path(args.input)
+    if not path.exists():
+        raise FileNotFoundError(f"--input {args.input} does not exist")
+    sentences = [line.strip() for line in path.read_bytes().decode("utf-8", errors="replace").splitlines()]
+    sentences = [s for s in sentences if s]
+    if not sentences:
+        raise ValueError(f"--input {args.input} holds no sentences (one per line expected)")
+    loaded = load_pretrained(args.checkpoint)
+    if args.pooling == "none":
+        arrays = embed_tokens(loaded, sentences, layers=args.layers, max_len=args.max_len,
+                              batch_size=args.batch_size)
+        with open(args.output, "wb") as f:  # a file object: np.savez would add .npz to any other suffix
+            np.savez(f, **arrays)
+        print(f"wrote {args.output}: {len(sentences)} sentences, {arrays['vectors'].shape[0]} tokens x "
+              f"{arrays['vectors'].shape[1]} float32, {arrays['word_spans'].shape[0]} words (layers "
+              f"{args.layers})")
+        return 0
+    vectors = embed_sentences(loaded, sentences, pooling=args.pooling, layers=args.layers, max_len=args.max_len,
+                              batch_size=args.batch_size)
+    with open(args.output, "wb") as f:
+        np.save(f, vectors)
+    print(f"wrote {args.output}: {vectors.shape[0]} x {vectors.shape[1]} float32 ({args.pooling} pooling, "
+          f"layers {args.layers})")
+    if args.show_neighbours:
+        for i, (j, similarity) in enumerate(nearest_neighbours(vectors)):
+            print(f"  {similarity:5.3f}  {sentences[i]!r}  ->  {sentences[j]!r}")
+    return 0
 
 
 def _glue(args: argparse.Namespace) -> int:

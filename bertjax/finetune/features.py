@@ -2,7 +2,7 @@
 
 The BERT paper's feature-based approach and the common "embed sentences, fit a logistic regression" walk-through:
 no gradient reaches the encoder. The GLUE files are read and encoded as in the fine-tuning job (glue_data), the
-features are `bertjax.embed.encoded_features` (any --layers / cls|mean pooling), and the dev metric is the GLUE
+features are `bertjax.finetune.embed.encoded_features` (any --layers / cls|mean pooling), and the dev metric is the GLUE
 one (glue_metrics).
 
 Classifier (`logreg`): scikit-learn's LogisticRegressionCV (L2, lbfgs) over standardised features, C chosen by
@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
-from bertjax.embed import encoded_features, parse_layers
 from bertjax.finetune import glue_data, glue_metrics
+from bertjax.finetune.embed import encoded_features, parse_layers
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,14 @@ import numpy as np
 
 from bertjax.finetune import glue_data, glue_metrics
 from bertjax.finetune.settings import TrainSettings
-from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss, write_fine_tuned
+from bertjax.finetune.trainer import (
+    Trainer,
+    classification_loss,
+    regression_loss,
+    write_fine_tuned,
+)
 from bertjax.interop.load import load_init
-from bertjax.model import BertForSequenceClassification
+from bertjax.model.bert import BertForSequenceClassification
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ as the HF processor does.
 from __future__ import annotations
 
 import csv
-import math
 import dataclasses
 import logging
+import math
 import os
 import sys
 

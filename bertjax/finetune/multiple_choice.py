@@ -20,7 +20,7 @@ import numpy as np
 from bertjax.finetune import glue_metrics, swag_data
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.trainer import Trainer, classification_loss, write_fine_tuned
-from bertjax.model import BertForMultipleChoice
+from bertjax.model.bert import BertForMultipleChoice
 
 log = logging.getLogger(__name__)
 

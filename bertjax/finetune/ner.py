@@ -15,9 +15,13 @@ import time
 
 from bertjax.finetune import ner_data, ner_metrics
 from bertjax.finetune.settings import NerSettings, TrainSettings
-from bertjax.finetune.trainer import Trainer, token_classification_loss, write_fine_tuned
+from bertjax.finetune.trainer import (
+    Trainer,
+    token_classification_loss,
+    write_fine_tuned,
+)
 from bertjax.interop.load import load_init
-from bertjax.model import BertForTokenClassification
+from bertjax.model.bert import BertForTokenClassification
 
 log = logging.getLogger(__name__)
 

@@ -6,21 +6,19 @@ the best non-null answers), and optionally the model (bertjax checkpoint / HF Be
 """
 from __future__ import annotations
 
-import sys
-
 import dataclasses
 import json
 import logging
 import os
+import sys
 import time
-
 
 from bertjax.finetune import squad_data, squad_metrics
 from bertjax.finetune.settings import SquadSettings, TrainSettings
 from bertjax.finetune.squad_postprocess import predict_answers
 from bertjax.finetune.trainer import Trainer, span_loss, write_fine_tuned
 from bertjax.interop.load import load_init
-from bertjax.model import BertForQuestionAnswering
+from bertjax.model.bert import BertForQuestionAnswering
 
 log = logging.getLogger(__name__)
 

@@ -18,15 +18,14 @@ import optax
 from etils import epath
 
 from bertjax import sharding
-from bertjax.console import Console, duration, metric_text
 from bertjax.checkpoint import ModelCheckpoint, merge_params, save_model
+from bertjax.console import Console, duration, metric_text
 from bertjax.finetune.settings import TrainSettings
 from bertjax.interop.hf import export_hf
-from bertjax.metrics import MetricsWriter
-from bertjax.model import init_params
-from bertjax.optim import OptimizerConfig, make_optimizer
-from bertjax.train_step import TooManyNonFiniteSteps
-
+from bertjax.model.bert import init_params
+from bertjax.pretraining.metrics import MetricsWriter
+from bertjax.pretraining.optim import OptimizerConfig, make_optimizer
+from bertjax.pretraining.step import TooManyNonFiniteSteps
 
 INPUT_KEYS = ("input_ids", "input_mask", "segment_ids")
 

@@ -1,4 +1,4 @@
-"""`bertjax convert | export | info | embed`: checkpoint interop and feature extraction.
+"""`bertjax convert | export | info`: checkpoint interop.
 
 The jobs (JAX, TensorFlow) are imported only when a command runs, so `bertjax --help` stays fast.
 """
@@ -10,8 +10,7 @@ import collections
 import numpy as np
 from etils import epath
 
-
-_ANY_CHECKPOINT = ("bertjax checkpoint (a step directory, or a run directory: its newest complete step), HF model "
+ANY_CHECKPOINT_HELP = ("bertjax checkpoint (a step directory, or a run directory: its newest complete step), HF model "
                    "directory or TF checkpoint prefix")
 
 
@@ -26,33 +25,14 @@ def register(subparsers) -> None:
     convert.set_defaults(func=_convert)
 
     export = subparsers.add_parser("export", help="export a checkpoint to an HF directory (safetensors)")
-    export.add_argument("checkpoint", help=_ANY_CHECKPOINT)
+    export.add_argument("checkpoint", help=ANY_CHECKPOINT_HELP)
     export.add_argument("--to", choices=("hf",), default="hf")
     export.add_argument("--out", required=True, help="output HF directory (must not exist)")
     export.set_defaults(func=_export)
 
     info = subparsers.add_parser("info", help="print a checkpoint's config and parameter counts by module")
-    info.add_argument("checkpoint", help=_ANY_CHECKPOINT)
+    info.add_argument("checkpoint", help=ANY_CHECKPOINT_HELP)
     info.set_defaults(func=_info)
-
-    embed = subparsers.add_parser(
-        "embed", help="features of sentences (one per line): pooled vectors to .npy, or per-token vectors to .npz")
-    embed.add_argument("--checkpoint", required=True, help=_ANY_CHECKPOINT)
-    embed.add_argument("--input", required=True, help="text file, one sentence per line")
-    embed.add_argument("--output", required=True,
-                       help="cls/mean: .npy file for the float32 [sentences, D] matrix; none: .npz file of "
-                            "per-token vectors and the word-to-token map (layout in bertjax/embed.py)")
-    embed.add_argument("--layers", default="last",
-                       help="last | second-to-last | sum-last-4 | concat-last-4 | N[,M...] (hidden states numbered "
-                            "as transformers' output_hidden_states: 0 = embeddings output, -1 = last; a list is "
-                            "concatenated in the order given)")
-    embed.add_argument("--pooling", choices=("cls", "mean", "none"), default="cls",
-                       help="none: every token's vector with a map from whitespace words to token positions")
-    embed.add_argument("--max-len", type=int, default=128)
-    embed.add_argument("--batch-size", type=int, default=64)
-    embed.add_argument("--show-neighbours", action="store_true",
-                       help="print each sentence's nearest neighbour by cosine similarity (cls/mean)")
-    embed.set_defaults(func=_embed)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -99,9 +79,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from bertjax.interop.load import load_pretrained
-
     from bertjax.checkpoint import resolve_checkpoint
+    from bertjax.interop.load import load_pretrained
 
     source = resolve_checkpoint(args.checkpoint)
     loaded = load_pretrained(source)
@@ -113,39 +92,6 @@ def _info(args: argparse.Namespace) -> int:
     for module, count in parameter_counts(loaded.params).items():
         print(f"  {module:<32} {count:>14,}")
     print(f"  {'total':<32} {_count(loaded.params):>14,}")
-    return 0
-
-
-def _embed(args: argparse.Namespace) -> int:
-    from bertjax.embed import embed_sentences, embed_tokens, nearest_neighbours
-    from bertjax.interop.load import load_pretrained
-
-    path = epath.Path(args.input)
-    if not path.exists():
-        raise FileNotFoundError(f"--input {args.input} does not exist")
-    sentences = [line.strip() for line in path.read_bytes().decode("utf-8", errors="replace").splitlines()]
-    sentences = [s for s in sentences if s]
-    if not sentences:
-        raise ValueError(f"--input {args.input} holds no sentences (one per line expected)")
-    loaded = load_pretrained(args.checkpoint)
-    if args.pooling == "none":
-        arrays = embed_tokens(loaded, sentences, layers=args.layers, max_len=args.max_len,
-                              batch_size=args.batch_size)
-        with open(args.output, "wb") as f:  # a file object: np.savez would add .npz to any other suffix
-            np.savez(f, **arrays)
-        print(f"wrote {args.output}: {len(sentences)} sentences, {arrays['vectors'].shape[0]} tokens x "
-              f"{arrays['vectors'].shape[1]} float32, {arrays['word_spans'].shape[0]} words (layers "
-              f"{args.layers})")
-        return 0
-    vectors = embed_sentences(loaded, sentences, pooling=args.pooling, layers=args.layers, max_len=args.max_len,
-                              batch_size=args.batch_size)
-    with open(args.output, "wb") as f:
-        np.save(f, vectors)
-    print(f"wrote {args.output}: {vectors.shape[0]} x {vectors.shape[1]} float32 ({args.pooling} pooling, "
-          f"layers {args.layers})")
-    if args.show_neighbours:
-        for i, (j, similarity) in enumerate(nearest_neighbours(vectors)):
-            print(f"  {similarity:5.3f}  {sentences[i]!r}  ->  {sentences[j]!r}")
     return 0
 
 

@@ -7,9 +7,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from bertjax import model as model_lib
-from bertjax.model_config import BertConfig
 from bertjax.interop import names as names_lib
+from bertjax.model import bert as model_lib
+from bertjax.model.config import BertConfig
 
 
 def param_shapes(config: BertConfig, num_labels: int | None = None) -> dict[tuple[str, ...], tuple[int, ...]]:

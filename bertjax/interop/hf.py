@@ -9,10 +9,9 @@ beside them (names.SBO_FILE).
 """
 from __future__ import annotations
 
-import pickle
-
 import json
 import os
+import pickle
 from typing import Mapping
 
 import numpy as np
@@ -20,9 +19,9 @@ from etils import epath
 from safetensors.numpy import load_file, save_file
 
 from bertjax.checkpoint import read_vocab_file, write_vocab_file
-from bertjax.model_config import BertConfig
 from bertjax.interop import convert
 from bertjax.interop import names as names_lib
+from bertjax.model.config import BertConfig
 
 # Buffers and tied copies that HF writes but that carry no weights of their own.
 IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",

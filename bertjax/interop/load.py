@@ -3,7 +3,13 @@ from __future__ import annotations
 
 from etils import epath
 
-from bertjax.checkpoint import ModelCheckpoint, is_model_checkpoint, load_model, read_vocab_file, resolve_checkpoint
+from bertjax.checkpoint import (
+    ModelCheckpoint,
+    is_model_checkpoint,
+    load_model,
+    read_vocab_file,
+    resolve_checkpoint,
+)
 from bertjax.data.tokenizers import WordPieceTokenizer
 from bertjax.interop.hf import hf_head, load_hf
 from bertjax.interop.tf import load_tf

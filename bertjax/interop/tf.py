@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from bertjax.errors import first_line
-from bertjax.model_config import BertConfig
 from bertjax.interop import convert
+from bertjax.model.config import BertConfig
 
 # Optimizer slots and bookkeeping that continued-training checkpoints hold next to the weights.
 _SKIPPED_SUFFIXES = ("/adam_m", "/adam_v", "/Momentum", "/lamb_m", "/lamb_v")

@@ -18,9 +18,12 @@ args = parser.parse_args()
 if args.num_processes > 1:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
-from bertjax import model as model_lib  # noqa: E402  (after distributed init)
-from bertjax import optim, sharding, train_state, train_step  # noqa: E402
-from bertjax.model_config import BertConfig  # noqa: E402
+from bertjax import sharding  # noqa: E402
+from bertjax.model import bert as model_lib  # noqa: E402  (after distributed init)
+from bertjax.model.config import BertConfig  # noqa: E402
+from bertjax.pretraining import optim
+from bertjax.pretraining import state as train_state
+from bertjax.pretraining import step as train_step
 
 config = BertConfig(vocab_size=90, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                     max_position_embeddings=32)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from bertjax import sharding
-from bertjax.train_state import TrainState
+from bertjax.pretraining.state import TrainState
 
 
 class TooManyNonFiniteSteps(RuntimeError):

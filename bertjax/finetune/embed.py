@@ -19,7 +19,7 @@ import numpy as np
 
 from bertjax.checkpoint import ModelCheckpoint
 from bertjax.data.tokenizers import WordPieceTokenizer
-from bertjax.model import BertModel
+from bertjax.model.bert import BertModel
 
 POOLINGS = ("cls", "mean", "none")
 NAMED_LAYERS = ("last", "second-to-last", "sum-last-4", "concat-last-4")

@@ -1,5 +1,4 @@
-"""`bertjax pretrain` (config preset + --set overrides + distributed init) and `bertjax compile` (the same
-step compiled for a TPU slice ahead of time).
+"""`bertjax pretrain` (config preset + --set overrides + distributed init) and `bertjax config list | show`.
 
 JAX, TensorFlow and the job are imported only when the command runs: `bertjax --help` stays fast, and
 jax.distributed.initialize must come before anything touches a device.
@@ -7,8 +6,6 @@ jax.distributed.initialize must come before anything touches a device.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 
 def register(subparsers) -> None:
@@ -45,20 +42,6 @@ def register(subparsers) -> None:
                       help="override a config key (repeatable)")
     show.set_defaults(func=_config_show)
 
-    aot = subparsers.add_parser("compile", help="compile the pretraining step for a TPU slice on this machine: "
-                                "HBM fit, FLOPs, time and chip-hours before renting it")
-    aot.add_argument("--config", required=True, help="preset name in configs/ or a .py path")
-    aot.add_argument("--topology", required=True, help="gcloud accelerator type (v5litepod-16, v4-32, v5p-16, "
-                     "v6e-16) or topology (v5e:4x4, v4:2x2x4)")
-    aot.add_argument("--num-slices", type=int, default=1, help="multi-slice: this many slices (mesh.dcn_data)")
-    aot.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config key (repeatable)")
-    aot.add_argument("--mfu", type=float, default=0.5, help="assumed model FLOPs utilisation for the estimates")
-    aot.add_argument("--fit-batch", action="store_true", help="if the step does not fit, find the smallest "
-                     "grad_accum_steps (largest per-chip microbatch) that does, by compiling")
-    aot.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    aot.set_defaults(func=_compile)
-
 
 def initialize_distributed(args: argparse.Namespace) -> None:
     """jax.distributed.initialize() for multi-process runs; must run before any other JAX call."""
@@ -84,12 +67,12 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from bertjax import pretrain_config
+    from bertjax.pretraining import config as pretrain_config
 
     # Validate what can be validated before touching devices, so a typo fails in a second.
     config = pretrain_config.load_config(args.config, args.overrides)
     initialize_distributed(args)
-    from bertjax import pretrain
+    from bertjax.pretraining import loop as pretrain
 
     if args.dry_run:
         print(pretrain.plan(config, args.workdir, init_from=args.init))
@@ -99,35 +82,8 @@ def _pretrain(args: argparse.Namespace) -> int:
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
 
 
-def _compile(args: argparse.Namespace) -> int:
-    import json
-
-    from bertjax import pretrain_config, topologies
-
-    topology = topologies.parse_topology(args.topology, args.num_slices)
-    if not 0 < args.mfu <= 1:
-        raise ValueError(f"--mfu {args.mfu}: expected a fraction in (0, 1]")
-    config = pretrain_config.load_config(args.config, args.overrides, require_data=False)
-    from bertjax import tpu_compile
-
-    result = tpu_compile.compile_for_topology(config, topology, args.mfu)
-    if not result["fits"] and args.fit_batch:
-        result["fit"] = tpu_compile.fit_batch(config, topology, args.mfu, requested=result)
-    print(json.dumps(result) if args.json else tpu_compile.describe(result))
-    if not result["fits"]:
-        over = (result["hbm_bytes_per_chip"] - result["hbm_capacity_bytes_per_chip"]) / 2**30
-        fit = result.get("fit")
-        hint = ("try --fit-batch, a larger mesh.fsdp, or more chips" if fit is None else
-                f"fits with --set train.grad_accum_steps={fit['grad_accum_steps']} (per-chip microbatch "
-                f"{fit['per_chip_batch']:g}, {fit['hbm_bytes_per_chip'] / 2**30:.2f} GiB)" if fit["fits"] else
-                "no grad_accum_steps fits either: try a larger mesh.fsdp or more chips")
-        print(f"bertjax compile: the step does not fit HBM: {over:.2f} GiB per chip over; {hint}", file=sys.stderr)
-    return 0 if result["fits"] else 1
-
-
-
 def _config_list(args: argparse.Namespace) -> int:
-    from bertjax import pretrain_config
+    from bertjax.pretraining import config as pretrain_config
 
     for name, description in pretrain_config.presets().items():
         print(f"{name:<24} {description}")
@@ -137,7 +93,7 @@ def _config_list(args: argparse.Namespace) -> int:
 def _config_show(args: argparse.Namespace) -> int:
     import json
 
-    from bertjax import pretrain_config
+    from bertjax.pretraining import config as pretrain_config
 
     config = pretrain_config.load_config(args.name, args.overrides, require_data=False)
     print(json.dumps(config.to_dict(), indent=2))

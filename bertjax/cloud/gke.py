@@ -11,7 +11,7 @@ import dataclasses
 import os
 import shlex
 
-from bertjax.topologies import parse_topology
+from bertjax.cloud.topologies import parse_topology
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,42 +1,23 @@
 """Ahead-of-time compile of the pretraining step for a TPU slice, on any machine: does it fit, what will it cost.
 
-The function the job runs (`pretrain.build_job_step`, the builder `pretrain.run` trains with: the job's model,
-optimizer, mesh, logical-axis rules and shardings) is lowered for the slice's compile-only devices (libtpu
-through jax.experimental.topologies) and compiled by XLA:TPU. Its memory analysis (per chip) says whether it fits HBM, its cost analysis (per chip) counts
-the FLOPs XLA will run; the time and chip-hours follow from bertjax's analytic model FLOPs at an assumed MFU.
+The function the job runs (`pretraining.job.build_job_step`, the builder the pretraining loop trains with: the
+job's model, optimizer, mesh, logical-axis rules and shardings) is lowered for the slice's compile-only devices
+(libtpu through jax.experimental.topologies) and compiled by XLA:TPU (`pretraining.job.compile_step`). Its memory
+analysis (per chip) says whether it fits HBM, its cost analysis (per chip) counts the FLOPs XLA will run; the time and chip-hours follow from bertjax's analytic model FLOPs at an assumed MFU.
 A program larger than HBM fails to compile (RESOURCE_EXHAUSTED); that is reported as not fitting, with the size.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 
-import jax
-import numpy as np
-
-from bertjax import metrics, sharding
-from bertjax.data import schema
+from bertjax.cloud.topologies import Topology, compile_only_devices
 from bertjax.data.tokenizers import load_tokenizer
-from bertjax.pretrain import build_job_step
-from bertjax.pretrain_config import PretrainConfig, validate
-from bertjax.topologies import Topology, compile_only_devices
+from bertjax.pretraining import metrics
+from bertjax.pretraining.config import PretrainConfig, validate
+from bertjax.pretraining.job import CompiledStep, compile_step
 
 # BERT's uncased WordPiece vocabulary: the vocab size assumed when the config names neither a size nor a vocab.
 DEFAULT_VOCAB_SIZE = 30522
-_OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\).*?available HBM \(([\d.]+)([KMGT])\)", re.S)
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-@dataclasses.dataclass
-class CompiledStep:
-    """What compiling one configuration gave: the per-chip need and FLOPs, or the out-of-memory size."""
-
-    fits: bool
-    hbm_bytes_per_chip: int          # arguments + outputs + temporaries - aliased (or the size XLA said it needs)
-    xla_flops_per_chip: float | None
-    argument_bytes_per_chip: int | None = None   # the train state and the batch (the state is donated)
-    temp_bytes_per_chip: int | None = None       # activations, gradients, gathered params...
-    detail: str = ""
 
 
 def job_for_topology(config: PretrainConfig, topology: Topology) -> PretrainConfig:
@@ -54,35 +35,6 @@ def vocab_size_of(config: PretrainConfig) -> int:
         return config.model.vocab_size
     return len(load_tokenizer(config.data.vocab, config.data.lower_case).vocab) if config.data.vocab else \
         DEFAULT_VOCAB_SIZE
-
-
-def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> CompiledStep:
-    """Compiles the job's train step for `devices` (compile-only TPU devices); never runs it."""
-    mesh = config.mesh.build(devices)
-    job = build_job_step(config, mesh, vocab_size)
-    batch_sharding = sharding.batch_sharding(mesh)
-    shapes = config.data.feature_shapes()
-    dtypes = schema.feature_dtypes(shapes)
-    batch = {name: jax.ShapeDtypeStruct((config.train.batch_size,) + shape, np.dtype(dtypes[name]),
-                                        sharding=batch_sharding)
-             for name, shape in shapes.items()}
-    with sharding.activate(mesh):
-        lowered = job.train_step.lower(job.abstract_state, batch)
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as error:
-        match = _OUT_OF_HBM.search(str(error))
-        if not match:
-            raise
-        need = int(float(match[1]) * _UNITS[match[2]])
-        return CompiledStep(False, need, None, detail=str(error).strip().splitlines()[0][:400])
-    memory = compiled.memory_analysis()
-    need = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
-            - memory.alias_size_in_bytes)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return CompiledStep(True, int(need), float(cost.get("flops", 0.0)), int(memory.argument_size_in_bytes),
-                        int(memory.temp_size_in_bytes))
 
 
 def report(config: PretrainConfig, topology: Topology, mfu: float, compiled: CompiledStep,

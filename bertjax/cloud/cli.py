@@ -1,4 +1,6 @@
-"""`bertjax launch tpu` (a Cloud TPU queued resource, babysat through preemptions) and `bertjax launch gke` (xpk).
+"""`bertjax compile` (the pretraining step compiled for a TPU slice ahead of time), `bertjax launch tpu` (a Cloud
+TPU queued resource, babysat through preemptions), `bertjax launch gke` (xpk) and `bertjax launch local` (N local
+jax.distributed processes).
 
 google-cloud-tpu (extra `cloud`) is imported only when the command runs, so `bertjax --help` stays fast.
 """
@@ -16,6 +18,20 @@ import tempfile
 
 
 def register(subparsers) -> None:
+    aot = subparsers.add_parser("compile", help="compile the pretraining step for a TPU slice on this machine: "
+                                "HBM fit, FLOPs, time and chip-hours before renting it")
+    aot.add_argument("--config", required=True, help="preset name in configs/ or a .py path")
+    aot.add_argument("--topology", required=True, help="gcloud accelerator type (v5litepod-16, v4-32, v5p-16, "
+                     "v6e-16) or topology (v5e:4x4, v4:2x2x4)")
+    aot.add_argument("--num-slices", type=int, default=1, help="multi-slice: this many slices (mesh.dcn_data)")
+    aot.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key (repeatable)")
+    aot.add_argument("--mfu", type=float, default=0.5, help="assumed model FLOPs utilisation for the estimates")
+    aot.add_argument("--fit-batch", action="store_true", help="if the step does not fit, find the smallest "
+                     "grad_accum_steps (largest per-chip microbatch) that does, by compiling")
+    aot.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    aot.set_defaults(func=_compile)
+
     launch = subparsers.add_parser("launch", help="run a job on TPU pod slices").add_subparsers(
         dest="launch_command", required=True)
     tpu = launch.add_parser("tpu", help="create a TPU queued resource, install this bertjax on every worker, run "
@@ -30,10 +46,8 @@ def register(subparsers) -> None:
     provisioning.add_argument("--reserved", dest="provisioning", action="store_const", const="reserved",
                               help="the project's reservation")
     tpu.add_argument("--runtime-version", default="", help="TPU VM runtime (default: the generation's JAX one)")
-    tpu.add_argument("--max-restarts", type=int, default=10, help="slice re-creations after preemptions")
-    tpu.add_argument("--wheel", help="the bertjax wheel to install (default: built from this checkout)")
-    tpu.add_argument("--dry-run", action="store_true", help="print the request and the gcloud equivalents")
-    tpu.add_argument("command", nargs=argparse.REMAINDER, help="-- pretrain --config ... --workdir gs://...")
+    _add_job_flags(tpu, restarts="slice re-creations after preemptions",
+                   dry_run="print the request and the gcloud equivalents")
     tpu.set_defaults(func=_launch_tpu)
 
     gke = launch.add_parser("gke", help="run the command on TPU slices of a GKE cluster with xpk (a JobSet, "
@@ -45,11 +59,51 @@ def register(subparsers) -> None:
     gke.add_argument("--zone", required=True)
     gke.add_argument("--project", required=True)
     gke.add_argument("--base-docker-image", default="python:3.11-slim")
-    gke.add_argument("--max-restarts", type=int, default=10, help="JobSet restarts after failures/preemptions")
-    gke.add_argument("--wheel", help="the bertjax wheel to install (default: built from this checkout)")
-    gke.add_argument("--dry-run", action="store_true", help="print the xpk command instead of running it")
-    gke.add_argument("command", nargs=argparse.REMAINDER, help="-- pretrain --config ... --workdir gs://...")
+    _add_job_flags(gke, restarts="JobSet restarts after failures/preemptions",
+                   dry_run="print the xpk command instead of running it")
     gke.set_defaults(func=_launch_gke)
+
+    local = launch.add_parser("local", help="run the command as N local jax.distributed processes (the pod code "
+                              "path on one machine), babysat with --max-restarts")
+    from bertjax.cloud import local as local_lib
+
+    local_lib.add_arguments(local)
+    local.set_defaults(func=lambda args: local_lib.run(args, local))
+
+
+def _add_job_flags(parser: argparse.ArgumentParser, *, restarts: str, dry_run: str) -> None:
+    """The flags every cloud launcher shares: restarts, the wheel, dry run, and the job's command after --."""
+    parser.add_argument("--max-restarts", type=int, default=10, help=restarts)
+    parser.add_argument("--wheel", help="the bertjax wheel to install (default: built from this checkout)")
+    parser.add_argument("--dry-run", action="store_true", help=dry_run)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- pretrain --config ... --workdir gs://...")
+
+
+def _compile(args: argparse.Namespace) -> int:
+    import json
+
+    from bertjax.cloud import topologies
+    from bertjax.pretraining import config as pretrain_config
+
+    topology = topologies.parse_topology(args.topology, args.num_slices)
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu {args.mfu}: expected a fraction in (0, 1]")
+    config = pretrain_config.load_config(args.config, args.overrides, require_data=False)
+    from bertjax.cloud import compile as tpu_compile
+
+    result = tpu_compile.compile_for_topology(config, topology, args.mfu)
+    if not result["fits"] and args.fit_batch:
+        result["fit"] = tpu_compile.fit_batch(config, topology, args.mfu, requested=result)
+    print(json.dumps(result) if args.json else tpu_compile.describe(result))
+    if not result["fits"]:
+        over = (result["hbm_bytes_per_chip"] - result["hbm_capacity_bytes_per_chip"]) / 2**30
+        fit = result.get("fit")
+        hint = ("try --fit-batch, a larger mesh.fsdp, or more chips" if fit is None else
+                f"fits with --set train.grad_accum_steps={fit['grad_accum_steps']} (per-chip microbatch "
+                f"{fit['per_chip_batch']:g}, {fit['hbm_bytes_per_chip'] / 2**30:.2f} GiB)" if fit["fits"] else
+                "no grad_accum_steps fits either: try a larger mesh.fsdp or more chips")
+        print(f"bertjax compile: the step does not fit HBM: {over:.2f} GiB per chip over; {hint}", file=sys.stderr)
+    return 0 if result["fits"] else 1
 
 
 def _wheel_name() -> str:
@@ -75,7 +129,7 @@ def _job_command(args: argparse.Namespace) -> list[str]:
 
 
 def _launch_gke(args: argparse.Namespace) -> int:
-    from bertjax import gke
+    from bertjax.cloud import gke
 
     command = _job_command(args)
     spec = gke.GkeSpec(args.cluster, args.name, args.tpu_type, args.zone, args.project, args.num_slices,
@@ -91,7 +145,8 @@ def _launch_gke(args: argparse.Namespace) -> int:
 
 
 def _launch_tpu(args: argparse.Namespace) -> int:
-    from bertjax import babysitter, cloud_tpu
+    from bertjax.cloud import babysitter
+    from bertjax.cloud import tpu as cloud_tpu
 
     command = _job_command(args)
     spec = cloud_tpu.SliceSpec(args.name, args.tpu_type, args.zone, args.project, args.provisioning,

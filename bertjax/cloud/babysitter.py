@@ -13,9 +13,6 @@ from typing import Callable, Protocol
 
 from etils import epath
 
-# Written by `bertjax pretrain` (process 0) once its last checkpoint is finalised.
-COMPLETION_MARKER = "COMPLETED"
-
 
 class Backend(Protocol):
     """Something that runs a `bertjax ...` command on all of a job's workers and reports how it ended:
@@ -32,6 +29,10 @@ def failure_signature(log_tail: str) -> str:
 
 
 def is_completed(workdir: str) -> bool:
+    from bertjax.checkpoint import (
+        COMPLETION_MARKER,  # here: the launcher's --help does not load JAX
+    )
+
     return (epath.Path(workdir) / COMPLETION_MARKER).exists()
 
 

@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import time
 
-from bertjax.topologies import parse_topology
+from bertjax.cloud.topologies import parse_topology
 
 # The TPU VM software each generation boots (Google Cloud's runtime versions for JAX).
 RUNTIME_VERSIONS = {"v4": "tpu-ubuntu2204-base", "v5e": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5",
@@ -51,7 +51,9 @@ class SliceSpec:
 
 def queued_resource_request(spec: SliceSpec):
     """The CreateQueuedResourceRequest for the slice (google.cloud.tpu_v2alpha1 message types)."""
-    from google.cloud import tpu_v2alpha1 as tpu  # the client library is needed only by `launch tpu`
+    from google.cloud import (
+        tpu_v2alpha1 as tpu,  # the client library is needed only by `launch tpu`
+    )
 
     node = tpu.Node(accelerator_type=spec.tpu_type, runtime_version=spec.runtime_version)
     resource = tpu.QueuedResource(tpu=tpu.QueuedResource.Tpu(node_spec=[tpu.QueuedResource.Tpu.NodeSpec(

@@ -20,9 +20,9 @@ import ml_collections
 from bertjax import options
 from bertjax.checkpoint import CheckpointConfig
 from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.model_config import PRESETS, BertConfig, ModelOptions, build_model_config
-from bertjax.optim import OptimizerConfig
+from bertjax.model.config import PRESETS, BertConfig, ModelOptions, build_model_config
 from bertjax.options import option
+from bertjax.pretraining.optim import OptimizerConfig
 from bertjax.sharding import MeshConfig
 
 # configs/ at the top of the repository, installed as the package bertjax.configs (see pyproject.toml).

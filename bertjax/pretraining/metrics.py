@@ -13,7 +13,7 @@ import numpy as np
 from etils import epath
 
 from bertjax.console import Console, duration, metric_text
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 # The step metrics shown on the console (all of them go to metrics.jsonl and TensorBoard).
 CONSOLE_KEYS = ("loss", "mlm_loss", "sbo_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "padding_fraction",

@@ -15,9 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.attention import dot_product_attention
-from bertjax.model_config import BertConfig
-from bertjax.dropout import Dropout
+from bertjax.model.attention import dot_product_attention
+from bertjax.model.config import BertConfig
+from bertjax.model.dropout import Dropout
 
 # TF BERT's truncated_normal_initializer(stddev=initializer_range): a normal of std `stddev` cut at +-2 std, whose
 # own std is 0.8796 * stddev (0.0176 for 0.02). jax's truncated_normal takes the same untruncated `stddev`; scaling

@@ -18,20 +18,19 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib
-from bertjax import metrics as metrics_lib
-from bertjax import model as model_lib
-from bertjax import sharding, train_state, train_step
+from bertjax import sharding
+from bertjax.checkpoint import COMPLETION_MARKER
+from bertjax.console import Console, duration, metric_text
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.tokenizers import load_tokenizer
-from bertjax.interop.load import load_pretrained
-from bertjax.optim import make_optimizer
-from bertjax.train_step import TooManyNonFiniteSteps
-from bertjax.babysitter import COMPLETION_MARKER
-from bertjax.console import Console, duration, metric_text
 from bertjax.errors import first_line
-from bertjax.model_config import BertConfig
-from bertjax.pretrain_config import PretrainConfig, check_resume_config, validate
-
+from bertjax.interop.load import load_pretrained
+from bertjax.pretraining import metrics as metrics_lib
+from bertjax.pretraining import state as train_state
+from bertjax.pretraining import step as train_step
+from bertjax.pretraining.config import PretrainConfig, check_resume_config, validate
+from bertjax.pretraining.job import build_job_step, compile_step
+from bertjax.pretraining.step import TooManyNonFiniteSteps
 
 # Per-step counts the train step reports, summed over a logging interval for throughput (not logged per step).
 _COUNTED = ("real_tokens", "masked_tokens", "instances")
@@ -89,36 +88,6 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, lo
     return state.replace(params=jax.device_put(merged, shardings.params))
 
 
-@dataclasses.dataclass
-class JobStep:
-    """What a pretraining job computes on a mesh: its model, the state's layout and the jitted steps."""
-
-    bert_config: BertConfig
-    rng: jax.Array
-    state_args: dict          # model, config, optimizer, seq_len, num_masked: how the state is initialised
-    shardings: object         # NamedShardings of every state leaf
-    abstract_state: object    # the state as ShapeDtypeStructs with those shardings (what restores and AOT take)
-    train_step: object        # jitted, state donated
-    eval_step: object
-
-
-def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
-    """The model, state layout and steps of the job on `mesh`: what `run` trains with and `bertjax compile`
-    compiles for a TPU slice (one builder, so the two cannot drift apart)."""
-    bert_config = config.bert_config(vocab_size)
-    model = model_lib.BertForPreTraining(bert_config,
-                                         span_boundary_objective=config.train.span_boundary_objective)
-    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
-    state_args = dict(model=model, config=bert_config, optimizer=optimizer, seq_len=config.data.max_seq_length,
-                      num_masked=config.data.max_predictions_per_seq)
-    rng = jax.random.key(config.train.seed)
-    shardings, abstract = train_state.abstract_state(rng, mesh=mesh, **state_args)
-    step_fn, eval_fn = train_step.compile_steps(
-        model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=config.train.grad_accum_steps,
-        nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh)
-    return JobStep(bert_config, rng, state_args, shardings, abstract, step_fn, eval_fn)
-
-
 def _resume(checkpointer, abstract, dataset, config: PretrainConfig, allow_config_change: bool,
             process_index: int, log):
     """(state, input iterator) from the newest step that restores, or None without any step.
@@ -168,8 +137,6 @@ def _set_aside(checkpointer, step: int, error: Exception, log) -> None:
 def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_mfu: float = 0.5) -> str:
     """`pretrain --dry-run`: everything a run checks before its first step, then the step compiled on this
     machine's devices, as lines for a person (nothing is written)."""
-    from bertjax import tpu_compile  # compile-only devices and the memory report live there
-
     validate(config, jax.device_count())
     config = dataclasses.replace(config, data=_resolved_input(config.data))
     mesh = config.mesh.build()
@@ -178,7 +145,7 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
         config.data, config.train.batch_size, jax.process_index(), jax.process_count()))))
     if init_from or config.init_from:
         load_pretrained(init_from or config.init_from)  # readable, before any device time is spent
-    compiled = tpu_compile.compile_step(config, jax.devices(), len(tokenizer.vocab))
+    compiled = compile_step(config, jax.devices(), len(tokenizer.vocab))
     bert_config = config.bert_config(len(tokenizer.vocab))
     params = sum(np.size(x) for x in jax.tree_util.tree_leaves(
         build_job_step(config, mesh, len(tokenizer.vocab)).abstract_state.params))

@@ -13,9 +13,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax import model as model_lib
 from bertjax import sharding
-from bertjax.model_config import BertConfig
+from bertjax.model import bert as model_lib
+from bertjax.model.config import BertConfig
 
 
 @flax.struct.dataclass

@@ -1,0 +1,132 @@
+"""Run a bertjax command as N local processes joined by jax.distributed: the TPU-pod code path, on one machine.
+
+    bertjax launch local --processes 2 --devices-per-process 4 -- pretrain --config bert-tiny --workdir runs/mp ...
+
+Each process gets its own share of CPU devices (XLA_FLAGS), the coordinator on 127.0.0.1, and the same
+`--coordinator/--num-processes/--process-id` flags a multi-host job passes; its output is prefixed with its index.
+The launcher exits with the first non-zero exit code, terminating the others. With --max-restarts K it babysits
+the job (bertjax/cloud/babysitter.py): a run whose worker was killed is started again, and resumes from its checkpoints.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from bertjax.cloud.babysitter import babysit
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _relay(prefix: str, stream, sink, tail=None) -> None:
+    for line in iter(stream.readline, b""):
+        text = f"[{prefix}] " + line.decode(errors="replace")
+        sink.write(text)
+        sink.flush()
+        if tail is not None:
+            tail.append(text)
+
+
+class LocalProcesses:
+    """The local backend: a job's workers as N processes on this machine, joined by jax.distributed.
+
+    A worker killed by a signal (SIGKILL, as a preempted host dies) ends the run as a preemption: the others are
+    killed too, as a slice's workers all go with it. Any other non-zero exit is a failure (the others are
+    stopped).
+    """
+
+    def __init__(self, processes: int, devices_per_process: int, env: dict | None = None,
+                 program: list[str] | None = None, tail_lines: int = 40):
+        self.processes, self.devices_per_process = processes, devices_per_process
+        self.env, self.program, self.tail_lines = env, program, tail_lines
+        self.children: list[subprocess.Popen] = []
+
+    def start(self, command: list[str]) -> None:
+        port = free_port()
+        self.children, self._tail = [], collections.deque(maxlen=self.tail_lines)
+        for index in range(self.processes):
+            child_env = dict(os.environ if self.env is None else self.env)
+            child_env["JAX_PLATFORMS"] = "cpu"
+            child_env["XLA_FLAGS"] = (child_env.get("XLA_FLAGS", "").replace(
+                "--xla_force_host_platform_device_count=8", "") +
+                f" --xla_force_host_platform_device_count={self.devices_per_process}").strip()
+            argv = [*(self.program or [sys.executable, "-m", "bertjax.cli"]), *command,
+                    "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(self.processes),
+                    "--process-id", str(index)]
+            child = subprocess.Popen(argv, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            threading.Thread(target=_relay, args=(f"p{index}", child.stdout, sys.stdout, self._tail),
+                             daemon=True).start()
+            self.children.append(child)
+
+    def wait(self) -> tuple[int, str]:
+        """(the first abnormal exit code, or 0; the kind of end: "exited" | "preempted" | "failed")."""
+        while True:
+            codes = [child.poll() for child in self.children]
+            bad = [code for code in codes if code not in (None, 0)]
+            if bad:
+                for child in self.children:
+                    if child.poll() is None:
+                        child.kill()
+                for child in self.children:
+                    child.wait()
+                return bad[0], "preempted" if bad[0] < 0 else "failed"
+            if all(code == 0 for code in codes):
+                return 0, "exited"
+            time.sleep(0.2)
+
+    def run(self, command: list[str]) -> tuple[str, str]:
+        """Runs the job to its end: (kind of end, the last lines of its output), for bertjax.cloud.babysitter."""
+        self.start(command)
+        _, kind = self.wait()
+        time.sleep(0.2)  # let the relay threads take the last lines
+        return kind, "".join(self._tail)
+
+
+def launch(command: list[str], processes: int, devices_per_process: int, env: dict | None = None,
+           program: list[str] | None = None) -> int:
+    """Starts `bertjax <command>` (or `program + command`) in `processes` processes, each with
+    `--coordinator/--num-processes/--process-id` appended; returns the first non-zero exit code (or 0)."""
+    workers = LocalProcesses(processes, devices_per_process, env, program)
+    workers.start(command)
+    return workers.wait()[0]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The launcher's flags (`bertjax launch local` and `python launch/local.py` alike)."""
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--devices-per-process", type=int, default=4)
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="babysit a pretrain command: run it again after a preemption (a worker killed) until "
+                             "its workdir has the completion marker, at most this many times")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the bertjax command after --")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Runs the parsed launcher command; usage errors through `parser.error`."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the bertjax command after --, e.g. -- pretrain --config bert-tiny ...")
+    if not args.max_restarts:
+        return launch(command, args.processes, args.devices_per_process)
+    if "--workdir" not in command[:-1]:
+        parser.error("--max-restarts babysits a pretrain command: it needs the command's --workdir")
+    return babysit(LocalProcesses(args.processes, args.devices_per_process), command,
+                   command[command.index("--workdir") + 1], args.max_restarts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv), parser)
+
+if __name__ == "__main__":
+    sys.exit(main())

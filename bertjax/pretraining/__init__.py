@@ -1,0 +1,1 @@
+"""The pretraining job: its config, train state, step, loop, optimizer, metrics and command line."""

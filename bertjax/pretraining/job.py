@@ -1,0 +1,95 @@
+"""The job's step on a mesh, built once: what the loop trains with and what `bertjax compile` compiles for a TPU
+slice (`build_job_step`), and that step compiled for any devices without running it (`compile_step`). Both the
+loop and the cloud compiler import this module; it imports neither.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+
+from bertjax import sharding
+from bertjax.data import schema
+from bertjax.model import bert as model_lib
+from bertjax.model.config import BertConfig
+from bertjax.pretraining import state as train_state
+from bertjax.pretraining import step as train_step
+from bertjax.pretraining.config import PretrainConfig
+from bertjax.pretraining.optim import make_optimizer
+
+_OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\).*?available HBM \(([\d.]+)([KMGT])\)", re.S)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+@dataclasses.dataclass
+class JobStep:
+    """What a pretraining job computes on a mesh: its model, the state's layout and the jitted steps."""
+
+    bert_config: BertConfig
+    rng: jax.Array
+    state_args: dict          # model, config, optimizer, seq_len, num_masked: how the state is initialised
+    shardings: object         # NamedShardings of every state leaf
+    abstract_state: object    # the state as ShapeDtypeStructs with those shardings (what restores and AOT take)
+    train_step: object        # jitted, state donated
+    eval_step: object
+
+
+def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
+    """The model, state layout and steps of the job on `mesh`: what `run` trains with and `bertjax compile`
+    compiles for a TPU slice (one builder, so the two cannot drift apart)."""
+    bert_config = config.bert_config(vocab_size)
+    model = model_lib.BertForPreTraining(bert_config,
+                                         span_boundary_objective=config.train.span_boundary_objective)
+    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+    state_args = dict(model=model, config=bert_config, optimizer=optimizer, seq_len=config.data.max_seq_length,
+                      num_masked=config.data.max_predictions_per_seq)
+    rng = jax.random.key(config.train.seed)
+    shardings, abstract = train_state.abstract_state(rng, mesh=mesh, **state_args)
+    step_fn, eval_fn = train_step.compile_steps(
+        model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=config.train.grad_accum_steps,
+        nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh)
+    return JobStep(bert_config, rng, state_args, shardings, abstract, step_fn, eval_fn)
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """What compiling one configuration gave: the per-chip need and FLOPs, or the out-of-memory size."""
+
+    fits: bool
+    hbm_bytes_per_chip: int          # arguments + outputs + temporaries - aliased (or the size XLA said it needs)
+    xla_flops_per_chip: float | None
+    argument_bytes_per_chip: int | None = None   # the train state and the batch (the state is donated)
+    temp_bytes_per_chip: int | None = None       # activations, gradients, gathered params...
+    detail: str = ""
+
+
+def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> CompiledStep:
+    """Compiles the job's train step for `devices` (this machine's, or a TPU slice's compile-only devices);
+    never runs it."""
+    mesh = config.mesh.build(devices)
+    job = build_job_step(config, mesh, vocab_size)
+    batch_sharding = sharding.batch_sharding(mesh)
+    shapes = config.data.feature_shapes()
+    dtypes = schema.feature_dtypes(shapes)
+    batch = {name: jax.ShapeDtypeStruct((config.train.batch_size,) + shape, np.dtype(dtypes[name]),
+                                        sharding=batch_sharding)
+             for name, shape in shapes.items()}
+    with sharding.activate(mesh):
+        lowered = job.train_step.lower(job.abstract_state, batch)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as error:
+        match = _OUT_OF_HBM.search(str(error))
+        if not match:
+            raise
+        need = int(float(match[1]) * _UNITS[match[2]])
+        return CompiledStep(False, need, None, detail=str(error).strip().splitlines()[0][:400])
+    memory = compiled.memory_analysis()
+    need = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+            - memory.alias_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return CompiledStep(True, int(need), float(cost.get("flops", 0.0)), int(memory.argument_size_in_bytes),
+                        int(memory.temp_size_in_bytes))
