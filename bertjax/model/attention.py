@@ -1,0 +1,173 @@
+"""Scaled dot-product attention behind one function, with interchangeable backends.
+
+All backends take query/key/value as [batch, length, heads, head_dim] and the same masks:
+- `input_mask` [batch, length]: 1 for real tokens, 0 for padding (keys that are padding are never attended);
+- `packing_ids` [batch, length] (optional): ids of the sequences packed into one row; a token attends only to
+  tokens with the same id. (Not BERT's token-type "segment_ids", which only select an embedding.)
+A query row whose keys are all masked (a padding position) gives a finite, ignorable output, never NaN.
+
+Backends:
+- "reference": einsum + float32 softmax in plain JAX; supports attention dropout. The definition the others are
+  tested against.
+- "dot_product": `jax.nn.dot_product_attention`, which dispatches to cuDNN's fused flash attention on GPU when
+  the shapes/dtypes allow and to XLA otherwise.
+- "cudnn": the same call forcing the cuDNN implementation (GPU, bf16/fp16 only).
+- "pallas_tpu": the Pallas TPU flash-attention kernel (jax.experimental.pallas.ops.tpu.flash_attention).
+- "splash_tpu": the Pallas TPU splash-attention kernel (block-sparse; what MaxText uses on TPU).
+- "auto": splash on TPU, dot_product on GPU, reference on CPU: the platform the program is compiled for (the
+  active mesh's), not the machine tracing it, so `bertjax compile` on a CPU compiles what the TPU would run.
+The fused backends have no attention-probability dropout; asking for one of them explicitly while attention dropout
+is active is an error, and "auto" falls back to the reference then (dropout is part of BERT's definition).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bertjax.model.dropout import dropout
+
+FUSED_BACKENDS = ("dot_product", "cudnn", "pallas_tpu", "splash_tpu")
+
+
+def target_platform() -> str:
+    """The platform the program being traced will run on: the active mesh's (`jax.set_mesh`; while compiling for
+    a TPU slice on a CPU machine that is "tpu"), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_mesh", mesh).abstract_device
+    return (device.platform if device is not None else None) or jax.default_backend()
+
+
+def resolve_backend(backend: str, dropout_active: bool, platform: str | None = None) -> str:
+    """The concrete backend for `backend` on the target platform (`auto` picks by platform)."""
+    platform = platform or target_platform()
+    if backend == "auto":
+        if dropout_active:
+            return "reference"
+        return {"tpu": "splash_tpu", "gpu": "dot_product"}.get(platform, "reference")
+    if backend in FUSED_BACKENDS and dropout_active:
+        raise ValueError(f"attention backend {backend!r} has no attention dropout; set "
+                         "attention_probs_dropout_prob=0 or use attention_backend 'auto' or 'reference'")
+    return backend
+
+
+def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, backend: str = "auto",
+                          dropout_rate: float = 0.0, dropout_rng=None, deterministic: bool = True):
+    """Attention output [batch, length, heads, head_dim] in the dtype of `query`.
+
+    The Pallas TPU backends run off-TPU (tests on CPU) inside `jax.experimental.pallas.tpu
+    .force_tpu_interpret_mode()`, which must enclose the tracing of the backward pass too.
+    """
+    dropout_active = not deterministic and dropout_rate > 0.0
+    backend = resolve_backend(backend, dropout_active)
+    if backend == "reference":
+        return reference_attention(query, key, value, input_mask, packing_ids, dropout_rate=dropout_rate,
+                                   dropout_rng=dropout_rng, deterministic=deterministic)
+    if backend in ("dot_product", "cudnn"):
+        mask = attention_mask(input_mask, packing_ids)[:, None, :, :]
+        return jax.nn.dot_product_attention(
+            query, key, value, mask=mask, implementation="cudnn" if backend == "cudnn" else None)
+    if backend == "pallas_tpu":
+        return _pallas_flash_attention(query, key, value, input_mask, packing_ids)
+    if backend == "splash_tpu":
+        return _splash_attention(query, key, value, input_mask, packing_ids)
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+def attention_mask(input_mask, packing_ids=None):
+    """Boolean [batch, q_len, kv_len]: True where a query may attend to a key."""
+    mask = jnp.broadcast_to(input_mask[:, None, :].astype(bool),
+                            (input_mask.shape[0], input_mask.shape[1], input_mask.shape[1]))
+    if packing_ids is not None:
+        mask = mask & (packing_ids[:, :, None] == packing_ids[:, None, :])
+    return mask
+
+
+def reference_attention(query, key, value, input_mask, packing_ids=None, *, dropout_rate: float = 0.0,
+                        dropout_rng=None, deterministic: bool = True):
+    """softmax(q k^T / sqrt(d) + mask) v with float32 logits/softmax, as BERT defines it."""
+    head_dim = query.shape[-1]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+    logits = logits / np.sqrt(head_dim).astype(np.float32)
+    mask = attention_mask(input_mask, packing_ids)[:, None, :, :]
+    # A large finite negative (not -inf), so that a fully masked row softmaxes to uniform instead of NaN.
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if not deterministic and dropout_rate > 0.0:
+        probs = dropout(probs, dropout_rate, dropout_rng)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(value.dtype), value)
+
+
+def _kernel_segment_ids(input_mask, packing_ids):
+    """Segment ids for the Pallas kernels: padding gets id 0, real tokens their packing id + 1.
+
+    Folding padding into segment ids keeps every query row non-empty (padding attends to padding), which the
+    kernels require, and real tokens never see padding.
+    """
+    ids = jnp.ones_like(input_mask, dtype=jnp.int32) if packing_ids is None else packing_ids.astype(jnp.int32) + 1
+    return jnp.where(input_mask.astype(bool), ids, 0)
+
+
+KERNEL_BLOCK = 128  # the TPU kernels tile the sequence in blocks of 128 (the lane width)
+
+
+def _pad_to_block(query, key, value, segment_ids):
+    """Pads the length axis to a multiple of KERNEL_BLOCK; padding gets segment id 0, like other padding."""
+    length = query.shape[1]
+    extra = -length % KERNEL_BLOCK
+    if extra:
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
+        query, key, value, segment_ids = pad(query), pad(key), pad(value), pad(segment_ids)
+    return query, key, value, segment_ids, length
+
+
+def _pallas_flash_attention(query, key, value, input_mask, packing_ids):
+    from jax.experimental.pallas.ops.tpu import flash_attention as flash
+
+    head_dim = query.shape[-1]
+    query, key, value, segment_ids, length = _pad_to_block(
+        query, key, value, _kernel_segment_ids(input_mask, packing_ids))
+    block = KERNEL_BLOCK
+    block_sizes = flash.BlockSizes(
+        block_q=block, block_k_major=block, block_k=block, block_b=1,
+        block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block,
+        block_k_major_dq=block, block_k_dq=block, block_q_dq=block)
+    to_bhld = lambda x: jnp.swapaxes(x, 1, 2)
+    out = flash.flash_attention(
+        to_bhld(query), to_bhld(key), to_bhld(value),
+        segment_ids=flash.SegmentIds(q=segment_ids, kv=segment_ids), causal=False,
+        sm_scale=float(1.0 / np.sqrt(head_dim)), block_sizes=block_sizes)
+    return to_bhld(out)[:, :length]
+
+
+def _splash_attention(query, key, value, input_mask, packing_ids):
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as splash_mask,
+    )
+
+    heads, head_dim = query.shape[2], query.shape[3]
+    query, key, value, segment_ids, length = _pad_to_block(
+        query, key, value, _kernel_segment_ids(input_mask, packing_ids))
+    padded_length, block = query.shape[1], KERNEL_BLOCK
+    block_sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                    block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                                    block_kv_dq=block)
+    mask = splash_mask.MultiHeadMask([splash_mask.FullMask((padded_length, padded_length)) for _ in range(heads)])
+    kernel = splash.make_splash_mha(mask, block_sizes=block_sizes, head_shards=1, q_seq_shards=1)
+    # Splash does not scale the logits; BERT divides them by sqrt(head_dim).
+    query = query / jnp.asarray(np.sqrt(head_dim), query.dtype)
+    to_hld = lambda x: jnp.swapaxes(x, 0, 1)  # per example: [length, heads, d] -> [heads, length, d]
+
+    def one_example(q, k, v, ids):
+        out = kernel(to_hld(q), to_hld(k), to_hld(v), segment_ids=splash.SegmentIds(q=ids, kv=ids))
+        return to_hld(out)
+
+    if target_platform() == "tpu":
+        out = jax.vmap(one_example)(query, key, value, segment_ids)
+    else:
+        # Interpret mode (tests off TPU) cannot batch the kernel's grid under vmap: loop over examples.
+        out = jax.lax.map(lambda args: one_example(*args), (query, key, value, segment_ids))
+    return out[:, :length]
