@@ -40,6 +40,14 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+def target_platform() -> str:
+    """The platform the program being traced will run on: the active mesh's (`jax.set_mesh`; while compiling for
+    a TPU slice on a CPU machine that is "tpu"), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_mesh", mesh).abstract_device
+    return (device.platform if device is not None else None) or jax.default_backend()
+
+
 def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1) -> tuple[int, int, int]:
     """(data, fsdp, tensor) sizes for `num_devices`; one axis may be -1 to take the remaining devices."""
     sizes = [data, fsdp, tensor]

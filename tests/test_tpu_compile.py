@@ -15,6 +15,7 @@ from bertjax.pretraining import metrics  # noqa: E402
 from bertjax.pretraining.config import load_config  # noqa: E402
 
 REQUIRED_KEYS = {"topology", "chips", "hosts", "mesh", "per_chip_batch", "fits", "hbm_capacity_bytes_per_chip",
+                 "estimated_step_seconds", "estimated_mfu", "estimate_breakdown", "estimate_coverage", "step_time_source",
                  "hbm_bytes_per_chip", "xla_flops_per_step", "model_flops_per_step", "mfu_assumed", "step_seconds",
                  "tokens_per_second", "total_hours", "chip_hours"}
 
@@ -131,3 +132,26 @@ def test_bert_base_fits_v5e_4x4_and_xla_counts_the_model_flops(preset, seq):
                                               topologies.parse_topology("v5e:4x4"))
     assert result["fits"] and result["seq_len"] == seq
     assert result["xla_flops_per_step"] == pytest.approx(result["model_flops_per_step"], rel=0.10)
+
+
+def _pallas_kernels(result: dict) -> int:
+    coverage = result["estimate_coverage"]
+    return coverage["pallas_kernels_from_cost_estimate"] + coverage["without_estimate"].get(
+        "Pallas kernel without a CostEstimate", 0)
+
+
+def test_compiling_for_tpu_on_this_cpu_uses_the_tpu_attention_kernels_and_estimates_the_step():
+    # `auto` picks the TPU kernels for the TPU the program is compiled for, although JAX's default backend here is
+    # the CPU (the program compiled is the one the TPU would run), each run per chip (Mosaic calls are not
+    # partitioned by XLA). With BERT's attention dropout: the dropout kernel, forward, dq and dk/dv per layer
+    # (bert-tiny: 2 layers); without: splash.
+    assert _pallas_kernels(_compiled("v5e:2x2")) == 3 * 2
+    assert _pallas_kernels(_compiled("v5e:2x2", "model.attention_probs_dropout_prob=0")) > 0
+    assert _pallas_kernels(_compiled("v5e:2x2", "model.attention_backend=reference")) == 0
+    # The step time comes from XLA:TPU's estimate unless an MFU is assumed.
+    estimated = tpu_compile.compile_for_topology(_tiny(), topologies.parse_topology("v5e:2x2"))
+    assert estimated["step_time_source"] == "estimated" and estimated["mfu_assumed"] is None
+    assert estimated["step_seconds"] == estimated["estimated_step_seconds"] > 0
+    assert 0 < estimated["estimated_mfu"] < 1
+    shares = [share for _, _, share in estimated["estimate_breakdown"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9

@@ -26,7 +26,9 @@ def register(subparsers) -> None:
     aot.add_argument("--num-slices", type=int, default=1, help="multi-slice: this many slices (mesh.dcn_data)")
     aot.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key (repeatable)")
-    aot.add_argument("--mfu", type=float, default=0.5, help="assumed model FLOPs utilisation for the estimates")
+    aot.add_argument("--mfu", type=float, help="assume this model FLOPs utilisation for step time and hours "
+                     "instead of XLA:TPU's estimate of the compiled step (default: the estimate)")
+    aot.add_argument("--dump-hlo", default="", metavar="FILE", help="write the compiled HLO text to FILE")
     aot.add_argument("--fit-batch", action="store_true", help="if the step does not fit, find the smallest "
                      "grad_accum_steps (largest per-chip microbatch) that does, by compiling")
     aot.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -86,12 +88,12 @@ def _compile(args: argparse.Namespace) -> int:
     from bertjax.pretraining import config as pretrain_config
 
     topology = topologies.parse_topology(args.topology, args.num_slices)
-    if not 0 < args.mfu <= 1:
+    if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu {args.mfu}: expected a fraction in (0, 1]")
     config = pretrain_config.load_config(args.config, args.overrides, require_data=False)
     from bertjax.cloud import compile as tpu_compile
 
-    result = tpu_compile.compile_for_topology(config, topology, args.mfu)
+    result = tpu_compile.compile_for_topology(config, topology, args.mfu, dump_hlo=args.dump_hlo)
     if not result["fits"] and args.fit_batch:
         result["fit"] = tpu_compile.fit_batch(config, topology, args.mfu, requested=result)
     print(json.dumps(result) if args.json else tpu_compile.describe(result))

@@ -3,14 +3,17 @@
 The function the job runs (`pretraining.job.build_job_step`, the builder the pretraining loop trains with: the
 job's model, optimizer, mesh, logical-axis rules and shardings) is lowered for the slice's compile-only devices
 (libtpu through jax.experimental.topologies) and compiled by XLA:TPU (`pretraining.job.compile_step`). Its memory
-analysis (per chip) says whether it fits HBM, its cost analysis (per chip) counts the FLOPs XLA will run; the time and chip-hours follow from bertjax's analytic model FLOPs at an assumed MFU.
-A program larger than HBM fails to compile (RESOURCE_EXHAUSTED); that is reported as not fitting, with the size.
+analysis (per chip) says whether it fits HBM, its cost analysis (per chip) counts the FLOPs XLA will run, and
+the compiled program's own cycle estimates (`estimate.py`) give the step time and estimated MFU, from which the
+hours and chip-hours follow (or from an MFU the user assumes with --mfu). A program larger than HBM fails to
+compile (RESOURCE_EXHAUSTED); that is reported as not fitting, with the size.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from bertjax.cloud.topologies import Topology, compile_only_devices
+from bertjax.cloud.estimate import estimate_program
+from bertjax.cloud.topologies import GENERATIONS, Topology, compile_only_devices
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.pretraining import metrics
 from bertjax.pretraining.config import PretrainConfig, validate
@@ -37,18 +40,30 @@ def vocab_size_of(config: PretrainConfig) -> int:
         DEFAULT_VOCAB_SIZE
 
 
-def report(config: PretrainConfig, topology: Topology, mfu: float, compiled: CompiledStep,
-           vocab_size: int) -> dict:
-    """The fit and cost figures of one compiled configuration (the keys `bertjax compile --json` prints)."""
+def report(config: PretrainConfig, topology: Topology, mfu: float | None, compiled: CompiledStep,
+           vocab_size: int, top: int = 15) -> dict:
+    """The fit and cost figures of one compiled configuration (the keys `bertjax compile --json` prints).
+
+    Step time, tokens/s and hours come from XLA:TPU's own estimate of the compiled step (`estimate.py`) unless
+    `mfu` is given, which assumes that MFU instead (`step_time_source` says which).
+    """
     chips = topology.chips
     data, fsdp, tensor = config.mesh.shape(chips)
     bert_config = config.bert_config(vocab_size)
     seq_len = config.data.max_seq_length
     model_flops = config.train.batch_size * metrics.train_flops_per_sequence(
         bert_config, seq_len, config.data.max_predictions_per_seq)
-    step_seconds = model_flops / (chips * topology.peak_flops_per_chip * mfu)
-    total_hours = config.train.steps * step_seconds / 3600
     fits = compiled.fits and compiled.hbm_bytes_per_chip <= topology.usable_hbm_bytes_per_chip
+    generation = GENERATIONS[topology.generation]
+    step = None if compiled.hlo_text is None else estimate_program(
+        compiled.hlo_text, clock_hz=generation.clock_hz, peak_flops=generation.peak_flops_per_chip,
+        hbm_bytes_per_second=generation.hbm_bytes_per_second)
+    estimated_mfu = None if step is None else model_flops / (chips * topology.peak_flops_per_chip * step.seconds)
+    if mfu is not None:
+        step_seconds, source = model_flops / (chips * topology.peak_flops_per_chip * mfu), "assumed"
+    else:
+        step_seconds, source = (None, "none") if step is None else (step.seconds, "estimated")
+    total_hours = None if step_seconds is None else config.train.steps * step_seconds / 3600
     return {
         "topology": topology.topology, "accelerator_type": topology.accelerator_type,
         "num_slices": topology.num_slices, "chips": chips, "hosts": topology.hosts,
@@ -67,23 +82,40 @@ def report(config: PretrainConfig, topology: Topology, mfu: float, compiled: Com
         "xla_flops_per_step": None if compiled.xla_flops_per_chip is None else
         compiled.xla_flops_per_chip * chips * config.train.grad_accum_steps,
         "model_flops_per_step": model_flops,
-        "mfu_assumed": mfu, "peak_flops_per_chip": topology.peak_flops_per_chip,
+        "peak_flops_per_chip": topology.peak_flops_per_chip,
+        "clock_hz": generation.clock_hz,
+        "estimated_cycles_per_step": None if step is None else step.cycles,
+        "estimated_step_seconds": None if step is None else step.seconds,
+        "estimated_mfu": estimated_mfu,
+        "estimate_breakdown": [] if step is None else [
+            [name, seconds, seconds / step.seconds] for name, seconds in list(step.by_op_name.items())[:top]],
+        "estimate_coverage": {} if step is None else dict(
+            step.coverage, pallas_kernel_seconds=step.kernel_seconds),
+        "mfu_assumed": mfu,
+        "step_time_source": source,
         "step_seconds": step_seconds,
-        "tokens_per_second": config.train.batch_size * seq_len / step_seconds,
-        "steps": config.train.steps, "total_hours": total_hours, "chip_hours": total_hours * chips,
+        "tokens_per_second": None if step_seconds is None else config.train.batch_size * seq_len / step_seconds,
+        "steps": config.train.steps, "total_hours": total_hours,
+        "chip_hours": None if total_hours is None else total_hours * chips,
         "detail": compiled.detail,
     }
 
 
-def compile_for_topology(config: PretrainConfig, topology: Topology, mfu: float = 0.5) -> dict:
-    """Compile the job's step for `topology` and report (see `report`)."""
+def compile_for_topology(config: PretrainConfig, topology: Topology, mfu: float | None = None,
+                         dump_hlo: str = "") -> dict:
+    """Compile the job's step for `topology` and report (see `report`); `dump_hlo`: write the compiled HLO text
+    to this file."""
     config = job_for_topology(config, topology)
     vocab_size = vocab_size_of(config)
     compiled = compile_step(config, compile_only_devices(topology), vocab_size)
+    if dump_hlo and compiled.hlo_text is not None:
+        with open(dump_hlo, "w", encoding="utf-8") as f:
+            f.write(compiled.hlo_text)
     return report(config, topology, mfu, compiled, vocab_size)
 
 
-def fit_batch(config: PretrainConfig, topology: Topology, mfu: float = 0.5, requested: dict | None = None) -> dict:
+def fit_batch(config: PretrainConfig, topology: Topology, mfu: float | None = None,
+              requested: dict | None = None) -> dict:
     """The smallest grad_accum_steps (the largest per-chip microbatch, same global batch) whose step fits HBM,
     found by compiling (a binary search: more accumulation never needs more memory); the report of that
     configuration, or of the most accumulated one when none fits (its `fits` is then False). `requested`: the
@@ -132,8 +164,30 @@ def describe(result: dict) -> str:
         + ("" if result["xla_flops_per_step"] is None else
            f", XLA {result['xla_flops_per_step']:.4g} "
            f"({result['xla_flops_per_step'] / result['model_flops_per_step']:.3f}x)"),
-        f"at {100 * result['mfu_assumed']:g}% MFU: {result['step_seconds'] * 1e3:.1f} ms/step, "
-        f"{result['tokens_per_second']:,.0f} tokens/s; {result['steps']} steps = {result['total_hours']:.2f} h, "
-        f"{result['chip_hours']:,.0f} chip-hours",
     ]
+    if result["estimated_step_seconds"] is not None:
+        coverage = result["estimate_coverage"]
+        lines.append(
+            f"XLA:TPU's estimate (not a measurement): {result['estimated_cycles_per_step']:,} cycles at "
+            f"{result['clock_hz'] / 1e9:g} GHz = {result['estimated_step_seconds'] * 1e3:.1f} ms/step, "
+            f"{100 * result['estimated_mfu']:.1f}% MFU")
+        lines.append("  where the estimated time goes (op_name, layers merged):")
+        lines += [f"  {100 * share:5.1f}%  {seconds * 1e3:8.3f} ms  {name}"
+                  for name, seconds, share in result["estimate_breakdown"]]
+        unestimated = ", ".join(f"{name} x{count}" for name, count in list(coverage["without_estimate"].items())[:6])
+        unestimated += ", ..." if len(coverage["without_estimate"]) > 6 else ""
+        lines.append(f"  coverage: {coverage['instructions_estimated']} instructions estimated by XLA"
+                     + (f", {coverage['pallas_kernels_from_cost_estimate']} Pallas kernel(s) priced by their "
+                        f"declared CostEstimate ({coverage['pallas_kernel_seconds'] * 1e3:.2f} ms)"
+                        if coverage["pallas_kernels_from_cost_estimate"] else "")
+                     + (f"; without estimate: {unestimated}" if unestimated else "")
+                     + ("; collectives not priced: " + ", ".join(
+                         f"{op} {size / 2**20:.1f} MiB" for op, size in coverage["collective_bytes"].items())
+                        if coverage["collective_bytes"] else ""))
+    if result["step_seconds"] is not None:
+        basis = (f"at an assumed {100 * result['mfu_assumed']:g}% MFU" if result["step_time_source"] == "assumed"
+                 else "by the estimate")
+        lines.append(f"{basis}: {result['step_seconds'] * 1e3:.1f} ms/step, {result['tokens_per_second']:,.0f} "
+                     f"tokens/s; {result['steps']} steps = {result['total_hours']:.2f} h, "
+                     f"{result['chip_hours']:,.0f} chip-hours")
     return "\n".join(lines)

@@ -39,17 +39,29 @@ class Generation:
     cores_per_chip: int                 # TensorCores; the accelerator-type number counts these on v4/v5p
     rank: int                           # 3 for the 3D tori (v4, v5p), 2 for v5e/v6e
     max_single_host_chips: int          # slices up to this size are one VM holding every chip
+    clock_hz: float                     # TensorCore clock: what XLA's estimated_cycles count (see below)
+    hbm_bytes_per_second: float         # published HBM bandwidth per chip
     chip_config_name: str | None = None
 
 
+# Clocks: the published bf16 peak divided by the MXUs' multiply-adds per cycle (2 FLOPs each). v4 and v5p: 2
+# TensorCores x 4 MXUs of 128x128 per chip (275e12 / 262144 = 1.05 GHz; 459e12 / 262144 = 1.75 GHz); v5e: 1 core x 4
+# MXUs of 128x128 (197e12 / 131072 = 1.5 GHz); v6e: 1 core x 4 MXUs of 256x256 (918e12 / 524288 = 1.75 GHz).
+# Checked against XLA's estimate of an 8192^3 bf16 matmul on one compile-only chip (libtpu 0.0.42.1), which a
+# right clock puts just under peak: v5e 88%, v4 93%, v5p 90% of peak; v6e 70% (its clock is the least certain).
+# A 64M-element f32 add comes out at 57% (v5e), 69% (v4), 45% (v5p), 44% (v6e) of the HBM bandwidth.
 GENERATIONS: dict[str, Generation] = {
     g.name: g for g in (
-        Generation("v4", "v4", "TPU v4", 32 * GiB, 31484 * MiB, 275e12, 2, 3, 4, chip_config_name="megacore"),
-        Generation("v5e", "v5e", "TPU v5 lite", 16 * GiB, 16125 * MiB, 197e12, 1, 2, 8),
+        Generation("v4", "v4", "TPU v4", 32 * GiB, 31484 * MiB, 275e12, 2, 3, 4, clock_hz=1.05e9,
+                   hbm_bytes_per_second=1.2e12, chip_config_name="megacore"),
+        Generation("v5e", "v5e", "TPU v5 lite", 16 * GiB, 16125 * MiB, 197e12, 1, 2, 8, clock_hz=1.5e9,
+                   hbm_bytes_per_second=819e9),
         # Google's table says "95 GB", but libtpu lets a program use 95.74 GiB, so the chip has 96 GiB
         # (like v5e's 16 GiB less ~260 MiB that the runtime keeps).
-        Generation("v5p", "v5p", "TPU v5", 96 * GiB, 98040 * MiB, 459e12, 2, 3, 4),
-        Generation("v6e", "v6e", "TPU v6 lite", 32 * GiB, 31995 * MiB, 918e12, 1, 2, 8),
+        Generation("v5p", "v5p", "TPU v5", 96 * GiB, 98040 * MiB, 459e12, 2, 3, 4, clock_hz=1.75e9,
+                   hbm_bytes_per_second=2765e9),
+        Generation("v6e", "v6e", "TPU v6 lite", 32 * GiB, 31995 * MiB, 918e12, 1, 2, 8, clock_hz=1.75e9,
+                   hbm_bytes_per_second=1640e9),
     )
 }
 

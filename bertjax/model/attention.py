@@ -14,28 +14,31 @@ Backends:
 - "cudnn": the same call forcing the cuDNN implementation (GPU, bf16/fp16 only).
 - "pallas_tpu": the Pallas TPU flash-attention kernel (jax.experimental.pallas.ops.tpu.flash_attention).
 - "splash_tpu": the Pallas TPU splash-attention kernel (block-sparse; what MaxText uses on TPU).
-- "auto": splash on TPU, dot_product on GPU, reference on CPU: the platform the program is compiled for (the
-  active mesh's), not the machine tracing it, so `bertjax compile` on a CPU compiles what the TPU would run.
-The fused backends have no attention-probability dropout; asking for one of them explicitly while attention dropout
-is active is an error, and "auto" falls back to the reference then (dropout is part of BERT's definition).
+- "flash_dropout_tpu": bertjax's own Pallas TPU flash attention with attention-probability dropout
+  (`dropout_attention.py`): the keep mask is a hash of (seed, batch, head, query, key) recomputed in the
+  backward, never stored. Its seed is a uint32 drawn from `dropout_rng`, so the same key gives the same mask.
+- "auto": without attention dropout splash on TPU, dot_product on GPU, reference on CPU; with it
+  flash_dropout_tpu on TPU and the reference elsewhere. The platform is the one the program is compiled for
+  (the active mesh's), not the machine tracing it, so `bertjax compile` on a CPU compiles what the TPU would run.
+The other fused backends have no attention-probability dropout; asking for one of them explicitly while attention
+dropout is active is an error (dropout is part of BERT's definition).
+Pallas (Mosaic) kernels cannot be partitioned by XLA: on a mesh they run per device (`per_device_shard`).
 """
 from __future__ import annotations
 
+import functools
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
 
 from bertjax.model.dropout import dropout
+from bertjax.sharding import target_platform
 
 FUSED_BACKENDS = ("dot_product", "cudnn", "pallas_tpu", "splash_tpu")
-
-
-def target_platform() -> str:
-    """The platform the program being traced will run on: the active mesh's (`jax.set_mesh`; while compiling for
-    a TPU slice on a CPU machine that is "tpu"), else JAX's default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_mesh", mesh).abstract_device
-    return (device.platform if device is not None else None) or jax.default_backend()
 
 
 def resolve_backend(backend: str, dropout_active: bool, platform: str | None = None) -> str:
@@ -43,7 +46,7 @@ def resolve_backend(backend: str, dropout_active: bool, platform: str | None = N
     platform = platform or target_platform()
     if backend == "auto":
         if dropout_active:
-            return "reference"
+            return "flash_dropout_tpu" if platform == "tpu" else "reference"
         return {"tpu": "splash_tpu", "gpu": "dot_product"}.get(platform, "reference")
     if backend in FUSED_BACKENDS and dropout_active:
         raise ValueError(f"attention backend {backend!r} has no attention dropout; set "
@@ -67,11 +70,39 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
         mask = attention_mask(input_mask, packing_ids)[:, None, :, :]
         return jax.nn.dot_product_attention(
             query, key, value, mask=mask, implementation="cudnn" if backend == "cudnn" else None)
-    if backend == "pallas_tpu":
-        return _pallas_flash_attention(query, key, value, input_mask, packing_ids)
-    if backend == "splash_tpu":
-        return _splash_attention(query, key, value, input_mask, packing_ids)
+    segment_ids = _kernel_segment_ids(input_mask, packing_ids)
+    if backend == "flash_dropout_tpu":
+        from bertjax.model.dropout_attention import seed_from_rng
+
+        rate = dropout_rate if dropout_active else 0.0
+        seed = seed_from_rng(dropout_rng) if rate > 0.0 else jnp.uint32(0)
+        return per_device_shard(functools.partial(_flash_dropout_attention, dropout_rate=rate), query, key, value,
+                                segment_ids, seed)
+    if backend in ("pallas_tpu", "splash_tpu"):
+        kernel = _pallas_flash_attention if backend == "pallas_tpu" else _splash_attention
+        return per_device_shard(kernel, query, key, value, segment_ids)
     raise ValueError(f"unknown attention backend {backend!r}")
+
+
+def per_device_shard(kernel, query, key, value, segment_ids, *replicated):
+    """`kernel(query, key, value, segment_ids, *replicated, batch_offset=, head_offset=)` run on each device's
+    shard of a multi-device mesh: XLA cannot partition a Mosaic (Pallas TPU) kernel, so the batch is split over
+    the activation_batch axes and the heads over activation_heads by the logical-axis rules in force, and each
+    device runs the kernel on its part; the offsets say where that part starts in the whole batch and heads."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel(query, key, value, segment_ids, *replicated, batch_offset=0, head_offset=0)
+    qkv = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+    ids = nn.logical_to_mesh_axes(("activation_batch", "activation_length"))
+    batch_axes, heads_axes = qkv[0], qkv[2]
+
+    def local(q, k, v, local_ids, *rest):
+        return kernel(q, k, v, local_ids, *rest,
+                      batch_offset=0 if batch_axes is None else lax.axis_index(batch_axes) * q.shape[0],
+                      head_offset=0 if heads_axes is None else lax.axis_index(heads_axes) * q.shape[2])
+
+    return jax.shard_map(local, in_specs=(qkv, qkv, qkv, ids) + (PartitionSpec(),) * len(replicated),
+                         out_specs=qkv, check_vma=False)(query, key, value, segment_ids, *replicated)
 
 
 def attention_mask(input_mask, packing_ids=None):
@@ -84,8 +115,13 @@ def attention_mask(input_mask, packing_ids=None):
 
 
 def reference_attention(query, key, value, input_mask, packing_ids=None, *, dropout_rate: float = 0.0,
-                        dropout_rng=None, deterministic: bool = True):
-    """softmax(q k^T / sqrt(d) + mask) v with float32 logits/softmax, as BERT defines it."""
+                        dropout_rng=None, deterministic: bool = True, keep_mask=None):
+    """softmax(q k^T / sqrt(d) + mask) v with float32 logits/softmax, as BERT defines it.
+
+    `keep_mask` (bool [batch, heads, q_len, kv_len], with dropout active): use this dropout mask (kept
+    probabilities scaled by 1 / (1 - dropout_rate)) instead of drawing one from `dropout_rng`; tests compare the
+    fused dropout kernel against it with the kernel's own mask.
+    """
     head_dim = query.shape[-1]
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
     logits = logits / np.sqrt(head_dim).astype(np.float32)
@@ -94,7 +130,10 @@ def reference_attention(query, key, value, input_mask, packing_ids=None, *, drop
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     if not deterministic and dropout_rate > 0.0:
-        probs = dropout(probs, dropout_rate, dropout_rng)
+        if keep_mask is None:
+            probs = dropout(probs, dropout_rate, dropout_rng)
+        else:
+            probs = jnp.where(keep_mask, probs / (1.0 - dropout_rate), 0.0)
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(value.dtype), value)
 
 
@@ -121,12 +160,11 @@ def _pad_to_block(query, key, value, segment_ids):
     return query, key, value, segment_ids, length
 
 
-def _pallas_flash_attention(query, key, value, input_mask, packing_ids):
+def _pallas_flash_attention(query, key, value, segment_ids, batch_offset, head_offset):
     from jax.experimental.pallas.ops.tpu import flash_attention as flash
 
     head_dim = query.shape[-1]
-    query, key, value, segment_ids, length = _pad_to_block(
-        query, key, value, _kernel_segment_ids(input_mask, packing_ids))
+    query, key, value, segment_ids, length = _pad_to_block(query, key, value, segment_ids)
     block = KERNEL_BLOCK
     block_sizes = flash.BlockSizes(
         block_q=block, block_k_major=block, block_k=block, block_b=1,
@@ -140,7 +178,7 @@ def _pallas_flash_attention(query, key, value, input_mask, packing_ids):
     return to_bhld(out)[:, :length]
 
 
-def _splash_attention(query, key, value, input_mask, packing_ids):
+def _splash_attention(query, key, value, segment_ids, batch_offset, head_offset):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -149,8 +187,7 @@ def _splash_attention(query, key, value, input_mask, packing_ids):
     )
 
     heads, head_dim = query.shape[2], query.shape[3]
-    query, key, value, segment_ids, length = _pad_to_block(
-        query, key, value, _kernel_segment_ids(input_mask, packing_ids))
+    query, key, value, segment_ids, length = _pad_to_block(query, key, value, segment_ids)
     padded_length, block = query.shape[1], KERNEL_BLOCK
     block_sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                     block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
@@ -170,4 +207,14 @@ def _splash_attention(query, key, value, input_mask, packing_ids):
     else:
         # Interpret mode (tests off TPU) cannot batch the kernel's grid under vmap: loop over examples.
         out = jax.lax.map(lambda args: one_example(*args), (query, key, value, segment_ids))
+    return out[:, :length]
+
+
+def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset):
+    from bertjax.model.dropout_attention import flash_attention_with_dropout
+
+    query, key, value, segment_ids, length = _pad_to_block(query, key, value, segment_ids)
+    out = flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
+                                       block_q=KERNEL_BLOCK, block_k=KERNEL_BLOCK, batch_offset=batch_offset,
+                                       head_offset=head_offset)
     return out[:, :length]

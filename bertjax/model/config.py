@@ -24,7 +24,8 @@ BERT_CONFIG_KEYS = (
 # "gelu_new" / "gelu_pytorch_tanh" (what Google's TF code computed although its configs say "gelu").
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "tanh", "silu", "swish")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "reference", "dot_product", "cudnn", "pallas_tpu", "splash_tpu")
+ATTENTION_BACKENDS = ("auto", "reference", "dot_product", "cudnn", "pallas_tpu", "splash_tpu",
+                      "flash_dropout_tpu")
 
 # name -> (layers, hidden, heads); intermediate = 4 * hidden, vocab 30522 (uncased WordPiece).
 PRESETS = {

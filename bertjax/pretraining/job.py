@@ -63,6 +63,7 @@ class CompiledStep:
     argument_bytes_per_chip: int | None = None   # the train state and the batch (the state is donated)
     temp_bytes_per_chip: int | None = None       # activations, gradients, gathered params...
     detail: str = ""
+    hlo_text: str | None = None                  # the compiled program (XLA:TPU's cycle estimates are in it)
 
 
 def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> CompiledStep:
@@ -92,4 +93,4 @@ def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> Comp
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return CompiledStep(True, int(need), float(cost.get("flops", 0.0)), int(memory.argument_size_in_bytes),
-                        int(memory.temp_size_in_bytes))
+                        int(memory.temp_size_in_bytes), hlo_text=compiled.as_text())

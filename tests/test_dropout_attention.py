@@ -1,0 +1,274 @@
+"""The fused Pallas TPU attention with attention dropout (bertjax.dropout_attention): forward and gradients against
+the reference attention with the kernel's own keep mask (interpret mode on CPU), the mask's statistics, and a
+Mosaic compile for two TPU generations (compile-only devices)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from bertjax.model import dropout_attention as da
+from bertjax.model.attention import dot_product_attention, reference_attention
+
+
+def _inputs(batch, length, heads, head_dim, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(3))
+
+
+def _segments(batch, length, layout):
+    """Segment ids: 0 = padding; equal nonzero ids attend to each other."""
+    ids = np.ones((batch, length), np.int32)
+    if layout == "padding":
+        ids[0, length * 3 // 4:] = 0
+        ids[-1, 5:] = 0                       # (in a batch of 1 this overrides the first: 5 real tokens)
+    elif layout == "packing":
+        ids[:, length // 3:] = 2
+        ids[:, length * 2 // 3:] = 3
+        ids[-1, length - 9:] = 0              # padding after the packed sequences
+    return jnp.asarray(ids)
+
+
+def _loss(attention, weights):
+    return lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v)) * weights)
+
+
+def _kernel_and_reference(q, k, v, segment_ids, rate, seed, **blocks):
+    """(out, grads) of the kernel and of the reference with the kernel's mask; rows of padding are left out of the
+    loss (their outputs are ignorable: the kernel's padding rows also see the block padding)."""
+    batch, length, heads, _ = q.shape
+    weights = (segment_ids != 0).astype(jnp.float32)[:, :, None, None]
+    kernel = lambda q, k, v: da.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=rate, seed=seed,
+                                                             **blocks)
+    mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate) if rate else None
+    reference = lambda q, k, v: da.reference_attention_with_mask(q, k, v, segment_ids, mask, rate)
+    with pltpu.force_tpu_interpret_mode():
+        out = kernel(q, k, v)
+        grads = jax.grad(_loss(kernel, weights), argnums=(0, 1, 2))(q, k, v)
+    expected = reference(q, k, v)
+    expected_grads = jax.grad(_loss(reference, weights), argnums=(0, 1, 2))(q, k, v)
+    return (out, grads), (expected, expected_grads)
+
+
+def _assert_close(kernel, reference, segment_ids, atol=1e-5):
+    (out, grads), (expected, expected_grads) = kernel, reference
+    valid = np.asarray(segment_ids) != 0
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(expected)[valid], atol=atol)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert np.isfinite(np.asarray(grad)).all()
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), atol=atol)
+
+
+@pytest.mark.parametrize("length, batch, heads, head_dim, layout, blocks", [
+    # 120 tokens padded to 128, in 2 x 4 blocks (interpret mode takes any block; Mosaic wants multiples of 128)
+    (120, 2, 2, 16, "padding", dict(block_q=64, block_k=32)),
+    (128, 2, 2, 16, "packing", dict(block_q=64, block_k=64)),
+    (128, 1, 1, 16, "padding", {}),          # the default 128 blocks: one block
+    (512, 1, 1, 8, "packing", {}),           # 4 x 4 blocks of 128
+    (500, 1, 2, 8, "padding", {}),           # padded to 512
+])
+def test_forward_and_gradients_equal_the_reference_with_the_kernels_mask(length, batch, heads, head_dim, layout,
+                                                                        blocks):
+    q, k, v = _inputs(batch, length, heads, head_dim)
+    segment_ids = _segments(batch, length, layout)
+    kernel, reference = _kernel_and_reference(q, k, v, segment_ids, 0.1, 2024, **blocks)
+    _assert_close(kernel, reference, segment_ids)
+    # The mask mattered: without dropout the output is another.
+    out = kernel[0]
+    no_dropout = da.reference_attention_with_mask(q, k, v, segment_ids, None, 0.0)
+    assert np.abs(np.asarray(out - no_dropout)).max() > 1e-2
+
+
+def test_rate_zero_is_attention_without_dropout():
+    q, k, v = _inputs(2, 128, 2, 16)
+    segment_ids = _segments(2, 128, "packing")
+    kernel, reference = _kernel_and_reference(q, k, v, segment_ids, 0.0, 7, block_q=64, block_k=64)
+    _assert_close(kernel, reference, segment_ids)
+
+
+def test_the_kernel_applies_exactly_the_jnp_mask():
+    """With q = k = 0 the probabilities of a row are uniform, and with v the identity each output row is the row of
+    the keep mask, scaled: out[b, i, h, j] = keep[b, h, i, j] / ((1 - rate) * length)."""
+    batch, length, heads, rate = 2, 128, 3, 0.25
+    q = k = jnp.zeros((batch, length, heads, length), jnp.float32)
+    v = jnp.broadcast_to(jnp.eye(length, dtype=jnp.float32)[None, :, None, :], (batch, length, heads, length))
+    segment_ids = jnp.ones((batch, length), jnp.int32)
+    with pltpu.force_tpu_interpret_mode():
+        out = da.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=rate, seed=99, block_q=64,
+                                              block_k=64)
+    recovered = np.asarray(out).transpose(0, 2, 1, 3) * (1 - rate) * length
+    mask = np.asarray(da.dropout_keep_mask(99, batch, heads, length, length, rate))
+    np.testing.assert_allclose(recovered, mask.astype(np.float32), atol=1e-5)
+
+
+def test_keep_fraction_and_independence():
+    rate, batch, heads, length = 0.1, 4, 12, 512
+    mask = np.asarray(da.dropout_keep_mask(12345, batch, heads, length, length, rate))
+    n = mask.size                                   # 12.6M pairs
+    sigma = np.sqrt(rate * (1 - rate) / n)          # 8.4e-5
+    assert abs(mask.mean() - (1 - rate)) < 5 * sigma
+    # Every (batch, head) stream and every row keeps about 1 - rate.
+    per_stream = mask.mean(axis=(2, 3))
+    assert np.abs(per_stream - (1 - rate)).max() < 5 * np.sqrt(rate * (1 - rate) / length**2)
+    per_row = mask.mean(axis=3).ravel()
+    assert abs(per_row.std() - np.sqrt(rate * (1 - rate) / length)) < 0.05 * np.sqrt(rate * (1 - rate) / length)
+    # Neighbours (along keys, queries), heads, examples and seeds are independent: both kept ~ (1 - rate)^2.
+    other_seed = np.asarray(da.dropout_keep_mask(12346, batch, heads, length, length, rate))
+    pairs = {"next key": (mask[..., 1:], mask[..., :-1]), "next query": (mask[:, :, 1:], mask[:, :, :-1]),
+             "next head": (mask[:, 1:], mask[:, :-1]), "next example": (mask[1:], mask[:-1]),
+             "next seed": (mask, other_seed)}
+    for name, (a, b) in pairs.items():
+        both = (a & b).mean()
+        assert abs(both - (1 - rate) ** 2) < 6 * np.sqrt((1 - rate) ** 2 * (1 - (1 - rate) ** 2) / a.size), name
+    for rate in (0.5, 0.02):
+        small = np.asarray(da.dropout_keep_mask(1, 2, 4, 256, 256, rate))
+        assert abs(small.mean() - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / small.size)
+
+
+def test_seeds_select_masks_and_outputs():
+    q, k, v = _inputs(1, 128, 2, 16)
+    segment_ids = _segments(1, 128, "none")
+    run = lambda seed: da.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=0.1, seed=seed,
+                                                       block_q=64, block_k=64)
+    with pltpu.force_tpu_interpret_mode():
+        first, again, other = run(5), run(5), run(6)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+    assert np.abs(np.asarray(first - other)).max() > 1e-2
+    mask5, mask6 = (np.asarray(da.dropout_keep_mask(s, 1, 2, 128, 128, 0.1)) for s in (5, 6))
+    assert 0.15 < (mask5 != mask6).mean() < 0.21      # independent masks disagree on 2 * 0.9 * 0.1 = 18%
+    # A seed may be a uint32 (any of its 2^32 values), an int32 with the same bits, or a jax key.
+    np.testing.assert_array_equal(da.dropout_keep_mask(np.uint32(2**32 - 1), 1, 1, 16, 16, 0.1),
+                                  da.dropout_keep_mask(np.int32(-1), 1, 1, 16, 16, 0.1))
+    key = jax.random.key(3)
+    np.testing.assert_array_equal(da.dropout_keep_mask(key, 1, 2, 64, 64, 0.1),
+                                  da.dropout_keep_mask(jax.random.bits(key, (), jnp.uint32), 1, 2, 64, 64, 0.1))
+
+
+def test_attention_entry_point_with_the_dropout_backend_equals_the_reference_with_its_mask():
+    batch, length, heads, head_dim, rate = 2, 100, 2, 16, 0.1
+    q, k, v = _inputs(batch, length, heads, head_dim, seed=3)
+    input_mask = np.ones((batch, length), np.int32)
+    input_mask[1, 60:] = 0
+    packing_ids = np.zeros((batch, length), np.int32)
+    packing_ids[0, 40:] = 1
+    rng = jax.random.key(11)
+    weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]
+    mask = da.dropout_keep_mask(da.seed_from_rng(rng), batch, heads, length, length, rate)
+
+    def attend(backend):
+        return lambda q, k, v: dot_product_attention(q, k, v, input_mask, packing_ids, backend=backend,
+                                                     dropout_rate=rate, dropout_rng=rng, deterministic=False)
+    reference = lambda q, k, v: reference_attention(q, k, v, input_mask, packing_ids, dropout_rate=rate,
+                                                    dropout_rng=rng, deterministic=False, keep_mask=mask)
+    with pltpu.force_tpu_interpret_mode():
+        out = attend("flash_dropout_tpu")(q, k, v)
+        grads = jax.grad(_loss(attend("flash_dropout_tpu"), weights), argnums=(0, 1, 2))(q, k, v)
+        # Deterministic (eval): no dropout, the plain attention.
+        eval_out = dot_product_attention(q, k, v, input_mask, packing_ids, backend="flash_dropout_tpu",
+                                         dropout_rate=rate, dropout_rng=None, deterministic=True)
+    valid = input_mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference(q, k, v))[valid], atol=1e-5)
+    for grad, expected in zip(grads, jax.grad(_loss(reference, weights), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(eval_out)[valid],
+                               np.asarray(reference_attention(q, k, v, input_mask, packing_ids))[valid], atol=1e-5)
+
+
+def test_cost_estimates_are_declared_on_every_kernel():
+    q, k, v = (jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16) for _ in range(3))
+    segment_ids = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+
+    def step(q, k, v, segment_ids):
+        loss = lambda q, k, v: jnp.sum(da.flash_attention_with_dropout(
+            q, k, v, segment_ids, dropout_rate=0.1, seed=0).astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    jaxpr = jax.make_jaxpr(step)(q, k, v, segment_ids)
+    costs = [eqn.params["cost_estimate"] for eqn in _all_eqns(jaxpr.jaxpr) if eqn.primitive.name == "pallas_call"]
+    assert len(costs) == 3
+    pairs = 2 * 4 * 256 * 256
+    for cost, matmuls in zip(costs, (2, 3, 4)):   # forward, dq, dkv
+        assert cost.flops >= pairs * (2 * 64 * matmuls + da.HASH_OPS_PER_ELEMENT)
+        assert cost.transcendentals == pairs
+        assert cost.bytes_accessed >= 4 * 2 * 256 * 4 * 64 * 2   # at least q, k, v and the output once
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                yield from _all_eqns(inner)
+            elif hasattr(param, "eqns"):
+                yield from _all_eqns(param)
+
+
+@pytest.mark.parametrize("topology, batch, length", [("v5e:2x2", 8, 128), ("v5e:2x2", 4, 512),
+                                                     ("v4-8", 8, 128), ("v4-8", 4, 512)])
+def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, length):
+    """BERT-base attention (12 heads of 64, bf16) forward + backward, compiled by XLA:TPU and Mosaic for
+    compile-only devices of two TPU generations (libtpu; no TPU needed)."""
+    pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu")
+    from bertjax.cloud import topologies
+
+    device = topologies.compile_only_devices(topologies.parse_topology(topology))[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    qkv = jax.ShapeDtypeStruct((batch, length, 12, 64), jnp.bfloat16, sharding=sharding)
+    segment_ids = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=sharding)
+    seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=sharding)
+
+    def step(q, k, v, segment_ids, seed):
+        loss = lambda q, k, v: jnp.sum(da.flash_attention_with_dropout(
+            q, k, v, segment_ids, dropout_rate=0.1, seed=seed).astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    compiled = jax.jit(step).lower(qkv, qkv, qkv, segment_ids, seed).compile()
+    hlo = compiled.as_text()
+    assert hlo.count('custom_call_target="tpu_custom_call"') == 3   # forward, dq, dk/dv: all Mosaic
+    for name in ("flash_dropout_fwd", "flash_dropout_dq", "flash_dropout_dkv"):
+        assert name in hlo
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    # XLA takes the kernels' declared costs: at least the 9 [S, S, 64] matmuls of forward + backward.
+    assert cost["flops"] >= 9 * 2 * 64 * batch * 12 * length * length
+
+
+def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays():
+    """On a mesh the backend runs the kernel per shard (shard_map: batch over data, heads over tensor); each shard
+    hashes its global batch and head indices, so the output is the unsharded one."""
+    from bertjax import sharding
+
+    batch, length, heads, head_dim, rate = 2, 128, 2, 16, 0.1
+    q, k, v = _inputs(batch, length, heads, head_dim, seed=4)
+    input_mask = np.ones((batch, length), np.int32)
+    input_mask[1, 70:] = 0
+    rng = jax.random.key(5)
+    mask = da.dropout_keep_mask(da.seed_from_rng(rng), batch, heads, length, length, rate)
+    weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]
+    attend = lambda q, k, v: dot_product_attention(q, k, v, input_mask, None, backend="flash_dropout_tpu",
+                                                   dropout_rate=rate, dropout_rng=rng, deterministic=False)
+    reference = lambda q, k, v: reference_attention(q, k, v, input_mask, None, dropout_rate=rate, dropout_rng=rng,
+                                                    deterministic=False, keep_mask=mask)
+    mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
+    with pltpu.force_tpu_interpret_mode(), sharding.activate(mesh):
+        out, grads = jax.jit(lambda q, k, v: (attend(q, k, v),
+                                              jax.grad(_loss(attend, weights), argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+    valid = input_mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference(q, k, v))[valid], atol=1e-5)
+    for grad, expected in zip(grads, jax.grad(_loss(reference, weights), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v4-8"])
+def test_bert_tiny_train_step_with_the_dropout_kernel_compiles_for_tpu(topology):
+    """The job's whole train step (data parallel over 4 chips) with attention dropout in the fused kernel."""
+    pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu")
+    from bertjax.cloud import topologies
+    from bertjax.cloud import compile as tpu_compile
+    from bertjax.pretraining.config import load_config
+
+    config = load_config("bert-tiny", ["model.attention_backend=flash_dropout_tpu"], require_data=False)
+    assert config.model.attention_probs_dropout_prob > 0
+    result = tpu_compile.compile_for_topology(config, topologies.parse_topology(topology))
+    assert result["fits"]
