@@ -1,4 +1,6 @@
 """The train step against transformers.BertForPreTraining + torch AdamW, and its accumulation/skip behaviour."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,14 +118,15 @@ def test_gradient_accumulation_equals_one_big_batch(setup):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-def test_non_finite_gradient_skips_the_update(setup):
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_non_finite_gradient_skips_the_update(setup, skip):
     mesh, model, optimizer, schedule, state, shardings = setup
     batch = _batches(1, seed=6)[0]
     bad = jax.tree_util.tree_map(lambda x: x, state)
     bad = bad.replace(params=jax.tree_util.tree_map(lambda x: x, bad.params))
     bad.params["bert"]["embeddings"]["LayerNorm"]["scale"] = jnp.full((32,), jnp.nan)
     step = jax.jit(lambda s, b: train_step.train_step(s, b, model=model, optimizer=optimizer, schedule=schedule,
-                                                 grad_accum_steps=1, nsp_loss=True))
+                                                      grad_accum_steps=1, nsp_loss=True, skip_nonfinite=skip))
     new_state, metrics = step(bad, batch)
     assert int(new_state.nonfinite_total) == 1 and int(new_state.nonfinite_consecutive) == 1
     assert int(new_state.step) == 1
@@ -131,6 +134,24 @@ def test_non_finite_gradient_skips_the_update(setup):
     assert np.array_equal(kernel(new_state), kernel(bad)), "a non-finite step must not change the params"
     good_state, _ = step(*step(state, batch)[:1], batch)  # two steps: the warmup's first learning rate is 0
     assert int(good_state.nonfinite_total) == 0 and not np.array_equal(kernel(good_state), kernel(state))
+
+
+def test_select_and_branch_skips_give_the_same_updates(setup):
+    """The non-finite skip as a select fused into the update (TPU, GPU) and as a branch (CPU): the same 5 steps."""
+    mesh, model, optimizer, schedule, state, shardings = setup
+    assert train_step.skip_by_select("tpu") and train_step.skip_by_select("gpu")
+    assert not train_step.skip_by_select("cpu")
+    states = {}
+    for skip in ("cond", "select"):
+        step = jax.jit(functools.partial(train_step.train_step, model=model, optimizer=optimizer, schedule=schedule,
+                                         grad_accum_steps=1, nsp_loss=True, skip_nonfinite=skip))
+        states[skip] = state
+        for batch in _batches(5, seed=7):
+            states[skip], _ = step(states[skip], batch)
+    for a, b in zip(jax.tree_util.tree_leaves(states["select"]), jax.tree_util.tree_leaves(states["cond"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    moved = np.asarray(states["cond"].params["bert"]["layer_0"]["intermediate"]["kernel"])
+    assert not np.allclose(moved, np.asarray(state.params["bert"]["layer_0"]["intermediate"]["kernel"]))
 
 
 def test_optimizer_state_is_sharded_like_its_params():

@@ -25,11 +25,22 @@ def keep_threshold(rate: float) -> int:
 
 
 def keep_mask(rng, rate: float, shape) -> jax.Array:
-    """Boolean keep mask of `shape`, each element kept with probability keep_threshold(rate) / 2^16."""
-    size = math.prod(shape)
-    words = jax.random.bits(rng, ((size + 1) // 2,), jnp.uint32)
-    draws = jnp.concatenate([words & jnp.uint32(_LEVELS - 1), words >> 16])[:size]
-    return (draws < jnp.uint32(keep_threshold(rate))).reshape(shape)
+    """Boolean keep mask of `shape`, each element kept with probability keep_threshold(rate) / 2^16.
+
+    Elements 2i and 2i+1 of the last axis take the low and high halves of word i: the words have the mask's
+    leading shape, so a mask split over devices (batch-sharded) draws its own words without moving any (a flat
+    draw split into halves and concatenated made XLA's SPMD partitioner all-to-all the words between chips: 108
+    MiB per chip per step for 2-layer BERT-base at batch 64 on v5e:2x2).
+    """
+    shape = tuple(shape)
+    if not shape or shape[-1] % 2:
+        size = math.prod(shape)
+        words = jax.random.bits(rng, ((size + 1) // 2,), jnp.uint32)
+        draws = jnp.stack([words & jnp.uint32(_LEVELS - 1), words >> 16], axis=-1).reshape(-1)[:size]
+        return (draws < jnp.uint32(keep_threshold(rate))).reshape(shape)
+    words = jax.random.bits(rng, shape[:-1] + (shape[-1] // 2,), jnp.uint32)
+    draws = jnp.stack([words & jnp.uint32(_LEVELS - 1), words >> 16], axis=-1).reshape(shape)
+    return draws < jnp.uint32(keep_threshold(rate))
 
 
 def dropout(x, rate: float, rng) -> jax.Array:
