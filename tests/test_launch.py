@@ -58,3 +58,12 @@ def test_bad_requests_are_clear_errors(args, message, capsys):
     command = args if "--" in args else [*args, "--", "pretrain", "--workdir", "gs://b/w"]
     assert bertjax_main(base + command) == 2
     assert message in capsys.readouterr().err
+
+
+def test_launch_local_needs_the_command_and_the_workdir_to_babysit(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bertjax_main(["launch", "local", "--processes", "2"])
+    assert exit_info.value.code == 2 and "give the bertjax command after --" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        bertjax_main(["launch", "local", "--max-restarts", "2", "--", "pretrain", "--config", "bert-tiny"])
+    assert exit_info.value.code == 2 and "needs the command's --workdir" in capsys.readouterr().err
