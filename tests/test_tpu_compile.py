@@ -135,9 +135,10 @@ def test_bert_base_fits_v5e_4x4_and_xla_counts_the_model_flops(preset, seq):
 
 
 def _pallas_kernels(result: dict) -> int:
+    """Pallas kernel calls per step, each priced by the CostEstimate it declares."""
     coverage = result["estimate_coverage"]
-    return coverage["pallas_kernels_from_cost_estimate"] + coverage["without_estimate"].get(
-        "Pallas kernel without a CostEstimate", 0)
+    assert "Pallas kernel without a CostEstimate" not in coverage["without_estimate"]
+    return coverage["pallas_kernels_from_cost_estimate"]
 
 
 def test_compiling_for_tpu_on_this_cpu_uses_the_tpu_attention_kernels_and_estimates_the_step():

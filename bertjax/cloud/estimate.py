@@ -29,8 +29,8 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLEE = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([^\s,})]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_KERNEL_COST = re.compile(r'\\?"flops\\?":\s*(\d+),\s*\\?"transcendentals\\?":\s*(\d+),\s*'
-                          r'\\?"bytes_accessed\\?":\s*(\d+)')
+# The kernel's declared CostEstimate in its backend_config (numbers quoted in compiled HLO, bare when lowered).
+_KERNEL_COST = re.compile(r'"flops":\s*"?(\d+)"?,\s*"transcendentals":\s*"?(\d+)"?,\s*"bytes_accessed":\s*"?(\d+)"?')
 _ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8}
