@@ -113,7 +113,10 @@ class Embeddings(nn.Module):
             positions = self.position_embeddings.embedding[None, : input_ids.shape[-1]]
         else:
             positions = self.position_embeddings(position_ids)
-        x = (self.word_embeddings(input_ids).astype(jnp.float32)
+        # Rows gathered from the float32 table, not from a bf16 copy of all of it: exact (as HF under autocast), and
+        # XLA:TPU no longer converts the whole 30k-row table for the lookup (2-layer BERT-base, 16 sequences per
+        # v5e chip: -11% of the step's estimated cycles).
+        x = (jnp.take(self.word_embeddings.embedding, input_ids, axis=0)
              + positions.astype(jnp.float32)
              + small_table_lookup(self.token_type_embeddings.embedding, segment_ids))
         x = self.LayerNorm(x)
