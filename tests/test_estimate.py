@@ -29,6 +29,13 @@ _HLO = """HloModule jit_step, entry_computation_layout={()->f32[8]}
   ROOT %lt = pred[] compare(%i, %n), direction=LT, backend_config={"estimated_cycles":"1"}
 }
 
+%cond2 (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  %limit = s32[]{:T(128)} constant(5)
+  %counter = s32[]{:T(128)} get-tuple-element(%c), index=0
+  ROOT %lt.2 = pred[] compare(%counter, %limit), direction=LT, backend_config={"estimated_cycles":"2"}
+}
+
 %update (u: f32[8]) -> f32[8] {
   %u = f32[8]{0} parameter(0)
   ROOT %fusion.3 = f32[8]{0} fusion(%u), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/cond/branch_1_fun/add"}, backend_config={"estimated_cycles":"1000"}
@@ -43,6 +50,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   %a = f32[8]{0} parameter(0)
   %fusion.1 = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/bert/layer_0/mlp/dot_general"}, backend_config={"estimated_cycles":"50"}
   %while.1 = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %while.2 = (s32[], f32[8]{0}) while(%init), condition=%cond2, body=%body
   %kernel = f32[8]{0} custom-call(%a), custom_call_target="tpu_custom_call", metadata={op_name="jit(step)/attention/pallas"}, backend_config={"custom_call_config": {"body": "abc", "cost_estimate": {"flops": 3000000000, "transcendentals": 0, "bytes_accessed": 1000000}}}
   %hint = s32[8]{0} custom-call(%a), custom_call_target="AssumeGatherIndicesInBound"
   %all-reduce.1 = f32[1024]{0} all-reduce(%a), replica_groups={}, to_apply=%fused_computation
@@ -54,18 +62,19 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 def test_reading_rules_on_a_hand_written_module():
     estimate = estimate_program(_HLO, clock_hz=1e9, peak_flops=1e12, hbm_bytes_per_second=1e9)
-    # 50 (entry) + 3 x 100 (loop body) + 4 x 1 (loop condition, trips + 1) + 1000 (the larger branch); the add
-    # without an estimate counts nothing.
-    assert estimate.cycles == 50 + 300 + 4 + 1000
+    # 50 (entry) + 3 x 100 (loop body) + 4 x 1 (loop condition, trips + 1) + 1000 (the larger branch); the second
+    # loop has no known_trip_count: its condition `counter < 5` gives 5 x 100 + 6 x 2. The add without an
+    # estimate counts nothing.
+    assert estimate.cycles == 50 + 300 + 4 + 500 + 12 + 1000
     # The kernel: max(3e9 FLOPs / 1e12, 1e6 bytes / 1e9) = 3 ms.
     assert estimate.kernel_seconds == pytest.approx(3e-3)
-    assert estimate.seconds == pytest.approx(1354e-9 + 3e-3)
-    assert estimate.by_op_name["bert/layer_N/mlp/dot_general"] == pytest.approx(350e-9)  # layers merged
+    assert estimate.seconds == pytest.approx(1866e-9 + 3e-3)
+    assert estimate.by_op_name["bert/layer_N/mlp/dot_general"] == pytest.approx(850e-9)  # layers merged
     assert list(estimate.by_op_name)[0] == "attention/pallas"                           # largest first
     assert estimate.coverage["pallas_kernels_from_cost_estimate"] == 1
     assert estimate.coverage["without_estimate"] == {"custom-call:AssumeGatherIndicesInBound": 1, "add": 1}
     assert estimate.coverage["collective_bytes"] == {"all-reduce": 4096}
-    assert estimate.coverage["unknown_trip_counts"] == []
+    assert estimate.coverage["unknown_trip_counts"] == [] and estimate.coverage["trip_counts_from_condition"] == [5]
 
 
 def test_op_name_groups_merge_layers_and_drop_the_jit_wrapper():

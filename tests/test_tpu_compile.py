@@ -134,21 +134,23 @@ def test_bert_base_fits_v5e_4x4_and_xla_counts_the_model_flops(preset, seq):
     assert result["xla_flops_per_step"] == pytest.approx(result["model_flops_per_step"], rel=0.10)
 
 
-def _pallas_kernels(result: dict) -> int:
-    """Pallas kernel calls per step, each priced by the CostEstimate it declares."""
+def _pallas_kernels(result: dict) -> tuple[int, int]:
+    """Pallas kernel calls per step: (priced by the CostEstimate they declare, declaring none)."""
     coverage = result["estimate_coverage"]
-    assert "Pallas kernel without a CostEstimate" not in coverage["without_estimate"]
-    return coverage["pallas_kernels_from_cost_estimate"]
+    return (coverage["pallas_kernels_from_cost_estimate"],
+            coverage["without_estimate"].get("Pallas kernel without a CostEstimate", 0))
 
 
 def test_compiling_for_tpu_on_this_cpu_uses_the_tpu_attention_kernels_and_estimates_the_step():
     # `auto` picks the TPU kernels for the TPU the program is compiled for, although JAX's default backend here is
     # the CPU (the program compiled is the one the TPU would run), each run per chip (Mosaic calls are not
-    # partitioned by XLA). With BERT's attention dropout: the dropout kernel, forward, dq and dk/dv per layer
-    # (bert-tiny: 2 layers); without: splash.
-    assert _pallas_kernels(_compiled("v5e:2x2")) == 3 * 2
-    assert _pallas_kernels(_compiled("v5e:2x2", "model.attention_probs_dropout_prob=0")) > 0
-    assert _pallas_kernels(_compiled("v5e:2x2", "model.attention_backend=reference")) == 0
+    # partitioned by XLA). With BERT's attention dropout at seq 512: the dropout kernel, forward, dq and dk/dv per
+    # layer (bert-tiny: 2 layers); at seq 128 the reference (faster there); without attention dropout: splash.
+    assert _pallas_kernels(_compiled("v5e:2x2", "data.max_seq_length=512", "data.max_predictions_per_seq=77",
+                                     "model.max_position_embeddings=512", "train.batch_size=8")) == (3 * 2, 0)
+    assert _pallas_kernels(_compiled("v5e:2x2")) == (0, 0)
+    # JAX's splash kernel declares no cost: it is counted as without estimate (and said so in the report).
+    assert _pallas_kernels(_compiled("v5e:2x2", "model.attention_probs_dropout_prob=0"))[1] > 0
     # The step time comes from XLA:TPU's estimate unless an MFU is assumed.
     estimated = tpu_compile.compile_for_topology(_tiny(), topologies.parse_topology("v5e:2x2"))
     assert estimated["step_time_source"] == "estimated" and estimated["mfu_assumed"] is None
@@ -156,3 +158,13 @@ def test_compiling_for_tpu_on_this_cpu_uses_the_tpu_attention_kernels_and_estima
     assert 0 < estimated["estimated_mfu"] < 1
     shares = [share for _, _, share in estimated["estimate_breakdown"]]
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+
+
+def test_the_estimate_counts_every_microbatch_of_gradient_accumulation():
+    # The same 32 sequences in 4 microbatches: the scan's while loop has no known_trip_count in XLA's config; its
+    # condition (counter < 4) gives the trip count, so the step is estimated at about the same time, not a quarter.
+    accumulated = _compiled("v5e:2x2", "train.grad_accum_steps=4")
+    assert accumulated["estimate_coverage"]["trip_counts_from_condition"] == [4]
+    assert accumulated["estimate_coverage"]["unknown_trip_counts"] == []
+    ratio = accumulated["estimated_step_seconds"] / _compiled("v5e:2x2")["estimated_step_seconds"]
+    assert 0.8 < ratio < 2.0

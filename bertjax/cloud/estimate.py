@@ -8,8 +8,9 @@ per chip: the best view of TPU speed without a TPU, and an *estimate*, never a m
 What the text holds (jax 0.10.2, libtpu 0.0.42.1):
 - Estimates sit on instructions of scheduled computations only: ENTRY, while bodies and conditions, conditional
   branches, called computations. A fusion's estimate covers its fused computation, which is not descended into.
-- A while loop's body counts `known_trip_count` times (from its backend_config; unknown: once, and said so); a
-  conditional counts its most expensive branch (the normal path: the update branch of the non-finite skip).
+- A while loop's body counts `known_trip_count` times (from its backend_config), or, where XLA recorded none (the
+  gradient-accumulation scan), N times for a condition `counter < N` on a constant N (JAX's loops count from 0);
+  otherwise once, and said so. A conditional counts its most expensive branch (the normal path: the update branch of the non-finite skip).
 - No estimate on custom calls: a Pallas (Mosaic) kernel is priced by the roofline of the `pl.CostEstimate` it
   declares (max of FLOPs at the chip's peak and bytes at its HBM bandwidth), and said so in the coverage; other
   custom calls (index hints) are counted as without estimate. Collectives (all-reduce, all-gather...) carry
@@ -43,6 +44,7 @@ PALLAS_TARGET = "tpu_custom_call"
 
 @dataclasses.dataclass
 class _Instruction:
+    name: str
     opcode: str
     result_type: str
     cycles: int | None
@@ -111,7 +113,7 @@ def parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
         if branches := _BRANCHES.search(line):
             callees["branches"] = [b.strip().lstrip("%") for b in branches[1].split(",")]
         cycles, trips, op_name = _CYCLES.search(line), _TRIP_COUNT.search(line), _OP_NAME.search(line)
-        current.append(_Instruction(opcode, result_type, int(cycles[1]) if cycles else None,
+        current.append(_Instruction(match[1], opcode, result_type, int(cycles[1]) if cycles else None,
                                     op_name[1] if op_name else "", dict(callees),
                                     int(trips[1]) if trips else None, line))
     if entry is None:
@@ -123,7 +125,7 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
     """The program's estimated seconds per run on one chip of a generation with this clock, bf16 peak and HBM
     bandwidth (see the module docstring for what is counted how)."""
     computations, entry = parse_hlo(hlo_text)
-    without_estimate, unknown_trip_counts = collections.Counter(), []
+    without_estimate, unknown_trip_counts, trip_counts_from_condition = collections.Counter(), [], []
     collective_bytes = collections.Counter()
 
     def walk(name: str, times: int) -> list[tuple[str, float, int, float]]:
@@ -150,8 +152,12 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
             if opcode == "while":
                 trips = instruction.trip_count
                 if trips is None:
-                    unknown_trip_counts.append(instruction.op_name or "while")
-                    trips = 1
+                    trips = _trip_count_from_condition(computations.get(callees.get("condition", [""])[0], []))
+                    if trips is None:
+                        unknown_trip_counts.append(instruction.op_name or "while")
+                        trips = 1
+                    else:
+                        trip_counts_from_condition.append(trips)
                 for body in callees.get("body", []):
                     costs += walk(body, times * trips)
                 for condition in callees.get("condition", []):
@@ -179,6 +185,19 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
         "without_estimate": dict(without_estimate.most_common()),
         "collective_bytes": dict(collective_bytes.most_common()),
         "unknown_trip_counts": unknown_trip_counts,
+        "trip_counts_from_condition": trip_counts_from_condition,
     }
     return StepEstimate(cycles / clock_hz + kernel_seconds, cycles, kernel_seconds,
                         dict(by_op_name.most_common()), coverage)
+
+
+def _trip_count_from_condition(condition: list[_Instruction]) -> int | None:
+    """N for a loop condition `counter < N` with N a constant of the condition computation, else None."""
+    constants = {i.name: int(m[1]) for i in condition
+                 if i.opcode == "constant" and (m := re.search(r"constant\((-?\d+)\)", i.line))}
+    for instruction in condition:
+        if instruction.opcode == "compare" and "direction=LT" in instruction.line:
+            operands = re.findall(r"%([^\s,()]+)", instruction.line.split("compare(", 1)[1].split(")", 1)[0])
+            if len(operands) == 2 and operands[1] in constants:
+                return constants[operands[1]]
+    return None
