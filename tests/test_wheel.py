@@ -35,9 +35,9 @@ def test_wheel_installed_outside_the_repo_pretrains_and_compiles(tmp_path, minil
                            env=env, check=True, capture_output=True, text=True).stdout
     assert where.startswith(str(venv))
     assert run("demo-corpus", "--out", "corpus").returncode == 0
-    # As 2 jax.distributed processes through `bertjax launch local` (no checkout needed).
+    # As 2 jax.distributed processes through `bertjax launch local` (no checkout needed); a file each.
     trained = run("launch", "local", "--processes", "2", "--devices-per-process", "1", "--",
-                  "pretrain", "--config", "bert-tiny", "--workdir", "run", "--set", "data.input=corpus/train.txt",
+                  "pretrain", "--config", "bert-tiny", "--workdir", "run", "--set", "data.input=corpus/*.txt",
                   "--set", f"data.vocab={minilm_dir / 'vocab.txt'}", "--set", "train.steps=2",
                   "--set", "train.log_every=1", "--set", "train.batch_size=8", "--set", "data.shuffle_buffer=10",
                   "--set", "optimizer.warmup_steps=1")
