@@ -29,6 +29,14 @@ def _segments(batch, length, layout):
     return jnp.asarray(ids)
 
 
+def _reference(q, k, v, segment_ids, keep_mask, rate):
+    """reference_attention with an explicit keep mask (None: no dropout); segment ids as its masks (0 = padding).
+    A padding query sees no key there (the kernel's sees the padding): those rows are left out of comparisons."""
+    segment_ids = jnp.asarray(segment_ids)
+    return reference_attention(q, k, v, (segment_ids != 0).astype(jnp.int32), segment_ids, dropout_rate=rate,
+                               deterministic=keep_mask is None, keep_mask=keep_mask)
+
+
 def _loss(attention, weights):
     return lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v)) * weights)
 
@@ -41,7 +49,7 @@ def _kernel_and_reference(q, k, v, segment_ids, rate, seed, **blocks):
     kernel = lambda q, k, v: da.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=rate, seed=seed,
                                                              **blocks)
     mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate) if rate else None
-    reference = lambda q, k, v: da.reference_attention_with_mask(q, k, v, segment_ids, mask, rate)
+    reference = lambda q, k, v: _reference(q, k, v, segment_ids, mask, rate)
     with pltpu.force_tpu_interpret_mode():
         out = kernel(q, k, v)
         grads = jax.grad(_loss(kernel, weights), argnums=(0, 1, 2))(q, k, v)
@@ -76,7 +84,7 @@ def test_forward_and_gradients_equal_the_reference_with_the_kernels_mask(length,
     _assert_close(kernel, reference, segment_ids)
     # The mask mattered: without dropout the output is another.
     out = kernel[0]
-    no_dropout = da.reference_attention_with_mask(q, k, v, segment_ids, None, 0.0)
+    no_dropout = _reference(q, k, v, segment_ids, None, 0.0)
     assert np.abs(np.asarray(out - no_dropout)).max() > 1e-2
 
 

@@ -221,8 +221,7 @@ def _splash_attention(query, key, value, segment_ids, batch_offset, head_offset)
 def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset):
     from bertjax.model.dropout_attention import flash_attention_with_dropout
 
-    query, key, value, segment_ids, length = _pad_to_block(query, key, value, segment_ids)
-    out = flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
-                                       block_q=KERNEL_BLOCK, block_k=KERNEL_BLOCK, batch_offset=batch_offset,
-                                       head_offset=head_offset)
-    return out[:, :length]
+    # The kernel pads the length to its blocks itself (padding with segment id 0) and slices the output back.
+    return flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
+                                        block_q=KERNEL_BLOCK, block_k=KERNEL_BLOCK, batch_offset=batch_offset,
+                                        head_offset=head_offset)

@@ -37,7 +37,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -429,17 +428,3 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     out = _attention(to_bhsd(query), to_bhsd(key), to_bhsd(value), segment_ids, scalars, dropout_rate,
                      block_q, block_k)
     return to_bhsd(out)[:, :length]
-
-
-def reference_attention_with_mask(query, key, value, segment_ids, keep_mask, dropout_rate: float):
-    """The plain-jnp math the kernel computes (reference_attention's float32 softmax, the mask on the normalised
-    probabilities, kept values scaled by 1/(1 - rate)), with an explicit keep mask [batch, heads, q_len, kv_len]
-    (None: no dropout). For tests."""
-    head_dim = query.shape[-1]
-    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
-    logits = logits / np.sqrt(head_dim).astype(np.float32)
-    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    probs = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
-    if keep_mask is not None:
-        probs = jnp.where(keep_mask, probs / (1.0 - dropout_rate), 0.0)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(value.dtype), value)
