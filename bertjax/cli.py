@@ -24,7 +24,7 @@ COMMAND_MODULES = (
 # Commands whose steps all have one shape, where keeping freed memory pays (see host_memory).
 FIXED_SHAPE_COMMANDS = ("pretrain",)
 # Commands that never import TensorFlow (the others start it quietly before they run).
-WITHOUT_TENSORFLOW = ("config", "launch", "eval", "demo-corpus")
+WITHOUT_TENSORFLOW = ("config", "launch", "eval", "demo-corpus", "goodput")
 
 
 class HelpWithDefaults(argparse.HelpFormatter):

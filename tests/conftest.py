@@ -10,6 +10,12 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 import pathlib
 
+# One persistent compilation cache for every test process and the subprocesses they start (they inherit the
+# environment): the suite compiles each program once, and a second run of it reads them all back. Under the clone
+# (gitignored), so a fresh clone starts empty; set JAX_COMPILATION_CACHE_DIR to put it elsewhere.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax"))
+
 import pytest
 
 from bertjax import platforms

@@ -70,6 +70,18 @@ def _run_until(argv, line_prefix, sig, devices=8):
     return process.wait(timeout=300), "".join(output)
 
 
+def _step_records(workdir) -> list[dict]:
+    """metrics.jsonl's step records (not the events, such as the goodput account a run appends at its end)."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "event" not in r]
+
+
+def _goodput(workdir) -> list[dict]:
+    """The goodput records of metrics.jsonl, one per run that ended by itself."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("event") == "goodput"]
+
+
 def _losses(workdir):
     by_step = {}
     for line in (workdir / "metrics.jsonl").read_text().splitlines():
@@ -110,8 +122,7 @@ def uninterrupted_packed(tmp_path_factory, corpus):
 def test_uninterrupted_run_writes_metrics_and_checkpoints(uninterrupted):
     losses = _losses(uninterrupted)
     assert sorted(losses) == list(range(1, STEPS + 1))
-    records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
-    last = records[-1]
+    last = _step_records(uninterrupted)[-1]
     for key in ("loss", "mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy", "learning_rate", "grad_norm",
                 "steps_per_s", "sequences_per_s", "tokens_per_s", "real_tokens_per_s", "padding_fraction",
                 "tflops_per_device", "mfu"):
@@ -121,6 +132,20 @@ def test_uninterrupted_run_writes_metrics_and_checkpoints(uninterrupted):
     assert any(p.name.startswith("events.out.tfevents") for p in (uninterrupted / "tensorboard").iterdir())
     # keep=3 most recent of the saves every 10 steps
     assert sorted(int(p.name) for p in (uninterrupted / "checkpoints").iterdir() if p.name.isdigit()) == [20, 30, 40]
+
+
+def test_a_run_appends_its_goodput_account(uninterrupted):
+    [account] = _goodput(uninterrupted)
+    assert account["step"] == STEPS and account["first_step"] == 0 and account["lost_steps"] == 0
+    categories = ("startup_s", "setup_s", "restore_s", "compile_s", "input_wait_s", "step_s", "eval_s", "checkpoint_s")
+    assert all(account[k] >= 0 for k in categories) and account["compile_s"] > 0 and account["step_s"] > 0
+    # Every second of the run is charged to one category, from process start (startup: imports, mesh) to the end.
+    assert sum(account[k] for k in categories) == pytest.approx(account["wall_s"], rel=0.05)
+    assert account["startup_s"] > 1 and account["goodput"] == pytest.approx(account["step_s"] / account["wall_s"],
+                                                                            abs=1e-3)
+    [snapshot] = (uninterrupted / "goodput").glob("*.json")
+    saved = json.loads(snapshot.read_text())
+    assert saved["ended"] and saved["status"] == "completed" and saved["wall_s"] == account["wall_s"]
 
 
 # What TensorFlow, XLA and absl write natively at start-up (glog/absl prefixes such as "I0000 00:00:17...",
@@ -143,6 +168,8 @@ def test_the_console_is_quiet_timestamped_and_ends_with_a_summary(uninterrupted_
     assert summary[1].startswith("  last step: loss=")
     assert f"{workdir}/checkpoints (newest: step {STEPS})" in summary[2]
     assert f"{workdir}/metrics.jsonl" in summary[3] and f"{workdir}/tensorboard" in summary[3]
+    assert re.match(r"  goodput [\d.]+% of [\d.]+s wall: startup [\d.]+s, .*compile [\d.]+s, .*step [\d.]+s",
+                    summary[4]), summary
     # The effective config sits beside the checkpoints, equal to what `config show` prints for the same flags.
     written = json.loads((workdir / "config.json").read_text())
     argv = _argv(workdir, ("CORPUS", "VOCAB"))
@@ -190,9 +217,16 @@ def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrup
     assert code == -signal.SIGKILL
     complete = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert complete and complete[-1] in (10, 20), complete
+    killed_at = max(r["step"] for r in _step_records(workdir))  # the kill came at step 20 or a little after
     # Whatever was in flight (a temporary directory, if any) is not a step: the resume restarts from `complete`.
     output = _run(_argv(workdir, corpus))
     assert f"resumed from {workdir}/checkpoints/{complete[-1]}" in output
+    # The steps past the checkpoint were computed twice: the goodput account says how many.
+    [account] = _goodput(workdir)
+    assert killed_at >= 20 and account["lost_steps"] == killed_at - complete[-1], (killed_at, account)
+    assert account["lost_s"] > 0 and account["first_step"] == complete[-1]
+    # The killed run compiled the same step: this one read it from the suite's persistent compilation cache.
+    assert account["compile_cache_hits"] >= 1, account
     expected, resumed = _losses(uninterrupted), _losses(workdir)
     assert [resumed[s] for s in range(complete[-1] + 1, STEPS + 1)] == \
            [expected[s] for s in range(complete[-1] + 1, STEPS + 1)]
@@ -270,7 +304,7 @@ def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path):
     output = _run(_argv(workdir, (str(bad), vocab), *steps))
     assert "input: 1 line(s) with invalid UTF-8 so far" in output
     assert "input: 1 line(s) longer than data.max_line_chars=20000 so far" in output
-    last = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
+    last = _step_records(workdir)[-1]
     assert last["input_invalid_utf8_lines"] == 1 and last["input_truncated_lines"] == 1
     assert last["input_documents"] > 10
 
@@ -365,7 +399,7 @@ def test_loss_falls_on_wikitext(shared_data, minilm_dir, tmp_path):
             "--set", "train.log_every=10", "--set", "checkpoint.every=1000"]
     _run(argv, devices=1, timeout=1800)
     losses = _losses(workdir)
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = _step_records(workdir)
     print("mlm_loss curve:", [(r["step"], round(r["mlm_loss"], 3)) for r in records])
     assert records[-1]["mlm_loss"] < 0.75 * records[0]["mlm_loss"]
     assert losses[300] < losses[10]

@@ -40,9 +40,15 @@ def babysit(backend: Backend, command: list[str], workdir: str, max_restarts: in
             log: Callable[[str], None] = print) -> int:
     """Runs `command` until the job in `workdir` completes (0), or it fails the same way twice in a row or
     `max_restarts` restarts are spent (1)."""
+    from bertjax.pretraining.goodput import (
+        launcher_event,  # the goodput account's time between runs
+    )
+
     restarts, previous_failure = 0, None
     while True:
+        launcher_event(workdir, "start", restart=restarts)
         kind, log_tail = backend.run(command)
+        launcher_event(workdir, "end", restart=restarts, kind=kind)
         if is_completed(workdir):
             log(f"babysitter: job completed after {restarts} restart(s)")
             return 0

@@ -23,6 +23,8 @@ class TrainSettings:
     log_every: int = option(50, "steps between progress lines")
     max_consecutive_nonfinite: int = option(10, "this many non-finite gradients in a row stop the job (each one "
                                             "skips its update)")
+    compilation_cache_dir: str = option("", "JAX's persistent compilation cache (local or gs://): '' = "
+                                        "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/bertjax/jax; 'off' = none")
 
     def __post_init__(self):
         problems = []

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from etils import epath
 
-from bertjax import sharding
+from bertjax import compile_cache, sharding
 from bertjax.checkpoint import ModelCheckpoint, merge_params, save_model
 from bertjax.console import Console, duration, metric_text
 from bertjax.finetune.settings import TrainSettings
@@ -36,6 +36,8 @@ class Trainer:
     def __init__(self, module: nn.Module, config, pretrained_params: dict, loss_fn: Callable, settings: TrainSettings,
                  source: str = "checkpoint", mesh=None):
         self.module, self.config, self.settings, self.loss_fn = module, config, settings, loss_fn
+        # Before the steps compile: a rerun (another seed, a restarted job) reads them back.
+        compile_cache.enable(settings.compilation_cache_dir, key="compilation_cache_dir")
         self.mesh = mesh or sharding.make_mesh()
         n_data = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         for name in ("batch_size", "eval_batch_size"):

@@ -1,4 +1,5 @@
-"""`bertjax pretrain` (config preset + --set overrides + distributed init) and `bertjax config list | show`.
+"""`bertjax pretrain` (config preset + --set overrides + distributed init), `bertjax goodput` and `bertjax config
+list | show`.
 
 JAX, TensorFlow and the job are imported only when the command runs: `bertjax --help` stays fast, and
 jax.distributed.initialize must come before anything touches a device.
@@ -31,6 +32,12 @@ def register(subparsers) -> None:
                              "machine's devices, print the plan (memory, FLOPs, time) and exit without training")
     parser.set_defaults(func=_pretrain)
 
+    goodput = subparsers.add_parser(
+        "goodput", help="where a pretraining job's wall time went, over all its runs (safe while it runs)")
+    goodput.add_argument("workdir", help="the job's --workdir (local or gs://)")
+    goodput.add_argument("--json", action="store_true", help="print the account as JSON")
+    goodput.set_defaults(func=_goodput)
+
     config = subparsers.add_parser("config", help="list the pretraining presets, or print one's effective config")
     configs = config.add_subparsers(dest="job", required=True)
     configs.add_parser("list", help="the presets in configs/ with their one-line descriptions").set_defaults(
@@ -60,7 +67,14 @@ def initialize_distributed(args: argparse.Namespace) -> None:
             jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                        process_id=args.process_id)
         else:
-            jax.distributed.initialize()
+            # Auto-detection (TPU VMs, SLURM, ...). A cluster JAX does not detect can give the layout in the
+            # environment: JAX reads JAX_COORDINATOR_ADDRESS itself, these two complete it (the tests' TPU stand-in).
+            import os
+
+            layout = {key: int(os.environ[var]) for key, var in (("num_processes", "JAX_NUM_PROCESSES"),
+                                                                  ("process_id", "JAX_PROCESS_ID"))
+                      if var in os.environ}
+            jax.distributed.initialize(**layout)
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("bertjax: all processes started")
@@ -80,6 +94,16 @@ def _pretrain(args: argparse.Namespace) -> int:
     result = pretrain.run(config, args.workdir, init_from=args.init,
                           max_steps_this_run=args.max_steps_this_run, allow_config_change=args.allow_config_change)
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    import json
+
+    from bertjax.pretraining import goodput
+
+    account = goodput.job_account(args.workdir)
+    print(json.dumps(account, indent=1) if args.json else "\n".join(goodput.format_job(account, args.workdir)))
+    return 0
 
 
 def _config_list(args: argparse.Namespace) -> int:

@@ -44,6 +44,9 @@ class TrainConfig:
     nsp_loss: bool = option(True, "add the NSP loss (needs data.next_sentence_prediction)")
     span_boundary_objective: bool = option(False, "add SpanBERT's span boundary objective head and loss (needs "
                                            "data.masking_scheme=span)")
+    compilation_cache_dir: str = option("", "JAX's persistent compilation cache (local or gs://), so a restart "
+                                        "reads the compiled step back: '' = $JAX_COMPILATION_CACHE_DIR, else "
+                                        "~/.cache/bertjax/jax; 'off' = none")
 
     def __post_init__(self):
         for key in ("steps", "batch_size", "grad_accum_steps", "log_every"):
@@ -128,7 +131,7 @@ _FIXED_ON_RESUME = ("model.", "data.max_seq_length", "data.max_predictions_per_s
 # - these only change how the run is watched, saved or laid out: free;
 _FREE_ON_RESUME = ("train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite",
                    "checkpoint.", "mesh.", "data.prefetch_batches", "data.eval_input", "init_from",
-                   "reset_schedule")
+                   "reset_schedule", "train.compilation_cache_dir")
 # - the rest (the schedule, the optimizer, the batch, the stream) change the run's meaning mid-way: refused
 #   unless asked for (`--allow-config-change`).
 

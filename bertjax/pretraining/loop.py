@@ -18,13 +18,14 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib
-from bertjax import sharding
+from bertjax import compile_cache, sharding
 from bertjax.checkpoint import COMPLETION_MARKER
 from bertjax.console import Console, duration, metric_text
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.errors import first_line
 from bertjax.interop.load import load_pretrained
+from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step
@@ -136,7 +137,8 @@ def _set_aside(checkpointer, step: int, error: Exception, log) -> None:
 
 def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_mfu: float = 0.5) -> str:
     """`pretrain --dry-run`: everything a run checks before its first step, then the step compiled on this
-    machine's devices, as lines for a person (nothing is written)."""
+    machine's devices, as lines for a person (nothing is written but the compilation cache's entries)."""
+    compile_cache.enable(config.train.compilation_cache_dir)
     validate(config, jax.device_count())
     config = dataclasses.replace(config, data=_resolved_input(config.data))
     mesh = config.mesh.build()
@@ -185,13 +187,18 @@ class RunResult:
 
 def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
         max_steps_this_run: int | None = None, allow_config_change: bool = False) -> RunResult:
-    """Trains until config.train.steps (resuming from the workdir's latest checkpoint), or until preempted."""
+    """Trains until config.train.steps (resuming from the workdir's latest checkpoint), or until preempted.
+    The run's goodput account (goodput.py) goes to WORKDIR/goodput/ as it runs, and to metrics.jsonl at its end."""
+    # Before anything compiles: a restart reads the step's executable back instead of compiling it.
+    _, cache_stats = compile_cache.enable(config.train.compilation_cache_dir)
+    account = goodput_lib.RunAccount(workdir, enabled=jax.process_index() == 0)
     validate(config, jax.device_count())
     # The input kind decided (and the vocab of `data create` shards found) once, before anything is saved.
     config = dataclasses.replace(config, data=_resolved_input(config.data))
     init_from = init_from or config.init_from
     process_index, process_count = jax.process_index(), jax.process_count()
     mesh = config.mesh.build()
+    account.mark("startup_s")
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     vocab, lower_case = list(tokenizer.vocab), tokenizer.lower_case
     job = build_job_step(config, mesh, len(vocab))
@@ -207,6 +214,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     input_stats = collections.Counter()
     dataset = pipeline_lib.make_pretraining_dataset(config.data, config.train.batch_size, process_index,
                                                     process_count, stats=input_stats)
+    account.mark("setup_s")
     try:
         resumed = _resume(checkpointer, abstract, dataset, config, allow_config_change, process_index, log)
     except ValueError:
@@ -219,6 +227,10 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
         state = train_state.init_sharded_state(job.rng, shardings, mesh, **job.state_args)
         if init_from:
             state = _init_from(state, init_from, shardings, abstract, config.reset_schedule, log)
+    jax.block_until_ready(state)  # restored or initialised, not only dispatched: the time is restore's
+    account.mark("restore_s")
+    if account.enabled:
+        account.resumed_at(int(state.step), workdir)
     step_fn, eval_fn = job.train_step, job.eval_step
 
     eval_batches = _eval_batches(config, process_index, process_count) if config.train.eval_every else None
@@ -231,9 +243,15 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
 
     save_input = lambda directory: pipeline_lib.save_iterator(
         iterator, pipeline_lib.iterator_checkpoint_path(directory, process_index))
-    save = lambda step, force=False: checkpointer.save(
-        step, state, config=bert_config, vocab=vocab, lower_case=lower_case, job_config=config.to_dict(),
-        save_input_state=save_input, force=force)
+
+    def save(step, force=False):
+        account.mark("step_s")
+        saved = checkpointer.save(step, state, config=bert_config, vocab=vocab, lower_case=lower_case,
+                                  job_config=config.to_dict(), save_input_state=save_input, force=force)
+        account.mark("checkpoint_s")
+        if saved:  # a killed run's account then reaches at least its last checkpoint
+            account.snapshot(step, force=True)
+        return saved
 
     preemption = PreemptionFlag()
     step = int(state.step)
@@ -243,14 +261,23 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     totals = collections.Counter()  # the timed steps' real tokens and seconds, for the run's mean throughput
     evals = []  # (step, eval metrics)
     reported_input = collections.Counter()
-    evaluate = lambda at_step: evals.append((at_step, _evaluate_and_report(
-        eval_fn, state.params, eval_batches, mesh, config.train.nsp_loss, at_step, writer, log)))
+
+    def evaluate(at_step):
+        account.mark("step_s")
+        evals.append((at_step, _evaluate_and_report(eval_fn, state.params, eval_batches, mesh,
+                                                    config.train.nsp_loss, at_step, writer, log)))
+        account.mark("eval_s")
+
+    account.mark("setup_s")
+    account.snapshot(step, force=True)
     try:
         with sharding.activate(mesh):
             if eval_batches and step == 0:  # where learning starts from, for the eval curve
                 evaluate(0)
             while step < config.train.steps:
+                account.mark("step_s")
                 batch = sharding.global_batch(_numpy_batch(next(iterator)), mesh)
+                account.mark("input_wait_s")
                 if interval_start is None:
                     log(f"compiling the train step (step {step + 1} includes it) ...")
                     compile_start = time.perf_counter()
@@ -265,11 +292,13 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
                 if interval_start is None:
                     jax.block_until_ready(step_metrics)  # the first step includes compilation: not timed
                     log(f"step {step} compiled and ran in {duration(time.perf_counter() - compile_start)}")
+                    account.mark("compile_s")
                     interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
                     writer.mark_start(step)
                     console.start_progress(config.train.steps, initial=step)
                 else:
                     interval_steps += 1
+                    account.timed_steps += 1
                     console.advance()
                     # Summed on the device (asynchronous adds), read only when logging.
                     counts = {k: step_metrics[k] for k in _COUNTED}
@@ -290,6 +319,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
                     writer.write(step, last_metrics)
                     writer.console(step, last_metrics)
                     reported_input = _warn_about_input(input_stats, reported_input, config.data.max_line_chars, log)
+                    account.snapshot(step)
                 if eval_batches and step % config.train.eval_every == 0:
                     evaluate(step)
                 save(step)
@@ -304,17 +334,26 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     finally:
         console.close_progress()
         failing = sys.exc_info()[1] is not None
+        account.mark("step_s")
         try:
             checkpointer.close()
         except checkpoint_lib.CheckpointWriteError:
             if not failing:  # else the error already on its way out says it
                 raise
         finally:
+            account.mark("checkpoint_s")  # the wait for the last save to be finalised
+            account.step = step
+            account.cache_hits, account.cache_misses = cache_stats.hits, cache_stats.misses
+            cache_stats.close()
+            goodput = account.record()
+            account.snapshot(step, ended=True, status="failed" if sys.exc_info()[1] is not None else status)
+            if sys.exc_info()[1] is None:
+                writer.write_event(step, "goodput", {k: v for k, v in goodput.items() if k != "step"})
             writer.close()
             preemption.restore()
     for text in _summary(status, step, start_step, config.train.steps, time.perf_counter() - run_start, totals,
                          bert_config, seq_len, peak_flops, last_metrics, evals, checkpointer.latest_step(), workdir,
-                         writer, sbo=config.train.span_boundary_objective):
+                         writer, sbo=config.train.span_boundary_objective) + [goodput_lib.format_run(goodput)]:
         log(text)
     if status == "completed" and process_index == 0:
         # After the last save is finalised: a babysitter restarts the job until this file exists.

@@ -171,6 +171,18 @@ class MetricsWriter:
                 self.tensorboard.scalar(key, value, step)
         self.tensorboard.flush()
 
+    def write_event(self, step: int, event: str, values: dict) -> None:
+        """One `{"step", "event", ...}` record (e.g. the run's goodput account); TensorBoard gets its numbers as
+        EVENT/KEY scalars."""
+        if not self.enabled:
+            return
+        with self.jsonl_path.open("a") as f:
+            f.write(json.dumps({"step": int(step), "event": event, **values}) + "\n")
+        for key, value in values.items():
+            if isinstance(value, (int, float)):
+                self.tensorboard.scalar(f"{event}/{key}", value, step)
+        self.tensorboard.flush()
+
     def mark_start(self, step: int) -> None:
         """The ETA extrapolates from here (call after the first, compiling, step)."""
         self.start_step, self.start_time = step, time.time()

@@ -1,0 +1,77 @@
+"""The whole-job goodput account (`bertjax goodput`) over run accounts and a launcher log, and where the
+persistent compilation cache lives. Real runs' accounts are tested in test_pretrain.py and test_babysitter.py."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bertjax import compile_cache
+from bertjax.pretraining import goodput
+from tests.conftest import REPO_ROOT
+from tests.test_pretrain import _env
+
+
+def _run_account(start, wall, step_s, *, first_step, step, lost_steps=0, lost_s=0.0, ended=True):
+    seconds = dict.fromkeys(goodput.CATEGORIES, 0.0)
+    seconds.update(startup_s=5.0, compile_s=10.0, step_s=step_s, checkpoint_s=wall - 15.0 - step_s)
+    return {"run": f"run-{start}", "process_start": start, "updated": start + wall, "ended": ended,
+            "status": "completed" if ended else "", **seconds, "wall_s": wall, "lost_steps": lost_steps,
+            "lost_s": lost_s, "goodput": step_s / wall, "compile_cache_hits": 0, "compile_cache_misses": 1,
+            "first_step": first_step, "step": step, "timed_steps": step - first_step - 1}
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    """A run killed at step 25 (its last snapshot at t=1080, the launcher saw it end at t=1090) and its restart
+    from the step-20 checkpoint, which recomputed 5 steps (10 s) and completed."""
+    folder = tmp_path / "goodput"
+    folder.mkdir()
+    (folder / "a.json").write_text(json.dumps(_run_account(1000, 80, 50, first_step=0, step=25, ended=False)))
+    (folder / "b.json").write_text(json.dumps(_run_account(1100, 100, 70, first_step=20, step=50, lost_steps=5,
+                                                           lost_s=10.0)))
+    events = [("start", 998), ("end", 1090), ("start", 1095), ("end", 1201)]
+    (folder / "launcher.jsonl").write_text("".join(json.dumps({"event": e, "time": t}) + "\n" for e, t in events))
+    return tmp_path
+
+
+def test_the_job_account_adds_up_runs_restarts_and_the_time_between(two_runs):
+    account = goodput.job_account(str(two_runs), now=1300)
+    assert account["wall_s"] == 1201 - 998  # the launcher's first start to its last end
+    assert account["step_s"] == 120 and account["compile_s"] == 20
+    assert account["unrecorded_s"] == 10  # the killed run's end after its last snapshot
+    assert account["between_runs_s"] == pytest.approx(203 - 80 - 10 - 100)
+    assert account["lost_steps"] == 5 and account["lost_s"] == 10
+    assert account["goodput"] == pytest.approx((120 - 10) / 203, abs=1e-4)
+    assert account["launcher_restarts"] == 1
+    assert [r["status"] for r in account["runs"]] == ["killed or running", "completed"]
+    # Every second of the job is in exactly one place.
+    parts = sum(account[k] for k in goodput.CATEGORIES) + account["unrecorded_s"] + account["between_runs_s"]
+    assert parts == pytest.approx(account["wall_s"])
+
+
+def test_bertjax_goodput_prints_the_account_and_names_a_workdir_without_one(two_runs, tmp_path):
+    command = [sys.executable, "-m", "bertjax.cli", "goodput"]
+    shown = subprocess.run(command + [str(two_runs)], env=_env(1), cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"{two_runs}: 2 run(s), 203.0s wall, goodput 54.2% (110.0s of productive steps)"
+    assert any(line.split() == ["between", "runs", "(launcher)", "13.0s", "6.4%"] for line in lines), lines
+    assert any("steps 20 -> 50" in line and "lost 5 step(s) ~10.0s" in line for line in lines), lines
+    as_json = subprocess.run(command + [str(two_runs), "--json"], env=_env(1), cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=120)
+    assert json.loads(as_json.stdout)["lost_steps"] == 5
+    empty = subprocess.run(command + [str(tmp_path / "nothing")], env=_env(1), cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert empty.returncode == 2 and "Traceback" not in empty.stderr
+    assert "no run accounts" in empty.stderr and str(tmp_path / "nothing") in empty.stderr
+
+
+def test_the_cache_directory_setting():
+    environ = {"HOME": "/home/u"}
+    assert compile_cache.resolve("", environ) == "/home/u/.cache/bertjax/jax"
+    assert compile_cache.resolve("", {**environ, "XDG_CACHE_HOME": "/x"}) == "/x/bertjax/jax"
+    assert compile_cache.resolve("", {**environ, "JAX_COMPILATION_CACHE_DIR": "/shared"}) == "/shared"
+    assert compile_cache.resolve("gs://bucket/cache", environ) == "gs://bucket/cache"
+    assert compile_cache.resolve("off", environ) is None
