@@ -48,9 +48,21 @@ def register(subparsers) -> None:
     provisioning.add_argument("--reserved", dest="provisioning", action="store_const", const="reserved",
                               help="the project's reservation")
     tpu.add_argument("--runtime-version", default="", help="TPU VM runtime (default: the generation's JAX one)")
-    _add_job_flags(tpu, restarts="slice re-creations after preemptions",
+    _add_job_flags(tpu, restarts="job restarts (after preemptions the slice is re-created)",
                    dry_run="print the request and the gcloud equivalents")
+    tpu.add_argument("--poll-seconds", type=float, default=30.0, help="how often the slice and the job are checked")
     tpu.set_defaults(func=_launch_tpu)
+
+    watch = launch.add_parser("watch", help="re-attach to a job started by `launch tpu` (from another terminal, or "
+                              "after the launcher was stopped): follow its log and babysit it to the end")
+    watch.add_argument("name", help="the queued resource (--name of `launch tpu`)")
+    watch.add_argument("--zone", required=True)
+    watch.add_argument("--project", required=True)
+    watch.add_argument("--max-restarts", type=int, default=10, help="job restarts from now on")
+    watch.add_argument("--wheel", help="the bertjax wheel to install after a re-creation (default: built from this "
+                       "checkout)")
+    watch.add_argument("--poll-seconds", type=float, default=30.0, help="how often the slice and the job are checked")
+    watch.set_defaults(func=_launch_watch)
 
     gke = launch.add_parser("gke", help="run the command on TPU slices of a GKE cluster with xpk (a JobSet, "
                             "restarted after preemptions)")
@@ -147,7 +159,6 @@ def _launch_gke(args: argparse.Namespace) -> int:
 
 
 def _launch_tpu(args: argparse.Namespace) -> int:
-    from bertjax.cloud import babysitter
     from bertjax.cloud import tpu as cloud_tpu
 
     command = _job_command(args)
@@ -158,5 +169,59 @@ def _launch_tpu(args: argparse.Namespace) -> int:
         return 0
     with tempfile.TemporaryDirectory() as folder:
         wheel = args.wheel or build_wheel(folder)
-        backend = cloud_tpu.CloudTpuBackend(spec, wheel)
-        return babysitter.babysit(backend, command, command[command.index("--workdir") + 1], args.max_restarts)
+        backend = cloud_tpu.CloudTpuBackend(spec, wheel, poll_seconds=args.poll_seconds)
+        if (state := backend.slice.state()) != "GONE":
+            raise ValueError(f"queued resource {spec.name} already exists ({state}): re-attach to its job with "
+                             f"`bertjax launch watch {spec.name} --zone {spec.zone} --project {spec.project}`, or "
+                             f"delete it with `{shlex.join(cloud_tpu.gcloud_delete(spec))}`")
+        return _babysit_tpu(backend, command, args.max_restarts)
+
+
+def _launch_watch(args: argparse.Namespace) -> int:
+    from google.api_core import exceptions
+
+    from bertjax.cloud import tpu as cloud_tpu
+    from bertjax.cloud import tpu_slice
+
+    client = tpu_slice.tpu_client()
+    name = f"projects/{args.project}/locations/{args.zone}/queuedResources/{args.name}"
+    try:
+        resource = client.get_queued_resource(name=name, retry=tpu_slice.api_retry())
+    except exceptions.NotFound:
+        raise ValueError(f"no queued resource {args.name} in {args.zone} ({args.project}): nothing to watch; "
+                         f"start the job with `bertjax launch tpu`") from None
+    spec, command, wheel_name = cloud_tpu.job_from_resource(resource, args.zone, args.project)
+    print(f"launch watch: {spec.name} ({spec.tpu_type}, {spec.provisioning}) runs: {shlex.join(command)}")
+    with tempfile.TemporaryDirectory() as folder:
+        wheel = args.wheel or build_wheel(folder)  # installed again if the slice has to be re-created
+        if os.path.basename(wheel) != wheel_name:
+            print(f"launch watch: the job was started with {wheel_name}; a re-created slice gets "
+                  f"{os.path.basename(wheel)}")
+        backend = cloud_tpu.CloudTpuBackend(spec, wheel, client=client, poll_seconds=args.poll_seconds,
+                                            attach=True)
+        return _babysit_tpu(backend, command, args.max_restarts)
+
+
+def _babysit_tpu(backend, command: list[str], max_restarts: int) -> int:
+    """Babysits the job on the slice; deletes the slice once the job completed or was given up. Ctrl-C detaches
+    (the job runs on); a slice that cannot be had (quota, permission, stockouts past the limit) is exit status 1."""
+    from bertjax.cloud import babysitter, tpu_slice
+
+    spec = backend.spec
+    try:
+        code = babysitter.babysit(backend, command, command[command.index("--workdir") + 1], max_restarts)
+    except tpu_slice.SliceError as error:
+        print(f"launch tpu: {error}", file=sys.stderr)
+        try:
+            backend.release()  # a FAILED queued resource still holds quota until deleted
+        except Exception as cleanup:  # noqa: BLE001
+            print(f"launch tpu: could not delete {spec.name}: {cleanup}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nlaunch tpu: detached; the job keeps running on {spec.name}. Re-attach with `bertjax launch watch "
+              f"{spec.name} --zone {spec.zone} --project {spec.project}`; stop it and free the slice with "
+              f"`gcloud compute tpus queued-resources delete {spec.name} --zone {spec.zone} --project "
+              f"{spec.project} --force`", file=sys.stderr)
+        return 130
+    backend.release()
+    return code

@@ -1,26 +1,35 @@
 """A job on a Cloud TPU slice: the queued-resource request (google-cloud-tpu's v2alpha1 types), the equivalent
-gcloud commands, and the backend the babysitter drives.
+gcloud commands, the scripts run on the workers, and the backend the babysitter drives.
 
 One slice per job: a queued resource with one node (`--node-id`) of the accelerator type. On every worker the
-backend installs the wheel built from this checkout (configs included) and runs the same `bertjax ...` command
-with `--distributed` (multi-controller JAX; jax.distributed finds the slice's workers itself), streaming worker 0's
-output. A run that ends with the slice preempted, suspended or gone counts as a preemption: the backend deletes the
-queued resource and the babysitter starts over, the job resuming from its workdir (gs://) checkpoints.
+backend installs the wheel built from this checkout (configs included) and starts the same `bertjax ...` command
+with `--distributed` *detached* (setsid + nohup, output to ~/bertjax-job/job.log, exit code to
+~/bertjax-job/exit), so no SSH session carries the job: the launcher can drop, be killed or be re-attached with
+`bertjax launch watch`. It follows worker 0's log live and polls the slice's state and the workers' exit codes;
+a slice that is no longer ACTIVE (or a worker whose job vanished without an exit code) is a preemption: the
+queued resource is deleted and re-created, and the job resumes from its workdir (gs://) checkpoints.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import shlex
 import subprocess
+import sys
+import threading
 import time
 
 from bertjax.cloud.topologies import parse_topology
+from bertjax.cloud.tpu_slice import NODE_GONE_STATES, Slice
 
 # The TPU VM software each generation boots (Google Cloud's runtime versions for JAX).
 RUNTIME_VERSIONS = {"v4": "tpu-ubuntu2204-base", "v5e": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5",
                     "v6e": "v2-alpha-tpuv6e"}
 PROVISIONING = ("on-demand", "spot", "reserved")
+# Node metadata that records the job in its slice, so `launch watch` can re-create and restart it.
+COMMAND_KEY, WHEEL_KEY = "bertjax-command", "bertjax-wheel"
+JOB_DIR = "bertjax-job"  # on every worker, relative to the SSH user's home
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +58,15 @@ class SliceSpec:
         return f"projects/{self.project}/locations/{self.zone}"
 
 
-def queued_resource_request(spec: SliceSpec):
-    """The CreateQueuedResourceRequest for the slice (google.cloud.tpu_v2alpha1 message types)."""
+def queued_resource_request(spec: SliceSpec, command: list[str] | None = None, wheel_name: str = ""):
+    """The CreateQueuedResourceRequest for the slice (google.cloud.tpu_v2alpha1 message types); the job's
+    command and wheel go into the node's metadata."""
     from google.cloud import (
         tpu_v2alpha1 as tpu,  # the client library is needed only by `launch tpu`
     )
 
-    node = tpu.Node(accelerator_type=spec.tpu_type, runtime_version=spec.runtime_version)
+    metadata = {COMMAND_KEY: shlex.join(command), WHEEL_KEY: wheel_name} if command else {}
+    node = tpu.Node(accelerator_type=spec.tpu_type, runtime_version=spec.runtime_version, metadata=metadata)
     resource = tpu.QueuedResource(tpu=tpu.QueuedResource.Tpu(node_spec=[tpu.QueuedResource.Tpu.NodeSpec(
         parent=spec.parent, node_id=spec.name, node=node)]))
     if spec.provisioning == "spot":
@@ -64,6 +75,18 @@ def queued_resource_request(spec: SliceSpec):
         resource.guaranteed = tpu.QueuedResource.Guaranteed(reserved=True)
     return tpu.CreateQueuedResourceRequest(parent=spec.parent, queued_resource_id=spec.name,
                                            queued_resource=resource)
+
+
+def job_from_resource(resource, zone: str, project: str) -> tuple[SliceSpec, list[str], str]:
+    """(spec, command, wheel name) recorded in a queued resource by `launch tpu`, for `launch watch`."""
+    node_spec = resource.tpu.node_spec[0]
+    node = node_spec.node
+    if COMMAND_KEY not in node.metadata:
+        raise ValueError(f"queued resource {node_spec.node_id} was not created by `bertjax launch tpu` (its node "
+                         f"has no {COMMAND_KEY} metadata)")
+    provisioning = "spot" if "spot" in resource else "reserved" if "guaranteed" in resource else "on-demand"
+    spec = SliceSpec(node_spec.node_id, node.accelerator_type, zone, project, provisioning, node.runtime_version)
+    return spec, shlex.split(node.metadata[COMMAND_KEY]), node.metadata.get(WHEEL_KEY, "")
 
 
 def _where(spec: SliceSpec) -> list[str]:
@@ -87,76 +110,189 @@ def gcloud_copy(spec: SliceSpec, local_path: str) -> list[str]:
             *_where(spec)]
 
 
-def gcloud_ssh(spec: SliceSpec, remote_command: str) -> list[str]:
-    return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", spec.name, "--worker=all", *_where(spec),
+def gcloud_ssh(spec: SliceSpec, remote_command: str, worker: str = "all") -> list[str]:
+    return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", spec.name, f"--worker={worker}", *_where(spec),
             "--command", remote_command]
 
 
 def worker_commands(wheel_name: str, command: list[str]) -> tuple[str, str]:
-    """(install, run) shell commands for every worker: this checkout's wheel with libtpu, then the job."""
+    """(install, start) shell commands for every worker: this checkout's wheel with libtpu, then the job started
+    detached. setsid gives the job a session of its own (no controlling terminal, its own process group): the SSH
+    session's hangup never reaches it, and a restart kills the previous job's whole group; nohup also ignores
+    SIGHUP. The job's output goes to JOB_DIR/job.log, its exit code to JOB_DIR/exit when it ends by itself."""
     install = f'pip install --quiet --upgrade "./{wheel_name}[tpu]"'
-    run = shlex.join(["bertjax", *command, "--distributed"])
-    return install, run
+    job = (f"echo $$ > {JOB_DIR}/pid; {shlex.join(['bertjax', *command, '--distributed'])}; "
+           f"echo $? > {JOB_DIR}/exit.tmp; mv {JOB_DIR}/exit.tmp {JOB_DIR}/exit")
+    start = (f'mkdir -p {JOB_DIR} && if [ -f {JOB_DIR}/pid ]; then kill -9 -- -"$(cat {JOB_DIR}/pid)" '
+             f"2>/dev/null; fi; rm -f {JOB_DIR}/pid {JOB_DIR}/exit; "
+             f"if [ -f {JOB_DIR}/job.log ]; then mv {JOB_DIR}/job.log {JOB_DIR}/job.log.previous; fi; "
+             f'PATH="$HOME/.local/bin:$PATH" setsid nohup bash -c {shlex.quote(job)} > {JOB_DIR}/job.log 2>&1 '
+             f"< /dev/null & for i in $(seq 100); do [ -f {JOB_DIR}/pid ] && break; sleep 0.1; done")
+    return install, start
+
+
+# One line per worker: "bertjax-job exit N" (ended by itself), "running", "lost" (its processes are gone without
+# an exit code: the host was restarted or the job killed) or "none" (never started here).
+STATUS = (f'if [ -f {JOB_DIR}/exit ]; then s="exit $(cat {JOB_DIR}/exit)"; elif [ -f {JOB_DIR}/pid ] && '
+          f'kill -0 -- -"$(cat {JOB_DIR}/pid)" 2>/dev/null; then s=running; elif [ -f {JOB_DIR}/pid ]; then s=lost; '
+          f'else s=none; fi; echo "bertjax-job $s"')
+
+
+def follow_command(from_line: int = 1) -> str:
+    """Worker 0's log from line `from_line` on, then as it grows (and across a restart's new file)."""
+    return f"tail -n +{from_line} -F {JOB_DIR}/job.log 2>/dev/null"
 
 
 def dry_run(spec: SliceSpec, wheel_path: str, command: list[str]) -> str:
     """What `launch tpu` would do, without calling anything: the request message and the gcloud equivalents."""
-    install, run = worker_commands(os.path.basename(wheel_path), command)
-    steps = [gcloud_create(spec), gcloud_copy(spec, wheel_path), gcloud_ssh(spec, install), gcloud_ssh(spec, run),
-             gcloud_delete(spec)]
-    message = queued_resource_request(spec)
+    wheel_name = os.path.basename(wheel_path)
+    install, start = worker_commands(wheel_name, command)
+    steps = [gcloud_create(spec), gcloud_copy(spec, wheel_path), gcloud_ssh(spec, install), gcloud_ssh(spec, start),
+             gcloud_ssh(spec, follow_command(), worker="0"), gcloud_ssh(spec, STATUS), gcloud_delete(spec)]
+    message = queued_resource_request(spec, command, wheel_name)
     request = type(message).to_json(message, indent=2, sort_keys=True, always_print_fields_with_no_presence=False)
     return ("# CreateQueuedResourceRequest (google.cloud.tpu_v2alpha1)\n" + request + "\n"
-            "# gcloud equivalent: create, copy the wheel, install, run on all workers, delete\n"
+            "# gcloud equivalent: create (the request also records the job in the node's metadata, for `launch "
+            "watch`), copy the wheel, install, start the job detached on all workers, follow worker 0's log, poll "
+            "the workers' exit codes (and the slice's state), delete once done\n"
             + "\n".join(shlex.join(step) for step in steps) + "\n")
 
 
+def parse_status(output: str) -> list[str]:
+    """The workers' job states from STATUS's output ("exit 0", "running", "lost", "none"), in output order."""
+    return [line.split(" ", 1)[1].strip() for line in output.splitlines() if line.startswith("bertjax-job ")]
+
+
+class LogFollower:
+    """Relays worker 0's job log to this process's output as it is written, keeping the last lines. The SSH
+    session that tails it may drop at any time (it carries nothing but the view): it is reopened from the next
+    line not yet seen."""
+
+    def __init__(self, spec: SliceSpec, tail_lines: int = 40, out=None, reconnect_seconds: float = 5.0):
+        self.spec, self.out, self.reconnect_seconds = spec, out or sys.stdout, reconnect_seconds
+        self.tail = collections.deque(maxlen=tail_lines)
+        self.lines = 0
+        self._stop = threading.Event()
+        self._process = None
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+
+    def start(self) -> LogFollower:
+        self._thread.start()
+        return self
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            self._process = subprocess.Popen(gcloud_ssh(self.spec, follow_command(self.lines + 1), worker="0"),
+                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+            for raw in iter(self._process.stdout.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\n")
+                self.lines += 1
+                self.tail.append(line)
+                self.out.write(f"[worker 0] {line}\n")
+                self.out.flush()
+            self._process.wait()
+            self._stop.wait(self.reconnect_seconds)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+        self._thread.join(timeout=10)
+
+
 class CloudTpuBackend:
-    """The babysitter's backend on Cloud TPU: one queued resource per run, deleted when the run ends."""
+    """The babysitter's backend on Cloud TPU. A run: make sure the slice is ACTIVE (create it, or replace a
+    preempted one), install and start the job detached on every worker (or, for `launch watch`, attach to the one
+    already there), follow worker 0's log and poll until the job ends or the slice goes. The slice is kept
+    between runs while it is ACTIVE (a failed job restarts on it); `release` deletes it."""
 
     def __init__(self, spec: SliceSpec, wheel_path: str, client=None, poll_seconds: float = 30.0,
-                 log=print):
-        from google.cloud import tpu_v2alpha1 as tpu
-
+                 log=print, attach: bool = False, **slice_options):
         self.spec, self.wheel_path, self.poll_seconds, self.log = spec, wheel_path, poll_seconds, log
-        self.client = client or tpu.TpuClient()
-        self._states = tpu.QueuedResourceState.State
+        self.slice = Slice(spec, self._request, client=client, poll_seconds=poll_seconds, log=log,
+                           **slice_options)
+        self._attach, self._installed, self._command = attach, False, None
 
-    def _state(self):
-        name = f"{self.spec.parent}/queuedResources/{self.spec.name}"
-        return self.client.get_queued_resource(name=name).state.state
+    def _request(self):
+        return queued_resource_request(self.spec, self._command, os.path.basename(self.wheel_path))
 
-    def _create_and_wait(self) -> None:
-        self.client.create_queued_resource(request=queued_resource_request(self.spec)).result()
-        while (state := self._state()) != self._states.ACTIVE:
-            if state in (self._states.FAILED, self._states.SUSPENDED):
-                raise RuntimeError(f"queued resource {self.spec.name} is {state.name}")
-            self.log(f"launch tpu: {self.spec.name} is {state.name}; waiting")
-            time.sleep(self.poll_seconds)
+    def _gcloud(self, step: list[str], check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(step, check=check, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              stdin=subprocess.DEVNULL)
 
-    def _delete(self) -> None:
-        name = f"{self.spec.parent}/queuedResources/{self.spec.name}"
-        try:
-            self.client.delete_queued_resource(name=name, force=True).result()
-        except Exception as error:  # already gone: nothing to delete  # noqa: BLE001
-            self.log(f"launch tpu: delete {self.spec.name}: {error}")
+    def worker_states(self) -> list[str] | None:
+        """Every worker's job state (parse_status), or None if they cannot be reached right now."""
+        result = self._gcloud(gcloud_ssh(self.spec, STATUS), check=False)
+        states = parse_status(result.stdout)
+        return states if result.returncode == 0 and states else None
 
     def run(self, command: list[str]) -> tuple[str, str]:
-        self._create_and_wait()
-        wheel_name = os.path.basename(self.wheel_path)
-        install, run = worker_commands(wheel_name, command)
+        self._command = command
+        if self.slice.acquire():
+            self._installed = False
+        attach, self._attach = self._attach, False
+        states = self.worker_states() if attach else None
+        if states and any(state != "none" for state in states):
+            self.log(f"launch tpu: attached to the job on {self.spec.name} (workers: {', '.join(states)})")
+        else:
+            install, start = worker_commands(os.path.basename(self.wheel_path), command)
+            if not self._installed:
+                self.log(f"launch tpu: installing {os.path.basename(self.wheel_path)} on every worker")
+                for step in (gcloud_copy(self.spec, self.wheel_path), gcloud_ssh(self.spec, install)):
+                    result = self._gcloud(step, check=False)
+                    if result.returncode:
+                        return self._ended_early(f"{shlex.join(step)} failed ({result.returncode}):\n"
+                                                 f"{result.stdout[-3000:]}")
+                self._installed = True
+            result = self._gcloud(gcloud_ssh(self.spec, start), check=False)
+            if result.returncode:
+                return self._ended_early(f"starting the job failed ({result.returncode}):\n{result.stdout[-3000:]}")
+            self.log(f"launch tpu: job started on every worker of {self.spec.name}; following worker 0's log "
+                     f"(~/{JOB_DIR}/job.log); re-attach from anywhere with: bertjax launch watch {self.spec.name} "
+                     f"--zone {self.spec.zone} --project {self.spec.project}")
+        return self._watch()
+
+    def _ended_early(self, message: str) -> tuple[str, str]:
+        """A step before the job failed: a preemption if the slice went meanwhile, else a failure."""
+        return ("failed" if self.slice.state() == "ACTIVE" else "preempted"), message
+
+    def _watch(self) -> tuple[str, str]:
+        follower = LogFollower(self.spec).start()
         try:
-            for step in (gcloud_copy(self.spec, self.wheel_path), gcloud_ssh(self.spec, install)):
-                subprocess.run(step, check=True)
-            job = subprocess.run(gcloud_ssh(self.spec, run), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True)
-            tail = "\n".join(job.stdout.splitlines()[-40:])
-            print(job.stdout, end="")
-            try:
-                active = self._state() == self._states.ACTIVE
-            except Exception:  # the queued resource is gone: preempted  # noqa: BLE001
-                active = False
-            kind = "exited" if job.returncode == 0 else ("failed" if active else "preempted")
-            return kind, tail
+            while True:
+                time.sleep(self.poll_seconds)
+                gone = self._slice_gone()
+                if gone:
+                    self.log(f"launch tpu: {self.spec.name} {gone}: the job was preempted")
+                    return "preempted", "\n".join(follower.tail)
+                states = self.worker_states()
+                if states is None:
+                    continue  # unreachable for now: the slice's state decides at the next poll
+                ended = [state for state in states if state.startswith("exit") or state == "lost"]
+                if len(ended) == len(states) or any(state not in ("exit 0",) for state in ended):
+                    break
         finally:
-            self._delete()
+            follower.stop()
+        tail = self._gcloud(gcloud_ssh(self.spec, f"tail -n 40 {JOB_DIR}/job.log", worker="0"), check=False)
+        log_tail = tail.stdout if tail.returncode == 0 else "\n".join(follower.tail)
+        if all(state == "exit 0" for state in states):
+            self.log("launch tpu: the job exited on every worker")
+            return "exited", log_tail
+        gone = self._slice_gone()
+        kind = "preempted" if gone or "lost" in states else "failed"
+        self.log(f"launch tpu: the job ended on {self.spec.name} (workers: {', '.join(states)}"
+                 f"{'; slice ' + gone if gone else ''})")
+        return kind, log_tail
+
+    def _slice_gone(self) -> str:
+        """Why the slice no longer runs the job ("is SUSPENDED", "node is PREEMPTED"), or "" while it does."""
+        state = self.slice.state()
+        if state != "ACTIVE":
+            return f"is {state}"
+        node = self.slice.node_state()
+        return f"node is {node}" if node in (*NODE_GONE_STATES, "GONE") else ""
+
+    def release(self) -> None:
+        """Deletes the slice (the job completed or was given up)."""
+        self.slice.delete()

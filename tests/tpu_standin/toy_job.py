@@ -1,0 +1,33 @@
+"""A stand-in for `bertjax pretrain` on the stand-in's workers, for tests of the launcher's mechanics that need
+no training: `pretrain --workdir W [--set train.steps=N] [--fail MESSAGE] --distributed`. Each worker counts
+steps from its saved position in W (resuming as a real job does), prints a step line every 0.2 s, and worker 0
+writes W/COMPLETED at the end; --fail prints MESSAGE as an error and exits 1 instead."""
+import os
+import pathlib
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    workdir = pathlib.Path(argv[argv.index("--workdir") + 1])
+    steps = next((int(a.split("=")[1]) for a in argv if a.startswith("train.steps=")), 20)
+    worker = int(os.environ["JAX_PROCESS_ID"])
+    if "--fail" in argv:
+        print(f"toy job: worker {worker} starting", flush=True)
+        print(f"ValueError: {argv[argv.index('--fail') + 1]} (pid {os.getpid()})", flush=True)
+        return 1
+    workdir.mkdir(parents=True, exist_ok=True)
+    position = workdir / f"position-{worker}"
+    start = int(position.read_text()) if position.exists() else 0
+    print(f"toy job: worker {worker} resumes at step {start}", flush=True)
+    for step in range(start + 1, steps + 1):
+        time.sleep(0.2)
+        print(f"step {step}/{steps}", flush=True)
+        position.write_text(str(step))
+    if worker == 0:
+        (workdir / "COMPLETED").write_text("")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
