@@ -25,6 +25,7 @@ from flax import traverse_util
 from jax.experimental import multihost_utils
 
 from bertjax.errors import first_line
+from bertjax.model import bert as model_lib
 from bertjax.model.config import BertConfig
 from bertjax.options import option
 
@@ -124,8 +125,10 @@ def load_config(directory: str) -> BertConfig:
 def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     """Reads a checkpoint written by `save_model` (or a trainer step directory).
 
-    `abstract_params` (a tree of jax.ShapeDtypeStruct with shardings) restores straight onto a mesh; without
-    it, arrays land on the default device.
+    `abstract_params` (a tree of jax.ShapeDtypeStruct with shardings, in the checkpoint's own layer layout)
+    restores straight onto a mesh; without it, arrays land on the default device. The params are handed out per
+    layer (`layer_0`..) whatever layout the checkpoint holds, with `config.scan_layers` False to match, so every
+    reader (export, convert, embed, fine-tuning, `--init`) sees one layout.
     """
     _require_checkpoint(directory)
     path = epath.Path(directory).absolute()
@@ -150,16 +153,48 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     config = BertConfig.from_dict(metadata_only[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
     vocab = metadata_only[VOCAB]
     _check_vocab(config, vocab["tokens"], directory)
-    return ModelCheckpoint(restored[PARAMS], config, vocab["tokens"], vocab["lower_case"], metadata_only.get(HEAD))
+    params = model_lib.with_layout(restored[PARAMS], config, stacked=False)
+    return ModelCheckpoint(params, config.replace(scan_layers=False), vocab["tokens"], vocab["lower_case"],
+                           metadata_only.get(HEAD))
+
+
+def _stored_stacked(checkpointer, path) -> bool:
+    """Whether the checkpoint at `path` holds stacked layers (read from its params metadata, not restored)."""
+    tree = checkpointer.metadata(path).item_metadata[PARAMS]
+    return model_lib.is_stacked(getattr(tree, "tree", tree))
+
+
+def _abstract_layout(abstract, config: BertConfig, stacked: bool):
+    """Abstract arrays (with NamedShardings) in the other layer layout: a stacked leaf's layer axis is replicated."""
+    def sharding(leaf, spec):
+        return jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+    def stack(leaves):
+        leaf = leaves[0]
+        return jax.ShapeDtypeStruct((len(leaves),) + leaf.shape, leaf.dtype,
+                                    sharding=sharding(leaf, (None, *leaf.sharding.spec)))
+
+    def take(leaf, _):
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding(leaf, tuple(leaf.sharding.spec)[1:]))
+
+    return model_lib.with_layout(abstract, config, stacked, stack=stack, take=take)
 
 
 def restore_train_state(step_dir: str, abstract_state):
     """Params, optimizer state and train meta of a trainer step directory, laid out as `abstract_state` (any
-    mesh: Orbax reshards on restore). For continuing another run's schedule (`--init` a step directory)."""
+    mesh: Orbax reshards on restore; either layer layout: a step saved per layer continues stacked, and back).
+    For continuing another run's schedule (`--init` a step directory)."""
+    path = epath.Path(step_dir).absolute()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
-        restored = checkpointer.restore(epath.Path(step_dir).absolute(),
-                                        args=ocp.args.Composite(**_train_state_restore_args(abstract_state)))
-    return _train_state_from(restored, abstract_state)
+        stored, wanted = _stored_stacked(checkpointer, path), model_lib.is_stacked(abstract_state.params)
+        config = load_config(step_dir)
+        target = abstract_state if stored == wanted else _abstract_layout(abstract_state, config, stored)
+        restored = checkpointer.restore(path, args=ocp.args.Composite(**_train_state_restore_args(target)))
+    state = _train_state_from(restored, target)
+    if stored != wanted:  # converted on the devices, into the wanted shardings
+        shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
+        state = jax.jit(lambda s: model_lib.with_layout(s, config, wanted), out_shardings=shardings)(state)
+    return state
 
 
 def merge_params(initialised: dict, loaded: dict, *, source: str, encoder_only: bool) -> dict:
@@ -170,6 +205,8 @@ def merge_params(initialised: dict, loaded: dict, *, source: str, encoder_only: 
     tensor the model lacks, or of another shape, is an error. Encoder-only (fine-tuning a new head): tensors the
     model lacks are ignored, and a head of another shape (another label count) stays initialised.
     """
+    if model_lib.is_stacked(initialised):  # a scanned model (`load_model` hands out the per-layer layout)
+        loaded = model_lib.stack_layers(loaded, stack=np.stack)
     flat = traverse_util.flatten_dict(initialised)
     flat_loaded = traverse_util.flatten_dict(loaded)
     merged = {}

@@ -30,6 +30,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv", None),
     ("mlp", "tensor"),
+    ("layers", None),  # the layer axis of stacked params (model.scan_layers): every chip holds every layer
     # activations
     ("activation_batch", BATCH_AXES),
     ("activation_length", None),

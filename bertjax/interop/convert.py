@@ -76,7 +76,9 @@ def params_from_tensors(tensors: Mapping[str, np.ndarray], config: BertConfig, s
 
 
 def tensors_from_params(params: Mapping, config: BertConfig, target: str) -> dict[str, np.ndarray]:
-    """Flat tensor dict named the `target` way ("hf" or "tf") for every param the tree holds."""
+    """Flat tensor dict named the `target` way ("hf" or "tf") for every param the tree holds (either layer
+    layout: stacked layers are named per layer)."""
+    params = model_lib.with_layout(params, config, stacked=False)
     table = names_lib.tensor_names(config.num_hidden_layers)
     convert = names_lib.to_hf if target == "hf" else names_lib.to_tf
     out = {}

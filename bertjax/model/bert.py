@@ -10,6 +10,7 @@ with int32 [batch, length] inputs; pass `deterministic=False, rngs={"dropout": k
 from __future__ import annotations
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -222,7 +223,10 @@ class BertModel(nn.Module):
 
     def setup(self):
         self.embeddings = Embeddings(self.config)
-        self.layers = [Layer(self.config, name=f"layer_{i}") for i in range(self.config.num_hidden_layers)]
+        if self.config.scan_layers:
+            self.layers = Layer(self.config)  # params bert/layers/..., stacked by `_scan_layers`
+        else:
+            self.layers = [Layer(self.config, name=f"layer_{i}") for i in range(self.config.num_hidden_layers)]
         if self.add_pooler:
             self.pooler = nn.Dense(self.config.hidden_size, dtype=_dtype(self.config), param_dtype=jnp.float32,
                                    kernel_init=_kernel_init(self.config, ("embed", "embed_out")),
@@ -235,16 +239,108 @@ class BertModel(nn.Module):
         hidden = self.embeddings(input_ids, segment_ids, position_ids, deterministic)
         hidden = _constrain(hidden, ("activation_batch", "activation_length", "activation_embed"))
         self.sow("intermediates", "hidden_states", hidden)
-        for layer in self.layers:
-            hidden = layer(hidden, input_mask, packing_ids, deterministic)
-            self.sow("intermediates", "hidden_states", hidden)
+        if self.config.scan_layers:
+            hidden = self._scan_layers(hidden, input_mask, packing_ids, deterministic)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, input_mask, packing_ids, deterministic)
+                self.sow("intermediates", "hidden_states", hidden)
         if not self.add_pooler:
             return hidden, None
         first = hidden[:, 0] if pool_positions is None else gather_positions(hidden, pool_positions)
         return hidden, jnp.tanh(self.pooler(first))
 
+    def _scan_layers(self, hidden, input_mask, packing_ids, deterministic: bool):
+        """The encoder as one `nn.scan` over the layer axis of the stacked params (one layer to compile).
+
+        Each layer draws its own params and dropout keys (`split_rngs`): other random bits than the unrolled
+        model's per-layer streams (fresh weights and dropout masks differ, their distribution does not), the same
+        values for the same params without dropout. Per-layer hidden states are collected as the scan's outputs
+        only when the caller asks for them (`mutable=["intermediates"]`).
+        """
+        collect = self.is_mutable_collection("intermediates")
+
+        def body(layer, carry, _):
+            carry = layer(carry, input_mask, packing_ids, deterministic)
+            return carry, (carry if collect else None)
+
+        scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                       length=self.config.num_hidden_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+        hidden, states = scan(self.layers, hidden, None)
+        if collect:
+            for i in range(self.config.num_hidden_layers):
+                self.sow("intermediates", "hidden_states", states[i])
+        return hidden
+
     def attend(self, x):
         return self.embeddings.attend(x)
+
+
+# ---- the layer layout of a param tree: per layer (`layer_0`..) or stacked (`layers`, scan_layers) -----------------
+
+STACKED = "layers"
+_LAYER_KEY = re.compile(r"layer_(\d+)$")
+
+
+def _layer_keys(node: dict) -> list[str]:
+    keys = sorted((k for k in node if isinstance(k, str) and _LAYER_KEY.match(k)), key=lambda k: int(k[6:]))
+    if keys and keys != [f"layer_{i}" for i in range(len(keys))]:
+        raise ValueError(f"layers {keys} are not numbered 0..{len(keys) - 1}")
+    return keys
+
+
+def _is_encoder(node) -> bool:
+    return isinstance(node, dict) and (STACKED in node or bool(_layer_keys(node)))
+
+
+def is_stacked(params) -> bool:
+    """Whether a param tree (or Orbax metadata tree) holds the encoder layers stacked (`bert/layers`)."""
+    return STACKED in params.get("bert", {})
+
+
+def is_stacked_path(path) -> bool:
+    """Whether a param's key path (from the params' root) is in the stacked layers (its axis 0 = layer)."""
+    keys = [getattr(k, "key", None) for k in path[:2]]
+    return keys == ["bert", STACKED]
+
+
+def stack_layers(tree, stack=None):
+    """Every encoder dict of `tree` (params, or an optimizer state holding params-shaped trees) with its
+    `layer_0..layer_{N-1}` subtrees stacked into one `layers` subtree (leading axis = layer). `stack(leaves)`
+    combines one tensor's N layers (default: jnp.stack). Trees already stacked are returned unchanged."""
+    stack = stack or jnp.stack
+
+    def convert(node):
+        keys = _layer_keys(node) if isinstance(node, dict) else []
+        if not keys:
+            return node
+        rest = {k: v for k, v in node.items() if k not in keys}
+        return {**rest, STACKED: jax.tree_util.tree_map(lambda *leaves: stack(leaves), *(node[k] for k in keys))}
+
+    return jax.tree_util.tree_map(convert, tree, is_leaf=_is_encoder)
+
+
+def unstack_layers(tree, num_layers: int, take=None):
+    """The inverse of `stack_layers`: `layers` split into `layer_0..layer_{num_layers-1}`; `take(leaf, i)` picks
+    layer i of a stacked tensor (default: leaf[i]). Trees already per layer are returned unchanged."""
+    take = take or (lambda leaf, i: leaf[i])
+
+    def convert(node):
+        if not (isinstance(node, dict) and STACKED in node):
+            return node
+        rest = {k: v for k, v in node.items() if k != STACKED}
+        return {**rest, **{f"layer_{i}": jax.tree_util.tree_map(lambda leaf, i=i: take(leaf, i), node[STACKED])
+                           for i in range(num_layers)}}
+
+    return jax.tree_util.tree_map(convert, tree, is_leaf=_is_encoder)
+
+
+def with_layout(tree, config: BertConfig, stacked: bool, stack=None, take=None):
+    """`tree` in the stacked (`stacked=True`) or per-layer layout, whichever it is in now: the one conversion
+    every reader and writer of params goes through (checkpoints, `--init`, export)."""
+    if stacked:
+        return stack_layers(tree, stack)
+    return unstack_layers(tree, config.num_hidden_layers, take)
 
 
 class MaskedLMHead(nn.Module):

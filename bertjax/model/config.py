@@ -58,6 +58,9 @@ class BertConfig:
     # Compute dtype of matmuls; params stay float32, softmax/LayerNorm/losses run in float32.
     dtype: str = "float32"
     attention_backend: str = "auto"
+    # The encoder layers as one `nn.scan` over stacked params (`bert/layers/...`, leading axis = layer): XLA compiles
+    # one layer instead of num_hidden_layers. Checkpoints record it here; `load_model` hands out the per-layer layout.
+    scan_layers: bool = False
 
     def __post_init__(self):
         problems = []

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from bertjax.model import bert as model_lib
 from bertjax.options import option
 
 
@@ -54,8 +55,26 @@ SCHEDULES = {"linear": linear_warmup_linear_decay, "cosine": linear_warmup_cosin
 
 def decay_mask(params):
     """True for parameters that get weight decay: matrices (kernels, embeddings). LayerNorm scales/biases and
-    all biases are vectors, so rank >= 2 is exactly BERT's "exclude LayerNorm and bias" rule."""
-    return jax.tree_util.tree_map(lambda p: jnp.ndim(p) >= 2, params)
+    all biases are vectors, so rank >= 2 is exactly BERT's "exclude LayerNorm and bias" rule (the layer axis of
+    stacked layers, `model.scan_layers`, not counted)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: jnp.ndim(p) - model_lib.is_stacked_path(path) >= 2, params)
+
+
+def scale_by_trust_ratio() -> optax.GradientTransformation:
+    """LAMB's trust ratio (optax's), per tensor: per layer for stacked layers (vmapped over the layer axis), so
+    scanned and unrolled models take the same steps."""
+    inner = optax.scale_by_trust_ratio()
+
+    def one(update, param):
+        return inner.update(update, optax.EmptyState(), param)[0]
+
+    def update(updates, state, params=None):
+        scaled = jax.tree_util.tree_map_with_path(
+            lambda path, u, p: (jax.vmap(one) if model_lib.is_stacked_path(path) else one)(u, p), updates, params)
+        return scaled, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def _scale_by_adam_no_bias_correction(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
@@ -122,6 +141,6 @@ def make_optimizer(config: OptimizerConfig, num_train_steps: int) -> tuple[optax
     chain = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm else []
     chain += [adam, optax.add_decayed_weights(config.weight_decay, mask=decay_mask)]
     if config.name == "lamb":
-        chain.append(optax.scale_by_trust_ratio())
+        chain.append(scale_by_trust_ratio())
     chain.append(optax.scale_by_learning_rate(schedule))
     return optax.chain(*chain), schedule
