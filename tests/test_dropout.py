@@ -65,3 +65,46 @@ def test_bfloat16_values_are_scaled_in_float32_and_rounded_once():
     expected = (np.asarray(x, np.float32) * (65536 / 58982)).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(out)[keep], expected[keep])
     assert (np.asarray(out)[~keep] == 0).all()
+
+
+def _fmix32(x):
+    """MurmurHash3's fmix32 in numpy uint32 (the published finaliser), independent of bertjax.model.hashing."""
+    x = x.astype(np.uint32)
+    x ^= x >> np.uint32(16)
+    x = (x * np.uint32(0x85EBCA6B)).astype(np.uint32)
+    x ^= x >> np.uint32(13)
+    x = (x * np.uint32(0xC2B2AE35)).astype(np.uint32)
+    return x ^ (x >> np.uint32(16))
+
+
+def test_mask_is_the_documented_counter_hash():
+    """The module docstring's definition, recomputed in numpy uint32 arithmetic."""
+    key, shape, rate = jax.random.key(11), (3, 5, 8), 0.3
+    w0, w1 = np.asarray(jax.random.bits(key, (2,), jnp.uint32))
+    with np.errstate(over="ignore"):
+        row = np.arange(1, 16, dtype=np.uint32)[:, None]
+        mult = _fmix32(_fmix32(w0 ^ np.uint32(0x9E3779B9)) + row * np.uint32(0x9E3779B9)) | np.uint32(1)
+        add = _fmix32(_fmix32(w1 ^ np.uint32(0x85EBCA77)) + row * np.uint32(0x85EBCA77))
+        words = _fmix32(np.arange(4, dtype=np.uint32)[None, :] * mult + add)
+    draws = np.stack([words & np.uint32(0xFFFF), words >> np.uint32(16)], -1).reshape(shape)
+    expected = draws < dropout_lib.keep_threshold(rate)
+    np.testing.assert_array_equal(np.asarray(dropout_lib.keep_mask(key, rate, shape)), expected)
+
+
+def test_rows_columns_and_keys_are_independent_draws():
+    keep = np.asarray(dropout_lib.keep_mask(jax.random.key(5), 0.5, (1024, 1024)))
+    other = np.asarray(dropout_lib.keep_mask(jax.random.key(6), 0.5, (1024, 1024)))
+    bound = 5 * np.sqrt(0.25 / keep[1:].size)
+    for a, b in [(keep[1:], keep[:-1]), (keep[:, 2:], keep[:, :-2]), (keep, other)]:
+        assert abs((a == b).mean() - 0.5) < bound
+    per_row = keep.mean(axis=1)  # every row's stream keeps at the rate: no degenerate (mult, add) streams
+    assert np.abs(per_row - 0.5).max() < 5 * np.sqrt(0.25 / 1024)
+
+
+def test_mask_is_the_same_when_sharded_over_devices():
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+    shape = (8 * len(jax.devices()), 16, 32)
+    sharded = jax.jit(lambda k: dropout_lib.keep_mask(k, 0.1, shape),
+                      out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    whole = np.asarray(dropout_lib.keep_mask(jax.random.key(9), 0.1, shape))
+    np.testing.assert_array_equal(np.asarray(sharded(jax.random.key(9))), whole)

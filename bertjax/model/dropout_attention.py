@@ -41,6 +41,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from bertjax.model.hashing import C_ADD as _C_ADD
+from bertjax.model.hashing import C_HEAD as _C_HEAD
+from bertjax.model.hashing import GOLDEN as _GOLDEN
+from bertjax.model.hashing import fmix32
+from bertjax.model.hashing import i32 as _i32
+from bertjax.model.hashing import srl as _srl
+
 LANES = 128        # the TPU vector lane width: per-row statistics are stored replicated over 128 lanes
 SUBLANES = 8       # key segment ids are stored replicated over 8 sublanes (one (8, 128) tile row)
 MAX_LENGTH = 1 << 16   # x = (i << 16) | j needs i, j < 2^16
@@ -51,29 +58,7 @@ HASH_OPS_PER_ELEMENT = 13   # integer ops of the keep-mask hash per query/key pa
 _FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 7, 8, 10
 
 
-def _i32(c: int) -> int:
-    """A uint32 constant as the int32 with the same bits."""
-    c &= 0xFFFFFFFF
-    return c - (1 << 32) if c >= 1 << 31 else c
-
-
-_GOLDEN, _C_HEAD, _C_ADD = _i32(0x9E3779B9), _i32(0x85EBCA77), _i32(0x632BE5AB)
-_FMIX_1, _FMIX_2 = _i32(0x85EBCA6B), _i32(0xC2B2AE35)
 _SIGN = _i32(0x80000000)
-
-
-def _srl(x, n: int):
-    """Logical (unsigned) right shift of int32 `x`."""
-    return lax.shift_right_logical(x, jnp.full(jnp.shape(x), n, jnp.int32))
-
-
-def fmix32(x):
-    """MurmurHash3's 32-bit finaliser on int32 bits (wrapping multiplies, logical shifts): a bijection."""
-    x = x ^ _srl(x, 16)
-    x = x * jnp.int32(_FMIX_1)
-    x = x ^ _srl(x, 13)
-    x = x * jnp.int32(_FMIX_2)
-    return x ^ _srl(x, 16)
 
 
 def _stream_key(seed, batch_index, head_index):
