@@ -46,7 +46,6 @@ from bertjax.model.hashing import C_HEAD as _C_HEAD
 from bertjax.model.hashing import GOLDEN as _GOLDEN
 from bertjax.model.hashing import fmix32
 from bertjax.model.hashing import i32 as _i32
-from bertjax.model.hashing import srl as _srl
 
 LANES = 128        # the TPU vector lane width: per-row statistics are stored replicated over 128 lanes
 SUBLANES = 8       # key segment ids are stored replicated over 8 sublanes (one (8, 128) tile row)
