@@ -38,11 +38,19 @@ def resolve(setting: str, environ=os.environ) -> str | None:
 
 
 class CacheStats:
-    """Counts the persistent cache's hits and misses in this process from JAX's monitoring events."""
+    """Counts the persistent cache's hits and misses in this process from JAX's monitoring events, from
+    `start()` until `close()`."""
 
     def __init__(self):
         self.hits = self.misses = 0
         self.registered = False
+
+    def start(self) -> CacheStats:
+        import jax
+
+        jax.monitoring.register_event_listener(self)
+        self.registered = True
+        return self
 
     def __call__(self, event: str, **kwargs) -> None:
         if event == _HIT:
@@ -59,16 +67,15 @@ class CacheStats:
             self.registered = False
 
 
-def enable(setting: str, key: str = "train.compilation_cache_dir") -> tuple[str | None, CacheStats]:
-    """Points JAX's persistent cache at `resolve(setting)` (call before the job's programs compile; a program
-    compiled earlier in the process is not cached) and returns (directory or None, its hit/miss counter)."""
+def enable(setting: str, key: str = "train.compilation_cache_dir") -> str | None:
+    """Points JAX's persistent cache at `resolve(setting)` and returns that directory (None: off). Call before the
+    job's programs compile: a program compiled earlier in the process is not cached."""
     import jax
 
-    stats = CacheStats()
     directory = resolve(setting)
     if directory is None:
         jax.config.update("jax_enable_compilation_cache", False)
-        return None, stats
+        return None
     if "://" not in directory:
         try:
             pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
@@ -78,6 +85,4 @@ def enable(setting: str, key: str = "train.compilation_cache_dir") -> tuple[str 
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-    jax.monitoring.register_event_listener(stats)
-    stats.registered = True
-    return directory, stats
+    return directory

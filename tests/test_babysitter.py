@@ -1,6 +1,7 @@
 """The babysitter with the local backend: real multi-process pretraining jobs, killed like preempted hosts."""
 import json
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -72,9 +73,58 @@ def test_job_killed_twice_is_restarted_and_ends_bit_exact(two_file_corpus, tmp_p
     killer = threading.Thread(target=kill_at, args=([15, 27],), daemon=True)
     killer.start()
     messages = []
+    started = time.time()
     assert babysit(backend, _command(workdir, two_file_corpus), str(workdir), max_restarts=3,
                    log=messages.append) == 0
+    babysat_s = time.time() - started
     assert len(kills) == 2 and kills[0] >= 15 and kills[1] >= 27
     assert sum("restart" in m and "preempted" in m for m in messages) == 2
     for ours, theirs in zip(_final_params(workdir), _final_params(reference)):
         assert (ours == theirs).all()
+    _check_goodput(workdir, kills, babysat_s)
+
+
+def _check_goodput(workdir, kills, babysat_s):
+    """Each restart's account names the steps computed past the checkpoint it resumed from (the kill points);
+    each run's categories add up to its wall time, and `bertjax goodput` adds the three runs up to the job's."""
+    from bertjax.pretraining.goodput import CATEGORIES, run_snapshots
+
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    segments, current = [], [steps[0]]
+    for step in steps[1:]:
+        if step <= current[-1]:  # a restart went back to its checkpoint
+            segments.append(current)
+            current = []
+        current.append(step)
+    segments.append(current)
+    assert len(segments) == 3, steps
+    reached = [max(segment) for segment in segments[:2]]  # the steps each killed run computed
+    resumed = [segment[0] - 1 for segment in segments[1:]]  # the checkpoints the restarts continued from
+    assert [kill <= top <= kill + 2 for kill, top in zip(kills, reached)] == [True, True], (kills, reached)
+    assert resumed[0] in (0, 10) and resumed[1] in (10, 20), resumed  # the last complete save before each kill
+
+    runs = run_snapshots(str(workdir))
+    # A killed run either has no end (process 0 killed too) or ends failing (process 0 saw its peer go first).
+    assert [r["status"] for r in runs][-1] == "completed" and "completed" not in [r["status"] for r in runs[:2]]
+    assert [r["first_step"] for r in runs] == [0, *resumed]
+    assert [r["lost_steps"] for r in runs] == [0, reached[0] - resumed[0], reached[1] - resumed[1]]
+    for run in runs:
+        assert sum(run[k] for k in CATEGORIES) == pytest.approx(run["wall_s"], rel=0.05), run
+    assert all(run["compile_cache_hits"] >= 1 for run in runs[1:])  # each restart read its step back
+
+    result = subprocess.run([sys.executable, "-m", "bertjax.cli", "goodput", str(workdir), "--json"],
+                            env=_env(1), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    job = json.loads(result.stdout)
+    print("\nwhole-job goodput account:", json.dumps({k: v for k, v in job.items() if k != "runs"}))
+    assert len(job["runs"]) == 3 and job["launcher_restarts"] == 2
+    assert job["lost_steps"] == sum(r["lost_steps"] for r in runs)
+    assert job["wall_s"] == pytest.approx(babysat_s, rel=0.05)  # the launcher's log against this test's clock
+    parts = sum(job[k] for k in CATEGORIES) + job["unrecorded_s"] + job["between_runs_s"]
+    assert parts == pytest.approx(job["wall_s"], rel=0.05)
+    assert 0 < job["goodput"] < 1 and job["step_s"] > job["lost_s"] > 0
+    text = subprocess.run([sys.executable, "-m", "bertjax.cli", "goodput", str(workdir)], env=_env(1),
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120).stdout
+    print(text)
+    assert text.startswith(f"{workdir}: 3 run(s), ") and "launcher: 2 restart(s) recorded" in text

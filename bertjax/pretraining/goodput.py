@@ -66,7 +66,7 @@ class RunAccount:
         self.first_step = self.step = 0
         self.timed_steps = 0  # productive steps after the compiling one, for the mean step time
         self.lost_steps, self.lost_s_per_step = 0, None
-        self.cache_hits = self.cache_misses = 0
+        self.cache_stats = None  # a compile_cache.CacheStats counting this run's compiles, set by the loop
         self._written = 0.0
 
     def mark(self, category: str) -> None:
@@ -89,7 +89,8 @@ class RunAccount:
         return {**{k: round(v, 3) for k, v in seconds.items()}, "wall_s": round(wall, 3),
                 "lost_steps": self.lost_steps, "lost_s": round(self.lost_steps * (per_step or 0.0), 3),
                 "goodput": round(seconds["step_s"] / wall, 4) if wall > 0 else 0.0,
-                "compile_cache_hits": self.cache_hits, "compile_cache_misses": self.cache_misses,
+                "compile_cache_hits": getattr(self.cache_stats, "hits", 0),
+                "compile_cache_misses": getattr(self.cache_stats, "misses", 0),
                 "first_step": self.first_step, "step": self.step, "timed_steps": self.timed_steps}
 
     def snapshot(self, step: int, *, force: bool = False, ended: bool = False, status: str = "") -> None:

@@ -190,7 +190,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     """Trains until config.train.steps (resuming from the workdir's latest checkpoint), or until preempted.
     The run's goodput account (goodput.py) goes to WORKDIR/goodput/ as it runs, and to metrics.jsonl at its end."""
     # Before anything compiles: a restart reads the step's executable back instead of compiling it.
-    _, cache_stats = compile_cache.enable(config.train.compilation_cache_dir)
+    compile_cache.enable(config.train.compilation_cache_dir)
     account = goodput_lib.RunAccount(workdir, enabled=jax.process_index() == 0)
     validate(config, jax.device_count())
     # The input kind decided (and the vocab of `data create` shards found) once, before anything is saved.
@@ -215,10 +215,12 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     dataset = pipeline_lib.make_pretraining_dataset(config.data, config.train.batch_size, process_index,
                                                     process_count, stats=input_stats)
     account.mark("setup_s")
+    cache_stats = account.cache_stats = compile_cache.CacheStats().start()  # the compiles from here: init, steps
     try:
         resumed = _resume(checkpointer, abstract, dataset, config, allow_config_change, process_index, log)
     except ValueError:
         checkpointer.close()  # its background threads would keep the process alive
+        cache_stats.close()
         raise
     if resumed is not None:
         state, iterator = resumed
@@ -343,7 +345,6 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
         finally:
             account.mark("checkpoint_s")  # the wait for the last save to be finalised
             account.step = step
-            account.cache_hits, account.cache_misses = cache_stats.hits, cache_stats.misses
             cache_stats.close()
             goodput = account.record()
             account.snapshot(step, ended=True, status="failed" if sys.exc_info()[1] is not None else status)
