@@ -55,7 +55,7 @@ def _ours(config, batch, seq, masked):
         jax.block_until_ready(metrics)
         return time.perf_counter() - start
 
-    run()  # compile
+    print(f"  bertjax step compiled and ran once in {run():.1f} s (scan_layers={config.scan_layers})")
     return run
 
 
@@ -190,6 +190,7 @@ def main() -> int:
                         help="bertjax attention backend; the fused ones need --attention-dropout 0")
     parser.add_argument("--attention-dropout", type=float, default=0.1)
     parser.add_argument("--trace", metavar="DIR", help="also profile 3 bertjax steps into DIR and print the top ops")
+    parser.add_argument("--scan-layers", action="store_true", help="bertjax's model.scan_layers (one layer compiled)")
     args = parser.parse_args()
     malloc_tuned = _same_host_malloc_as_bertjax()  # before JAX starts its threads
 
@@ -200,7 +201,7 @@ def main() -> int:
 
     config = BertConfig.preset(args.preset, dtype=args.dtype, hidden_dropout_prob=0.1,
                                attention_probs_dropout_prob=args.attention_dropout,
-                               attention_backend=args.attention_backend)
+                               attention_backend=args.attention_backend, scan_layers=args.scan_layers)
     device = jax.devices()[0]
     reference = (None if args.skip_torch
                  else _torch_in_subprocess(config, args.batch, args.seq, args.masked, args.threads))
