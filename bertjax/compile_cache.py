@@ -80,6 +80,9 @@ def enable(setting: str, key: str = "train.compilation_cache_dir") -> str | None
         try:
             pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
         except OSError as error:
+            if not setting:  # the default place (a read-only home): the job runs, only without the cache
+                jax.config.update("jax_enable_compilation_cache", False)
+                return None
             raise ValueError(f"{key}={directory!r}: cannot create the compilation cache directory ({error}); set "
                              f"it to a writable path, or to 'off'") from None
     jax.config.update("jax_enable_compilation_cache", True)

@@ -75,3 +75,10 @@ def test_the_cache_directory_setting():
     assert compile_cache.resolve("", {**environ, "JAX_COMPILATION_CACHE_DIR": "/shared"}) == "/shared"
     assert compile_cache.resolve("gs://bucket/cache", environ) == "gs://bucket/cache"
     assert compile_cache.resolve("off", environ) is None
+
+
+def test_an_unwritable_cache_directory_is_named_by_its_key(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(ValueError, match=r"train.compilation_cache_dir='.*file/jax': cannot create"):
+        compile_cache.enable(str(blocked / "jax"))
