@@ -46,10 +46,13 @@ def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
     state_args = dict(model=model, config=bert_config, optimizer=optimizer, seq_len=config.data.max_seq_length,
                       num_masked=config.data.max_predictions_per_seq)
     rng = jax.random.key(config.train.seed)
-    shardings, abstract = train_state.abstract_state(rng, mesh=mesh, **state_args)
+    shard_optimizer = config.mesh.shard_optimizer
+    shardings, abstract = train_state.abstract_state(rng, mesh=mesh, shard_optimizer=shard_optimizer, **state_args)
+    update_shardings = train_state.update_shardings(shardings, abstract) if shard_optimizer else None
     step_fn, eval_fn = train_step.compile_steps(
         model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=config.train.grad_accum_steps,
-        nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh)
+        nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh,
+        update_shardings=update_shardings)
     return JobStep(bert_config, rng, state_args, shardings, abstract, step_fn, eval_fn)
 
 

@@ -38,18 +38,31 @@ def init_state(rng, *, model, config: BertConfig, optimizer, seq_len: int, num_m
                       nonfinite_consecutive=jnp.zeros([], jnp.int32))
 
 
-def state_shardings(abstract_boxed_state: TrainState, mesh, rules=sharding.DEFAULT_RULES):
-    """NamedShardings for every leaf of the (unboxed) state; optimizer moments inherit their param's names."""
+def state_shardings(abstract_boxed_state: TrainState, mesh, rules=sharding.DEFAULT_RULES,
+                    shard_optimizer: bool = False):
+    """NamedShardings for every leaf of the (unboxed) state; optimizer moments inherit their param's names, and
+    with `shard_optimizer` are also split over the data axis (`sharding.split_over_data`)."""
     specs = nn.get_partition_spec(abstract_boxed_state)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+    if shard_optimizer:
+        opt_state = jax.tree_util.tree_map(lambda s, x: sharding.split_over_data(s, x.shape), shardings.opt_state,
+                                           nn.meta.unbox(abstract_boxed_state.opt_state))
+        shardings = shardings.replace(opt_state=opt_state)
+    return shardings
 
 
-def abstract_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked):
+def update_shardings(shardings: TrainState, abstract_unboxed: TrainState):
+    """Per-param shardings of the optimizer update under ZeRO-1: each param's own, split over the data axis."""
+    return jax.tree_util.tree_map(lambda s, x: sharding.split_over_data(s, x.shape), shardings.params,
+                                  abstract_unboxed.params)
+
+
+def abstract_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked, shard_optimizer: bool = False):
     """(shardings, abstract unboxed state with those shardings): the layout to init or restore into."""
     init = functools.partial(init_state, model=model, config=config, optimizer=optimizer, seq_len=seq_len,
                              num_masked=num_masked)
     abstract = jax.eval_shape(init, rng)
-    shardings = state_shardings(abstract, mesh)
+    shardings = state_shardings(abstract, mesh, shard_optimizer=shard_optimizer)
     unboxed = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                      nn.meta.unbox(abstract), shardings)
     return shardings, unboxed
@@ -63,10 +76,10 @@ def init_sharded_state(rng, shardings, mesh, *, model, config, optimizer, seq_le
         return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
 
 
-def make_sharded_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked):
+def make_sharded_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked, shard_optimizer: bool = False):
     """(state initialised directly in its sharded layout, its shardings, the abstract unboxed state)."""
     shardings, abstract = abstract_state(rng, model=model, config=config, optimizer=optimizer, mesh=mesh,
-                                         seq_len=seq_len, num_masked=num_masked)
+                                         seq_len=seq_len, num_masked=num_masked, shard_optimizer=shard_optimizer)
     state = init_sharded_state(rng, shardings, mesh, model=model, config=config, optimizer=optimizer,
                                seq_len=seq_len, num_masked=num_masked)
     return state, shardings, abstract
