@@ -48,7 +48,7 @@ def test_tiny_step_compiles_for_two_generations_and_reports_its_cost(name, chips
     result = _compiled(name)
     assert REQUIRED_KEYS <= set(result)
     assert (result["chips"], result["hosts"], result["fits"]) == (chips, hosts, True)
-    assert result["mesh"] == {"data": chips, "fsdp": 1, "tensor": 1, "dcn_data": 1}
+    assert result["mesh"] == {"data": chips, "fsdp": 1, "tensor": 1, "dcn_data": 1, "shard_optimizer": False}
     assert result["per_chip_batch"] == 32 / chips
     # Data parallel: every chip holds the params and both Adam moments (float32).
     assert result["hbm_bytes_per_chip"] >= 3 * _param_bytes(config)
@@ -63,10 +63,23 @@ def test_tiny_step_compiles_for_two_generations_and_reports_its_cost(name, chips
     assert result["total_hours"] == pytest.approx(300 * result["step_seconds"] / 3600)
 
 
+def test_shard_optimizer_splits_the_moments_over_data_and_gathers_the_params():
+    replicated = _compiled("v5e:2x2")
+    zero1 = _compiled("v5e:2x2", "mesh.shard_optimizer=true")
+    assert zero1["mesh"]["shard_optimizer"] is True
+    params = _param_bytes(_tiny())
+    # Every chip keeps the whole params but a quarter of each Adam moment (vectors that 4 does not divide, none
+    # here of note, would stay whole): ~1.5x the params against 3x data parallel.
+    assert replicated["argument_bytes_per_chip"] >= 3 * params
+    assert params <= zero1["argument_bytes_per_chip"] < 1.6 * params
+    collectives = zero1["estimate_coverage"]["collective_bytes"]
+    assert collectives.get("all-gather", 0) >= 0.7 * params, collectives  # the updated slices gathered
+
+
 def test_fsdp_splits_the_params_and_moments_over_chips():
     replicated = _compiled("v5e:2x2")
     sharded = _compiled("v5e:2x2", "mesh.data=1", "mesh.fsdp=4")
-    assert sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "dcn_data": 1}
+    assert sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "dcn_data": 1, "shard_optimizer": False}
     state = 3 * _param_bytes(_tiny())  # params and both Adam moments, float32
     # Data parallel: every chip holds the whole state; fsdp: a quarter of it (LayerNorm and bias vectors,
     # a small part, stay whole). The step's total need shrinks less: it gathers the params it computes with.
