@@ -151,8 +151,8 @@ def test_scan_gives_the_unrolled_train_steps():
     _assert_close(model_lib.unstack_layers(scan_params, config.num_hidden_layers), params, rtol=1e-5)
 
 
-def test_hidden_states_are_sown_per_layer_under_scan(pair):
-    config, _, unrolled, scanned = pair
+def test_hidden_states_are_sown_per_layer_under_scan():
+    config, _, unrolled, scanned = _pair("four_layers")
     batch = _batches(1, seed=5)[0]
     args = (batch["input_ids"], batch["input_mask"], batch["segment_ids"])
     states = []
@@ -165,10 +165,10 @@ def test_hidden_states_are_sown_per_layer_under_scan(pair):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
-def test_a_scanned_checkpoint_reads_and_exports_as_the_unrolled_one(pair, tmp_path):
+def test_a_scanned_checkpoint_reads_and_exports_as_the_unrolled_one(tmp_path):
     """load_model hands out the per-layer layout; the HF export is the same bytes; --init stacks a per-layer
     checkpoint for a scanned model (merge_params)."""
-    config, _, unrolled, scanned = pair
+    config, _, unrolled, scanned = _pair("four_layers")
     vocab = [f"t{i}" for i in range(config.vocab_size)]
     params, scan_params = jax.device_get(unrolled[3].params), jax.device_get(scanned[3].params)
     checkpoint_lib.save_model(str(tmp_path / "scanned"), scan_params, config.replace(scan_layers=True), vocab)
@@ -188,14 +188,15 @@ def test_a_scanned_checkpoint_reads_and_exports_as_the_unrolled_one(pair, tmp_pa
     _assert_close(merged, scan_params, rtol=0)
 
 
-def test_a_per_layer_step_continues_stacked_and_back(pair, tmp_path):
+@pytest.mark.parametrize("name", ["tiny", pytest.param("four_layers", marks=pytest.mark.slow)])
+def test_a_per_layer_step_continues_stacked_and_back(name, tmp_path):
     """restore_train_state (`--init STEP_DIR` keeping the schedule) converts params and Adam moments between
     the layouts, either way."""
-    config, _, unrolled, scanned = pair
+    config, _, unrolled, scanned = _pair(name)
     vocab = [f"t{i}" for i in range(config.vocab_size)]
-    for name, (source, target) in {"per_layer": (unrolled, scanned), "stacked": (scanned, unrolled)}.items():
+    for layout, (source, target) in {"per_layer": (unrolled, scanned), "stacked": (scanned, unrolled)}.items():
         state, cfg = source[3], config.replace(scan_layers=source is scanned)
-        checkpointer = checkpoint_lib.TrainCheckpointer(str(tmp_path / name),
+        checkpointer = checkpoint_lib.TrainCheckpointer(str(tmp_path / layout),
                                                         checkpoint_lib.CheckpointConfig(async_save=False))
         checkpointer.save(0, state, config=cfg, vocab=vocab, lower_case=True, job_config={},
                           save_input_state=lambda _: None, force=True)
