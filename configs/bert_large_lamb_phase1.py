@@ -4,7 +4,7 @@ Run:
   bertjax pretrain --config bert-large-lamb-phase1 --workdir gs://BUCKET/bert-large \
       --set data.input='gs://BUCKET/wiki/*.txt' --set data.vocab=gs://BUCKET/vocab.txt
 Compute: 7038 steps x 65536 seq x ~3.3 x 70 GFLOP/seq ~ 1.1e20 FLOP; estimate (not measured) ~14 h on a v4-32 at 50% MFU;
-XLA:TPU's estimate of the compiled step on a v5p-128: 1.30 s/step, 41.3% MFU, 2.5 h (an estimate, not a measurement).
+XLA:TPU's estimate of the compiled step on a v5p-128: 1.22 s/step, 44.0% MFU, 2.4 h (an estimate, not a measurement).
 """
 from bertjax.pretraining.config import default_config
 
