@@ -91,7 +91,7 @@ def test_fsdp_splits_the_params_and_moments_over_chips():
 def test_two_slices_spread_the_data_axis_over_the_slices():
     result = _compiled("v5e:2x2", num_slices=2)
     assert (result["chips"], result["hosts"], result["num_slices"], result["fits"]) == (8, 2, 2, True)
-    assert result["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "dcn_data": 2}
+    assert result["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "dcn_data": 2, "shard_optimizer": False}
     # The same global batch over twice the chips: XLA's per-chip count halves, so the step's total stays (up to
     # the optimizer update, which every data-parallel chip repeats: ~0.3% of this step per 4 chips).
     one_slice = _compiled("v5e:2x2")
