@@ -74,8 +74,8 @@ class MeshConfig:
     dcn_data: int = option(1, "slices (multi-slice TPU over the data-center network): the data axis spans them, "
                            "data-parallel only, so only gradients cross the slower network")
     shard_optimizer: bool = option(False, "ZeRO-1: the optimizer moments and update are split over the data axis "
-                                   "too (each replica updates a slice of every tensor, then the params are "
-                                   "gathered); the same updates, less HBM traffic per chip")
+                                   "too (each replica updates a slice of every tensor, then the float32 params "
+                                   "are all-gathered); the same updates, less HBM per chip, more ICI traffic")
 
     def __post_init__(self):
         if self.dcn_data < 1:

@@ -41,11 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from bertjax.model.hashing import C_ADD as _C_ADD
-from bertjax.model.hashing import C_HEAD as _C_HEAD
-from bertjax.model.hashing import GOLDEN as _GOLDEN
-from bertjax.model.hashing import fmix32
-from bertjax.model.hashing import i32 as _i32
+from bertjax.model.hashing import C_ADD, C_HEAD, GOLDEN, fmix32, i32
 
 LANES = 128        # the TPU vector lane width: per-row statistics are stored replicated over 128 lanes
 SUBLANES = 8       # key segment ids are stored replicated over 8 sublanes (one (8, 128) tile row)
@@ -57,15 +53,15 @@ HASH_OPS_PER_ELEMENT = 13   # integer ops of the keep-mask hash per query/key pa
 _FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 7, 8, 10
 
 
-_SIGN = _i32(0x80000000)
+_SIGN = i32(0x80000000)
 
 
 def _stream_key(seed, batch_index, head_index):
     """(mult, add) of the (batch, head) stream: int32 scalars in the kernel, broadcasting arrays in jnp."""
-    k = fmix32(seed ^ jnp.int32(_GOLDEN))
-    k = fmix32(k + (batch_index + 1) * jnp.int32(_GOLDEN))
-    k = fmix32(k ^ (head_index + 1) * jnp.int32(_C_HEAD))
-    return k | 1, fmix32(k + jnp.int32(_C_ADD))
+    k = fmix32(seed ^ jnp.int32(GOLDEN))
+    k = fmix32(k + (batch_index + 1) * jnp.int32(GOLDEN))
+    k = fmix32(k ^ (head_index + 1) * jnp.int32(C_HEAD))
+    return k | 1, fmix32(k + jnp.int32(C_ADD))
 
 
 def keep_threshold(rate: float) -> int:
@@ -79,7 +75,7 @@ def _keep(rows, cols, mult, add, threshold: int):
     """Boolean keep mask for int32 global positions `rows`, `cols` (broadcasting) of one stream."""
     u = fmix32(((rows << 16) | cols) * mult + add)
     # Unsigned u < threshold as a signed compare: flip the sign bit of both sides.
-    return (u ^ jnp.int32(_SIGN)) < jnp.int32(_i32(threshold - 2**31))
+    return (u ^ jnp.int32(_SIGN)) < jnp.int32(i32(threshold - 2**31))
 
 
 def seed_from_rng(rng) -> jax.Array:
