@@ -79,7 +79,7 @@ class RunAccount:
         self.lost_steps = max(0, computed - step)
         self.lost_s_per_step = seconds_per_step
 
-    def record(self, final: bool = False) -> dict:
+    def record(self) -> dict:
         """The account so far as a flat dict (what metrics.jsonl and the snapshot hold)."""
         seconds = dict(self.clock.seconds)
         wall = self.clock.last - self.clock.start
