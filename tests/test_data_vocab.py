@@ -21,12 +21,16 @@ def texts(shared_data):
     return train, lines
 
 
-def test_wordpiece_vocab_train(texts, tmp_path):
+def test_wordpiece_vocab_train(texts, tmp_path, capsys):
     train, held_out = texts
     out = tmp_path / "wp"
     assert bertjax_main(["vocab", "train", "--input", str(train), "--format", "wrapped", "--vocab-size", "1500",
                          "--type", "wordpiece", "--out", str(out), "--max-sentences", "3000"]) == 0
     vocab = (out / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    # 3000 sentences of one play hold fewer frequent word pieces than asked: the closing line says so, and why.
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert len(vocab) < 1500
+    assert f"vocab.txt: {len(vocab)} tokens of the 1500 asked" in line and "seen at least 10 times" in line, line
     assert vocab[:5] == RESERVED and len(vocab) == len(set(vocab)) and len(vocab) > 500
     assert any(t.startswith("##") for t in vocab)
     tok = WordPieceTokenizer(str(out / "vocab.txt"))

@@ -43,9 +43,10 @@ def _create(args: argparse.Namespace) -> int:
 def _vocab_train(args: argparse.Namespace) -> int:
     from bertjax.data.vocab import train_vocab
 
-    path = train_vocab(options.from_flags(CorpusConfig, args), args.out, args.vocab_size, args.type,
-                       lower_case=args.lower_case, max_sentences=args.max_sentences)
-    print(f"wrote {path}")
+    vocab = train_vocab(options.from_flags(CorpusConfig, args), args.out, args.vocab_size, args.type,
+                        lower_case=args.lower_case, max_sentences=args.max_sentences)
+    print(f"wrote {vocab.path}: {vocab.size} tokens" + (f" of the {args.vocab_size} asked: {vocab.short_because}"
+                                                         if vocab.short_because else ""))
     return 0
 
 
@@ -84,7 +85,9 @@ def register(subparsers) -> None:
     options.add_flags(train, CorpusConfig, required=("input",))
     train.add_argument("--lower-case", action=argparse.BooleanOptionalAction, default=None,
                        help="default: true for WordPiece, false for SentencePiece")
-    train.add_argument("--vocab-size", type=int, required=True)
+    train.add_argument("--vocab-size", type=int, required=True,
+                       help="the most tokens, the 5 special tokens included (BERT's English vocab: 30522); a small "
+                       "corpus may give fewer, and the closing line says how many and why")
     train.add_argument("--type", choices=("sentencepiece", "wordpiece"), required=True)
     train.add_argument("--out", required=True)
     train.add_argument("--max-sentences", type=int, default=5_000_000)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import tensorflow as tf
 
@@ -14,6 +14,16 @@ VOCAB_TYPES = ("sentencepiece", "wordpiece")
 # [PAD] first so that pad id 0 matches BERT's convention; the rest in the released vocab order.
 RESERVED = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 assert set(RESERVED) == set(SPECIAL_TOKENS.values())
+# tensorflow-text's WordPiece learner keeps only pieces seen at least this often (its `lower_thresh`); stated here
+# so that a vocabulary smaller than asked can say why.
+WORDPIECE_MIN_COUNT = 10
+
+
+class TrainedVocab(NamedTuple):
+    """A written vocabulary: its path, the size reached, and why it is smaller than asked (empty when it is not)."""
+    path: str
+    size: int
+    short_because: str
 
 
 def corpus_sentences(config: corpus.CorpusConfig, max_sentences: int | None = None) -> tf.data.Dataset:
@@ -24,8 +34,8 @@ def corpus_sentences(config: corpus.CorpusConfig, max_sentences: int | None = No
 
 
 def train_sentencepiece(sentences: Iterator[str], out_dir: str, vocab_size: int, *, lower_case: bool = False,
-                        model_type: str = "unigram", character_coverage: float = 0.9999) -> str:
-    """Train `out_dir/spm.model` whose ids 0..4 are [PAD] [UNK] [CLS] [SEP] [MASK]; returns the path."""
+                        model_type: str = "unigram", character_coverage: float = 0.9999) -> TrainedVocab:
+    """Train `out_dir/spm.model` whose ids 0..4 are [PAD] [UNK] [CLS] [SEP] [MASK]."""
     import sentencepiece as spm
 
     tf.io.gfile.makedirs(out_dir)
@@ -37,27 +47,33 @@ def train_sentencepiece(sentences: Iterator[str], out_dir: str, vocab_size: int,
         character_coverage=character_coverage, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
         pad_piece="[PAD]", unk_piece="[UNK]", user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
         hard_vocab_limit=False, minloglevel=2)
-    return prefix + ".model"
+    size = spm.SentencePieceProcessor(model_file=prefix + ".model").get_piece_size()
+    return TrainedVocab(prefix + ".model", size, "" if size >= vocab_size else
+                        "SentencePiece found no more pieces worth keeping in the sentences read "
+                        "(its vocab limit is soft): a larger corpus gives more")
 
 
-def train_wordpiece(sentences: tf.data.Dataset, out_dir: str, vocab_size: int, *, lower_case: bool = True) -> str:
-    """Train `out_dir/vocab.txt` (BERT layout: reserved tokens first); returns the path."""
+def train_wordpiece(sentences: tf.data.Dataset, out_dir: str, vocab_size: int, *,
+                    lower_case: bool = True) -> TrainedVocab:
+    """Train `out_dir/vocab.txt` (BERT layout: reserved tokens first)."""
     from tensorflow_text.tools.wordpiece_vocab import bert_vocab_from_dataset
 
     tf.io.gfile.makedirs(out_dir)
     vocab = bert_vocab_from_dataset.bert_vocab_from_dataset(
         sentences.batch(1024).prefetch(2), vocab_size=vocab_size, reserved_tokens=RESERVED,
-        bert_tokenizer_params={"lower_case": lower_case}, learn_params={})
+        bert_tokenizer_params={"lower_case": lower_case}, learn_params={"lower_thresh": WORDPIECE_MIN_COUNT})
     path = os.path.join(out_dir, "vocab.txt")
     with tf.io.gfile.GFile(path + ".tmp", "w") as f:
         f.write("".join(token + "\n" for token in vocab))
     tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
-    return path
+    return TrainedVocab(path, len(vocab), "" if len(vocab) >= vocab_size else
+                        f"the corpus has no more word pieces seen at least {WORDPIECE_MIN_COUNT} times in the "
+                        "sentences read (tensorflow-text's learner drops rarer ones): a larger corpus gives more")
 
 
 def train_vocab(config: corpus.CorpusConfig, out_dir: str, vocab_size: int, vocab_type: str, *,
-                lower_case: bool | None = None, max_sentences: int | None = 5_000_000) -> str:
-    """Train a vocabulary of `vocab_type` on the corpus; returns the written vocab/model path."""
+                lower_case: bool | None = None, max_sentences: int | None = 5_000_000) -> TrainedVocab:
+    """Train a vocabulary of `vocab_type` (at most `vocab_size` tokens) on the corpus."""
     if vocab_type not in VOCAB_TYPES:
         raise ValueError(f"--type {vocab_type!r}: expected one of {', '.join(VOCAB_TYPES)}")
     if vocab_size <= len(RESERVED):
