@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import types
 import typing
@@ -67,6 +68,22 @@ def parse_value(raw: str, hint: Any, key: str) -> Any:
     return value
 
 
+def dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every leaf key of the config class `cls`, dotted (`train.batch_size`)."""
+    keys = []
+    for field in dataclasses.fields(cls):
+        hint = _hints(cls)[field.name]
+        keys += dotted_keys(hint, f"{prefix}{field.name}.") if dataclasses.is_dataclass(hint) else [prefix + field.name]
+    return keys
+
+
+def unknown_key(cls: type, key: str, prefix: str = "") -> str:
+    """"KEY: unknown config key" for the dotted `key` under `cls` (which sits at `prefix` in the whole config),
+    with the nearest known key when one is close."""
+    near = difflib.get_close_matches(key, dotted_keys(cls), n=1, cutoff=0.75)
+    return f"{prefix}{key}: unknown config key" + (f" (did you mean {prefix}{near[0]}?)" if near else "")
+
+
 # ---- ConfigDict ----------------------------------------------------------------------------------------------------
 
 def to_config_dict(config: Any) -> ml_collections.ConfigDict:
@@ -84,7 +101,7 @@ def from_config_dict(cls: type, values: Any, prefix: str = "") -> Any:
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(known))
     if unknown:
-        raise ValueError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}")
+        raise ValueError("; ".join(unknown_key(cls, k, prefix) for k in unknown))
     kwargs = {}
     for name, value in values.items():
         hint = _hints(cls)[name]
@@ -104,11 +121,11 @@ def apply_override(config: ml_collections.ConfigDict, cls: type, override: str) 
     for part in parts[:-1]:
         hint = _hints(node_cls).get(part) if dataclasses.is_dataclass(node_cls) else None
         if hint is None or not dataclasses.is_dataclass(hint):
-            raise ValueError(f"--set {key}: unknown config key")
+            raise ValueError(f"--set {unknown_key(cls, key)}")
         node, node_cls = node[part], hint
     hint = _hints(node_cls).get(parts[-1])
     if hint is None or dataclasses.is_dataclass(hint):
-        raise ValueError(f"--set {key}: unknown config key")
+        raise ValueError(f"--set {unknown_key(cls, key)}")
     value = parse_value(raw, hint, f"--set {key}")
     with node.ignore_type():  # the declared type decides, not the type of the value a preset left there
         node[parts[-1]] = value

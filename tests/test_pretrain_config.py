@@ -56,3 +56,17 @@ def test_cross_field_validation():
     with pytest.raises(ValueError, match="exceeds model.max_position_embeddings"):
         pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", "data.max_seq_length=256",
                                                    "data.max_predictions_per_seq=40"])
+
+
+def test_a_config_with_sizes_written_out_resumes_a_run_saved_without_them():
+    # A run's config.json (sizes written out) given back as --config is the same job as the preset it came from.
+    preset = pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v"])
+    written_out = preset.with_model_sizes(vocab_size=1000)
+    assert written_out.model.hidden_size == 128 and written_out.model.vocab_size == 1000
+    assert written_out.bert_config(1000) == preset.bert_config(1000)
+    assert pretrain_config.check_resume_config(preset.to_dict(), written_out.to_dict(), allow_changes=False,
+                                               where="ckpt") == []
+    bigger = written_out.to_dict()
+    bigger["model"]["hidden_size"] = 256
+    with pytest.raises(ValueError, match=r"model.hidden_size: 128 -> 256"):
+        pretrain_config.check_resume_config(preset.to_dict(), bigger, allow_changes=False, where="ckpt")

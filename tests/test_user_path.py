@@ -1,7 +1,6 @@
 """The user's path around the jobs: presets listed and shown, run directories standing for their newest step,
 export's rules, the cached CPU peak, and the README's commands checked against the real argument parser."""
 import json
-import pathlib
 import re
 import shlex
 import stat
@@ -24,10 +23,32 @@ def test_config_show_prints_the_validated_effective_config(capsys):
     assert cli.main(["config", "show", "bert-tiny", "--set", "train.steps=77", "--set", "optimizer.warmup_steps=7"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["train"]["steps"] == 77 and shown["model"]["preset"] == "tiny"
-    assert cli.main(["config", "show", "bert-tiny", "--set", "train.stepz=1"]) == 2
-    assert "train.stepz" in capsys.readouterr().err
+    # The values the job trains with, not the 0 that means "the preset's" (BERT-tiny: L2/H128/A2).
+    model = shown["model"]
+    assert (model["num_hidden_layers"], model["hidden_size"], model["num_attention_heads"],
+            model["intermediate_size"]) == (2, 128, 2, 512)
+    assert cli.main(["config", "show", "bert-tiny", "--set", "train.batchsize=1"]) == 2
+    assert "train.batchsize: unknown config key (did you mean train.batch_size?)" in capsys.readouterr().err
     assert cli.main(["config", "show", "bert-tiny", "--set", "train.steps=5"]) == 2  # warmup 30 > 5 steps
     assert "optimizer.warmup_steps=30 must be in [0, train.steps=5]" in capsys.readouterr().err
+
+
+def test_config_show_output_is_a_config_that_runs_the_same_job(tmp_path, capsys, minilm_dir):
+    argv = ["--set", "train.steps=77", "--set", "optimizer.warmup_steps=7", "--set", f"data.vocab={minilm_dir}/vocab.txt"]
+    assert cli.main(["config", "show", "bert-tiny", *argv]) == 0
+    shown = capsys.readouterr().out
+    assert json.loads(shown)["model"]["vocab_size"] == 30522  # the vocabulary's size, read from data.vocab
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(shown)
+    # A config.json, or the run directory holding it, is a --config; shown again it is the same config.
+    for name in (tmp_path / "run" / "config.json", tmp_path / "run"):
+        assert cli.main(["config", "show", str(name)]) == 0
+        assert json.loads(capsys.readouterr().out) == json.loads(shown)
+    assert cli.main(["config", "show", str(tmp_path / "nope.json")]) == 2
+    assert f"config file {tmp_path / 'nope.json'} does not exist" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('{"train": {"stepz": 3}}')
+    assert cli.main(["config", "show", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json: train.stepz: unknown config key (did you mean train.steps?)" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

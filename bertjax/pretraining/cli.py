@@ -11,7 +11,8 @@ import argparse
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("pretrain", help="pretrain BERT (MLM + NSP) from a config preset")
-    parser.add_argument("--config", required=True, help="preset name in configs/ (e.g. bert-tiny) or a .py path")
+    parser.add_argument("--config", required=True, help="preset name in configs/ (e.g. bert-tiny), a .py path with "
+                        "get_config(), or a run's config.json (or its run directory) to run the same config again")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics and logs (local or gs://)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (repeatable), e.g. --set train.steps=1000")
@@ -42,9 +43,10 @@ def register(subparsers) -> None:
     configs = config.add_subparsers(dest="job", required=True)
     configs.add_parser("list", help="the presets in configs/ with their one-line descriptions").set_defaults(
         func=_config_list)
-    show = configs.add_parser("show", help="the effective config of a preset (or .py) with --set overrides, "
-                              "validated, as JSON (what a run writes to WORKDIR/config.json)")
-    show.add_argument("name", help="preset name (see `bertjax config list`) or a .py path")
+    show = configs.add_parser("show", help="the effective config of a preset (or .py, or a run's config.json) with "
+                              "--set overrides, validated, model sizes written out, as JSON (what a run writes to "
+                              "WORKDIR/config.json; usable as --config)")
+    show.add_argument("name", help="preset name (see `bertjax config list`), a .py path or a config.json")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config key (repeatable)")
     show.set_defaults(func=_config_show)
@@ -120,5 +122,10 @@ def _config_show(args: argparse.Namespace) -> int:
     from bertjax.pretraining import config as pretrain_config
 
     config = pretrain_config.load_config(args.name, args.overrides, require_data=False)
-    print(json.dumps(config.to_dict(), indent=2))
+    vocab_size = 0
+    if config.data.vocab and not config.model.vocab_size:  # the size a run takes from its vocabulary
+        from bertjax.data.tokenizers import load_tokenizer
+
+        vocab_size = len(load_tokenizer(config.data.vocab, config.data.lower_case).vocab)
+    print(json.dumps(config.with_model_sizes(vocab_size).to_dict(), indent=2))
     return 0

@@ -20,7 +20,7 @@ import ml_collections
 from bertjax import options
 from bertjax.checkpoint import CheckpointConfig
 from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.model.config import PRESETS, BertConfig, ModelOptions, build_model_config
+from bertjax.model.config import PRESET_FIELDS, PRESETS, BertConfig, ModelOptions, build_model_config
 from bertjax.options import option
 from bertjax.pretraining.optim import OptimizerConfig
 from bertjax.sharding import MeshConfig
@@ -77,6 +77,13 @@ class PretrainConfig:
         """The BertConfig the job trains (`vocab_size`: its vocabulary's, unless model.vocab_size is set)."""
         return build_model_config(self.model, vocab_size)
 
+    def with_model_sizes(self, vocab_size: int = 0) -> "PretrainConfig":
+        """This config with the model sizes left at 0 written out: the preset's sizes and, when `vocab_size` is
+        given (the vocabulary's), the vocab size. The same job; what `config show` and WORKDIR/config.json show."""
+        bert = self.bert_config(vocab_size or self.model.vocab_size or 1)
+        sizes = {key: getattr(bert, key) for key in PRESET_FIELDS if key != "vocab_size" or vocab_size}
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, **sizes))
+
     def eval_data(self) -> PretrainingDataConfig:
         """The held-out stream: data.eval_input with static masks from its own seed, so evals compare."""
         return self.data.replace(input=self.data.eval_input, input_kind="auto", masking="static",
@@ -99,19 +106,38 @@ def presets() -> dict[str, str]:
     return found
 
 
-def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool = True) -> PretrainConfig:
-    """A preset (name in configs/ or a path to a .py with get_config()), then KEY=VALUE overrides, validated
-    (`require_data=False`: a config that is only compiled needs no input files)."""
+def _config_values(name_or_path: str) -> ml_collections.ConfigDict:
+    """The ConfigDict a --config names: a preset in configs/, a .py with get_config(), or a JSON config (a run's
+    WORKDIR/config.json, or the run directory holding it)."""
     path = pathlib.Path(name_or_path)
+    if path.is_dir() and (path / "config.json").exists():
+        path = path / "config.json"
+    if path.suffix == ".json":
+        if not path.exists():
+            raise ValueError(f"config file {path} does not exist")
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from None
+        try:  # keys added since the file was written take their defaults
+            return options.to_config_dict(options.from_config_dict(PretrainConfig, values))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{path}: {error}") from None
     if path.suffix != ".py":
         path = CONFIGS_DIR / (name_or_path.replace("-", "_") + ".py")
     if not path.exists():
-        raise ValueError(f"unknown config {name_or_path!r}: {path} does not exist; known presets: "
-                         f"{sorted(presets())} (bertjax config list)")
+        raise ValueError(f"unknown config {name_or_path!r}: not a preset ({sorted(presets())}, see bertjax config "
+                         f"list), a .py file with get_config(), a config.json or a run directory")
     spec = importlib.util.spec_from_file_location(f"bertjax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    values = module.get_config()
+    return module.get_config()
+
+
+def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool = True) -> PretrainConfig:
+    """A preset (name in configs/, a .py with get_config(), or a run's config.json), then KEY=VALUE overrides,
+    validated (`require_data=False`: a config that is only compiled needs no input files)."""
+    values = _config_values(name_or_path)
     values.lock()
     for override in overrides:
         options.apply_override(values, PretrainConfig, override)
@@ -146,6 +172,20 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _sizes_written_out(flat: dict, other: dict) -> dict:
+    """`flat` with model sizes left at 0 replaced by the preset's, so that a config that writes them out (a run's
+    config.json given back as --config) equals one that does not; a vocab size of 0 on either side (the
+    vocabulary's size) equals any."""
+    flat = dict(flat)
+    preset = flat.get("model.preset")
+    if preset in PRESETS:
+        sizes = BertConfig.preset(preset, vocab_size=1)
+        for key in PRESET_FIELDS:
+            if flat.get(f"model.{key}") == 0:
+                flat[f"model.{key}"] = getattr(sizes, key) if key != "vocab_size" else other.get(f"model.{key}")
+    return flat
+
+
 def check_resume_config(saved: dict, current: dict, *, allow_changes: bool, where: str) -> list[str]:
     """The keys whose value differs between the config a checkpoint was saved with and this run's.
 
@@ -155,6 +195,7 @@ def check_resume_config(saved: dict, current: dict, *, allow_changes: bool, wher
     # As JSON stores them (tuples become lists); a key the saved config lacks is an option added since, whose
     # default reproduces the older behaviour: not a change.
     old, new = _flat(saved), _flat(json.loads(json.dumps(current)))
+    old, new = _sizes_written_out(old, new), _sizes_written_out(new, old)
     changed = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
     show = lambda keys: ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
     fixed = [k for k in changed if k.startswith(_FIXED_ON_RESUME)]

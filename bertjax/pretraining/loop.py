@@ -209,8 +209,9 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     log = console.line
     run_start = time.perf_counter()
     checkpointer = checkpoint_lib.TrainCheckpointer(workdir, config.checkpoint)
-    if process_index == 0:  # the effective config of this run, readable without Orbax
-        (epath.Path(workdir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    if process_index == 0:  # the effective config of this run (sizes written out), readable without Orbax
+        effective = config.with_model_sizes(len(vocab)).to_dict()
+        (epath.Path(workdir) / "config.json").write_text(json.dumps(effective, indent=2) + "\n")
     input_stats = collections.Counter()
     dataset = pipeline_lib.make_pretraining_dataset(config.data, config.train.batch_size, process_index,
                                                     process_count, stats=input_stats)
