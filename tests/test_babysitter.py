@@ -30,14 +30,25 @@ def _command(workdir, corpus):
     return _argv(workdir, corpus)[3:]  # without the "python -m bertjax.cli" prefix
 
 
-def test_same_failure_twice_stops_with_the_log_tail(two_file_corpus, tmp_path):
+def test_a_refused_job_is_not_restarted(two_file_corpus, tmp_path):
     messages = []
     backend = LocalProcesses(2, 1, env=_env(1))
     command = _command(tmp_path / "run", ("/nonexistent/corpus-*.txt", two_file_corpus[1]))
     assert babysit(backend, command, str(tmp_path / "run"), max_restarts=5, log=messages.append) == 1
-    assert "restart 1/5" in messages[0] and "failed the same way twice" in messages[-1]
-    assert "matches no files" in messages[-1]
-    assert len(messages) == 2  # one restart, then the stop: not a restart loop
+    assert len(messages) == 1, messages  # a configuration error: no restart, it would be refused again
+    assert "refused for its input or configuration; not restarting" in messages[0]
+    assert "matches no files" in messages[0]
+
+
+def test_same_failure_twice_stops_with_the_log_tail(tmp_path):
+    # Workers that fail (exit 1, not a refusal) the same way every run, with a pid that changes.
+    messages = []
+    program = [sys.executable, "-c", "import os, sys; print('pid', os.getpid()); "
+               "sys.exit('RuntimeError: worker lost')"]
+    backend = LocalProcesses(2, 1, env=_env(1), program=program)
+    assert babysit(backend, ["pretrain"], str(tmp_path / "run"), max_restarts=5, log=messages.append) == 1
+    assert len(messages) == 2 and "restart 1/5" in messages[0], messages  # one restart, then the stop
+    assert "failed the same way twice" in messages[-1] and "RuntimeError: worker lost" in messages[-1]
 
 
 def test_failure_signature_ignores_numbers_that_change_between_runs():

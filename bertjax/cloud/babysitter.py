@@ -3,8 +3,9 @@
 The job resumes by itself from its workdir's latest complete checkpoint, so bringing it back is: run the same
 command again. The babysitter runs it, and after every end looks at the workdir: the job's completion marker
 (`<workdir>/COMPLETED`, written by `bertjax pretrain` after its last save) means done; otherwise it runs it again,
-until `max_restarts` is spent. A job that fails the same way twice in a row (not a preemption) is not a
-preemption to wait out: it stops with the log tail.
+until `max_restarts` is spent. A job refused for its input or configuration (bertjax exits 2: a missing corpus, a
+bad --set, a config its checkpoints cannot resume with) would be refused again: it stops at once. A job that fails
+the same way twice in a row (not a preemption) is not a preemption to wait out either: it stops with the log tail.
 """
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from typing import Callable, Protocol
 from etils import epath
 
 
+# bertjax's exit code for bad input or configuration (bertjax/cli.py), which no restart can cure.
+USAGE_ERROR_EXIT = 2
+
+
 class Backend(Protocol):
     """Something that runs a `bertjax ...` command on all of a job's workers and reports how it ended:
-    (kind, log tail), kind "exited" (every worker ended by itself), "preempted" (workers killed or gone) or
-    "failed" (a worker exited with an error)."""
+    (kind, log tail), kind "exited" (every worker ended by itself), "preempted" (workers killed or gone),
+    "refused" (a worker exited with USAGE_ERROR_EXIT) or "failed" (a worker exited with another error)."""
 
     def run(self, command: list[str]) -> tuple[str, str]: ...
 
@@ -52,6 +57,10 @@ def babysit(backend: Backend, command: list[str], workdir: str, max_restarts: in
         if is_completed(workdir):
             log(f"babysitter: job completed after {restarts} restart(s)")
             return 0
+        if kind == "refused":
+            log(f"babysitter: the job was refused for its input or configuration; not restarting. Last output:\n"
+                f"{log_tail}")
+            return 1
         if kind == "preempted":
             previous_failure = None
         else:

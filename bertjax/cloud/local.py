@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from bertjax.cloud.babysitter import babysit
+from bertjax.cloud.babysitter import USAGE_ERROR_EXIT, babysit
 
 
 def free_port() -> int:
@@ -40,8 +40,8 @@ class LocalProcesses:
     """The local backend: a job's workers as N processes on this machine, joined by jax.distributed.
 
     A worker killed by a signal (SIGKILL, as a preempted host dies) ends the run as a preemption: the others are
-    killed too, as a slice's workers all go with it. Any other non-zero exit is a failure (the others are
-    stopped).
+    killed too, as a slice's workers all go with it. Exit code 2 (bertjax's bad input or configuration) is a
+    refusal; any other non-zero exit is a failure (the others are stopped either way).
     """
 
     def __init__(self, processes: int, devices_per_process: int, env: dict | None = None,
@@ -68,7 +68,7 @@ class LocalProcesses:
             self.children.append(child)
 
     def wait(self) -> tuple[int, str]:
-        """(the first abnormal exit code, or 0; the kind of end: "exited" | "preempted" | "failed")."""
+        """(the first abnormal exit code, or 0; the kind of end: "exited" | "preempted" | "refused" | "failed")."""
         while True:
             codes = [child.poll() for child in self.children]
             bad = [code for code in codes if code not in (None, 0)]
@@ -78,7 +78,8 @@ class LocalProcesses:
                         child.kill()
                 for child in self.children:
                     child.wait()
-                return bad[0], "preempted" if bad[0] < 0 else "failed"
+                kind = "preempted" if bad[0] < 0 else "refused" if bad[0] == USAGE_ERROR_EXIT else "failed"
+                return bad[0], kind
             if all(code == 0 for code in codes):
                 return 0, "exited"
             time.sleep(0.2)
