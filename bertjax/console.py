@@ -6,6 +6,7 @@ A job's progress is a tqdm bar on a terminal (lines are written above it) and no
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -23,6 +24,14 @@ def metric_text(values: dict, keys=None) -> str:
     """`loss=2.301 mlm_accuracy=0.4112` for the given keys (all of them by default), in that order."""
     keys = values.keys() if keys is None else [k for k in keys if k in values]
     return " ".join(f"{k}={values[k]:.4g}" for k in keys)
+
+
+def _columns(stream) -> int:
+    """The width of the terminal `stream` writes to (0 when it reports none)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 class Console:
@@ -47,8 +56,10 @@ class Console:
         if self.enabled and self.stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, unit=unit, file=self.stream, dynamic_ncols=True,
-                             leave=False)
+            # A terminal nobody sized (`script`, `docker exec -t` from a pipe) reports 0 columns, where tqdm draws
+            # nothing: such a one gets 80.
+            width = dict(dynamic_ncols=True) if _columns(self.stream) else dict(ncols=80)
+            self._bar = tqdm(total=total, initial=initial, unit=unit, file=self.stream, leave=False, **width)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:

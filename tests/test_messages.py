@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -112,3 +113,34 @@ def test_a_pickle_with_code_is_refused_with_the_safetensors_advice(tmp_path, cap
     line = _error(capsys, ["info", str(directory)])
     assert "pytorch_model.bin holds more than tensors" in line and "never unpickles code" in line
     assert "weights_only=False" not in line
+
+
+@pytest.mark.parametrize("columns", [0, 100])
+def test_progress_bar_draws_on_any_terminal(columns):
+    # A pseudo-terminal as `script` or `docker exec -t` give one: unsized (0 columns) or sized.
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    from bertjax.console import Console
+
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24 if columns else 0, columns, 0, 0))
+    with os.fdopen(terminal, "w") as stream:
+        console = Console(stream=stream)
+        console.start_progress(10)
+        console.advance(10)
+        console.line("a line above the bar")
+        console.close_progress()
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal side is closed: all read
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(controller)
+    assert b"10/10" in drawn and b"a line above the bar" in drawn, drawn
