@@ -48,6 +48,10 @@ def start_tensorflow(verbose: bool = False) -> None:
     """Import TensorFlow quietly and keep it off accelerators: it only runs tf.data and tokenizers on the host,
     and would otherwise reserve GPU memory that JAX needs."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0" if verbose else os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TensorFlow here runs string and integer ops (tf.data, tokenizers), which oneDNN does not speed up; with it on,
+    # a CPU without AVX-512 logs "oneDNN supports DT_INT64 only on platforms with AVX-512" at ERROR level (past
+    # TF_CPP_MIN_LOG_LEVEL=2) while the data pipeline runs.
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     with native_output_held(verbose):
         import tensorflow as tf
 
