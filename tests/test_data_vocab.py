@@ -2,6 +2,8 @@
 path through the pretraining pipeline with whole-word masking."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -31,6 +33,7 @@ def test_wordpiece_vocab_train(texts, tmp_path, capsys):
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert len(vocab) < 1500
     assert f"vocab.txt: {len(vocab)} tokens of the 1500 asked" in line and "seen at least 10 times" in line, line
+    assert re.match(r"\d\d:\d\d:\d\d wrote ", line), line  # timestamped like every job's lines
     assert vocab[:5] == RESERVED and len(vocab) == len(set(vocab)) and len(vocab) > 500
     assert any(t.startswith("##") for t in vocab)
     tok = WordPieceTokenizer(str(out / "vocab.txt"))

@@ -51,6 +51,12 @@ def test_config_show_output_is_a_config_that_runs_the_same_job(tmp_path, capsys,
     assert "bad.json: train.stepz: unknown config key (did you mean train.steps?)" in capsys.readouterr().err
 
 
+def test_demo_corpus_says_what_it_wrote_in_a_timestamped_line(tmp_path, capsys):
+    assert cli.main(["demo-corpus", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(rf"\d\d:\d\d:\d\d wrote {tmp_path}/train.txt and {tmp_path}/eval.txt\n", out), out
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, minilm_dir):
     """A run directory as pretraining leaves it: finished steps 5 and 12, and an unfinished save of step 15."""

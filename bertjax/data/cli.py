@@ -45,8 +45,8 @@ def _vocab_train(args: argparse.Namespace) -> int:
 
     vocab = train_vocab(options.from_flags(CorpusConfig, args), args.out, args.vocab_size, args.type,
                         lower_case=args.lower_case, max_sentences=args.max_sentences)
-    print(f"wrote {vocab.path}: {vocab.size} tokens" + (f" of the {args.vocab_size} asked: {vocab.short_because}"
-                                                         if vocab.short_because else ""))
+    Console().line(f"wrote {vocab.path}: {vocab.size} tokens" + (
+        f" of the {args.vocab_size} asked: {vocab.short_because}" if vocab.short_because else ""))
     return 0
 
 
@@ -54,7 +54,7 @@ def _demo_corpus(args: argparse.Namespace) -> int:
     from bertjax.data.demo_corpus import write_demo_corpus
 
     train_path, eval_path = write_demo_corpus(args.out)
-    print(f"wrote {train_path} and {eval_path}")
+    Console().line(f"wrote {train_path} and {eval_path}")
     return 0
 
 
