@@ -122,6 +122,17 @@ def load_config(directory: str) -> BertConfig:
     return BertConfig.from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
 
 
+def load_description(directory: str) -> ModelCheckpoint:
+    """A checkpoint's config, vocab and lower-casing, without reading its tensors (`params` is None)."""
+    _require_checkpoint(directory)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
+        restored = checkpointer.restore(epath.Path(directory).absolute(), args=ocp.args.Composite(
+            **{name: ocp.args.JsonRestore() for name in (MODEL_CONFIG, VOCAB)}))
+    config = BertConfig.from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
+    vocab = restored[VOCAB]
+    return ModelCheckpoint(None, config.replace(scan_layers=False), vocab["tokens"], vocab["lower_case"])
+
+
 def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     """Reads a checkpoint written by `save_model` (or a trainer step directory).
 

@@ -80,11 +80,15 @@ def load_hf(directory: str):
     tensors = normalize_keys(read_state_dict(directory))
     params = convert.params_from_tensors(tensors, config, "hf", origin=directory, ignored=IGNORED_KEYS)
     vocab = read_vocab_file(str(path / "vocab.txt"))
-    lower_case = True
-    tokenizer_config = path / "tokenizer_config.json"
+    return params, config, vocab, hf_lower_case(directory)
+
+
+def hf_lower_case(directory: str) -> bool:
+    """Whether an HF directory's tokenizer lower-cases (tokenizer_config.json's do_lower_case; BERT's default)."""
+    tokenizer_config = epath.Path(directory) / "tokenizer_config.json"
     if tokenizer_config.exists():
-        lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
-    return params, config, vocab, lower_case
+        return bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+    return True
 
 
 FINE_TUNED_HEADS = ("BertForSequenceClassification", "BertForTokenClassification", "BertForMultipleChoice",

@@ -6,12 +6,14 @@ from etils import epath
 from bertjax.checkpoint import (
     ModelCheckpoint,
     is_model_checkpoint,
+    load_description,
     load_model,
     read_vocab_file,
     resolve_checkpoint,
 )
 from bertjax.data.tokenizers import WordPieceTokenizer
-from bertjax.interop.hf import hf_head, load_hf
+from bertjax.interop.hf import hf_head, hf_lower_case, load_hf
+from bertjax.model.config import BertConfig
 from bertjax.interop.tf import load_tf
 
 
@@ -45,9 +47,26 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
     folder = epath.Path(src).parent
     params, config = load_tf(src, config_path or str(folder / "bert_config.json"))
     vocab = read_vocab_file(vocab_path or str(folder / "vocab.txt"))
+    return ModelCheckpoint(params, config, vocab, _tf_lower_case(src))
+
+
+def describe_pretrained(src: str) -> ModelCheckpoint:
+    """What `load_pretrained(src)` would give, less the tensors (`params` is None): config, vocab, lower-casing."""
+    src = resolve_checkpoint(src)
+    kind = detect_format(src)
+    if kind == "bertjax":
+        return load_description(src)
+    folder = epath.Path(src) if kind == "hf" else epath.Path(src).parent
+    if kind == "hf":
+        return ModelCheckpoint(None, BertConfig.from_json_file(str(folder / "config.json")),
+                               read_vocab_file(str(folder / "vocab.txt")), hf_lower_case(src), hf_head(src))
+    return ModelCheckpoint(None, BertConfig.from_json_file(str(folder / "bert_config.json")),
+                           read_vocab_file(str(folder / "vocab.txt")), _tf_lower_case(src))
+
+
+def _tf_lower_case(prefix: str) -> bool:
     # Google's uncased releases lower-case; cased ones say so in their directory name.
-    lower_case = "cased" not in epath.Path(src).parent.name.replace("uncased", "")
-    return ModelCheckpoint(params, config, vocab, lower_case)
+    return "cased" not in epath.Path(prefix).parent.name.replace("uncased", "")
 
 
 def load_init(src: str) -> tuple[ModelCheckpoint, WordPieceTokenizer]:

@@ -12,13 +12,14 @@ import argparse
 def register(subparsers) -> None:
     parser = subparsers.add_parser("pretrain", help="pretrain BERT (MLM + NSP) from a config preset")
     parser.add_argument("--config", required=True, help="preset name in configs/ (e.g. bert-tiny), a .py path with "
-                        "get_config(), or a run's config.json (or its run directory) to run the same config again")
+                        "get_config(), a run's config.json (or its run directory) to run the same config again, or "
+                        "`init`: the --init checkpoint's model with the default recipe")
     parser.add_argument("--workdir", required=True, help="checkpoints, metrics and logs (local or gs://)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (repeatable), e.g. --set train.steps=1000")
     parser.add_argument("--init", "--init-from", dest="init", default="",
                         help="start from this checkpoint: a step or run directory (phase 2 from phase 1), an HF "
-                             "directory or a TF checkpoint prefix")
+                             "directory or a TF checkpoint prefix; with data.vocab unset its vocabulary is used")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() with auto-detection (TPU pods, SLURM...)")
     parser.add_argument("--coordinator", help="host:port of process 0 (multi-process without auto-detection)")
@@ -86,8 +87,13 @@ def _pretrain(args: argparse.Namespace) -> int:
     from bertjax.pretraining import config as pretrain_config
 
     # Validate what can be validated before touching devices, so a typo fails in a second.
-    config = pretrain_config.load_config(args.config, args.overrides)
+    if not args.init:
+        config = pretrain_config.load_config(args.config, args.overrides)
+    elif args.config != pretrain_config.INIT_CONFIG:  # its data may come from the --init checkpoint: checked below
+        pretrain_config.load_config(args.config, args.overrides, require_data=False)
     initialize_distributed(args)
+    if args.init:  # after distributed initialisation: reading an Orbax checkpoint starts JAX
+        config = _config_with_init(args)
     from bertjax.pretraining import loop as pretrain
 
     if args.dry_run:
@@ -96,6 +102,50 @@ def _pretrain(args: argparse.Namespace) -> int:
     result = pretrain.run(config, args.workdir, init_from=args.init,
                           max_steps_this_run=args.max_steps_this_run, allow_config_change=args.allow_config_change)
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
+
+
+def _config_with_init(args: argparse.Namespace):
+    """The job's config where --init supplies what the user left out: the model (`--config init`) and, with
+    data.vocab empty, the checkpoint's own vocabulary."""
+    from bertjax.console import Console
+    from bertjax.interop.load import describe_pretrained
+    from bertjax.pretraining import config as pretrain_config
+
+    init = describe_pretrained(args.init)
+    config = pretrain_config.load_config(args.config, args.overrides, require_data=False, init=init)
+    if config.data.vocab:
+        return pretrain_config.load_config(args.config, args.overrides, init=init)
+    vocab_file = _init_vocab_file(args.init, init.vocab, args.workdir)
+    Console().line(f"data.vocab: the --init checkpoint's vocabulary ({len(init.vocab):,} tokens, "
+                   f"lower_case={init.lower_case}), {vocab_file}")
+    return pretrain_config.load_config(args.config, args.overrides, init=init, init_vocab_file=vocab_file)
+
+
+def _init_vocab_file(init: str, tokens: list[str], workdir: str) -> str:
+    """A vocab.txt of the --init checkpoint: the one beside an HF directory or TF prefix, else (ours: the vocab is
+    inside the checkpoint) written once into the workdir."""
+    from etils import epath
+
+    from bertjax.checkpoint import read_vocab_file, resolve_checkpoint, write_vocab_file
+    from bertjax.interop.load import detect_format
+
+    source = resolve_checkpoint(init)
+    kind = detect_format(source)
+    if kind != "bertjax":
+        beside = epath.Path(source if kind == "hf" else epath.Path(source).parent) / "vocab.txt"
+        if beside.exists() and read_vocab_file(str(beside)) == tokens:
+            return str(beside)
+    import jax
+
+    path = epath.Path(workdir) / "init_vocab.txt"
+    if jax.process_index() == 0 and not (path.exists() and read_vocab_file(str(path)) == tokens):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_vocab_file(tokens, str(path))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("bertjax: init vocabulary written")
+    return str(path)
 
 
 def _goodput(args: argparse.Namespace) -> int:

@@ -18,9 +18,16 @@ import pathlib
 import ml_collections
 
 from bertjax import options
-from bertjax.checkpoint import CheckpointConfig
+from bertjax.checkpoint import CheckpointConfig, ModelCheckpoint
 from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.model.config import PRESET_FIELDS, PRESETS, BertConfig, ModelOptions, build_model_config
+from bertjax.model.config import (
+    BERT_CONFIG_KEYS,
+    PRESET_FIELDS,
+    PRESETS,
+    BertConfig,
+    ModelOptions,
+    build_model_config,
+)
 from bertjax.options import option
 from bertjax.pretraining.optim import OptimizerConfig
 from bertjax.sharding import MeshConfig
@@ -134,17 +141,36 @@ def _config_values(name_or_path: str) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
-def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool = True) -> PretrainConfig:
-    """A preset (name in configs/, a .py with get_config(), or a run's config.json), then KEY=VALUE overrides,
-    validated (`require_data=False`: a config that is only compiled needs no input files)."""
-    values = _config_values(name_or_path)
-    values.lock()
+# `--config init`: the --init checkpoint's model (architecture and vocabulary), the default recipe for the rest.
+INIT_CONFIG = "init"
+# The model keys a checkpoint defines (its architecture; compute settings such as dtype stay the job's).
+_CHECKPOINT_MODEL_KEYS = (*BERT_CONFIG_KEYS, "layer_norm_eps", "pad_token_id")
+
+
+def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool = True,
+                init: ModelCheckpoint | None = None, init_vocab_file: str = "") -> PretrainConfig:
+    """A preset (name in configs/, a .py with get_config(), a run's config.json, or `init`: the model of the --init
+    checkpoint `init`), then KEY=VALUE overrides, validated (`require_data=False`: a config that is only compiled
+    needs no input files). With an init checkpoint, an empty data.vocab becomes `init_vocab_file` (its vocab)."""
+    if name_or_path == INIT_CONFIG:
+        if init is None:
+            raise ValueError("--config init takes the model of the --init checkpoint: give --init CHECKPOINT")
+        values = default_config()
+        values.lock()
+        for key in _CHECKPOINT_MODEL_KEYS:
+            options.apply_override(values, PretrainConfig, f"model.{key}={getattr(init.config, key)}")
+    else:
+        values = _config_values(name_or_path)
+        values.lock()
     for override in overrides:
         options.apply_override(values, PretrainConfig, override)
     try:
         config = options.from_config_dict(PretrainConfig, values)
     except (TypeError, ValueError) as error:
         raise ValueError(f"invalid pretraining config: {error}") from None
+    if init is not None and not config.data.vocab and init_vocab_file:
+        config = dataclasses.replace(config, data=config.data.replace(vocab=init_vocab_file,
+                                                                      lower_case=init.lower_case))
     validate(config, require_data=require_data)
     return config
 

@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 from etils import epath
+from flax import traverse_util
 from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib
@@ -83,10 +84,20 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, lo
         state = checkpoint_lib.restore_train_state(source, abstract)
         log(f"continuing from {source} at step {int(state.step)} (optimizer state and schedule kept)")
         return state
-    merged = checkpoint_lib.merge_params(jax.device_get(state.params), load_pretrained(source).params,
-                                         source=f"--init {source}", encoder_only=False)
-    log(f"initialised from {source} (fresh optimizer state and schedule)")
+    initialised, loaded = jax.device_get(state.params), load_pretrained(source).params
+    merged = checkpoint_lib.merge_params(initialised, loaded, source=f"--init {source}", encoder_only=False)
+    fresh = _modules_missing(initialised, loaded)
+    log(f"initialised from {source} (fresh optimizer state and schedule)" +
+        (f"; not in the checkpoint, freshly initialised: {', '.join(fresh)}" if fresh else ""))
     return state.replace(params=jax.device_put(merged, shardings.params))
+
+
+def _modules_missing(params: dict, loaded: dict) -> list[str]:
+    """The modules of `params` that `loaded` has no tensor of: heads (`predictions`, `seq_relationship`) and the
+    encoder's parts (`bert/pooler`)."""
+    module = lambda path: "/".join(path[:2]) if path[0] == "bert" else path[0]  # noqa: E731
+    have = {module(path) for path in traverse_util.flatten_dict(loaded)}
+    return sorted({module(path) for path in traverse_util.flatten_dict(params)} - have)
 
 
 def _resume(checkpointer, abstract, dataset, config: PretrainConfig, allow_config_change: bool,

@@ -1,0 +1,50 @@
+"""Continued pretraining from a released checkpoint: `--init` supplies the model (`--config init`) and the
+vocabulary, and the run says which modules start fresh."""
+import json
+import sys
+
+import pytest
+
+from bertjax.data.demo_corpus import write_demo_corpus
+from bertjax.interop.load import describe_pretrained, load_pretrained
+from bertjax.pretraining import config as pretrain_config
+from tests.conftest import save_tiny_checkpoint
+from tests.test_pretrain import _run
+
+
+def test_describe_gives_what_loading_gives_without_tensors(minilm_dir):
+    described, loaded = describe_pretrained(str(minilm_dir)), load_pretrained(str(minilm_dir))
+    assert described.params is None
+    assert (described.config, described.vocab, described.lower_case) == (loaded.config, loaded.vocab,
+                                                                          loaded.lower_case)
+
+
+def test_config_init_is_the_checkpoints_model(minilm_dir):
+    init = describe_pretrained(str(minilm_dir))
+    config = pretrain_config.load_config("init", ["data.input=x", "train.steps=10", "optimizer.warmup_steps=1",
+                                                  "model.hidden_dropout_prob=0.2"],
+                                         init=init, init_vocab_file=str(minilm_dir / "vocab.txt"))
+    model = config.bert_config(len(init.vocab))
+    assert (model.num_hidden_layers, model.hidden_size, model.num_attention_heads, model.intermediate_size,
+            model.vocab_size) == (6, 384, 12, 1536, 30522)  # all-MiniLM-L6-v2
+    assert model.hidden_dropout_prob == 0.2  # --set still applies on top
+    assert config.data.vocab == str(minilm_dir / "vocab.txt") and config.data.lower_case is True
+    with pytest.raises(ValueError, match="--config init takes the model of the --init checkpoint"):
+        pretrain_config.load_config("init", ["data.input=x"])
+
+
+def test_pretrain_from_init_takes_its_model_and_vocab_and_names_fresh_heads(tmp_path, minilm_dir):
+    init = save_tiny_checkpoint(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)  # an encoder, no MLM/NSP heads
+    train_path, _ = write_demo_corpus(str(tmp_path / "corpus"))
+    workdir = tmp_path / "run"
+    output = _run([sys.executable, "-m", "bertjax.cli", "pretrain", "--config", "init", "--init", init,
+                   "--workdir", str(workdir), "--set", f"data.input={train_path}", "--set", "data.max_seq_length=64",
+                   "--set", "data.max_predictions_per_seq=10", "--set", "data.doc_buffer_size=40",
+                   "--set", "data.shuffle_buffer=100", "--set", "train.steps=2", "--set", "train.batch_size=8",
+                   "--set", "optimizer.warmup_steps=1", "--set", "checkpoint.every=2"], devices=1)
+    assert f"data.vocab: the --init checkpoint's vocabulary (30,522 tokens, lower_case=True), {workdir}/init_vocab.txt" \
+        in output
+    assert "not in the checkpoint, freshly initialised: predictions, seq_relationship\n" in output, output
+    written = json.loads((workdir / "config.json").read_text())["model"]
+    assert (written["num_hidden_layers"], written["hidden_size"], written["vocab_size"]) == (1, 32, 30522)
+    assert (workdir / "init_vocab.txt").read_text() == (minilm_dir / "vocab.txt").read_text()
