@@ -79,6 +79,23 @@ def test_a_run_directory_stands_for_its_newest_complete_step(run_dir, tmp_path, 
     assert capsys.readouterr().out.startswith(f"checkpoint: {newest}\n")
 
 
+def test_info_on_a_run_directory_shows_its_progress_and_last_metrics(run_dir, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "config.json").write_text(json.dumps({"train": {"steps": 100}}))
+    records = [{"step": 10, "loss": 7.5, "mlm_accuracy": 0.125, "learning_rate": 1e-4},
+               {"step": 10, "eval_mlm_accuracy": 0.25, "eval_nsp_accuracy": 0.5},
+               {"step": 12, "loss": 7.25, "mlm_accuracy": 0.25, "learning_rate": 2e-4}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 13, "lo')
+    assert cli.main(["info", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:4] == ["run: newest checkpoint step 12 of 100 (not completed)",
+                          "  last logged step 12: loss=7.25, mlm_accuracy=0.25, learning_rate=0.0002",
+                          "  last eval at step 10: eval_mlm_accuracy=0.25, eval_nsp_accuracy=0.5"], lines
+
+
 def test_export_takes_a_run_directory_writes_shareable_files_and_never_overwrites(run_dir, tmp_path, capsys):
     out = tmp_path / "hf"
     assert cli.main(["export", str(run_dir), "--out", str(out)]) == 0

@@ -42,7 +42,9 @@ def _convert(args: argparse.Namespace) -> int:
     if epath.Path(args.out).exists():
         raise ValueError(f"--out {args.out} already exists; choose a new directory")
     if args.source == "hf":
-        if not epath.Path(args.src).is_dir():
+        from bertjax.interop.hub import is_hub_id
+
+        if not epath.Path(args.src).is_dir() and not is_hub_id(args.src):
             raise FileNotFoundError(f"HF model directory {args.src} does not exist")
         loaded = load_pretrained(args.src)
     else:
@@ -80,11 +82,14 @@ def _export(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from bertjax.checkpoint import resolve_checkpoint
+    from bertjax.interop.hub import local_model_path
     from bertjax.interop.load import load_pretrained
 
-    source = resolve_checkpoint(args.checkpoint)
+    source = resolve_checkpoint(local_model_path(args.checkpoint))
     loaded = load_pretrained(source)
     print(f"checkpoint: {source}")
+    for line in _run_summary(args.checkpoint):
+        print(line)
     for key, value in loaded.config.to_dict().items():
         print(f"  {key}: {value}")
     print(f"vocabulary: {len(loaded.vocab)} tokens, lower_case={loaded.lower_case}")
@@ -93,6 +98,40 @@ def _info(args: argparse.Namespace) -> int:
         print(f"  {module:<32} {count:>14,}")
     print(f"  {'total':<32} {_count(loaded.params):>14,}")
     return 0
+
+
+def _run_summary(run_dir: str) -> list[str]:
+    """For a pretraining run directory: its progress (step of train.steps, completed or not) and the last logged
+    training and eval metrics, from WORKDIR/config.json and metrics.jsonl (nothing for other checkpoints)."""
+    import json
+
+    from bertjax.checkpoint import COMPLETION_MARKER, complete_steps
+
+    root = epath.Path(run_dir)
+    if not (root / "metrics.jsonl").exists():
+        return []
+    records = []
+    for line in (root / "metrics.jsonl").read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill mid-write
+            continue
+    steps = complete_steps(run_dir)
+    total = json.loads((root / "config.json").read_text())["train"]["steps"] if (root / "config.json").exists() \
+        else None
+    state = "completed" if (root / COMPLETION_MARKER).exists() else "not completed"
+    lines = [f"run: newest checkpoint step {steps[-1] if steps else 'none'}"
+             + (f" of {total:,}" if total else "") + f" ({state})"]
+    shown = ("loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "mfu")
+    train = [r for r in records if "loss" in r and "step" in r]
+    if train:
+        lines.append(f"  last logged step {train[-1]['step']}: " + ", ".join(
+            f"{k}={train[-1][k]:.4g}" for k in shown if isinstance(train[-1].get(k), (int, float))))
+    evals = [r for r in records if "eval_mlm_accuracy" in r and "step" in r]
+    if evals:
+        lines.append(f"  last eval at step {evals[-1]['step']}: " + ", ".join(
+            f"{k}={v:.4g}" for k, v in evals[-1].items() if k.startswith("eval_") and isinstance(v, (int, float))))
+    return lines
 
 
 def parameter_counts(params) -> dict[str, int]:

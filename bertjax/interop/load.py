@@ -13,6 +13,7 @@ from bertjax.checkpoint import (
 )
 from bertjax.data.tokenizers import WordPieceTokenizer
 from bertjax.interop.hf import hf_head, hf_lower_case, load_hf
+from bertjax.interop.hub import local_model_path
 from bertjax.model.config import BertConfig
 from bertjax.interop.tf import load_tf
 
@@ -32,12 +33,13 @@ def detect_format(src: str) -> str:
 
 
 def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | None = None) -> ModelCheckpoint:
-    """Params, config and vocab from any supported checkpoint (a run directory: its newest complete step).
+    """Params, config and vocab from any supported checkpoint (a run directory: its newest complete step; a
+    Hugging Face hub id: its files in the hub cache, downloaded where a network is available).
 
     A TF checkpoint takes its bert_config.json and vocab.txt from `config_path` / `vocab_path`, defaulting to
     the files beside the prefix, as Google's releases lay them out.
     """
-    src = resolve_checkpoint(src)
+    src = resolve_checkpoint(local_model_path(src))
     kind = detect_format(src)
     if kind == "bertjax":
         return load_model(src)
@@ -52,7 +54,7 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
 
 def describe_pretrained(src: str) -> ModelCheckpoint:
     """What `load_pretrained(src)` would give, less the tensors (`params` is None): config, vocab, lower-casing."""
-    src = resolve_checkpoint(src)
+    src = resolve_checkpoint(local_model_path(src))
     kind = detect_format(src)
     if kind == "bertjax":
         return load_description(src)

@@ -127,9 +127,10 @@ def _init_vocab_file(init: str, tokens: list[str], workdir: str) -> str:
     from etils import epath
 
     from bertjax.checkpoint import read_vocab_file, resolve_checkpoint, write_vocab_file
+    from bertjax.interop.hub import local_model_path
     from bertjax.interop.load import detect_format
 
-    source = resolve_checkpoint(init)
+    source = resolve_checkpoint(local_model_path(init))
     kind = detect_format(source)
     if kind != "bertjax":
         beside = epath.Path(source if kind == "hf" else epath.Path(source).parent) / "vocab.txt"

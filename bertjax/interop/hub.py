@@ -1,0 +1,40 @@
+"""Hugging Face hub ids where a checkpoint path is expected (`bertjax info bert-base-uncased`): the model's files
+fetched into huggingface_hub's own cache (HF_HOME / HF_HUB_CACHE, shared with transformers), and read from there."""
+from __future__ import annotations
+
+import re
+
+from etils import epath
+
+# `name` or `owner/name`, as the hub spells repository ids; a local path that happens to look like one wins.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# What a BERT checkpoint needs: its config, weights and tokenizer files (not the other frameworks' weights).
+MODEL_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model.bin", "vocab.txt",
+               "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def is_hub_id(src: str) -> bool:
+    """Whether `src` is not a local or remote path (or TF checkpoint prefix) but reads as a hub repository id."""
+    if "://" in src or epath.Path(src).exists() or epath.Path(src + ".index").exists():
+        return False
+    return bool(_HUB_ID.match(src))
+
+
+def local_model_path(src: str) -> str:
+    """`src` unchanged when it is a path; for a hub id, the local snapshot directory of the model's files
+    (downloaded where a network is available; offline, only what the cache already holds)."""
+    if not is_hub_id(src):
+        return src
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    try:
+        return huggingface_hub.snapshot_download(src, allow_patterns=MODEL_FILES)
+    except errors.LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"{src} is not a local path, and as a Hugging Face hub id it is not in the hub cache "
+            f"({huggingface_hub.constants.HF_HUB_CACHE}) and the hub cannot be reached: on a machine with a "
+            f"network run `hf download {src}` (or set HF_HUB_CACHE to a cache that holds it)") from None
+    except (errors.RepositoryNotFoundError, errors.GatedRepoError) as error:
+        raise FileNotFoundError(f"{src} is not a local path, and the Hugging Face hub has no model {src} that "
+                                f"this machine can read ({type(error).__name__})") from None
