@@ -27,6 +27,8 @@ def test_the_readme_path_runs_literally(shared_data, tmp_path):
     result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # The shards' shapes came from their metadata (bert-tiny's preset asks for 128 / 20).
+    assert "from the shards' metadata: data.max_seq_length=64, data.max_predictions_per_seq=10\n" in result.stdout
     # Each step consumed the one before: the shards' vocab, the run's 20 steps, the export, the fine-tune's score.
     vocab = (tmp_path / "vocab" / "vocab.txt").read_text(encoding="utf-8").splitlines()
     metadata = json.loads(next((tmp_path / "records").glob("*.json")).read_text())

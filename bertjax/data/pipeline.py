@@ -13,6 +13,7 @@ restored in a fresh process (`restore_iterator`) to continue bit-identically.
 from __future__ import annotations
 
 import collections
+import json
 import os
 
 import tensorflow as tf
@@ -55,6 +56,8 @@ def resolve_input(config: PretrainingDataConfig, key: str = "data.input") -> Pre
         raise ValueError(f"{key}={config.input!r} holds {found} files, but data.input_kind={config.input_kind}: "
                          f"set data.input_kind=auto (or {found})")
     config = config.replace(input_kind=kind)
+    if kind == "tfrecord":
+        config = shapes_from_metadata(config)
     if kind == "tfrecord" and not config.vocab:
         directories = sorted({os.path.dirname(f) for f in tfrecord.find_shards(config.inputs)})
         recorded = [meta.get("config", {}).get("vocab") for directory in directories
@@ -64,6 +67,29 @@ def resolve_input(config: PretrainingDataConfig, key: str = "data.input") -> Pre
             config = config.replace(vocab=readable[0])
     config.require_input()
     return config
+
+
+# What `data create` metadata written before these keys existed means: unpacked, token-masked records.
+_OLDER_FEATURE_SPEC = {"instances_per_row": None, "masking_scheme": "token"}
+
+
+def shapes_from_metadata(config: PretrainingDataConfig) -> PretrainingDataConfig:
+    """The config with the shapes `data create` recorded for its TFRecords (sequence length, predictions per
+    sequence, packing, masking scheme, whether NSP pairs were made): shards define their own. Shards whose metadata disagree, or TFRecords
+    without metadata, keep the config's values (and are checked against them when read)."""
+    directories = sorted({os.path.dirname(f) for f in tfrecord.find_shards(config.inputs)})
+    specs = {json.dumps({**_OLDER_FEATURE_SPEC, **meta.get("feature_spec", {}), "next_sentence_prediction":
+                         meta.get("config", {}).get("next_sentence_prediction", True)}, sort_keys=True)
+             for directory in directories for _, meta in tfrecord.read_metadata(directory)}
+    if len(specs) != 1:
+        return config
+    spec = json.loads(specs.pop())
+    changes = {key: spec[key] for key in ("max_seq_length", "max_predictions_per_seq", "masking_scheme",
+                                          "next_sentence_prediction") if key in spec}
+    changes["packing"] = spec["instances_per_row"] is not None
+    if spec["instances_per_row"] is not None:
+        changes["max_instances_per_row"] = spec["instances_per_row"]
+    return config.replace(**changes)
 
 
 def _check_tfrecord_metadata(config: PretrainingDataConfig, files: list[str]):

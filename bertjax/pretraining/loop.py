@@ -71,6 +71,13 @@ def _resolved_input(data):
     return data
 
 
+def _shapes_taken(requested, resolved) -> str:
+    """`data.KEY=VALUE, ...` for the data shapes the shards' metadata set differently from the config."""
+    keys = ("max_seq_length", "max_predictions_per_seq", "packing", "max_instances_per_row", "masking_scheme",
+            "next_sentence_prediction")
+    return ", ".join(f"data.{k}={getattr(resolved, k)}" for k in keys if getattr(requested, k) != getattr(resolved, k))
+
+
 def _numpy_batch(element) -> dict:
     return {k: v.numpy() for k, v in element.items()}
 
@@ -150,8 +157,8 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     """`pretrain --dry-run`: everything a run checks before its first step, then the step compiled on this
     machine's devices, as lines for a person (nothing is written but the compilation cache's entries)."""
     compile_cache.enable(config.train.compilation_cache_dir)
-    validate(config, jax.device_count())
     config = dataclasses.replace(config, data=_resolved_input(config.data))
+    validate(config, jax.device_count())
     mesh = config.mesh.build()
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
@@ -203,9 +210,11 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     # Before anything compiles: a restart reads the step's executable back instead of compiling it.
     compile_cache.enable(config.train.compilation_cache_dir)
     account = goodput_lib.RunAccount(workdir, enabled=jax.process_index() == 0)
-    validate(config, jax.device_count())
-    # The input kind decided (and the vocab of `data create` shards found) once, before anything is saved.
+    # The input kind decided (and the vocab and shapes of `data create` shards found) once, before anything is
+    # saved; validated after, as the shards may have set the shapes.
+    requested = config.data
     config = dataclasses.replace(config, data=_resolved_input(config.data))
+    validate(config, jax.device_count())
     init_from = init_from or config.init_from
     process_index, process_count = jax.process_index(), jax.process_count()
     mesh = config.mesh.build()
@@ -218,6 +227,9 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
 
     console = Console(enabled=process_index == 0)
     log = console.line
+    from_shards = _shapes_taken(requested, config.data)
+    if from_shards:
+        log(f"from the shards' metadata: {from_shards}")
     run_start = time.perf_counter()
     checkpointer = checkpoint_lib.TrainCheckpointer(workdir, config.checkpoint)
     if process_index == 0:  # the effective config of this run (sizes written out), readable without Orbax
