@@ -131,6 +131,16 @@ def test_reader_gives_back_the_written_examples(created):
     assert sorted(map(key, read)) == sorted(map(key, direct))
 
 
+def test_fewer_shards_than_processes_are_split_by_record(created):
+    # 3 shards over 4 processes (`data create`'s one shard over 2 hosts alike): each record read by one process.
+    direct = sorted(tuple(tf.io.parse_single_example(r, ORIGINAL_SPEC)["input_ids"].numpy()) for r in _records(created))
+    config = PretrainingDataConfig(input=(str(created),), num_epochs=1, shuffle_buffer=64)
+    shares = [[tuple(row) for b in make_pretraining_dataset(config, 8, index, 4, drop_remainder=False)
+               .as_numpy_iterator() for row in b["input_ids"]] for index in range(4)]
+    assert sorted(row for share in shares for row in share) == direct
+    assert all(abs(len(share) - len(direct) / 4) <= 1 for share in shares)
+
+
 def test_shards_define_their_own_shapes(created):
     # `data create` recorded them: the config's (the defaults 128 / 20 here) give way, whatever names the shards.
     for named in (str(created), str(created / "*.tfrecord")):

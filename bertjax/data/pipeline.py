@@ -34,6 +34,8 @@ def _host_files(config: PretrainingDataConfig, process_index: int, process_count
     if config.input_kind == "tfrecord":
         files = tfrecord.find_shards(config.inputs)
         _check_tfrecord_metadata(config, files)
+        if len(files) < process_count:  # every process reads every file, and keeps its share of the records
+            return files
     else:
         files = corpus.expand_inputs(config.inputs)
     files = corpus.shard_files(files, process_index, process_count)
@@ -131,7 +133,7 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
     Each element: int32 input_ids, input_mask, segment_ids [B, max_seq_length]; masked_lm_positions,
     masked_lm_ids [B, max_predictions_per_seq]; float32 masked_lm_weights [B, max_predictions_per_seq];
     int32 next_sentence_labels [B, 1]; with `config.packing`, the packed layout of data/schema.py. Process i
-    reads only its files (files[i::n]); the stream is a
+    reads only its files (files[i::n]; TFRecords in fewer files than processes: its records, [i::n]); the stream is a
     pure function of (config, process_index, process_count). `stats`, if given, collects counters.
     """
     config = resolve_input(config)
@@ -144,8 +146,14 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
                                                                                   process_count)
 
     if config.input_kind == "tfrecord":
+        # Fewer shards than processes (`data create`'s one shard, read by 2 hosts): all processes read the same
+        # files in the same order and each keeps every process_count-th record, from position process_index.
+        split_records = process_count > 1 and len(files) < process_count
+        order_seed = fold_seed(tf.constant([seed, 0], tf.int64), 0) if split_records else host_seed
+
         def epoch_examples(epoch):
-            return tfrecord.tfrecord_examples(files, order_seed=fold_seed(host_seed, 1, epoch))
+            examples = tfrecord.tfrecord_examples(files, order_seed=fold_seed(order_seed, 1, epoch))
+            return examples.shard(process_count, process_index) if split_records else examples
 
         ds = _epochs(config.num_epochs).flat_map(epoch_examples)
         ds = ds.shuffle(config.shuffle_buffer, seed=seed + process_index, reshuffle_each_iteration=False)
