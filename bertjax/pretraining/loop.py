@@ -33,6 +33,7 @@ from bertjax.pretraining import step as train_step
 from bertjax.pretraining.config import PretrainConfig, check_resume_config, validate
 from bertjax.pretraining.job import build_job_step, compile_step
 from bertjax.pretraining.step import TooManyNonFiniteSteps
+from bertjax.workdir_lock import WorkdirLock
 
 # Per-step counts the train step reports, summed over a logging interval for throughput (not logged per step).
 _COUNTED = ("real_tokens", "masked_tokens", "instances")
@@ -206,7 +207,21 @@ class RunResult:
 def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
         max_steps_this_run: int | None = None, allow_config_change: bool = False) -> RunResult:
     """Trains until config.train.steps (resuming from the workdir's latest checkpoint), or until preempted.
-    The run's goodput account (goodput.py) goes to WORKDIR/goodput/ as it runs, and to metrics.jsonl at its end."""
+    The run's goodput account (goodput.py) goes to WORKDIR/goodput/ as it runs, and to metrics.jsonl at its end.
+    The workdir is this job's alone while it runs (workdir_lock.py: another live job there is refused)."""
+    lock = WorkdirLock(workdir, log=Console().line) if jax.process_index() == 0 else None
+    if lock is not None:
+        lock.acquire()  # before anything is written
+    try:
+        return _run(config, workdir, init_from=init_from, max_steps_this_run=max_steps_this_run,
+                    allow_config_change=allow_config_change)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this_run: int | None,
+         allow_config_change: bool) -> RunResult:
     # Before anything compiles: a restart reads the step's executable back instead of compiling it.
     compile_cache.enable(config.train.compilation_cache_dir)
     account = goodput_lib.RunAccount(workdir, enabled=jax.process_index() == 0)

@@ -1,0 +1,69 @@
+"""One job per workdir: a second job is refused naming the holder and the first keeps its checkpoints and
+metrics; a holder that died frees the workdir."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bertjax.workdir_lock import LOCK_NAME, WorkdirBusy, WorkdirLock, is_stale
+from tests.test_pretrain import _argv, _env, corpus  # noqa: F401 - the corpus fixture
+from tests.conftest import REPO_ROOT
+
+
+def test_a_second_holder_is_refused_by_name_until_the_first_releases(tmp_path):
+    first = WorkdirLock(str(tmp_path), command="bertjax pretrain first", log=lambda m: None)
+    first.acquire()
+    with pytest.raises(WorkdirBusy, match=rf"{tmp_path} is in use by another job \(pid {os.getpid()} on "
+                                          rf"{socket.gethostname()}, started .*: bertjax pretrain first\)"):
+        WorkdirLock(str(tmp_path), log=lambda m: None).acquire()
+    first.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+    second = WorkdirLock(str(tmp_path), log=lambda m: None)
+    second.acquire()
+    second.release()
+
+
+def test_the_lock_of_a_dead_job_is_taken_over(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs, as a SIGKILLed job leaves it
+    now = time.time()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid, "token": "x",
+                                                  "started": now, "heartbeat": now, "command": "killed"}))
+    said = []
+    lock = WorkdirLock(str(tmp_path), log=said.append)
+    lock.acquire()
+    assert "taking over the lock of a job that is gone (pid" in said[0]
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    # Another host's lock goes stale only with its heartbeat.
+    other = {"host": "elsewhere", "pid": 1, "heartbeat": now}
+    assert not is_stale(other, now + 60) and is_stale(other, now + 3600)
+
+
+def test_two_pretrain_jobs_on_one_workdir(corpus, tmp_path):  # noqa: F811
+    workdir = tmp_path / "run"
+    first = subprocess.Popen(_argv(workdir, corpus, "--set", "train.steps=400", "--set", "train.log_every=50",
+                                   "--set", "checkpoint.every=100"),
+                             env=_env(1), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (workdir / LOCK_NAME).exists() and time.time() < deadline:
+            time.sleep(0.2)
+        second = subprocess.run(_argv(workdir, corpus, "--set", "train.seed=7", "--set", "optimizer.learning_rate=1e-3"),
+                                env=_env(1), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        output, _ = first.communicate(timeout=600)
+    finally:
+        first.kill()
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"{workdir} is in use by another job (pid {first.pid} on {socket.gethostname()}" in second.stderr
+    assert first.returncode == 0, output[-3000:]
+    # Nothing of the second job's: the first's config, one run's steps in order, its own newest checkpoint.
+    assert json.loads((workdir / "config.json").read_text())["train"]["seed"] == 0
+    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == sorted(set(steps)) and steps[-1] == 400
+    assert "newest: step 400" in output and not (workdir / LOCK_NAME).exists()
