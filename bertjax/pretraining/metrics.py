@@ -140,11 +140,37 @@ def interval_metrics(seconds: float, steps: int, rows_per_step: int, seq_len: in
             "tflops_per_device": per_device / 1e12, "mfu": per_device / peak_flops}
 
 
+def _tensorboard_restart(logdir: str, step: int) -> None:
+    """TensorBoard's restart marker: SessionLog START events at `step` + 1, after which TensorBoard discards the
+    events of earlier files at steps >= `step` + 1 (what a killed run logged past its checkpoint)."""
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    # Event files are read in name order, and names start with the second they were created: the marker's must
+    # come after the killed run's files, and the new summary writer's after the marker's.
+    _next_second()
+    writer = EventFileWriter(logdir)
+    # TensorBoard takes a run's first START for its beginning, not a restart: runs before this one wrote none.
+    for _ in range(2):
+        writer.add_event(event_pb2.Event(wall_time=time.time(), step=step + 1,
+                                         session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+    writer.close()
+    _next_second()
+
+
+def _next_second() -> None:
+    time.sleep(1.0 - time.time() % 1.0)
+
+
 class MetricsWriter:
     """Writes each logged step to DIR/metrics.jsonl and TensorBoard event files (process 0 only), and the step
     line with its ETA to the console."""
 
-    def __init__(self, workdir: str, total_steps: int, enabled: bool = True, console: Console | None = None):
+    def __init__(self, workdir: str, total_steps: int, enabled: bool = True, console: Console | None = None,
+                 start_step: int | None = None):
+        """`start_step`: the step a run starts (or resumes) at. What an earlier run logged past it (steps this run
+        recomputes), and a last line cut by a kill mid-write, are dropped from metrics.jsonl, and TensorBoard is
+        told to drop them too, so both read as one run with increasing steps."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.console_out = console or Console(enabled)
@@ -156,9 +182,39 @@ class MetricsWriter:
         if not enabled:
             return
         directory.mkdir(parents=True, exist_ok=True)
+        if start_step is not None:
+            self._continue_from(start_step)
         from flax.metrics import tensorboard
 
         self.tensorboard = tensorboard.SummaryWriter(str(self.tensorboard_dir))
+
+    def _continue_from(self, step: int) -> None:
+        kept, dropped, cut = [], 0, False
+        if self.jsonl_path.exists():
+            text = self.jsonl_path.read_text()
+            lines = text.split("\n")
+            cut = bool(lines[-1])  # no newline at the end: a write the kill interrupted
+            for line in lines[:-1]:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    dropped += 1
+                    continue
+                if record.get("step", 0) > step:
+                    dropped += 1
+                else:
+                    kept.append(line + "\n")
+            if dropped or cut:
+                if str(self.jsonl_path).startswith("gs://"):  # an object write is atomic
+                    self.jsonl_path.write_text("".join(kept))
+                else:  # a kill now leaves the old file or the new one, never half of it
+                    temporary = self.jsonl_path.parent / (self.jsonl_path.name + ".tmp")
+                    temporary.write_text("".join(kept))
+                    os.replace(temporary, self.jsonl_path)
+                self.console_out.line(f"{self.jsonl_path}: dropped {dropped} record(s) logged past step {step} "
+                                      f"(recomputed now)" + (" and a line cut by the kill" if cut else ""))
+        if self.tensorboard_dir.exists() and any(self.tensorboard_dir.iterdir()):
+            _tensorboard_restart(str(self.tensorboard_dir), step)
 
     def write(self, step: int, values: dict[str, float], prefix: str = "") -> None:
         if not self.enabled:
