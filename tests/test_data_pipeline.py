@@ -162,8 +162,8 @@ def test_tfrecord_input_is_sharded_by_file(tmp_path):
         writer.write(serialize_batch(batch).numpy())  # round-robin: shard k holds ids = k mod 4
     seen = []
     for host in range(2):
-        config = PretrainingDataConfig(input=(str(tmp_path),), input_kind="tfrecord", max_seq_length=SEQ,
-                                       max_predictions_per_seq=PRED, num_epochs=1)
+        config = PretrainingDataConfig(input=(str(tmp_path / "*.tfrecord"),), input_kind="tfrecord",
+                                       max_seq_length=SEQ, max_predictions_per_seq=PRED, num_epochs=1)
         got = np.concatenate([b["input_ids"][:, 0] for b in
                               make_pretraining_dataset(config, 4, host, 2, drop_remainder=False).as_numpy_iterator()])
         assert set(got % 4) == {host, host + 2} and len(got) == n // 2

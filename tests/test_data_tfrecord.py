@@ -131,6 +131,31 @@ def test_reader_gives_back_the_written_examples(created):
     assert sorted(map(key, read)) == sorted(map(key, direct))
 
 
+def test_an_interrupted_data_create_is_never_trained_on(created, tmp_path):
+    import shutil
+
+    # Killed while giving the shards their final names: some final, some temporary, no metadata (written last).
+    out = tmp_path / "records"
+    shutil.copytree(created, out)
+    (out / "pretrain-metadata.json").unlink()
+    shard = out / "pretrain-00002-of-00003.tfrecord"
+    shard.rename(out / (shard.name + ".tmp-0badc0de"))
+    config = PretrainingDataConfig(input=(str(out),), max_seq_length=SEQ, max_predictions_per_seq=PRED, vocab="v")
+    for named in (str(out), str(out / "*.tfrecord")):
+        with pytest.raises(ValueError, match=rf"{out}: 2 shard\(s\) and 1 unfinished temporary file\(s\) but no "
+                                             r"`data create` metadata .*: an interrupted `data create`. Run it again "
+                                             r"with --overwrite$"):
+            make_pretraining_dataset(config.replace(input=named), 8)
+    # Finished shards without metadata: a directory is refused, a glob (TFRecords from another tool) is read.
+    (out / (shard.name + ".tmp-0badc0de")).rename(shard)
+    with pytest.raises(ValueError, match=rf"name them by a glob \(data.input='{out}/\*.tfrecord'\)"):
+        make_pretraining_dataset(config, 8)
+    glob = config.replace(input=str(out / "*.tfrecord"), num_epochs=1)
+    read = sum(len(b["input_ids"]) for b in make_pretraining_dataset(glob, 8, drop_remainder=False)
+               .as_numpy_iterator())
+    assert read == len(_records(created))
+
+
 def test_fewer_shards_than_processes_are_split_by_record(created):
     # 3 shards over 4 processes (`data create`'s one shard over 2 hosts alike): each record read by one process.
     direct = sorted(tuple(tf.io.parse_single_example(r, ORIGINAL_SPEC)["input_ids"].numpy()) for r in _records(created))

@@ -179,8 +179,12 @@ def find_shards(patterns: Sequence[str]) -> list[str]:
                                         meta.get("bytes_per_shard", [None] * len(meta.get("shards", []))))]
         if not listed:
             if tf.io.gfile.isdir(pattern):
+                _refuse_unfinished(pattern, named_as_directory=True)
                 pattern = os.path.join(pattern, f"*{SHARD_SUFFIX}")
-            found += [f for f in expand_inputs([pattern]) if ".tmp-" not in os.path.basename(f)]
+            files = [f for f in expand_inputs([pattern]) if ".tmp-" not in os.path.basename(f)]
+            for directory in sorted({os.path.dirname(f) for f in files}):
+                _refuse_unfinished(directory, named_as_directory=False)
+            found += files
             continue
         for meta_path, name, size in listed:
             path = os.path.join(pattern, name)
@@ -192,6 +196,25 @@ def find_shards(patterns: Sequence[str]) -> list[str]:
                                  f"or was replaced; write it again (bertjax data create --overwrite)")
             found.append(path)
     return sorted(dict.fromkeys(found))
+
+
+def _refuse_unfinished(directory: str, named_as_directory: bool) -> None:
+    """`data create` writes its metadata last: shards without it are an unfinished run (killed mid-way), never
+    trained on. A directory is read only with its metadata; shards named by a glob (TFRecords made elsewhere, e.g.
+    by google-research/bert's script) are read without, unless unfinished temporaries lie beside them."""
+    if read_metadata(directory):
+        return
+    names = tf.io.gfile.listdir(directory)
+    shards = [n for n in names if n.endswith(SHARD_SUFFIX)]
+    unfinished = [n for n in names if f"{SHARD_SUFFIX}.tmp-" in n]
+    if unfinished or (named_as_directory and shards):
+        raise ValueError(
+            f"{directory}: {len(shards)} shard(s)" + (f" and {len(unfinished)} unfinished temporary file(s)"
+                                                      if unfinished else "") +
+            f" but no `data create` metadata (*{METADATA_SUFFIX}, written last): an interrupted `data create`. "
+            f"Run it again with --overwrite" + ("" if unfinished else
+                                                f"; for TFRecords made by another tool, name them by a glob "
+                                                f"(data.input='{directory.rstrip('/')}/*{SHARD_SUFFIX}')"))
 
 
 def is_tfrecord_file(path: str) -> bool:
