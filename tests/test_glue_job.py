@@ -168,6 +168,22 @@ def test_non_finite_gradients_skip_updates_and_stop_the_job(tiny_init, tmp_path)
     assert not list((tmp_path / "work").rglob("*.safetensors")) and not list((tmp_path / "work").rglob("params"))
 
 
+def test_a_fine_tune_that_skipped_every_update_fails_without_a_score(tiny_init, tmp_path):
+    """Fewer steps than max_consecutive_nonfinite, all non-finite: the head never trained, so no metrics.json."""
+    from bertjax.finetune import glue
+    from bertjax.pretraining.step import TooManyNonFiniteSteps
+
+    data = tmp_path / "glue"
+    header = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2", "score"]
+    for split in ("train", "dev"):
+        _write(data / "STS-B" / f"{split}.tsv", [header] + [[str(i)] + ["x"] * 6 + ["a film", "a movie", "1e30"]
+                                                            for i in range(40)])
+    settings = TrainSettings(learning_rate=1e-3, batch_size=8, epochs=1, max_consecutive_nonfinite=10)
+    with pytest.raises(TooManyNonFiniteSteps, match="every one of the 5 steps had a non-finite gradient"):
+        glue.run_task("stsb", str(data), str(tmp_path / "work"), settings, init=tiny_init, max_seq_length=16)
+    assert not list((tmp_path / "work").rglob("metrics.json"))
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("learning_rate", -1e-3, "learning_rate=-0.001 must be > 0"),
     ("warmup_proportion", 1.5, r"warmup_proportion=1.5 must be in \[0, 1\]"),

@@ -8,7 +8,7 @@ import pytest
 from bertjax.data.demo_corpus import write_demo_corpus
 from bertjax.interop.load import describe_pretrained, load_pretrained
 from bertjax.pretraining import config as pretrain_config
-from tests.conftest import save_tiny_checkpoint
+from tests.conftest import save_tiny_checkpoint, save_tiny_hf
 from tests.test_pretrain import _run
 
 
@@ -48,3 +48,31 @@ def test_pretrain_from_init_takes_its_model_and_vocab_and_names_fresh_heads(tmp_
     written = json.loads((workdir / "config.json").read_text())["model"]
     assert (written["num_hidden_layers"], written["hidden_size"], written["vocab_size"]) == (1, 32, 30522)
     assert (workdir / "init_vocab.txt").read_text() == (minilm_dir / "vocab.txt").read_text()
+
+
+def test_a_vocab_other_than_the_checkpoints_is_named(tmp_path, minilm_dir):
+    init = save_tiny_checkpoint(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
+    tokens = (minilm_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    tokens[2000], tokens[2001] = tokens[2001], tokens[2000]  # same size, two words' rows swapped
+    (tmp_path / "vocab.txt").write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
+    train_path, _ = write_demo_corpus(str(tmp_path / "corpus"))
+    output = _run([sys.executable, "-m", "bertjax.cli", "pretrain", "--config", "init", "--init", init,
+                   "--workdir", str(tmp_path / "run"), "--set", f"data.input={train_path}",
+                   "--set", f"data.vocab={tmp_path / 'vocab.txt'}", "--set", "data.max_seq_length=32",
+                   "--set", "data.max_predictions_per_seq=5", "--set", "train.steps=1", "--set", "train.batch_size=4",
+                   "--set", "optimizer.warmup_steps=0", "--set", "checkpoint.every=1"], devices=1)
+    assert (f"warning: data.vocab differs from the vocabulary of --init {init} in 2 token(s) (2000: "
+            f"{tokens[2001]!r} -> {tokens[2000]!r}, 2001: {tokens[2000]!r} -> {tokens[2001]!r})") in output, output
+
+
+def test_a_vocab_larger_than_the_embedding_table_is_refused(tmp_path, minilm_dir, capsys):
+    hf = save_tiny_hf(tmp_path / "hf", minilm_dir / "vocab.txt", seed=0)
+    with open(tmp_path / "hf" / "vocab.txt", "a", encoding="utf-8") as f:
+        f.write("".join(f"[extra{i}]\n" for i in range(100)))
+    with pytest.raises(ValueError, match=rf"{hf}/vocab.txt has 30622 tokens but the word embeddings of {hf} have "
+                                         r"30522 rows: ids 30522..30621 have no embedding"):
+        load_pretrained(hf)
+    tokens = (minilm_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()[:30000]
+    (tmp_path / "hf" / "vocab.txt").write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
+    assert len(load_pretrained(hf).vocab) == 30000  # smaller is legal (HF pads tables), and said
+    assert "vocab.txt has 30000 tokens, the word embeddings of" in capsys.readouterr().out

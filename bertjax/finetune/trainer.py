@@ -179,6 +179,11 @@ class Trainer:
             finally:
                 console.close_progress()
                 writer.close()
+        if nonfinite_total == step_index:  # nothing was learned: a score now would be the untrained head's
+            raise TooManyNonFiniteSteps(
+                f"every one of the {step_index} steps had a non-finite gradient and skipped its update; no "
+                f"metrics written. Check the checkpoint and vocabulary (NaN embeddings?), or lower the learning "
+                f"rate.")
         seconds = max(sum(h["seconds"] for h in history), 1e-9)
         console.line(f"trained {step_index} steps in {duration(seconds)} ({step_index * s.batch_size / seconds:.1f} "
                      f"examples/s), final epoch loss {history[-1]['train_loss']:.4f}"

@@ -11,6 +11,7 @@ from bertjax.checkpoint import (
     read_vocab_file,
     resolve_checkpoint,
 )
+from bertjax.console import Console
 from bertjax.data.tokenizers import WordPieceTokenizer
 from bertjax.interop.hf import hf_head, hf_lower_case, load_hf
 from bertjax.interop.hub import local_model_path
@@ -45,11 +46,27 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
         return load_model(src)
     if kind == "hf":
         params, config, vocab, lower_case = load_hf(src)
+        check_vocab_fits(len(vocab), params, f"{src}/vocab.txt", src)
         return ModelCheckpoint(params, config, vocab, lower_case, hf_head(src))
     folder = epath.Path(src).parent
     params, config = load_tf(src, config_path or str(folder / "bert_config.json"))
-    vocab = read_vocab_file(vocab_path or str(folder / "vocab.txt"))
+    vocab_file = vocab_path or str(folder / "vocab.txt")
+    vocab = read_vocab_file(vocab_file)
+    check_vocab_fits(len(vocab), params, vocab_file, src)
     return ModelCheckpoint(params, config, vocab, _tf_lower_case(src))
+
+
+def check_vocab_fits(vocab_size: int, params: dict, vocab_file: str, weights: str) -> None:
+    """The vocabulary's ids must all have a word-embedding row: more tokens than rows is an error (those ids would
+    read outside the table: NaN features, NaN losses); fewer is legal (HF pads tables) and said once."""
+    rows = params["bert"]["embeddings"]["word_embeddings"]["embedding"].shape[0]
+    if vocab_size > rows:
+        raise ValueError(f"{vocab_file} has {vocab_size} tokens but the word embeddings of {weights} have {rows} "
+                         f"rows: ids {rows}..{vocab_size - 1} have no embedding; use the vocab the checkpoint was "
+                         f"trained with")
+    if vocab_size < rows:
+        Console().line(f"note: {vocab_file} has {vocab_size} tokens, the word embeddings of {weights} {rows} rows: "
+                       f"the last {rows - vocab_size} rows are never used")
 
 
 def describe_pretrained(src: str) -> ModelCheckpoint:

@@ -83,7 +83,7 @@ def _numpy_batch(element) -> dict:
     return {k: v.numpy() for k, v in element.items()}
 
 
-def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, log):
+def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, vocab: list[str], log):
     """The state started from a checkpoint: a trainer step directory continues its schedule unless
     `reset_schedule`; anything else (ours, HF, TF) gives its params, the rest stays initialised. A run directory
     stands for its newest complete step."""
@@ -92,7 +92,14 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, lo
         state = checkpoint_lib.restore_train_state(source, abstract)
         log(f"continuing from {source} at step {int(state.step)} (optimizer state and schedule kept)")
         return state
-    initialised, loaded = jax.device_get(state.params), load_pretrained(source).params
+    checkpoint = load_pretrained(source)
+    differing = sum(a != b for a, b in zip(vocab, checkpoint.vocab)) + abs(len(vocab) - len(checkpoint.vocab))
+    if differing:  # same size (the shapes check that), other tokens: embedding rows now stand for other words
+        shown = [f"{i}: {b!r} -> {a!r}" for i, (a, b) in enumerate(zip(vocab, checkpoint.vocab)) if a != b][:3]
+        log(f"warning: data.vocab differs from the vocabulary of --init {source} in {differing} token(s) "
+            f"({', '.join(shown)}{', ...' if differing > 3 else ''}): their embedding rows were trained for other "
+            f"words")
+    initialised, loaded = jax.device_get(state.params), checkpoint.params
     merged = checkpoint_lib.merge_params(initialised, loaded, source=f"--init {source}", encoder_only=False)
     fresh = _modules_missing(initialised, loaded)
     log(f"initialised from {source} (fresh optimizer state and schedule)" +
@@ -267,7 +274,7 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
         iterator = iter(dataset)
         state = train_state.init_sharded_state(job.rng, shardings, mesh, **job.state_args)
         if init_from:
-            state = _init_from(state, init_from, shardings, abstract, config.reset_schedule, log)
+            state = _init_from(state, init_from, shardings, abstract, config.reset_schedule, vocab, log)
     jax.block_until_ready(state)  # restored or initialised, not only dispatched: the time is restore's
     account.mark("restore_s")
     if account.enabled:
