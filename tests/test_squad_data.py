@@ -124,16 +124,46 @@ def _one_paragraph(context, qas):
     return {"version": "v2.0", "data": [{"title": "t", "paragraphs": [{"context": context, "qas": qas}]}]}
 
 
-def test_mismatched_answers_are_skipped_and_counted(caplog):
-    context = "The cat sat on the mat."
-    qas = [{"id": "good", "question": "Where?", "answers": [{"text": "the mat", "answer_start": 15}]},
-           {"id": "bad-text", "question": "Who?", "answers": [{"text": "dog", "answer_start": 4}]},
-           {"id": "bad-offset", "question": "What?", "answers": [{"text": "mat", "answer_start": 99}]}]
+def test_training_spans_read_the_answer_text_or_are_relocated_or_skipped(caplog):
+    context = "Messi moved to Barcelona in Spain. 東京 is not 北京. Zürich is the city; the city is big."
+    qas = [{"id": "exact", "question": "?", "answers": [{"text": "Barcelona", "answer_start": 15}]},
+           # off by +5: the text there is "lona in S", not the answer: its only occurrence is used
+           {"id": "shifted", "question": "?", "answers": [{"text": "Barcelona", "answer_start": 20}]},
+           {"id": "cjk", "question": "?", "answers": [{"text": "東京", "answer_start": 42}]},
+           {"id": "accent", "question": "?", "answers": [{"text": "Zürich", "answer_start": 53}]},
+           {"id": "twice", "question": "?", "answers": [{"text": "the city", "answer_start": 3}]},
+           {"id": "absent", "question": "?", "answers": [{"text": "Madrid", "answer_start": 15}]}]
     with caplog.at_level(logging.WARNING):
         examples, _, skipped = squad_data.read_examples(_one_paragraph(context, qas), True, True, source="x.json")
-    assert [ex.qas_id for ex in examples] == ["good"] and skipped == 2
-    assert "x.json: skipped 2 answers" in caplog.text
-    assert (examples[0].start_char, examples[0].end_char) == (15, 22)
+    spans = {ex.qas_id: context[ex.start_char:ex.end_char] for ex in examples}
+    assert spans == {"exact": "Barcelona", "shifted": "Barcelona", "cjk": "東京", "accent": "Zürich"}
+    assert skipped == 2
+    assert ("x.json: training answers: 1 at their answer_start, 3 whose text is not at answer_start moved to the "
+            "only occurrence of that text in the context, 2 skipped") in caplog.text
+
+
+def test_real_squad_spans_with_shifted_starts_never_train_on_other_words(shared_data):
+    """The real SQuAD 2.0 sample: as annotated every answer is where it says; with every start shifted by +5, an
+    answer is either moved to its text or skipped, never taken at the shifted place."""
+    dataset = json.loads((shared_data / "squad" / "sample-dev-v2.0.json").read_text(encoding="utf-8"))
+    for article in dataset["data"]:  # training takes one answer per question
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                qa["answers"] = qa["answers"][:1]
+    examples, _, skipped = squad_data.read_examples(dataset, True, True)
+    answerable = [ex for ex in examples if not ex.is_impossible]
+    assert skipped == 0 and len(answerable) == 8
+    assert all(ex.context[ex.start_char:ex.end_char] == ex.answers[0] for ex in answerable)
+
+    for article in dataset["data"]:
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                for answer in qa["answers"]:
+                    answer["answer_start"] += 5
+    shifted, _, skipped = squad_data.read_examples(dataset, True, True)
+    moved = [ex for ex in shifted if not ex.is_impossible]
+    assert len(moved) + skipped == len(answerable) and len(moved) > 0
+    assert all(ex.context[ex.start_char:ex.end_char] == ex.answers[0] for ex in moved)
 
 
 def test_training_needs_exactly_one_answer():

@@ -8,6 +8,8 @@ text is recovered by slicing the context rather than by re-tokenizing (get_final
 """
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 import json
 import logging
@@ -114,14 +116,15 @@ def whitespace_words(text: str) -> list[tuple[int, int]]:
 
 
 def read_examples(dataset: dict, is_training: bool, version_2: bool, source: str = "<json>"):
-    """(examples, contexts, n_skipped). Training answers that do not match the context are skipped and counted."""
-    examples, contexts, skipped = [], [], 0
+    """(examples, contexts, n_skipped). A training answer's span is the annotated one when the text there is the
+    answer text; otherwise the only occurrence of the answer text in the context; otherwise it is skipped. The
+    counts of each kind are said in one line when any answer was not at its annotated start."""
+    examples, contexts, kinds = [], [], collections.Counter()
     for article in dataset["data"]:
         for paragraph in article["paragraphs"]:
             context = paragraph["context"]
             contexts.append(context)
             context_index = len(contexts) - 1
-            words = None
             for qa in paragraph["qas"]:
                 is_impossible = bool(qa.get("is_impossible", False)) if version_2 else False
                 ex = SquadExample(qa["id"], qa["question"], context, context_index,
@@ -130,30 +133,41 @@ def read_examples(dataset: dict, is_training: bool, version_2: bool, source: str
                     if len(qa["answers"]) != 1:
                         raise ValueError(f"{source}: question {qa['id']}: for training, each question should "
                                          f"have exactly 1 answer, got {len(qa['answers'])}")
-                    words = words if words is not None else whitespace_words(context)
-                    span = _answer_span(context, words, qa["answers"][0])
+                    kind, span = answer_span(context, qa["answers"][0])
+                    kinds[kind] += 1
                     if span is None:
-                        skipped += 1
                         continue
                     ex.start_char, ex.end_char = span
                 examples.append(ex)
-    if skipped:
-        log.warning("%s: skipped %d answers whose text does not match the context at answer_start", source, skipped)
-    return examples, contexts, skipped
+    if kinds["relocated"] or kinds["skipped"]:
+        log.warning("%s: training answers: %d at their answer_start, %d whose text is not at answer_start moved "
+                    "to the only occurrence of that text in the context, %d skipped (their text is not at "
+                    "answer_start and occurs %s)", source, kinds["exact"], kinds["relocated"], kinds["skipped"],
+                    "nowhere or more than once in the context")
+    return examples, contexts, kinds["skipped"]
 
 
-def _answer_span(context: str, words: list[tuple[int, int]], answer: dict) -> tuple[int, int] | None:
-    """[start, end) of the answer in context, or None when it does not match, with run_squad's check:
-    the whitespace words covering answer_start..end must contain the whitespace-normalized answer text."""
+def _normalized(text: str) -> str:
+    return " ".join(text.split())
+
+
+def answer_span(context: str, answer: dict) -> tuple[str, tuple[int, int] | None]:
+    """("exact" | "relocated" | "skipped", [start, end) of the answer in context or None).
+
+    The annotated span counts only when the context there reads as the answer text (whitespace normalised), as
+    google-research/bert's run_squad checks it; a start that is off (a shifted offset) is not trusted to find a
+    span nearby, which would train on the wrong words: the answer text is looked up instead, and used when it
+    occurs exactly once."""
     text, start = answer["text"], int(answer["answer_start"])
+    if not text.strip():
+        return "skipped", None
     end = start + len(text)
-    if not text or start < 0 or end > len(context):
-        return None
-    covered = [w for w in words if w[1] > start and w[0] < end]
-    actual = " ".join(context[a:b] for a, b in covered)
-    if not covered or actual.find(" ".join(text.split())) == -1:
-        return None
-    return start, end
+    if 0 <= start and end <= len(context) and _normalized(context[start:end]) == _normalized(text):
+        return "exact", (start, end)
+    found = [i for i in range(len(context)) if context.startswith(text, i)]
+    if len(found) == 1:
+        return "relocated", (found[0], found[0] + len(text))
+    return "skipped", None
 
 
 # ------------------------------------------------------------------------------------------- tokenization
