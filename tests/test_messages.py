@@ -144,3 +144,40 @@ def test_progress_bar_draws_on_any_terminal(columns):
         drawn += chunk
     os.close(controller)
     assert b"10/10" in drawn and b"a line above the bar" in drawn, drawn
+
+
+def test_a_vocab_with_a_duplicate_token_is_one_line_naming_it(tmp_path, capsys, minilm_dir):
+    tokens = (minilm_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    tokens.insert(5000, "guitar")  # already at another line
+    (tmp_path / "vocab.txt").write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
+    (tmp_path / "corpus.txt").write_text("A sentence.\nAnother one.\n\nA second document.\nIts end.\n")
+    line = _error(capsys, ["data", "create", "--input", str(tmp_path / "corpus.txt"), "--vocab",
+                           str(tmp_path / "vocab.txt"), "--out", str(tmp_path / "out")])
+    first = tokens.index("guitar") + 1
+    assert line == (f"bertjax data: error: vocab {tmp_path / 'vocab.txt'}: token 'guitar' is on line {first} and "
+                    f"again on line 5001; each token must appear once (its line number is its id)")
+
+
+def test_mask_is_needed_only_to_mask(minilm_dir):
+    from bertjax.data.data_config import MaskingConfig
+    from bertjax.data.masking import masker_for_tokenizer
+    from bertjax.data.tokenizers import WordPieceTokenizer
+
+    tokens = [t if t != "[MASK]" else "[unused999]" for t in
+              (minilm_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()]
+    tokenizer = WordPieceTokenizer(tokens, source="no-mask vocab")  # features and fine-tuning need no [MASK]
+    assert tokenizer.mask_id is None and tokenizer.encode(["a guitar"], max_len=8)["input_ids"][0][1] > 0
+    with pytest.raises(ValueError, match="vocab no-mask vocab has no \\[MASK\\] token, which masked-LM pretraining"):
+        masker_for_tokenizer(MaskingConfig(), tokenizer)
+
+
+def test_small_messages_name_the_right_flag_and_file(tmp_path, minilm_dir):
+    from bertjax.data.corpus import expand_inputs
+    from bertjax.pretraining.config import load_config
+
+    with pytest.raises(ValueError, match=r"`--max-predictions 19` in data create, `--set "
+                                         r"data.max_predictions_per_seq=19` in pretrain"):
+        load_config("bert-tiny", ["data.input=x", "data.vocab=v", "data.max_predictions_per_seq=10"])
+    literal = tmp_path / "corp[1].txt"  # glob characters in a real name
+    literal.write_text("text\n")
+    assert expand_inputs([str(literal)]) == [str(literal)]

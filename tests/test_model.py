@@ -114,6 +114,23 @@ def test_embed_cli_mean_pooling_matches_transformers(minilm_dir, tmp_path):
     np.testing.assert_allclose(ours, expected, atol=1e-4)
 
 
+def test_embed_gives_one_row_per_input_line(minilm_dir, tmp_path, capsys):
+    # Python's splitlines() would cut lines 3-5 in two and drop line 2: rows would no longer match lines.
+    lines = ["A man is playing a guitar.", "", "Two\u2028halves", "form\x0cfeed", "next\x85line", "bad \udcff"]
+    data = "\r\n".join(lines[:-1]).encode("utf-8") + b"\nbad \xff\n"
+    (tmp_path / "in.txt").write_bytes(data)
+    argv = ["--checkpoint", str(minilm_dir), "--pooling", "mean", "--max-len", "16"]
+    assert cli(["embed", "--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "all.npy"), *argv]) == 0
+    assert (f"--input {tmp_path / 'in.txt'}: 6 lines, one row each; 1 blank line(s) embedded as the empty sequence "
+            f"[CLS] [SEP]; 1 line(s) with invalid UTF-8 (lines 6)") in capsys.readouterr().out
+    rows = np.load(tmp_path / "all.npy")
+    assert rows.shape == (6, 384)
+    for index in (0, 2, 4):  # each row is its line's own embedding
+        (tmp_path / "one.txt").write_bytes(data.split(b"\n")[index].rstrip(b"\r") + b"\n")
+        assert cli(["embed", "--input", str(tmp_path / "one.txt"), "--output", str(tmp_path / "one.npy"), *argv]) == 0
+        np.testing.assert_allclose(np.load(tmp_path / "one.npy")[0], rows[index], atol=1e-5)
+
+
 def test_embed_cli_rejects_empty_input(minilm_dir, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n\n")
     assert cli(["embed", "--checkpoint", str(minilm_dir), "--input", str(tmp_path / "empty.txt"),

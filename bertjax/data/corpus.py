@@ -34,6 +34,8 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
             if not part:
                 continue
             matched = sorted(tf.io.gfile.glob(part))
+            if not matched and tf.io.gfile.exists(part):  # a name with glob characters: `corp[1].txt` itself
+                matched = [part]
             matched = [m for m in matched if not tf.io.gfile.isdir(m)]
             if not matched:
                 raise FileNotFoundError(f"input pattern {part!r} matches no files")

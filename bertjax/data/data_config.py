@@ -104,7 +104,8 @@ class MaskingConfig:
             raise ValueError(
                 f"max_predictions_per_seq={self.max_predictions_per_seq} is inconsistent with max_seq_length="
                 f"{max_seq_length} and masked_lm_prob={self.masked_lm_prob}: a full sequence needs {full} "
-                f"predictions (use --max-predictions {full})")
+                f"predictions (set it to {full}: `--max-predictions {full}` in data create, "
+                f"`--set data.max_predictions_per_seq={full}` in pretrain)")
 
 
 @dataclasses.dataclass(frozen=True)

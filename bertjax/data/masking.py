@@ -228,6 +228,9 @@ class Masker:
 def masker_for_tokenizer(config: MaskingConfig, tokenizer) -> Masker:
     """A Masker using the tokenizer's vocab size, [MASK] id, special ids and word-continuation table."""
     whole_words = config.whole_word_masking or config.masking_scheme == "span"
+    if tokenizer.mask_id is None:
+        raise ValueError(f"vocab {tokenizer.source} has no [MASK] token, which masked-LM pretraining puts in place "
+                         f"of the tokens it predicts: add it (BERT's vocabularies have it at id 103)")
     return Masker(config, vocab_size=tokenizer.vocab_size, mask_id=tokenizer.mask_id,
                   special_ids=tokenizer.special_ids,
                   continuation_table=tokenizer.word_continuation_table() if whole_words else None)

@@ -29,16 +29,29 @@ def read_vocab(vocab_path: str) -> list[str]:
     return vocab
 
 
-def _special_ids(vocab: Sequence[str], source: str) -> dict[str, int]:
+def _special_ids(vocab: Sequence[str], source: str) -> dict[str, int | None]:
+    """The special tokens' ids; [MASK] may be missing (None): only masked-LM pretraining uses it."""
     index = {}
     for i, token in enumerate(vocab):
         index.setdefault(token, i)  # first occurrence wins, as in a dict built line by line
     ids = {}
     for name, token in SPECIAL_TOKENS.items():
-        if token not in index:
-            raise ValueError(f"vocab {source} has no {token} token (required: {', '.join(SPECIAL_TOKENS.values())})")
-        ids[name] = index[token]
+        if token not in index and name != "mask":
+            required = [t for t in SPECIAL_TOKENS.values() if t != "[MASK]"]
+            raise ValueError(f"vocab {source} has no {token} token (required: {', '.join(required)})")
+        ids[name] = index.get(token)
     return ids
+
+
+def check_unique(vocab: Sequence[str], source: str) -> None:
+    """One id per token: a token listed twice is an error naming it and both lines (the WordPiece table would
+    refuse it deep inside TensorFlow; HF would silently give it the later id)."""
+    first = {}
+    for line, token in enumerate(vocab, start=1):
+        if token in first:
+            raise ValueError(f"vocab {source}: token {token!r} is on line {first[token]} and again on line {line}; "
+                             f"each token must appear once (its line number is its id)")
+        first[token] = line
 
 
 def _bert_normalize(texts: tf.Tensor, lower_case: bool) -> tf.Tensor:
@@ -73,7 +86,7 @@ class _Tokenizer:
     unk_id: int
     cls_id: int
     sep_id: int
-    mask_id: int
+    mask_id: int | None  # None: a vocabulary without [MASK] (fine for features and fine-tuning)
     source: str
 
     @property
@@ -180,6 +193,7 @@ class WordPieceTokenizer(_Tokenizer):
             self.source, self.vocab = vocab, read_vocab(vocab)
         else:
             self.source, self.vocab = source or "the given token list", list(vocab)
+        check_unique(self.vocab, self.source)
         ids = _special_ids(self.vocab, self.source)
         self.pad_id, self.unk_id, self.cls_id = ids["pad"], ids["unk"], ids["cls"]
         self.sep_id, self.mask_id = ids["sep"], ids["mask"]

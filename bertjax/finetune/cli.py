@@ -122,10 +122,15 @@ def _embed(args: argparse.Namespace) -> int:
     path = epath.Path(args.input)
     if not path.exists():
         raise FileNotFoundError(f"--input {args.input} does not exist")
-    sentences = [line.strip() for line in path.read_bytes().decode("utf-8", errors="replace").splitlines()]
-    sentences = [s for s in sentences if s]
-    if not sentences:
+    sentences, invalid = input_lines(path.read_bytes())
+    if not any(sentence.strip() for sentence in sentences):
         raise ValueError(f"--input {args.input} holds no sentences (one per line expected)")
+    blank = sum(not sentence.strip() for sentence in sentences)
+    if blank or invalid:
+        print(f"--input {args.input}: {len(sentences)} lines, one row each" +
+              (f"; {blank} blank line(s) embedded as the empty sequence [CLS] [SEP]" if blank else "") +
+              (f"; {len(invalid)} line(s) with invalid UTF-8 (lines {', '.join(map(str, invalid[:5]))}"
+               f"{', ...' if len(invalid) > 5 else ''}), their bad bytes read as U+FFFD" if invalid else ""))
     loaded = load_pretrained(args.checkpoint)
     if args.pooling == "none":
         arrays = embed_tokens(loaded, sentences, layers=args.layers, max_len=args.max_len,
@@ -146,6 +151,24 @@ def _embed(args: argparse.Namespace) -> int:
         for i, (j, similarity) in enumerate(nearest_neighbours(vectors)):
             print(f"  {similarity:5.3f}  {sentences[i]!r}  ->  {sentences[j]!r}")
     return 0
+
+
+def input_lines(data: bytes) -> tuple[list[str], list[int]]:
+    """The lines of an `embed` input, split at "\\n" only (a Windows "\\r\\n" too): row i of the output is line i,
+    whatever else a line holds (U+2028, form feed and NEL, where Python's splitlines() would split, stay inside
+    it). Also the 1-based numbers of the lines that are not valid UTF-8 (decoded with U+FFFD)."""
+    raw = data.split(b"\n")
+    if raw and raw[-1] == b"":  # the final newline ends the last line, it does not start another
+        raw.pop()
+    lines, invalid = [], []
+    for number, line in enumerate(raw, start=1):
+        line = line[:-1] if line.endswith(b"\r") else line
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            invalid.append(number)
+            lines.append(line.decode("utf-8", errors="replace"))
+    return lines, invalid
 
 
 def _glue(args: argparse.Namespace) -> int:
