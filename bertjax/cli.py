@@ -82,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as error:
-        # Bad input is reported as one clear line, not a traceback.
-        print(f"bertjax {args.command}: error: {error}", file=sys.stderr)
-        if getattr(error, "exit_now", False):
+        # Bad input is reported as one clear line, not a traceback. One that ends a job while Orbax's writer threads
+        # are dying with tracebacks of their own starts on a line of its own (theirs may be half written).
+        exit_now = getattr(error, "exit_now", False)
+        print(("\n" if exit_now else "") + f"bertjax {args.command}: error: {error}", file=sys.stderr)
+        if exit_now:
             sys.stdout.flush()
             sys.stderr.flush()
             # Orbax's writer threads may still be dying with tracebacks of their own: our line stays the last.

@@ -172,7 +172,7 @@ def test_the_console_is_quiet_timestamped_and_ends_with_a_summary(uninterrupted_
                     summary[4]), summary
     # The effective config sits beside the checkpoints, equal to what `config show` prints for the same flags.
     written = json.loads((workdir / "config.json").read_text())
-    argv = _argv(workdir, ("CORPUS", "VOCAB"))
+    argv = _argv(workdir, ("CORPUS", json.loads((workdir / "config.json").read_text())["data"]["vocab"]))
     overrides = [a for a in argv[argv.index("--set"):] if a != "--set"]
     shown = subprocess.run([sys.executable, "-m", "bertjax.cli", "config", "show", "bert-tiny",
                             *[x for o in overrides for x in ("--set", o)]], env=_env(), cwd=REPO_ROOT,
@@ -268,7 +268,7 @@ def test_resume_with_a_changed_config_is_refused_or_allowed_by_name(uninterrupte
     refused = error_line(attempt("--bigger"))
     assert "train.steps: 40 -> 60" in refused and "--allow-config-change" in refused
     shape = error_line(attempt("--set", "model.hidden_size=64", "--set", "model.num_attention_heads=2"))
-    assert "model.hidden_size: 0 -> 64" in shape and "cannot change when resuming" in shape
+    assert "model.hidden_size: 128 -> 64" in shape and "cannot change when resuming" in shape
     allowed = attempt("--bigger", "--allow-config-change", "--set", "train.log_every=2", "--max-steps-this-run", "2")
     assert allowed.returncode == 0, allowed.stderr[-2000:]
     assert "resuming with changed config keys: train.log_every, train.steps" in allowed.stdout

@@ -174,7 +174,13 @@ def _config_show(args: argparse.Namespace) -> int:
 
     config = pretrain_config.load_config(args.name, args.overrides, require_data=False)
     vocab_size = 0
-    if config.data.vocab and not config.model.vocab_size:  # the size a run takes from its vocabulary
+    from etils import epath
+
+    if config.data.vocab and not config.model.vocab_size and epath.Path(config.data.vocab).exists():
+        # The size a run takes from its vocabulary (left at 0 while the vocabulary cannot be read).
+        from bertjax import quiet
+
+        quiet.start_tensorflow(args.verbose)  # `config` starts without it; the tokenizer needs it
         from bertjax.data.tokenizers import load_tokenizer
 
         vocab_size = len(load_tokenizer(config.data.vocab, config.data.lower_case).vocab)

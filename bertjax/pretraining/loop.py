@@ -218,7 +218,8 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     The workdir is this job's alone while it runs (workdir_lock.py: another live job there is refused)."""
     lock = WorkdirLock(workdir, log=Console().line) if jax.process_index() == 0 else None
     if lock is not None:
-        lock.acquire()  # before anything is written
+        checkpoint_lib.check_writable(str(epath.Path(workdir) / "checkpoints"))  # a full disk: one line, first
+        lock.acquire()  # before anything else is written
     try:
         return _run(config, workdir, init_from=init_from, max_steps_this_run=max_steps_this_run,
                     allow_config_change=allow_config_change)
