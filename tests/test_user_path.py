@@ -176,3 +176,19 @@ def test_help_writes_no_native_log_lines():
                            capture_output=True, text=True, timeout=120)
     assert "A/B pairs with 50% random next" in shown.stdout and "(default: 0.15)" in shown.stdout
     assert shown.stderr == ""
+
+
+def test_an_export_that_fails_midway_leaves_nothing_at_out(tmp_path, minilm_dir):
+    from bertjax.interop.hf import export_hf
+    from bertjax.interop.load import load_pretrained
+
+    loaded = load_pretrained(str(minilm_dir))
+    out = tmp_path / "hf"
+    # A vocabulary that cannot be written as UTF-8 (a lone surrogate): the write fails after the weights.
+    vocab = loaded.vocab[:-1] + ["\udcff"]
+    with pytest.raises(UnicodeEncodeError):
+        export_hf(loaded.params, loaded.config, vocab, str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no half directory, no leftover temporary
+    export_hf(loaded.params, loaded.config, loaded.vocab, str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "special_tokens_map.json",
+                                                     "tokenizer_config.json", "vocab.txt"]

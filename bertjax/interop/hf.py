@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
+import uuid
 from typing import Mapping
 
 import numpy as np
 from etils import epath
 from safetensors.numpy import load_file, save_file
 
-from bertjax.checkpoint import read_vocab_file, write_vocab_file
+from bertjax.checkpoint import read_vocab_file
 from bertjax.interop import convert
 from bertjax.interop import names as names_lib
 from bertjax.model.config import BertConfig
@@ -153,23 +155,42 @@ def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: st
                      label2id={l: i for i, l in labels.items()})
         if architecture == "BertForSequenceClassification":
             extra["problem_type"] = "regression" if num_labels == 1 else "single_label_classification"
+    files = _hf_files(tensors, sbo, config.to_hf_dict(architecture, **extra), vocab, lower_case,
+                      config.max_position_embeddings)
     out = epath.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # Tied tensors share memory in numpy views; safetensors needs each stored separately.
-    save_file({k: np.ascontiguousarray(v).copy() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    _readable_as_umask_allows(out / "model.safetensors")
-    if sbo:
-        save_file({k: np.ascontiguousarray(v) for k, v in sbo.items()}, str(out / names_lib.SBO_FILE),
-                  metadata={"format": "pt"})
-        _readable_as_umask_allows(out / names_lib.SBO_FILE)
-    (out / "config.json").write_text(json.dumps(config.to_hf_dict(architecture, **extra), indent=2))
-    write_vocab_file(vocab, str(out / "vocab.txt"))
+    if str(out).startswith("gs://") or out.exists():
+        _write_files(files, out)  # in place, config.json last: unfinished, it is no model transformers loads
+    else:  # beside it, then one rename: a killed export leaves nothing at out_dir
+        partial = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+        try:
+            _write_files(files, partial)
+            partial.rename(out)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    return architecture
+
+
+def _hf_files(tensors: dict, sbo: dict, hf_config: dict, vocab: list[str], lower_case: bool,
+              max_positions: int) -> list[tuple[str, object]]:
+    """(file name, what to write) of an HF directory, config.json last (what makes it a model to transformers)."""
     tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lower_case,
                         "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
-                        "mask_token": "[MASK]", "model_max_length": config.max_position_embeddings}
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {k: tokenizer_config[k] for k in ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")},
-        indent=2))
-    return architecture
+                        "mask_token": "[MASK]", "model_max_length": max_positions}
+    special = {k: tokenizer_config[k] for k in ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")}
+    files = [("model.safetensors", tensors)] + ([(names_lib.SBO_FILE, sbo)] if sbo else [])
+    return files + [("vocab.txt", "".join(t + "\n" for t in vocab)),
+                    ("tokenizer_config.json", json.dumps(tokenizer_config, indent=2)),
+                    ("special_tokens_map.json", json.dumps(special, indent=2)),
+                    ("config.json", json.dumps(hf_config, indent=2))]
+
+
+def _write_files(files: list[tuple[str, object]], out: epath.Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name, content in files:
+        if isinstance(content, dict):  # tensors; tied ones share memory in numpy views, stored separately
+            save_file({k: np.ascontiguousarray(v).copy() for k, v in content.items()}, str(out / name),
+                      metadata={"format": "pt"})
+            _readable_as_umask_allows(out / name)
+        else:
+            (out / name).write_text(content, encoding="utf-8")
