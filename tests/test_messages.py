@@ -181,3 +181,15 @@ def test_small_messages_name_the_right_flag_and_file(tmp_path, minilm_dir):
     literal = tmp_path / "corp[1].txt"  # glob characters in a real name
     literal.write_text("text\n")
     assert expand_inputs([str(literal)]) == [str(literal)]
+
+
+@pytest.mark.parametrize("job", [["finetune", "glue", "--task", "mrpc", "--data", "GLUE"],
+                                 ["finetune", "squad", "--version", "2.0", "--train", "SQUAD"]])
+def test_a_sequence_longer_than_the_position_table_is_refused_up_front(tiny_checkpoint, shared_data, tmp_path,
+                                                                       capsys, job):
+    job = [str(shared_data / "glue") if a == "GLUE" else
+           str(shared_data / "squad" / "sample-dev-v2.0.json") if a == "SQUAD" else a for a in job]
+    line = _error(capsys, [*job, "--init", tiny_checkpoint, "--workdir", str(tmp_path / "w"),
+                           "--max-seq-length", "1024"])
+    assert line.endswith("error: --max-seq-length 1024 exceeds the model's max_position_embeddings 128: give at "
+                         "most 128"), line

@@ -90,9 +90,7 @@ def encoded_features(checkpoint: ModelCheckpoint, arrays: dict[str, np.ndarray],
     config = checkpoint.config
     selection = parse_layers(layers, config.num_hidden_layers)
     n, max_len = arrays["input_ids"].shape
-    if max_len > config.max_position_embeddings:
-        raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
-                         f"{config.max_position_embeddings}")
+    config.check_length(max_len, "--max-len")
     model = BertModel(config, add_pooler=False)
     params = {k: v for k, v in checkpoint.params["bert"].items() if k != "pooler"}
     lengths = arrays["input_mask"].sum(axis=1)

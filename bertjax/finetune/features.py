@@ -97,6 +97,7 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
     task = glue_data.get_task(task_name)
     splits = glue_data.load_task(task, data)
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
+    ckpt.config.check_length(max_seq_length, "--max-seq-length")
     parse_layers(layers, ckpt.config.num_hidden_layers)  # a bad spec fails before any encoding
     train = subsample(splits["train"], max_train_examples, seed)
     out_dir = workdir

@@ -50,6 +50,7 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     task = glue_data.get_task(task_name)
     splits = glue_data.load_task(task, data)
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
+    ckpt.config.check_length(max_seq_length, "--max-seq-length")
     out_dir = workdir
     os.makedirs(out_dir, exist_ok=True)
     started = time.perf_counter()

@@ -48,6 +48,7 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
     test_path = os.path.join(data, "test.csv")
     test = swag_data.read_swag(test_path) if os.path.exists(test_path) else None
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
+    ckpt.config.check_length(max_seq_length, "--max-seq-length")
     os.makedirs(workdir, exist_ok=True)
     started = time.perf_counter()
 

@@ -32,6 +32,7 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
     splits = ner_data.read_conll_dir(data)
     train = splits["train"].head(ner.max_train_sentences)
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
+    ckpt.config.check_length(ner.max_seq_length, "--max-seq-length")
     os.makedirs(workdir, exist_ok=True)
     started = time.perf_counter()
 

@@ -41,6 +41,7 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
     if not train_file and not predict_file:
         raise ValueError("nothing to do: give --train and/or --predict")
     ckpt, tokenizer = load_init(init)
+    ckpt.config.check_length(squad.max_seq_length, "--max-seq-length")
     if not train_file and "qa_outputs" not in ckpt.params:
         raise ValueError(f"{init} has no span head (qa_outputs); give --train to fine-tune one")
     os.makedirs(workdir, exist_ok=True)

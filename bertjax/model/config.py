@@ -87,6 +87,12 @@ class BertConfig:
         if problems:
             raise ValueError("invalid BertConfig: " + "; ".join(problems))
 
+    def check_length(self, length: int, flag: str) -> None:
+        """Refuses sequences longer than the position table, before any data is read (`flag` names the option)."""
+        if length > self.max_position_embeddings:
+            raise ValueError(f"{flag} {length} exceeds the model's max_position_embeddings "
+                             f"{self.max_position_embeddings}: give at most {self.max_position_embeddings}")
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
