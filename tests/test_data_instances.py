@@ -316,3 +316,42 @@ def test_truncate_seq_pair_matches_the_published_loop():
         fronts_ours.append(span[0])
     for fronts in (fronts_loop, fronts_ours):
         assert abs(np.mean(fronts) - 10) < 0.15 and abs(np.var(fronts) - 5) < 0.5  # Binomial(20, 1/2)
+
+
+@pytest.mark.parametrize("corpus, problem", [
+    ("One document.\nIt has sentences.\nMany of them.\nAnd more.\nStill the same one.\n" * 20,
+     "random-next second segment(s) came from the same document"),
+    ("".join(f"Lone sentence number {i} of its own document.\n\n" for i in range(60)),
+     "instances were forced to random-next (documents of one sentence have no actual next)"),
+    (None, None),  # real prose in many documents: no warning
+])
+def test_nsp_that_cannot_be_formed_is_warned_in_data_create_and_pretraining(corpus, problem, tmp_path, capsys):
+    from bertjax.cli import main as bertjax_main
+    from bertjax.data.data_config import PretrainingDataConfig
+    from bertjax.data.pipeline import make_pretraining_dataset
+    from bertjax.pretraining.loop import _warn_about_input
+
+    from bertjax.data.demo_corpus import write_demo_corpus
+
+    path, fmt = tmp_path / "corpus.txt", "sentences"
+    if corpus is None:  # the demo corpus: real prose, 70 documents
+        path = write_demo_corpus(str(tmp_path / "demo"))[0]
+    else:
+        path.write_text(corpus, encoding="utf-8")
+    assert bertjax_main(["data", "create", "--input", str(path), "--format", fmt, "--vocab", _vocab(), "--out",
+                         str(tmp_path / "out"), "--max-seq-length", "32", "--max-predictions", "5"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "next-sentence prediction cannot" in line]
+    # The pretraining pipeline's own counters, as the loop reports them (once).
+    stats = collections.Counter()
+    config = PretrainingDataConfig(input=str(path), corpus_format=fmt, vocab=_vocab(), max_seq_length=32,
+                                   max_predictions_per_seq=5, doc_buffer_size=100, num_epochs=1)
+    for _ in make_pretraining_dataset(config, 8, stats=stats, drop_remainder=False).take(3):
+        pass
+    logged = []
+    reported = _warn_about_input(stats, collections.Counter(), 100, True, logged.append)
+    _warn_about_input(stats, reported, 100, True, logged.append)
+    if problem is None:
+        assert said == [] and logged == []
+    else:
+        assert len(said) == 1 and problem in said[0] and "--no-nsp" in said[0]
+        assert len(logged) == 1 and problem in logged[0]

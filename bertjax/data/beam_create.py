@@ -49,7 +49,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertjax.data import corpus, create, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.data.instances import Block
+from bertjax.data.instances import Block, nsp_warning
 from bertjax.data.stages import tokenized_blocks
 from bertjax.data.tokenizers import load_tokenizer
 
@@ -426,4 +426,7 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     log(f"wrote {summary['examples']} examples to {len(summary['shards'])} shard(s) in {out_dir} with Beam's "
         f"{runner} ({time.time() - start:.1f} s, {summary['buckets']} buckets); "
         + ", ".join(f"{k}={v}" for k, v in summary["stats"].items()))
+    warning = nsp_warning(summary["stats"]) if config.next_sentence_prediction else None
+    if warning:
+        log(f"warning: {warning}")
     return summary

@@ -16,6 +16,7 @@ import time
 import tensorflow as tf
 
 from bertjax.data import corpus, masking, tfrecord
+from bertjax.data.instances import nsp_warning
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.stages import (
     InstanceMaker,
@@ -127,6 +128,9 @@ def finish_run(config: PretrainingDataConfig, out_dir: str, prefix: str, paths: 
     tfrecord.write_metadata(out_dir, prefix, summary)
     log(f"wrote {summary['examples']} examples to {len(paths)} shard(s) in {out_dir} "
         f"({summary['seconds']:.1f} s); " + ", ".join(f"{k}={v}" for k, v in summary["stats"].items()))
+    warning = nsp_warning(summary["stats"]) if config.next_sentence_prediction else None
+    if warning:
+        log(f"warning: {warning}")
     return summary
 
 

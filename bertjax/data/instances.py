@@ -252,3 +252,25 @@ def assemble(block: Block, instances: Instances, max_seq_length: int, cls_id: in
     input_mask = (np.arange(max_seq_length)[None, :] < (total + 1)[:, None]).astype(np.int32)
     return {"input_ids": input_ids, "input_mask": input_mask, "segment_ids": segment_ids,
             "next_sentence_labels": instances.next_sentence_label.astype(np.int32)}
+
+
+def nsp_warning(stats) -> str | None:
+    """Why next-sentence prediction cannot be formed as BERT defines it on this corpus, from the instance counters
+    (None when it can): random next segments drawn from the same document (a one-document corpus: BERT takes
+    them from another), or most instances forced to "random next" (documents of one sentence have no next)."""
+    instances = stats.get("instances", 0)
+    same = stats.get("random_next_same_document", 0)
+    forced = stats.get("forced_random_next", 0)
+    problems = []
+    if same:
+        problems.append(f"{same} random-next second segment(s) came from the same document (one document in "
+                        f"the corpus, or in a process's share of it)")
+    if instances and forced > instances / 2:
+        problems.append(f"{forced} of {instances} instances were forced to random-next (documents of one "
+                        f"sentence have no actual next), so the NSP labels are mostly 'random'")
+    if not problems:
+        return None
+    return ("next-sentence prediction cannot be formed as BERT defines it: " + "; ".join(problems) +
+            ". Give many documents of several sentences each (a blank line between documents), or train without "
+            "NSP (data.next_sentence_prediction=false / --no-nsp)")
+

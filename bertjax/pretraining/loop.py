@@ -23,6 +23,7 @@ from bertjax import compile_cache, sharding
 from bertjax.checkpoint import COMPLETION_MARKER
 from bertjax.console import Console, duration, metric_text
 from bertjax.data import pipeline as pipeline_lib
+from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.errors import first_line
 from bertjax.interop.load import load_pretrained
@@ -368,7 +369,8 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
                     last_metrics.update(_input_metrics(input_stats))
                     writer.write(step, last_metrics)
                     writer.console(step, last_metrics)
-                    reported_input = _warn_about_input(input_stats, reported_input, config.data.max_line_chars, log)
+                    reported_input = _warn_about_input(input_stats, reported_input, config.data.max_line_chars,
+                                                       config.data.next_sentence_prediction, log)
                     account.snapshot(step)
                 if eval_batches and step % config.train.eval_every == 0:
                     evaluate(step)
@@ -420,8 +422,9 @@ def _input_metrics(stats) -> dict:
     return {name: float(stats[key]) for key, name in _INPUT_COUNTERS.items()}
 
 
-def _warn_about_input(stats, reported, max_line_chars: int, log):
-    """A console line whenever more input lines were damaged or cut since the last one; returns what is reported."""
+def _warn_about_input(stats, reported, max_line_chars: int, nsp: bool, log):
+    """A console line whenever more input lines were damaged or cut since the last one, and once if NSP cannot be
+    formed as BERT defines it (`nsp`: the stream makes NSP pairs); returns what is reported."""
     invalid = stats["invalid_utf8_lines"] - reported["invalid_utf8_lines"]
     truncated = stats["truncated_lines"] - reported["truncated_lines"]
     if invalid:
@@ -430,7 +433,12 @@ def _warn_about_input(stats, reported, max_line_chars: int, log):
     if truncated:
         log(f"input: {stats['truncated_lines']} line(s) longer than data.max_line_chars={max_line_chars} so far; "
              f"each was cut there and the rest of it is not trained on")
-    return collections.Counter({k: stats[k] for k in ("invalid_utf8_lines", "truncated_lines")})
+    nsp_said = reported["nsp_warning"]
+    warning = None if nsp_said or not nsp else nsp_warning(stats)
+    if warning:  # once per run
+        log(f"warning: input: {warning}")
+    return collections.Counter({**{k: stats[k] for k in ("invalid_utf8_lines", "truncated_lines")},
+                                "nsp_warning": int(nsp_said or warning is not None)})
 
 
 def _eval_batches(config: PretrainConfig, process_index: int, process_count: int) -> list[dict]:
