@@ -24,6 +24,9 @@ def _add_train_args(parser: argparse.ArgumentParser, **job_defaults) -> None:
     options.add_flags(parser, TrainSettings, defaults=job_defaults)
     parser.add_argument("--save-checkpoint", action="store_true", help="write the fine-tuned bertjax checkpoint")
     parser.add_argument("--export-hf", action="store_true", help="write the fine-tuned model as an HF directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the earlier run in --workdir (a rerun with the same settings resumes it "
+                             "instead; other settings are refused without this)")
 
 
 def register(subparsers) -> None:
@@ -171,6 +174,39 @@ def input_lines(data: bytes) -> tuple[list[str], list[int]]:
     return lines, invalid
 
 
+def _owned_run(job):
+    """A fine-tune command on the workdir it owns (run_record.py): refused for another run's workdir, resumed for
+    its own unfinished one, not rerun when finished; stopped by SIGTERM after saving its state (exit 0)."""
+    import functools
+
+    @functools.wraps(job)
+    def run(args: argparse.Namespace) -> int:
+        from bertjax.console import Console
+        from bertjax.finetune.run_record import COMPLETED_METRICS, claim
+        from bertjax.finetune.trainer import Preempted
+        from bertjax.workdir_lock import WorkdirLock
+
+        console = Console()
+        lock = WorkdirLock(args.workdir, log=console.line)
+        lock.acquire()
+        try:
+            record = {k: v for k, v in vars(args).items() if k not in ("func", "command", "job")}
+            state = claim(args.workdir, {"job": args.job, **record}, overwrite=args.overwrite, log=console.line)
+            if state == "completed":
+                console.line(f"{args.workdir} already holds this run, completed: {args.workdir}/{COMPLETED_METRICS} "
+                             f"(--overwrite runs it again)")
+                return 0
+            return job(args)
+        except Preempted as stopped:
+            console.line(str(stopped))
+            return 0
+        finally:
+            lock.release()
+
+    return run
+
+
+@_owned_run
 def _glue(args: argparse.Namespace) -> int:
     from bertjax.finetune import glue
 
@@ -200,6 +236,7 @@ def _features(args: argparse.Namespace) -> int:
     return 0
 
 
+@_owned_run
 def _multiple_choice(args: argparse.Namespace) -> int:
     from bertjax.finetune import multiple_choice
 
@@ -211,6 +248,7 @@ def _multiple_choice(args: argparse.Namespace) -> int:
     return 0
 
 
+@_owned_run
 def _squad(args: argparse.Namespace) -> int:
     from bertjax.finetune import squad
 
@@ -222,6 +260,7 @@ def _squad(args: argparse.Namespace) -> int:
     return 0
 
 
+@_owned_run
 def _ner(args: argparse.Namespace) -> int:
     from bertjax.finetune import ner
 

@@ -15,19 +15,52 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from etils import epath
 
 from bertjax import compile_cache, sharding
 from bertjax.checkpoint import ModelCheckpoint, merge_params, save_model
 from bertjax.console import Console, duration, metric_text
+from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings
 from bertjax.interop.hf import export_hf
 from bertjax.model.bert import init_params
+from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining.metrics import MetricsWriter
 from bertjax.pretraining.optim import OptimizerConfig, make_optimizer
 from bertjax.pretraining.step import TooManyNonFiniteSteps
 
 INPUT_KEYS = ("input_ids", "input_mask", "segment_ids")
+
+
+class Preempted(Exception):
+    """A fine-tune stopped by SIGTERM after saving its training state (the command exits 0; a rerun resumes)."""
+
+
+class TrainStateSaver:
+    """The fine-tune's params and optimizer state at WORKDIR/train_state/<step> (Orbax; the newest kept)."""
+
+    def __init__(self, workdir: str):
+        self.directory = epath.Path(workdir).absolute() / TRAIN_STATE
+        self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=1, enable_async_checkpointing=False))
+
+    def latest(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, params, opt_state) -> None:
+        self.manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                        opt_state=ocp.args.StandardSave(opt_state)), force=True)
+        self.manager.wait_until_finished()
+
+    def restore(self, params, opt_state):
+        """(params, opt_state, step) of the newest save, laid out as the given (freshly initialised) ones."""
+        step = self.latest()
+        abstract = lambda tree: jax.tree_util.tree_map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract(params)), opt_state=ocp.args.StandardRestore(abstract(opt_state))))
+        return restored["params"], restored["opt_state"], step
 
 
 class Trainer:
@@ -85,7 +118,9 @@ class Trainer:
               workdir: str | None = None) -> dict:
         """Trains on `arrays` for settings.epochs (fractions allowed); calls epoch_end(epoch, seconds) after each
         (a dict it returns is logged as eval metrics). Progress goes to the console every settings.log_every steps
-        and, with `workdir`, to WORKDIR/metrics.jsonl and WORKDIR/tensorboard as in pretraining."""
+        and, with `workdir`, to WORKDIR/metrics.jsonl and WORKDIR/tensorboard as in pretraining; the training
+        state is saved every settings.save_every steps and on SIGTERM (then Preempted is raised), and a run that
+        finds one resumes from it: the same example order and dropout masks, so the same bits."""
         s = self.settings
         n = len(arrays["input_ids"])
         if n == 0:
@@ -97,7 +132,6 @@ class Trainer:
             learning_rate=s.learning_rate, warmup_steps=warmup, weight_decay=s.weight_decay,
             clip_norm=s.max_grad_norm), total_steps)
         console = Console()
-        writer = MetricsWriter(workdir or "", total_steps, enabled=workdir is not None, console=console)
 
         def step(params, opt_state, batch, rng):
             loss, grads = jax.value_and_grad(self._loss)(params, batch, rng)
@@ -117,27 +151,40 @@ class Trainer:
             opt_state = jax.jit(optimizer.init)(self.params)
             train_step = jax.jit(step, donate_argnums=(0, 1))
             rng = np.random.default_rng(s.seed)
-            params, step_index, history = self.params, 0, []
+            states = TrainStateSaver(workdir) if workdir is not None else None
+            params, step_index = self.params, 0
+            if states is not None and states.latest() is not None:
+                params, opt_state, step_index = states.restore(params, opt_state)
+                console.line(f"resumed from {states.directory}/{step_index} (step {step_index} of {total_steps})")
+            writer = MetricsWriter(workdir or "", total_steps, enabled=workdir is not None, console=console,
+                                   start_step=step_index)
+            history, resumed_at = [], step_index
             nonfinite_total, nonfinite_run = 0, 0
             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
-            console.start_progress(total_steps)
+            console.start_progress(total_steps, initial=step_index)
+            preemption = PreemptionFlag()
             try:
                 for epoch in range(math.ceil(s.epochs)):
                     started, losses = time.perf_counter(), []
-                    order = rng.permutation(n)
+                    order = rng.permutation(n)  # drawn for every epoch, so a resumed run has the same orders
+                    done_in_epoch = step_index - epoch * steps_per_epoch
+                    if done_in_epoch >= steps_per_epoch:  # finished before the restored step
+                        continue
+                    order = order[max(done_in_epoch, 0) * s.batch_size:]
                     for batch, _ in self._batches(arrays, order, s.batch_size):
                         if step_index >= total_steps:
                             break
-                        if step_index == 0:
-                            console.line("compiling the train step (step 1 includes it) ...")
+                        if step_index == resumed_at:
+                            console.line(f"compiling the train step (step {step_index + 1} includes it) ...")
                         params, opt_state, loss, finite = train_step(
                             params, opt_state, batch, jax.random.fold_in(self.dropout_key, step_index))
                         step_index += 1
                         console.advance()
-                        if step_index == 1:
+                        if step_index == resumed_at + 1:
                             jax.block_until_ready(loss)
-                            console.line(f"step 1 compiled and ran in {duration(time.perf_counter() - started)}")
-                            writer.mark_start(1)
+                            console.line(f"step {step_index} compiled and ran in "
+                                         f"{duration(time.perf_counter() - started)}")
+                            writer.mark_start(step_index)
                             interval_start = time.perf_counter()
                         else:
                             interval_steps += 1
@@ -164,6 +211,13 @@ class Trainer:
                             writer.console(step_index, values,
                                            keys=("epoch", "loss", "learning_rate", "examples_per_s"))
                             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
+                        if states is not None and (preemption.requested or (
+                                s.save_every and step_index % s.save_every == 0 and step_index < total_steps)):
+                            states.save(step_index, params, opt_state)
+                            if preemption.requested:
+                                raise Preempted(f"stopped by a signal at step {step_index} of {total_steps}, "
+                                                f"its training state saved in {states.directory}: rerun the same "
+                                                f"command to resume")
                     self.params = params
                     mean_loss = float(np.mean(jax.device_get(losses))) if losses else float("nan")
                     seconds = time.perf_counter() - started
@@ -177,16 +231,17 @@ class Trainer:
                             writer.write(step_index, evaluated, prefix="eval_")
                             console.line(f"eval after epoch {epoch + 1}: {metric_text(evaluated)}")
             finally:
+                preemption.restore()
                 console.close_progress()
                 writer.close()
-        if nonfinite_total == step_index:  # nothing was learned: a score now would be the untrained head's
+        ran = step_index - resumed_at
+        if ran and nonfinite_total == ran:  # nothing learned: a score now would be the untrained head's
             raise TooManyNonFiniteSteps(
-                f"every one of the {step_index} steps had a non-finite gradient and skipped its update; no "
-                f"metrics written. Check the checkpoint and vocabulary (NaN embeddings?), or lower the learning "
-                f"rate.")
+                f"every one of the {ran} steps had a non-finite gradient and skipped its update; no metrics "
+                f"written. Check the checkpoint and vocabulary (NaN embeddings?), or lower the learning rate.")
         seconds = max(sum(h["seconds"] for h in history), 1e-9)
-        console.line(f"trained {step_index} steps in {duration(seconds)} ({step_index * s.batch_size / seconds:.1f} "
-                     f"examples/s), final epoch loss {history[-1]['train_loss']:.4f}"
+        console.line(f"trained {ran} steps in {duration(seconds)} ({ran * s.batch_size / seconds:.1f} examples/s)"
+                     + (f", final epoch loss {history[-1]['train_loss']:.4f}" if history else "")
                      + (f"; curve in {writer.jsonl_path} and {writer.tensorboard_dir}" if workdir else ""))
         return {"total_steps": total_steps, "warmup_steps": warmup, "history": history,
                 "nonfinite_steps": nonfinite_total}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import signal
 import sys
 import time
 
@@ -16,7 +15,6 @@ import jax
 import numpy as np
 from etils import epath
 from flax import traverse_util
-from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib
 from bertjax import compile_cache, sharding
@@ -33,35 +31,12 @@ from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step
 from bertjax.pretraining.config import PretrainConfig, check_resume_config, validate
 from bertjax.pretraining.job import build_job_step, compile_step
+from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining.step import TooManyNonFiniteSteps
 from bertjax.workdir_lock import WorkdirLock
 
 # Per-step counts the train step reports, summed over a logging interval for throughput (not logged per step).
 _COUNTED = ("real_tokens", "masked_tokens", "instances")
-
-
-class PreemptionFlag:
-    """Set by SIGTERM/SIGINT; the loop saves at the next step boundary and exits cleanly."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def agreed(self, step: int) -> bool:
-        """True on every process once any process got the signal (all processes stop at the same step)."""
-        flag = self.requested
-        if jax.process_count() > 1:
-            flag = bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
-        return flag
-
-    def restore(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def _resolved_input(data):
