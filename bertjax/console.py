@@ -61,6 +61,11 @@ class Console:
             width = dict(dynamic_ncols=True) if _columns(self.stream) else dict(ncols=80)
             self._bar = tqdm(total=total, initial=initial, unit=unit, file=self.stream, leave=False, **width)
 
+    @property
+    def shows_bar(self) -> bool:
+        """Whether progress is a bar now (a terminal), rather than only the lines."""
+        return self._bar is not None
+
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(steps)

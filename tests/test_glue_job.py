@@ -219,3 +219,19 @@ def test_cli_finetune_glue(tiny_init, tmp_path, capsys):
                str(tmp_path / "w2")])
     assert rc == 2
     assert f"{data / 'SST-2' / 'train.tsv'}:162: expected 2 tab-separated columns" in capsys.readouterr().err
+
+
+def test_a_fine_tune_can_be_made_small_and_says_how_its_evaluation_goes(tiny_init, tmp_path, capsys):
+    from bertjax.cli import main
+
+    data = _synthetic_glue(tmp_path / "glue")
+    assert main(["finetune", "glue", "--task", "sst2", "--init", tiny_init, "--data", str(data), "--workdir",
+                 str(tmp_path / "w"), "--batch-size", "8", "--max-seq-length", "32", "--max-train-examples", "40",
+                 "--max-steps", "3", "--log-every", "1", "--eval-batch-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "training: 40 examples, 3 steps of 8" in out  # 160 rows, 3 epochs asked
+    steps = [json.loads(line)["step"] for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    # dev (48 rows) and test (10 rows) predictions, each said before and timed after
+    assert re.search(r"predicting 48 rows \(3 batches of 16\) \.\.\.\n.*\n?.*predicted 48 rows in \S+", out), out
+    assert "predicting 10 rows (1 batch of 16) ..." in out

@@ -25,6 +25,9 @@ class TrainSettings:
                                             "skips its update)")
     compilation_cache_dir: str = option("", "JAX's persistent compilation cache (local or gs://): '' = "
                                         "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/bertjax/jax; 'off' = none")
+    max_steps: int = option(0, "stop after this many steps (0: the epochs decide); the schedule spans them")
+    max_train_examples: int = option(0, "train on a seeded random subset of this many training rows (a SQuAD or "
+                                     "NER window counts as one; 0: all), for quick runs")
     save_every: int = option(1000, "steps between saves of the training state in WORKDIR/train_state (a rerun of "
                              "the same command resumes from the newest, bit-exactly; SIGTERM saves too); 0: only "
                              "on SIGTERM")
@@ -40,8 +43,9 @@ class TrainSettings:
         for name in ("weight_decay", "max_grad_norm"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
-        if self.save_every < 0:
-            problems.append(f"save_every={self.save_every} must be >= 0")
+        for name in ("save_every", "max_steps", "max_train_examples"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must be >= 0")
         for name in ("batch_size", "eval_batch_size", "length_bucket", "log_every", "max_consecutive_nonfinite"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")

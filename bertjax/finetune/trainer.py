@@ -125,8 +125,13 @@ class Trainer:
         n = len(arrays["input_ids"])
         if n == 0:
             raise ValueError("no training examples")
+        if s.max_train_examples and s.max_train_examples < n:  # its own generator: the example order is unchanged
+            keep = np.sort(np.random.default_rng([s.seed, 1]).choice(n, s.max_train_examples, replace=False))
+            arrays, n = {k: v[keep] for k, v in arrays.items()}, s.max_train_examples
         steps_per_epoch = math.ceil(n / s.batch_size)
         total_steps = max(1, int(math.ceil(steps_per_epoch * s.epochs)))
+        if s.max_steps:
+            total_steps = min(total_steps, s.max_steps)
         warmup = int(s.warmup_proportion * total_steps)
         optimizer, schedule = make_optimizer(OptimizerConfig(
             learning_rate=s.learning_rate, warmup_steps=warmup, weight_decay=s.weight_decay,
@@ -259,8 +264,10 @@ class Trainer:
         max_len = arrays["input_ids"].shape[1]
         inputs = {k: arrays[k] for k in INPUT_KEYS}
         outputs = []
+        progress = _PredictProgress(n, self.settings.eval_batch_size)
         with sharding.activate(self.mesh):
             for batch, real in self._batches(inputs, np.arange(n), self.settings.eval_batch_size):
+                progress.advance()
                 out = jax.device_get(self._predict(self.params, batch))
                 out = jax.tree_util.tree_map(lambda x, r=real: np.asarray(x[:r]), out)
                 if per_token:
@@ -268,9 +275,40 @@ class Trainer:
                         lambda x: np.pad(x, ((0, 0), (0, max_len - x.shape[1])) + ((0, 0),) * (x.ndim - 2),
                                      constant_values=-1e4), out)
                 outputs.append(out)
+        progress.close()
         if not outputs:
             raise ValueError("nothing to predict")
         return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs)
+
+
+class _PredictProgress:
+    """Prediction's progress like training's: a line before, a bar on a terminal (else a line with the ETA every
+    LINE_EVERY_S), a timed line after."""
+
+    LINE_EVERY_S = 15.0
+
+    def __init__(self, rows: int, batch_size: int):
+        self.console, self.rows = Console(), rows
+        self.total, self.done = math.ceil(rows / batch_size), 0
+        self.start = self.last_line = time.perf_counter()
+        self.console.line(f"predicting {rows:,} rows ({self.total} batch{'es' if self.total != 1 else ''} of "
+                          f"{batch_size}) ...")
+        self.console.start_progress(self.total, unit="batch")
+
+    def advance(self) -> None:
+        if self.done:  # the previous batch is done once the next is asked for (its outputs were read back)
+            self.console.advance()
+        self.done += 1
+        now = time.perf_counter()
+        if not self.console.shows_bar and now - self.last_line >= self.LINE_EVERY_S and self.done > 1:
+            eta = (now - self.start) / (self.done - 1) * (self.total - self.done + 1)
+            self.console.line(f"predicting: batch {self.done}/{self.total}, eta {duration(eta)}")
+            self.last_line = now
+
+    def close(self) -> None:
+        self.console.advance()
+        self.console.close_progress()
+        self.console.line(f"predicted {self.rows:,} rows in {duration(time.perf_counter() - self.start)}")
 
 
 def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_checkpoint: bool, hf: bool,
