@@ -207,6 +207,11 @@ def test_cli_finetune_glue(tiny_init, tmp_path, capsys):
     printed = json.loads(out[-1])
     assert printed["task"] == "sst2" and 0.0 <= printed["metrics"]["dev"]["accuracy"] <= 1.0
     assert (tmp_path / "w" / "SST-2.tsv").exists() and (tmp_path / "w" / "metrics.json").exists()
+    # Where everything went, and the dev predictions as `finetune features` writes them.
+    assert out[-2].endswith(f"outputs in {tmp_path / 'w'}: SST-2.tsv, dev_predictions.tsv, metrics.json, "
+                            f"metrics.jsonl, run.json, tensorboard/"), out[-2]
+    dev = (tmp_path / "w" / "dev_predictions.tsv").read_text().splitlines()
+    assert dev[0] == "split\tindex\tprediction\tlabel" and len(dev) == 1 + 48
     # One console style: timestamped lines, the compile, progress with learning rate and ETA.
     assert all(re.match(r"\d\d:\d\d:\d\d ", line) for line in out[:-1]), out
     assert any("compiling the train step" in line for line in out)

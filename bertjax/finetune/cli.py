@@ -174,6 +174,17 @@ def input_lines(data: bytes) -> tuple[list[str], list[int]]:
     return lines, invalid
 
 
+def _say_outputs(workdir: str) -> None:
+    """One line naming what the job left in its workdir (metrics, predictions, curves, fine-tuned model)."""
+    from etils import epath
+
+    from bertjax.console import Console
+
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in epath.Path(workdir).iterdir()
+                   if not p.name.startswith((".", "LOCK")))
+    Console().line(f"outputs in {workdir}: {', '.join(names)}")
+
+
 def _owned_run(job):
     """A fine-tune command on the workdir it owns (run_record.py): refused for another run's workdir, resumed for
     its own unfinished one, not rerun when finished; stopped by SIGTERM after saving its state (exit 0)."""
@@ -216,9 +227,11 @@ def _glue(args: argparse.Namespace) -> int:
                   save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)
     if args.task == "all":
         summary = glue.run_all(args.data, args.workdir, settings, init=args.init, **common)
+        _say_outputs(args.workdir)
         print(glue.summary_table(summary), end="")
         return 0
     result = glue.run_task(args.task, args.data, args.workdir, settings, init=args.init, **common)
+    _say_outputs(args.workdir)
     print(json.dumps({"task": result["task"], "metrics": result["metrics"], "score": result["score"]}))
     return 0
 
@@ -231,6 +244,7 @@ def _features(args: argparse.Namespace) -> int:
                                pooling=args.pooling, classifier=args.classifier, max_seq_length=args.max_seq_length,
                                max_train_examples=args.max_train_examples, batch_size=args.batch_size,
                                cv_folds=args.cv_folds, seed=args.seed)
+    _say_outputs(args.workdir)
     print(json.dumps({k: result[k] for k in ("task", "metrics", "score", "layers", "pooling",
                                               "num_train_examples")}))
     return 0
@@ -244,6 +258,7 @@ def _multiple_choice(args: argparse.Namespace) -> int:
     result = multiple_choice.run(args.data, args.workdir, options.from_flags(TrainSettings, args), init=args.init,
                                  max_seq_length=args.max_seq_length, save_checkpoint=args.save_checkpoint,
                                  export_hf=args.export_hf)
+    _say_outputs(args.workdir)
     print(json.dumps(result["metrics"]))
     return 0
 
@@ -256,6 +271,7 @@ def _squad(args: argparse.Namespace) -> int:
     result = squad.run(args.workdir, options.from_flags(TrainSettings, args), options.from_flags(SquadSettings, args),
                        init=args.init, train_file=args.train, predict_file=args.predict,
                        save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)
+    _say_outputs(args.workdir)
     print(json.dumps(result.get("metrics", {})))
     return 0
 
@@ -268,6 +284,7 @@ def _ner(args: argparse.Namespace) -> int:
     result = ner.run(args.data, args.workdir, options.from_flags(TrainSettings, args),
                      options.from_flags(NerSettings, args), init=args.init, save_checkpoint=args.save_checkpoint,
                      export_hf=args.export_hf)
+    _say_outputs(args.workdir)
     print(json.dumps({split: m["overall"] for split, m in result["metrics"].items()}))
     return 0
 

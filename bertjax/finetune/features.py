@@ -146,6 +146,6 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
               **fit_info, "feature_seconds": feature_seconds, "fit_seconds": fit_seconds, "init": init}
     with open(os.path.join(out_dir, "metrics.json"), "w") as f:
         json.dump(result, f, indent=2)
-    log.info("%s: %s (score %.4f; %s)", task.name, metrics, score,
+    log.info("%s: score %.4f (%s; the metrics: the line below and metrics.json)", task.name, score,
              f"C={fit_info['C']:g}" if "C" in fit_info else f"alpha={fit_info['alpha']:g}")
     return result

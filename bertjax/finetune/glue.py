@@ -60,12 +60,17 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     trainer = Trainer(module, ckpt.config, ckpt.params, loss, settings, source=init or "checkpoint")
     features = {name: glue_data.featurize(ex, tokenizer, max_seq_length) for name, ex in splits.items()}
 
-    def evaluate() -> dict:
-        metrics = {}
+    def evaluate(write_predictions: bool = False) -> dict:
+        metrics, rows = {}, []
         for split in task.splits:
             feats = features[f"dev:{split.name}"]
             preds = predictions_from_logits(task, trainer.predict(feats))
             metrics[split.name] = glue_metrics.compute_metrics(task.name, preds, feats["labels"])
+            rows += [f"{split.name}\t{guid}\t{glue_data.label_name(task, pred)}\t{glue_data.label_name(task, label)}\n"
+                     for guid, pred, label in zip(splits[f"dev:{split.name}"].guids, preds, feats["labels"])]
+        if write_predictions:  # as `finetune features` writes them
+            with open(os.path.join(out_dir, "dev_predictions.tsv"), "w", encoding="utf-8") as f:
+                f.write("split\tindex\tprediction\tlabel\n" + "".join(rows))
         return metrics
 
     per_epoch = []
@@ -77,7 +82,7 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
 
     train_info = trainer.train(features["train"], epoch_end=epoch_end if eval_each_epoch else None,
                                workdir=out_dir)
-    metrics = evaluate()
+    metrics = evaluate(write_predictions=True)
     for i, m in enumerate(per_epoch):
         train_info["history"][i]["dev"] = m
     score = float(np.mean([glue_metrics.task_score(task.name, m) for m in metrics.values()]))

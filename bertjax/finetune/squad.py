@@ -79,8 +79,7 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
             metrics = squad_metrics.evaluate(data, preds, null_odds if squad.version_2 else None, version=version)
             if squad.version_2:
                 metrics.update(best_threshold(data["data"], best_non_null, null_odds))
-            result["metrics"] = metrics
-            log.info("metrics: %s", metrics)
+            result["metrics"] = metrics  # printed once, as JSON, by the command
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
                      architecture="BertForQuestionAnswering")
     _write_json(os.path.join(workdir, "metrics.json"), result)

@@ -48,6 +48,11 @@ class TrainStateSaver:
     def latest(self) -> int | None:
         return self.manager.latest_step()
 
+    def remove(self) -> None:
+        self.manager.close()
+        if self.directory.exists():
+            self.directory.rmtree()
+
     def save(self, step: int, params, opt_state) -> None:
         self.manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                         opt_state=ocp.args.StandardSave(opt_state)), force=True)
@@ -239,6 +244,8 @@ class Trainer:
                 preemption.restore()
                 console.close_progress()
                 writer.close()
+        if states is not None:  # trained: the state only a resume needed goes (a BERT-large one is 4 GB)
+            states.remove()
         ran = step_index - resumed_at
         if ran and nonfinite_total == ran:  # nothing learned: a score now would be the untrained head's
             raise TooManyNonFiniteSteps(
