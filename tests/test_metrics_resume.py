@@ -1,6 +1,8 @@
 """metrics.jsonl and TensorBoard after a kill and a resume: one run's steps, in order, strict JSONL."""
 import json
 
+import pytest
+
 from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
@@ -41,3 +43,44 @@ def test_a_first_run_writes_without_dropping(tmp_path):
     writer.write(1, {"loss": 1.0})
     writer.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def _wandb_history(run_file):
+    """The history records of an offline W&B run file (a LevelDB-style log of W&B's protobuf Records)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, rows, pending = run_file.read_bytes(), 32768, [], b""
+    pos = 7  # the file header (":W&B", a magic, the version)
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or its last chunk
+            record = wandb_internal_pb2.Record.FromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_metrics_also_go_to_weights_and_biases(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    writer = MetricsWriter(str(tmp_path / "run"), 3, start_step=0, wandb_project="bertjax-test",
+                           run_config={"train": {"steps": 3}})
+    writer.write(1, {"loss": 2.5})
+    writer.write(2, {"loss": 2.0}, prefix="eval_")
+    writer.write_event(2, "goodput", {"wall_s": 10.0, "label": "x"})
+    writer.close()
+    [run_file] = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = _wandb_history(run_file)
+    assert [(r["_step"], {k: v for k, v in r.items() if not k.startswith("_")}) for r in rows] == [
+        (1, {"loss": 2.5}), (2, {"eval_loss": 2.0, "goodput/wall_s": 10.0})]

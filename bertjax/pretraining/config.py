@@ -51,6 +51,8 @@ class TrainConfig:
     nsp_loss: bool = option(True, "add the NSP loss (needs data.next_sentence_prediction)")
     span_boundary_objective: bool = option(False, "add SpanBERT's span boundary objective head and loss (needs "
                                            "data.masking_scheme=span)")
+    wandb_project: str = option("", "also log metrics to this Weights & Biases project (needs wandb: the "
+                                "[tracking] extra); WANDB_MODE=offline keeps them in WORKDIR/wandb")
     compilation_cache_dir: str = option("", "JAX's persistent compilation cache (local or gs://), so a restart "
                                         "reads the compiled step back: '' = $JAX_COMPILATION_CACHE_DIR, else "
                                         "~/.cache/bertjax/jax; 'off' = none")
@@ -183,7 +185,7 @@ _FIXED_ON_RESUME = ("model.", "data.max_seq_length", "data.max_predictions_per_s
 # - these only change how the run is watched, saved or laid out: free;
 _FREE_ON_RESUME = ("train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite",
                    "checkpoint.", "mesh.", "data.prefetch_batches", "data.eval_input", "init_from",
-                   "reset_schedule", "train.compilation_cache_dir")
+                   "reset_schedule", "train.compilation_cache_dir", "train.wandb_project")
 # - the rest (the schedule, the optimizer, the batch, the stream) change the run's meaning mid-way: refused
 #   unless asked for (`--allow-config-change`).
 

@@ -260,7 +260,8 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
 
     eval_batches = _eval_batches(config, process_index, process_count) if config.train.eval_every else None
     writer = metrics_lib.MetricsWriter(workdir, config.train.steps, enabled=process_index == 0, console=console,
-                                       start_step=int(state.step))
+                                       start_step=int(state.step), wandb_project=config.train.wandb_project,
+                                       run_config=config.to_dict())
     peak_flops, peak_source = metrics_lib.device_peak_flops(dtype=bert_config.dtype)
     log(f"mesh {dict(mesh.shape)}, {jax.device_count()} devices, {process_count} processes; model "
         f"{sum(np.size(x) for x in jax.tree_util.tree_leaves(abstract.params)):,} params; batch "

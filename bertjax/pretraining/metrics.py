@@ -1,6 +1,7 @@
 """Training metrics: model FLOPs, MFU against a per-device peak, and the writers (JSONL, TensorBoard, console)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -140,6 +141,20 @@ def interval_metrics(seconds: float, steps: int, rows_per_step: int, seq_len: in
             "tflops_per_device": per_device / 1e12, "mfu": per_device / peak_flops}
 
 
+def _wandb_run(project: str, directory: epath.Path, run_config: dict | None):
+    """A Weights & Biases run for the workdir: its id derived from the workdir's path, so a restarted job continues
+    the same run (W&B ignores steps at or below the last one it has: what a killed run logged past its checkpoint
+    stays there). WANDB_MODE=offline keeps it on disk (WORKDIR/wandb) for a later `wandb sync`."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("train.wandb_project needs Weights & Biases: pip install 'bertjax[tracking]' (or wandb)") \
+            from None
+    run_id = hashlib.sha1(str(directory.absolute()).encode()).hexdigest()[:16]
+    return wandb.init(project=project, name=directory.name, id=run_id, resume="allow", dir=str(directory),
+                      config=run_config or {})
+
+
 def _tensorboard_restart(logdir: str, step: int) -> None:
     """TensorBoard's restart marker: SessionLog START events at `step` + 1, after which TensorBoard discards the
     events of earlier files at steps >= `step` + 1 (what a killed run logged past its checkpoint)."""
@@ -167,10 +182,11 @@ class MetricsWriter:
     line with its ETA to the console."""
 
     def __init__(self, workdir: str, total_steps: int, enabled: bool = True, console: Console | None = None,
-                 start_step: int | None = None):
+                 start_step: int | None = None, wandb_project: str = "", run_config: dict | None = None):
         """`start_step`: the step a run starts (or resumes) at. What an earlier run logged past it (steps this run
         recomputes), and a last line cut by a kill mid-write, are dropped from metrics.jsonl, and TensorBoard is
-        told to drop them too, so both read as one run with increasing steps."""
+        told to drop them too, so both read as one run with increasing steps. `wandb_project`: also log to
+        Weights & Biases (`run_config` as the run's config), one W&B run per workdir, continued by restarts."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.console_out = console or Console(enabled)
@@ -187,6 +203,7 @@ class MetricsWriter:
         from flax.metrics import tensorboard
 
         self.tensorboard = tensorboard.SummaryWriter(str(self.tensorboard_dir))
+        self.wandb = _wandb_run(wandb_project, directory, run_config) if wandb_project else None
 
     def _continue_from(self, step: int) -> None:
         kept, dropped, cut = [], 0, False
@@ -226,6 +243,8 @@ class MetricsWriter:
             if key != "step":
                 self.tensorboard.scalar(key, value, step)
         self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
 
     def write_event(self, step: int, event: str, values: dict) -> None:
         """One `{"step", "event", ...}` record (e.g. the run's goodput account); TensorBoard gets its numbers as
@@ -238,6 +257,9 @@ class MetricsWriter:
             if isinstance(value, (int, float)):
                 self.tensorboard.scalar(f"{event}/{key}", value, step)
         self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"{event}/{k}": v for k, v in values.items() if isinstance(v, (int, float))},
+                           step=int(step))
 
     def mark_start(self, step: int) -> None:
         """The ETA extrapolates from here (call after the first, compiling, step)."""
@@ -254,3 +276,5 @@ class MetricsWriter:
     def close(self) -> None:
         if self.enabled:
             self.tensorboard.close()
+            if self.wandb is not None:
+                self.wandb.finish()
