@@ -232,11 +232,14 @@ def test_a_fine_tune_can_be_made_small_and_says_how_its_evaluation_goes(tiny_ini
     data = _synthetic_glue(tmp_path / "glue")
     assert main(["finetune", "glue", "--task", "sst2", "--init", tiny_init, "--data", str(data), "--workdir",
                  str(tmp_path / "w"), "--batch-size", "8", "--max-seq-length", "32", "--max-train-examples", "40",
-                 "--max-steps", "3", "--log-every", "1", "--eval-batch-size", "16"]) == 0
+                 "--max-steps", "3", "--log-every", "1", "--eval-batch-size", "16", "--eval-every", "2",
+                 "--max-eval-examples", "20"]) == 0
     out = capsys.readouterr().out
     assert "training: 40 examples, 3 steps of 8" in out  # 160 rows, 3 epochs asked
-    steps = [json.loads(line)["step"] for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
-    # dev (48 rows) and test (10 rows) predictions, each said before and timed after
-    assert re.search(r"predicting 48 rows \(3 batches of 16\) \.\.\.\n.*\n?.*predicted 48 rows in \S+", out), out
+    records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "eval_accuracy" in r) for r in records] == [(1, False), (2, False), (2, True), (3, False)]
+    assert re.search(r"eval at step 2: accuracy=\S+", out), out
+    # dev (20 of 48 rows) and test (10 rows) predictions, each said before and timed after
+    assert re.search(r"predicting 20 rows \(2 batches of 16\) \.\.\.\n.*\n?.*predicted 20 rows in \S+", out), out
+    assert len((tmp_path / "w" / "dev_predictions.tsv").read_text().splitlines()) == 1 + 20
     assert "predicting 10 rows (1 batch of 16) ..." in out

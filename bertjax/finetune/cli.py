@@ -39,6 +39,9 @@ def register(subparsers) -> None:
     glue.add_argument("--data", required=True, help="GLUE directory (<Task>/train.tsv ...) or 'tfds[:DATA_DIR]'")
     glue.add_argument("--max-seq-length", type=int, default=128)
     glue.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
+    glue.add_argument("--eval-every", type=int, default=0, help="also record dev metrics every N steps (0: never)")
+    glue.add_argument("--max-eval-examples", type=int, default=0,
+                      help="evaluate on the first N dev examples of each split (0: all), for quick runs")
     _add_train_args(glue, learning_rate=2e-5, batch_size=32, epochs=3.0)
     glue.set_defaults(func=_glue)
 
@@ -224,6 +227,7 @@ def _glue(args: argparse.Namespace) -> int:
     route_logging_to_console()
     settings = options.from_flags(TrainSettings, args)
     common = dict(max_seq_length=args.max_seq_length, eval_each_epoch=args.eval_each_epoch,
+                  eval_every=args.eval_every, max_eval_examples=args.max_eval_examples,
                   save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)
     if args.task == "all":
         summary = glue.run_all(args.data, args.workdir, settings, init=args.init, **common)

@@ -120,12 +120,13 @@ class Trainer:
         return jnp.sum(per_example * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
 
     def train(self, arrays: dict[str, np.ndarray], epoch_end: Callable[[int, float], dict | None] | None = None,
-              workdir: str | None = None) -> dict:
+              workdir: str | None = None, evaluate_every: tuple[int, Callable[[], dict]] | None = None) -> dict:
         """Trains on `arrays` for settings.epochs (fractions allowed); calls epoch_end(epoch, seconds) after each
         (a dict it returns is logged as eval metrics). Progress goes to the console every settings.log_every steps
         and, with `workdir`, to WORKDIR/metrics.jsonl and WORKDIR/tensorboard as in pretraining; the training
         state is saved every settings.save_every steps and on SIGTERM (then Preempted is raised), and a run that
-        finds one resumes from it: the same example order and dropout masks, so the same bits."""
+        finds one resumes from it: the same example order and dropout masks, so the same bits. `evaluate_every`
+        (N, evaluate): dev metrics every N steps too, logged as eval_*."""
         s = self.settings
         n = len(arrays["input_ids"])
         if n == 0:
@@ -221,6 +222,11 @@ class Trainer:
                             writer.console(step_index, values,
                                            keys=("epoch", "loss", "learning_rate", "examples_per_s"))
                             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
+                        if evaluate_every and evaluate_every[0] and step_index % evaluate_every[0] == 0:
+                            self.params = params
+                            evaluated = evaluate_every[1]()
+                            writer.write(step_index, evaluated, prefix="eval_")
+                            console.line(f"eval at step {step_index}: {metric_text(evaluated)}")
                         if states is not None and (preemption.requested or (
                                 s.save_every and step_index % s.save_every == 0 and step_index < total_steps)):
                             states.save(step_index, params, opt_state)
