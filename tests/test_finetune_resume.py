@@ -8,6 +8,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from bertjax.checkpoint import load_model
 from bertjax.cli import main
@@ -70,3 +71,17 @@ def test_sigterm_then_rerun_ends_with_the_uninterrupted_weights(tiny_init, tmp_p
     assert "belongs to another fine-tuning run (learning_rate: 0.001 -> 0.002)" in capsys.readouterr().err
     assert main(_argv(data, tiny_init, cut, "--learning-rate", "2e-3", "--overwrite", "--epochs", "1")) == 0
     assert _steps(cut) == list(range(1, 11))
+
+
+def test_a_run_that_wrote_nothing_does_not_hold_its_workdir(tmp_path):
+    from bertjax.finetune.run_record import claim
+
+    said = []
+    assert claim(str(tmp_path), {"learning_rate": 1e-3}, overwrite=False, log=said.append) == "new"
+    # It stopped on bad input before writing anything: a corrected command is not refused.
+    assert claim(str(tmp_path), {"learning_rate": 2e-3}, overwrite=False, log=said.append) == "new"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert claim(str(tmp_path), {"learning_rate": 2e-3}, overwrite=False, log=said.append) == "resume"
+    with pytest.raises(ValueError, match=r"belongs to another fine-tuning run \(learning_rate: 0.002 -> 0.003\)"):
+        claim(str(tmp_path), {"learning_rate": 3e-3}, overwrite=False, log=said.append)
+    assert said == []

@@ -196,7 +196,7 @@ def _owned_run(job):
     @functools.wraps(job)
     def run(args: argparse.Namespace) -> int:
         from bertjax.console import Console
-        from bertjax.finetune.run_record import COMPLETED_METRICS, claim
+        from bertjax.finetune.run_record import claim
         from bertjax.finetune.trainer import Preempted
         from bertjax.workdir_lock import WorkdirLock
 
@@ -207,8 +207,8 @@ def _owned_run(job):
             record = {k: v for k, v in vars(args).items() if k not in ("func", "command", "job")}
             state = claim(args.workdir, {"job": args.job, **record}, overwrite=args.overwrite, log=console.line)
             if state == "completed":
-                console.line(f"{args.workdir} already holds this run, completed: {args.workdir}/{COMPLETED_METRICS} "
-                             f"(--overwrite runs it again)")
+                console.line(f"{args.workdir} already holds this run, completed (its metrics are there); "
+                             f"--overwrite runs it again")
                 return 0
             return job(args)
         except Preempted as stopped:

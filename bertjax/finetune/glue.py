@@ -125,6 +125,13 @@ def run_all(data: str, workdir: str, settings: TrainSettings, *, init: str, task
     loaded = load_init(init)
     rows = {}
     for name in tasks:
+        done = os.path.join(workdir, name, "metrics.json")
+        if os.path.exists(done):  # finished by an earlier, interrupted run of the same command
+            with open(done) as f:
+                result = json.load(f)
+            log.info("%s: finished earlier (%s)", name, done)
+            rows[name] = {"metrics": result["metrics"], "score": result["score"]}
+            continue
         try:
             result = run_task(name, data, os.path.join(workdir, name), settings, init=init, loaded=loaded, **kwargs)
         except FileNotFoundError as error:

@@ -16,8 +16,10 @@ from etils import epath
 RUN_RECORD = "run.json"
 TRAIN_STATE = "train_state"
 COMPLETED_METRICS = "metrics.json"
+# What a finished run leaves: its metrics (one task), or the summary of all (`finetune glue --task all`).
+COMPLETED = (COMPLETED_METRICS, "summary.json")
 # What a run writes that a rerun would be mixed with (predictions and exports are rewritten whole by each run).
-RUN_OUTPUTS = (RUN_RECORD, TRAIN_STATE, COMPLETED_METRICS, "metrics.jsonl", "tensorboard")
+RUN_OUTPUTS = (RUN_RECORD, TRAIN_STATE, *COMPLETED, "metrics.jsonl", "tensorboard")
 # Settings that change how a run is watched or saved, not what it computes: free to change on a rerun.
 FREE_KEYS = ("log_every", "save_every", "compilation_cache_dir", "eval_batch_size", "save_checkpoint", "export_hf",
              "overwrite", "verbose")
@@ -30,7 +32,9 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
     record = {k: v for k, v in json.loads(json.dumps(record)).items() if k not in FREE_KEYS}
     path = root / RUN_RECORD
     earlier = json.loads(path.read_text()) if path.exists() else None
-    mixed = earlier is None and any((root / name).exists() for name in RUN_OUTPUTS)
+    if earlier is not None and not any((root / name).exists() for name in RUN_OUTPUTS if name != RUN_RECORD):
+        earlier = None  # recorded, but it stopped before writing anything (bad input): nothing to keep
+    mixed = earlier is None and any((root / name).exists() for name in RUN_OUTPUTS if name != RUN_RECORD)
     changed = sorted(k for k in set(record) | set(earlier or {}) if (earlier or {}).get(k) != record.get(k)) \
         if earlier is not None else []
     if (changed or mixed) and not overwrite:
@@ -51,6 +55,6 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
     if earlier is None:
         path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         return "new"
-    if (root / COMPLETED_METRICS).exists():
+    if any((root / name).exists() for name in COMPLETED):
         return "completed"
     return "resume"
