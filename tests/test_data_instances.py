@@ -11,8 +11,7 @@ import pytest
 import tensorflow as tf
 
 from bertjax.data.corpus import documents_from_files
-from bertjax.data.data_config import CorpusConfig
-from bertjax.data.data_config import InstanceConfig, MaskingConfig
+from bertjax.data.data_config import CorpusConfig, InstanceConfig, MaskingConfig
 from bertjax.data.instances import Block, assemble, create_instances
 from bertjax.data.masking import Masker, masker_for_tokenizer
 from bertjax.data.stages import block_rng
@@ -328,10 +327,9 @@ def test_truncate_seq_pair_matches_the_published_loop():
 def test_nsp_that_cannot_be_formed_is_warned_in_data_create_and_pretraining(corpus, problem, tmp_path, capsys):
     from bertjax.cli import main as bertjax_main
     from bertjax.data.data_config import PretrainingDataConfig
+    from bertjax.data.demo_corpus import write_demo_corpus
     from bertjax.data.pipeline import make_pretraining_dataset
     from bertjax.pretraining.loop import _warn_about_input
-
-    from bertjax.data.demo_corpus import write_demo_corpus
 
     path, fmt = tmp_path / "corpus.txt", "sentences"
     if corpus is None:  # the demo corpus: real prose, 70 documents

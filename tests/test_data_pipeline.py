@@ -14,7 +14,11 @@ import numpy as np
 import pytest
 
 from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.data.pipeline import make_pretraining_dataset, restore_iterator, save_iterator
+from bertjax.data.pipeline import (
+    make_pretraining_dataset,
+    restore_iterator,
+    save_iterator,
+)
 from bertjax.data.tfrecord import ShardWriter, serialize_batch
 from bertjax.data.tokenizers import WordPieceTokenizer
 

@@ -2,8 +2,9 @@
 import json
 
 import pytest
-
-from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.plugin_event_accumulator import (
+    EventAccumulator,
+)
 from tensorboard.util import tensor_util
 
 from bertjax.pretraining.metrics import MetricsWriter

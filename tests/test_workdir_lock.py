@@ -10,8 +10,8 @@ import time
 import pytest
 
 from bertjax.workdir_lock import LOCK_NAME, WorkdirBusy, WorkdirLock, is_stale
-from tests.test_pretrain import _argv, _env, corpus  # noqa: F401 - the corpus fixture
 from tests.conftest import REPO_ROOT
+from tests.test_pretrain import _argv, _env, corpus  # noqa: F401 - the corpus fixture
 
 
 def test_a_second_holder_is_refused_by_name_until_the_first_releases(tmp_path):

@@ -14,7 +14,6 @@ from typing import Callable, Protocol
 
 from etils import epath
 
-
 # bertjax's exit code for bad input or configuration (bertjax/cli.py), which no restart can cure.
 USAGE_ERROR_EXIT = 2
 

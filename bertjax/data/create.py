@@ -16,8 +16,8 @@ import time
 import tensorflow as tf
 
 from bertjax.data import corpus, masking, tfrecord
-from bertjax.data.instances import nsp_warning
 from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.data.instances import nsp_warning
 from bertjax.data.stages import (
     InstanceMaker,
     finalize_batch,

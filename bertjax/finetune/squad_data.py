@@ -9,7 +9,6 @@ text is recovered by slicing the context rather than by re-tokenizing (get_final
 from __future__ import annotations
 
 import collections
-
 import dataclasses
 import json
 import logging

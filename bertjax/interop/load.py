@@ -15,8 +15,8 @@ from bertjax.console import Console
 from bertjax.data.tokenizers import WordPieceTokenizer
 from bertjax.interop.hf import hf_head, hf_lower_case, load_hf
 from bertjax.interop.hub import local_model_path
-from bertjax.model.config import BertConfig
 from bertjax.interop.tf import load_tf
+from bertjax.model.config import BertConfig
 
 
 def detect_format(src: str) -> str:

@@ -25,13 +25,13 @@ from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.errors import first_line
 from bertjax.interop.load import load_pretrained
+from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step
 from bertjax.pretraining.config import PretrainConfig, check_resume_config, validate
 from bertjax.pretraining.job import build_job_step, compile_step
-from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining.step import TooManyNonFiniteSteps
 from bertjax.workdir_lock import WorkdirLock
 
