@@ -150,38 +150,32 @@ def test_regression_export_gives_same_dev_predictions_in_transformers(tiny_init,
     _check_export(tmp_path / "work", "stsb", data, tiny_init, result["metrics"]["dev"])
 
 
-def test_non_finite_gradients_skip_updates_and_stop_the_job(tiny_init, tmp_path):
-    """Finite labels so large that the squared error overflows float32: each step's gradient norm is inf, the
-    update is skipped, and after max_consecutive_nonfinite such steps the job stops before saving anything."""
+def _overflowing_stsb(root: Path) -> Path:
+    """STS-B rows with finite labels so large that the squared error overflows float32: every gradient is inf."""
+    header = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2", "score"]
+    for split in ("train", "dev"):
+        _write(root / "STS-B" / f"{split}.tsv", [header] + [[str(i)] + ["x"] * 6 + ["a film", "a movie", "1e30"]
+                                                            for i in range(40)])
+    return root
+
+
+@pytest.mark.parametrize("patience, message", [
+    # After max_consecutive_nonfinite such steps the job stops before saving anything.
+    (3, "3 consecutive steps had a non-finite gradient"),
+    # Fewer steps (5) than that, all non-finite: the head never trained, so no score either.
+    (10, "every one of the 5 steps had a non-finite gradient"),
+])
+def test_non_finite_gradients_skip_updates_and_stop_the_job(tiny_init, tmp_path, patience, message):
     from bertjax.finetune import glue
     from bertjax.pretraining.step import TooManyNonFiniteSteps
 
-    data = tmp_path / "glue"
-    header = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2", "score"]
-    for split in ("train", "dev"):
-        _write(data / "STS-B" / f"{split}.tsv", [header] + [[str(i)] + ["x"] * 6 + ["a film", "a movie", "1e30"]
-                                                            for i in range(40)])
-    settings = TrainSettings(learning_rate=1e-3, batch_size=8, epochs=1, max_consecutive_nonfinite=3)
-    with pytest.raises(TooManyNonFiniteSteps, match="3 consecutive steps had a non-finite gradient"):
+    data = _overflowing_stsb(tmp_path / "glue")
+    settings = TrainSettings(learning_rate=1e-3, batch_size=8, epochs=1, max_consecutive_nonfinite=patience)
+    with pytest.raises(TooManyNonFiniteSteps, match=message):
         glue.run_task("stsb", str(data), str(tmp_path / "work"), settings, init=tiny_init, max_seq_length=16,
                       save_checkpoint=True)
-    assert not list((tmp_path / "work").rglob("*.safetensors")) and not list((tmp_path / "work").rglob("params"))
-
-
-def test_a_fine_tune_that_skipped_every_update_fails_without_a_score(tiny_init, tmp_path):
-    """Fewer steps than max_consecutive_nonfinite, all non-finite: the head never trained, so no metrics.json."""
-    from bertjax.finetune import glue
-    from bertjax.pretraining.step import TooManyNonFiniteSteps
-
-    data = tmp_path / "glue"
-    header = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2", "score"]
-    for split in ("train", "dev"):
-        _write(data / "STS-B" / f"{split}.tsv", [header] + [[str(i)] + ["x"] * 6 + ["a film", "a movie", "1e30"]
-                                                            for i in range(40)])
-    settings = TrainSettings(learning_rate=1e-3, batch_size=8, epochs=1, max_consecutive_nonfinite=10)
-    with pytest.raises(TooManyNonFiniteSteps, match="every one of the 5 steps had a non-finite gradient"):
-        glue.run_task("stsb", str(data), str(tmp_path / "work"), settings, init=tiny_init, max_seq_length=16)
-    assert not list((tmp_path / "work").rglob("metrics.json"))
+    written = [p.name for p in (tmp_path / "work").rglob("*")]
+    assert not [n for n in written if n.endswith(".safetensors") or n in ("params", "metrics.json")], written
 
 
 @pytest.mark.parametrize("key, value, message", [
