@@ -364,8 +364,8 @@ def test_killed_writer_leaves_no_final_shard(tmp_path):
         proc.wait(timeout=60)
     names = os.listdir(tmp_path)
     assert len(names) == 2 and all(".tmp-" in n for n in names)  # only temporary names
-    with pytest.raises(FileNotFoundError):
-        find_shards([str(tmp_path)])  # readers never pick up a half-written shard
+    with pytest.raises(ValueError, match="0 shard\\(s\\) and 2 unfinished temporary file\\(s\\)"):
+        find_shards([str(tmp_path)])  # readers never pick up a half-written shard, and say why
 
 
 def test_pipelines_wrapper_runs_data_create(tmp_path, corpus_slice, capsys):
