@@ -91,7 +91,7 @@ def test_predict_only_needs_a_span_head(tiny_init, tmp_path):
     from bertjax.finetune import squad
 
     with pytest.raises(ValueError, match="no span head"):
-        squad.run(str(tmp_path), TrainSettings(), SquadSettings(), init=tiny_init, train_file=None,
+        squad.run(str(tmp_path), TrainSettings(), SquadSettings(max_seq_length=128), init=tiny_init, train_file=None,
                   predict_file=str(_sample()))
 
 
