@@ -77,8 +77,9 @@ _OLDER_FEATURE_SPEC = {"instances_per_row": None, "masking_scheme": "token"}
 
 def shapes_from_metadata(config: PretrainingDataConfig) -> PretrainingDataConfig:
     """The config with the shapes `data create` recorded for its TFRecords (sequence length, predictions per
-    sequence, packing, masking scheme, whether NSP pairs were made): shards define their own. Shards whose metadata disagree, or TFRecords
-    without metadata, keep the config's values (and are checked against them when read)."""
+    sequence, packing, masking scheme, whether NSP pairs were made): shards define their own. Shards whose
+    metadata disagree, or TFRecords without metadata, keep the config's values (and are checked against them when
+    read)."""
     directories = sorted({os.path.dirname(f) for f in tfrecord.find_shards(config.inputs)})
     specs = {json.dumps({**_OLDER_FEATURE_SPEC, **meta.get("feature_spec", {}), "next_sentence_prediction":
                          meta.get("config", {}).get("next_sentence_prediction", True)}, sort_keys=True)

@@ -230,8 +230,9 @@ class MetricsWriter:
                     os.replace(temporary, self.jsonl_path)
                 self.console_out.line(f"{self.jsonl_path}: dropped {dropped} record(s) logged past step {step} "
                                       f"(recomputed now)" + (" and a line cut by the kill" if cut else ""))
-        if self.tensorboard_dir.exists() and any(self.tensorboard_dir.iterdir()):
-            _tensorboard_restart(str(self.tensorboard_dir), step)
+                # The same records went to TensorBoard; a clean resume (nothing past the step) needs no marker.
+                if self.tensorboard_dir.exists():
+                    _tensorboard_restart(str(self.tensorboard_dir), step)
 
     def write(self, step: int, values: dict[str, float], prefix: str = "") -> None:
         if not self.enabled:
