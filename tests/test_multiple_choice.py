@@ -139,9 +139,13 @@ def test_multiple_choice_job_learns_separable_example_and_exports(minilm_dir, tm
     work = tmp_path / "work"
     assert cli(["finetune", "multiple-choice", "--data", str(data), "--init", init, "--workdir", str(work),
                 "--max-seq-length", "32", "--learning-rate", "1e-2", "--batch-size", "16", "--epochs", "8",
-                "--eval-batch-size", "16", "--seed", "1", "--export-hf", "--save-checkpoint"]) == 0
+                "--eval-batch-size", "16", "--seed", "1", "--export-hf", "--save-checkpoint", "--eval-every",
+                "24"]) == 0
     result = json.loads((work / "metrics.json").read_text())
     assert result["metrics"]["accuracy"] >= 0.9, result
+    records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}  # 8 epochs of 6 steps
+    assert sorted(evals) == [24, 48] and evals[48] == pytest.approx(result["metrics"]["accuracy"])
     assert result["history"][-1]["train_loss"] < result["history"][0]["train_loss"] < 1.5  # ln 4 = 1.386 at chance
     with open(work / "val_predictions.csv", newline="") as f:
         predictions = list(csv.DictReader(f))

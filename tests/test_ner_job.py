@@ -40,7 +40,8 @@ def test_cli_finetune_ner_writes_predictions_metrics_and_hf_export(shared_data, 
     work = tmp_path / "work"
     rc = main(["finetune", "ner", "--data", str(data), "--init", init, "--workdir", str(work), "--epochs", "4",
                "--batch-size", "16", "--learning-rate", "3e-3", "--max-seq-length", "64", "--doc-stride", "32",
-               "--eval-batch-size", "32", "--length-bucket", "64", "--save-checkpoint", "--export-hf"])
+               "--eval-batch-size", "32", "--length-bucket", "64", "--save-checkpoint", "--export-hf",
+               "--eval-every", "6", "--max-eval-examples", "40"])
     assert rc == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     result = json.loads((work / "metrics.json").read_text())
@@ -51,9 +52,14 @@ def test_cli_finetune_ner_writes_predictions_metrics_and_hf_export(shared_data, 
     assert result["num_train_sentences"] == 48 and len(result["seconds_per_epoch"]) == 4
     history = [h["train_loss"] for h in result["history"]]
     assert history[-1] < history[0]  # it learns (a random tiny encoder gets far from chance on the O tags)
+    # --eval-every 6 of 12 steps: valid's entity scores, the last equal to the final ones
+    records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in records if "eval_f1" in r}
+    assert sorted(evals) == [6, 12]
+    assert evals[12]["eval_f1"] == pytest.approx(result["metrics"]["valid"]["overall"]["f1"])
 
     for split in ("valid", "test"):
-        gold = ner_data.read_conll(str(data / f"{split}.txt"))
+        gold = ner_data.read_conll(str(data / f"{split}.txt")).head(40)  # --max-eval-examples 40
         pred_file = ner_data.read_conll(str(work / f"predictions_{split}.txt"))  # word gold predicted
         assert pred_file.words == gold.words
         lines = [l.split() for l in (work / f"predictions_{split}.txt").read_text().splitlines() if l.strip()]
@@ -74,7 +80,8 @@ def test_cli_finetune_ner_writes_predictions_metrics_and_hf_export(shared_data, 
     fine_tuned = load_pretrained(str(work / "checkpoint"))
     assert set(fine_tuned.params) == {"bert", "classifier"} and "pooler" not in fine_tuned.params["bert"]
     _, tokenizer = load_init(init)
-    feats = ner_data.featurize(ner_data.read_conll(str(data / "valid.txt")), tokenizer, None, 64, 32).arrays
+    feats = ner_data.featurize(ner_data.read_conll(str(data / "valid.txt")).head(40), tokenizer, None, 64,
+                               32).arrays
     ours = np.asarray(BertForTokenClassification(fine_tuned.config, len(labels)).apply(
         {"params": jax.device_get(fine_tuned.params)}, feats["input_ids"], feats["input_mask"], feats["segment_ids"]))
     model = transformers.BertForTokenClassification.from_pretrained(str(work / "hf")).eval()

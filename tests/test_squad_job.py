@@ -37,10 +37,19 @@ def test_squad_v2_job_outputs_metrics_and_hf_export(tiny_init, tmp_path):
     sample = str(_sample())
     work = tmp_path / "work"
     settings = SquadSettings(version="2.0", max_seq_length=128, doc_stride=32, max_query_length=32)
-    result = squad.run(str(work), TrainSettings(learning_rate=1e-3, batch_size=8, epochs=3, seed=0), settings,
-                       init=tiny_init, train_file=sample, predict_file=sample, save_checkpoint=True, export_hf=True)
+    result = squad.run(str(work), TrainSettings(learning_rate=1e-3, batch_size=8, epochs=3, seed=0, eval_every=4),
+                       settings, init=tiny_init, train_file=sample, predict_file=sample, save_checkpoint=True,
+                       export_hf=True)
     assert result["num_train_examples"] == 14 and result["num_train_windows"] > 14  # several windows each
     assert result["history"][-1]["train_loss"] < result["history"][0]["train_loss"]
+    # --eval-every: the official metrics every 4 steps; at the last step they are the final ones
+    records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in records if "eval_f1" in r}
+    assert sorted(evals) == list(range(4, result["total_steps"] + 1, 4))
+    if result["total_steps"] % 4 == 0:
+        last = evals[result["total_steps"]]
+        assert (last["eval_exact"], last["eval_f1"]) == pytest.approx((result["metrics"]["exact"],
+                                                                         result["metrics"]["f1"]))
 
     data = json.loads(Path(sample).read_text(encoding="utf-8"))
     preds = json.loads((work / "predictions.json").read_text(encoding="utf-8"))
@@ -71,6 +80,12 @@ def test_squad_v2_job_outputs_metrics_and_hf_export(tiny_init, tmp_path):
         version="2.0", max_seq_length=128, doc_stride=32, max_query_length=32, null_score_diff_threshold=best),
         init=str(work / "checkpoint"), train_file=None, predict_file=sample)
     assert rerun["metrics"]["f1"] == pytest.approx(result["metrics"]["best_f1"])
+    # --max-eval-examples: the first questions of the predict file only, scored on themselves
+    first = squad.run(str(tmp_path / "first"), TrainSettings(max_eval_examples=5), settings,
+                      init=str(work / "checkpoint"), train_file=None, predict_file=sample)
+    first_ids = [qa["id"] for a in data["data"] for p in a["paragraphs"] for qa in p["qas"]][:5]
+    assert list(json.loads((tmp_path / "first" / "predictions.json").read_text())) == first_ids
+    assert first["metrics"]["total"] == 5
 
     # HF export: same start/end logits on the predict windows, hence the same predictions.
     ckpt, tokenizer = load_init(tiny_init)

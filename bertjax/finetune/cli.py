@@ -39,9 +39,6 @@ def register(subparsers) -> None:
     glue.add_argument("--data", required=True, help="GLUE directory (<Task>/train.tsv ...) or 'tfds[:DATA_DIR]'")
     glue.add_argument("--max-seq-length", type=int, default=128)
     glue.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
-    glue.add_argument("--eval-every", type=int, default=0, help="also record dev metrics every N steps (0: never)")
-    glue.add_argument("--max-eval-examples", type=int, default=0,
-                      help="evaluate on the first N dev examples of each split (0: all), for quick runs")
     _add_train_args(glue, learning_rate=2e-5, batch_size=32, epochs=3.0)
     glue.set_defaults(func=_glue)
 
@@ -60,6 +57,8 @@ def register(subparsers) -> None:
                           help="logreg: LogisticRegressionCV (STS-B: RidgeCV)")
     features.add_argument("--max-train-examples", type=int,
                           help="fit on a seeded random subset of this many training examples (CPU budgets)")
+    features.add_argument("--max-eval-examples", type=int, default=0,
+                          help="score the first N dev examples of each split (0: all), for quick runs")
     features.add_argument("--max-seq-length", type=int, default=128)
     features.add_argument("--batch-size", type=int, default=64, help="sequences per feature-extraction step")
     features.add_argument("--cv-folds", type=int, default=5)
@@ -227,7 +226,6 @@ def _glue(args: argparse.Namespace) -> int:
     route_logging_to_console()
     settings = options.from_flags(TrainSettings, args)
     common = dict(max_seq_length=args.max_seq_length, eval_each_epoch=args.eval_each_epoch,
-                  eval_every=args.eval_every, max_eval_examples=args.max_eval_examples,
                   save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)
     if args.task == "all":
         summary = glue.run_all(args.data, args.workdir, settings, init=args.init, **common)
@@ -246,7 +244,8 @@ def _features(args: argparse.Namespace) -> int:
     route_logging_to_console()
     result = features.run_task(args.task, args.data, args.workdir, init=args.init, layers=args.layers,
                                pooling=args.pooling, classifier=args.classifier, max_seq_length=args.max_seq_length,
-                               max_train_examples=args.max_train_examples, batch_size=args.batch_size,
+                               max_train_examples=args.max_train_examples,
+                               max_eval_examples=args.max_eval_examples, batch_size=args.batch_size,
                                cv_folds=args.cv_folds, seed=args.seed)
     _say_outputs(args.workdir)
     print(json.dumps({k: result[k] for k in ("task", "metrics", "score", "layers", "pooling",

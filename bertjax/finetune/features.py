@@ -85,8 +85,8 @@ def fit_predict(train_x: np.ndarray, train_y: np.ndarray, eval_x: np.ndarray, *,
 
 def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None, loaded=None,
              layers: str = "last", pooling: str = "cls", classifier: str = "logreg", max_seq_length: int = 128,
-             max_train_examples: int | None = None, batch_size: int = 64, cv_folds: int = 5,
-             seed: int = 42) -> dict:
+             max_train_examples: int | None = None, max_eval_examples: int = 0, batch_size: int = 64,
+             cv_folds: int = 5, seed: int = 42) -> dict:
     """Extract features, fit, score the dev split(s), writing into `workdir`; returns the metrics.json content."""
     from bertjax.interop.load import load_init
 
@@ -110,7 +110,7 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
         return encoded_features(ckpt, arrays, layers=layers, pooling=pooling, batch_size=batch_size)
 
     train_x = features(train)
-    dev = {split.name: splits[f"dev:{split.name}"] for split in task.splits}
+    dev = {split.name: splits[f"dev:{split.name}"].head(max_eval_examples) for split in task.splits}
     dev_x = {name: features(examples) for name, examples in dev.items()}
     tests = {split: splits[f"test:{split.name}"] for split in task.splits if f"test:{split.name}" in splits}
     test_x = [features(examples) for examples in tests.values()]

@@ -45,9 +45,8 @@ def _read_diagnostic(data: str) -> glue_data.Examples | None:
 
 def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *, init: str | None = None,
              loaded=None, max_seq_length: int = 128, eval_each_epoch: bool = False, save_checkpoint: bool = False,
-             export_hf: bool = False, eval_every: int = 0, max_eval_examples: int = 0) -> dict:
-    """Fine-tune and evaluate one task, writing into `workdir`; returns the metrics.json content. `eval_every`:
-    dev metrics every N steps too; `max_eval_examples`: evaluate on the first N dev examples of each split."""
+             export_hf: bool = False) -> dict:
+    """Fine-tune and evaluate one task, writing into `workdir`; returns the metrics.json content."""
     task = glue_data.get_task(task_name)
     splits = glue_data.load_task(task, data)
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
@@ -60,9 +59,9 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     loss = regression_loss if task.is_regression else classification_loss
     trainer = Trainer(module, ckpt.config, ckpt.params, loss, settings, source=init or "checkpoint")
     features = {name: glue_data.featurize(ex, tokenizer, max_seq_length) for name, ex in splits.items()}
-    if max_eval_examples:
-        features.update({name: {k: v[:max_eval_examples] for k, v in f.items()} for name, f in features.items()
-                         if name.startswith("dev:")})
+    if settings.max_eval_examples:
+        features.update({name: {k: v[:settings.max_eval_examples] for k, v in f.items()}
+                         for name, f in features.items() if name.startswith("dev:")})
 
     def evaluate(write_predictions: bool = False) -> dict:
         metrics, rows = {}, []
@@ -89,7 +88,7 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
                 for k, v in values.items()}
 
     train_info = trainer.train(features["train"], epoch_end=epoch_end if eval_each_epoch else None,
-                               workdir=out_dir, evaluate_every=(eval_every, lambda: flat(evaluate())))
+                               workdir=out_dir, evaluate=lambda: flat(evaluate()))
     metrics = evaluate(write_predictions=True)
     for i, m in enumerate(per_epoch):
         train_info["history"][i]["dev"] = m

@@ -113,6 +113,13 @@ class Examples:
     def __len__(self) -> int:
         return len(self.guids)
 
+    def head(self, n: int) -> "Examples":
+        """The first `n` examples (all of them for n = 0)."""
+        if not n:
+            return self
+        return Examples(self.guids[:n], self.text_a[:n], None if self.text_b is None else self.text_b[:n],
+                        None if self.labels is None else self.labels[:n])
+
 
 def get_task(name: str) -> GlueTask:
     key = name.lower().replace("-", "")

@@ -44,7 +44,7 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
     train = swag_data.read_swag(os.path.join(data, "train.csv"))
     if train.labels is None:
         raise ValueError(f"{os.path.join(data, 'train.csv')}: no label column; the training file needs one")
-    val = swag_data.read_swag(os.path.join(data, "val.csv"))
+    val = swag_data.head(swag_data.read_swag(os.path.join(data, "val.csv")), settings.max_eval_examples)
     test_path = os.path.join(data, "test.csv")
     test = swag_data.read_swag(test_path) if os.path.exists(test_path) else None
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
@@ -56,7 +56,12 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
                       source=init or "checkpoint")
     features = {"train": swag_data.featurize(train, tokenizer, max_seq_length),
                 "val": swag_data.featurize(val, tokenizer, max_seq_length)}
-    train_info = trainer.train(features["train"], workdir=workdir)
+
+    def evaluate() -> dict:
+        return {"accuracy": glue_metrics.accuracy(np.argmax(trainer.predict(features["val"]), axis=-1), val.labels)}
+
+    train_info = trainer.train(features["train"], workdir=workdir,
+                               evaluate=evaluate if val.labels is not None else None)
 
     val_logits = trainer.predict(features["val"])
     write_predictions(os.path.join(workdir, "val_predictions.csv"), val, val_logits)

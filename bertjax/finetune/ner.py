@@ -30,7 +30,8 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
         save_checkpoint: bool = False, export_hf: bool = False) -> dict:
     """Fine-tune and evaluate; returns the metrics.json content. `loaded`: (checkpoint, tokenizer) already read."""
     splits = ner_data.read_conll_dir(data)
-    train = splits["train"].head(ner.max_train_sentences)
+    train = splits["train"]  # settings.max_train_examples subsets its windows in the Trainer
+    evaluated = {split: splits[split].head(settings.max_eval_examples) for split in ("valid", "test") if split in splits}
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     ckpt.config.check_length(ner.max_seq_length, "--max-seq-length")
     os.makedirs(workdir, exist_ok=True)
@@ -42,21 +43,28 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
     log.info("train: %d sentences -> %d windows, %d labels", len(train), len(train_features), len(labels))
     trainer = Trainer(BertForTokenClassification(ckpt.config, len(labels)), ckpt.config, ckpt.params,
                       token_classification_loss, settings, source=init)
-    train_info = trainer.train(train_features.arrays, workdir=workdir)
+    eval_features = {split: ner_data.featurize(sentences, tokenizer, None, **window)
+                     for split, sentences in evaluated.items()}
+
+    def predict(split: str) -> list:
+        logits = trainer.predict(eval_features[split].arrays, per_token=True)
+        return ner_data.decode(eval_features[split], logits, evaluated[split], labels)
+
+    def evaluate_valid() -> dict:
+        overall = ner_metrics.entity_scores(evaluated["valid"].tags, predict("valid"))["overall"]
+        return {k: float(v) for k, v in overall.items()}
+
+    train_info = trainer.train(train_features.arrays, workdir=workdir,
+                               evaluate=evaluate_valid if "valid" in evaluated else None)
 
     metrics = {}
-    for split in ("valid", "test"):
-        if split not in splits:
-            continue
-        sentences = splits[split]
-        features = ner_data.featurize(sentences, tokenizer, None, **window)
-        logits = trainer.predict(features.arrays, per_token=True)
-        predicted = ner_data.decode(features, logits, sentences, labels)
+    for split, sentences in evaluated.items():
+        predicted = predict(split)
         ner_data.write_predictions(os.path.join(workdir, f"predictions_{split}.txt"), sentences, predicted)
         metrics[split] = ner_metrics.entity_scores(sentences.tags, predicted)
         overall = metrics[split]["overall"]
         log.info("%s: precision %.4f recall %.4f F1 %.4f (%d sentences, %d windows)", split, overall["precision"],
-                 overall["recall"], overall["f1"], len(sentences), len(features))
+                 overall["recall"], overall["f1"], len(sentences), len(eval_features[split]))
 
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
                      architecture="BertForTokenClassification", id2label=dict(enumerate(labels)))

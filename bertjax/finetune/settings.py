@@ -28,6 +28,9 @@ class TrainSettings:
     max_steps: int = option(0, "stop after this many steps (0: the epochs decide); the schedule spans them")
     max_train_examples: int = option(0, "train on a seeded random subset of this many training rows (a SQuAD or "
                                      "NER window counts as one; 0: all), for quick runs")
+    max_eval_examples: int = option(0, "evaluate on the first N examples of each evaluated split (GLUE dev rows, "
+                                    "SQuAD questions, NER sentences, multiple-choice rows; 0: all), for quick runs")
+    eval_every: int = option(0, "also record dev metrics every N steps (0: only at the end)")
     save_every: int = option(1000, "steps between saves of the training state in WORKDIR/train_state (a rerun of "
                              "the same command resumes from the newest, bit-exactly; SIGTERM saves too); 0: only "
                              "on SIGTERM")
@@ -43,7 +46,7 @@ class TrainSettings:
         for name in ("weight_decay", "max_grad_norm"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("save_every", "max_steps", "max_train_examples"):
+        for name in ("save_every", "max_steps", "max_train_examples", "max_eval_examples", "eval_every"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
         for name in ("batch_size", "eval_batch_size", "length_bucket", "log_every", "max_consecutive_nonfinite"):
@@ -80,7 +83,6 @@ class NerSettings:
 
     max_seq_length: int = option(128, "tokens per window, [CLS] and [SEP] included")
     doc_stride: int = option(64, "sub-tokens between window starts when a sentence needs several windows")
-    max_train_sentences: int = option(0, "train on the first N sentences of train.txt only (0: all)")
 
     def __post_init__(self):
         if self.max_seq_length < 3:
@@ -88,5 +90,3 @@ class NerSettings:
         if not 1 <= self.doc_stride <= self.max_seq_length - 2:
             raise ValueError(f"doc_stride={self.doc_stride} must be in [1, max_seq_length - 2 = "
                              f"{self.max_seq_length - 2}]")
-        if self.max_train_sentences < 0:
-            raise ValueError(f"max_train_sentences={self.max_train_sentences} must be >= 0")

@@ -36,6 +36,24 @@ def best_threshold(dataset: list, best_non_null: dict[str, str], null_odds: dict
     return out
 
 
+def first_questions(data: dict, n: int) -> dict:
+    """The SQuAD JSON with only its first `n` questions (all of them for n = 0); emptied paragraphs and articles
+    are dropped."""
+    if not n:
+        return data
+    articles = []
+    for article in data["data"]:
+        paragraphs = []
+        for paragraph in article["paragraphs"]:
+            qas = paragraph["qas"][:n]
+            n -= len(qas)
+            if qas:
+                paragraphs.append({**paragraph, "qas": qas})
+        if paragraphs:
+            articles.append({**article, "paragraphs": paragraphs})
+    return {**data, "data": articles}
+
+
 def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, init: str, train_file: str | None,
         predict_file: str | None, save_checkpoint: bool = False, export_hf: bool = False) -> dict:
     if not train_file and not predict_file:
@@ -51,35 +69,49 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
                      max_query_length=squad.max_query_length)
     result: dict = {"settings": dataclasses.asdict(squad), "train_settings": dataclasses.asdict(train_settings),
                     "init": init}
+    if predict_file:
+        predict_data = first_questions(squad_data.load_squad_json(predict_file), train_settings.max_eval_examples)
+        predict_examples, predict_feats = squad_data.featurize(predict_data, tokenizer, ckpt.lower_case, False,
+                                                               squad.version_2, source=predict_file, **featurize)
+        scored = any(qa.get("answers") or qa.get("is_impossible") for a in predict_data["data"]
+                     for p in a["paragraphs"] for qa in p["qas"])
+
+    def predict() -> tuple:
+        start_logits, end_logits = trainer.predict(predict_feats.arrays(), per_token=True)
+        started = time.perf_counter()
+        answers = predict_answers(predict_examples, predict_feats, start_logits, end_logits, squad.n_best_size,
+                                  squad.max_answer_length, squad.version_2, squad.null_score_diff_threshold)
+        return answers, time.perf_counter() - started
+
+    def score(preds: dict, null_odds: dict, best_non_null: dict) -> dict:
+        version = "2.0" if squad.version_2 else "1.1"
+        metrics = squad_metrics.evaluate(predict_data, preds, null_odds if squad.version_2 else None, version=version)
+        if squad.version_2:
+            metrics.update(best_threshold(predict_data["data"], best_non_null, null_odds))
+        return metrics
+
+    def evaluate() -> dict:
+        (preds, _, null_odds, best_non_null), _ = predict()
+        return {k: float(v) for k, v in score(preds, null_odds, best_non_null).items() if isinstance(v, (int, float))}
+
     if train_file:
         data = squad_data.load_squad_json(train_file)
         examples, feats = squad_data.featurize(data, tokenizer, ckpt.lower_case, True, squad.version_2,
                                                source=train_file, **featurize)
         log.info("train: %d questions -> %d windows", len(examples), len(feats))
-        result.update(trainer.train(feats.arrays(), workdir=workdir), num_train_examples=len(examples), num_train_windows=len(feats))
+        result.update(trainer.train(feats.arrays(), workdir=workdir,
+                                    evaluate=evaluate if predict_file and scored else None),
+                      num_train_examples=len(examples), num_train_windows=len(feats))
         result["seconds_per_epoch"] = [h["seconds"] for h in result["history"]]
     if predict_file:
-        data = squad_data.load_squad_json(predict_file)
-        examples, feats = squad_data.featurize(data, tokenizer, ckpt.lower_case, False, squad.version_2,
-                                               source=predict_file, **featurize)
-        start_logits, end_logits = trainer.predict(feats.arrays(), per_token=True)
-        started = time.perf_counter()
-        preds, nbest, null_odds, best_non_null = predict_answers(
-            examples, feats, start_logits, end_logits, squad.n_best_size, squad.max_answer_length,
-            squad.version_2, squad.null_score_diff_threshold)
-        seconds = time.perf_counter() - started
-        result["postprocess_seconds_per_1k_questions"] = 1000.0 * seconds / max(len(examples), 1)
+        (preds, nbest, null_odds, best_non_null), seconds = predict()
+        result["postprocess_seconds_per_1k_questions"] = 1000.0 * seconds / max(len(predict_examples), 1)
         _write_json(os.path.join(workdir, "predictions.json"), preds)
         _write_json(os.path.join(workdir, "nbest_predictions.json"), nbest)
         if squad.version_2:
             _write_json(os.path.join(workdir, "null_odds.json"), null_odds)
-        if any(qa.get("answers") or qa.get("is_impossible") for a in data["data"] for p in a["paragraphs"]
-               for qa in p["qas"]):
-            version = "2.0" if squad.version_2 else "1.1"
-            metrics = squad_metrics.evaluate(data, preds, null_odds if squad.version_2 else None, version=version)
-            if squad.version_2:
-                metrics.update(best_threshold(data["data"], best_non_null, null_odds))
-            result["metrics"] = metrics  # printed once, as JSON, by the command
+        if scored:
+            result["metrics"] = score(preds, null_odds, best_non_null)  # printed once, as JSON, by the command
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
                      architecture="BertForQuestionAnswering")
     _write_json(os.path.join(workdir, "metrics.json"), result)

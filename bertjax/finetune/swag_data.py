@@ -33,6 +33,14 @@ class ChoiceExamples:
         return len(self.ids)
 
 
+def head(examples: ChoiceExamples, n: int) -> ChoiceExamples:
+    """The first `n` examples (all of them for n = 0)."""
+    if not n:
+        return examples
+    labels = None if examples.labels is None else examples.labels[:n]
+    return ChoiceExamples(examples.ids[:n], examples.contexts[:n], examples.endings[:n], labels)
+
+
 def read_swag(path: str) -> ChoiceExamples:
     """One SWAG CSV file (train.csv, val.csv or test.csv)."""
     if not os.path.exists(path):

@@ -120,13 +120,13 @@ class Trainer:
         return jnp.sum(per_example * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
 
     def train(self, arrays: dict[str, np.ndarray], epoch_end: Callable[[int, float], dict | None] | None = None,
-              workdir: str | None = None, evaluate_every: tuple[int, Callable[[], dict]] | None = None) -> dict:
+              workdir: str | None = None, evaluate: Callable[[], dict] | None = None) -> dict:
         """Trains on `arrays` for settings.epochs (fractions allowed); calls epoch_end(epoch, seconds) after each
         (a dict it returns is logged as eval metrics). Progress goes to the console every settings.log_every steps
         and, with `workdir`, to WORKDIR/metrics.jsonl and WORKDIR/tensorboard as in pretraining; the training
         state is saved every settings.save_every steps and on SIGTERM (then Preempted is raised), and a run that
-        finds one resumes from it: the same example order and dropout masks, so the same bits. `evaluate_every`
-        (N, evaluate): dev metrics every N steps too, logged as eval_*."""
+        finds one resumes from it: the same example order and dropout masks, so the same bits. `evaluate`: dev
+        metrics (a flat dict), recorded as eval_* every settings.eval_every steps."""
         s = self.settings
         n = len(arrays["input_ids"])
         if n == 0:
@@ -222,9 +222,9 @@ class Trainer:
                             writer.console(step_index, values,
                                            keys=("epoch", "loss", "learning_rate", "examples_per_s"))
                             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
-                        if evaluate_every and evaluate_every[0] and step_index % evaluate_every[0] == 0:
+                        if evaluate and s.eval_every and step_index % s.eval_every == 0:
                             self.params = params
-                            evaluated = evaluate_every[1]()
+                            evaluated = evaluate()
                             writer.write(step_index, evaluated, prefix="eval_")
                             console.line(f"eval at step {step_index}: {metric_text(evaluated)}")
                         if states is not None and (preemption.requested or (
