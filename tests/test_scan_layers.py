@@ -165,6 +165,33 @@ def test_hidden_states_are_sown_per_layer_under_scan():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_remat_recomputes_the_same_loss_and_gradients_dropout_included(scan):
+    """model.remat ("dots", "full") recomputes parts of each layer in the backward pass: with dropout on, the
+    recomputed masks are the same (hash bits from the same keys), so loss and gradients equal the kept ones'."""
+    config = CONFIGS["four_layers"].replace(scan_layers=scan, hidden_dropout_prob=0.1,
+                                            attention_probs_dropout_prob=0.1)
+    batch = _batches(1, seed=7)[0]
+    params = model_lib.init_params(model_lib.BertForPreTraining(config), config, jax.random.key(0))
+    params = nn.unbox(params)
+    results, losses = {}, {}
+    for remat in ("none", "dots", "full"):
+        model = model_lib.BertForPreTraining(config.replace(remat=remat))
+
+        def loss(p, model=model):
+            outputs = train_step.forward(model, p, batch, deterministic=False, rng=jax.random.key(5))
+            return train_step.summarize(train_step.pretraining_sums(outputs, batch), nsp_loss=True)["loss"]
+
+        losses[remat] = loss
+        results[remat] = jax.device_get(jax.jit(jax.value_and_grad(loss))(params))
+    for remat in ("dots", "full"):
+        np.testing.assert_allclose(float(results[remat][0]), float(results["none"][0]), rtol=1e-6)
+        _assert_close(results[remat][1], results["none"][1])
+    # and the remat is real: only the rematerialised programs hold a checkpoint (remat) region
+    programs = {remat: str(jax.make_jaxpr(jax.grad(loss))(params)) for remat, loss in losses.items()}
+    assert [remat for remat, program in programs.items() if "checkpoint[" in program] == ["dots", "full"]
+
+
 def test_a_scanned_checkpoint_reads_and_exports_as_the_unrolled_one(tmp_path):
     """load_model hands out the per-layer layout; the HF export is the same bytes; --init stacks a per-layer
     checkpoint for a scanned model (merge_params)."""

@@ -209,6 +209,21 @@ class Layer(nn.Module):
         return _constrain(out, ("activation_batch", "activation_length", "activation_embed"))
 
 
+# What each `config.remat` keeps for the backward pass; the rest of a layer is recomputed there.
+_REMAT_POLICIES = {"dots": jax.checkpoint_policies.checkpoint_dots,
+                   "full": jax.checkpoint_policies.nothing_saveable}
+
+
+def remat_layer(config: BertConfig):
+    """The encoder layer class, rematerialised as `config.remat` says (the same params and values either way)."""
+    if config.remat == "none":
+        return Layer
+    # `deterministic` (argument 4, counting the module) is a Python bool that dropout branches on. Inside a scan
+    # the loop already keeps XLA from merging the recomputation into the forward pass, so no CSE barrier is needed.
+    return nn.remat(Layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers,
+                    static_argnums=(4,))
+
+
 class BertModel(nn.Module):
     """Embeddings, encoder and pooler. Returns (sequence_output [B, L, H], pooled_output [B, H]).
 
@@ -223,10 +238,11 @@ class BertModel(nn.Module):
 
     def setup(self):
         self.embeddings = Embeddings(self.config)
+        layer = remat_layer(self.config)
         if self.config.scan_layers:
-            self.layers = Layer(self.config)  # params bert/layers/..., stacked by `_scan_layers`
+            self.layers = layer(self.config)  # params bert/layers/..., stacked by `_scan_layers`
         else:
-            self.layers = [Layer(self.config, name=f"layer_{i}") for i in range(self.config.num_hidden_layers)]
+            self.layers = [layer(self.config, name=f"layer_{i}") for i in range(self.config.num_hidden_layers)]
         if self.add_pooler:
             self.pooler = nn.Dense(self.config.hidden_size, dtype=_dtype(self.config), param_dtype=jnp.float32,
                                    kernel_init=_kernel_init(self.config, ("embed", "embed_out")),

@@ -24,6 +24,7 @@ BERT_CONFIG_KEYS = (
 # "gelu_new" / "gelu_pytorch_tanh" (what Google's TF code computed although its configs say "gelu").
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "tanh", "silu", "swish")
 DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "dots", "full")
 ATTENTION_BACKENDS = ("auto", "reference", "dot_product", "cudnn", "pallas_tpu", "splash_tpu",
                       "flash_dropout_tpu")
 
@@ -61,6 +62,10 @@ class BertConfig:
     # The encoder layers as one `nn.scan` over stacked params (`bert/layers/...`, leading axis = layer): XLA compiles
     # one layer instead of num_hidden_layers. Checkpoints record it here; `load_model` hands out the per-layer layout.
     scan_layers: bool = False
+    # Rematerialisation of each encoder layer in the backward pass (jax.checkpoint): "none" keeps every activation
+    # the gradient needs; "dots" keeps only the matmul outputs and recomputes the rest (softmax, GELU, LayerNorm,
+    # dropout); "full" keeps only each layer's input and recomputes the layer (~1/3 more FLOPs, least memory).
+    remat: str = "none"
 
     def __post_init__(self):
         problems = []
@@ -79,6 +84,8 @@ class BertConfig:
                 problems.append(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
             problems.append(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
+        if self.remat not in REMAT_POLICIES:
+            problems.append(f"unknown remat {self.remat!r}; expected one of {', '.join(REMAT_POLICIES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             problems.append(f"unknown attention_backend {self.attention_backend!r}; "
                             f"expected one of {', '.join(ATTENTION_BACKENDS)}")
