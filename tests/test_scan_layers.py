@@ -187,9 +187,9 @@ def test_remat_recomputes_the_same_loss_and_gradients_dropout_included(scan):
     for remat in ("dots", "full"):
         np.testing.assert_allclose(float(results[remat][0]), float(results["none"][0]), rtol=1e-6)
         _assert_close(results[remat][1], results["none"][1])
-    # and the remat is real: only the rematerialised programs hold a checkpoint (remat) region
+    # and the remat is real: only the rematerialised programs recompute in the backward pass (JAX's remat2)
     programs = {remat: str(jax.make_jaxpr(jax.grad(loss))(params)) for remat, loss in losses.items()}
-    assert [remat for remat, program in programs.items() if "checkpoint[" in program] == ["dots", "full"]
+    assert [remat for remat, program in programs.items() if "remat2[" in program] == ["dots", "full"]
 
 
 def test_a_scanned_checkpoint_reads_and_exports_as_the_unrolled_one(tmp_path):
