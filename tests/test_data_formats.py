@@ -308,3 +308,20 @@ def test_parquet_memory_stays_flat_from_1x_to_20x(corpus, tmp_path):
         assert int(out[0]) == len(texts)
         peaks[scale] = int(out[1])
     assert peaks[20] - peaks[1] < 100, peaks
+
+
+def test_beam_data_create_writes_the_text_files_records(corpus, tmp_path):
+    """`data create --runner beam` (DirectRunner) reads the same formats through the same per-file reader:
+    Parquet, zstd JSON Lines and a save_to_disk directory give the text file's records, shard by shard."""
+    pytest.importorskip("apache_beam")
+    from bertjax.data.beam_create import create_with_beam
+
+    def create(name):
+        out = tmp_path / name
+        create_with_beam(_config(corpus, name, dupe_factor=2, masking="static"), str(out), 2, log=lambda *_: None)
+        return [[r.numpy() for r in tf.data.TFRecordDataset(str(p))] for p in sorted(out.glob("*.tfrecord"))]
+
+    expected = create("wiki.txt")
+    assert sum(map(len, expected)) > 200
+    for name in ("wiki.parquet", "wiki.jsonl.zst", "saved"):
+        assert create(name) == expected, name
