@@ -32,6 +32,7 @@ import gzip
 import io
 import itertools
 import json
+import logging
 import os
 import threading
 from typing import Callable, Iterator, Sequence
@@ -109,8 +110,9 @@ def hf_dataset_files(spec: str) -> list[str]:
     name, _, config = name.partition(":")
     config, split = config or "default", split or "train"
     try:
-        folder = huggingface_hub.snapshot_download(name, repo_type="dataset", revision="refs/convert/parquet",
-                                                   allow_patterns=[f"{config}/{split}/*.parquet"])
+        folder = huggingface_hub.snapshot_download(
+            name, repo_type="dataset", revision="refs/convert/parquet",
+            allow_patterns=[f"{config}/{split}/*.parquet", f"{config}/partial-{split}/*.parquet"])
     except errors.LocalEntryNotFoundError:
         raise FileNotFoundError(
             f"{spec}: the dataset's Parquet files are not in the hub cache ({huggingface_hub.constants.HF_HUB_CACHE})"
@@ -121,6 +123,12 @@ def hf_dataset_files(spec: str) -> list[str]:
         raise FileNotFoundError(f"{spec}: the Hugging Face hub has no dataset {name} with Parquet files that this "
                                 f"machine can read ({type(error).__name__})") from None
     files = sorted(tf.io.gfile.glob(os.path.join(folder, config, split, "*.parquet")))
+    if not files:  # the hub converts only the first 5 GB of a larger split, under partial-SPLIT
+        files = sorted(tf.io.gfile.glob(os.path.join(folder, config, f"partial-{split}", "*.parquet")))
+        if files:
+            logging.getLogger(__name__).warning(
+                "%s: the hub's Parquet conversion holds only part of split %r (partial-%s, its first 5 GB); for the "
+                "whole split, download the dataset's own files and give their directory", spec, split, split)
     if not files:
         raise FileNotFoundError(f"{spec}: no Parquet files for config {config!r}, split {split!r} in {folder}")
     return files
