@@ -273,6 +273,18 @@ def test_bad_input_is_named_by_file_and_line(corpus, tmp_path):
             _documents(str(root / name), "jsonl")
 
 
+def test_data_create_tells_a_bad_record_in_one_line(corpus, tmp_path, capsys):
+    """Found while tf.data reads (inside TensorFlow's error): the command line prints the reader's one line."""
+    from bertjax.cli import main as bertjax_main
+
+    (tmp_path / "f.jsonl").write_text('{"text": "One. Two."}\n{"id": 9, "body": "x"}\n')
+    assert bertjax_main(["data", "create", "--input", str(tmp_path / "f.jsonl"), "--format", "jsonl", "--vocab",
+                         corpus["vocab"], "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"bertjax data: error: {tmp_path / 'f.jsonl'}: line 2: expected a JSON object with a "
+                       "'text' field (fields: id, body; set data.text_field / --text-field)")
+
+
 def test_damage_in_records_is_counted_as_in_text(tmp_path):
     """Invalid UTF-8 inside a JSON string and an over-long line: replaced/cut and counted, as in text files."""
     (tmp_path / "d.jsonl").write_bytes(b'{"text": "caf\xe9 ok.\\nFine line.\\n' + b"x" * 50 + b'"}\n{"text": ""}\n')

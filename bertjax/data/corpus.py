@@ -387,6 +387,11 @@ def file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
     return _file_documents(path, config)
 
 
+class CorpusError(ValueError):
+    """Bad input found while a file is read inside tf.data (a numpy_function): TensorFlow wraps it in its own error,
+    in which the command line finds it by this name and tells it in one line."""
+
+
 # Units of a file read until one is empty (their number is found by reading).
 _ENDLESS = tf.int64.max
 
@@ -502,16 +507,16 @@ def _json_text(path: str, number: int, line: bytes, field: str) -> bytes:
     try:
         record = json.loads(line.decode("utf-8", "surrogateescape"))
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: line {number}: expected a JSON object, got invalid JSON ({error})") from None
+        raise CorpusError(f"{path}: line {number}: expected a JSON object, got invalid JSON ({error})") from None
     if not isinstance(record, dict) or field not in record:
         fields = f"fields: {', '.join(list(record)[:10])}" if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{path}: line {number}: expected a JSON object with a {field!r} field ({fields}; set "
+        raise CorpusError(f"{path}: line {number}: expected a JSON object with a {field!r} field ({fields}; set "
                          f"data.text_field / --text-field)")
     text = record[field]
     if text is None:
         return b""
     if not isinstance(text, str):
-        raise ValueError(f"{path}: line {number}: field {field!r} is {type(text).__name__}, expected a string")
+        raise CorpusError(f"{path}: line {number}: field {field!r} is {type(text).__name__}, expected a string")
     return _utf8(text)
 
 
@@ -543,17 +548,17 @@ def _column_bytes(table, path: str, field: str, where: str) -> np.ndarray:
     import pyarrow.compute as pc
 
     if field not in table.column_names:
-        raise ValueError(f"{path}: {where}: expected a {field!r} column (columns: {', '.join(table.column_names)};"
+        raise CorpusError(f"{path}: {where}: expected a {field!r} column (columns: {', '.join(table.column_names)};"
                          f" set data.text_field / --text-field)")
     column = table.column(field)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise ValueError(f"{path}: {where}: column {field!r} is {column.type}, expected strings")
+        raise CorpusError(f"{path}: {where}: column {field!r} is {column.type}, expected strings")
     return pc.fill_null(column, "").cast(pa.large_binary()).to_numpy(zero_copy_only=False)
 
 
 def _parquet_texts(path: str, parquet, k: int, field: str) -> np.ndarray:
     if field not in parquet.schema_arrow.names:
-        raise ValueError(f"{path}: expected a {field!r} column (columns: {', '.join(parquet.schema_arrow.names)}; "
+        raise CorpusError(f"{path}: expected a {field!r} column (columns: {', '.join(parquet.schema_arrow.names)}; "
                          f"set data.text_field / --text-field)")
     return _column_bytes(parquet.read_row_group(k, columns=[field]), path, field, f"row group {k}")
 
