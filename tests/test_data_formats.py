@@ -175,13 +175,14 @@ for case in json.loads(sys.argv[1]):
 
 
 def test_resume_mid_parquet_and_mid_zstd_file_in_a_fresh_process(corpus, tmp_path):
-    """Saved after 6 batches (inside the Parquet file's second row group; inside the .jsonl.zst file, whose reader
-    is reopened and skipped in the new process): the next 5 batches equal an uninterrupted run's."""
+    """Saved after 30 batches of 8 (about half of the ~500 instances of an epoch: the Parquet file's second of 3 row
+    groups; inside the .jsonl.zst and .txt.zst files, whose readers are reopened and skipped in the new process):
+    the next 5 batches equal an uninterrupted run's."""
     cases, expected = [], []
-    for n, name in enumerate(["wiki.parquet", "wiki.jsonl.zst"]):
+    for n, name in enumerate(["wiki.parquet", "wiki.jsonl.zst", "wiki.txt.zst"]):
         config = _config(corpus, name, doc_buffer_size=2, shuffle_buffer=4, line_batch=2)
         it = iter(make_pretraining_dataset(config, 8))
-        for _ in range(6):
+        for _ in range(30):
             next(it)
         checkpoint = save_iterator(it, str(tmp_path / f"ckpt{n}" / "it"))
         expected.append([{k: v.numpy() for k, v in next(it).items()} for _ in range(5)])
@@ -206,6 +207,12 @@ def test_processes_split_one_files_units_without_overlap_or_loss(corpus, name):
         shares = [[tuple(s.decode() for s in d["sentences"]) for d in documents_from_files(
             [corpus["paths"][name]], config, share=(p, count)).as_numpy_iterator()] for p in range(count)]
         assert all(shares) and sorted(sum(shares, [])) == everything
+    # Two files (the same documents twice), 3 processes: unit k of file i belongs to process (i + k) % 3.
+    copy = str(corpus["root"] / f"copy-{name}")
+    Path(copy).write_bytes(Path(corpus["paths"][name]).read_bytes())
+    shares = [[tuple(s.decode() for s in d["sentences"]) for d in documents_from_files(
+        [corpus["paths"][name], copy], config, share=(p, 3)).as_numpy_iterator()] for p in range(3)]
+    assert collections.Counter(sum(shares, [])) == collections.Counter(everything * 2)
     stats = [collections.Counter() for _ in range(2)]
     for p in range(2):
         _epoch_stats = make_pretraining_dataset(_config(corpus, name, line_batch=2, num_epochs=1), 8, p, 2,
