@@ -271,6 +271,9 @@ def test_bad_input_is_named_by_file_and_line(corpus, tmp_path):
                                          r"data\.text_field"):
         check_input_files([corpus["paths"]["wiki.parquet"]], CorpusConfig(corpus_format="parquet", text_field="body"))
     lines = Path(corpus["paths"]["wiki.jsonl"]).read_text().splitlines()
+    (root / "h.jsonl.gz").write_bytes(gzip.compress(b'{"body": "x"}\n' + "\n".join(lines).encode()))
+    with pytest.raises(ValueError, match=r"h\.jsonl\.gz: line 1: expected a JSON object with a 'text' field"):
+        check_input_files([str(root / "h.jsonl.gz")], CorpusConfig(corpus_format="jsonl"))
     (root / "f.jsonl").write_text("\n".join(lines[:2] + ['{"id": 9, "body": "x"}'] + lines[2:]) + "\n")
     (root / "g.jsonl").write_text(lines[0] + "\n\n" + '{"text": "cut\n')
     for name, message in (("f.jsonl", r"f\.jsonl: line 3: expected a JSON object with a 'text' field \(fields: "

@@ -231,6 +231,9 @@ def check_input_files(files: Sequence[str], config: CorpusConfig | None = None) 
             where = f" (decompressed from {compression})" if compression else ""
             raise ValueError(f"{path}: {problem}{where}; {config.corpus_format} corpora are read as UTF-8 lines"
                              + (" (.gz, .zst and .bz2 are decompressed)" if not compression else ""))
+        first = head.split(b"\n", 1)[0] if b"\n" in head else b""
+        if config.corpus_format == "jsonl" and first.strip():  # the first record, up front (the rest as read)
+            _json_text(path, 1, first, config.text_field)
         kinds.append(config.corpus_format + (f"+{compression}" if compression else ""))
     return kinds
 
