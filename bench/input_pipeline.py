@@ -8,8 +8,11 @@ Measures here:
   (a) raw text -> masked batches in the training pipeline (tokenize + pair + mask + batch), seq/s
   (b) TFRecords -> parsed batches, seq/s
   (c) `bertjax data create` wall time and peak RSS (fresh process), then peak RSS on a 10x larger corpus
+  (d) the same documents as Parquet and as JSON Lines -> masked batches, seq/s against (a)'s plain text, in turns
+      in the same run (`--formats-only`: only this)
 
     .venv/bin/python bench/input_pipeline.py [--wikitext ../shared/data/wikitext-2/wiki.test.raw] [--skip-10x]
+    .venv/bin/python bench/input_pipeline.py --formats-only --format-sequences 4000
 """
 from __future__ import annotations
 
@@ -73,6 +76,50 @@ def run_create(corpus_glob: str, vocab: str, out: Path, extra: list[str],
     return wall, cpu, rss, (stdout.strip().splitlines() or [""])[-1]
 
 
+def write_record_formats(files: list[str], out_dir: Path) -> dict[str, str]:
+    """The original-format files as Parquet (row groups of 256 documents) and JSON Lines, one record per document
+    (its sentences, one per line), a file each: {format: glob}."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    globs = {}
+    for fmt in ("parquet", "jsonl"):
+        (out_dir / fmt).mkdir()
+        globs[fmt] = str(out_dir / fmt / f"*.{fmt}")
+    for i, path in enumerate(files):
+        texts = [d.strip() for d in Path(path).read_text(encoding="utf-8").split("\n\n") if d.strip()]
+        pq.write_table(pa.table({"text": texts}), out_dir / "parquet" / f"corpus-{i:03d}.parquet",
+                       row_group_size=256)
+        (out_dir / "jsonl" / f"corpus-{i:03d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                                          for t in texts), encoding="utf-8")
+    return globs
+
+
+def measure_formats(text_glob: str, tmp: Path, vocab: str, args) -> None:
+    """(d): seq/s of the training pipeline from plain text, Parquet and JSON Lines holding the same documents,
+    measured in turns (text, parquet, jsonl, twice) so that load on the machine affects each alike."""
+    import tensorflow as tf
+
+    from bertjax.data.data_config import PretrainingDataConfig
+    from bertjax.data.pipeline import make_pretraining_dataset
+
+    sources = {"text": (text_glob, "sentences"),
+               **{fmt: (glob, fmt) for fmt, glob in write_record_formats(sorted(tf.io.gfile.glob(text_glob)),
+                                                                          tmp).items()}}
+    rates: dict[str, list[float]] = {name: [] for name in sources}
+    for _ in range(2):
+        for name, (glob, fmt) in sources.items():
+            config = PretrainingDataConfig(input=glob, corpus_format=fmt, vocab=vocab, max_seq_length=128,
+                                           max_predictions_per_seq=20, doc_buffer_size=args.doc_buffer)
+            count, wall, _ = _timed_take(make_pretraining_dataset(config, args.batch), 2, args.format_sequences)
+            rates[name].append(count / wall)
+    best = {name: max(r) for name, r in rates.items()}
+    print("(d) the same documents -> masked batches, best of 2 turns: " + ", ".join(
+        f"{name} {rate:,.0f} seq/s (x{rate / best['text']:.2f} text)" for name, rate in best.items()))
+
+
 def _timed_take(dataset, warmup_batches: int, sequences: int) -> tuple[int, float, float]:
     """(sequences taken, wall seconds, CPU seconds) for at least `sequences` after `warmup_batches` untimed."""
     it = dataset.as_numpy_iterator()
@@ -92,6 +139,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--doc-buffer", type=int, default=200)
     parser.add_argument("--skip-10x", action="store_true", help="skip the 10x-corpus RSS run (slow)")
+    parser.add_argument("--formats-only", action="store_true", help="only (d): text vs Parquet vs JSON Lines")
+    parser.add_argument("--format-sequences", type=int, default=11_000, help="(d): sequences timed per turn")
     args = parser.parse_args(argv)
     for path in (args.wikitext, args.vocab):
         if not Path(path).exists():
@@ -111,6 +160,9 @@ def main(argv=None) -> int:
         size_mb = sum(Path(f).stat().st_size for f in files) / 1e6
         print(f"corpus: WikiText-2 test x4 in the original format, {size_mb:.2f} MB, {len(files)} files; "
               f"{os.cpu_count()} CPU cores (shared)")
+        if args.formats_only:
+            measure_formats(str(tmp / "x4" / "*.txt"), tmp, args.vocab, args)
+            return 0
 
         # Fixed cost of any `bertjax` command: interpreter + imports of every registered CLI module.
         s_wall, s_cpu, s_rss, _ = run_measured([sys.executable, "-c", "import bertjax.cli, bertjax.data.create; "
@@ -152,6 +204,7 @@ def main(argv=None) -> int:
               f"x{rate_b / REFERENCE_RATE:.2f} the reference's {REFERENCE_RATE:,.0f} inst/s; target {TARGET_B:,.0f} "
               f"seq/s (x{TARGET_B / REFERENCE_RATE:.1f}): {'OK' if rate_b >= TARGET_B else 'BELOW'}")
         del np, tf
+        measure_formats(str(tmp / "x4" / "*.txt"), tmp, args.vocab, args)
 
         if not args.skip_10x:
             (tmp / "x40").mkdir()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from bertjax import host_memory, platforms, quiet
@@ -92,6 +93,14 @@ def main(argv: list[str] | None = None) -> int:
             # Orbax's writer threads may still be dying with tracebacks of their own: our line stays the last.
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
             os._exit(2)
+        return 2
+    except Exception as error:
+        # Bad input found while tf.data reads a file (corpus.CorpusError inside a numpy_function) arrives wrapped in
+        # TensorFlow's error, with a traceback in its message: told as the same one line.
+        found = re.search(r"CorpusError: (.*)", str(error))
+        if not found or type(error).__module__.split(".")[0] != "tensorflow":
+            raise
+        print(f"bertjax {args.command}: error: {found.group(1)}", file=sys.stderr)
         return 2
 
 

@@ -148,7 +148,7 @@ def test_tfds_source_reads_a_local_dataset_and_never_downloads(tmp_path):
         split_datasets={"train": tf.data.Dataset.from_tensor_slices({"body": texts})},
         features=tfds.features.FeaturesDict({"body": tfds.features.Text()}), description="test corpus")
     builder.download_and_prepare()
-    config = CorpusConfig(input=("tfds:bertjax_test_corpus/default:train",), tfds_text_field="body",
+    config = CorpusConfig(input=("tfds:bertjax_test_corpus/default:train",), text_field="body",
                           tfds_data_dir=str(tmp_path))
     docs = _sentences(tfds_documents(config).as_numpy_iterator())
     assert docs == [["First doc.", "It has two sentences.", "A second paragraph here."], ["Other doc!", "Short."],

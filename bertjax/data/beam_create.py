@@ -322,7 +322,7 @@ def _plan_references(references: list, doc_buffer_size: int, seed: int) -> dict:
 
 
 def _finish(_, stats: dict, shards: list, plan: dict, config: PretrainingDataConfig, out_dir: str, temp_dir: str,
-            num_shards: int, earlier: list[str], start: float, runner: str, run_id: str):
+            num_shards: int, earlier: list[str], start: float, runner: str, run_id: str, input_formats: dict):
     """The last step, once every shard is complete: the shards renamed to their final names and the metadata
     written (or, no instances, nothing), then the temporary directory removed."""
     shards = sorted(shards)
@@ -334,13 +334,15 @@ def _finish(_, stats: dict, shards: list, plan: dict, config: PretrainingDataCon
             tf.io.gfile.rename(temporary, path, overwrite=True)
         create.finish_run(config, out_dir, tfrecord.shard_prefix(), paths, [c for _, _, c in shards], stats, start,
                           earlier, log=lambda *_: None, runner=f"beam/{runner}", run_id=run_id,
-                          buckets=plan["buckets"], documents_per_bucket=plan["documents_per_bucket"])
+                          buckets=plan["buckets"], documents_per_bucket=plan["documents_per_bucket"],
+                          input_formats=input_formats)
     if tf.io.gfile.exists(temp_dir):
         tf.io.gfile.rmtree(temp_dir)
 
 
 def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], out_dir: str, num_shards: int, *,
-                   base_stats: dict, earlier: list[str], start: float, runner: str, run_id: str):
+                   base_stats: dict, earlier: list[str], start: float, runner: str, run_id: str,
+                   input_formats: dict | None = None):
     """Adds the `data create` transforms to `pipeline` (see the module docstring)."""
     temp_dir = os.path.join(out_dir, f"beam-temp-{run_id}")
     read = (pipeline
@@ -369,7 +371,7 @@ def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], ou
      | "WriteMetadata" >> beam.Map(_finish, beam.pvalue.AsSingleton(stats), beam.pvalue.AsList(shards),
                                    beam.pvalue.AsSingleton(plan_summary), config=config, out_dir=out_dir,
                                    temp_dir=temp_dir, num_shards=num_shards, earlier=earlier, start=start,
-                                   runner=runner, run_id=run_id))
+                                   runner=runner, run_id=run_id, input_formats=input_formats or {}))
 
 
 def _stale_temporary_directories(out_dir: str, overwrite: bool, log) -> None:
@@ -394,7 +396,7 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     """Runs the pipeline to completion and returns the summary written to pretrain-metadata.json (plus
     "beam_metrics": the runner's committed counters)."""
     if config.input_kind == "tfrecord" or config.is_tfds:
-        raise ValueError("data create --runner beam reads text files (not tfds: or TFRecord input)")
+        raise ValueError("data create --runner beam reads corpus files (not tfds: or TFRecord input)")
     config = config.replace(input_kind="text")
     if num_shards < 1:
         raise ValueError(f"--shards must be >= 1, got {num_shards}")
@@ -403,7 +405,7 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     earlier = create.earlier_run_check(out_dir, overwrite)
     start = time.time()
     files = corpus.expand_inputs(config.inputs)
-    corpus.check_text_files(files)
+    formats = collections.Counter(corpus.check_input_files(files, config))
     load_tokenizer(config.vocab, config.lower_case)  # a bad vocab fails here, not on every worker
     tf.io.gfile.makedirs(out_dir)
     _stale_temporary_directories(out_dir, overwrite, log)
@@ -411,7 +413,7 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     pipeline = beam.Pipeline(options=options)
     run_id = uuid.uuid4().hex  # tells this run's metadata from an earlier run's (--overwrite, nothing made)
     build_pipeline(pipeline, config, files, out_dir, num_shards, base_stats=base_stats, earlier=earlier,
-                   start=start, runner=runner, run_id=run_id)
+                   start=start, runner=runner, run_id=run_id, input_formats=dict(sorted(formats.items())))
     result = pipeline.run()
     result.wait_until_finish()
     metadata = os.path.join(out_dir, tfrecord.shard_prefix() + tfrecord.METADATA_SUFFIX)

@@ -1,20 +1,43 @@
 """Corpus sources -> a tf.data stream of documents (each a 1-D string tensor of sentences).
 
-Formats (all read through tf.io.gfile, so gs:// paths work):
+Formats (all read through tf.io.gfile, so gs:// paths work; files compressed with gzip, zstd or bzip2 are read
+as such, recognised by their magic bytes and checked against their extension):
   sentences   the original BERT format: one sentence per line, blank line between documents
   paragraphs  one paragraph per line; a regex sentence splitter; each paragraph is a document unless
               `doc_boundary_regex` marks document starts
   wikitext    paragraphs with WikiText's ` = Title = ` lines starting articles (section headings dropped)
   wrapped     hard-wrapped text (e.g. Project Gutenberg): paragraphs separated by a blank line, documents
               (chapters, tales) by a run of `wrapped_doc_blank_lines` blank lines
+  jsonl       JSON Lines: each object is a document, its `text_field` the text
+  parquet     Parquet files (read by row group), a `datasets.save_to_disk` directory (its Arrow files), or
+              hf:NAME[:CONFIG][@SPLIT], a hub dataset's Parquet files in the Hugging Face cache: each row is a
+              document, its `text_field` the text
   tfds:NAME[:SPLIT]  a locally prepared TFDS dataset; each example's text field is a document
 
-Every stage is a stateless tf.data op or a scan, so the stream can be checkpointed mid-epoch.
+A record's text becomes a document as a paragraph of the `paragraphs` layout does (`texts_to_documents`: split
+at "\n", each line cleaned by `_clean_lines` and split by `split_sentences`): one implementation for JSON Lines,
+Parquet, Arrow and TFDS.
+
+Every stage is a stateless tf.data op, a scan, or a numpy_function declared stateless because its output is a
+pure function of its inputs (a read unit: a Parquet row group, or chunk k of a file's lines or records), so the
+stream can be checkpointed mid-epoch. `Dataset.from_generator` is not checkpointable and is not used for
+pretraining. Sequential readers (a zstd stream at chunk k) are kept open per process (`_READERS`), so reading a
+file chunk after chunk costs O(file); a restored position reopens the file and skips to its chunk once.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import bz2
+import collections
+import gzip
+import io
+import itertools
+import json
+import logging
+import os
+import threading
+from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from bertjax.data.data_config import CorpusConfig
@@ -27,11 +50,19 @@ _WIKITEXT_HEADING = r"\s*(=\s)+.*(\s=)+\s*"
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
-    """Sorted files matched by globs / paths (comma-separated lists allowed); a pattern matching nothing is an error."""
+    """Sorted files matched by globs / paths (comma-separated lists allowed); a pattern matching nothing is an error.
+    A directory gives its data files (`_directory_files`), hf:NAME[:CONFIG][@SPLIT] its Parquet files in the
+    Hugging Face cache (`hf_dataset_files`)."""
     files: list[str] = []
     for pattern in patterns:
         for part in (p.strip() for p in pattern.split(",")):
             if not part:
+                continue
+            if part.startswith("hf:"):
+                files.extend(hf_dataset_files(part))
+                continue
+            if tf.io.gfile.isdir(part):
+                files.extend(_directory_files(part))
                 continue
             matched = sorted(tf.io.gfile.glob(part))
             if not matched and tf.io.gfile.exists(part):  # a name with glob characters: `corp[1].txt` itself
@@ -45,6 +76,64 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     return sorted(dict.fromkeys(files))
 
 
+# What a `datasets.save_to_disk` directory holds beside its data (Arrow IPC stream files).
+_HF_DISK_STATE = "state.json"
+
+
+def _directory_files(directory: str) -> list[str]:
+    """A directory's data files: those a `datasets.save_to_disk` state.json lists, else every file under it
+    (recursively; names starting with "." or "_" and the datasets metadata files are not data)."""
+    state = os.path.join(directory, _HF_DISK_STATE)
+    if tf.io.gfile.exists(state):
+        with tf.io.gfile.GFile(state) as f:
+            return [os.path.join(directory, entry["filename"]) for entry in json.load(f)["_data_files"]]
+    found = []
+    for root, _, names in tf.io.gfile.walk(directory):
+        found += [os.path.join(root, n) for n in names
+                  if not n.startswith((".", "_")) and n not in ("dataset_info.json", "dataset_dict.json")]
+    if not found:
+        raise FileNotFoundError(f"input directory {directory!r} holds no files")
+    return sorted(found)
+
+
+def hf_dataset_files(spec: str) -> list[str]:
+    """hf:NAME[:CONFIG][@SPLIT] -> the local paths of the dataset's Parquet files (CONFIG default "default", SPLIT
+    "train"): the hub's `refs/convert/parquet` revision holds CONFIG/SPLIT/*.parquet for every dataset; they are
+    fetched into huggingface_hub's cache (HF_HUB_CACHE) where a network is available, read from it offline."""
+    try:
+        import huggingface_hub
+        from huggingface_hub import errors
+    except ImportError:
+        raise ImportError(f"{spec}: hf: inputs need huggingface_hub (pip install 'bertjax[hub]')") from None
+
+    name, _, split = spec[len("hf:"):].partition("@")
+    name, _, config = name.partition(":")
+    config, split = config or "default", split or "train"
+    try:
+        folder = huggingface_hub.snapshot_download(
+            name, repo_type="dataset", revision="refs/convert/parquet",
+            allow_patterns=[f"{config}/{split}/*.parquet", f"{config}/partial-{split}/*.parquet"])
+    except errors.LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"{spec}: the dataset's Parquet files are not in the hub cache ({huggingface_hub.constants.HF_HUB_CACHE})"
+            f" and the hub cannot be reached: on a machine with a network run `hf download {name} --repo-type "
+            f"dataset --revision refs/convert/parquet --include '{config}/{split}/*.parquet'` (or set HF_HUB_CACHE "
+            f"to a cache that holds them)") from None
+    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.GatedRepoError) as error:
+        raise FileNotFoundError(f"{spec}: the Hugging Face hub has no dataset {name} with Parquet files that this "
+                                f"machine can read ({type(error).__name__})") from None
+    files = sorted(tf.io.gfile.glob(os.path.join(folder, config, split, "*.parquet")))
+    if not files:  # the hub converts only the first 5 GB of a larger split, under partial-SPLIT
+        files = sorted(tf.io.gfile.glob(os.path.join(folder, config, f"partial-{split}", "*.parquet")))
+        if files:
+            logging.getLogger(__name__).warning(
+                "%s: the hub's Parquet conversion holds only part of split %r (partial-%s, its first 5 GB); for the "
+                "whole split, download the dataset's own files and give their directory", spec, split, split)
+    if not files:
+        raise FileNotFoundError(f"{spec}: no Parquet files for config {config!r}, split {split!r} in {folder}")
+    return files
+
+
 def shard_files(files: Sequence[str], process_index: int, process_count: int) -> list[str]:
     """The disjoint subset of `files` read by one process: files[process_index::process_count]."""
     if not 0 <= process_index < process_count:
@@ -56,26 +145,102 @@ def shard_files(files: Sequence[str], process_index: int, process_count: int) ->
 
 
 _SNIFF_BYTES = 1 << 16
+# Compressions read as such: magic bytes and the extensions that name them.
+COMPRESSIONS = {"gzip": (b"\x1f\x8b", (".gz", ".gzip")), "zstd": (b"\x28\xb5\x2f\xfd", (".zst", ".zstd")),
+                "bzip2": (b"BZh", (".bz2",))}
+# What other files are recognised as, to name them when they are refused.
+_OTHER_MAGIC = {b"PK\x03\x04": "a zip archive", b"\xfd7zXZ\x00": "an xz archive", b"7z\xbc\xaf\x27\x1c": "a 7z archive",
+                b"PAR1": "a Parquet file", b"ARROW1": "an Arrow file", b"\x28\xb5\x2f\xfd": "zstd-compressed"}
+
+
+def compression_of(path: str, head: bytes) -> str:
+    """"gzip" | "zstd" | "bzip2" | "" for a file whose first bytes are `head`; an extension naming another
+    compression than the bytes show is an error (a file renamed by mistake)."""
+    by_magic = next((name for name, (magic, _) in COMPRESSIONS.items() if head.startswith(magic)), "")
+    by_name = next((name for name, (_, ends) in COMPRESSIONS.items() if path.lower().endswith(ends)), "")
+    if by_name and by_magic != by_name:
+        raise ValueError(f"{path}: named as {by_name}-compressed, but its bytes are "
+                         f"{by_magic + '-compressed' if by_magic else 'not'} ({head[:4]!r}...)")
+    return by_magic
+
+
+def _open_raw(path: str):
+    return open(path, "rb") if "://" not in path else tf.io.gfile.GFile(path, "rb")
+
+
+def open_decompressed(path: str):
+    """A binary file object of `path`'s content, decompressed (gzip, zstd or bzip2, by magic bytes)."""
+    raw = _open_raw(path)
+    kind = compression_of(path, raw.read(4))
+    raw.seek(0)
+    if kind == "gzip":
+        return gzip.GzipFile(fileobj=raw)
+    if kind == "bzip2":
+        return bz2.BZ2File(raw)
+    if kind == "zstd":
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True,
+                                                                            closefd=True))
+    return raw
+
+
+def _head(path: str) -> tuple[bytes, str, bytes]:
+    """(raw first bytes, compression, first decompressed bytes) of a file."""
+    with _open_raw(path) as f:
+        raw = f.read(_SNIFF_BYTES)
+    kind = compression_of(path, raw)
+    if not kind:
+        return raw, kind, raw
+    try:
+        with open_decompressed(path) as f:
+            return raw, kind, f.read(_SNIFF_BYTES)
+    except (OSError, EOFError, ValueError) as error:  # zstandard raises ZstdError (a ValueError)
+        raise ValueError(f"{path}: {kind}-compressed but cannot be decompressed ({error})") from None
+
+
+def _text_problem(head: bytes) -> str | None:
+    """Why bytes are not UTF-8 text (a known format named), or None."""
+    other = next((what for magic, what in _OTHER_MAGIC.items() if head.startswith(magic)), None)
+    if other:
+        return f"{other}, not text"
+    if b"\x00" in head:
+        return "binary (NUL bytes in its first 64 KiB)"
+    # A multi-byte character cut at the end of the sample is not an error.
+    text = head.decode("utf-8", errors="replace")[:-1]
+    invalid = text.count("\ufffd")
+    if text and invalid > 0.05 * len(text):
+        return f"not UTF-8 text ({invalid} of the first {len(text)} characters are invalid)"
+    return None
+
+
+def check_input_files(files: Sequence[str], config: CorpusConfig | None = None) -> list[str]:
+    """Refuses files that the format cannot read, naming what they are (judged by their first 64 KiB, after
+    decompression): a binary file or an archive would otherwise be read as a few lines of replacement characters,
+    and a job would train on nothing. Parquet/Arrow files must be such and hold `text_field`. Returns each file's
+    format as recorded in metadata (e.g. "jsonl+zstd", "parquet")."""
+    config = config or CorpusConfig()
+    kinds = []
+    for path in files:
+        if config.corpus_format == "parquet":
+            kinds.append(_check_table_file(path, config.text_field))
+            continue
+        _, compression, head = _head(path)
+        problem = _text_problem(head)
+        if problem:
+            where = f" (decompressed from {compression})" if compression else ""
+            raise ValueError(f"{path}: {problem}{where}; {config.corpus_format} corpora are read as UTF-8 lines"
+                             + (" (.gz, .zst and .bz2 are decompressed)" if not compression else ""))
+        first = head.split(b"\n", 1)[0] if b"\n" in head else b""
+        if config.corpus_format == "jsonl" and first.strip():  # the first record, up front (the rest as read)
+            _json_text(path, 1, first, config.text_field)
+        kinds.append(config.corpus_format + (f"+{compression}" if compression else ""))
+    return kinds
 
 
 def check_text_files(files: Sequence[str]) -> None:
-    """Refuses files that are not UTF-8 text (judged by their first 64 KiB): a binary file or an archive would
-    otherwise be read as a few lines of replacement characters, and a job would train on nothing."""
-    for path in files:
-        with tf.io.gfile.GFile(path, "rb") as f:
-            head = f.read(_SNIFF_BYTES)
-        if head.startswith((b"\x1f\x8b", b"PK\x03\x04", b"BZh", b"\xfd7zXZ")):
-            problem = "a compressed archive (gzip/zip/bzip2/xz): decompress it first"
-        elif b"\x00" in head:
-            problem = "binary (NUL bytes in its first 64 KiB)"
-        else:
-            # A multi-byte character cut at the end of the sample is not an error.
-            text = head.decode("utf-8", errors="replace")[:-1]
-            invalid = text.count("\ufffd")
-            problem = (f"not UTF-8 text ({invalid} of the first {len(text)} characters are invalid)"
-                       if text and invalid > 0.05 * len(text) else None)
-        if problem:
-            raise ValueError(f"{path}: {problem}; text corpora are read as UTF-8 lines")
+    """`check_input_files` for text layouts."""
+    check_input_files(files)
 
 
 def split_sentences(paragraphs: tf.Tensor) -> tf.RaggedTensor:
@@ -83,6 +248,26 @@ def split_sentences(paragraphs: tf.Tensor) -> tf.RaggedTensor:
     marked = tf.strings.regex_replace(paragraphs, _SENTENCE_END, "\\1\n\\2")
     sentences = tf.strings.strip(tf.strings.split(marked, "\n"))
     return tf.ragged.boolean_mask(sentences, tf.strings.length(sentences) > 0)
+
+
+def texts_to_documents(texts: tf.Tensor, max_line_chars: int) -> dict[str, tf.Tensor]:
+    """[R] texts -> R documents {sentences: ragged [R, (sentences)], invalid_utf8 [R], truncated [R]}.
+
+    The one reading of a record's text (JSON Lines, Parquet, Arrow, TFDS): split at "\n" into lines, each line
+    cleaned (`_clean_lines`: invalid UTF-8 replaced, cut at max_line_chars, both counted per line) and split into
+    sentences (`split_sentences`), as the `paragraphs` layout reads each of its lines.
+    """
+    lines = tf.strings.split(texts, "\n")
+    clean = _clean_lines(lines.flat_values, max_line_chars)
+    sentences = split_sentences(clean["lines"])
+    per_text = tf.RaggedTensor.from_row_splits(sentences.flat_values,
+                                               tf.gather(sentences.row_splits, lines.row_splits))
+
+    def per_record(counter):
+        return tf.reduce_sum(tf.RaggedTensor.from_row_splits(counter, lines.row_splits), axis=1)
+
+    return {"sentences": per_text, "invalid_utf8": per_record(clean["invalid_utf8"]),
+            "truncated": per_record(clean["truncated"])}
 
 
 def _clean_lines(lines: tf.Tensor, max_chars: int) -> dict[str, tf.Tensor]:
@@ -167,9 +352,26 @@ def _group_by_blank_lines(line_batches: tf.data.Dataset, min_blank_run: int = 1,
     return line_batches.scan(initial, lambda st, b: _group_step(st, b, min_blank_run, max_lines)).unbatch()
 
 
-def _file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
-    """Documents of one text file (documents never span files)."""
-    lines = tf.data.TextLineDataset(path)
+def _file_lines(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
+    """A text file's lines: plain and gzip through TextLineDataset (native, checkpointable), zstd and bzip2 in
+    chunks of `line_batch` lines from a cached sequential reader (`_line_chunk`). One structure for every file:
+    the branch that does not apply reads nothing."""
+    compression = tf.numpy_function(_compression_name, [path], tf.string, stateful=False)
+    native = tf.reshape(tf.logical_or(tf.equal(compression, ""), tf.equal(compression, "gzip")), [])
+    text = tf.data.TextLineDataset(tf.boolean_mask(tf.reshape(path, [1]), tf.reshape(native, [1])),
+                                   compression_type=tf.where(tf.equal(compression, "gzip"), "GZIP", ""))
+    chunks = tf.data.Dataset.range(tf.where(native, tf.constant(0, tf.int64), _ENDLESS)).map(
+        lambda k: tf.ensure_shape(tf.numpy_function(_line_chunk, [path, k, config.line_batch], tf.string,
+                                                    stateful=False), [None]))
+    return text.concatenate(chunks.take_while(lambda lines: tf.size(lines) > 0).unbatch())
+
+
+def _file_documents(path: tf.Tensor, config: CorpusConfig, index=0, share=(0, 1)) -> tf.data.Dataset:
+    """Documents of one file (documents never span files). `index`: the file's place in the sorted input;
+    `share` (process index, process count): record formats read only this process's units of the file."""
+    if config.is_records:
+        return _record_documents(path, config, index, share)
+    lines = _file_lines(path, config)
     batches = lines.batch(config.line_batch).map(lambda b: _clean_lines(b, config.max_line_chars))
     if config.corpus_format in ("paragraphs", "wikitext"):
         batches = batches.map(lambda b: _paragraphs_to_sentence_lines(b, config))
@@ -184,8 +386,224 @@ def _file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
 
 
 def file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
-    """Documents of one text file (`path`: a scalar string tensor, so one pipeline can serve many files)."""
+    """Documents of one file of any format (`path`: a scalar string tensor, so one pipeline can serve many files)."""
     return _file_documents(path, config)
+
+
+class CorpusError(ValueError):
+    """Bad input found while a file is read inside tf.data (a numpy_function): TensorFlow wraps it in its own error,
+    in which the command line finds it by this name and tells it in one line."""
+
+
+# Units of a file read until one is empty (their number is found by reading).
+_ENDLESS = tf.int64.max
+
+
+def _record_documents(path: tf.Tensor, config: CorpusConfig, index, share) -> tf.data.Dataset:
+    """A JSON Lines / Parquet / Arrow file's documents: unit k (chunk k of `line_batch` records, or row group k)
+    read by a stateless numpy_function while units exist; unit k of file `index` belongs to process
+    (index + k) % count, the others are skipped without parsing."""
+    process, count = share
+
+    def read(k):
+        mine = tf.equal((tf.cast(index, tf.int64) + k) % count, process)
+        texts, more = tf.numpy_function(_record_unit, [path, k, mine, config.corpus_format, config.text_field,
+                                                       config.line_batch], [tf.string, tf.bool], stateful=False)
+        return tf.ensure_shape(texts, [None]), tf.ensure_shape(more, [])
+
+    units = tf.data.Dataset.range(_ENDLESS).map(read).take_while(lambda texts, more: more)
+    docs = units.map(lambda texts, more: texts_to_documents(texts, config.max_line_chars)).unbatch()
+    return docs.filter(lambda d: tf.size(d["sentences"]) > 0)
+
+
+def _compression_name(path: bytes) -> bytes:
+    path = path.decode()
+    with _open_raw(path) as f:
+        return compression_of(path, f.read(4)).encode()
+
+
+class _ReaderCache:
+    """Open sequential readers of files, each positioned at its next chunk, so reading chunk after chunk costs
+    O(file) while a chunk stays a pure function of (file, k): a request that no open reader can reach forwards
+    (a restored position, another epoch) opens the file again and skips to it. Per process, at most `size` open
+    readers (the least recently used is closed); a reader in use is taken out, so threads never share one."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._lock = threading.Lock()
+        self._open: collections.OrderedDict = collections.OrderedDict()  # (key, serial) -> (next chunk, iterator)
+        self._serial = itertools.count()
+
+    def chunk(self, key, k: int, chunk_size: int, open_items: Callable[[], Iterator]) -> list:
+        """Items [k * chunk_size, (k + 1) * chunk_size) of `open_items()`."""
+        with self._lock:
+            usable = [(entry[0], name) for name, entry in self._open.items() if name[0] == key and entry[0] <= k]
+            position, items = (self._open.pop(max(usable)[1]) if usable else (0, None))
+        if items is None:
+            items = open_items()
+        for _ in itertools.islice(items, (k - position) * chunk_size):  # skip to chunk k
+            pass
+        chunk = list(itertools.islice(items, chunk_size))
+        if len(chunk) < chunk_size:
+            _close(items)
+            return chunk
+        with self._lock:
+            self._open[(key, next(self._serial))] = (k + 1, items)
+            while len(self._open) > self.size:
+                _close(self._open.popitem(last=False)[1][1])
+        return chunk
+
+
+def _close(items) -> None:
+    if hasattr(items, "close"):
+        items.close()
+
+
+_READERS = _ReaderCache()
+
+
+def _lines_of(path: str) -> Iterator[bytes]:
+    with open_decompressed(path) as f:
+        for line in f:
+            yield line.rstrip(b"\n").rstrip(b"\r")
+
+
+def _line_chunk(path: bytes, k, chunk_size) -> np.ndarray:
+    """Lines [k * chunk_size, (k + 1) * chunk_size) of a compressed text file."""
+    path = path.decode()
+    lines = _READERS.chunk(("lines", path), int(k), int(chunk_size), lambda: _lines_of(path))
+    return np.array(lines, dtype=object).reshape(-1)
+
+
+def _record_unit(path: bytes, k, mine, corpus_format: bytes, field: bytes, chunk_size) -> tuple[np.ndarray, bool]:
+    """Unit k of a record file: (its texts as UTF-8 bytes, or none when not `mine`; whether unit k exists)."""
+    path, field, k = path.decode(), field.decode(), int(k)
+    if corpus_format == b"parquet" and _is_parquet(path):
+        parquet = _parquet_file(path)
+        if k >= parquet.num_row_groups:
+            return np.zeros([0], object), False
+        return (_parquet_texts(path, parquet, k, field) if mine else np.zeros([0], object)), True
+    if corpus_format == b"parquet":
+        chunk = _READERS.chunk(("arrow", path, field), k, int(chunk_size), lambda: _arrow_texts(path, field))
+        texts = chunk
+    else:
+        chunk = _READERS.chunk(("jsonl", path), k, int(chunk_size), lambda: _numbered_lines(path))
+        texts = [_json_text(path, number, line, field) for number, line in chunk if line.strip()] if mine else []
+    return np.array(texts if mine else [], dtype=object).reshape(-1), bool(chunk)
+
+
+def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    return enumerate(_lines_of(path), 1)
+
+
+def _utf8(text: str) -> bytes:
+    """A decoded text back to bytes; bytes that were not UTF-8 come back as they were, so that `_clean_lines`
+    replaces and counts them as it does for text files."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate written as a JSON escape: invalid UTF-8, counted
+        return text.encode("utf-8", "surrogatepass")
+
+
+def _json_text(path: str, number: int, line: bytes, field: str) -> bytes:
+    """The text field of JSON line `number` of `path`, or an error naming the file, the line and what was expected."""
+    try:
+        record = json.loads(line.decode("utf-8", "surrogateescape"))
+    except json.JSONDecodeError as error:
+        raise CorpusError(f"{path}: line {number}: expected a JSON object, got invalid JSON ({error})") from None
+    if not isinstance(record, dict) or field not in record:
+        fields = f"fields: {', '.join(list(record)[:10])}" if isinstance(record, dict) else type(record).__name__
+        raise CorpusError(f"{path}: line {number}: expected a JSON object with a {field!r} field ({fields}; set "
+                         f"data.text_field / --text-field)")
+    text = record[field]
+    if text is None:
+        return b""
+    if not isinstance(text, str):
+        raise CorpusError(f"{path}: line {number}: field {field!r} is {type(text).__name__}, expected a string")
+    return _utf8(text)
+
+
+def _is_parquet(path: str) -> bool:
+    return not path.lower().endswith(".arrow")
+
+
+_PARQUET_FILES: collections.OrderedDict = collections.OrderedDict()  # path -> open ParquetFile (footer read once)
+_PARQUET_LOCK = threading.Lock()
+
+
+def _parquet_file(path: str):
+    import pyarrow.parquet as pq
+
+    with _PARQUET_LOCK:
+        found = _PARQUET_FILES.pop(path, None)
+    if found is None:  # a local path: Arrow's own file, read with pread (threads may read row groups at once)
+        found = pq.ParquetFile(path if "://" not in path else _open_raw(path))
+    with _PARQUET_LOCK:
+        _PARQUET_FILES[path] = found
+        while len(_PARQUET_FILES) > 64:
+            _PARQUET_FILES.popitem(last=False)
+    return found
+
+
+def _column_bytes(table, path: str, field: str, where: str) -> np.ndarray:
+    """A string column -> object array of UTF-8 bytes (nulls as empty texts)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if field not in table.column_names:
+        raise CorpusError(f"{path}: {where}: expected a {field!r} column (columns: {', '.join(table.column_names)};"
+                         f" set data.text_field / --text-field)")
+    column = table.column(field)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise CorpusError(f"{path}: {where}: column {field!r} is {column.type}, expected strings")
+    return pc.fill_null(column, "").cast(pa.large_binary()).to_numpy(zero_copy_only=False)
+
+
+def _parquet_texts(path: str, parquet, k: int, field: str) -> np.ndarray:
+    if field not in parquet.schema_arrow.names:
+        raise CorpusError(f"{path}: expected a {field!r} column (columns: {', '.join(parquet.schema_arrow.names)}; "
+                         f"set data.text_field / --text-field)")
+    return _column_bytes(parquet.read_row_group(k, columns=[field]), path, field, f"row group {k}")
+
+
+def _arrow_texts(path: str, field: str) -> Iterator[bytes]:
+    """The texts of an Arrow IPC stream file (what `datasets.save_to_disk` writes), record batch by record batch."""
+    import pyarrow as pa
+
+    with _open_raw(path) as f:
+        reader = pa.ipc.open_stream(f)
+        first_row = 0
+        for batch in reader:
+            table = pa.Table.from_batches([batch])
+            yield from _column_bytes(table, path, field, f"rows from {first_row}")
+            first_row += batch.num_rows
+
+
+def _check_table_file(path: str, field: str) -> str:
+    """A Parquet or Arrow stream file holding a string column `field`: its kind ("parquet" | "arrow")."""
+    import pyarrow as pa
+
+    with _open_raw(path) as f:
+        head = f.read(8)
+    if _is_parquet(path):
+        if not head.startswith(b"PAR1"):
+            seen = next((what for magic, what in _OTHER_MAGIC.items() if head.startswith(magic)),
+                        "text" if not _text_problem(head) else f"bytes {head[:4]!r}")
+            raise ValueError(f"{path}: expected a Parquet file (PAR1), found {seen}; corpus_format=parquet reads "
+                             "Parquet files and `datasets.save_to_disk` directories")
+        names = _parquet_file(path).schema_arrow.names
+        kind = "parquet"
+    else:
+        with _open_raw(path) as f:
+            try:
+                names = pa.ipc.open_stream(f).schema.names
+            except pa.ArrowInvalid as error:
+                raise ValueError(f"{path}: expected an Arrow IPC stream (datasets.save_to_disk), {error}") from None
+        kind = "arrow"
+    if field not in names:
+        raise ValueError(f"{path}: expected a {field!r} column (columns: {', '.join(names)}; set data.text_field / "
+                         "--text-field)")
+    return kind
 
 
 def _lines_to_document(group: dict) -> dict:
@@ -201,27 +619,45 @@ def _wrapped_lines_to_document(group: dict) -> dict:
     return {"sentences": split_sentences(paragraphs).flat_values, **group}
 
 
-def file_order(files: Sequence[str], order_seed=None) -> tf.data.Dataset:
-    """The files as a dataset, permuted by a stateless RNG if `order_seed` (int [2]) is given.
+def _file_entries(files: Sequence[str], order_seed=None) -> tf.data.Dataset:
+    """(file, its index in `files`) as a dataset, permuted by a stateless RNG if `order_seed` (int [2]) is given.
 
     Stateless on purpose: a seeded Dataset.shuffle inside a per-epoch function cannot be checkpointed.
     """
-    names = tf.constant(list(files))
+    names, indices = tf.constant(list(files)), tf.range(len(files), dtype=tf.int64)
     if order_seed is not None:
-        keys = tf.random.stateless_uniform([len(files)], tf.cast(order_seed, tf.int64))
-        names = tf.gather(names, tf.argsort(keys))
-    return tf.data.Dataset.from_tensor_slices(names)
+        order = tf.argsort(tf.random.stateless_uniform([len(files)], tf.cast(order_seed, tf.int64)))
+        names, indices = tf.gather(names, order), tf.gather(indices, order)
+    return tf.data.Dataset.from_tensor_slices((names, indices))
+
+
+def file_order(files: Sequence[str], order_seed=None) -> tf.data.Dataset:
+    """The files as a dataset, permuted by a stateless RNG if `order_seed` (int [2]) is given."""
+    return _file_entries(files, order_seed).map(lambda name, index: name)
 
 
 def documents_from_files(files: Sequence[str], config: CorpusConfig, *, cycle_length: int = 4,
-                         order_seed=None) -> tf.data.Dataset:
-    """Documents from text files, interleaving `cycle_length` files (deterministically).
+                         order_seed=None, share: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
+    """Documents from corpus files, interleaving `cycle_length` files (deterministically).
 
     order_seed: if given (int [2]), the file order is permuted with it first (per-epoch seed: per-epoch order).
+    share: (process index, process count) when every process reads every file of a record format and keeps its
+    own units of each (`files_for_process`).
     """
-    file_ds = file_order(files, order_seed)
-    return file_ds.interleave(lambda f: _file_documents(f, config), cycle_length=cycle_length, block_length=1,
-                              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return _file_entries(files, order_seed).interleave(
+        lambda f, i: _file_documents(f, config, i, share), cycle_length=cycle_length, block_length=1,
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def files_for_process(files: Sequence[str], config: CorpusConfig, process_index: int,
+                      process_count: int) -> tuple[list[str], tuple[int, int]]:
+    """The files one process reads and its share of their units: its own files (`shard_files`), or, for record
+    formats in fewer files than processes, every file with share (process_index, process_count): unit k (row group
+    or record chunk) of file i belongs to process (i + k) % process_count (the analogue of TFRecords split by
+    record). Disjoint, covering and deterministic."""
+    if config.is_records and len(files) < process_count:
+        return list(files), (process_index, process_count)
+    return shard_files(files, process_index, process_count), (0, 1)
 
 
 def tfds_documents(config: CorpusConfig, process_index: int = 0, process_count: int = 1) -> tf.data.Dataset:
@@ -239,17 +675,13 @@ def tfds_documents(config: CorpusConfig, process_index: int = 0, process_count: 
         raise FileNotFoundError(
             f"TFDS dataset {name!r} is not prepared under {builder.data_dir}; this job never downloads: run "
             f"tfds.builder({name!r}).download_and_prepare() where the network is available, or pass --tfds-data-dir")
-    if config.tfds_text_field not in builder.info.features:
-        raise ValueError(f"TFDS dataset {name!r} has no text field {config.tfds_text_field!r}; "
+    if config.text_field not in builder.info.features:
+        raise ValueError(f"TFDS dataset {name!r} has no text field {config.text_field!r}; "
                          f"fields: {', '.join(builder.info.features)}")
     read_config = tfds.ReadConfig(input_context=tf.distribute.InputContext(
         num_input_pipelines=process_count, input_pipeline_id=process_index))
     ds = builder.as_dataset(split=split, shuffle_files=False, read_config=read_config)
 
-    def to_document(example):
-        text = _clean_lines(tf.strings.split(example[config.tfds_text_field], "\n"), config.max_line_chars)
-        sentences = split_sentences(text["lines"]).flat_values
-        return {"sentences": sentences, "invalid_utf8": tf.reduce_sum(text["invalid_utf8"]),
-                "truncated": tf.reduce_sum(text["truncated"])}
-
-    return ds.map(to_document).filter(lambda d: tf.size(d["sentences"]) > 0)
+    texts = ds.map(lambda example: example[config.text_field]).batch(256)
+    docs = texts.map(lambda batch: texts_to_documents(batch, config.max_line_chars)).unbatch()
+    return docs.filter(lambda d: tf.size(d["sentences"]) > 0)

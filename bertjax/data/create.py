@@ -70,13 +70,14 @@ class BlockPasses:
 
 
 def serialized_instances(config: PretrainingDataConfig, files: list[str], tokenizer,
-                         stats: collections.Counter, worker_index: int = 0) -> tf.data.Dataset:
+                         stats: collections.Counter, worker_index: int = 0,
+                         share: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
     """Serialized tf.train.Example strings of one pass over `files` with `dupe_factor` copies (unshuffled)."""
     passes = BlockPasses(config, tokenizer, stats, worker_index)
     if config.is_tfds:
         docs = corpus.tfds_documents(config)
     else:
-        docs = corpus.documents_from_files(files, config, cycle_length=config.file_cycle_length)
+        docs = corpus.documents_from_files(files, config, cycle_length=config.file_cycle_length, share=share)
     blocks = tokenized_blocks(docs, tokenizer, config.doc_buffer_size).enumerate()
     # The block is tokenized once and paired with each dupe index (the original's dupe loop).
     copies = blocks.flat_map(lambda index, block: tf.data.Dataset.range(config.dupe_factor).map(
@@ -148,12 +149,12 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     config.require_input()
     earlier = earlier_run_check(out_dir, overwrite, worker_index, num_workers)
     start = time.time()
-    files = [] if config.is_tfds else corpus.shard_files(corpus.expand_inputs(config.inputs), worker_index,
-                                                         num_workers)
-    corpus.check_text_files(files)
+    files, share = (([], (0, 1)) if config.is_tfds else
+                    corpus.files_for_process(corpus.expand_inputs(config.inputs), config, worker_index, num_workers))
+    formats = collections.Counter(corpus.check_input_files(files, config))
     tokenizer = load_tokenizer(config.vocab, config.lower_case)
     stats = collections.Counter(input_files=len(files), empty_files=count_empty_files(files))
-    ds = serialized_instances(config, files, tokenizer, stats, worker_index)
+    ds = serialized_instances(config, files, tokenizer, stats, worker_index, share)
     ds = ds.shuffle(config.shuffle_buffer, seed=config.seed + worker_index).batch(write_batch).prefetch(4)
     prefix = tfrecord.shard_prefix(worker_index, num_workers)
     with tfrecord.ShardWriter(out_dir, num_shards, prefix=prefix) as writer:
@@ -163,4 +164,5 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
         for path in writer.paths:
             tf.io.gfile.remove(path)
         raise no_instances_error(config, out_dir)
-    return finish_run(config, out_dir, prefix, writer.paths, writer.counts.tolist(), stats, start, earlier, log)
+    return finish_run(config, out_dir, prefix, writer.paths, writer.counts.tolist(), stats, start, earlier, log,
+                      input_formats=dict(sorted(formats.items())))

@@ -12,7 +12,10 @@ import math
 from bertjax.data import schema
 from bertjax.options import option
 
-FORMATS = ("sentences", "paragraphs", "wikitext", "wrapped")
+TEXT_FORMATS = ("sentences", "paragraphs", "wikitext", "wrapped")
+# Formats whose records are documents (one JSON object per line; a Parquet row or a `datasets` Arrow row).
+RECORD_FORMATS = ("jsonl", "parquet")
+FORMATS = TEXT_FORMATS + RECORD_FORMATS
 MASKING_MODES = ("dynamic", "static")
 MASKING_SCHEMES = ("token", "span")
 # SpanBERT (Joshi et al. 2020, section 3.1): span lengths in words ~ Geometric(p=0.2) on 1..10 (renormalised, as
@@ -26,16 +29,19 @@ INPUT_KINDS = ("auto", "text", "tfrecord")
 class CorpusConfig:
     """Where the text is and how it is laid out."""
 
-    input: str = option("", "comma-separated globs of text files, tfds:NAME[:SPLIT], or (input_kind=tfrecord) "
-                        "TFRecord files/directories", repeatable=True)
+    input: str = option("", "comma-separated globs of corpus files (.gz/.zst/.bz2 read as such) or directories, "
+                        "tfds:NAME[:SPLIT], hf:NAME[:CONFIG][@SPLIT] (a hub dataset's Parquet files), or "
+                        "(input_kind=tfrecord) TFRecord files/directories", repeatable=True)
     corpus_format: str = option("sentences", "sentences: one per line, blank line between documents (the original "
                                 "format) | paragraphs: one per line | wikitext | wrapped (hard-wrapped, e.g. "
-                                "Gutenberg)", flags=("--format",))
+                                "Gutenberg) | jsonl: one JSON object per line, a document each | parquet: a row per "
+                                "document (also a `datasets.save_to_disk` directory; hf: inputs)", flags=("--format",))
     doc_boundary_regex: str | None = option(None, "paragraphs: a full-matching line starts a new document")
     skip_regex: str | None = option(None, "paragraphs: full-matching lines are dropped")
     max_line_chars: int = option(100_000, "longer lines are truncated (and counted)")
     max_document_lines: int = option(100_000, "a document with more lines is cut (bounds memory)")
-    tfds_text_field: str = option("text", "tfds: the feature holding the document text", flags=("--text-field",))
+    text_field: str = option("text", "jsonl, parquet, hf:, tfds: the field holding the document text",
+                             flags=("--text-field",))
     tfds_data_dir: str | None = option(None, "tfds: the data directory of prepared datasets")
     line_batch: int = option(1024, "lines processed per vectorised step")
     wrapped_doc_blank_lines: int = option(3, "wrapped: this many blank lines end a document (Gutenberg: chapters)")
@@ -44,6 +50,10 @@ class CorpusConfig:
         # A list of patterns (a JSON/YAML config, repeated flags) is kept as one comma-separated string.
         if not isinstance(self.input, str):
             object.__setattr__(self, "input", ",".join(self.input))
+        if self.is_hf and self.corpus_format == "sentences":  # the default: a hub dataset is its Parquet files
+            object.__setattr__(self, "corpus_format", "parquet")
+        if self.is_hf and self.corpus_format != "parquet":
+            raise ValueError(f"hf: inputs are read as Parquet; corpus_format={self.corpus_format!r} does not apply")
         if not self.is_tfds and self.corpus_format not in FORMATS:
             raise ValueError(f"unknown corpus format {self.corpus_format!r}; expected one of {', '.join(FORMATS)}")
         if self.max_line_chars < 1:
@@ -57,6 +67,15 @@ class CorpusConfig:
     @property
     def is_tfds(self) -> bool:
         return len(self.inputs) == 1 and self.inputs[0].startswith("tfds:")
+
+    @property
+    def is_hf(self) -> bool:
+        return bool(self.inputs) and all(part.startswith("hf:") for part in self.inputs)
+
+    @property
+    def is_records(self) -> bool:
+        """Whether each record (JSON line, Parquet/Arrow row) is a document, rather than a text layout."""
+        return self.corpus_format in RECORD_FORMATS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,21 +30,24 @@ from bertjax.data.stages import (
 from bertjax.data.tokenizers import load_tokenizer
 
 
-def _host_files(config: PretrainingDataConfig, process_index: int, process_count: int) -> list[str]:
+def _host_files(config: PretrainingDataConfig, process_index: int,
+                process_count: int) -> tuple[list[str], tuple[int, int]]:
+    """The files this process reads and its share of their units (corpus.files_for_process)."""
+    share = (0, 1)
     if config.input_kind == "tfrecord":
         files = tfrecord.find_shards(config.inputs)
         _check_tfrecord_metadata(config, files)
         if len(files) < process_count:  # every process reads every file, and keeps its share of the records
-            return files
+            return files, share
+        files = corpus.shard_files(files, process_index, process_count)
     else:
-        files = corpus.expand_inputs(config.inputs)
-    files = corpus.shard_files(files, process_index, process_count)
-    if config.input_kind == "text":
-        corpus.check_text_files(files)
+        files, share = corpus.files_for_process(corpus.expand_inputs(config.inputs), config, process_index,
+                                                process_count)
+        corpus.check_input_files(files, config)
     # An endless pipeline over empty input would spin forever without yielding: refuse it up front.
     if all(tf.io.gfile.stat(f).length == 0 for f in files):
         raise ValueError(f"all {len(files)} input file(s) of process {process_index} are empty: {files[:3]}")
-    return files
+    return files, share
 
 
 def resolve_input(config: PretrainingDataConfig, key: str = "data.input") -> PretrainingDataConfig:
@@ -116,10 +119,11 @@ def _check_tfrecord_metadata(config: PretrainingDataConfig, files: list[str]):
 
 
 def _documents(config: PretrainingDataConfig, files: list[str], order_seed: tf.Tensor, process_index: int,
-               process_count: int) -> tf.data.Dataset:
+               process_count: int, share: tuple[int, int]) -> tf.data.Dataset:
     if config.is_tfds:
         return corpus.tfds_documents(config, process_index, process_count)
-    return corpus.documents_from_files(files, config, cycle_length=config.file_cycle_length, order_seed=order_seed)
+    return corpus.documents_from_files(files, config, cycle_length=config.file_cycle_length, order_seed=order_seed,
+                                       share=share)
 
 
 def _epochs(num_epochs: int | None) -> tf.data.Dataset:
@@ -134,7 +138,8 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
     Each element: int32 input_ids, input_mask, segment_ids [B, max_seq_length]; masked_lm_positions,
     masked_lm_ids [B, max_predictions_per_seq]; float32 masked_lm_weights [B, max_predictions_per_seq];
     int32 next_sentence_labels [B, 1]; with `config.packing`, the packed layout of data/schema.py. Process i
-    reads only its files (files[i::n]; TFRecords in fewer files than processes: its records, [i::n]); the stream is a
+    reads only its files (files[i::n]; TFRecords in fewer files than processes: its records, [i::n]; JSON Lines or
+    Parquet in fewer files than processes: its row groups / record chunks, corpus.files_for_process); the stream is a
     pure function of (config, process_index, process_count). `stats`, if given, collects counters.
     """
     config = resolve_input(config)
@@ -143,8 +148,8 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
     batch_size = global_batch_size // process_count
     seed = config.seed
     host_seed = fold_seed(tf.constant([seed, 0], tf.int64), process_index)
-    files = [] if config.input_kind == "text" and config.is_tfds else _host_files(config, process_index,
-                                                                                  process_count)
+    files, share = (([], (0, 1)) if config.input_kind == "text" and config.is_tfds else
+                    _host_files(config, process_index, process_count))
 
     if config.input_kind == "tfrecord":
         # Fewer shards than processes (`data create`'s one shard, read by 2 hosts): all processes read the same
@@ -172,7 +177,7 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
     def epoch_instances(epoch):
         # Static: epoch e replays copy e % dupe_factor (same files order, instances and masks).
         stream = epoch % config.dupe_factor if static else epoch
-        docs = _documents(config, files, fold_seed(host_seed, 1, stream), process_index, process_count)
+        docs = _documents(config, files, fold_seed(host_seed, 1, stream), process_index, process_count, share)
         blocks = tokenized_blocks(docs, tokenizer, config.doc_buffer_size).enumerate()
 
         parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}

@@ -231,7 +231,7 @@ def is_tfrecord_file(path: str) -> bool:
 def detect_kind(patterns: Sequence[str]) -> str:
     """"tfrecord" for `data create` output (a directory with its metadata, or TFRecord files), else "text"."""
     for pattern in patterns:
-        if pattern.startswith("tfds:"):
+        if pattern.startswith(("tfds:", "hf:")):
             return "text"
         if tf.io.gfile.isdir(pattern):
             if read_metadata(pattern):
