@@ -22,6 +22,7 @@ import tensorflow as tf
 from bertjax.data.corpus import check_input_files, documents_from_files, expand_inputs
 from bertjax.data.data_config import CorpusConfig, PretrainingDataConfig
 from bertjax.data.pipeline import make_pretraining_dataset, save_iterator
+from tests.test_data_pipeline import assert_fresh_process_resumes
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -162,18 +163,6 @@ def test_data_create_writes_the_text_files_records(corpus, tmp_path):
         assert metadata["input_formats"] == {"wiki.parquet": {"parquet": 1}, "wiki.jsonl.gz": {"jsonl+gzip": 1}}[name]
 
 
-RESUME_SCRIPT = """
-import json, sys
-import numpy as np
-from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.data.pipeline import make_pretraining_dataset, restore_iterator
-for case in json.loads(sys.argv[1]):
-    it = iter(make_pretraining_dataset(PretrainingDataConfig(**case["config"]), 8))
-    restore_iterator(it, case["checkpoint"])
-    np.savez(case["out"], **{f"{i}/{k}": v.numpy() for i in range(case["after"]) for k, v in next(it).items()})
-"""
-
-
 def test_resume_mid_parquet_and_mid_zstd_file_in_a_fresh_process(corpus, tmp_path):
     """Saved after 30 batches of 8 (about half of the ~500 instances of an epoch: the Parquet file's second of 3 row
     groups; inside the .jsonl.zst and .txt.zst files, whose readers are reopened and skipped in the new process):
@@ -186,15 +175,9 @@ def test_resume_mid_parquet_and_mid_zstd_file_in_a_fresh_process(corpus, tmp_pat
             next(it)
         checkpoint = save_iterator(it, str(tmp_path / f"ckpt{n}" / "it"))
         expected.append([{k: v.numpy() for k, v in next(it).items()} for _ in range(5)])
-        cases.append(dict(config=dataclasses.asdict(config), checkpoint=checkpoint, after=5,
-                          out=str(tmp_path / f"out{n}.npz")))
-    subprocess.run([sys.executable, "-c", RESUME_SCRIPT, json.dumps(cases)], check=True, cwd=ROOT,
-                   env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    for case, want in zip(cases, expected):
-        got = np.load(case["out"])
-        for i, batch in enumerate(want):
-            for k, v in batch.items():
-                np.testing.assert_array_equal(got[f"{i}/{k}"], v, err_msg=f"{case['config']['input']} batch {i} {k}")
+        cases.append(dict(config=dataclasses.asdict(config), checkpoint=checkpoint, after=5, batch=8,
+                          process_index=0, process_count=1, out=str(tmp_path / f"out{n}.npz")))
+    assert_fresh_process_resumes(cases, expected)
 
 
 @pytest.mark.parametrize("name", ["wiki.parquet", "wiki.jsonl.zst"])

@@ -225,13 +225,19 @@ def test_resume_in_a_fresh_process_gives_the_same_batches(setup, tmp_path):
         case["checkpoint"] = save_iterator(it, str(tmp_path / f"ckpt{n}" / "it"))
         expected.append([{k: v.numpy() for k, v in next(it).items()} for _ in range(5)])
         case.update(config=dataclasses.asdict(case["config"]), after=5, out=str(tmp_path / f"out{n}.npz"))
+    assert_fresh_process_resumes(cases, expected)
+
+
+def assert_fresh_process_resumes(cases: list[dict], expected: list[list[dict]]) -> None:
+    """Restores each case's iterator checkpoint in a new process (RESUME_SCRIPT) and checks its next batches
+    against `expected`, those of the uninterrupted run."""
     subprocess.run([sys.executable, "-c", RESUME_SCRIPT, json.dumps(cases)], check=True, cwd=ROOT,
                    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     for case, want in zip(cases, expected):
         got = np.load(case["out"])
         for i, batch in enumerate(want):
             for k, v in batch.items():
-                np.testing.assert_array_equal(got[f"{i}/{k}"], v, err_msg=f"batch {i} {k}")
+                np.testing.assert_array_equal(got[f"{i}/{k}"], v, err_msg=f"{case['config']['input']} batch {i} {k}")
 
 
 def test_endless_pipeline_over_empty_input_is_refused(setup, tmp_path):
