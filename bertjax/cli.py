@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(2)
         return 2
     except Exception as error:
-        # Bad input found while tf.data reads a file (corpus.CorpusError inside a numpy_function) arrives wrapped in
+        # Bad input found while tf.data reads a file (file_readers.CorpusError inside a numpy_function) arrives wrapped in
         # TensorFlow's error, with a traceback in its message: told as the same one line.
         found = re.search(r"CorpusError: (.*)", str(error))
         if not found or type(error).__module__.split(".")[0] != "tensorflow":

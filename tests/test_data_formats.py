@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax.data.corpus import check_input_files, documents_from_files, expand_inputs
+from bertjax.data.corpus import documents_from_files, expand_inputs
+from bertjax.data.file_readers import check_input_files
 from bertjax.data.data_config import CorpusConfig, PretrainingDataConfig
 from bertjax.data.pipeline import make_pretraining_dataset, save_iterator
 from tests.test_data_pipeline import assert_fresh_process_resumes

@@ -47,7 +47,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from bertjax.data import corpus, create, tfrecord
+from bertjax.data import corpus, create, file_readers, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.instances import Block, nsp_warning
 from bertjax.data.stages import tokenized_blocks
@@ -405,7 +405,7 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     earlier = create.earlier_run_check(out_dir, overwrite)
     start = time.time()
     files = corpus.expand_inputs(config.inputs)
-    formats = collections.Counter(corpus.check_input_files(files, config))
+    formats = collections.Counter(file_readers.check_input_files(files, config))
     load_tokenizer(config.vocab, config.lower_case)  # a bad vocab fails here, not on every worker
     tf.io.gfile.makedirs(out_dir)
     _stale_temporary_directories(out_dir, overwrite, log)

@@ -21,25 +21,18 @@ Parquet, Arrow and TFDS.
 Every stage is a stateless tf.data op, a scan, or a numpy_function declared stateless because its output is a
 pure function of its inputs (a read unit: a Parquet row group, or chunk k of a file's lines or records), so the
 stream can be checkpointed mid-epoch. `Dataset.from_generator` is not checkpointable and is not used for
-pretraining. Sequential readers (a zstd stream at chunk k) are kept open per process (`_READERS`), so reading a
-file chunk after chunk costs O(file); a restored position reopens the file and skips to its chunk once.
+pretraining. The units themselves, the compression and the input check are read in Python by file_readers.py.
 """
 from __future__ import annotations
 
-import bz2
-import collections
-import gzip
-import io
-import itertools
 import json
 import logging
 import os
-import threading
-from typing import Callable, Iterator, Sequence
+from typing import Sequence
 
-import numpy as np
 import tensorflow as tf
 
+from bertjax.data import file_readers
 from bertjax.data.data_config import CorpusConfig
 
 # A sentence ends at . ! ? (plus closing quotes/brackets) followed by whitespace and an upper-case
@@ -142,105 +135,6 @@ def shard_files(files: Sequence[str], process_index: int, process_count: int) ->
         raise ValueError(f"{len(files)} input file(s) cannot be split over {process_count} processes; "
                          "write more shards (bertjax data create --shards N) or use fewer hosts")
     return list(files[process_index::process_count])
-
-
-_SNIFF_BYTES = 1 << 16
-# Compressions read as such: magic bytes and the extensions that name them.
-COMPRESSIONS = {"gzip": (b"\x1f\x8b", (".gz", ".gzip")), "zstd": (b"\x28\xb5\x2f\xfd", (".zst", ".zstd")),
-                "bzip2": (b"BZh", (".bz2",))}
-# What other files are recognised as, to name them when they are refused.
-_OTHER_MAGIC = {b"PK\x03\x04": "a zip archive", b"\xfd7zXZ\x00": "an xz archive", b"7z\xbc\xaf\x27\x1c": "a 7z archive",
-                b"PAR1": "a Parquet file", b"ARROW1": "an Arrow file", b"\x28\xb5\x2f\xfd": "zstd-compressed"}
-
-
-def compression_of(path: str, head: bytes) -> str:
-    """"gzip" | "zstd" | "bzip2" | "" for a file whose first bytes are `head`; an extension naming another
-    compression than the bytes show is an error (a file renamed by mistake)."""
-    by_magic = next((name for name, (magic, _) in COMPRESSIONS.items() if head.startswith(magic)), "")
-    by_name = next((name for name, (_, ends) in COMPRESSIONS.items() if path.lower().endswith(ends)), "")
-    if by_name and by_magic != by_name:
-        raise ValueError(f"{path}: named as {by_name}-compressed, but its bytes are "
-                         f"{by_magic + '-compressed' if by_magic else 'not'} ({head[:4]!r}...)")
-    return by_magic
-
-
-def _open_raw(path: str):
-    return open(path, "rb") if "://" not in path else tf.io.gfile.GFile(path, "rb")
-
-
-def open_decompressed(path: str):
-    """A binary file object of `path`'s content, decompressed (gzip, zstd or bzip2, by magic bytes)."""
-    raw = _open_raw(path)
-    kind = compression_of(path, raw.read(4))
-    raw.seek(0)
-    if kind == "gzip":
-        return gzip.GzipFile(fileobj=raw)
-    if kind == "bzip2":
-        return bz2.BZ2File(raw)
-    if kind == "zstd":
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True,
-                                                                            closefd=True))
-    return raw
-
-
-def _head(path: str) -> tuple[bytes, str, bytes]:
-    """(raw first bytes, compression, first decompressed bytes) of a file."""
-    with _open_raw(path) as f:
-        raw = f.read(_SNIFF_BYTES)
-    kind = compression_of(path, raw)
-    if not kind:
-        return raw, kind, raw
-    try:
-        with open_decompressed(path) as f:
-            return raw, kind, f.read(_SNIFF_BYTES)
-    except (OSError, EOFError, ValueError) as error:  # zstandard raises ZstdError (a ValueError)
-        raise ValueError(f"{path}: {kind}-compressed but cannot be decompressed ({error})") from None
-
-
-def _text_problem(head: bytes) -> str | None:
-    """Why bytes are not UTF-8 text (a known format named), or None."""
-    other = next((what for magic, what in _OTHER_MAGIC.items() if head.startswith(magic)), None)
-    if other:
-        return f"{other}, not text"
-    if b"\x00" in head:
-        return "binary (NUL bytes in its first 64 KiB)"
-    # A multi-byte character cut at the end of the sample is not an error.
-    text = head.decode("utf-8", errors="replace")[:-1]
-    invalid = text.count("\ufffd")
-    if text and invalid > 0.05 * len(text):
-        return f"not UTF-8 text ({invalid} of the first {len(text)} characters are invalid)"
-    return None
-
-
-def check_input_files(files: Sequence[str], config: CorpusConfig | None = None) -> list[str]:
-    """Refuses files that the format cannot read, naming what they are (judged by their first 64 KiB, after
-    decompression): a binary file or an archive would otherwise be read as a few lines of replacement characters,
-    and a job would train on nothing. Parquet/Arrow files must be such and hold `text_field`. Returns each file's
-    format as recorded in metadata (e.g. "jsonl+zstd", "parquet")."""
-    config = config or CorpusConfig()
-    kinds = []
-    for path in files:
-        if config.corpus_format == "parquet":
-            kinds.append(_check_table_file(path, config.text_field))
-            continue
-        _, compression, head = _head(path)
-        problem = _text_problem(head)
-        if problem:
-            where = f" (decompressed from {compression})" if compression else ""
-            raise ValueError(f"{path}: {problem}{where}; {config.corpus_format} corpora are read as UTF-8 lines"
-                             + (" (.gz, .zst and .bz2 are decompressed)" if not compression else ""))
-        first = head.split(b"\n", 1)[0] if b"\n" in head else b""
-        if config.corpus_format == "jsonl" and first.strip():  # the first record, up front (the rest as read)
-            _json_text(path, 1, first, config.text_field)
-        kinds.append(config.corpus_format + (f"+{compression}" if compression else ""))
-    return kinds
-
-
-def check_text_files(files: Sequence[str]) -> None:
-    """`check_input_files` for text layouts."""
-    check_input_files(files)
 
 
 def split_sentences(paragraphs: tf.Tensor) -> tf.RaggedTensor:
@@ -354,15 +248,15 @@ def _group_by_blank_lines(line_batches: tf.data.Dataset, min_blank_run: int = 1,
 
 def _file_lines(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
     """A text file's lines: plain and gzip through TextLineDataset (native, checkpointable), zstd and bzip2 in
-    chunks of `line_batch` lines from a cached sequential reader (`_line_chunk`). One structure for every file:
-    the branch that does not apply reads nothing."""
-    compression = tf.numpy_function(_compression_name, [path], tf.string, stateful=False)
+    chunks of `line_batch` lines from a cached sequential reader (`file_readers.line_chunk`). One structure for
+    every file: the branch that does not apply reads nothing."""
+    compression = tf.numpy_function(file_readers.compression_name, [path], tf.string, stateful=False)
     native = tf.reshape(tf.logical_or(tf.equal(compression, ""), tf.equal(compression, "gzip")), [])
     text = tf.data.TextLineDataset(tf.boolean_mask(tf.reshape(path, [1]), tf.reshape(native, [1])),
                                    compression_type=tf.where(tf.equal(compression, "gzip"), "GZIP", ""))
     chunks = tf.data.Dataset.range(tf.where(native, tf.constant(0, tf.int64), _ENDLESS)).map(
-        lambda k: tf.ensure_shape(tf.numpy_function(_line_chunk, [path, k, config.line_batch], tf.string,
-                                                    stateful=False), [None]))
+        lambda k: tf.ensure_shape(tf.numpy_function(file_readers.line_chunk, [path, k, config.line_batch],
+                                                    tf.string, stateful=False), [None]))
     return text.concatenate(chunks.take_while(lambda lines: tf.size(lines) > 0).unbatch())
 
 
@@ -390,11 +284,6 @@ def file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
     return _file_documents(path, config)
 
 
-class CorpusError(ValueError):
-    """Bad input found while a file is read inside tf.data (a numpy_function): TensorFlow wraps it in its own error,
-    in which the command line finds it by this name and tells it in one line."""
-
-
 # Units of a file read until one is empty (their number is found by reading).
 _ENDLESS = tf.int64.max
 
@@ -407,203 +296,14 @@ def _record_documents(path: tf.Tensor, config: CorpusConfig, index, share) -> tf
 
     def read(k):
         mine = tf.equal((tf.cast(index, tf.int64) + k) % count, process)
-        texts, more = tf.numpy_function(_record_unit, [path, k, mine, config.corpus_format, config.text_field,
-                                                       config.line_batch], [tf.string, tf.bool], stateful=False)
+        texts, more = tf.numpy_function(file_readers.record_unit, [path, k, mine, config.corpus_format,
+                                                                   config.text_field, config.line_batch],
+                                        [tf.string, tf.bool], stateful=False)
         return tf.ensure_shape(texts, [None]), tf.ensure_shape(more, [])
 
     units = tf.data.Dataset.range(_ENDLESS).map(read).take_while(lambda texts, more: more)
     docs = units.map(lambda texts, more: texts_to_documents(texts, config.max_line_chars)).unbatch()
     return docs.filter(lambda d: tf.size(d["sentences"]) > 0)
-
-
-def _compression_name(path: bytes) -> bytes:
-    path = path.decode()
-    with _open_raw(path) as f:
-        return compression_of(path, f.read(4)).encode()
-
-
-class _ReaderCache:
-    """Open sequential readers of files, each positioned at its next chunk, so reading chunk after chunk costs
-    O(file) while a chunk stays a pure function of (file, k): a request that no open reader can reach forwards
-    (a restored position, another epoch) opens the file again and skips to it. Per process, at most `size` open
-    readers (the least recently used is closed); a reader in use is taken out, so threads never share one."""
-
-    def __init__(self, size: int = 64):
-        self.size = size
-        self._lock = threading.Lock()
-        self._open: collections.OrderedDict = collections.OrderedDict()  # (key, serial) -> (next chunk, iterator)
-        self._serial = itertools.count()
-
-    def chunk(self, key, k: int, chunk_size: int, open_items: Callable[[], Iterator]) -> list:
-        """Items [k * chunk_size, (k + 1) * chunk_size) of `open_items()`."""
-        with self._lock:
-            usable = [(entry[0], name) for name, entry in self._open.items() if name[0] == key and entry[0] <= k]
-            position, items = (self._open.pop(max(usable)[1]) if usable else (0, None))
-        if items is None:
-            items = open_items()
-        for _ in itertools.islice(items, (k - position) * chunk_size):  # skip to chunk k
-            pass
-        chunk = list(itertools.islice(items, chunk_size))
-        if len(chunk) < chunk_size:
-            _close(items)
-            return chunk
-        with self._lock:
-            self._open[(key, next(self._serial))] = (k + 1, items)
-            while len(self._open) > self.size:
-                _close(self._open.popitem(last=False)[1][1])
-        return chunk
-
-
-def _close(items) -> None:
-    if hasattr(items, "close"):
-        items.close()
-
-
-_READERS = _ReaderCache()
-
-
-def _lines_of(path: str) -> Iterator[bytes]:
-    with open_decompressed(path) as f:
-        for line in f:
-            yield line.rstrip(b"\n").rstrip(b"\r")
-
-
-def _line_chunk(path: bytes, k, chunk_size) -> np.ndarray:
-    """Lines [k * chunk_size, (k + 1) * chunk_size) of a compressed text file."""
-    path = path.decode()
-    lines = _READERS.chunk(("lines", path), int(k), int(chunk_size), lambda: _lines_of(path))
-    return np.array(lines, dtype=object).reshape(-1)
-
-
-def _record_unit(path: bytes, k, mine, corpus_format: bytes, field: bytes, chunk_size) -> tuple[np.ndarray, bool]:
-    """Unit k of a record file: (its texts as UTF-8 bytes, or none when not `mine`; whether unit k exists)."""
-    path, field, k = path.decode(), field.decode(), int(k)
-    if corpus_format == b"parquet" and _is_parquet(path):
-        parquet = _parquet_file(path)
-        if k >= parquet.num_row_groups:
-            return np.zeros([0], object), False
-        return (_parquet_texts(path, parquet, k, field) if mine else np.zeros([0], object)), True
-    if corpus_format == b"parquet":
-        chunk = _READERS.chunk(("arrow", path, field), k, int(chunk_size), lambda: _arrow_texts(path, field))
-        texts = chunk
-    else:
-        chunk = _READERS.chunk(("jsonl", path), k, int(chunk_size), lambda: _numbered_lines(path))
-        texts = [_json_text(path, number, line, field) for number, line in chunk if line.strip()] if mine else []
-    return np.array(texts if mine else [], dtype=object).reshape(-1), bool(chunk)
-
-
-def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
-    return enumerate(_lines_of(path), 1)
-
-
-def _utf8(text: str) -> bytes:
-    """A decoded text back to bytes; bytes that were not UTF-8 come back as they were, so that `_clean_lines`
-    replaces and counts them as it does for text files."""
-    try:
-        return text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # a lone surrogate written as a JSON escape: invalid UTF-8, counted
-        return text.encode("utf-8", "surrogatepass")
-
-
-def _json_text(path: str, number: int, line: bytes, field: str) -> bytes:
-    """The text field of JSON line `number` of `path`, or an error naming the file, the line and what was expected."""
-    try:
-        record = json.loads(line.decode("utf-8", "surrogateescape"))
-    except json.JSONDecodeError as error:
-        raise CorpusError(f"{path}: line {number}: expected a JSON object, got invalid JSON ({error})") from None
-    if not isinstance(record, dict) or field not in record:
-        fields = f"fields: {', '.join(list(record)[:10])}" if isinstance(record, dict) else type(record).__name__
-        raise CorpusError(f"{path}: line {number}: expected a JSON object with a {field!r} field ({fields}; set "
-                         f"data.text_field / --text-field)")
-    text = record[field]
-    if text is None:
-        return b""
-    if not isinstance(text, str):
-        raise CorpusError(f"{path}: line {number}: field {field!r} is {type(text).__name__}, expected a string")
-    return _utf8(text)
-
-
-def _is_parquet(path: str) -> bool:
-    return not path.lower().endswith(".arrow")
-
-
-_PARQUET_FILES: collections.OrderedDict = collections.OrderedDict()  # path -> open ParquetFile (footer read once)
-_PARQUET_LOCK = threading.Lock()
-
-
-def _parquet_file(path: str):
-    import pyarrow.parquet as pq
-
-    with _PARQUET_LOCK:
-        found = _PARQUET_FILES.pop(path, None)
-    if found is None:  # a local path: Arrow's own file, read with pread (threads may read row groups at once)
-        found = pq.ParquetFile(path if "://" not in path else _open_raw(path))
-    with _PARQUET_LOCK:
-        _PARQUET_FILES[path] = found
-        while len(_PARQUET_FILES) > 64:
-            _PARQUET_FILES.popitem(last=False)
-    return found
-
-
-def _column_bytes(table, path: str, field: str, where: str) -> np.ndarray:
-    """A string column -> object array of UTF-8 bytes (nulls as empty texts)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if field not in table.column_names:
-        raise CorpusError(f"{path}: {where}: expected a {field!r} column (columns: {', '.join(table.column_names)};"
-                         f" set data.text_field / --text-field)")
-    column = table.column(field)
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise CorpusError(f"{path}: {where}: column {field!r} is {column.type}, expected strings")
-    return pc.fill_null(column, "").cast(pa.large_binary()).to_numpy(zero_copy_only=False)
-
-
-def _parquet_texts(path: str, parquet, k: int, field: str) -> np.ndarray:
-    if field not in parquet.schema_arrow.names:
-        raise CorpusError(f"{path}: expected a {field!r} column (columns: {', '.join(parquet.schema_arrow.names)}; "
-                         f"set data.text_field / --text-field)")
-    return _column_bytes(parquet.read_row_group(k, columns=[field]), path, field, f"row group {k}")
-
-
-def _arrow_texts(path: str, field: str) -> Iterator[bytes]:
-    """The texts of an Arrow IPC stream file (what `datasets.save_to_disk` writes), record batch by record batch."""
-    import pyarrow as pa
-
-    with _open_raw(path) as f:
-        reader = pa.ipc.open_stream(f)
-        first_row = 0
-        for batch in reader:
-            table = pa.Table.from_batches([batch])
-            yield from _column_bytes(table, path, field, f"rows from {first_row}")
-            first_row += batch.num_rows
-
-
-def _check_table_file(path: str, field: str) -> str:
-    """A Parquet or Arrow stream file holding a string column `field`: its kind ("parquet" | "arrow")."""
-    import pyarrow as pa
-
-    with _open_raw(path) as f:
-        head = f.read(8)
-    if _is_parquet(path):
-        if not head.startswith(b"PAR1"):
-            seen = next((what for magic, what in _OTHER_MAGIC.items() if head.startswith(magic)),
-                        "text" if not _text_problem(head) else f"bytes {head[:4]!r}")
-            raise ValueError(f"{path}: expected a Parquet file (PAR1), found {seen}; corpus_format=parquet reads "
-                             "Parquet files and `datasets.save_to_disk` directories")
-        names = _parquet_file(path).schema_arrow.names
-        kind = "parquet"
-    else:
-        with _open_raw(path) as f:
-            try:
-                names = pa.ipc.open_stream(f).schema.names
-            except pa.ArrowInvalid as error:
-                raise ValueError(f"{path}: expected an Arrow IPC stream (datasets.save_to_disk), {error}") from None
-        kind = "arrow"
-    if field not in names:
-        raise ValueError(f"{path}: expected a {field!r} column (columns: {', '.join(names)}; set data.text_field / "
-                         "--text-field)")
-    return kind
 
 
 def _lines_to_document(group: dict) -> dict:

@@ -15,7 +15,7 @@ import time
 
 import tensorflow as tf
 
-from bertjax.data import corpus, masking, tfrecord
+from bertjax.data import corpus, file_readers, masking, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.instances import nsp_warning
 from bertjax.data.stages import (
@@ -151,7 +151,7 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     start = time.time()
     files, share = (([], (0, 1)) if config.is_tfds else
                     corpus.files_for_process(corpus.expand_inputs(config.inputs), config, worker_index, num_workers))
-    formats = collections.Counter(corpus.check_input_files(files, config))
+    formats = collections.Counter(file_readers.check_input_files(files, config))
     tokenizer = load_tokenizer(config.vocab, config.lower_case)
     stats = collections.Counter(input_files=len(files), empty_files=count_empty_files(files))
     ds = serialized_instances(config, files, tokenizer, stats, worker_index, share)

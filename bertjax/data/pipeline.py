@@ -18,7 +18,7 @@ import os
 
 import tensorflow as tf
 
-from bertjax.data import corpus, masking, tfrecord
+from bertjax.data import corpus, file_readers, masking, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.stages import (
     InstanceMaker,
@@ -43,7 +43,7 @@ def _host_files(config: PretrainingDataConfig, process_index: int,
     else:
         files, share = corpus.files_for_process(corpus.expand_inputs(config.inputs), config, process_index,
                                                 process_count)
-        corpus.check_input_files(files, config)
+        file_readers.check_input_files(files, config)
     # An endless pipeline over empty input would spin forever without yielding: refuse it up front.
     if all(tf.io.gfile.stat(f).length == 0 for f in files):
         raise ValueError(f"all {len(files)} input file(s) of process {process_index} are empty: {files[:3]}")
