@@ -63,16 +63,16 @@ def open_decompressed(path: str):
     return raw
 
 
-def _head(path: str) -> tuple[bytes, str, bytes]:
-    """(raw first bytes, compression, first decompressed bytes) of a file."""
+def _head(path: str) -> tuple[str, bytes]:
+    """(compression, first decompressed bytes) of a file."""
     with _open_raw(path) as f:
         raw = f.read(_SNIFF_BYTES)
     kind = compression_of(path, raw)
     if not kind:
-        return raw, kind, raw
+        return kind, raw
     try:
         with open_decompressed(path) as f:
-            return raw, kind, f.read(_SNIFF_BYTES)
+            return kind, f.read(_SNIFF_BYTES)
     except (OSError, EOFError, ValueError) as error:  # zstandard raises ZstdError (a ValueError)
         raise ValueError(f"{path}: {kind}-compressed but cannot be decompressed ({error})") from None
 
@@ -103,7 +103,7 @@ def check_input_files(files: Sequence[str], config: CorpusConfig | None = None) 
         if config.corpus_format == "parquet":
             kinds.append(_check_table_file(path, config.text_field))
             continue
-        _, compression, head = _head(path)
+        compression, head = _head(path)
         problem = _text_problem(head)
         if problem:
             where = f" (decompressed from {compression})" if compression else ""

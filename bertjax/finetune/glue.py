@@ -78,14 +78,13 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
 
     per_epoch = []
 
-    def epoch_end(epoch: int, seconds: float) -> dict:
-        per_epoch.append(evaluate())
-        return {(f"{split}_{k}" if len(per_epoch[-1]) > 1 else k): v
-                for split, values in per_epoch[-1].items() for k, v in values.items()}
-
     def flat(metrics: dict) -> dict:
         return {(f"{split}_{k}" if len(metrics) > 1 else k): v for split, values in metrics.items()
                 for k, v in values.items()}
+
+    def epoch_end(epoch: int, seconds: float) -> dict:
+        per_epoch.append(evaluate())
+        return flat(per_epoch[-1])
 
     train_info = trainer.train(features["train"], epoch_end=epoch_end if eval_each_epoch else None,
                                workdir=out_dir, evaluate=lambda: flat(evaluate()))

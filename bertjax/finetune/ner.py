@@ -31,7 +31,8 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
     """Fine-tune and evaluate; returns the metrics.json content. `loaded`: (checkpoint, tokenizer) already read."""
     splits = ner_data.read_conll_dir(data)
     train = splits["train"]  # settings.max_train_examples subsets its windows in the Trainer
-    evaluated = {split: splits[split].head(settings.max_eval_examples) for split in ("valid", "test") if split in splits}
+    eval_sentences = {split: splits[split].head(settings.max_eval_examples) for split in ("valid", "test")
+                      if split in splits}
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     ckpt.config.check_length(ner.max_seq_length, "--max-seq-length")
     os.makedirs(workdir, exist_ok=True)
@@ -44,21 +45,21 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
     trainer = Trainer(BertForTokenClassification(ckpt.config, len(labels)), ckpt.config, ckpt.params,
                       token_classification_loss, settings, source=init)
     eval_features = {split: ner_data.featurize(sentences, tokenizer, None, **window)
-                     for split, sentences in evaluated.items()}
+                     for split, sentences in eval_sentences.items()}
 
     def predict(split: str) -> list:
         logits = trainer.predict(eval_features[split].arrays, per_token=True)
-        return ner_data.decode(eval_features[split], logits, evaluated[split], labels)
+        return ner_data.decode(eval_features[split], logits, eval_sentences[split], labels)
 
     def evaluate_valid() -> dict:
-        overall = ner_metrics.entity_scores(evaluated["valid"].tags, predict("valid"))["overall"]
+        overall = ner_metrics.entity_scores(eval_sentences["valid"].tags, predict("valid"))["overall"]
         return {k: float(v) for k, v in overall.items()}
 
     train_info = trainer.train(train_features.arrays, workdir=workdir,
-                               evaluate=evaluate_valid if "valid" in evaluated else None)
+                               evaluate=evaluate_valid if "valid" in eval_sentences else None)
 
     metrics = {}
-    for split, sentences in evaluated.items():
+    for split, sentences in eval_sentences.items():
         predicted = predict(split)
         ner_data.write_predictions(os.path.join(workdir, f"predictions_{split}.txt"), sentences, predicted)
         metrics[split] = ner_metrics.entity_scores(sentences.tags, predicted)
