@@ -14,6 +14,8 @@ import pathlib
 
 # Values of train.compilation_cache_dir that turn the cache off.
 DISABLED = ("off", "none", "false")
+# How JAX_ENABLE_COMPILATION_CACHE says no (JAX's own parsing of boolean environment variables).
+_FALSE = ("0", "false", "f", "no", "n", "off")
 # JAX's default (1 s) keeps the quick compiles out of the cache; a restart pays for those too (eval step, state
 # init), and on a remote (gs://) cache a read is cheaper than a compile of more than ~0.5 s.
 MIN_COMPILE_SECONDS = 0.5
@@ -31,8 +33,11 @@ def default_dir(environ=os.environ) -> str:
 
 
 def resolve(setting: str, environ=os.environ) -> str | None:
-    """The cache directory a `compilation_cache_dir` setting means: "" the default, "off" none, else itself."""
+    """The cache directory a `compilation_cache_dir` setting means: "" the default (none where JAX's own switch,
+    JAX_ENABLE_COMPILATION_CACHE, is false), "off" none, else itself."""
     if setting.strip().lower() in DISABLED:
+        return None
+    if not setting and environ.get("JAX_ENABLE_COMPILATION_CACHE", "").strip().lower() in _FALSE:
         return None
     return setting or default_dir(environ)
 

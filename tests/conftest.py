@@ -12,13 +12,17 @@ import pathlib
 
 # One persistent compilation cache for every test process and the subprocesses they start (they inherit the
 # environment): the suite compiles each program once, and a second run of it reads them all back. Under the clone
-# (gitignored), so a fresh clone starts empty; set JAX_COMPILATION_CACHE_DIR to put it elsewhere.
+# (gitignored), so a fresh clone starts empty; set JAX_COMPILATION_CACHE_DIR to put it elsewhere, or
+# JAX_ENABLE_COMPILATION_CACHE=false to run without it (jobs honour JAX's switch too).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax"))
 
 import pytest
 
-from bertjax import platforms
+from bertjax import compile_cache, platforms
+
+# Whether this run of the suite has the cache (tests that check a restart read its step back need it).
+SUITE_CACHE_ON = compile_cache.resolve("") is not None
 
 # libtpu (installed to compile for TPU topologies) must not make JAX probe for TPU chips on a machine without them.
 platforms.use_cpu_where_no_accelerator(os.environ)

@@ -11,7 +11,7 @@ import pytest
 from bertjax.cloud.babysitter import babysit, failure_signature
 from bertjax.cloud.local import LocalProcesses, launch
 from bertjax.data.demo_corpus import write_demo_corpus
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, SUITE_CACHE_ON
 from tests.test_pretrain import _argv, _env, _final_params
 
 
@@ -122,7 +122,8 @@ def _check_goodput(workdir, kills, babysat_s):
     assert [r["lost_steps"] for r in runs] == [0, reached[0] - resumed[0], reached[1] - resumed[1]]
     for run in runs:
         assert sum(run[k] for k in CATEGORIES) == pytest.approx(run["wall_s"], rel=0.05), run
-    assert all(run["compile_cache_hits"] >= 1 for run in runs[1:])  # each restart read its step back
+    if SUITE_CACHE_ON:
+        assert all(run["compile_cache_hits"] >= 1 for run in runs[1:])  # each restart read its step back
 
     result = subprocess.run([sys.executable, "-m", "bertjax.cli", "goodput", str(workdir), "--json"],
                             env=_env(1), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)

@@ -75,6 +75,9 @@ def test_the_cache_directory_setting():
     assert compile_cache.resolve("", {**environ, "JAX_COMPILATION_CACHE_DIR": "/shared"}) == "/shared"
     assert compile_cache.resolve("gs://bucket/cache", environ) == "gs://bucket/cache"
     assert compile_cache.resolve("off", environ) is None
+    # JAX's own switch turns the default off (a whole test suite without the cache), not an explicit directory
+    assert compile_cache.resolve("", {**environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}) is None
+    assert compile_cache.resolve("/x", {**environ, "JAX_ENABLE_COMPILATION_CACHE": "0"}) == "/x"
 
 
 def test_an_unwritable_cache_directory_is_named_by_its_key(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from bertjax.checkpoint import load_model
 from bertjax.data.demo_corpus import write_demo_corpus
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, SUITE_CACHE_ON
 
 STEPS = 40
 
@@ -226,7 +226,7 @@ def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrup
     assert killed_at >= 20 and account["lost_steps"] == killed_at - complete[-1], (killed_at, account)
     assert account["lost_s"] > 0 and account["first_step"] == complete[-1]
     # The killed run compiled the same step: this one read it from the suite's persistent compilation cache.
-    assert account["compile_cache_hits"] >= 1, account
+    assert account["compile_cache_hits"] >= 1 or not SUITE_CACHE_ON, account
     expected, resumed = _losses(uninterrupted), _losses(workdir)
     assert [resumed[s] for s in range(complete[-1] + 1, STEPS + 1)] == \
            [expected[s] for s in range(complete[-1] + 1, STEPS + 1)]
