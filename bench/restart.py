@@ -6,7 +6,9 @@ One `bertjax pretrain` run writes a checkpoint at step 1 and fills a compilation
 restarted from copies of that checkpoint, taking turns: with an empty cache (cold) and with the filled one
 (warm). Each restart is timed from its process start to the line saying its first new step ran, by this script's
 clock (not the job's own), and its goodput record gives the parts. Prints the medians and the cold/warm ratio.
-The demo corpus (embedded) and a WordPiece vocab trained on it are the data; float32 on a CPU.
+The demo corpus (embedded) and a WordPiece vocab trained on it are the data; float32 on a CPU. With
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (and a --batch divisible by 8) the job compiles an SPMD program
+over 8 devices, as a TPU host's job does.
 """
 from __future__ import annotations
 

@@ -31,6 +31,19 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
+@pytest.fixture
+def no_cache_writes():
+    """Keeps this test's compiles out of the suite's persistent cache: for programs compiled for libtpu's
+    compile-only TPU devices, whose entries no compile-only process can read back (a second run of the suite
+    would only warn "PjRtCompiler must be constructed with a Client" and compile again)."""
+    import jax
+
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> pathlib.Path:
     """../shared/data beside the repo; tests that need it skip when it is absent (a fresh clone elsewhere)."""

@@ -212,6 +212,7 @@ def _all_eqns(jaxpr):
                 yield from _all_eqns(param)
 
 
+@pytest.mark.usefixtures("no_cache_writes")
 @pytest.mark.parametrize("topology, batch, length", [("v5e:2x2", 8, 128), ("v5e:2x2", 4, 512),
                                                      ("v4-8", 8, 128), ("v4-8", 4, 512)])
 def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, length):

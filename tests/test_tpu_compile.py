@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("libtpu", reason="bertjax compile needs libtpu (pip install -e '.[test]' installs jax[tpu])")
+# Compile-only executables cannot be read back from the suite's cache by a compile-only process: not written.
+pytestmark = pytest.mark.usefixtures("no_cache_writes")
 
 from bertjax.cli import main as bertjax_main  # noqa: E402
 from bertjax.cloud import compile as tpu_compile
