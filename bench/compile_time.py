@@ -3,9 +3,10 @@
     .venv/bin/python bench/compile_time.py [--config bert-base-phase1] [--topology v5litepod-16] [--set KEY=VALUE]
 
 Each side compiles in its own fresh process (no compilation cache, nothing shared), timed in phases around the
-calls `bertjax compile` makes: imports, setup (config, compile-only devices, mesh, abstract state), tracing,
-lowering, and XLA:TPU's compile (wall and CPU seconds). Prints both sides, the scan/unrolled ratios, and XLA:TPU's
-estimated step time of each compiled program (an estimate, not a measurement). Needs libtpu (`jax[tpu]`).
+calls `bertjax compile` makes (`job.compile_step`): imports, setup (config, compile-only devices, mesh, abstract
+state), tracing, lowering, and XLA:TPU's compile (wall and CPU seconds). Prints both sides, the scan/unrolled
+ratios, and XLA:TPU's estimated step time of each compiled program (an estimate, not a measurement). Needs libtpu
+(`jax[tpu]`).
 """
 from __future__ import annotations
 
@@ -23,14 +24,12 @@ def _one_side(config: str, topology: str, overrides: list[str]) -> dict:
     """Compiles in this process (a child of main) and returns its phase times and the estimated step time."""
     started = time.perf_counter()
     import jax  # noqa: PLC0415 (the imports are a timed phase)
-    import numpy as np  # noqa: PLC0415
 
     from bertjax import sharding  # noqa: PLC0415
     from bertjax.cloud import compile as tpu_compile  # noqa: PLC0415
     from bertjax.cloud import estimate, topologies  # noqa: PLC0415
-    from bertjax.data import schema  # noqa: PLC0415
     from bertjax.pretraining import config as pretrain_config  # noqa: PLC0415
-    from bertjax.pretraining.job import build_job_step  # noqa: PLC0415
+    from bertjax.pretraining.job import abstract_batch, build_job_step  # noqa: PLC0415
 
     marks = {"imports_s": time.perf_counter() - started}
     jax.config.update("jax_enable_compilation_cache", False)
@@ -39,10 +38,7 @@ def _one_side(config: str, topology: str, overrides: list[str]) -> dict:
         pretrain_config.load_config(config, overrides, require_data=False), slice_)
     mesh = job_config.mesh.build(topologies.compile_only_devices(slice_))
     job = build_job_step(job_config, mesh, tpu_compile.vocab_size_of(job_config))
-    shapes = job_config.data.feature_shapes()
-    dtypes = schema.feature_dtypes(shapes)
-    batch = {name: jax.ShapeDtypeStruct((job_config.train.batch_size,) + shape, np.dtype(dtypes[name]),
-                                        sharding=sharding.batch_sharding(mesh)) for name, shape in shapes.items()}
+    batch = abstract_batch(job_config, mesh)
     clock = time.perf_counter()
     marks["setup_s"] = clock - started - marks["imports_s"]
     with sharding.activate(mesh):

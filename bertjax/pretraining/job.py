@@ -69,19 +69,23 @@ class CompiledStep:
     hlo_text: str | None = None                  # the compiled program (XLA:TPU's cycle estimates are in it)
 
 
+def abstract_batch(config: PretrainConfig, mesh) -> dict:
+    """The shapes, dtypes and shardings of one global batch of the job, for lowering its step ahead of time."""
+    batch_sharding = sharding.batch_sharding(mesh)
+    shapes = config.data.feature_shapes()
+    dtypes = schema.feature_dtypes(shapes)
+    return {name: jax.ShapeDtypeStruct((config.train.batch_size,) + shape, np.dtype(dtypes[name]),
+                                       sharding=batch_sharding)
+            for name, shape in shapes.items()}
+
+
 def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> CompiledStep:
     """Compiles the job's train step for `devices` (this machine's, or a TPU slice's compile-only devices);
     never runs it."""
     mesh = config.mesh.build(devices)
     job = build_job_step(config, mesh, vocab_size)
-    batch_sharding = sharding.batch_sharding(mesh)
-    shapes = config.data.feature_shapes()
-    dtypes = schema.feature_dtypes(shapes)
-    batch = {name: jax.ShapeDtypeStruct((config.train.batch_size,) + shape, np.dtype(dtypes[name]),
-                                        sharding=batch_sharding)
-             for name, shape in shapes.items()}
     with sharding.activate(mesh):
-        lowered = job.train_step.lower(job.abstract_state, batch)
+        lowered = job.train_step.lower(job.abstract_state, abstract_batch(config, mesh))
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as error:
