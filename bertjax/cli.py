@@ -85,14 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, KeyError) as error:
         # Bad input is reported as one clear line, not a traceback. One that ends a job while Orbax's writer threads
         # are dying with tracebacks of their own starts on a line of its own (theirs may be half written).
-        exit_now = getattr(error, "exit_now", False)
-        print(("\n" if exit_now else "") + f"bertjax {args.command}: error: {error}", file=sys.stderr)
-        if exit_now:
+        line = f"bertjax {args.command}: error: {error}"
+        if getattr(error, "exit_now", False):
+            # Orbax's writer threads may still be dying with tracebacks of their own: their stderr goes to /dev/null
+            # first, then our line goes to the real stderr, so it stays the last line whatever they do meanwhile.
             sys.stdout.flush()
             sys.stderr.flush()
-            # Orbax's writer threads may still be dying with tracebacks of their own: our line stays the last.
+            real_stderr = os.dup(2)
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+            os.write(real_stderr, f"\n{line}\n".encode())
             os._exit(2)
+        print(line, file=sys.stderr)
         return 2
     except Exception as error:
         # Bad input found while tf.data reads a file (file_readers.CorpusError inside a numpy_function) arrives wrapped in
