@@ -1,4 +1,4 @@
-"""`bertjax finetune glue | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of sentences).
+"""`bertjax finetune glue | classify | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of sentences).
 
 The flags come from the fields of `bertjax.finetune.settings`; the jobs (JAX, TensorFlow) are imported only when a
 command runs, so `bertjax --help` stays fast.
@@ -12,6 +12,7 @@ from bertjax import options
 from bertjax.console import route_logging_to_console
 from bertjax.finetune.glue_data import TASKS
 from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
+from bertjax.finetune.table_data import PROBLEMS
 from bertjax.interop.cli import ANY_CHECKPOINT_HELP
 
 INIT_HELP = ("checkpoint to start from: a bertjax run directory (its newest complete step) or step, an HF model "
@@ -41,6 +42,25 @@ def register(subparsers) -> None:
     glue.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
     _add_train_args(glue, learning_rate=2e-5, batch_size=32, epochs=3.0)
     glue.set_defaults(func=_glue)
+
+    classify = jobs.add_parser(
+        "classify", help="fine-tune a sequence classifier on your own CSV/TSV/JSON Lines/Parquet files "
+                         "(single-label, multi-label or regression); dev metrics and predictions")
+    classify.add_argument("--train", required=True, help="training file: .csv, .tsv, .jsonl or .parquet, local or "
+                                                         "gs://, with a header (CSV/TSV) naming the columns")
+    classify.add_argument("--dev", help="file scored after training (its labels must be among the training file's)")
+    classify.add_argument("--test", help="file to predict (labels not needed)")
+    classify.add_argument("--text-column", default="text")
+    classify.add_argument("--text-pair-column", help="second text of a pair (e.g. NLI's hypothesis)")
+    classify.add_argument("--label-column", default="label")
+    classify.add_argument("--problem", default="single_label_classification", choices=PROBLEMS,
+                          help="multi-label: a list per row (JSON Lines, Parquet) or one string cut at "
+                               "--label-separator; regression: numbers (Pearson/Spearman)")
+    classify.add_argument("--label-separator", default=",", help="multi-label labels given as one string")
+    classify.add_argument("--max-seq-length", type=int, default=128)
+    classify.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
+    _add_train_args(classify, learning_rate=2e-5, batch_size=32, epochs=3.0)
+    classify.set_defaults(func=_classify)
 
     features = jobs.add_parser(
         "features", help="frozen features + scikit-learn logistic regression (C by cross-validation on train); "
@@ -235,6 +255,23 @@ def _glue(args: argparse.Namespace) -> int:
     result = glue.run_task(args.task, args.data, args.workdir, settings, init=args.init, **common)
     _say_outputs(args.workdir)
     print(json.dumps({"task": result["task"], "metrics": result["metrics"], "score": result["score"]}))
+    return 0
+
+
+@_owned_run
+def _classify(args: argparse.Namespace) -> int:
+    from bertjax.finetune import classify
+    from bertjax.finetune.table_data import TableSpec
+
+    route_logging_to_console()
+    spec = TableSpec(text_column=args.text_column, text_pair_column=args.text_pair_column,
+                     label_column=args.label_column, problem=args.problem, label_separator=args.label_separator)
+    result = classify.run(args.train, args.workdir, options.from_flags(TrainSettings, args), spec, init=args.init,
+                          dev=args.dev, test=args.test, max_seq_length=args.max_seq_length,
+                          eval_each_epoch=args.eval_each_epoch, save_checkpoint=args.save_checkpoint,
+                          export_hf=args.export_hf)
+    _say_outputs(args.workdir)
+    print(json.dumps({"problem": result["problem"], "labels": result["labels"], "metrics": result["metrics"]}))
     return 0
 
 

@@ -70,7 +70,8 @@ def _export(args: argparse.Namespace) -> int:
     head = loaded.head or {}  # a fine-tune job's class and labels; otherwise inferred from the tensors held
     id2label = {int(i): label for i, label in head["id2label"].items()} if "id2label" in head else None
     architecture = export_hf(loaded.params, loaded.config, loaded.vocab, args.out, lower_case=loaded.lower_case,
-                             architecture=head.get("architecture"), id2label=id2label)
+                             architecture=head.get("architecture"), id2label=id2label,
+                             problem_type=head.get("problem_type"))
     print(f"wrote {args.out} as {architecture} (from {source})")
     if "span_boundary" in loaded.params:
         from bertjax.interop.names import SBO_FILE
