@@ -22,6 +22,8 @@ from tests.conftest import save_tiny_hf
 
 FILLER = "the a movie film plot actor scene story music was is very quite rather and but with of".split()
 SETTINGS = TrainSettings(learning_rate=5e-3, batch_size=16, epochs=8, seed=1, eval_batch_size=16)
+SETTINGS_FLAGS = ["--learning-rate", "5e-3", "--batch-size", "16", "--epochs", "8", "--seed", "1",
+                  "--eval-batch-size", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +45,8 @@ def _write_csv(path: Path, header: list[str], rows: list[list]) -> Path:
 
 
 def test_single_label_csv_keeps_names_and_matches_transformers(tiny_init, tmp_path):
-    from bertjax.finetune import classify
-
+    """Through the command line: label names reach config.json, the export's model card parses as the Hub's
+    format with the run's metrics, and transformers gives the job's own dev scores."""
     rng = random.Random(0)
     words = {"sad": "awful", "happy": "great"}  # label names in file order, not the sorted id order
     names = sorted(words)
@@ -55,10 +57,13 @@ def test_single_label_csv_keeps_names_and_matches_transformers(tiny_init, tmp_pa
     train = _write_csv(tmp_path / "train.csv", ["review", "mood"], rows(160))
     dev = _write_csv(tmp_path / "dev.csv", ["review", "mood"], rows(32))
     test = _write_csv(tmp_path / "test.csv", ["review"], [[r[0]] for r in rows(5)])
-    spec = TableSpec(text_column="review", label_column="mood")
     work = tmp_path / "work"
-    result = classify.run(str(train), str(work), SETTINGS, spec, init=tiny_init, dev=str(dev), test=str(test),
-                          max_seq_length=32, export_hf=True)
+    command = [sys.executable, "-m", "bertjax.cli", "finetune", "classify", "--train", str(train), "--dev", str(dev),
+               "--test", str(test), "--text-column", "review", "--label-column", "mood", "--init", tiny_init,
+               "--workdir", str(work), "--max-seq-length", "32", "--export-hf", *SETTINGS_FLAGS]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((work / "metrics.json").read_text())
     assert result["labels"] == ["happy", "sad"]
     assert result["metrics"]["dev"]["accuracy"] >= 0.95
     assert set(result["metrics"]["dev"]) == {"accuracy", "macro_f1", "micro_f1", "mcc"}
@@ -68,6 +73,13 @@ def test_single_label_csv_keeps_names_and_matches_transformers(tiny_init, tmp_pa
     dev_rows = [json.loads(line) for line in (work / "dev_predictions.jsonl").read_text().splitlines()]
     assert dev_rows[0]["where"] == f"{dev}:2" and len(dev_rows) == 32
     assert len((work / "test_predictions.jsonl").read_text().splitlines()) == 5
+
+    hub = pytest.importorskip("huggingface_hub")
+    card = hub.ModelCard.load(work / "hf" / "README.md")
+    assert card.data.pipeline_tag == "text-classification" and "bertjax" in card.data.tags
+    recorded = {r.metric_name: r.metric_value for r in card.data.eval_results}
+    assert recorded == {f"dev {k}": v for k, v in result["metrics"]["dev"].items()}
+    assert "bertjax finetune classify" in card.text and "--text-column review" in card.text
 
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -207,6 +207,19 @@ def _say_outputs(workdir: str) -> None:
     Console().line(f"outputs in {workdir}: {', '.join(names)}")
 
 
+def _write_model_cards(workdir: str) -> None:
+    """README.md (the Hub's model card) in each HF directory the run exported: WORKDIR/hf, or one per task of
+    `glue --task all`, from the run's run.json and metrics.json."""
+    from etils import epath
+
+    from bertjax.interop.model_card import write_card
+
+    root = epath.Path(workdir)
+    for run_dir in [root, *(p for p in root.iterdir() if p.is_dir())]:
+        if (run_dir / "hf" / "config.json").exists() and (run_dir / "metrics.json").exists():
+            write_card(str(run_dir / "hf"), str(run_dir), record_dir=workdir)
+
+
 def _owned_run(job):
     """A fine-tune command on the workdir it owns (run_record.py): refused for another run's workdir, resumed for
     its own unfinished one, not rerun when finished; stopped by SIGTERM after saving its state (exit 0)."""
@@ -229,7 +242,9 @@ def _owned_run(job):
                 console.line(f"{args.workdir} already holds this run, completed (its metrics are there); "
                              f"--overwrite runs it again")
                 return 0
-            return job(args)
+            code = job(args)
+            _write_model_cards(args.workdir)
+            return code
         except Preempted as stopped:
             console.line(str(stopped))
             return 0
