@@ -92,6 +92,17 @@ def test_single_label_csv_keeps_names_and_matches_transformers(tiny_init, tmp_pa
     np.testing.assert_allclose(ours, probs, atol=2e-5)
     assert [row["label"] for row in dev_rows] == [names[i] for i in probs.argmax(-1)]
 
+    # `bertjax predict` on the run equals transformers' pipeline on its export.
+    run = subprocess.run([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(work), "--input", str(dev),
+                          "--text-column", "review", "--output", str(tmp_path / "pred.jsonl"), "--batch-size", "8"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    predicted = [json.loads(line) for line in (tmp_path / "pred.jsonl").read_text().splitlines()]
+    pipe = transformers.pipeline("text-classification", model=str(work / "hf"), device="cpu")
+    for row, theirs in zip(predicted, pipe(texts, top_k=None), strict=True):
+        assert row["scores"] == pytest.approx({e["label"]: e["score"] for e in theirs}, abs=2e-5)
+        assert (row["label"], row["score"]) == (theirs[0]["label"], pytest.approx(theirs[0]["score"], abs=2e-5))
+
 
 def test_text_pair_from_parquet(tiny_init, tmp_path):
     """The label sits only in the second text: the pair must reach the model."""

@@ -1,4 +1,5 @@
-"""`bertjax finetune glue | classify | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of sentences).
+"""`bertjax finetune glue | classify | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of
+sentences), `predict` (a fine-tuned model on new text).
 
 The flags come from the fields of `bertjax.finetune.settings`; the jobs (JAX, TensorFlow) are imported only when a
 command runs, so `bertjax --help` stays fast.
@@ -126,6 +127,20 @@ def register(subparsers) -> None:
                        help="print each sentence's nearest neighbour by cosine similarity (cls/mean)")
     embed.set_defaults(func=_embed)
 
+    predict = subparsers.add_parser(
+        "predict", help="a fine-tuned classifier, regressor or token classifier on new text -> JSON Lines (the "
+                        "numbers of transformers' pipeline on its export)")
+    predict.add_argument("--model", required=True, help="fine-tune workdir, exported HF directory or bertjax "
+                                                        "checkpoint with a classifier head")
+    predict.add_argument("--input", default="-", help=".csv, .tsv, .jsonl or .parquet file (local or gs://), or '-' "
+                                                      "(default): one text per line on stdin")
+    predict.add_argument("--output", default="-", help="JSON Lines file, or '-' (default): stdout")
+    predict.add_argument("--text-column", default="text")
+    predict.add_argument("--text-pair-column", help="second text of a pair (sequence classification)")
+    predict.add_argument("--max-seq-length", type=int, default=128)
+    predict.add_argument("--batch-size", type=int, default=64)
+    predict.set_defaults(func=_predict)
+
     evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics")
     evals = evaluate.add_subparsers(dest="job", required=True)
     squad_eval = evals.add_parser("squad", help="the official SQuAD v1.1 / v2.0 evaluation of a predictions file")
@@ -175,6 +190,45 @@ def _embed(args: argparse.Namespace) -> int:
     if args.show_neighbours:
         for i, (j, similarity) in enumerate(nearest_neighbours(vectors)):
             print(f"  {similarity:5.3f}  {sentences[i]!r}  ->  {sentences[j]!r}")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import sys
+
+    from bertjax.finetune.predict import Predictor
+
+    route_logging_to_console()
+    if args.input == "-":
+        texts, invalid = input_lines(sys.stdin.buffer.read())
+        if invalid:
+            raise ValueError(f"stdin: line {invalid[0]} is not valid UTF-8")
+        wheres, pairs = [f"stdin:{i + 1}" for i in range(len(texts))], None
+        if args.text_pair_column:
+            raise ValueError("--text-pair-column needs an --input file with that column (stdin holds one text a line)")
+    else:
+        from bertjax.finetune.table_data import read_rows
+
+        columns = [args.text_column] + ([args.text_pair_column] if args.text_pair_column else [])
+        rows = read_rows(args.input, columns)
+        for where, row in rows:
+            for column in columns:
+                if not isinstance(row.get(column), str):
+                    raise ValueError(f"{where}: column {column!r} is {row.get(column)!r}; expected a text")
+        wheres = [where for where, _ in rows]
+        texts = [row[args.text_column] for _, row in rows]
+        pairs = [row[args.text_pair_column] for _, row in rows] if args.text_pair_column else None
+    if not texts:
+        raise ValueError(f"--input {args.input} holds no rows")
+    predictor = Predictor(args.model, max_seq_length=args.max_seq_length, batch_size=args.batch_size)
+    lines = [json.dumps(row, ensure_ascii=False) + "\n" for row in predictor.predict(texts, pairs, wheres)]
+    if args.output == "-":
+        sys.stdout.writelines(lines)
+    else:
+        from etils import epath
+
+        epath.Path(args.output).write_text("".join(lines), encoding="utf-8")
+        print(f"wrote {args.output}: {len(lines)} rows ({predictor.architecture}, {predictor.source})")
     return 0
 
 
