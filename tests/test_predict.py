@@ -73,6 +73,15 @@ def test_predict_token_classification_equals_pipeline(ner_run, tmp_path):
         found += len(theirs)
     assert found >= len(texts)  # every sentence holds a person and a place
 
+    # One text a line on stdin, JSON Lines on stdout: the same entities.
+    run = subprocess.run([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(work / "hf"),
+                          "--max-seq-length", "64", "--batch-size", "8"], input="\n".join(texts) + "\n",
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    piped = [json.loads(line) for line in run.stdout.splitlines()]  # nothing else on stdout
+    assert [row["where"] for row in piped] == [f"stdin:{i + 1}" for i in range(len(texts))]
+    assert [row["entities"] for row in piped] == [row["entities"] for row in ours]
+
 
 def test_predict_refuses_a_model_without_a_head(minilm_dir, tmp_path):
     run = subprocess.run([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(minilm_dir)],

@@ -196,6 +196,26 @@ def _embed(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     import sys
 
+    if args.output == "-":  # stdout holds the JSON Lines alone: progress and notes go to stderr
+        real_stdout, sys.stdout = sys.stdout, sys.stderr
+        try:
+            lines = _predicted_lines(args)
+        finally:
+            sys.stdout = real_stdout
+        sys.stdout.writelines(lines)
+        return 0
+    lines = _predicted_lines(args)
+    from etils import epath
+
+    epath.Path(args.output).write_text("".join(lines), encoding="utf-8")
+    print(f"wrote {args.output}: {len(lines)} rows")
+    return 0
+
+
+def _predicted_lines(args: argparse.Namespace) -> list[str]:
+    """`bertjax predict`'s output lines for its --input (a table file, or stdin lines)."""
+    import sys
+
     from bertjax.finetune.predict import Predictor
 
     route_logging_to_console()
@@ -221,15 +241,7 @@ def _predict(args: argparse.Namespace) -> int:
     if not texts:
         raise ValueError(f"--input {args.input} holds no rows")
     predictor = Predictor(args.model, max_seq_length=args.max_seq_length, batch_size=args.batch_size)
-    lines = [json.dumps(row, ensure_ascii=False) + "\n" for row in predictor.predict(texts, pairs, wheres)]
-    if args.output == "-":
-        sys.stdout.writelines(lines)
-    else:
-        from etils import epath
-
-        epath.Path(args.output).write_text("".join(lines), encoding="utf-8")
-        print(f"wrote {args.output}: {len(lines)} rows ({predictor.architecture}, {predictor.source})")
-    return 0
+    return [json.dumps(row, ensure_ascii=False) + "\n" for row in predictor.predict(texts, pairs, wheres)]
 
 
 def input_lines(data: bytes) -> tuple[list[str], list[int]]:
