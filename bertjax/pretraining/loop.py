@@ -24,7 +24,7 @@ from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.errors import first_line
-from bertjax.interop.load import load_pretrained
+from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
@@ -220,6 +220,8 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
     account.mark("startup_s")
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     vocab, lower_case = list(tokenizer.vocab), tokenizer.lower_case
+    rows = config.bert_config(len(vocab)).vocab_size
+    check_vocab_fits(len(vocab), rows, config.data.vocab, f"the model (model.vocab_size={rows})")
     job = build_job_step(config, mesh, len(vocab))
     bert_config, shardings, abstract = job.bert_config, job.shardings, job.abstract_state
     seq_len = config.data.max_seq_length
