@@ -85,3 +85,18 @@ def test_an_unwritable_cache_directory_is_named_by_its_key(tmp_path):
     blocked.write_text("")
     with pytest.raises(ValueError, match=r"train.compilation_cache_dir='.*file/jax': cannot create"):
         compile_cache.enable(str(blocked / "jax"))
+
+
+def test_a_cut_run_account_is_named_and_the_account_called_incomplete(two_runs):
+    """Two runs, one account cut mid-write: the other is shown, the cut one named, the command does not succeed."""
+    path = two_runs / "goodput" / "b.json"
+    path.write_text(path.read_text()[:40])
+    shown = subprocess.run([sys.executable, "-m", "bertjax.cli", "goodput", str(two_runs)], env=_env(1),
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 1
+    assert shown.stdout.splitlines()[0].startswith(f"{two_runs}: 1 run(s), ")
+    assert "  incomplete: left out goodput/b.json: Expecting ',' delimiter: line 1 column 41 (char 40) (cut or damaged)" \
+        in shown.stdout
+    assert shown.stderr.strip().splitlines()[-1].startswith(
+        f"bertjax goodput: error: the account of {two_runs} is incomplete: 1 run account(s) cannot be read "
+        "(goodput/b.json: ")
