@@ -95,8 +95,8 @@ def test_a_cut_run_account_is_named_and_the_account_called_incomplete(two_runs):
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 1
     assert shown.stdout.splitlines()[0].startswith(f"{two_runs}: 1 run(s), ")
-    assert "  incomplete: left out goodput/b.json: Expecting ',' delimiter: line 1 column 41 (char 40) (cut or damaged)" \
-        in shown.stdout
+    assert ("  incomplete: left out goodput/b.json: Expecting ',' delimiter: line 1 column 41 (char 40) "
+            "(cut or damaged)") in shown.stdout
     assert shown.stderr.strip().splitlines()[-1].startswith(
         f"bertjax goodput: error: the account of {two_runs} is incomplete: 1 run account(s) cannot be read "
         "(goodput/b.json: ")
