@@ -166,3 +166,13 @@ def from_flags(cls: type, args: argparse.Namespace, **fixed) -> Any:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     values.update(fixed)
     return cls(**values)
+
+
+def at_least(minimum: int):
+    """An argparse `type`: an integer >= `minimum` (a count of 0 would run nothing and exit 0)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse

@@ -95,3 +95,24 @@ def test_launch_local_names_the_worker_that_was_killed(tmp_path):
     assert done.returncode == 137
     assert re.fullmatch(r"bertjax launch: worker p1 \(pid \d+\) was killed by SIGKILL; stopping the 1 other\(s\)",
                         done.stderr.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["pretrain", "--config", "bert-tiny", "--workdir", "w", "--max-steps-this-run", "0"],
+     "argument --max-steps-this-run: must be at least 1, got 0"),
+    (["pretrain", "--config", "bert-tiny", "--workdir", "w", "--max-steps-this-run", "-3"],
+     "argument --max-steps-this-run: must be at least 1, got -3"),
+    (["data", "create", "--input", "x", "--vocab", "v", "--out", "o", "--num-workers", "0"],
+     "argument --num-workers: must be at least 1, got 0")])
+def test_counts_that_would_do_nothing_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bertjax_main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_worker_index_outside_the_workers_is_named(tmp_path, capsys):
+    (tmp_path / "c.txt").write_text("One. Two.\n\nThree.\n")
+    assert bertjax_main(["data", "create", "--input", str(tmp_path / "c.txt"), "--vocab", "v", "--out",
+                         str(tmp_path / "o"), "--num-workers", "2", "--worker-index", "5"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "bertjax data: error: --worker-index 5 is not one of the 2 workers' indices (0..1)")

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+from bertjax import options
 from bertjax.cloud.babysitter import USAGE_ERROR_EXIT, babysit
 
 
@@ -114,21 +115,11 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _at_least(minimum: int):
-    """An argparse type: an integer >= `minimum`."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The launcher's flags (`bertjax launch local` and `python launch/local.py` alike)."""
-    parser.add_argument("--processes", type=_at_least(1), default=2)
-    parser.add_argument("--devices-per-process", type=_at_least(1), default=4)
-    parser.add_argument("--max-restarts", type=_at_least(0), default=0,
+    parser.add_argument("--processes", type=options.at_least(1), default=2)
+    parser.add_argument("--devices-per-process", type=options.at_least(1), default=4)
+    parser.add_argument("--max-restarts", type=options.at_least(0), default=0,
                         help="babysit a pretrain command: run it again after a preemption (a worker killed) until "
                              "its workdir has the completion marker, at most this many times")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the bertjax command after --")
