@@ -102,6 +102,8 @@ def job_error_line(error: BaseException) -> str | None:
     error, with a traceback in its message: told by the reader's own line."""
     if isinstance(error, (ValueError, FileNotFoundError, KeyError)):
         return str(error)
+    if isinstance(error, OSError) and error.filename:  # the machine's state (read-only, full, missing), not a bug
+        return str(error)
     found = re.search(r"CorpusError: (.*)", str(error))
     if found and type(error).__module__.split(".")[0] == "tensorflow":
         return found.group(1)

@@ -96,3 +96,18 @@ def test_pretrain_refuses_a_vocab_larger_than_the_models_table(tmp_path, minilm_
         f"bertjax pretrain: error: {big} has 31122 tokens but the word embeddings of the model (model.vocab_size="
         f"30522) have 30522 rows: ids 30522..31121 have no embedding; use the vocab the checkpoint was trained with")
     assert "step" not in done.stdout
+
+
+def test_a_cut_safetensors_file_is_named_in_one_line(tmp_path, minilm_dir, capsys):
+    from bertjax.cli import main
+    from tests.test_glue_job import _synthetic_glue
+
+    _synthetic_glue(tmp_path / "glue")
+    hf = save_tiny_hf(tmp_path / "hf", minilm_dir / "vocab.txt", seed=0)
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    assert main(["finetune", "glue", "--task", "sst2", "--init", hf, "--data", str(tmp_path / "glue"),
+                 "--workdir", str(tmp_path / "run")]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"bertjax finetune: error: {weights}: not a readable safetensors file (") and \
+        line.endswith("); a cut download? fetch it again"), line
