@@ -83,6 +83,6 @@ def test_a_config_file_value_of_another_type_is_named_by_its_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(written))
     with pytest.raises(ValueError, match=rf"^{tmp_path}/config\.json: train\.steps='ten': expected int$"):
         load_config(str(tmp_path / "config.json"))
-    written["train"]["steps"], written["optimizer"]["learning_rate"] = 10, 1  # an int where a float goes is fine
+    written["train"]["steps"], written["optimizer"]["learning_rate"] = 100, 1  # an int where a float goes is fine
     (tmp_path / "config.json").write_text(json.dumps(written))
     assert load_config(str(tmp_path / "config.json")).optimizer.learning_rate == 1
