@@ -331,3 +331,12 @@ def test_beam_data_create_writes_the_text_files_records(corpus, tmp_path):
     assert sum(map(len, expected)) > 200
     for name in ("wiki.parquet", "wiki.jsonl.zst", "saved"):
         assert create(name) == expected, name
+
+
+def test_a_parquet_file_with_a_cut_footer_is_named(corpus, tmp_path):
+    path = tmp_path / "cut.parquet"
+    data = Path(corpus["paths"]["wiki.parquet"]).read_bytes()
+    path.write_bytes(data[:-20])  # the footer's length and magic bytes gone
+    with pytest.raises(ValueError, match=rf"^{path}: not a readable Parquet file \(ArrowInvalid: .*\); cut, or still "
+                                         r"being written\?$"):
+        check_input_files([str(path)], CorpusConfig(corpus_format="parquet"))

@@ -288,7 +288,11 @@ def _parquet_file(path: str):
     with _PARQUET_LOCK:
         found = _PARQUET_FILES.pop(path, None)
     if found is None:  # a local path: Arrow's own file, read with pread (threads may read row groups at once)
-        found = pq.ParquetFile(path if "://" not in path else _open_raw(path))
+        try:
+            found = pq.ParquetFile(path if "://" not in path else _open_raw(path))
+        except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid: a cut footer, not Parquet at all
+            raise CorpusError(f"{path}: not a readable Parquet file ({errors.first_line(error)}); cut, or still "
+                              "being written?") from None
     with _PARQUET_LOCK:
         _PARQUET_FILES[path] = found
         while len(_PARQUET_FILES) > 64:
