@@ -157,6 +157,18 @@ def check_input_files(files: Sequence[str], config: CorpusConfig | None = None) 
     return kinds
 
 
+# Records whose text is null (JSON null, a Parquet/Arrow null), per file: read as empty texts (no document), counted
+# here, in this process (`data create` reports the number its run added).
+NULL_TEXTS: collections.Counter = collections.Counter()
+_NULL_LOCK = threading.Lock()
+
+
+def _count_nulls(path: str, count: int) -> None:
+    if count:
+        with _NULL_LOCK:
+            NULL_TEXTS[path] += count
+
+
 class CorpusError(ValueError):
     """Bad input found while a file is read inside tf.data (a numpy_function): TensorFlow wraps it in its own error,
     in which the command line finds it by this name and tells it in one line."""
@@ -268,6 +280,7 @@ def _json_text(path: str, number: int, line: bytes, field: str) -> bytes:
                          f"data.text_field / --text-field)")
     text = record[field]
     if text is None:
+        _count_nulls(path, 1)
         return b""
     if not isinstance(text, str):
         raise CorpusError(f"{path}: line {number}: field {field!r} is {type(text).__name__}, expected a string")
@@ -311,6 +324,7 @@ def _column_bytes(table, path: str, field: str, where: str) -> np.ndarray:
     column = table.column(field)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise CorpusError(f"{path}: {where}: column {field!r} is {column.type}, expected strings")
+    _count_nulls(path, column.null_count)
     return pc.fill_null(column, "").cast(pa.large_binary()).to_numpy(zero_copy_only=False)
 
 
