@@ -87,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         line = job_error_line(error)
         if line is None and argv is not None:  # a bug, in-process (tests): raised as it is
             raise
-        if line is None:  # a bug, not bad input: its traceback is what its reader needs
+        if line is None:  # a bug, not bad input: its traceback is what its reader needs; exit 1, a failure
             traceback.print_exc()
+        code = 2 if line is not None else 1  # 2: refused for its input or setup (a babysitter does not retry it)
         line = f"bertjax {args.command}: error: {line or errors.first_line(error)}"
         if argv is None or getattr(error, "exit_now", False):
-            end_process(line, 2)
+            end_process(line, code)
         print(line, file=sys.stderr)
         return 2
 
