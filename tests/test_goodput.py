@@ -100,3 +100,34 @@ def test_a_cut_run_account_is_named_and_the_account_called_incomplete(two_runs):
     assert shown.stderr.strip().splitlines()[-1].startswith(
         f"bertjax goodput: error: the account of {two_runs} is incomplete: 1 run account(s) cannot be read "
         "(goodput/b.json: ")
+
+
+CACHE_PROGRAM = """
+import sys, warnings
+import jax, jax.numpy as jnp
+from bertjax import compile_cache
+compile_cache.enable(sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.jit(lambda x: jnp.sin(x) @ x.T + 1)(jnp.ones((64, 64))).block_until_ready()
+print("WARNED" if any("Error reading persistent compilation cache" in str(w.message) for w in caught) else "CLEAN")
+"""
+
+
+def test_a_cache_entry_that_fails_to_read_is_written_again(tmp_path):
+    """An entry cut short (a full disk): the next run warns and compiles once, and its compile replaces the entry
+    (JAX alone never writes over an existing one: every later run warned and compiled again)."""
+    def run():
+        done = subprocess.run([sys.executable, "-c", CACHE_PROGRAM, str(tmp_path / "cache")], env=_env(1),
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-1]
+
+    assert run() == "CLEAN"
+    [entry] = (tmp_path / "cache").glob("jit__lambda-*-cache")
+    whole = entry.read_bytes()
+    entry.write_bytes(whole[:len(whole) // 3])
+    assert run() == "WARNED"
+    assert len(entry.read_bytes()) >= len(whole) * 0.9  # written again, whole
+    assert run() == "CLEAN"
