@@ -168,3 +168,17 @@ def test_pretrain_from_a_cut_file_ends_with_its_line(corpus, tmp_path):
     assert re.fullmatch(rf"bertjax pretrain: error: {re.escape(str(path))}: the gzip stream ends before its end "
                         r"marker \(the file is cut\), after line \d+", err[-1]), err[-3:]
     assert not (tmp_path / "run" / "LOCK").exists()
+
+
+def test_a_workdir_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    """The machine's refusal (here a workdir below a regular file; a read-only disk the same way) is an OSError
+    naming the path: one line, not a traceback."""
+    from bertjax.cli import main
+
+    (tmp_path / "a_file").write_text("x")
+    workdir = tmp_path / "a_file" / "run"
+    assert main(["finetune", "glue", "--task", "sst2", "--init", str(tmp_path / "none"), "--data", str(tmp_path),
+                 "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"bertjax finetune: error: [Errno 20] Not a directory: '{workdir}'"
+    assert "Traceback" not in err
