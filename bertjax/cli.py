@@ -10,8 +10,9 @@ import importlib
 import os
 import re
 import sys
+import traceback
 
-from bertjax import host_memory, platforms, quiet
+from bertjax import errors, host_memory, platforms, quiet
 
 COMMAND_MODULES = (
     "bertjax.interop.cli",
@@ -82,29 +83,47 @@ def main(argv: list[str] | None = None) -> int:
         quiet.start_tensorflow(verbose=args.verbose)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as error:
-        # Bad input is reported as one clear line, not a traceback. One that ends a job while Orbax's writer threads
-        # are dying with tracebacks of their own starts on a line of its own (theirs may be half written).
-        line = f"bertjax {args.command}: error: {error}"
-        if getattr(error, "exit_now", False):
-            # Orbax's writer threads may still be dying with tracebacks of their own: their stderr goes to /dev/null
-            # first, then our line goes to the real stderr, so it stays the last line whatever they do meanwhile.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            real_stderr = os.dup(2)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-            os.write(real_stderr, f"\n{line}\n".encode())
-            os._exit(2)
+    except Exception as error:  # noqa: BLE001 - every job-ending error is told as one line
+        line = job_error_line(error)
+        if line is None and argv is not None:  # a bug, in-process (tests): raised as it is
+            raise
+        if line is None:  # a bug, not bad input: its traceback is what its reader needs; exit 1, a failure
+            traceback.print_exc()
+        code = 2 if line is not None else 1  # 2: refused for its input or setup (a babysitter does not retry it)
+        line = f"bertjax {args.command}: error: {line or errors.first_line(error)}"
+        if argv is None or getattr(error, "exit_now", False):
+            end_process(line, code)
         print(line, file=sys.stderr)
         return 2
-    except Exception as error:
-        # Bad input found while tf.data reads a file (file_readers.CorpusError inside a numpy_function) arrives wrapped in
-        # TensorFlow's error, with a traceback in its message: told as the same one line.
-        found = re.search(r"CorpusError: (.*)", str(error))
-        if not found or type(error).__module__.split(".")[0] != "tensorflow":
-            raise
-        print(f"bertjax {args.command}: error: {found.group(1)}", file=sys.stderr)
-        return 2
+
+
+def job_error_line(error: BaseException) -> str | None:
+    """The one line that tells a job-ending error caused by its input or setup, or None for a bug. Bad input found
+    while tf.data reads a file (file_readers.CorpusError inside a numpy_function) arrives wrapped in TensorFlow's
+    error, with a traceback in its message: told by the reader's own line."""
+    if isinstance(error, (ValueError, FileNotFoundError, KeyError)):
+        return str(error)
+    if isinstance(error, OSError) and error.filename:  # the machine's state (read-only, full, missing), not a bug
+        return str(error)
+    found = re.search(r"CorpusError: (.*)", str(error))
+    if found and type(error).__module__.split(".")[0] == "tensorflow":
+        return found.group(1)
+    return None
+
+
+def end_process(line: str, code: int) -> None:
+    """Ends the process now: `line` last on stderr, exit status `code`, no teardown. A job's fatal error must end it
+    within seconds, and teardown can block forever: a tf.data iterator whose reader raised waits in its destructor
+    for work that never finishes (it runs when the error's traceback is freed), and Orbax's, the lock heartbeat's
+    and W&B's threads may still be alive. The job's own cleanup (lock release, partial output removed, writers
+    closed) has run on the way out of its `with`/`finally` blocks; other threads' stderr goes to /dev/null first,
+    so the line stays last whatever they print meanwhile (Orbax's dying threads print 'Event loop is closed')."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    real_stderr = os.dup(2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    os.write(real_stderr, f"\n{line}\n".encode())
+    os._exit(code)
 
 
 if __name__ == "__main__":

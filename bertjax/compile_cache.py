@@ -93,4 +93,31 @@ def enable(setting: str, key: str = "train.compilation_cache_dir") -> str | None
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    _remove_entries_that_fail_to_read()
     return directory
+
+
+def _remove_entries_that_fail_to_read() -> None:
+    """Makes an entry that cannot be read (cut by a full disk, damaged) be removed when it fails: JAX warns and
+    compiles, but never writes over an existing entry, so every later run would warn and compile again until the
+    directory is deleted by hand. JAX calls `compilation_cache.get_executable_and_time` through its module (jax is
+    pinned); wrapped once per process."""
+    from jax._src import compilation_cache, lru_cache
+
+    read = compilation_cache.get_executable_and_time
+    if getattr(read, "removes_bad_entries", False):
+        return
+
+    def read_or_remove(cache_key: str, compile_options, backend, *args, **kwargs):
+        try:
+            return read(cache_key, compile_options, backend, *args, **kwargs)
+        except Exception:
+            cache = compilation_cache._get_cache(backend)
+            for suffix in (lru_cache._CACHE_SUFFIX, lru_cache._ATIME_SUFFIX):
+                entry = getattr(cache, "path", None) and cache.path / f"{cache_key}{suffix}"
+                if entry and entry.exists():
+                    entry.unlink()  # the compile that follows writes it again
+            raise
+
+    read_or_remove.removes_bad_entries = True
+    compilation_cache.get_executable_and_time = read_or_remove

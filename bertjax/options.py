@@ -107,8 +107,21 @@ def from_config_dict(cls: type, values: Any, prefix: str = "") -> Any:
         hint = _hints(cls)[name]
         if dataclasses.is_dataclass(hint):
             value = from_config_dict(hint, value, f"{prefix}{name}.")
+        elif not _fits(hint, value):  # a config file's value of another type (`"steps": "ten"`), named by its key
+            raise ValueError(f"{prefix}{name}={value!r}: expected {hint.__name__}")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def _fits(hint, value) -> bool:
+    """Whether `value` is of the plain type `hint` (an int is a float; a bool is no number); other hints pass."""
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
 
 
 def apply_override(config: ml_collections.ConfigDict, cls: type, override: str) -> None:
@@ -166,3 +179,13 @@ def from_flags(cls: type, args: argparse.Namespace, **fixed) -> Any:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     values.update(fixed)
     return cls(**values)
+
+
+def at_least(minimum: int):
+    """An argparse `type`: an integer >= `minimum` (a count of 0 would run nothing and exit 0)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse

@@ -331,3 +331,28 @@ def test_beam_data_create_writes_the_text_files_records(corpus, tmp_path):
     assert sum(map(len, expected)) > 200
     for name in ("wiki.parquet", "wiki.jsonl.zst", "saved"):
         assert create(name) == expected, name
+
+
+def test_a_parquet_file_with_a_cut_footer_is_named(corpus, tmp_path):
+    path = tmp_path / "cut.parquet"
+    data = Path(corpus["paths"]["wiki.parquet"]).read_bytes()
+    path.write_bytes(data[:-20])  # the footer's length and magic bytes gone
+    with pytest.raises(ValueError, match=rf"^{path}: not a readable Parquet file \(ArrowInvalid: .*\); cut, or still "
+                                         r"being written\?$"):
+        check_input_files([str(path)], CorpusConfig(corpus_format="parquet"))
+
+
+def test_null_texts_are_counted_by_data_create(corpus, tmp_path):
+    """JSON null and Parquet nulls: no document, and counted in the run's stats (one per null record)."""
+    from bertjax.data.create import create_pretraining_data
+
+    records = corpus["records"]
+    lines = [json.dumps({"id": r["id"], "text": None if i % 3 == 0 else r["text"]}) for i, r in enumerate(records)]
+    (tmp_path / "n.jsonl").write_text("\n".join(lines) + "\n")
+    texts = [None if i % 2 == 0 else r["text"] for i, r in enumerate(records)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "n.parquet", row_group_size=3)
+    for name, fmt, nulls in (("n.jsonl", "jsonl", 3), ("n.parquet", "parquet", 4)):  # 8 records: 0,3,6 / 0,2,4,6
+        config = PretrainingDataConfig(input=str(tmp_path / name), corpus_format=fmt, vocab=corpus["vocab"],
+                                       max_seq_length=SEQ, max_predictions_per_seq=PRED, masking="static")
+        summary = create_pretraining_data(config, str(tmp_path / f"out-{fmt}"), 1, log=lambda line: None)
+        assert summary["stats"]["null_texts"] == nulls, name

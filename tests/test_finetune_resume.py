@@ -67,6 +67,14 @@ def test_sigterm_then_rerun_ends_with_the_uninterrupted_weights(tiny_init, tmp_p
     # Finished: not run again. Another learning rate: refused by name, unless --overwrite.
     assert main(_argv(data, tiny_init, cut)) == 0
     assert "already holds this run, completed" in capsys.readouterr().out
+    # Its training data changed since (labels flipped): not taken for the same run, the file named.
+    train = data / "SST-2" / "train.tsv"
+    original = train.read_text()
+    rows = original.splitlines()
+    train.write_text("\n".join(rows[:1] + [r[:-1] + str(1 - int(r[-1])) for r in rows[1:]]) + "\n")
+    assert main(_argv(data, tiny_init, cut)) == 2
+    assert f"{cut}: the files its run read changed since (input:{train}: '" in capsys.readouterr().err
+    train.write_text(original)
     assert main(_argv(data, tiny_init, cut, "--learning-rate", "2e-3")) == 2
     assert "belongs to another fine-tuning run (learning_rate: 0.001 -> 0.002)" in capsys.readouterr().err
     assert main(_argv(data, tiny_init, cut, "--learning-rate", "2e-3", "--overwrite", "--epochs", "1")) == 0
@@ -85,3 +93,48 @@ def test_a_run_that_wrote_nothing_does_not_hold_its_workdir(tmp_path):
     with pytest.raises(ValueError, match=r"belongs to another fine-tuning run \(learning_rate: 0.002 -> 0.003\)"):
         claim(str(tmp_path), {"learning_rate": 3e-3}, overwrite=False, log=said.append)
     assert said == []
+
+
+def test_a_resume_on_changed_input_files_is_refused_naming_them(tmp_path):
+    """The record holds each input file's size and SHA-256 (hashlib over the bytes, the reference): a resume
+    after a file's content changed, even at the same size, is refused; the same bytes resume."""
+    import hashlib
+
+    from bertjax.finetune.run_record import claim, input_fingerprints
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.tsv").write_text("sentence\tlabel\ngood\t1\nbad\t0\n")
+    (data / ".hidden").write_text("editor state")
+    prints = input_fingerprints([str(data), "tfds:glue", str(tmp_path / "missing")])
+    body = (data / "train.tsv").read_bytes()
+    digest = hashlib.sha256(body).hexdigest()[:16]
+    assert prints == {f"input:{data / 'train.tsv'}": f"{len(body)} bytes, sha256 {digest}"}
+    workdir = str(tmp_path / "run")
+    assert claim(workdir, {"lr": 1, **prints}, overwrite=False, log=print) == "new"
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0}\n')  # stopped at step 5
+    assert claim(workdir, {"lr": 1, **input_fingerprints([str(data)])}, overwrite=False, log=print) == "resume"
+    (data / "train.tsv").write_text("sentence\tlabel\ngood\t0\nbad\t1\n")  # labels flipped, same size
+    with pytest.raises(ValueError, match=rf"{workdir}: the files its run read changed since \(input:{data}/train.tsv: "
+                                         r"'\d+ bytes, sha256 \w+' -> '\d+ bytes, sha256 \w+'\): pass --overwrite"):
+        claim(workdir, {"lr": 1, **input_fingerprints([str(data)])}, overwrite=False, log=print)
+
+
+def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
+    """A user's own TensorBoard run and notes in the workdir stay; a run's event files, metrics and state go."""
+    from bertjax.finetune.run_record import claim
+
+    root = tmp_path / "run"
+    (root / "tensorboard" / "mine").mkdir(parents=True)
+    (root / "tensorboard" / "mine" / "events.out.tfevents.1.host").write_text("the user's")
+    (root / "notes.txt").write_text("mine")
+    said = []
+    assert claim(str(root), {"lr": 1}, overwrite=True, log=said.append) == "new"  # never held a run: nothing removed
+    assert said == [] and (root / "tensorboard" / "mine" / "events.out.tfevents.1.host").exists()
+    (root / "tensorboard" / "events.out.tfevents.2.host").write_text("the run's")
+    (root / "metrics.jsonl").write_text('{"step": 1}\n')
+    (root / "train_state" / "1").mkdir(parents=True)
+    assert claim(str(root), {"lr": 2}, overwrite=True, log=said.append) == "new"
+    assert said == [f"{root}: removed the earlier run's outputs (--overwrite)"]
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
+        "notes.txt", "run.json", "tensorboard", "tensorboard/mine", "tensorboard/mine/events.out.tfevents.1.host"]

@@ -85,3 +85,49 @@ def test_an_unwritable_cache_directory_is_named_by_its_key(tmp_path):
     blocked.write_text("")
     with pytest.raises(ValueError, match=r"train.compilation_cache_dir='.*file/jax': cannot create"):
         compile_cache.enable(str(blocked / "jax"))
+
+
+def test_a_cut_run_account_is_named_and_the_account_called_incomplete(two_runs):
+    """Two runs, one account cut mid-write: the other is shown, the cut one named, the command does not succeed."""
+    path = two_runs / "goodput" / "b.json"
+    path.write_text(path.read_text()[:40])
+    shown = subprocess.run([sys.executable, "-m", "bertjax.cli", "goodput", str(two_runs)], env=_env(1),
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 1
+    assert shown.stdout.splitlines()[0].startswith(f"{two_runs}: 1 run(s), ")
+    assert ("  incomplete: left out goodput/b.json: Expecting ',' delimiter: line 1 column 41 (char 40) "
+            "(cut or damaged)") in shown.stdout
+    assert shown.stderr.strip().splitlines()[-1].startswith(
+        f"bertjax goodput: error: the account of {two_runs} is incomplete: 1 run account(s) cannot be read "
+        "(goodput/b.json: ")
+
+
+CACHE_PROGRAM = """
+import sys, warnings
+import jax, jax.numpy as jnp
+from bertjax import compile_cache
+compile_cache.enable(sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.jit(lambda x: jnp.sin(x) @ x.T + 1)(jnp.ones((64, 64))).block_until_ready()
+print("WARNED" if any("Error reading persistent compilation cache" in str(w.message) for w in caught) else "CLEAN")
+"""
+
+
+def test_a_cache_entry_that_fails_to_read_is_written_again(tmp_path):
+    """An entry cut short (a full disk): the next run warns and compiles once, and its compile replaces the entry
+    (JAX alone never writes over an existing one: every later run warned and compiled again)."""
+    def run():
+        done = subprocess.run([sys.executable, "-c", CACHE_PROGRAM, str(tmp_path / "cache")], env=_env(1),
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-1]
+
+    assert run() == "CLEAN"
+    [entry] = (tmp_path / "cache").glob("jit__lambda-*-cache")
+    whole = entry.read_bytes()
+    entry.write_bytes(whole[:len(whole) // 3])
+    assert run() == "WARNED"
+    assert len(entry.read_bytes()) >= len(whole) * 0.9  # written again, whole
+    assert run() == "CLEAN"

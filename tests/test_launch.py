@@ -2,6 +2,9 @@
 the gcloud commands and the xpk command, against golden files written by hand from the documented gcloud and xpk
 syntax. No network."""
 import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -67,3 +70,49 @@ def test_launch_local_needs_the_command_and_the_workdir_to_babysit(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bertjax_main(["launch", "local", "--max-restarts", "2", "--", "pretrain", "--config", "bert-tiny"])
     assert exit_info.value.code == 2 and "needs the command's --workdir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--processes", "0"), ("--processes", "-1"), ("--devices-per-process", "0"),
+                                         ("--max-restarts", "-2")])
+def test_launch_local_refuses_counts_that_run_nothing(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bertjax_main(["launch", "local", flag, value, "--", "pretrain", "--config", "bert-tiny"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: must be at least {1 if flag != '--max-restarts' else 0}, got {value}" in \
+        capsys.readouterr().err
+
+
+def test_launch_local_names_the_worker_that_was_killed(tmp_path):
+    """Worker 1 dies of SIGKILL (a host gone): the launcher says which and how, stops the other, exits 128 + 9."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "index = int(sys.argv[sys.argv.index('--process-id') + 1])\n"
+                      "time.sleep(0.5)\n"
+                      "os.kill(os.getpid(), signal.SIGKILL) if index == 1 else time.sleep(300)\n")
+    done = subprocess.run([sys.executable, "-c", "import sys; from bertjax.cloud.local import launch; "
+                           f"sys.exit(launch(['job'], 2, 1, program=[sys.executable, {str(script)!r}]))"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 137
+    assert re.fullmatch(r"bertjax launch: worker p1 \(pid \d+\) was killed by SIGKILL; stopping the 1 other\(s\)",
+                        done.stderr.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["pretrain", "--config", "bert-tiny", "--workdir", "w", "--max-steps-this-run", "0"],
+     "argument --max-steps-this-run: must be at least 1, got 0"),
+    (["pretrain", "--config", "bert-tiny", "--workdir", "w", "--max-steps-this-run", "-3"],
+     "argument --max-steps-this-run: must be at least 1, got -3"),
+    (["data", "create", "--input", "x", "--vocab", "v", "--out", "o", "--num-workers", "0"],
+     "argument --num-workers: must be at least 1, got 0")])
+def test_counts_that_would_do_nothing_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bertjax_main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_worker_index_outside_the_workers_is_named(tmp_path, capsys):
+    (tmp_path / "c.txt").write_text("One. Two.\n\nThree.\n")
+    assert bertjax_main(["data", "create", "--input", str(tmp_path / "c.txt"), "--vocab", "v", "--out",
+                         str(tmp_path / "o"), "--num-workers", "2", "--worker-index", "5"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "bertjax data: error: --worker-index 5 is not one of the 2 workers' indices (0..1)")

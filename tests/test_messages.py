@@ -193,3 +193,23 @@ def test_a_sequence_longer_than_the_position_table_is_refused_up_front(tiny_chec
                            "--max-seq-length", "1024"])
     assert line.endswith("error: --max-seq-length 1024 exceeds the model's max_position_embeddings 128: give at "
                          "most 128"), line
+
+
+def test_info_of_a_damaged_checkpoint_ends_on_its_line_every_time(tiny_checkpoint, tmp_path):
+    """As a program (two runs: Orbax's dying threads printed 'Event loop is closed' tracebacks after the line in
+    one of three): the line is last, exit 2."""
+    import shutil
+    import subprocess
+    import sys
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    for path in (broken / "params").rglob("*"):
+        if path.is_file() and path.stat().st_size > 64 and path.name != "_METADATA":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "bertjax.cli", "info", str(broken)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2
+        last = done.stderr.rstrip("\n").splitlines()[-1]
+        assert last.startswith(f"bertjax info: error: {broken}: cannot read the checkpoint"), done.stderr[-2000:]

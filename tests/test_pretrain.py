@@ -2,6 +2,7 @@
 restore onto fewer devices, multi-process equivalence, and (slow) the loss falling on real text."""
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -403,3 +404,24 @@ def test_loss_falls_on_wikitext(shared_data, minilm_dir, tmp_path):
     print("mlm_loss curve:", [(r["step"], round(r["mlm_loss"], 3)) for r in records])
     assert records[-1]["mlm_loss"] < 0.75 * records[0]["mlm_loss"]
     assert losses[300] < losses[10]
+
+
+def test_a_resume_on_replaced_input_files_warns(corpus, tmp_path):
+    """The run records its input files (size, modification time): a resume after one was replaced says so."""
+    train_path, vocab = corpus
+    text = pathlib.Path(train_path).read_text(encoding="utf-8")
+    mine = tmp_path / "corpus.txt"
+    mine.write_text(text, encoding="utf-8")
+    workdir = tmp_path / "run"
+    argv = _argv(workdir, (str(mine), vocab), "--set", "train.steps=4", "--set", "checkpoint.every=2",
+                 "--set", "optimizer.warmup_steps=1",
+                 "--max-steps-this-run", "2")
+    first = _run(argv, devices=1)
+    assert "input file(s) changed" not in first
+    assert json.loads((workdir / "inputs.json").read_text()).keys() == {str(mine)}
+    documents = text.split("\n\n")
+    mine.write_text("\n\n".join(reversed(documents)), encoding="utf-8")  # another file, same documents
+    second = _run(argv, devices=1)
+    assert f"resumed from {workdir}/checkpoints/2" in second, second
+    assert (f"warning: 1 input file(s) changed since this run started ({mine}): it continues on them from the saved "
+            "input position, which was a position in the old files") in second

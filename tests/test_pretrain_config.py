@@ -1,4 +1,6 @@
 """Pretraining job config: presets, --set overrides with types, and errors before any compile."""
+import json
+
 import pytest
 
 from bertjax.pretraining import config as pretrain_config
@@ -70,3 +72,17 @@ def test_a_config_with_sizes_written_out_resumes_a_run_saved_without_them():
     bigger["model"]["hidden_size"] = 256
     with pytest.raises(ValueError, match=r"model.hidden_size: 128 -> 256"):
         pretrain_config.check_resume_config(preset.to_dict(), bigger, allow_changes=False, where="ckpt")
+
+
+def test_a_config_file_value_of_another_type_is_named_by_its_key(tmp_path):
+    from bertjax.pretraining.config import load_config
+
+    good = load_config("bert-tiny", ["data.input=x", "data.vocab=v"])
+    written = good.to_dict()
+    written["train"]["steps"] = "ten"
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/config\.json: train\.steps='ten': expected int$"):
+        load_config(str(tmp_path / "config.json"))
+    written["train"]["steps"], written["optimizer"]["learning_rate"] = 100, 1  # an int where a float goes is fine
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    assert load_config(str(tmp_path / "config.json")).optimizer.learning_rate == 1

@@ -1,6 +1,7 @@
 """Continued pretraining from a released checkpoint: `--init` supplies the model (`--config init`) and the
 vocabulary, and the run says which modules start fresh."""
 import json
+import subprocess
 import sys
 
 import pytest
@@ -76,3 +77,37 @@ def test_a_vocab_larger_than_the_embedding_table_is_refused(tmp_path, minilm_dir
     (tmp_path / "hf" / "vocab.txt").write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
     assert len(load_pretrained(hf).vocab) == 30000  # smaller is legal (HF pads tables), and said
     assert "vocab.txt has 30000 tokens, the word embeddings of" in capsys.readouterr().out
+
+
+def test_pretrain_refuses_a_vocab_larger_than_the_models_table(tmp_path, minilm_dir):
+    """`--config init` takes the checkpoint's table size; a bigger data.vocab would index past it (NaN losses): refused
+    before anything trains, by the same check as fine-tuning's and embed's."""
+    init = save_tiny_checkpoint(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
+    big = tmp_path / "big_vocab.txt"
+    extra = "".join(f"[extra{i}]\n" for i in range(600))
+    big.write_text((minilm_dir / "vocab.txt").read_text(encoding="utf-8") + extra, encoding="utf-8")
+    train_path, _ = write_demo_corpus(str(tmp_path / "corpus"))
+    done = subprocess.run([sys.executable, "-m", "bertjax.cli", "pretrain", "--config", "init", "--init", init,
+                           "--workdir", str(tmp_path / "run"), "--set", f"data.input={train_path}",
+                           "--set", f"data.vocab={big}", "--set", "train.steps=2", "--set", "optimizer.warmup_steps=1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"bertjax pretrain: error: {big} has 31122 tokens but the word embeddings of the model (model.vocab_size="
+        f"30522) have 30522 rows: ids 30522..31121 have no embedding; use the vocab the checkpoint was trained with")
+    assert "step" not in done.stdout
+
+
+def test_a_cut_safetensors_file_is_named_in_one_line(tmp_path, minilm_dir, capsys):
+    from bertjax.cli import main
+    from tests.test_glue_job import _synthetic_glue
+
+    _synthetic_glue(tmp_path / "glue")
+    hf = save_tiny_hf(tmp_path / "hf", minilm_dir / "vocab.txt", seed=0)
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    assert main(["finetune", "glue", "--task", "sst2", "--init", hf, "--data", str(tmp_path / "glue"),
+                 "--workdir", str(tmp_path / "run")]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"bertjax finetune: error: {weights}: not a readable safetensors file (") and \
+        line.endswith("); a cut download? fetch it again"), line

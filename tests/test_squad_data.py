@@ -186,3 +186,15 @@ def test_empty_context_and_long_question(tok):
     assert int(query_part.sum()) == 1 + 64 + 1  # query cut to max_query_length
     with pytest.raises(ValueError, match="leaves no room"):
         squad_data.featurize(data, tok, True, is_training=False, version_2=True, max_seq_length=60, max_query_length=64)
+
+
+def test_a_bad_answer_start_is_named_with_the_file_and_question():
+    from bertjax.finetune.squad_data import read_examples
+
+    dataset = {"data": [{"paragraphs": [{"context": "The cat sat on the mat.", "qas": [
+        {"id": "q1", "question": "Who sat?", "answers": [{"text": "The cat", "answer_start": 0}]},
+        {"id": "q2", "question": "Where?", "answers": [{"text": "the mat", "answer_start": "12a"}]}]}]}]}
+    with pytest.raises(ValueError, match=r"^train-v1\.1\.json: question q2: answer \{'text': 'the mat', "
+                                         r"'answer_start': '12a'\}: expected a 'text' and an integer 'answer_start' "
+                                         r"\(invalid literal for int\(\) with base 10: '12a'\)$"):
+        read_examples(dataset, is_training=True, version_2=False, source="train-v1.1.json")

@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 
+from bertjax import options
 from bertjax.cloud.babysitter import USAGE_ERROR_EXIT, babysit
 
 
@@ -73,6 +75,10 @@ class LocalProcesses:
             codes = [child.poll() for child in self.children]
             bad = [code for code in codes if code not in (None, 0)]
             if bad:
+                index = codes.index(bad[0])
+                how = (f"was killed by {_signal_name(-bad[0])}" if bad[0] < 0 else f"exited with status {bad[0]}")
+                print(f"bertjax launch: worker p{index} (pid {self.children[index].pid}) {how}; stopping the "
+                      f"{len(self.children) - 1} other(s)", file=sys.stderr, flush=True)
                 for child in self.children:
                     if child.poll() is None:
                         child.kill()
@@ -98,14 +104,22 @@ def launch(command: list[str], processes: int, devices_per_process: int, env: di
     `--coordinator/--num-processes/--process-id` appended; returns the first non-zero exit code (or 0)."""
     workers = LocalProcesses(processes, devices_per_process, env, program)
     workers.start(command)
-    return workers.wait()[0]
+    code = workers.wait()[0]
+    return 128 - code if code < 0 else code  # a worker killed by signal N: the shell's 128 + N
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The launcher's flags (`bertjax launch local` and `python launch/local.py` alike)."""
-    parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--devices-per-process", type=int, default=4)
-    parser.add_argument("--max-restarts", type=int, default=0,
+    parser.add_argument("--processes", type=options.at_least(1), default=2)
+    parser.add_argument("--devices-per-process", type=options.at_least(1), default=4)
+    parser.add_argument("--max-restarts", type=options.at_least(0), default=0,
                         help="babysit a pretrain command: run it again after a preemption (a worker killed) until "
                              "its workdir has the completion marker, at most this many times")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the bertjax command after --")

@@ -33,6 +33,9 @@ def _create(args: argparse.Namespace) -> int:
         return 0
     if args.beam_option or args.beam_runner != "DirectRunner":
         raise ValueError("--beam-runner/--beam-option need --runner beam")
+    if args.worker_index >= args.num_workers:
+        raise ValueError(f"--worker-index {args.worker_index} is not one of the {args.num_workers} workers' indices "
+                         f"(0..{args.num_workers - 1})")
     from bertjax.data.create import create_pretraining_data
 
     create_pretraining_data(data_config_from_flags(args), args.out, args.shards, worker_index=args.worker_index,
@@ -66,8 +69,9 @@ def register(subparsers) -> None:
     options.add_flags(create, PretrainingDataConfig, exclude=_NOT_CREATE_FLAGS, required=("input", "vocab"))
     create.add_argument("--out", required=True, help="output directory (gs:// works)")
     create.add_argument("--shards", type=int, default=1)
-    create.add_argument("--worker-index", type=int, default=0, help="this worker's share of the input files")
-    create.add_argument("--num-workers", type=int, default=1)
+    create.add_argument("--worker-index", type=options.at_least(0), default=0,
+                        help="this worker's share of the input files (0 .. --num-workers - 1)")
+    create.add_argument("--num-workers", type=options.at_least(1), default=1)
     create.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run's shards in --out (removed once the new ones are complete)")
     create.add_argument("--runner", choices=("local", "beam"), default="local",

@@ -247,13 +247,13 @@ def _group_by_blank_lines(line_batches: tf.data.Dataset, min_blank_run: int = 1,
 
 
 def _file_lines(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
-    """A text file's lines: plain and gzip through TextLineDataset (native, checkpointable), zstd and bzip2 in
-    chunks of `line_batch` lines from a cached sequential reader (`file_readers.line_chunk`). One structure for
-    every file: the branch that does not apply reads nothing."""
+    """A text file's lines: plain text through TextLineDataset (native, checkpointable), compressed text (gzip, zstd,
+    bzip2) in chunks of `line_batch` lines from a cached sequential reader (`file_readers.line_chunk`), which
+    refuses a stream cut before its end marker (TextLineDataset's GZIP reader takes it for the end of the file).
+    One structure for every file: the branch that does not apply reads nothing."""
     compression = tf.numpy_function(file_readers.compression_name, [path], tf.string, stateful=False)
-    native = tf.reshape(tf.logical_or(tf.equal(compression, ""), tf.equal(compression, "gzip")), [])
-    text = tf.data.TextLineDataset(tf.boolean_mask(tf.reshape(path, [1]), tf.reshape(native, [1])),
-                                   compression_type=tf.where(tf.equal(compression, "gzip"), "GZIP", ""))
+    native = tf.reshape(tf.equal(compression, ""), [])
+    text = tf.data.TextLineDataset(tf.boolean_mask(tf.reshape(path, [1]), tf.reshape(native, [1])))
     chunks = tf.data.Dataset.range(tf.where(native, tf.constant(0, tf.int64), _ENDLESS)).map(
         lambda k: tf.ensure_shape(tf.numpy_function(file_readers.line_chunk, [path, k, config.line_batch],
                                                     tf.string, stateful=False), [None]))

@@ -154,12 +154,15 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     formats = collections.Counter(file_readers.check_input_files(files, config))
     tokenizer = load_tokenizer(config.vocab, config.lower_case)
     stats = collections.Counter(input_files=len(files), empty_files=count_empty_files(files))
+    nulls_before = file_readers.NULL_TEXTS.total()
     ds = serialized_instances(config, files, tokenizer, stats, worker_index, share)
     ds = ds.shuffle(config.shuffle_buffer, seed=config.seed + worker_index).batch(write_batch).prefetch(4)
     prefix = tfrecord.shard_prefix(worker_index, num_workers)
     with tfrecord.ShardWriter(out_dir, num_shards, prefix=prefix) as writer:
         for records in ds.as_numpy_iterator():
             writer.write(records)
+    if config.is_records:
+        stats["null_texts"] = file_readers.NULL_TEXTS.total() - nulls_before  # records skipped: no text
     if writer.counts.sum() == 0:
         for path in writer.paths:
             tf.io.gfile.remove(path)

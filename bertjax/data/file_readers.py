@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import bz2
 import collections
-import gzip
 import io
 import itertools
 import json
 import threading
+import zlib
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from bertjax import errors
 from bertjax.data.data_config import CorpusConfig
 
 _SNIFF_BYTES = 1 << 16
@@ -47,20 +48,60 @@ def _open_raw(path: str):
 
 
 def open_decompressed(path: str):
-    """A binary file object of `path`'s content, decompressed (gzip, zstd or bzip2, by magic bytes)."""
+    """A binary file object of `path`'s content, decompressed (gzip, zstd or bzip2, by magic bytes). A stream that
+    ends before its end marker (a cut or still-growing file) raises EOFError at its end, for every codec: zstandard's
+    own stream reader and TensorFlow's gzip reader take it for the end of the data."""
     raw = _open_raw(path)
     kind = compression_of(path, raw.read(4))
     raw.seek(0)
-    if kind == "gzip":
-        return gzip.GzipFile(fileobj=raw)
-    if kind == "bzip2":
-        return bz2.BZ2File(raw)
-    if kind == "zstd":
-        import zstandard
+    return io.BufferedReader(_Decompressed(raw, kind), 1 << 16) if kind else raw
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True,
-                                                                            closefd=True))
-    return raw
+
+def _decompressor(kind: str):
+    if kind == "gzip":
+        return zlib.decompressobj(wbits=31)
+    if kind == "bzip2":
+        return bz2.BZ2Decompressor()
+    import zstandard
+
+    return zstandard.ZstdDecompressor().decompressobj()
+
+
+class _Decompressed(io.RawIOBase):
+    """The decompressed bytes of a raw stream of one or more gzip members / bzip2 streams / zstd frames (each
+    codec's decompressor object tells whether its member ended: `eof`)."""
+
+    def __init__(self, raw, kind: str):
+        self._raw, self._kind = raw, kind
+        self._decoder = _decompressor(kind)
+        self._pending, self._offset = b"", 0  # decompressed bytes, and how many of them were returned
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._offset == len(self._pending):
+            data = self._decoder.unused_data if self._decoder.eof else self._raw.read(1 << 16)
+            if self._decoder.eof:  # the next member, if any bytes follow
+                if not data:
+                    data = self._raw.read(1 << 16)
+                    if not data:
+                        return 0
+                self._decoder = _decompressor(self._kind)
+            elif not data:
+                raise EOFError(f"the {self._kind} stream ends before its end marker (the file is cut)")
+            try:
+                self._pending, self._offset = self._decoder.decompress(data), 0
+            except Exception as error:  # zlib.error, bz2's OSError, zstandard's ZstdError: no common base
+                raise OSError(f"the {self._kind} data is damaged ({errors.first_line(error)})") from None
+        n = min(len(buffer), len(self._pending) - self._offset)
+        buffer[:n] = self._pending[self._offset:self._offset + n]
+        self._offset += n
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 def _head(path: str) -> tuple[str, bytes]:
@@ -73,7 +114,7 @@ def _head(path: str) -> tuple[str, bytes]:
     try:
         with open_decompressed(path) as f:
             return kind, f.read(_SNIFF_BYTES)
-    except (OSError, EOFError, ValueError) as error:  # zstandard raises ZstdError (a ValueError)
+    except (OSError, EOFError) as error:
         raise ValueError(f"{path}: {kind}-compressed but cannot be decompressed ({error})") from None
 
 
@@ -114,6 +155,18 @@ def check_input_files(files: Sequence[str], config: CorpusConfig | None = None) 
             _json_text(path, 1, first, config.text_field)
         kinds.append(config.corpus_format + (f"+{compression}" if compression else ""))
     return kinds
+
+
+# Records whose text is null (JSON null, a Parquet/Arrow null), per file: read as empty texts (no document), counted
+# here, in this process (`data create` reports the number its run added).
+NULL_TEXTS: collections.Counter = collections.Counter()
+_NULL_LOCK = threading.Lock()
+
+
+def _count_nulls(path: str, count: int) -> None:
+    if count:
+        with _NULL_LOCK:
+            NULL_TEXTS[path] += count
 
 
 class CorpusError(ValueError):
@@ -168,9 +221,14 @@ _READERS = _ReaderCache()
 
 
 def _lines_of(path: str) -> Iterator[bytes]:
-    with open_decompressed(path) as f:
-        for line in f:
-            yield line.rstrip(b"\n").rstrip(b"\r")
+    """The lines of a (compressed) text file; a read error is a CorpusError naming the file and the last whole line."""
+    number = 0
+    try:
+        with open_decompressed(path) as f:
+            for number, line in enumerate(f, 1):
+                yield line.rstrip(b"\n").rstrip(b"\r")
+    except (EOFError, OSError) as error:  # a cut stream, damaged data (see _Decompressed), a failing disk
+        raise CorpusError(f"{path}: {error}, after line {number}") from None
 
 
 def line_chunk(path: bytes, k, chunk_size) -> np.ndarray:
@@ -222,6 +280,7 @@ def _json_text(path: str, number: int, line: bytes, field: str) -> bytes:
                          f"data.text_field / --text-field)")
     text = record[field]
     if text is None:
+        _count_nulls(path, 1)
         return b""
     if not isinstance(text, str):
         raise CorpusError(f"{path}: line {number}: field {field!r} is {type(text).__name__}, expected a string")
@@ -242,7 +301,11 @@ def _parquet_file(path: str):
     with _PARQUET_LOCK:
         found = _PARQUET_FILES.pop(path, None)
     if found is None:  # a local path: Arrow's own file, read with pread (threads may read row groups at once)
-        found = pq.ParquetFile(path if "://" not in path else _open_raw(path))
+        try:
+            found = pq.ParquetFile(path if "://" not in path else _open_raw(path))
+        except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid: a cut footer, not Parquet at all
+            raise CorpusError(f"{path}: not a readable Parquet file ({errors.first_line(error)}); cut, or still "
+                              "being written?") from None
     with _PARQUET_LOCK:
         _PARQUET_FILES[path] = found
         while len(_PARQUET_FILES) > 64:
@@ -261,6 +324,7 @@ def _column_bytes(table, path: str, field: str, where: str) -> np.ndarray:
     column = table.column(field)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise CorpusError(f"{path}: {where}: column {field!r} is {column.type}, expected strings")
+    _count_nulls(path, column.null_count)
     return pc.fill_null(column, "").cast(pa.large_binary()).to_numpy(zero_copy_only=False)
 
 
@@ -268,17 +332,29 @@ def _parquet_texts(path: str, parquet, k: int, field: str) -> np.ndarray:
     if field not in parquet.schema_arrow.names:
         raise CorpusError(f"{path}: expected a {field!r} column (columns: {', '.join(parquet.schema_arrow.names)}; "
                          f"set data.text_field / --text-field)")
-    return _column_bytes(parquet.read_row_group(k, columns=[field]), path, field, f"row group {k}")
+    try:
+        table = parquet.read_row_group(k, columns=[field])
+    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid/ArrowIOError: a damaged row group
+        raise CorpusError(f"{path}: row group {k} of {parquet.num_row_groups} cannot be read "
+                          f"({errors.first_line(error)})") from None
+    return _column_bytes(table, path, field, f"row group {k}")
 
 
 def _arrow_texts(path: str, field: str) -> Iterator[bytes]:
     """The texts of an Arrow IPC stream file (what `datasets.save_to_disk` writes), record batch by record batch."""
     import pyarrow as pa
 
+    first_row = 0
     with _open_raw(path) as f:
-        reader = pa.ipc.open_stream(f)
-        first_row = 0
-        for batch in reader:
+        batches = iter(pa.ipc.open_stream(f))
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowInvalid, OSError) as error:  # a cut or damaged stream
+                raise CorpusError(f"{path}: the Arrow stream cannot be read after row {first_row} "
+                                  f"({errors.first_line(error)})") from None
+            if batch is None:
+                return
             table = pa.Table.from_batches([batch])
             yield from _column_bytes(table, path, field, f"rows from {first_row}")
             first_row += batch.num_rows

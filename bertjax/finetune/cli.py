@@ -286,6 +286,10 @@ def _write_model_cards(workdir: str) -> None:
             write_card(str(run_dir / "hf"), str(run_dir), record_dir=workdir)
 
 
+# The arguments that name the files a fine-tune reads (their content is part of its run record).
+INPUT_ARGS = ("data", "train", "dev", "test", "predict")
+
+
 def _owned_run(job):
     """A fine-tune command on the workdir it owns (run_record.py): refused for another run's workdir, resumed for
     its own unfinished one, not rerun when finished; stopped by SIGTERM after saving its state (exit 0)."""
@@ -294,7 +298,7 @@ def _owned_run(job):
     @functools.wraps(job)
     def run(args: argparse.Namespace) -> int:
         from bertjax.console import Console
-        from bertjax.finetune.run_record import claim
+        from bertjax.finetune.run_record import claim, input_fingerprints
         from bertjax.finetune.trainer import Preempted
         from bertjax.workdir_lock import WorkdirLock
 
@@ -303,6 +307,7 @@ def _owned_run(job):
         lock.acquire()
         try:
             record = {k: v for k, v in vars(args).items() if k not in ("func", "command", "job")}
+            record.update(input_fingerprints(getattr(args, name, None) for name in INPUT_ARGS))
             state = claim(args.workdir, {"job": args.job, **record}, overwrite=args.overwrite, log=console.line)
             if state == "completed":
                 console.line(f"{args.workdir} already holds this run, completed (its metrics are there); "

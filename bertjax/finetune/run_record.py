@@ -1,15 +1,17 @@
 """A fine-tune workdir belongs to one run, as a pretraining workdir does.
 
-The job records what defines its run (task, data, init, every training setting) in WORKDIR/run.json. A rerun
-with the same record resumes from the newest training state (trainer.py saves it every --save-every steps and on
-SIGTERM) or, when the run completed (metrics.json written), says so and stops; a rerun with another record is
-refused naming the changed keys, unless --overwrite, which removes the earlier run's outputs first. Without this,
-two runs' curves interleave in one metrics.jsonl and TensorBoard directory.
+The job records what defines its run (task, data, init, every training setting, and the size and SHA-256 of each
+file it reads) in WORKDIR/run.json. A rerun with the same record resumes from the newest training state (trainer.py
+saves it every --save-every steps and on SIGTERM) or, when the run completed (metrics.json written), says so and
+stops; a rerun with another record, or on changed files, is refused naming what changed, unless --overwrite, which
+removes the earlier run's outputs first (only what a run writes: a user's files beside them stay). Without this,
+two runs' curves interleave in one metrics.jsonl and TensorBoard directory, or one run trains on two datasets.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import shutil
+import os
 
 from etils import epath
 
@@ -18,35 +20,72 @@ TRAIN_STATE = "train_state"
 COMPLETED_METRICS = "metrics.json"
 # What a finished run leaves: its metrics (one task), or the summary of all (`finetune glue --task all`).
 COMPLETED = (COMPLETED_METRICS, "summary.json")
-# What a run writes that a rerun would be mixed with (predictions and exports are rewritten whole by each run).
-RUN_OUTPUTS = (RUN_RECORD, TRAIN_STATE, *COMPLETED, "metrics.jsonl", "tensorboard")
+# What a run writes that a rerun would be mixed with (predictions and exports are rewritten whole by each run);
+# in tensorboard/ only its event files are the run's (a user's own runs may sit beside them).
+RUN_OUTPUTS = (RUN_RECORD, TRAIN_STATE, *COMPLETED, "metrics.jsonl")
+TENSORBOARD, EVENT_FILES = "tensorboard", "events.out.tfevents.*"
 # Settings that change how a run is watched or saved, not what it computes: free to change on a rerun.
 FREE_KEYS = ("log_every", "save_every", "compilation_cache_dir", "eval_batch_size", "save_checkpoint", "export_hf",
              "overwrite", "verbose")
+# The record's keys for the content of the files a run reads (`input:<path>`): a rerun on changed data is another run.
+INPUT_KEY = "input:"
+
+
+def input_fingerprints(paths) -> dict:
+    """{`input:<file>`: "<size> bytes, sha256 <first 16 hex>"} for every file of the local `paths` (files, or
+    directories walked whole); other values (tfds:, hub ids, gs://) are left to the record's plain settings."""
+    files = []
+    for path in paths:
+        if not isinstance(path, str) or not path or "://" in path or not os.path.exists(path):
+            continue
+        if os.path.isdir(path):
+            files += [os.path.join(d, name) for d, _, names in os.walk(path) for name in names
+                      if not name.startswith(".")]
+        else:
+            files.append(path)
+    prints = {}
+    for file in sorted(os.path.abspath(f) for f in files):
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        prints[INPUT_KEY + file] = f"{os.path.getsize(file)} bytes, sha256 {digest.hexdigest()[:16]}"
+    return prints
+
+
+def run_outputs(root: epath.Path) -> list[epath.Path]:
+    """What a bertjax run wrote in `root` (its record aside): nothing else there is removed by --overwrite."""
+    found = [root / name for name in RUN_OUTPUTS if name != RUN_RECORD and (root / name).exists()]
+    return found + (sorted((root / TENSORBOARD).glob(EVENT_FILES)) if (root / TENSORBOARD).is_dir() else [])
 
 
 def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
     """Makes `workdir` this run's: "new" (nothing there, or --overwrite cleared it), "resume" (the same run, not
-    finished) or "completed" (the same run, finished). Raises ValueError for another run's workdir."""
+    finished) or "completed" (the same run, finished). Raises ValueError for another run's workdir, or for this
+    run's when the files it read changed since (`input:` keys, see input_fingerprints)."""
     root = epath.Path(workdir)
     record = {k: v for k, v in json.loads(json.dumps(record)).items() if k not in FREE_KEYS}
     path = root / RUN_RECORD
     earlier = json.loads(path.read_text()) if path.exists() else None
-    if earlier is not None and not any((root / name).exists() for name in RUN_OUTPUTS if name != RUN_RECORD):
+    outputs = run_outputs(root)
+    if earlier is not None and not outputs:
         earlier = None  # recorded, but it stopped before writing anything (bad input): nothing to keep
-    mixed = earlier is None and any((root / name).exists() for name in RUN_OUTPUTS if name != RUN_RECORD)
+    mixed = earlier is None and bool(outputs)
+    if earlier is not None and not any(k.startswith(INPUT_KEY) for k in earlier):  # recorded before inputs were
+        record = {k: v for k, v in record.items() if not k.startswith(INPUT_KEY)}
     changed = sorted(k for k in set(record) | set(earlier or {}) if (earlier or {}).get(k) != record.get(k)) \
         if earlier is not None else []
     if (changed or mixed) and not overwrite:
         what = (", ".join(f"{k}: {earlier.get(k)!r} -> {record.get(k)!r}" for k in changed) if changed else
                 "it holds the outputs of a run that recorded no settings")
-        raise ValueError(f"{workdir} belongs to another fine-tuning run ({what}): pass --overwrite to replace it, "
-                         f"or use another --workdir")
+        inputs_only = changed and all(k.startswith(INPUT_KEY) for k in changed)
+        head = f"{workdir}: the files its run read changed since" if inputs_only else \
+            f"{workdir} belongs to another fine-tuning run"
+        raise ValueError(f"{head} ({what}): pass --overwrite to replace it, or use another --workdir")
     if overwrite and (earlier is not None or mixed):
-        for name in RUN_OUTPUTS:
-            target = root / name
+        for target in outputs + [path]:
             if target.is_dir():
-                shutil.rmtree(target)
+                target.rmtree()
             elif target.exists():
                 target.unlink()
         log(f"{workdir}: removed the earlier run's outputs (--overwrite)")

@@ -132,7 +132,11 @@ def read_examples(dataset: dict, is_training: bool, version_2: bool, source: str
                     if len(qa["answers"]) != 1:
                         raise ValueError(f"{source}: question {qa['id']}: for training, each question should "
                                          f"have exactly 1 answer, got {len(qa['answers'])}")
-                    kind, span = answer_span(context, qa["answers"][0])
+                    try:
+                        kind, span = answer_span(context, qa["answers"][0])
+                    except (ValueError, TypeError, KeyError) as error:
+                        raise ValueError(f"{source}: question {qa['id']}: answer {qa['answers'][0]!r}: expected a "
+                                         f"'text' and an integer 'answer_start' ({error})") from None
                     kinds[kind] += 1
                     if span is None:
                         continue

@@ -32,18 +32,29 @@ IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.pre
 _HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
 
 
+def _load_safetensors(path) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors; a cut or damaged file is a ValueError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
+    except SafetensorError as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error}); a cut download? fetch it again") \
+            from None
+
+
 def read_state_dict(directory: str) -> dict[str, np.ndarray]:
     """All tensors of an HF model directory: model.safetensors (single or sharded), else pytorch_model.bin."""
     path = epath.Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"HF model directory {directory} does not exist")
     if (path / "model.safetensors").exists():
-        return load_file(str(path / "model.safetensors"))
+        return _load_safetensors(path / "model.safetensors")
     index = path / "model.safetensors.index.json"
     if index.exists():
         tensors = {}
         for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            tensors.update(load_file(str(path / shard)))
+            tensors.update(_load_safetensors(path / shard))
         return tensors
     if (path / "pytorch_model.bin").exists():
         try:

@@ -46,20 +46,25 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
         return load_model(src)
     if kind == "hf":
         params, config, vocab, lower_case = load_hf(src)
-        check_vocab_fits(len(vocab), params, f"{src}/vocab.txt", src)
+        check_vocab_fits(len(vocab), embedding_rows(params), f"{src}/vocab.txt", src)
         return ModelCheckpoint(params, config, vocab, lower_case, hf_head(src))
     folder = epath.Path(src).parent
     params, config = load_tf(src, config_path or str(folder / "bert_config.json"))
     vocab_file = vocab_path or str(folder / "vocab.txt")
     vocab = read_vocab_file(vocab_file)
-    check_vocab_fits(len(vocab), params, vocab_file, src)
+    check_vocab_fits(len(vocab), embedding_rows(params), vocab_file, src)
     return ModelCheckpoint(params, config, vocab, _tf_lower_case(src))
 
 
-def check_vocab_fits(vocab_size: int, params: dict, vocab_file: str, weights: str) -> None:
-    """The vocabulary's ids must all have a word-embedding row: more tokens than rows is an error (those ids would
-    read outside the table: NaN features, NaN losses); fewer is legal (HF pads tables) and said once."""
-    rows = params["bert"]["embeddings"]["word_embeddings"]["embedding"].shape[0]
+def embedding_rows(params: dict) -> int:
+    """The rows of a model's word-embedding table."""
+    return params["bert"]["embeddings"]["word_embeddings"]["embedding"].shape[0]
+
+
+def check_vocab_fits(vocab_size: int, rows: int, vocab_file: str, weights: str) -> None:
+    """The vocabulary's ids must all have a word-embedding row (`rows` of them): more tokens than rows is an error
+    (those ids would read outside the table: NaN features, NaN losses); fewer is legal (HF pads tables) and said
+    once. The one check of every job that pairs a vocabulary with a model (fine-tune, embed, pretrain)."""
     if vocab_size > rows:
         raise ValueError(f"{vocab_file} has {vocab_size} tokens but the word embeddings of {weights} have {rows} "
                          f"rows: ids {rows}..{vocab_size - 1} have no embedding; use the vocab the checkpoint was "

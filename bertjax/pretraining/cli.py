@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from bertjax import options
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("pretrain", help="pretrain BERT (MLM + NSP) from a config preset")
@@ -25,7 +27,8 @@ def register(subparsers) -> None:
     parser.add_argument("--coordinator", help="host:port of process 0 (multi-process without auto-detection)")
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
-    parser.add_argument("--max-steps-this-run", type=int, help="stop (with a checkpoint) after this many steps")
+    parser.add_argument("--max-steps-this-run", type=options.at_least(1),
+                        help="stop (with a checkpoint) after this many steps")
     parser.add_argument("--allow-config-change", action="store_true",
                         help="resume a run whose schedule/optimizer/batch/data settings were changed since it "
                              "saved (model and data shapes can never change)")
@@ -151,11 +154,16 @@ def _init_vocab_file(init: str, tokens: list[str], workdir: str) -> str:
 
 def _goodput(args: argparse.Namespace) -> int:
     import json
+    import sys
 
     from bertjax.pretraining import goodput
 
     account = goodput.job_account(args.workdir)
     print(json.dumps(account, indent=1) if args.json else "\n".join(goodput.format_job(account, args.workdir)))
+    if account["unreadable"]:  # an account that leaves a run out is not the job's: said, and not a success
+        print(f"bertjax goodput: error: the account of {args.workdir} is incomplete: {len(account['unreadable'])} "
+              f"run account(s) cannot be read ({'; '.join(account['unreadable'])})", file=sys.stderr)
+        return 1
     return 0
 
 

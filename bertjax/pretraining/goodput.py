@@ -127,16 +127,29 @@ def launcher_event(workdir: str, event: str, **fields) -> None:
 
 
 def run_snapshots(workdir: str) -> list[dict]:
-    """Every run's account in WORKDIR/goodput, oldest first (an unreadable file is skipped)."""
-    runs = []
+    """Every run's account in WORKDIR/goodput, oldest first (an unreadable file is skipped: see unreadable_runs)."""
+    return _read_runs(workdir)[0]
+
+
+def unreadable_runs(workdir: str) -> list[str]:
+    """`goodput/<run>.json: why` for each run account that cannot be read (cut or damaged: written atomically, a
+    whole one is never half there), which an account of the job leaves out."""
+    return _read_runs(workdir)[1]
+
+
+def _read_runs(workdir: str) -> tuple[list[dict], list[str]]:
+    runs, unreadable = [], []
     directory = epath.Path(workdir) / GOODPUT_DIR
     if directory.exists():
-        for path in directory.glob("*.json"):
+        for path in sorted(directory.glob("*.json")):
             try:
-                runs.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue  # written at this moment, or damaged: the next read gets it
-    return sorted(runs, key=lambda r: r["process_start"])
+                run = json.loads(path.read_text())
+                if not isinstance(run, dict) or "process_start" not in run:
+                    raise ValueError("not a run account")
+                runs.append(run)
+            except (OSError, ValueError) as error:
+                unreadable.append(f"{GOODPUT_DIR}/{path.name}: {error}")
+    return sorted(runs, key=lambda r: r["process_start"]), unreadable
 
 
 def previous_progress(workdir: str, exclude: str = "") -> tuple[int, float | None]:
@@ -162,13 +175,15 @@ def previous_progress(workdir: str, exclude: str = "") -> tuple[int, float | Non
 
 def job_account(workdir: str, now: float | None = None) -> dict:
     """Every run of the workdir added up: per-category seconds, the lost work per restart, the time outside the
-    runs (from the launcher's log where there is one) and the goodput of the whole job."""
+    runs (from the launcher's log where there is one) and the goodput of the whole job; `unreadable` names the run
+    accounts left out (the account is then incomplete)."""
     now = time.time() if now is None else now
-    runs = run_snapshots(workdir)
+    runs, unreadable = _read_runs(workdir)
     launcher = _launcher_events(workdir)
     if not runs:
         raise FileNotFoundError(f"{epath.Path(workdir) / GOODPUT_DIR}: no run accounts (is {workdir} the --workdir "
-                                f"of a `bertjax pretrain` run?)")
+                                f"of a `bertjax pretrain` run?)" + (f"; unreadable: {'; '.join(unreadable)}"
+                                                                     if unreadable else ""))
     ends = sorted(e["time"] for e in launcher if e["event"] == "end")
     totals = dict.fromkeys(CATEGORIES, 0.0)
     total = {"lost_steps": 0, "lost_s": 0.0, "unrecorded_s": 0.0, "runs": []}
@@ -203,7 +218,8 @@ def job_account(workdir: str, now: float | None = None) -> dict:
             "lost_steps": total["lost_steps"], "lost_s": round(total["lost_s"], 3),
             "productive_s": round(productive, 3), "goodput": round(productive / wall, 4) if wall > 0 else 0.0,
             "launcher_restarts": max(0, len(starts) - 1) if starts else None,
-            "last_update_age_s": round(now - max(r["updated"] for r in runs), 1), "runs": total["runs"]}
+            "last_update_age_s": round(now - max(r["updated"] for r in runs), 1), "runs": total["runs"],
+            "unreadable": unreadable}
 
 
 def _launcher_events(workdir: str) -> list[dict]:
@@ -245,4 +261,5 @@ def format_job(account: dict, workdir: str) -> list[str]:
     if account["launcher_restarts"] is not None:
         lines.append(f"  launcher: {account['launcher_restarts']} restart(s) recorded")
     lines.append(f"  last update {account['last_update_age_s']:.0f}s ago")
+    lines += [f"  incomplete: left out {name} (cut or damaged)" for name in account["unreadable"]]
     return lines

@@ -24,7 +24,7 @@ from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.errors import first_line
-from bertjax.interop.load import load_pretrained
+from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
@@ -130,6 +130,40 @@ def _resume(checkpointer, abstract, dataset, config: PretrainConfig, allow_confi
     return None
 
 
+# What a run read: each input file's size and modification time, to tell a resume on replaced files.
+INPUTS_RECORD = "inputs.json"
+
+
+def _input_stamps(data) -> dict:
+    """{file: "<size> bytes, modified <mtime_nsec>"} of the run's input files (a stat each: corpora are too big to
+    hash at every start)."""
+    import tensorflow as tf
+
+    from bertjax.data.corpus import expand_inputs
+
+    if not data.input or data.is_tfds:
+        return {}
+    stamps = {}
+    for path in expand_inputs(data.inputs):
+        stat = tf.io.gfile.stat(path)
+        stamps[path] = f"{stat.length} bytes, modified {stat.mtime_nsec}"
+    return stamps
+
+
+def _check_inputs_unchanged(record, data, resumed: bool, writer: bool, log) -> None:
+    """On resume, warns when the input files differ from those the run started on (replaced, grown, added or
+    removed): the restored input position then points into other data. Records the current ones."""
+    stamps = _input_stamps(data)
+    earlier = json.loads(record.read_text()) if resumed and record.exists() else None
+    if earlier is not None and earlier != stamps:
+        changed = sorted(f for f in set(earlier) | set(stamps) if earlier.get(f) != stamps.get(f))
+        log(f"warning: {len(changed)} input file(s) changed since this run started ({', '.join(changed[:3])}"
+            f"{', ...' if len(changed) > 3 else ''}): it continues on them from the saved input position, which "
+            f"was a position in the old files")
+    if writer and earlier != stamps:
+        record.write_text(json.dumps(stamps, indent=1, sort_keys=True) + "\n")
+
+
 def _set_aside(checkpointer, step: int, error: Exception, log) -> None:
     where = checkpointer.step_dir(step)
     moved = checkpointer.set_aside(step)
@@ -220,6 +254,8 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
     account.mark("startup_s")
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     vocab, lower_case = list(tokenizer.vocab), tokenizer.lower_case
+    rows = config.bert_config(len(vocab)).vocab_size
+    check_vocab_fits(len(vocab), rows, config.data.vocab, f"the model (model.vocab_size={rows})")
     job = build_job_step(config, mesh, len(vocab))
     bert_config, shardings, abstract = job.bert_config, job.shardings, job.abstract_state
     seq_len = config.data.max_seq_length
@@ -252,6 +288,8 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
         state = train_state.init_sharded_state(job.rng, shardings, mesh, **job.state_args)
         if init_from:
             state = _init_from(state, init_from, shardings, abstract, config.reset_schedule, vocab, log)
+    _check_inputs_unchanged(epath.Path(workdir) / INPUTS_RECORD, config.data, resumed is not None,
+                            process_index == 0, log)
     jax.block_until_ready(state)  # restored or initialised, not only dispatched: the time is restore's
     account.mark("restore_s")
     if account.enabled:

@@ -278,4 +278,10 @@ class MetricsWriter:
         if self.enabled:
             self.tensorboard.close()
             if self.wandb is not None:
+                import wandb
+
                 self.wandb.finish()
+                # finish() returns once W&B's service process took the run's end, not once it wrote it: its run
+                # file (offline) could still lack the history under load. teardown waits for that process to end,
+                # which W&B otherwise leaves to an atexit hook (not run when a fatal error ends the job).
+                wandb.teardown()

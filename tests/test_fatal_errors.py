@@ -1,0 +1,184 @@
+"""A fatal error ends a job within seconds, non-zero, its last stderr line naming the file and how far it got: cut
+and damaged compressed streams (gzip, zstd, bzip2, every layout) and a cut Arrow file, for each command that reads
+corpora (`data create`, `vocab train`, `pretrain`), each run under a timeout (a reader error used to leave the
+process blocked in the tf.data iterator's destructor forever). Real WikiText-2 text, cut by the test."""
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+zstandard = pytest.importorskip("zstandard")
+pa = pytest.importorskip("pyarrow")
+
+ROOT = Path(__file__).resolve().parents[1]
+# A hang is forever; a job that reads a few KB before its error ends in seconds after TensorFlow's start-up.
+TIMEOUT_S = 30
+_TITLE = re.compile(r"^ = [^=].* = $")
+# bzip2 in 100 kB blocks: the cut leaves whole ones to read before it.
+CODECS = {"gz": gzip.compress, "zst": lambda data: zstandard.ZstdCompressor().compress(data),
+          "bz2": lambda data: bz2.compress(data, 1)}
+
+
+def _articles(shared_data, count: int) -> list[str]:
+    lines = (shared_data / "wikitext-2" / "wiki.valid.raw").read_text(encoding="utf-8").splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if _TITLE.match(line)] + [len(lines)]
+    return ["".join(lines[a:b]) for a, b in zip(starts[:count], starts[1:count + 1])]
+
+
+@pytest.fixture(scope="module")
+def corpus(shared_data, tmp_path_factory):
+    """WikiText text (20 articles) and the same as JSON Lines, each compressed whole and cut at 60%."""
+    root = tmp_path_factory.mktemp("fatal")
+    articles = _articles(shared_data, 20)
+    plain = {"txt": "".join(articles).encode(),
+             "jsonl": "".join(json.dumps({"text": a}) + "\n" for a in articles).encode()}
+    for layout, data in plain.items():
+        for codec, compress in CODECS.items():
+            whole = compress(data)
+            (root / f"wiki.{layout}.{codec}").write_bytes(whole)
+            (root / f"cut.{layout}.{codec}").write_bytes(whole[:len(whole) * 6 // 10])
+    return {"root": root, "articles": articles, "plain": plain,
+            "vocab": str(shared_data / "bert" / "uncased_L-4_H-256_A-4" / "vocab.txt")}
+
+
+def _job(argv: list[str], timeout: float = TIMEOUT_S) -> tuple[int, list[str], float]:
+    """(exit status, stderr lines, seconds) of `bertjax ARGV` in a fresh process; a hang fails the test."""
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "bertjax.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"bertjax {' '.join(argv[:2])} still running after {timeout} s; stderr tail: "
+                    f"{(expired.stderr or b'')[-2000:]!r}")
+    return done.returncode, done.stderr.strip().splitlines(), time.monotonic() - start
+
+
+def _create(corpus, path: Path, corpus_format: str, out: Path) -> tuple[int, list[str], float]:
+    return _job(["data", "create", "--input", str(path), "--format", corpus_format, "--vocab", corpus["vocab"],
+                 "--out", str(out), "--max-seq-length", "64", "--max-predictions", "10"])
+
+
+def _lines_before_cut(path: Path, codec: str) -> int:
+    """How many whole lines the cut file holds (the reference: Python's own decompressors, read until they fail)."""
+    if codec == "zst":  # zstandard's reader stops quietly where the bytes end
+        return zstandard.ZstdDecompressor().stream_reader(path.read_bytes(), read_across_frames=True).read().count(b"\n")
+    count = 0
+    with {"gz": gzip.open, "bz2": bz2.open}[codec](path, "rb") as f:
+        try:
+            for _ in f:
+                count += 1
+        except EOFError:
+            return count
+    raise AssertionError(f"{path} is whole")
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("layout", ["txt", "jsonl"])
+def test_a_cut_compressed_corpus_ends_data_create_with_its_line(corpus, tmp_path, layout, codec):
+    """Every codec, text and record layouts: refused with the file and the last whole line read, no shard left."""
+    path = corpus["root"] / f"cut.{layout}.{codec}"
+    rc, err, _ = _create(corpus, path, "wikitext" if layout == "txt" else "jsonl", tmp_path / "out")
+    codec_name = {"gz": "gzip", "zst": "zstd", "bz2": "bzip2"}[codec]
+    assert rc != 0 and err, err
+    found = re.fullmatch(rf"bertjax data: error: {re.escape(str(path))}: the {codec_name} stream ends before its "
+                         r"end marker \(the file is cut\), after line (\d+)", err[-1])
+    assert found, err[-3:]
+    assert int(found.group(1)) == _lines_before_cut(path, codec) > 0
+    assert not list((tmp_path / "out").glob("*.tfrecord*"))
+
+
+def test_the_whole_files_are_read_whole(corpus, tmp_path):
+    """The same files uncut: every codec gives the plain file's lines (the decompressor reads multi-member too)."""
+    from bertjax.data.file_readers import open_decompressed
+
+    for layout, data in corpus["plain"].items():
+        for codec in CODECS:
+            with open_decompressed(str(corpus["root"] / f"wiki.{layout}.{codec}")) as f:
+                assert f.read() == data, (layout, codec)
+    two = tmp_path / "two.txt.gz"  # `cat a.gz b.gz`: two gzip members are one file
+    two.write_bytes(gzip.compress(corpus["plain"]["txt"][:1000]) + gzip.compress(corpus["plain"]["txt"][1000:]))
+    with open_decompressed(str(two)) as f:
+        assert f.read() == corpus["plain"]["txt"]
+
+
+def test_a_garbage_tail_after_a_zstd_frame_is_named(corpus, tmp_path):
+    path = tmp_path / "tail.jsonl.zst"
+    path.write_bytes((corpus["root"] / "wiki.jsonl.zst").read_bytes() + b"not a zstd frame at all" * 10)
+    rc, err, _ = _create(corpus, path, "jsonl", tmp_path / "out")
+    assert rc != 0
+    assert re.fullmatch(rf"bertjax data: error: {re.escape(str(path))}: the zstd data is damaged "
+                        r"\(ZstdError: .*\), after line 20", err[-1]), err[-3:]
+
+
+def test_a_cut_arrow_file_of_a_saved_dataset_is_named(corpus, tmp_path):
+    """A `datasets.save_to_disk` directory whose .arrow file is cut in half: named with the rows read before it."""
+    directory = tmp_path / "saved"
+    directory.mkdir()
+    records = [{"text": a} for a in corpus["articles"]]
+    table = pa.Table.from_pylist(records)
+    arrow = directory / "data-00000-of-00001.arrow"
+    with pa.ipc.new_stream(str(arrow), table.schema) as writer:
+        writer.write_table(table, max_chunksize=4)
+    (directory / "state.json").write_text(json.dumps({"_data_files": [{"filename": arrow.name}]}))
+    (directory / "dataset_info.json").write_text("{}")
+    arrow.write_bytes(arrow.read_bytes()[:arrow.stat().st_size // 2])
+    rc, err, _ = _create(corpus, directory, "parquet", tmp_path / "out")
+    assert rc != 0
+    found = re.fullmatch(rf"bertjax data: error: {re.escape(str(arrow))}: the Arrow stream cannot be read after row "
+                         r"(\d+) \(.*\)", err[-1])
+    readable = 0  # the reference: pyarrow's own reader, batch by batch until it fails
+    try:
+        for batch in pa.ipc.open_stream(str(arrow)):
+            readable += batch.num_rows
+    except (pa.ArrowInvalid, OSError):
+        pass
+    assert found and int(found.group(1)) == readable and 0 < readable < len(records), (err[-3:], readable)
+
+
+def test_vocab_train_on_a_cut_file_ends_with_its_line(corpus, tmp_path):
+    path = corpus["root"] / "cut.txt.gz"
+    rc, err, _ = _job(["vocab", "train", "--input", str(path), "--format", "wikitext", "--vocab-size", "200",
+                       "--type", "wordpiece", "--out", str(tmp_path / "vocab")])
+    assert rc != 0
+    assert re.fullmatch(rf"bertjax vocab: error: {re.escape(str(path))}: the gzip stream ends before its end marker "
+                        r"\(the file is cut\), after line \d+", err[-1]), err[-3:]
+
+
+def test_pretrain_from_a_cut_file_ends_with_its_line(corpus, tmp_path):
+    """Training reads the corpus as it goes: the error ends the job (it used to print TensorFlow's traceback and
+    hang), the lock is released, and nothing is taken for a finished run."""
+    path = corpus["root"] / "cut.jsonl.gz"
+    argv = ["pretrain", "--config", "bert-tiny", "--workdir", str(tmp_path / "run"), "--set", f"data.input={path}",
+            "--set", "data.corpus_format=jsonl", "--set", f"data.vocab={corpus['vocab']}",
+            "--set", "data.max_seq_length=64", "--set", "data.max_predictions_per_seq=10",
+            "--set", "data.doc_buffer_size=4", "--set", "data.shuffle_buffer=8", "--set", "train.batch_size=8",
+            "--set", "train.steps=1000", "--set", "checkpoint.every=1000"]
+    # Start-up and the compile come first (a minute on a loaded machine); the error then ends it at once.
+    rc, err, _ = _job(argv, timeout=240)
+    assert rc != 0
+    assert re.fullmatch(rf"bertjax pretrain: error: {re.escape(str(path))}: the gzip stream ends before its end "
+                        r"marker \(the file is cut\), after line \d+", err[-1]), err[-3:]
+    assert not (tmp_path / "run" / "LOCK").exists()
+
+
+def test_a_workdir_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    """The machine's refusal (here a workdir below a regular file; a read-only disk the same way) is an OSError
+    naming the path: one line, not a traceback."""
+    from bertjax.cli import main
+
+    (tmp_path / "a_file").write_text("x")
+    workdir = tmp_path / "a_file" / "run"
+    assert main(["finetune", "glue", "--task", "sst2", "--init", str(tmp_path / "none"), "--data", str(tmp_path),
+                 "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"bertjax finetune: error: [Errno 20] Not a directory: '{workdir}'"
+    assert "Traceback" not in err
