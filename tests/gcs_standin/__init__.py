@@ -89,18 +89,21 @@ class Front(http.server.ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.requests: list[tuple[str, str]] = []
 
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that hung up mid-request (TensorFlow cancels reads past a file's end)
+
     def inject(self, status: int, times: int = 1, method: str = "", path: str = "") -> None:
         """The next `times` requests whose method is `method` and whose path contains `path` get `status`."""
         with self.lock:
             self.faults.append({"status": status, "times": times, "method": method, "path": path})
 
-    def fault_for(self, method: str, path: str) -> int | None:
+    def fault_for(self, method: str, path: str) -> dict | None:
         with self.lock:
             self.requests.append((method, path))
             for fault in self.faults:
                 if fault["times"] > 0 and method.startswith(fault["method"]) and fault["path"] in path:
                     fault["times"] -= 1
-                    return fault["status"]
+                    return fault
         return None
 
 
@@ -136,8 +139,9 @@ class _Forward(http.server.BaseHTTPRequestHandler):
 
     def _forward(self) -> None:
         body = self._body()
-        status = self.server.fault_for(self.command, self.path)
-        if status is not None:
+        fault = self.server.fault_for(self.command, self.path)
+        if fault is not None:
+            status = fault["status"]
             reply = json.dumps({"error": {"code": status, "message": f"injected {status}"}}).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
