@@ -129,4 +129,4 @@ def gcs_dir(gcs_standin, request) -> str:
     import re
 
     yield f"gs://{GCS_BUCKET}/{re.sub(r'[^A-Za-z0-9_.-]+', '-', request.node.name)}"
-    gcs_standin.front.faults.clear()
+    gcs_standin.front.clear()

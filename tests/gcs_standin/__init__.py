@@ -22,6 +22,7 @@ import json
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -79,8 +80,8 @@ class Front(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, cert: pathlib.Path, key: pathlib.Path):
-        super().__init__(("127.0.0.1", 0), _Forward)
+    def __init__(self, cert: pathlib.Path, key: pathlib.Path, port: int = 0):
+        super().__init__(("127.0.0.1", port), _Forward)
         self.port = self.server_address[1]
         self.upstream_port: int | None = None
         self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -137,8 +138,26 @@ class _Forward(http.server.BaseHTTPRequestHandler):
                 self.rfile.readline()
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
+    def _control(self, body: bytes) -> None:
+        """/_standin/inject (POST a fault), /_standin/state (the faults and requests), /_standin/clear."""
+        server, what = self.server, self.path.rsplit("/", 1)[1]
+        if what == "inject":
+            server.inject(**json.loads(body))
+        elif what == "clear":
+            with server.lock:
+                server.faults.clear()
+        with server.lock:
+            reply = json.dumps({"faults": server.faults, "requests": server.requests[-50:]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
     def _forward(self) -> None:
         body = self._body()
+        if self.path.startswith("/_standin/"):
+            self._control(body)
+            return
         fault = self.server.fault_for(self.command, self.path)
         if fault is not None:
             status = fault["status"]
@@ -177,36 +196,67 @@ class _Forward(http.server.BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _forward
 
 
+class FrontControl:
+    """The test's handle on the front, which runs in its own process: TensorFlow ops that hold the GIL while they
+    do I/O (TFRecordWriter's close) would otherwise wait for a front that cannot run."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def _call(self, what: str, fault: dict | None = None) -> dict:
+        request = urllib.request.Request(f"{self.url}/_standin/{what}", method="POST",
+                                         data=json.dumps(fault or {}).encode())
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return json.loads(reply.read())
+
+    def inject(self, status: int, times: int = 1, method: str = "", path: str = "") -> None:
+        """The next `times` requests whose method is `method` and whose path contains `path` get `status`."""
+        self._call("inject", {"status": status, "times": times, "method": method, "path": path})
+
+    @property
+    def faults(self) -> list[dict]:
+        return self._call("state")["faults"]
+
+    @property
+    def requests(self) -> list[list[str]]:
+        return self._call("state")["requests"]
+
+    def clear(self) -> None:
+        self._call("clear")
+
+
 class GcsStandin:
-    """fake-gcs-server (in memory) behind a Front; `environment()` points the clients at it."""
+    """fake-gcs-server (in memory) behind a Front (both in processes of their own); `environment()` points the
+    clients at it."""
 
     def __init__(self, root: pathlib.Path):
         self.root = pathlib.Path(root)
-        self.process: subprocess.Popen | None = None
-        self.front: Front | None = None
+        self.processes: list[subprocess.Popen] = []
 
     def start(self) -> "GcsStandin":
         self.ca, cert, key = _write_certificates(self.root)
-        self.front = Front(cert, key)
-        self.url = f"http://127.0.0.1:{self.front.port}"
-        self.front.upstream_port = free_port()
+        upstream, port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{port}"
         self.log = open(self.root / "fake-gcs-server.log", "wb")
-        self.process = subprocess.Popen(
-            [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.front.upstream_port),
+        self.processes.append(subprocess.Popen(
+            [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(upstream),
              "-external-url", self.url, "-backend", "memory", "-log-level", "warn"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        threading.Thread(target=self.front.serve_forever, daemon=True, name="gcs-standin-front").start()
-        deadline = time.monotonic() + 30
+            stdout=self.log, stderr=subprocess.STDOUT))
+        self.processes.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.gcs_standin", str(cert), str(key), str(port), str(upstream)],
+            cwd=pathlib.Path(__file__).resolve().parents[2], stdout=self.log, stderr=subprocess.STDOUT))
+        self.front = FrontControl(self.url)
+        deadline = time.monotonic() + 60
         while True:
             try:
                 urllib.request.urlopen(f"{self.url}/storage/v1/b?project={PROJECT}", timeout=5).read()
                 return self
             except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
+                if any(p.poll() is not None for p in self.processes) or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError("fake-gcs-server did not start: "
+                    raise RuntimeError("the Cloud Storage stand-in did not start: "
                                        + (self.root / "fake-gcs-server.log").read_text(errors="replace"))
-                time.sleep(0.1)
+                time.sleep(0.2)
 
     def environment(self) -> dict[str, str]:
         """The variables that point every storage client at the stand-in (see the module docstring)."""
@@ -216,8 +266,7 @@ class GcsStandin:
                 "GOOGLE_AUTH_TOKEN_FOR_TESTING": TOKEN, "NO_GCE_CHECK": "true", "GOOGLE_CLOUD_PROJECT": PROJECT,
                 # http_proxy too: fake-gcs-server's upload session URLs name the host the request named.
                 "HTTPS_PROXY": proxy, "https_proxy": proxy, "HTTP_PROXY": proxy, "http_proxy": proxy,
-                "NO_PROXY": local, "no_proxy": local,
-                "CURL_CA_BUNDLE": str(self.ca)}
+                "NO_PROXY": local, "no_proxy": local, "CURL_CA_BUNDLE": str(self.ca)}
 
     def create_bucket(self, name: str) -> None:
         request = urllib.request.Request(f"{self.url}/storage/v1/b?project={PROJECT}", method="POST",
@@ -226,14 +275,18 @@ class GcsStandin:
         urllib.request.urlopen(request, timeout=30).read()
 
     def stop(self) -> None:
-        if self.front is not None:
-            self.front.shutdown()
-            self.front.server_close()
-        if self.process is not None:
-            self.process.terminate()
+        for process in reversed(self.processes):
+            process.terminate()
             try:
-                self.process.wait(timeout=10)
+                process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-            self.log.close()
+                process.kill()
+                process.wait()
+        self.log.close()
+
+
+def serve_front(cert: str, key: str, port: int, upstream: int) -> None:
+    """The front's process: serves until terminated."""
+    front = Front(pathlib.Path(cert), pathlib.Path(key), port)
+    front.upstream_port = upstream
+    front.serve_forever()
