@@ -96,6 +96,12 @@ def _check_vocab(config: BertConfig, tokens: list[str], origin: str) -> None:
                          f"config.vocab_size is {config.vocab_size}")
 
 
+def orbax_path(directory) -> epath.Path:
+    """`directory` as Orbax wants it: absolute. A gs:// path already is, and epath's absolute() would turn it into
+    a local one (./gs:/BUCKET/...)."""
+    return epath.Path(directory) if "://" in str(directory) else epath.Path(directory).absolute()
+
+
 def save_model(directory: str, params, config: BertConfig, vocab: list[str], lower_case: bool = True,
                extra_items: dict | None = None, head: dict | None = None) -> None:
     """Writes params + config + vocab (+ a fine-tuned `head`'s description, and any extra Orbax args) as one
@@ -105,7 +111,7 @@ def save_model(directory: str, params, config: BertConfig, vocab: list[str], low
     if head is not None:
         items[HEAD] = ocp.args.JsonSave(head)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        checkpointer.save(epath.Path(directory).absolute(), args=ocp.args.Composite(**items))
+        checkpointer.save(orbax_path(directory), args=ocp.args.Composite(**items))
 
 
 def is_model_checkpoint(directory: str) -> bool:
@@ -117,7 +123,7 @@ def load_config(directory: str) -> BertConfig:
     """The BertConfig of a checkpoint, without reading its tensors."""
     _require_checkpoint(directory)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
-        restored = checkpointer.restore(epath.Path(directory).absolute(),
+        restored = checkpointer.restore(orbax_path(directory),
                                         args=ocp.args.Composite(**{MODEL_CONFIG: ocp.args.JsonRestore()}))
     return BertConfig.from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
 
@@ -126,7 +132,7 @@ def load_description(directory: str) -> ModelCheckpoint:
     """A checkpoint's config, vocab and lower-casing, without reading its tensors (`params` is None)."""
     _require_checkpoint(directory)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
-        restored = checkpointer.restore(epath.Path(directory).absolute(), args=ocp.args.Composite(
+        restored = checkpointer.restore(orbax_path(directory), args=ocp.args.Composite(
             **{name: ocp.args.JsonRestore() for name in (MODEL_CONFIG, VOCAB)}))
     config = BertConfig.from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
     vocab = restored[VOCAB]
@@ -142,7 +148,7 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     reader (export, convert, embed, fine-tuning, `--init`) sees one layout.
     """
     _require_checkpoint(directory)
-    path = epath.Path(directory).absolute()
+    path = orbax_path(directory)
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
             json_items = [MODEL_CONFIG, VOCAB] + ([HEAD] if (path / HEAD).exists() else [])
@@ -195,7 +201,7 @@ def restore_train_state(step_dir: str, abstract_state):
     """Params, optimizer state and train meta of a trainer step directory, laid out as `abstract_state` (any
     mesh: Orbax reshards on restore; either layer layout: a step saved per layer continues stacked, and back).
     For continuing another run's schedule (`--init` a step directory)."""
-    path = epath.Path(step_dir).absolute()
+    path = orbax_path(step_dir)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         stored, wanted = _stored_stacked(checkpointer, path), model_lib.is_stacked(abstract_state.params)
         config = load_config(step_dir)
@@ -331,8 +337,7 @@ class TrainCheckpointer:
     """
 
     def __init__(self, workdir: str, config: CheckpointConfig):
-        # Orbax wants absolute local paths; remote ones (gs://...) already are.
-        self.workdir = epath.Path(workdir) if "://" in str(workdir) else epath.Path(workdir).absolute()
+        self.workdir = orbax_path(workdir)
         self.every = config.every
         check_writable(str(self.workdir / "checkpoints"))
         manager_options = ocp.CheckpointManagerOptions(

@@ -8,10 +8,13 @@ elsewhere, a shared gs:// workdir) once its heartbeat, rewritten every HEARTBEAT
 older than STALE_AFTER_S. A job that finds another host's fresh lock waits up to STALE_AFTER_S for it to go stale
 (a restarted slice meeting its dead predecessor's lock) before refusing.
 
-Taking the lock is atomic on a local or network filesystem (O_CREAT | O_EXCL). On gs://, which etils/tf.io.gfile
-give no create-if-absent for, it is write-then-read-back: two jobs starting within the same second on different
-hosts can both believe they hold it; the heartbeat check then makes the later writer's lock win and the other job
-stops at its next heartbeat with the holder named.
+Taking the lock is atomic: O_CREAT | O_EXCL on a local or network filesystem; on gs:// an object created only if
+absent (Cloud Storage's ifGenerationMatch=0, cloud_storage.py). On gs:// every later write names the generation
+read: a heartbeat only over our own lock, a takeover only over the stale lock that was read (of two jobs taking
+over one dead holder, one wins), a release only of our own.
+
+Whatever a LOCK holds that is not a holder's record (empty, cut, `null`, a list, a heartbeat that is no number)
+is unreadable and replaced, said in a line; a LOCK that is a directory is refused, naming it.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import time
 import uuid
 
 from etils import epath
+
+from bertjax.cloud_storage import ABSENT, GcsObject
 
 LOCK_NAME = "LOCK"
 HEARTBEAT_S = 30.0
@@ -58,42 +63,100 @@ def is_stale(holder: dict, now: float | None = None) -> bool:
     return now - float(holder.get("heartbeat", 0)) > STALE_AFTER_S
 
 
+def parse(text: bytes) -> dict:
+    """The holder's record in a LOCK's bytes; {} when they are not one (cut, empty, null, a list, a bad field)."""
+    try:
+        holder = json.loads(text)
+        if isinstance(holder, dict) and isinstance(holder.get("token"), str) and isinstance(holder.get("host"), str):
+            return {**holder, "pid": int(holder["pid"]), "heartbeat": float(holder["heartbeat"]),
+                    "started": float(holder["started"])}
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
+        pass
+    return {}
+
+
+class LocalLockFile:
+    """WORKDIR/LOCK on a file system: created with O_EXCL, rewritten by rename (readers never see it half-written).
+    The generation it hands out is always 0: a rename cannot be made conditional, so the read-back check of the
+    token just before a rewrite has to do."""
+
+    def __init__(self, path: epath.Path):
+        self.path = path
+
+    def read(self) -> tuple[bytes, int] | None:
+        try:
+            return self.path.read_bytes(), 0
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError:
+            raise ValueError(f"{self.path} is a directory, not a lock file; remove it (rm -r {self.path}) and "
+                             "start the job again") from None
+
+    def write(self, data: bytes, generation: int) -> int | None:
+        if generation == ABSENT:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return None
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return 0
+        temporary = self.path.parent / f".{LOCK_NAME}.{uuid.uuid4().hex}"
+        temporary.write_bytes(data)
+        os.replace(temporary, self.path)
+        return 0
+
+    def delete(self, generation: int) -> bool:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+
 class WorkdirLock:
     """The lock of one workdir, held by this process from `acquire()` to `release()`."""
 
     def __init__(self, workdir: str, command: str | None = None, log=print):
         self.path = epath.Path(workdir) / LOCK_NAME
+        self.store = GcsObject(str(self.path)) if str(self.path).startswith("gs://") else LocalLockFile(self.path)
         self.log = log
         now = time.time()
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
                        "started": now, "heartbeat": now,
                        "command": command or " ".join(["bertjax", *sys.argv[1:]])[:300]}
+        self.generation: int | None = None  # of our lock object, while we hold it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def read(self) -> dict | None:
-        """The current holder's record (None: no lock, or one cut while being written)."""
-        try:
-            return json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return {}
+        """The current holder's record (None: no lock; {}: a LOCK that holds no holder's record)."""
+        found = self.store.read()
+        return None if found is None else parse(found[0])
 
     def acquire(self, wait_s: float = STALE_AFTER_S) -> None:
         """Takes the lock, taking over a stale one (said in a line); raises WorkdirBusy naming a live holder."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not str(self.path).startswith("gs://"):  # Cloud Storage has no directories to make
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         deadline = time.time() + wait_s
         while True:
-            if self._create():
+            self.generation = self.store.write(self._text(), ABSENT)
+            if self.generation is not None:
                 break
-            holder = self.read()
-            if holder is None:  # released meanwhile
+            found = self.store.read()
+            if found is None:  # released meanwhile
                 continue
+            holder, generation = parse(found[0]), found[1]
+            if holder.get("token") == self.holder["token"]:  # our create went through, its reply was lost
+                self.generation = generation
+                break
             if holder == {} or is_stale(holder):
                 self.log(f"{self.path}: taking over the lock of a job that is gone ({describe(holder)})"
                          if holder else f"{self.path}: replacing an unreadable lock file")
-                self._remove()
+                # Only over the lock just read: of two jobs taking over one dead holder, one wins.
+                self.generation = self._take_over(generation)
+                if self.generation is not None:
+                    break
                 continue
             same_host = holder.get("host") == socket.gethostname()
             if same_host or time.time() >= deadline:
@@ -106,26 +169,14 @@ class WorkdirLock:
         self._thread = threading.Thread(target=self._heartbeat, name="bertjax-workdir-lock", daemon=True)
         self._thread.start()
 
-    def _create(self) -> bool:
-        text = json.dumps(self.holder)
-        if str(self.path).startswith("gs://"):  # no create-if-absent: write, then read back (module docstring)
-            if self.path.exists():
-                return False
-            self.path.write_text(text)
-            return (self.read() or {}).get("token") == self.holder["token"]
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return True
+    def _text(self) -> bytes:
+        return json.dumps(self.holder).encode()
 
-    def _remove(self) -> None:
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+    def _take_over(self, generation: int) -> int | None:
+        if isinstance(self.store, LocalLockFile):  # remove, then create with O_EXCL like any other taker
+            self.store.delete(generation)
+            return self.store.write(self._text(), ABSENT)
+        return self.store.write(self._text(), generation)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -133,23 +184,20 @@ class WorkdirLock:
 
     def refresh(self) -> None:
         """Rewrites the heartbeat (while the lock is still ours: a taken-over lock is left to its new holder)."""
-        if (self.read() or {}).get("token") != self.holder["token"]:
+        if self.generation is None or (self.read() or {}).get("token") != self.holder["token"]:
             return
         self.holder["heartbeat"] = time.time()
-        if str(self.path).startswith("gs://"):  # an object write is atomic
-            self.path.write_text(json.dumps(self.holder))
-            return
-        temporary = self.path.parent / f".{LOCK_NAME}.{self.holder['token']}"
-        temporary.write_text(json.dumps(self.holder))
-        os.replace(temporary, self.path)  # readers never see a half-written lock
+        # On gs:// only over our own generation: a takeover since the read above wins.
+        self.generation = self.store.write(self._text(), self.generation)
 
     def release(self) -> None:
         """Gives the lock back, if this process still holds it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if (self.read() or {}).get("token") == self.holder["token"]:
-            self._remove()
+        if self.generation is not None and (self.read() or {}).get("token") == self.holder["token"]:
+            self.store.delete(self.generation)
+        self.generation = None
 
     def __enter__(self) -> "WorkdirLock":
         self.acquire()

@@ -96,3 +96,37 @@ def save_tiny_hf(path: pathlib.Path, vocab_path: pathlib.Path, seed: int) -> str
     params = nn.meta.unbox(init_params(BertModel(config), config, jax.random.PRNGKey(seed)))
     export_hf({"bert": params}, config, vocab, str(path))
     return str(path)
+
+
+GCS_BUCKET = "bertjax-test"
+
+
+@pytest.fixture(scope="session")
+def gcs_standin(tmp_path_factory):
+    """One local Cloud Storage for the session (tests/gcs_standin: fake-gcs-server behind a front that also takes
+    TensorFlow's https traffic), with every storage client of this process and its subprocesses pointed at it."""
+    from tests.gcs_standin import GcsStandin
+
+    standin = GcsStandin(tmp_path_factory.mktemp("gcs")).start()
+    environment = standin.environment()
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)
+    try:
+        standin.create_bucket(GCS_BUCKET)
+        yield standin
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        standin.stop()
+
+
+@pytest.fixture
+def gcs_dir(gcs_standin, request) -> str:
+    """gs://bertjax-test/<this test's name>/: a fresh prefix on the session's stand-in; its faults cleared after."""
+    import re
+
+    yield f"gs://{GCS_BUCKET}/{re.sub(r'[^A-Za-z0-9_.-]+', '-', request.node.name)}"
+    gcs_standin.front.clear()

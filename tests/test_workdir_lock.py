@@ -67,3 +67,38 @@ def test_two_pretrain_jobs_on_one_workdir(corpus, tmp_path):  # noqa: F811
              if "loss" in json.loads(line)]
     assert steps == sorted(set(steps)) and steps[-1] == 400
     assert "newest: step 400" in output and not (workdir / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("content", ["null", "[1, 2]", '"a lock"', "",
+                                     '{"host": "elsewhere", "pid": 1, "token": "t", "started": 0, "heartbeat": "soon"}',
+                                     '{"host": "elsewhere", "pid": 1, "heartbeat": 1e12}'])
+def test_a_lock_holding_no_holder_record_is_replaced_with_a_line(tmp_path, content):
+    import threading
+
+    (tmp_path / LOCK_NAME).write_text(content)
+    said, errors = [], []
+    lock = WorkdirLock(str(tmp_path), log=said.append)
+
+    def take():
+        try:
+            lock.acquire()
+        except Exception as error:  # noqa: BLE001 - told to the main thread
+            errors.append(error)
+
+    taker = threading.Thread(target=take, daemon=True)
+    taker.start()
+    taker.join(timeout=60)  # `null` once read as "released" and looped for ever
+    assert not taker.is_alive(), f"acquire() still looping on a LOCK holding {content!r}"
+    assert not errors, errors
+    assert said == [f"{tmp_path / LOCK_NAME}: replacing an unreadable lock file"]
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == lock.holder["token"]
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_lock_that_is_a_directory_is_refused_naming_it(tmp_path):
+    (tmp_path / LOCK_NAME).mkdir()
+    with pytest.raises(ValueError) as caught:
+        WorkdirLock(str(tmp_path), log=lambda m: None).acquire()
+    assert str(caught.value) == (f"{tmp_path / LOCK_NAME} is a directory, not a lock file; remove it "
+                                 f"(rm -r {tmp_path / LOCK_NAME}) and start the job again")

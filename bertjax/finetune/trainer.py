@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from bertjax import compile_cache, sharding
-from bertjax.checkpoint import ModelCheckpoint, merge_params, save_model
+from bertjax.checkpoint import ModelCheckpoint, merge_params, orbax_path, save_model
 from bertjax.console import Console, duration, metric_text
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
@@ -41,7 +41,7 @@ class TrainStateSaver:
     """The fine-tune's params and optimizer state at WORKDIR/train_state/<step> (Orbax; the newest kept)."""
 
     def __init__(self, workdir: str):
-        self.directory = epath.Path(workdir).absolute() / TRAIN_STATE
+        self.directory = orbax_path(workdir) / TRAIN_STATE
         self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=1, enable_async_checkpointing=False))
 

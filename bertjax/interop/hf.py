@@ -10,7 +10,6 @@ beside them (names.SBO_FILE).
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import uuid
@@ -18,7 +17,7 @@ from typing import Mapping
 
 import numpy as np
 from etils import epath
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save
 
 from bertjax.checkpoint import read_vocab_file
 from bertjax.interop import convert
@@ -137,16 +136,6 @@ def _architecture(params: Mapping) -> str:
     return "BertModel"
 
 
-def _readable_as_umask_allows(path: epath.Path) -> None:
-    """safetensors creates its file with mode 0600; an exported model is meant to be shared like the JSON files
-    beside it (0644 under the usual umask)."""
-    if "://" in str(path):
-        return
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: str, lower_case: bool = True,
               architecture: str | None = None, id2label: dict[int, str] | None = None,
               problem_type: str | None = None) -> str:
@@ -206,8 +195,9 @@ def _write_files(files: list[tuple[str, object]], out: epath.Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, content in files:
         if isinstance(content, dict):  # tensors; tied ones share memory in numpy views, stored separately
-            save_file({k: np.ascontiguousarray(v).copy() for k, v in content.items()}, str(out / name),
-                      metadata={"format": "pt"})
-            _readable_as_umask_allows(out / name)
+            # As bytes through epath, which writes gs:// too (safetensors' save_file writes local files only, and
+            # with mode 0600 where an exported model is meant to be shared like the JSON beside it).
+            (out / name).write_bytes(save({k: np.ascontiguousarray(v).copy() for k, v in content.items()},
+                                          metadata={"format": "pt"}))
         else:
             (out / name).write_text(content, encoding="utf-8")
