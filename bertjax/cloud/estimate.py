@@ -18,7 +18,8 @@ What the text holds (jax 0.10.2, libtpu 0.0.42.1):
   they are priced here (`Interconnect`): each one's bytes per chip over the ring bandwidth of the links its
   algorithm uses (the "colors" of the `collective_algorithm_config` XLA:TPU chose, one ring per color; all the
   chip's ports where it names none), with a ring's traffic (all-reduce 2(n-1)/n x bytes, all-gather and
-  all-to-all (n-1)/n x the result, reduce-scatter (n-1)/n x the operand, for a group of n chips). Only what the
+  all-to-all (n-1)/n x the result, reduce-scatter (n-1)/n x the operand, for a group of n chips; a
+  collective-permute its result over one link). Only what the
   schedule does not hide counts in the step: a synchronous collective all of it, an async pair (`*-start` ...
   `*-done`) what exceeds the estimated compute scheduled between its start and its done. The bandwidth term only:
   a collective's start-up latency (microseconds) is not counted.
@@ -227,10 +228,15 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
         size = _moved_bytes(kind, instruction.opcode, instruction.result_type, group)
         colors = _COLORS.search(instruction.line)
         colors = int(colors[1]) if colors else None
-        seconds = 0.0 if interconnect is None else collective_seconds(
-            kind, size, group, interconnect.ring_bytes_per_second(colors))
+        # A collective-permute sends to one neighbour: one link (XLA:TPU's decomposed gathers run two at once, in
+        # opposite directions, each on its own link).
+        bandwidth = None if interconnect is None else (
+            interconnect.link_bytes_per_second if kind == "collective-permute"
+            else interconnect.ring_bytes_per_second(colors))
+        seconds = 0.0 if interconnect is None else collective_seconds(kind, size, group, bandwidth)
         collective_bytes[kind] += size * times
-        collective = Collective(kind, _dtypes(instruction.result_type), size, group, colors, seconds, seconds,
+        collective = Collective(kind, _dtypes(_moved_type(instruction.opcode, instruction.result_type)), size, group,
+                                colors, seconds, seconds,
                                 instruction.opcode.endswith("-start"), times, instruction.op_name)
         collectives.append(collective)
         return collective
@@ -340,6 +346,13 @@ def _collective_kind(instruction: _Instruction, computations: dict) -> str | Non
                 if inner.opcode in _COLLECTIVES:
                     return inner.opcode
     return None
+
+
+def _moved_type(opcode: str, result_type: str) -> str:
+    """The result part of a collective's shape (an async start's shape also holds its operands and context)."""
+    if opcode.endswith("-start") and opcode != "all-reduce-start" and result_type.startswith("("):
+        return _tuple_elements(result_type)[1]
+    return result_type
 
 
 def _moved_bytes(kind: str, opcode: str, result_type: str, group_size: int) -> int:
