@@ -131,14 +131,32 @@ def test_an_elementwise_add_is_estimated_below_hbm_bandwidth(generation):
     assert 0.5 < at_bandwidth / seconds <= 1.0
 
 
-# Collectives as XLA:TPU prints them (trimmed): a synchronous all-reduce with its ring algorithm (4 colors), and an
-# async all-gather pair with 3000 cycles of compute scheduled between its start and its done.
+# Collectives as XLA:TPU prints them (trimmed): a synchronous all-reduce with its ring algorithm (4 colors), an
+# async all-gather pair with 3000 cycles of compute scheduled between its start and its done, a reduce-scatter, and
+# an all-gather in XLA:TPU's async collective fusions (start, a continuation fusion with 2000 cycles of compute,
+# done; the done reads the start through tuple elements and the continuation).
 _COLLECTIVES_HLO = """HloModule jit_step, is_scheduled=true, num_partitions=16
 
 %sum (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
   %y = f32[] parameter(1)
   ROOT %add = f32[] add(%x, %y)
+}
+
+%gather_body (p: bf16[62500]) -> (bf16[62500], bf16[1000000], u32[]) {
+  %p = bf16[62500]{0} parameter(0)
+  %all-gather.9 = bf16[1000000]{0} all-gather(%p), channel_id=4, replica_groups=[1,16]<=[16], dimensions={0}
+  ROOT %cc = (bf16[62500]{0}, bf16[1000000]{0}, u32[]) custom-call(%p, %all-gather.9), custom_call_target="AsyncCollectiveFusionStart"
+}
+
+%async_collective_fusion.1 (q: bf16[1000000], r: bf16[1000000]) -> (bf16[8], bf16[1000000]) {
+  %q = bf16[1000000]{0} parameter(0)
+  %r = bf16[1000000]{0} parameter(1)
+  ROOT %t = (bf16[8]{0}, bf16[1000000]{0}) tuple(%q, %r)
+}
+
+%done_body (d: bf16[1000000]) -> bf16[1000000] {
+  ROOT %d = bf16[1000000]{0} parameter(0)
 }
 
 ENTRY %main (a: bf16[1000000], b: bf16[62500]) -> bf16[1000000] {
@@ -149,6 +167,11 @@ ENTRY %main (a: bf16[1000000], b: bf16[62500]) -> bf16[1000000] {
   %fusion.1 = bf16[1000000]{0} fusion(%all-reduce.1), kind=kLoop, calls=%sum, backend_config={"estimated_cycles":"3000"}
   %all-gather-done.1 = bf16[1000000]{0} all-gather-done(%all-gather-start.1)
   %reduce-scatter.1 = bf16[62500]{0} reduce-scatter(%a), channel_id=3, replica_groups=mesh['axis_0'=16,'axis_1'=1] {'axis_0','axis_1'}, dimensions={0}, to_apply=%sum
+  %async-collective-start = (bf16[62500]{0}, bf16[1000000]{0}, u32[]) fusion(%b), kind=kCustom, calls=%gather_body, backend_config={"estimated_cycles":"10"}
+  %gte.1 = bf16[1000000]{0} get-tuple-element(%async-collective-start), index=1
+  %fusion.7 = (bf16[8]{0}, bf16[1000000]{0}) fusion(%a, %gte.1), kind=kCustom, calls=%async_collective_fusion.1, backend_config={"estimated_cycles":"2000"}
+  %gte.2 = bf16[1000000]{0} get-tuple-element(%fusion.7), index=1
+  %async-collective-done = bf16[1000000]{0} fusion(%gte.2), kind=kCustom, calls=%done_body
   ROOT %r = bf16[1000000]{0} add(%fusion.1, %all-gather-done.1)
 }
 """
@@ -160,7 +183,7 @@ def test_collectives_are_priced_at_the_ring_bandwidth_and_an_async_pair_only_whe
     # 4 ports of 50 GB/s one way (v5e); 1 GHz clock: the fusion between the all-gather's start and done is 3 us.
     estimate = estimate_program(_COLLECTIVES_HLO, clock_hz=1e9, peak_flops=1e12, hbm_bytes_per_second=1e9,
                                 interconnect=Interconnect(50e9, 4))
-    all_reduce, all_gather, reduce_scatter = estimate.collectives
+    all_reduce, all_gather, reduce_scatter, fused_gather = estimate.collectives
     # 2 MB over 16 chips in 4 rings: 2 x 15/16 x 2e6 B / 200e9 B/s = 18.75 us, all of it exposed (synchronous).
     assert (all_reduce.kind, all_reduce.bytes, all_reduce.group_size, all_reduce.colors) == \
         ("all-reduce", 2_000_000, 16, 4)
@@ -173,12 +196,16 @@ def test_collectives_are_priced_at_the_ring_bandwidth_and_an_async_pair_only_whe
     # A reduce-scatter moves (n-1)/n of its operand (16 x the 125 kB result): the same as the all-gather.
     assert (reduce_scatter.bytes, reduce_scatter.group_size) == (2_000_000, 16)
     assert reduce_scatter.seconds == pytest.approx(9.375e-6)
-    assert estimate.compute_seconds == pytest.approx(3e-6)
-    assert estimate.exposed_communication_seconds == pytest.approx(18.75e-6 + 6.375e-6 + 9.375e-6)
+    # The fused async gather: the same 9.375 us, 2 us hidden by the continuation (its start's own 10 cycles are
+    # not counted as hiding it).
+    assert (fused_gather.kind, fused_gather.bytes, fused_gather.is_async) == ("all-gather", 2_000_000, True)
+    assert fused_gather.exposed_seconds == pytest.approx(7.375e-6)
+    assert estimate.compute_seconds == pytest.approx(3e-6 + 10e-9 + 2e-6)
+    assert estimate.exposed_communication_seconds == pytest.approx(18.75e-6 + 6.375e-6 + 9.375e-6 + 7.375e-6)
     assert estimate.seconds == pytest.approx(estimate.compute_seconds + estimate.exposed_communication_seconds)
-    assert estimate.communication_seconds == pytest.approx(18.75e-6 + 2 * 9.375e-6)
+    assert estimate.communication_seconds == pytest.approx(18.75e-6 + 3 * 9.375e-6)
     kinds = estimate.collectives_by_kind()
-    assert kinds["all-reduce"]["bytes_by_dtype"] == {"bf16": 2_000_000} and kinds["all-gather"]["async"] == 1
+    assert kinds["all-reduce"]["bytes_by_dtype"] == {"bf16": 2_000_000} and kinds["all-gather"]["async"] == 2
     assert estimate.by_op_name["communication: all-reduce bf16 (synchronous)"] == pytest.approx(18.75e-6)
 
 

@@ -69,7 +69,7 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         "topology": topology.topology, "accelerator_type": topology.accelerator_type,
         "num_slices": topology.num_slices, "chips": chips, "hosts": topology.hosts,
         "mesh": {"data": data, "fsdp": fsdp, "tensor": tensor, "dcn_data": config.mesh.dcn_data,
-                 "shard_optimizer": config.mesh.shard_optimizer},
+                 "shard_optimizer": compiled.update_sharded},
         "global_batch": config.train.batch_size, "grad_accum_steps": config.train.grad_accum_steps,
         "per_chip_batch": config.train.batch_size // config.train.grad_accum_steps / (data * fsdp),
         "seq_len": seq_len, "vocab_size": vocab_size,

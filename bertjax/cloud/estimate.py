@@ -95,6 +95,7 @@ class _Instruction:
     callees: dict
     trip_count: int | None
     line: str
+    operands: tuple = ()
 
 
 @dataclasses.dataclass
@@ -156,6 +157,19 @@ def _result_type(text: str) -> tuple[str, str]:
     return type_text, " " + rest
 
 
+def _operands(rest: str, opcode: str) -> tuple:
+    """The names an instruction reads: the `%name`s inside the parentheses after its opcode."""
+    start = rest.find(opcode + "(")
+    if start < 0:
+        return ()
+    depth, begin = 0, start + len(opcode)
+    for i in range(begin, len(rest)):
+        depth += (rest[i] == "(") - (rest[i] == ")")
+        if depth == 0:
+            return tuple(re.findall(r"%([\w.\-]+)", rest[begin:i]))
+    return ()
+
+
 def parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
     """{computation: its instructions} and the ENTRY computation's name, from `compiled.as_text()`."""
     computations, entry, current = {}, None, None
@@ -177,7 +191,7 @@ def parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
         cycles, trips, op_name = _CYCLES.search(line), _TRIP_COUNT.search(line), _OP_NAME.search(line)
         current.append(_Instruction(match[1], opcode, result_type, int(cycles[1]) if cycles else None,
                                     op_name[1] if op_name else "", dict(callees),
-                                    int(trips[1]) if trips else None, line))
+                                    int(trips[1]) if trips else None, line, _operands(rest, opcode)))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
@@ -223,10 +237,12 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
     without_estimate, unknown_trip_counts, trip_counts_from_condition = collections.Counter(), [], []
     collective_bytes, collectives = collections.Counter(), []
 
-    def price(instruction: _Instruction, kind: str, times: int) -> Collective:
-        group = _group_size(instruction.line, num_partitions)
-        size = _moved_bytes(kind, instruction.opcode, instruction.result_type, group)
-        colors = _COLORS.search(instruction.line)
+    def price(instruction: _Instruction, inner: _Instruction, times: int) -> Collective:
+        """`inner`: the collective itself (the instruction, or the one inside its fusion or async wrapper)."""
+        kind = inner.opcode.removesuffix("-start")
+        group = _group_size(inner.line, num_partitions)
+        size = _moved_bytes(kind, inner.opcode, inner.result_type, group)
+        colors = _COLORS.search(instruction.line) or _COLORS.search(inner.line)
         colors = int(colors[1]) if colors else None
         # A collective-permute sends to one neighbour: one link (XLA:TPU's decomposed gathers run two at once, in
         # opposite directions, each on its own link).
@@ -235,9 +251,9 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
             else interconnect.ring_bytes_per_second(colors))
         seconds = 0.0 if interconnect is None else collective_seconds(kind, size, group, bandwidth)
         collective_bytes[kind] += size * times
-        collective = Collective(kind, _dtypes(_moved_type(instruction.opcode, instruction.result_type)), size, group,
-                                colors, seconds, seconds,
-                                instruction.opcode.endswith("-start"), times, instruction.op_name)
+        collective = Collective(kind, _dtypes(_moved_type(inner.opcode, inner.result_type)), size, group,
+                                colors, seconds, seconds, _is_async_start(instruction), times,
+                                instruction.op_name or inner.op_name)
         collectives.append(collective)
         return collective
 
@@ -245,11 +261,29 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
         """(op_name group, cycles, count, seconds beyond the cycles) of each instruction that costs, `times` runs
         each: kernels' rooflines and exposed communication are in the seconds."""
         costs, open_pairs = [], {}
+        by_name = {i.name: i for i in computations.get(name, [])}
         for instruction in computations.get(name, []):
             opcode, callees = instruction.opcode, instruction.callees
-            own = []
+            own, opened = [], None
+            inner = _collective_of(instruction, computations)
+            if _is_async_done(instruction):
+                started = _started_by(instruction.name, open_pairs, by_name)
+                if started is not None:
+                    collective, hidden_by = open_pairs.pop(started)
+                    collective.exposed_seconds = max(0.0, collective.seconds - hidden_by / times)
+                    costs.append((f"communication: {collective.kind} {collective.dtypes} (async, exposed)", 0,
+                                  times, collective.exposed_seconds * times))
+            elif inner is not None:
+                if _is_async_start(instruction):
+                    opened = [price(instruction, inner, times), 0.0]
+                else:
+                    collective = price(instruction, inner, times)
+                    costs.append((f"communication: {collective.kind} {collective.dtypes} (synchronous)", 0, times,
+                                  collective.seconds * times))
             if instruction.cycles is not None:
                 own.append((op_name_group(instruction.op_name), instruction.cycles * times, times, 0.0))
+            elif inner is not None or _is_async_done(instruction):
+                pass
             elif opcode == "custom-call" and PALLAS_TARGET in instruction.line:
                 kernel = _KERNEL_COST.search(instruction.line)
                 if kernel:
@@ -258,22 +292,6 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
                     own.append((op_name_group(instruction.op_name), 0, times, seconds * times))
                 else:
                     without_estimate["Pallas kernel without a CostEstimate"] += times
-            elif (kind := _collective_kind(instruction, computations)) is not None:
-                if opcode.endswith("-start"):
-                    open_pairs[instruction.name] = [price(instruction, kind, times), 0.0]
-                else:
-                    collective = price(instruction, kind, times)
-                    costs.append((f"communication: {kind} {collective.dtypes} (synchronous)", 0, times,
-                                  collective.seconds * times))
-                continue
-            elif (done := _ASYNC_DONE.match(opcode)) and instruction.name not in open_pairs:
-                started = next((s for s in open_pairs if re.search(rf"%{re.escape(s)}\b", instruction.line)), None)
-                if started is not None:
-                    collective, hidden_by = open_pairs.pop(started)
-                    collective.exposed_seconds = max(0.0, collective.seconds - hidden_by / times)
-                    costs.append((f"communication: {collective.kind} {collective.dtypes} (async, exposed)", 0,
-                                  times, collective.exposed_seconds * times))
-                continue
             elif opcode not in _FREE and not opcode.endswith("-done"):
                 target = _CUSTOM_TARGET.search(instruction.line)
                 without_estimate[f"{opcode}:{target[1]}" if target else opcode] += times
@@ -296,13 +314,15 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
                 walked = [walk(branch, times) for branch in branches]
                 if walked:
                     own += max(walked, key=lambda branch: sum(c[1] / clock_hz + c[3] for c in branch))
-            elif opcode == "call" or (opcode.endswith("-start") and instruction.cycles is None):
+            elif opcode == "call" or (opcode.endswith("-start") and instruction.cycles is None and inner is None):
                 for callee in callees.get("to_apply", []) + callees.get("calls", []):
                     own += walk(callee, times)
             # Compute scheduled while an async collective is in flight hides it.
             busy = sum(c[1] / clock_hz + c[3] for c in own if not c[0].startswith("communication:"))
             for pair in open_pairs.values():
                 pair[1] += busy
+            if opened is not None:  # hidden by what is scheduled after its start, not by the start itself
+                open_pairs[instruction.name] = opened
             costs += own
         for collective, _ in open_pairs.values():   # a start without its done here: nothing hides it
             costs.append((f"communication: {collective.kind} {collective.dtypes} (async, exposed)", 0,
@@ -333,18 +353,46 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
                         exposed_communication_seconds=exposed, collectives=collectives)
 
 
-def _collective_kind(instruction: _Instruction, computations: dict) -> str | None:
-    """The collective an instruction runs: its own opcode (sync or `-start`), or the one inside an `async-start`'s
-    wrapped computation; None for anything else (a `-done` included)."""
+def _collective_of(instruction: _Instruction, computations: dict) -> _Instruction | None:
+    """The collective an instruction runs: itself (sync or `-start`), or the one inside the computation it wraps
+    (an `async-start`, or XLA:TPU's async collective fusions); None for anything else (a `-done` included)."""
     opcode = instruction.opcode
-    base = opcode.removesuffix("-start")
-    if base in _COLLECTIVES and not opcode.endswith("-done"):
-        return base
-    if opcode == "async-start":
+    if opcode.removesuffix("-start") in _COLLECTIVES and not opcode.endswith("-done"):
+        return instruction
+    if opcode in ("async-start", "fusion") and not _is_async_done(instruction) \
+            and not _is_continuation(instruction):
         for callee in instruction.callees.get("calls", []):
             for inner in computations.get(callee, []):
                 if inner.opcode in _COLLECTIVES:
-                    return inner.opcode
+                    return inner
+    return None
+
+
+def _is_async_start(instruction: _Instruction) -> bool:
+    return instruction.opcode.endswith("-start") or instruction.name.startswith("async-collective-start")
+
+
+def _is_async_done(instruction: _Instruction) -> bool:
+    return instruction.opcode.endswith("-done") or instruction.name.startswith("async-collective-done")
+
+
+def _is_continuation(instruction: _Instruction) -> bool:
+    """XLA:TPU's fusions that carry an async collective's state between its start and done (with compute)."""
+    return any(c.startswith("async_collective_fusion") for c in instruction.callees.get("calls", []))
+
+
+def _started_by(name: str, open_pairs: dict, by_name: dict, depth: int = 0) -> str | None:
+    """The open start a done (or what it reads) descends from, through tuple elements and continuations."""
+    if name in open_pairs:
+        return name
+    instruction = by_name.get(name)
+    if instruction is None or depth > 64:
+        return None
+    if depth and not (instruction.opcode == "get-tuple-element" or _is_continuation(instruction)):
+        return None
+    for operand in instruction.operands:
+        if (found := _started_by(operand, open_pairs, by_name, depth + 1)) is not None:
+            return found
     return None
 
 

@@ -34,6 +34,7 @@ class JobStep:
     abstract_state: object    # the state as ShapeDtypeStructs with those shardings (what restores and AOT take)
     train_step: object        # jitted, state donated
     eval_step: object
+    update_sharded: bool = False   # params and moments split over data (`update_sharding.py`)
 
 
 def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
@@ -53,7 +54,7 @@ def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
     step_fn, eval_fn = train_step.compile_steps(
         model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=config.train.grad_accum_steps,
         nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh, update_sharding=update)
-    return JobStep(bert_config, rng, state_args, shardings, abstract, step_fn, eval_fn)
+    return JobStep(bert_config, rng, state_args, shardings, abstract, step_fn, eval_fn, shard_update)
 
 
 def shards_update(mesh_config: sharding.MeshConfig, mesh) -> bool:
@@ -78,6 +79,7 @@ class CompiledStep:
     temp_bytes_per_chip: int | None = None       # activations, gradients, gathered params...
     detail: str = ""
     hlo_text: str | None = None                  # the compiled program (XLA:TPU's cycle estimates are in it)
+    update_sharded: bool = False
 
 
 def abstract_batch(config: PretrainConfig, mesh) -> dict:
@@ -104,11 +106,12 @@ def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> Comp
         if not match:
             raise
         need = int(float(match[1]) * _UNITS[match[2]])
-        return CompiledStep(False, need, None, detail=str(error).strip().splitlines()[0][:400])
+        return CompiledStep(False, need, None, detail=str(error).strip().splitlines()[0][:400],
+                            update_sharded=job.update_sharded)
     memory = compiled.memory_analysis()
     need = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
             - memory.alias_size_in_bytes)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return CompiledStep(True, int(need), float(cost.get("flops", 0.0)), int(memory.argument_size_in_bytes),
-                        int(memory.temp_size_in_bytes), hlo_text=compiled.as_text())
+                        int(memory.temp_size_in_bytes), hlo_text=compiled.as_text(), update_sharded=job.update_sharded)
