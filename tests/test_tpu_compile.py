@@ -68,8 +68,9 @@ def test_tiny_step_compiles_for_two_generations_and_reports_its_cost(name, chips
 
 
 def test_update_sharding_reduces_each_gradient_once_and_gathers_the_params_in_the_compute_dtype():
-    replicated = _compiled("v5e:2x2", "mesh.shard_optimizer=false")
-    sharded = _compiled("v5e:2x2")
+    # bf16 compute, as the TPU presets run.
+    replicated = _compiled("v5e:2x2", "model.dtype=bfloat16", "mesh.shard_optimizer=false")
+    sharded = _compiled("v5e:2x2", "model.dtype=bfloat16")
     assert (replicated["mesh"]["shard_optimizer"], sharded["mesh"]["shard_optimizer"]) == (False, True)
     params = _param_bytes(_tiny())  # float32
     # Data parallel: every chip holds the params and both Adam moments; split over 4 chips: a quarter of them.
@@ -83,9 +84,9 @@ def test_update_sharding_reduces_each_gradient_once_and_gathers_the_params_in_th
     reduced = kinds["reduce-scatter"]["bytes"] + kinds.get("all-reduce", {}).get("bytes", 0)
     assert params / 2 <= reduced <= 0.6 * params, kinds
     word_table = 30522 * _tiny().bert_config(30522).hidden_size * 4
-    assert replicated["collectives"]["all-reduce"]["bytes"] >= reduced + word_table / 2 + word_table * 0.9
+    assert replicated["collectives"]["all-reduce"]["bytes"] >= reduced + 0.9 * word_table
     # The params are gathered once, the matmul operands in bf16: about half the float32 bytes.
-    assert params / 2 * 0.9 <= kinds["all-gather"]["bytes"] * 4 / 3 <= 0.6 * params, kinds
+    assert params / 2 * 0.9 <= kinds["all-gather"]["bytes"] <= 0.6 * params, kinds
     # What the schedule does not hide is priced into the step (with communication, never below compute alone).
     assert sharded["estimated_step_seconds"] >= sharded["estimated_compute_seconds"]
 
@@ -93,7 +94,7 @@ def test_update_sharding_reduces_each_gradient_once_and_gathers_the_params_in_th
 def test_fsdp_splits_the_params_and_moments_over_chips():
     sharded = _compiled("v5e:2x2", "mesh.data=1", "mesh.fsdp=4")
     assert sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "dcn_data": 1, "shard_optimizer": False}
-    replicated = _compiled("v5e:2x2", "mesh.shard_optimizer=false")
+    replicated = _compiled("v5e:2x2", "model.dtype=bfloat16", "mesh.shard_optimizer=false")
     state = 3 * _param_bytes(_tiny())  # params and both Adam moments, float32
     # Data parallel: every chip holds the whole state; fsdp: a quarter of it (LayerNorm and bias vectors,
     # a small part, stay whole). The step's total need shrinks less: it gathers the params it computes with.

@@ -99,12 +99,16 @@ def local_gradients(update: UpdateSharding, grads_and_sums, compute_params, batc
     leaf_specs = jax.tree_util.tree_map(
         lambda dim: PartitionSpec(*([None] * dim + [DATA])) if dim >= 0 else PartitionSpec(), update.dims)
 
+    # XLA:CPU (jaxlib 0.10.2) aborts compiling this step when it reduces bf16 gradients ("Invalid binary
+    # instruction opcode copy", a CHECK failure that kills the process): the CPU reduces in float32.
+    in_float32 = update.reduce_in_float32 or sharding.target_platform() == "cpu"
+
     def body(params, rows, *rest):
         with nn.logical_axis_rules(data_rules):
             grads, sums = grads_and_sums(params, rows, *rest)
 
         def reduce(grad, dim):
-            wire = jnp.float32 if update.reduce_in_float32 else grad.dtype
+            wire = jnp.float32 if in_float32 else grad.dtype
             grad = grad.astype(wire)
             out = jax.lax.psum(grad, DATA) if dim < 0 else jax.lax.psum_scatter(
                 grad, DATA, scatter_dimension=dim, tiled=True)
