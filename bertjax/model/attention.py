@@ -104,8 +104,10 @@ def per_device_shard(kernel, query, key, value, segment_ids, *replicated):
     qkv = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     ids = nn.logical_to_mesh_axes(("activation_batch", "activation_length"))
     heads_axes = qkv[2]
-    if all(size == 1 or name in mesh.manual_axes for name, size in mesh.shape.items()):
-        # Already per device (the train step's shard_map over the batch, the other axes of size 1).
+    # Over the axes not already manual (inside the train step's shard_map over data: fsdp and tensor, even of
+    # size 1: a Mosaic call anywhere an axis is automatic is refused).
+    free = {name for name in mesh.axis_names if name not in mesh.manual_axes}
+    if not free:
         return kernel(query, key, value, segment_ids, *replicated, batch_offset=sharding.manual_batch_offset(
             query.shape[0]), head_offset=0)
 
@@ -113,8 +115,6 @@ def per_device_shard(kernel, query, key, value, segment_ids, *replicated):
         return kernel(q, k, v, local_ids, *rest, batch_offset=sharding.manual_batch_offset(q.shape[0]),
                       head_offset=0 if heads_axes is None else lax.axis_index(heads_axes) * q.shape[2])
 
-    # Over the axes not already manual (inside the train step's shard_map over data: fsdp and tensor).
-    free = {name for name in mesh.axis_names if name not in mesh.manual_axes}
     return jax.shard_map(local, in_specs=(qkv, qkv, qkv, ids) + (PartitionSpec(),) * len(replicated),
                          out_specs=qkv, axis_names=free, check_vma=False)(query, key, value, segment_ids, *replicated)
 
