@@ -49,6 +49,28 @@ def target_platform() -> str:
     return (device.platform if device is not None else None) or jax.default_backend()
 
 
+def manual_batch_offset(local_rows: int):
+    """Where this device's rows start in the global batch, inside a `shard_map` whose manual axes include batch
+    axes (`lax.axis_index` over them, data-major as the batch is split); 0 outside one. Per-row random bits
+    (dropout masks) hash global row numbers with it, so they do not depend on how the batch is split."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = () if mesh.empty else tuple(a for a in BATCH_AXES if a in getattr(mesh, "manual_axes", ()))
+    if not manual:
+        return 0
+    return jax.lax.axis_index(manual if len(manual) > 1 else manual[0]) * local_rows
+
+
+def without_axis(rules, axis: str):
+    """The logical rules with mesh axis `axis` removed (inside a shard_map manual over it, activations name only
+    the others)."""
+    def drop(target):
+        if isinstance(target, (tuple, list)):
+            kept = tuple(a for a in target if a != axis)
+            return kept if len(kept) > 1 else (kept[0] if kept else None)
+        return None if target == axis else target
+    return tuple((name, drop(target)) for name, target in rules)
+
+
 def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1) -> tuple[int, int, int]:
     """(data, fsdp, tensor) sizes for `num_devices`; one axis may be -1 to take the remaining devices."""
     sizes = [data, fsdp, tensor]
@@ -73,9 +95,12 @@ class MeshConfig:
     tensor: int = option(1, "tensor-parallel split of heads, MLP and vocabulary")
     dcn_data: int = option(1, "slices (multi-slice TPU over the data-center network): the data axis spans them, "
                            "data-parallel only, so only gradients cross the slower network")
-    shard_optimizer: bool = option(False, "ZeRO-1: the optimizer moments and update are split over the data axis "
-                                   "too (each replica updates a slice of every tensor, then the float32 params "
-                                   "are all-gathered); the same updates, less HBM per chip, more ICI traffic")
+    shard_optimizer: bool | None = option(None, "weight-update sharding (Xu et al. 2020): params and optimizer "
+                                          "moments split over the data axis, gradients reduce-scattered, the "
+                                          "update on 1/data of each tensor, params all-gathered in the compute "
+                                          "dtype; unset: on for TPU and GPU meshes, off on the CPU")
+    reduce_in_float32: bool = option(False, "with shard_optimizer: reduce the gradients in float32 (twice the "
+                                     "bytes) rather than in the compute dtype the backward produced them in")
 
     def __post_init__(self):
         if self.dcn_data < 1:
@@ -122,23 +147,6 @@ def param_shardings(boxed_params, mesh: Mesh, rules=DEFAULT_RULES):
     """NamedShardings for a tree of logically annotated params (boxed, abstract or concrete)."""
     specs = nn.get_partition_spec(boxed_params)
     return nn.logical_to_mesh_sharding(specs, mesh, rules)
-
-
-def split_over_data(named: NamedSharding, shape: Sequence[int]) -> NamedSharding:
-    """`named` also split over the data axis (ZeRO-1: each data-parallel replica keeps and updates a slice of the
-    optimizer state), on the first dimension that divides evenly; unchanged when none does or data is 1."""
-    mesh = named.mesh
-    data = mesh.shape["data"]
-    spec = tuple(named.spec) + (None,) * (len(shape) - len(named.spec))
-    if data == 1 or any("data" in _axes(entry) for entry in spec):
-        return named
-    for dim, entry in enumerate(spec):
-        axes = _axes(entry)
-        shards = int(np.prod([mesh.shape[a] for a in axes])) * data
-        if shape[dim] % shards == 0:
-            spec = spec[:dim] + (axes + ("data",),) + spec[dim + 1:]
-            return NamedSharding(mesh, PartitionSpec(*spec))
-    return named
 
 
 def _axes(entry) -> tuple[str, ...]:

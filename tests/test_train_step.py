@@ -22,7 +22,8 @@ CONFIG = BertConfig(vocab_size=90, hidden_size=32, num_hidden_layers=2, num_atte
 BATCH, SEQ, MASKED, STEPS, WARMUP, LR = 8, 24, 4, 20, 5, 5e-3
 
 
-def _batches(count, seed=0):
+def _batches(count, seed=0, batch=BATCH):
+    BATCH = batch  # noqa: N806 (the rows of each batch)
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
@@ -178,33 +179,43 @@ def test_nsp_metrics_only_with_the_nsp_loss():
     assert without == {"mlm_loss": 2.0, "mlm_accuracy": 0.75, "loss": 2.0}
 
 
-def test_optimizer_sharded_over_data_gives_the_replicated_updates():
-    """ZeRO-1 (`mesh.shard_optimizer`): Adam moments and the update split over the data axis, params gathered
-    after it; 5 steps equal the replicated update's to 1e-6 relative, on a data x tensor mesh."""
-    mesh = sharding.make_mesh(data=4, tensor=2)
-    model = model_lib.BertForPreTraining(CONFIG)
+@pytest.mark.parametrize("mesh_shape, accum, scan", [((4, 1, 2), 1, False), ((4, 2, 1), 2, True)],
+                         ids=["data4xtensor2", "data4xfsdp2-accum2-scan"])
+def test_update_sharded_over_data_gives_the_replicated_updates(mesh_shape, accum, scan):
+    """Weight-update sharding (`mesh.shard_optimizer`): params and moments split over data, each replica's
+    gradients reduce-scattered, the update on the slices; 5 steps with dropout on equal the replicated step's to
+    1e-6 relative (the dropout masks hash global rows inside the shard_map too)."""
+    import dataclasses
+
+    data, fsdp, tensor = mesh_shape
+    mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+    config = dataclasses.replace(CONFIG, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                                 scan_layers=scan)
+    model = model_lib.BertForPreTraining(config)
     optimizer, schedule = optim.make_optimizer(optim.OptimizerConfig(learning_rate=LR, warmup_steps=2), STEPS)
     finals = {}
     for shard in (False, True):
-        state, shardings, abstract = train_state.make_sharded_state(
-            jax.random.key(0), model=model, config=CONFIG, optimizer=optimizer, mesh=mesh, seq_len=SEQ,
-            num_masked=MASKED, shard_optimizer=shard)
-        update = train_state.update_shardings(shardings, abstract) if shard else None
-        step, _ = train_step.compile_steps(model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=1,
-                                           nsp_loss=True, state_shardings_tree=shardings, mesh=mesh,
-                                           update_shardings=update)
+        args = dict(model=model, config=config, optimizer=optimizer, mesh=mesh, seq_len=SEQ, num_masked=MASKED)
+        state, shardings, _ = train_state.make_sharded_state(jax.random.key(0), shard_update=shard, **args)
+        update = train_state.make_update_sharding(jax.random.key(0), **args) if shard else None
+        step, _ = train_step.compile_steps(model=model, optimizer=optimizer, schedule=schedule,
+                                           grad_accum_steps=accum, nsp_loss=True, state_shardings_tree=shardings,
+                                           mesh=mesh, update_sharding=update)
         with sharding.activate(mesh):
-            for batch in _batches(5, seed=9):
-                state, _ = step(state, sharding.global_batch(batch, mesh))
-        finals[shard] = state
-    sharded, replicated = finals[True], finals[False]
-    mu = sharded.opt_state[1].mu["bert"]["layer_1"]["intermediate"]["kernel"]
-    assert mu.sharding.spec == jax.sharding.PartitionSpec(("fsdp", "data"), "tensor"), mu.sharding.spec
-    kernel = sharded.params["bert"]["layer_1"]["intermediate"]["kernel"]
-    assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor"), "params stay replicated over data"
+            for batch in _batches(5, seed=9, batch=8 * accum):
+                state, metrics = step(state, sharding.global_batch(batch, mesh))
+        finals[shard] = state, metrics
+    (sharded, sharded_metrics), (replicated, replicated_metrics) = finals[True], finals[False]
+    layer = sharded.params["bert"]["layers" if scan else "layer_1"]["intermediate"]["kernel"]
+    mu = sharded.opt_state[1].mu["bert"]["layers" if scan else "layer_1"]["intermediate"]["kernel"]
+    assert "data" in jax.tree_util.tree_leaves(tuple(layer.sharding.spec)), layer.sharding.spec
+    assert mu.sharding.spec == layer.sharding.spec
     for a, b in zip(jax.tree_util.tree_leaves(sharded), jax.tree_util.tree_leaves(replicated)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
-    moved = replicated.params["bert"]["layer_1"]["intermediate"]["kernel"]
-    initial = train_state.make_sharded_state(jax.random.key(0), model=model, config=CONFIG, optimizer=optimizer,
+    for key in ("loss", "grad_norm", "mlm_accuracy"):
+        np.testing.assert_allclose(float(sharded_metrics[key]), float(replicated_metrics[key]), rtol=1e-6)
+    initial = train_state.make_sharded_state(jax.random.key(0), model=model, config=config, optimizer=optimizer,
                                              mesh=mesh, seq_len=SEQ, num_masked=MASKED)[0]
-    assert not np.allclose(np.asarray(moved), np.asarray(initial.params["bert"]["layer_1"]["intermediate"]["kernel"]))
+    moved = replicated.params["bert"]["layers" if scan else "layer_1"]["intermediate"]["kernel"]
+    start = initial.params["bert"]["layers" if scan else "layer_1"]["intermediate"]["kernel"]
+    assert not np.allclose(np.asarray(moved), np.asarray(start))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from bertjax.cloud.estimate import estimate_program
+from bertjax.cloud.estimate import Interconnect, estimate_program
 from bertjax.cloud.topologies import GENERATIONS, Topology, compile_only_devices
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.pretraining import metrics
@@ -57,7 +57,8 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
     generation = GENERATIONS[topology.generation]
     step = None if compiled.hlo_text is None else estimate_program(
         compiled.hlo_text, clock_hz=generation.clock_hz, peak_flops=generation.peak_flops_per_chip,
-        hbm_bytes_per_second=generation.hbm_bytes_per_second)
+        hbm_bytes_per_second=generation.hbm_bytes_per_second,
+        interconnect=Interconnect(generation.ici_link_bytes_per_second, generation.ici_ports))
     estimated_mfu = None if step is None else model_flops / (chips * topology.peak_flops_per_chip * step.seconds)
     if mfu is not None:
         step_seconds, source = model_flops / (chips * topology.peak_flops_per_chip * mfu), "assumed"
@@ -68,7 +69,7 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         "topology": topology.topology, "accelerator_type": topology.accelerator_type,
         "num_slices": topology.num_slices, "chips": chips, "hosts": topology.hosts,
         "mesh": {"data": data, "fsdp": fsdp, "tensor": tensor, "dcn_data": config.mesh.dcn_data,
-                 "shard_optimizer": config.mesh.shard_optimizer},
+                 "shard_optimizer": compiled.update_sharded},
         "global_batch": config.train.batch_size, "grad_accum_steps": config.train.grad_accum_steps,
         "per_chip_batch": config.train.batch_size // config.train.grad_accum_steps / (data * fsdp),
         "seq_len": seq_len, "vocab_size": vocab_size,
@@ -87,6 +88,10 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         "clock_hz": generation.clock_hz,
         "estimated_cycles_per_step": None if step is None else step.cycles,
         "estimated_step_seconds": None if step is None else step.seconds,
+        "estimated_compute_seconds": None if step is None else step.compute_seconds,
+        "estimated_communication_seconds": None if step is None else {
+            "exposed": step.exposed_communication_seconds, "total": step.communication_seconds},
+        "collectives": {} if step is None else step.collectives_by_kind(),
         "estimated_mfu": estimated_mfu,
         "estimate_breakdown": [] if step is None else [
             [name, seconds, seconds / step.seconds] for name, seconds in list(step.by_op_name.items())[:top]],
@@ -168,10 +173,17 @@ def describe(result: dict) -> str:
     ]
     if result["estimated_step_seconds"] is not None:
         coverage = result["estimate_coverage"]
+        communication = result["estimated_communication_seconds"]
         lines.append(
             f"XLA:TPU's estimate (not a measurement): {result['estimated_cycles_per_step']:,} cycles at "
-            f"{result['clock_hz'] / 1e9:g} GHz = {result['estimated_step_seconds'] * 1e3:.1f} ms/step, "
-            f"{100 * result['estimated_mfu']:.1f}% MFU")
+            f"{result['clock_hz'] / 1e9:g} GHz = {result['estimated_compute_seconds'] * 1e3:.1f} ms of compute "
+            f"+ {communication['exposed'] * 1e3:.1f} ms of communication not hidden (of "
+            f"{communication['total'] * 1e3:.1f} ms at the ICI ring bandwidth) = "
+            f"{result['estimated_step_seconds'] * 1e3:.1f} ms/step, {100 * result['estimated_mfu']:.1f}% MFU")
+        for kind, entry in result["collectives"].items():
+            dtypes = ", ".join(f"{dtype} {size / 2**20:.1f} MiB" for dtype, size in entry["bytes_by_dtype"].items())
+            lines.append(f"  {kind}: {entry['count']} per step ({entry['async']} async), {dtypes} per chip; "
+                         f"{entry['seconds'] * 1e3:.2f} ms, {entry['exposed_seconds'] * 1e3:.2f} ms not hidden")
         lines.append("  where the estimated time goes (op_name, layers merged):")
         lines += [f"  {100 * share:5.1f}%  {seconds * 1e3:8.3f} ms  {name}"
                   for name, seconds, share in result["estimate_breakdown"]]
@@ -181,10 +193,7 @@ def describe(result: dict) -> str:
                      + (f", {coverage['pallas_kernels_from_cost_estimate']} Pallas kernel(s) priced by their "
                         f"declared CostEstimate ({coverage['pallas_kernel_seconds'] * 1e3:.2f} ms)"
                         if coverage["pallas_kernels_from_cost_estimate"] else "")
-                     + (f"; without estimate: {unestimated}" if unestimated else "")
-                     + ("; collectives not priced: " + ", ".join(
-                         f"{op} {size / 2**20:.1f} MiB" for op, size in coverage["collective_bytes"].items())
-                        if coverage["collective_bytes"] else ""))
+                     + (f"; without estimate: {unestimated}" if unestimated else ""))
     if result["step_seconds"] is not None:
         basis = (f"at an assumed {100 * result['mfu_assumed']:g}% MFU" if result["step_time_source"] == "assumed"
                  else "by the estimate")

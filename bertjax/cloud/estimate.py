@@ -13,8 +13,16 @@ What the text holds (jax 0.10.2, libtpu 0.0.42.1):
   otherwise once, and said so. A conditional counts its most expensive branch (the normal path: the update branch of the non-finite skip).
 - No estimate on custom calls: a Pallas (Mosaic) kernel is priced by the roofline of the `pl.CostEstimate` it
   declares (max of FLOPs at the chip's peak and bytes at its HBM bandwidth), and said so in the coverage; other
-  custom calls (index hints) are counted as without estimate. Collectives (all-reduce, all-gather...) carry
-  none either: XLA overlaps them with compute; their bytes are reported, not priced.
+  custom calls (index hints) are counted as without estimate.
+- Collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute) carry no estimate either;
+  they are priced here (`Interconnect`): each one's bytes per chip over the ring bandwidth of the links its
+  algorithm uses (the "colors" of the `collective_algorithm_config` XLA:TPU chose, one ring per color; all the
+  chip's ports where it names none), with a ring's traffic (all-reduce 2(n-1)/n x bytes, all-gather and
+  all-to-all (n-1)/n x the result, reduce-scatter (n-1)/n x the operand, for a group of n chips; a
+  collective-permute its result over one link). Only what the
+  schedule does not hide counts in the step: a synchronous collective all of it, an async pair (`*-start` ...
+  `*-done`) what exceeds the estimated compute scheduled between its start and its done. The bandwidth term only:
+  a collective's start-up latency (microseconds) is not counted.
 """
 from __future__ import annotations
 
@@ -36,10 +44,45 @@ _ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[(
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8}
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLORS = re.compile(r"colors:(\d+)")
+_NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 # Instructions that do no work of their own (or whose work is their callees').
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
          "after-all", "partition-id", "replica-id", "opt-barrier", "copy-done", "slice-done", "async-done"}
+_ASYNC_DONE = re.compile(r"^([\w-]+)-done$")
 PALLAS_TARGET = "tpu_custom_call"
+
+
+@dataclasses.dataclass(frozen=True)
+class Interconnect:
+    """A TPU generation's chip-to-chip links (ICI), as Google's tables give them (see topologies.GENERATIONS)."""
+
+    link_bytes_per_second: float   # one link, one direction
+    ports: int                     # links per chip
+
+    def ring_bytes_per_second(self, colors: int | None) -> float:
+        """What one chip sends per second in a collective of `colors` rings (each uses one outgoing link);
+        all its ports where the algorithm is not named."""
+        return self.link_bytes_per_second * min(colors or self.ports, self.ports)
+
+
+@dataclasses.dataclass
+class Collective:
+    """One collective as the program runs it (`times` runs per step), and its price on the interconnect."""
+
+    kind: str                      # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
+    dtypes: str                    # the element types it moves, e.g. "bf16" or "bf16+f32"
+    bytes: int                     # per chip: the result (the operand for a reduce-scatter), per run
+    group_size: int
+    colors: int | None             # rings of XLA:TPU's algorithm, where the HLO names them
+    seconds: float                 # per run, on the ring bandwidth
+    exposed_seconds: float         # per run: what the schedule does not hide
+    is_async: bool
+    times: int
+    op_name: str
 
 
 @dataclasses.dataclass
@@ -52,17 +95,37 @@ class _Instruction:
     callees: dict
     trip_count: int | None
     line: str
+    operands: tuple = ()
 
 
 @dataclasses.dataclass
 class StepEstimate:
     """The estimated time of one run of a program on one chip, and where it goes."""
 
-    seconds: float                       # estimated cycles / clock + Pallas kernels' declared rooflines
+    seconds: float                       # compute + the communication the schedule does not hide
     cycles: int                          # the sum of XLA's estimates (each times its loop trip count)
     kernel_seconds: float                # the Pallas kernels' share of `seconds` (from their CostEstimate)
-    by_op_name: dict[str, float]         # op_name group (layer numbers merged) -> seconds, largest first
+    by_op_name: dict[str, float]         # op_name group (layer numbers merged) -> seconds, largest first;
+                                         # exposed communication as "communication: <kind> <dtypes>" rows
     coverage: dict                       # what was estimated how, and what had no estimate
+    compute_seconds: float = 0.0         # estimated cycles / clock + the kernels' rooflines
+    communication_seconds: float = 0.0   # every collective at the ring bandwidth, hidden or not
+    exposed_communication_seconds: float = 0.0
+    collectives: list = dataclasses.field(default_factory=list)   # [Collective], in program order
+
+    def collectives_by_kind(self) -> dict:
+        """{kind: count, bytes per step (by dtype), seconds and exposed seconds per step}, per chip."""
+        out = {}
+        for c in self.collectives:
+            entry = out.setdefault(c.kind, {"count": 0, "bytes": 0, "bytes_by_dtype": {}, "seconds": 0.0,
+                                            "exposed_seconds": 0.0, "async": 0})
+            entry["count"] += c.times
+            entry["bytes"] += c.bytes * c.times
+            entry["bytes_by_dtype"][c.dtypes] = entry["bytes_by_dtype"].get(c.dtypes, 0) + c.bytes * c.times
+            entry["seconds"] += c.seconds * c.times
+            entry["exposed_seconds"] += c.exposed_seconds * c.times
+            entry["async"] += c.times if c.is_async else 0
+        return out
 
 
 def op_name_group(op_name: str) -> str:
@@ -94,6 +157,19 @@ def _result_type(text: str) -> tuple[str, str]:
     return type_text, " " + rest
 
 
+def _operands(rest: str, opcode: str) -> tuple:
+    """The names an instruction reads: the `%name`s inside the parentheses after its opcode."""
+    start = rest.find(opcode + "(")
+    if start < 0:
+        return ()
+    depth, begin = 0, start + len(opcode)
+    for i in range(begin, len(rest)):
+        depth += (rest[i] == "(") - (rest[i] == ")")
+        if depth == 0:
+            return tuple(re.findall(r"%([\w.\-]+)", rest[begin:i]))
+    return ()
+
+
 def parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
     """{computation: its instructions} and the ENTRY computation's name, from `compiled.as_text()`."""
     computations, entry, current = {}, None, None
@@ -115,38 +191,108 @@ def parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
         cycles, trips, op_name = _CYCLES.search(line), _TRIP_COUNT.search(line), _OP_NAME.search(line)
         current.append(_Instruction(match[1], opcode, result_type, int(cycles[1]) if cycles else None,
                                     op_name[1] if op_name else "", dict(callees),
-                                    int(trips[1]) if trips else None, line))
+                                    int(trips[1]) if trips else None, line, _operands(rest, opcode)))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
 
 
-def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_bytes_per_second: float) -> StepEstimate:
-    """The program's estimated seconds per run on one chip of a generation with this clock, bf16 peak and HBM
-    bandwidth (see the module docstring for what is counted how)."""
+def collective_seconds(kind: str, size: int, group_size: int, bytes_per_second: float) -> float:
+    """A ring collective's time on one chip: `size` is the result's bytes (the operand's for a reduce-scatter)."""
+    if group_size <= 1 or size == 0:
+        return 0.0
+    share = (group_size - 1) / group_size
+    traffic = {"all-reduce": 2 * share * size, "all-gather": share * size, "reduce-scatter": share * size,
+               "all-to-all": share * size}.get(kind, size)  # collective-permute: the whole result once
+    return traffic / bytes_per_second
+
+
+def _group_size(line: str, num_partitions: int) -> int:
+    """The chips in each replica group of a collective (every partition where the groups are empty)."""
+    if match := _GROUPS_MESH.search(line):
+        sizes = dict((name.strip("'"), int(size)) for name, size in
+                     (item.split("=") for item in match[1].split(",")))
+        count = 1
+        for axis in match[2].split(","):
+            count *= sizes.get(axis.strip().strip("'"), 1)
+        return count
+    if match := _GROUPS_IOTA.search(line):
+        return int(match[2])
+    if (match := _GROUPS_LIST.search(line)) and match[1]:
+        return len(match[1].split(","))
+    return num_partitions
+
+
+def _dtypes(result_type: str) -> str:
+    return "+".join(sorted(set(dtype for dtype, _ in _ARRAY.findall(result_type)))) or "?"
+
+
+def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_bytes_per_second: float,
+                     interconnect: Interconnect | None = None) -> StepEstimate:
+    """The program's estimated seconds per run on one chip of a generation with this clock, bf16 peak, HBM
+    bandwidth and interconnect (None: collectives listed but not priced); see the module docstring."""
     computations, entry = parse_hlo(hlo_text)
+    partitions = _NUM_PARTITIONS.search(hlo_text[:20000])
+    num_partitions = int(partitions[1]) if partitions else 1
     without_estimate, unknown_trip_counts, trip_counts_from_condition = collections.Counter(), [], []
-    collective_bytes = collections.Counter()
+    collective_bytes, collectives = collections.Counter(), []
+
+    def price(instruction: _Instruction, inner: _Instruction, times: int) -> Collective:
+        """`inner`: the collective itself (the instruction, or the one inside its fusion or async wrapper)."""
+        kind = inner.opcode.removesuffix("-start")
+        group = _group_size(inner.line, num_partitions)
+        size = _moved_bytes(kind, inner.opcode, inner.result_type, group)
+        colors = _COLORS.search(instruction.line) or _COLORS.search(inner.line)
+        colors = int(colors[1]) if colors else None
+        # A collective-permute sends to one neighbour: one link (XLA:TPU's decomposed gathers run two at once, in
+        # opposite directions, each on its own link).
+        bandwidth = None if interconnect is None else (
+            interconnect.link_bytes_per_second if kind == "collective-permute"
+            else interconnect.ring_bytes_per_second(colors))
+        seconds = 0.0 if interconnect is None else collective_seconds(kind, size, group, bandwidth)
+        collective_bytes[kind] += size * times
+        collective = Collective(kind, _dtypes(_moved_type(inner.opcode, inner.result_type)), size, group,
+                                colors, seconds, seconds, _is_async_start(instruction), times,
+                                instruction.op_name or inner.op_name)
+        collectives.append(collective)
+        return collective
 
     def walk(name: str, times: int) -> list[tuple[str, float, int, float]]:
-        """(op_name group, cycles, count, kernel seconds) of each instruction that costs, `times` runs each."""
-        costs = []
+        """(op_name group, cycles, count, seconds beyond the cycles) of each instruction that costs, `times` runs
+        each: kernels' rooflines and exposed communication are in the seconds."""
+        costs, open_pairs = [], {}
+        by_name = {i.name: i for i in computations.get(name, [])}
         for instruction in computations.get(name, []):
             opcode, callees = instruction.opcode, instruction.callees
+            own, opened = [], None
+            inner = _collective_of(instruction, computations)
+            if _is_async_done(instruction):
+                started = _started_by(instruction.name, open_pairs, by_name)
+                if started is not None:
+                    collective, hidden_by = open_pairs.pop(started)
+                    collective.exposed_seconds = max(0.0, collective.seconds - hidden_by / times)
+                    costs.append((f"communication: {collective.kind} {collective.dtypes} (async, exposed)", 0,
+                                  times, collective.exposed_seconds * times))
+            elif inner is not None:
+                if _is_async_start(instruction):
+                    opened = [price(instruction, inner, times), 0.0]
+                else:
+                    collective = price(instruction, inner, times)
+                    costs.append((f"communication: {collective.kind} {collective.dtypes} (synchronous)", 0, times,
+                                  collective.seconds * times))
             if instruction.cycles is not None:
-                costs.append((op_name_group(instruction.op_name), instruction.cycles * times, times, 0.0))
+                own.append((op_name_group(instruction.op_name), instruction.cycles * times, times, 0.0))
+            elif inner is not None or _is_async_done(instruction):
+                pass
             elif opcode == "custom-call" and PALLAS_TARGET in instruction.line:
                 kernel = _KERNEL_COST.search(instruction.line)
                 if kernel:
                     flops, _, bytes_accessed = map(int, kernel.groups())
                     seconds = max(flops / peak_flops, bytes_accessed / hbm_bytes_per_second)
-                    costs.append((op_name_group(instruction.op_name), 0, times, seconds * times))
+                    own.append((op_name_group(instruction.op_name), 0, times, seconds * times))
                 else:
                     without_estimate["Pallas kernel without a CostEstimate"] += times
-            elif opcode.startswith(_COLLECTIVES):
-                if not opcode.endswith("-done"):
-                    collective_bytes[opcode.removesuffix("-start")] += array_bytes(instruction.result_type) * times
-            elif opcode not in _FREE:
+            elif opcode not in _FREE and not opcode.endswith("-done"):
                 target = _CUSTOM_TARGET.search(instruction.line)
                 without_estimate[f"{opcode}:{target[1]}" if target else opcode] += times
             if opcode == "while":
@@ -159,36 +305,124 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
                     else:
                         trip_counts_from_condition.append(trips)
                 for body in callees.get("body", []):
-                    costs += walk(body, times * trips)
+                    own += walk(body, times * trips)
                 for condition in callees.get("condition", []):
-                    costs += walk(condition, times * (trips + 1))
+                    own += walk(condition, times * (trips + 1))
             elif opcode == "conditional":
                 branches = callees.get("branches") or callees.get("true_computation", []) + callees.get(
                     "false_computation", [])
                 walked = [walk(branch, times) for branch in branches]
                 if walked:
-                    costs += max(walked, key=lambda branch: sum(c[1] / clock_hz + c[3] for c in branch))
-            elif opcode == "call" or (opcode.endswith("-start") and instruction.cycles is None):
+                    own += max(walked, key=lambda branch: sum(c[1] / clock_hz + c[3] for c in branch))
+            elif opcode == "call" or (opcode.endswith("-start") and instruction.cycles is None and inner is None):
                 for callee in callees.get("to_apply", []) + callees.get("calls", []):
-                    costs += walk(callee, times)
+                    own += walk(callee, times)
+            # Compute scheduled while an async collective is in flight hides it.
+            busy = sum(c[1] / clock_hz + c[3] for c in own if not c[0].startswith("communication:"))
+            for pair in open_pairs.values():
+                pair[1] += busy
+            if opened is not None:  # hidden by what is scheduled after its start, not by the start itself
+                open_pairs[instruction.name] = opened
+            costs += own
+        for collective, _ in open_pairs.values():   # a start without its done here: nothing hides it
+            costs.append((f"communication: {collective.kind} {collective.dtypes} (async, exposed)", 0,
+                          collective.times, collective.seconds * collective.times))
         return costs
 
     costs = walk(entry, 1)
     by_op_name = collections.Counter()
-    for group, cycles, _, kernel_seconds in costs:
-        by_op_name[group] += cycles / clock_hz + kernel_seconds
+    for group, cycles, _, extra_seconds in costs:
+        by_op_name[group] += cycles / clock_hz + extra_seconds
     cycles = sum(c[1] for c in costs)
-    kernel_seconds = sum(c[3] for c in costs)
+    communication = [c for c in costs if c[0].startswith("communication:")]
+    exposed = sum(c[3] for c in communication)
+    kernel_seconds = sum(c[3] for c in costs if not c[0].startswith("communication:"))
+    compute = cycles / clock_hz + kernel_seconds
     coverage = {
-        "instructions_estimated": sum(c[2] for c in costs if c[3] == 0.0),
-        "pallas_kernels_from_cost_estimate": sum(c[2] for c in costs if c[3] > 0.0),
+        "instructions_estimated": sum(c[2] for c in costs if c[3] == 0.0 and c[1]),
+        "pallas_kernels_from_cost_estimate": sum(c[2] for c in costs if c[3] > 0.0 and c not in communication),
         "without_estimate": dict(without_estimate.most_common()),
         "collective_bytes": dict(collective_bytes.most_common()),
+        "collectives_priced": interconnect is not None,
         "unknown_trip_counts": unknown_trip_counts,
         "trip_counts_from_condition": trip_counts_from_condition,
     }
-    return StepEstimate(cycles / clock_hz + kernel_seconds, cycles, kernel_seconds,
-                        dict(by_op_name.most_common()), coverage)
+    return StepEstimate(compute + exposed, cycles, kernel_seconds, dict(by_op_name.most_common()), coverage,
+                        compute_seconds=compute,
+                        communication_seconds=sum(c.seconds * c.times for c in collectives),
+                        exposed_communication_seconds=exposed, collectives=collectives)
+
+
+def _collective_of(instruction: _Instruction, computations: dict) -> _Instruction | None:
+    """The collective an instruction runs: itself (sync or `-start`), or the one inside the computation it wraps
+    (an `async-start`, or XLA:TPU's async collective fusions); None for anything else (a `-done` included)."""
+    opcode = instruction.opcode
+    if opcode.removesuffix("-start") in _COLLECTIVES and not opcode.endswith("-done"):
+        return instruction
+    if opcode in ("async-start", "fusion") and not _is_async_done(instruction) \
+            and not _is_continuation(instruction):
+        for callee in instruction.callees.get("calls", []):
+            for inner in computations.get(callee, []):
+                if inner.opcode in _COLLECTIVES:
+                    return inner
+    return None
+
+
+def _is_async_start(instruction: _Instruction) -> bool:
+    return instruction.opcode.endswith("-start") or instruction.name.startswith("async-collective-start")
+
+
+def _is_async_done(instruction: _Instruction) -> bool:
+    return instruction.opcode.endswith("-done") or instruction.name.startswith("async-collective-done")
+
+
+def _is_continuation(instruction: _Instruction) -> bool:
+    """XLA:TPU's fusions that carry an async collective's state between its start and done (with compute)."""
+    return any(c.startswith("async_collective_fusion") for c in instruction.callees.get("calls", []))
+
+
+def _started_by(name: str, open_pairs: dict, by_name: dict, depth: int = 0) -> str | None:
+    """The open start a done (or what it reads) descends from, through tuple elements and continuations."""
+    if name in open_pairs:
+        return name
+    instruction = by_name.get(name)
+    if instruction is None or depth > 64:
+        return None
+    if depth and not (instruction.opcode == "get-tuple-element" or _is_continuation(instruction)):
+        return None
+    for operand in instruction.operands:
+        if (found := _started_by(operand, open_pairs, by_name, depth + 1)) is not None:
+            return found
+    return None
+
+
+def _moved_type(opcode: str, result_type: str) -> str:
+    """The result part of a collective's shape (an async start's shape also holds its operands and context)."""
+    if opcode.endswith("-start") and opcode != "all-reduce-start" and result_type.startswith("("):
+        return _tuple_elements(result_type)[1]
+    return result_type
+
+
+def _moved_bytes(kind: str, opcode: str, result_type: str, group_size: int) -> int:
+    """Per chip: a collective's result bytes (its operand's for a reduce-scatter). An async start's shape is a
+    tuple (operands, results, context...), except all-reduce-start's, which is its results'."""
+    if opcode.endswith("-start") and opcode != "all-reduce-start" and result_type.startswith("("):
+        operands, results = _tuple_elements(result_type)[:2]
+        return array_bytes(operands if kind == "reduce-scatter" else results)
+    size = array_bytes(result_type)
+    return size * group_size if kind == "reduce-scatter" else size
+
+
+def _tuple_elements(type_text: str) -> list[str]:
+    """The top-level element types of a tuple type `(a, (b, c), d)`."""
+    inner, elements, depth, start = re.sub(r"/\*.*?\*/", "", type_text[1:-1]), [], 0, 0
+    for i, char in enumerate(inner):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            elements.append(inner[start:i].strip())
+            start = i + 1
+    elements.append(inner[start:].strip())
+    return [e for e in elements if e] or [type_text]
 
 
 def _trip_count_from_condition(condition: list[_Instruction]) -> int | None:

@@ -41,6 +41,8 @@ class Generation:
     max_single_host_chips: int          # slices up to this size are one VM holding every chip
     clock_hz: float                     # TensorCore clock: what XLA's estimated_cycles count (see below)
     hbm_bytes_per_second: float         # published HBM bandwidth per chip
+    ici_link_bytes_per_second: float    # one ICI link, one direction (see below)
+    ici_ports: int                      # ICI links per chip
     chip_config_name: str | None = None
 
 
@@ -50,18 +52,23 @@ class Generation:
 # Checked against XLA's estimate of an 8192^3 bf16 matmul on one compile-only chip (libtpu 0.0.42.1), which a
 # right clock puts just under peak: v5e 88%, v4 93%, v5p 90% of peak; v6e 70% (its clock is the least certain).
 # A 64M-element f32 add comes out at 57% (v5e), 69% (v4), 45% (v5p), 44% (v6e) of the HBM bandwidth.
+# ICI links, from Google Cloud's TPU pages (read 2026-11-25): v5e 400 GB/s bidirectional per chip over 4 ports
+# (all-reduce bandwidth per 256-chip pod 51.2 TB/s = 200 GB/s per chip = 4 links x 50 GB/s one way); v6e 800 GB/s
+# over 4 ports (102.4 TB/s per pod: 4 x 100 GB/s); v5p 1200 GB/s bidirectional over 6 ports (3D torus: 6 x 100
+# GB/s); v4 all-reduce bandwidth 1.1 PB/s per 4096-chip pod = 268 GB/s per chip over 6 ports (44.8 GB/s a link).
 GENERATIONS: dict[str, Generation] = {
     g.name: g for g in (
         Generation("v4", "v4", "TPU v4", 32 * GiB, 31484 * MiB, 275e12, 2, 3, 4, clock_hz=1.05e9,
-                   hbm_bytes_per_second=1.2e12, chip_config_name="megacore"),
+                   hbm_bytes_per_second=1.2e12, ici_link_bytes_per_second=44.8e9, ici_ports=6,
+                   chip_config_name="megacore"),
         Generation("v5e", "v5e", "TPU v5 lite", 16 * GiB, 16125 * MiB, 197e12, 1, 2, 8, clock_hz=1.5e9,
-                   hbm_bytes_per_second=819e9),
+                   hbm_bytes_per_second=819e9, ici_link_bytes_per_second=50e9, ici_ports=4),
         # Google's table says "95 GB", but libtpu lets a program use 95.74 GiB, so the chip has 96 GiB
         # (like v5e's 16 GiB less ~260 MiB that the runtime keeps).
         Generation("v5p", "v5p", "TPU v5", 96 * GiB, 98040 * MiB, 459e12, 2, 3, 4, clock_hz=1.75e9,
-                   hbm_bytes_per_second=2765e9),
+                   hbm_bytes_per_second=2765e9, ici_link_bytes_per_second=100e9, ici_ports=6),
         Generation("v6e", "v6e", "TPU v6 lite", 32 * GiB, 31995 * MiB, 918e12, 1, 2, 8, clock_hz=1.75e9,
-                   hbm_bytes_per_second=1640e9),
+                   hbm_bytes_per_second=1640e9, ici_link_bytes_per_second=100e9, ici_ports=4),
     )
 }
 

@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from bertjax import sharding
 from bertjax.model.dropout import dropout
 from bertjax.sharding import target_platform
 
@@ -102,15 +103,20 @@ def per_device_shard(kernel, query, key, value, segment_ids, *replicated):
         return kernel(query, key, value, segment_ids, *replicated, batch_offset=0, head_offset=0)
     qkv = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     ids = nn.logical_to_mesh_axes(("activation_batch", "activation_length"))
-    batch_axes, heads_axes = qkv[0], qkv[2]
+    heads_axes = qkv[2]
+    # Over the axes not already manual (inside the train step's shard_map over data: fsdp and tensor, even of
+    # size 1: a Mosaic call anywhere an axis is automatic is refused).
+    free = {name for name in mesh.axis_names if name not in mesh.manual_axes}
+    if not free:
+        return kernel(query, key, value, segment_ids, *replicated, batch_offset=sharding.manual_batch_offset(
+            query.shape[0]), head_offset=0)
 
     def local(q, k, v, local_ids, *rest):
-        return kernel(q, k, v, local_ids, *rest,
-                      batch_offset=0 if batch_axes is None else lax.axis_index(batch_axes) * q.shape[0],
+        return kernel(q, k, v, local_ids, *rest, batch_offset=sharding.manual_batch_offset(q.shape[0]),
                       head_offset=0 if heads_axes is None else lax.axis_index(heads_axes) * q.shape[2])
 
     return jax.shard_map(local, in_specs=(qkv, qkv, qkv, ids) + (PartitionSpec(),) * len(replicated),
-                         out_specs=qkv, check_vma=False)(query, key, value, segment_ids, *replicated)
+                         out_specs=qkv, axis_names=free, check_vma=False)(query, key, value, segment_ids, *replicated)
 
 
 def attention_mask(input_mask, packing_ids=None):

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model.hashing import C_HEAD, GOLDEN, fmix32, srl
+from bertjax.sharding import manual_batch_offset
 
 _LEVELS = 1 << 16
 
@@ -42,6 +43,8 @@ def hash_words(rng, rows_shape, words: int) -> jax.Array:
     row = jnp.zeros(rows_shape, jnp.int32)
     for axis, size in enumerate(rows_shape):  # the flat row index, wrapping past 2^32 rows
         row = row * jnp.int32(size) + jax.lax.broadcasted_iota(jnp.int32, rows_shape, axis)
+        if axis == 0:  # the global batch row inside a shard_map over the batch (the leading axis is the batch)
+            row = row + manual_batch_offset(size)
     row = (row + 1)[..., None]
     mult = fmix32(fmix32(seeds[0] ^ jnp.int32(GOLDEN)) + row * jnp.int32(GOLDEN)) | 1
     add = fmix32(fmix32(seeds[1] ^ jnp.int32(C_HEAD)) + row * jnp.int32(C_HEAD))

@@ -34,6 +34,7 @@ class JobStep:
     abstract_state: object    # the state as ShapeDtypeStructs with those shardings (what restores and AOT take)
     train_step: object        # jitted, state donated
     eval_step: object
+    update_sharded: bool = False   # params and moments split over data (`update_sharding.py`)
 
 
 def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
@@ -46,14 +47,25 @@ def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
     state_args = dict(model=model, config=bert_config, optimizer=optimizer, seq_len=config.data.max_seq_length,
                       num_masked=config.data.max_predictions_per_seq)
     rng = jax.random.key(config.train.seed)
-    shard_optimizer = config.mesh.shard_optimizer
-    shardings, abstract = train_state.abstract_state(rng, mesh=mesh, shard_optimizer=shard_optimizer, **state_args)
-    update_shardings = train_state.update_shardings(shardings, abstract) if shard_optimizer else None
+    shard_update = shards_update(config.mesh, mesh)
+    shardings, abstract = train_state.abstract_state(rng, mesh=mesh, shard_update=shard_update, **state_args)
+    update = train_state.make_update_sharding(rng, mesh=mesh, reduce_in_float32=config.mesh.reduce_in_float32,
+                                              **state_args) if shard_update else None
     step_fn, eval_fn = train_step.compile_steps(
         model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=config.train.grad_accum_steps,
-        nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh,
-        update_shardings=update_shardings)
-    return JobStep(bert_config, rng, state_args, shardings, abstract, step_fn, eval_fn)
+        nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh, update_sharding=update)
+    return JobStep(bert_config, rng, state_args, shardings, abstract, step_fn, eval_fn, shard_update)
+
+
+def shards_update(mesh_config: sharding.MeshConfig, mesh) -> bool:
+    """Whether the job splits its update over the data axis: `mesh.shard_optimizer`, or where it is unset, on
+    TPU and GPU meshes with data > 1 (the priced estimate's choice) and not on the CPU (no interconnect to save,
+    and XLA:CPU runs the shard_map'ed step no faster)."""
+    if mesh.shape["data"] == 1:
+        return False
+    if mesh_config.shard_optimizer is not None:
+        return mesh_config.shard_optimizer
+    return mesh.devices.flat[0].platform in ("tpu", "gpu")
 
 
 @dataclasses.dataclass
@@ -67,6 +79,7 @@ class CompiledStep:
     temp_bytes_per_chip: int | None = None       # activations, gradients, gathered params...
     detail: str = ""
     hlo_text: str | None = None                  # the compiled program (XLA:TPU's cycle estimates are in it)
+    update_sharded: bool = False
 
 
 def abstract_batch(config: PretrainConfig, mesh) -> dict:
@@ -93,11 +106,12 @@ def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> Comp
         if not match:
             raise
         need = int(float(match[1]) * _UNITS[match[2]])
-        return CompiledStep(False, need, None, detail=str(error).strip().splitlines()[0][:400])
+        return CompiledStep(False, need, None, detail=str(error).strip().splitlines()[0][:400],
+                            update_sharded=job.update_sharded)
     memory = compiled.memory_analysis()
     need = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
             - memory.alias_size_in_bytes)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return CompiledStep(True, int(need), float(cost.get("flops", 0.0)), int(memory.argument_size_in_bytes),
-                        int(memory.temp_size_in_bytes), hlo_text=compiled.as_text())
+                        int(memory.temp_size_in_bytes), hlo_text=compiled.as_text(), update_sharded=job.update_sharded)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from bertjax import sharding
 from bertjax.model import bert as model_lib
 from bertjax.model.config import BertConfig
+from bertjax.pretraining import update_sharding
 
 
 @flax.struct.dataclass
@@ -39,33 +40,47 @@ def init_state(rng, *, model, config: BertConfig, optimizer, seq_len: int, num_m
 
 
 def state_shardings(abstract_boxed_state: TrainState, mesh, rules=sharding.DEFAULT_RULES,
-                    shard_optimizer: bool = False):
-    """NamedShardings for every leaf of the (unboxed) state; optimizer moments inherit their param's names, and
-    with `shard_optimizer` are also split over the data axis (`sharding.split_over_data`)."""
+                    shard_update: bool = False):
+    """NamedShardings for every leaf of the (unboxed) state; optimizer moments inherit their param's names. With
+    `shard_update` the params and moments are also split over the data axis (`update_sharding.split_shardings`)."""
     specs = nn.get_partition_spec(abstract_boxed_state)
     shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
-    if shard_optimizer:
-        opt_state = jax.tree_util.tree_map(lambda s, x: sharding.split_over_data(s, x.shape), shardings.opt_state,
-                                           nn.meta.unbox(abstract_boxed_state.opt_state))
-        shardings = shardings.replace(opt_state=opt_state)
+    if shard_update:
+        unboxed = nn.meta.unbox(abstract_boxed_state)
+        shardings = shardings.replace(
+            params=update_sharding.split_shardings(shardings.params, unboxed.params),
+            opt_state=update_sharding.split_shardings(shardings.opt_state, unboxed.opt_state))
     return shardings
 
 
-def update_shardings(shardings: TrainState, abstract_unboxed: TrainState):
-    """Per-param shardings of the optimizer update under ZeRO-1: each param's own, split over the data axis."""
-    return jax.tree_util.tree_map(lambda s, x: sharding.split_over_data(s, x.shape), shardings.params,
-                                  abstract_unboxed.params)
+def param_shardings(abstract_boxed_state: TrainState, mesh, rules=sharding.DEFAULT_RULES):
+    """The params' own layout (whole over data): what the step computes with."""
+    return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_boxed_state.params), mesh, rules)
 
 
-def abstract_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked, shard_optimizer: bool = False):
+def abstract_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked, shard_update: bool = False):
     """(shardings, abstract unboxed state with those shardings): the layout to init or restore into."""
-    init = functools.partial(init_state, model=model, config=config, optimizer=optimizer, seq_len=seq_len,
-                             num_masked=num_masked)
-    abstract = jax.eval_shape(init, rng)
-    shardings = state_shardings(abstract, mesh, shard_optimizer=shard_optimizer)
+    abstract = abstract_boxed_state(rng, model=model, config=config, optimizer=optimizer, seq_len=seq_len,
+                                    num_masked=num_masked)
+    shardings = state_shardings(abstract, mesh, shard_update=shard_update)
     unboxed = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                      nn.meta.unbox(abstract), shardings)
     return shardings, unboxed
+
+
+def abstract_boxed_state(rng, *, model, config, optimizer, seq_len, num_masked):
+    """The state's shapes with their logical axis names (nothing allocated)."""
+    return jax.eval_shape(functools.partial(init_state, model=model, config=config, optimizer=optimizer,
+                                            seq_len=seq_len, num_masked=num_masked), rng)
+
+
+def make_update_sharding(rng, *, model, config, optimizer, mesh, seq_len, num_masked,
+                         reduce_in_float32: bool = False):
+    """The weight-update sharding of this state on `mesh` (`update_sharding.py`)."""
+    abstract = abstract_boxed_state(rng, model=model, config=config, optimizer=optimizer, seq_len=seq_len,
+                                    num_masked=num_masked)
+    return update_sharding.make(mesh, sharding.DEFAULT_RULES, param_shardings(abstract, mesh),
+                                nn.meta.unbox(abstract.params), config.dtype, reduce_in_float32)
 
 
 def init_sharded_state(rng, shardings, mesh, *, model, config, optimizer, seq_len, num_masked) -> TrainState:
@@ -76,10 +91,10 @@ def init_sharded_state(rng, shardings, mesh, *, model, config, optimizer, seq_le
         return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
 
 
-def make_sharded_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked, shard_optimizer: bool = False):
+def make_sharded_state(rng, *, model, config, optimizer, mesh, seq_len, num_masked, shard_update: bool = False):
     """(state initialised directly in its sharded layout, its shardings, the abstract unboxed state)."""
     shardings, abstract = abstract_state(rng, model=model, config=config, optimizer=optimizer, mesh=mesh,
-                                         seq_len=seq_len, num_masked=num_masked, shard_optimizer=shard_optimizer)
+                                         seq_len=seq_len, num_masked=num_masked, shard_update=shard_update)
     state = init_sharded_state(rng, shardings, mesh, model=model, config=config, optimizer=optimizer,
                                seq_len=seq_len, num_masked=num_masked)
     return state, shardings, abstract

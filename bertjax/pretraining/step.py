@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from bertjax import sharding
+from bertjax.pretraining import update_sharding as update_sharding_lib
 from bertjax.pretraining.state import TrainState
 from bertjax.sharding import target_platform
 
@@ -111,53 +112,58 @@ def skip_by_select(platform: str) -> bool:
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: optax.GradientTransformation,
                schedule, grad_accum_steps: int, nsp_loss: bool, skip_nonfinite: str | None = None,
-               update_shardings=None, param_shardings=None):
+               update_sharding: update_sharding_lib.UpdateSharding | None = None):
     """One optimizer update over the global batch (split into `grad_accum_steps` microbatches).
 
     A non-finite gradient skips the update (params and optimizer state unchanged) and is counted, by a branch
     (`skip_nonfinite="cond"`) or a select per leaf ("select"); None: the faster of the two on the platform the
-    step is compiled for (`skip_by_select`). `update_shardings` (ZeRO-1, `state.update_shardings`, with the params'
-    own `param_shardings`): the update runs on each param's slice there, and the new params are gathered by the
-    caller's output sharding.
+    step is compiled for (`skip_by_select`). `update_sharding`: the params and moments live split over the data
+    axis; each replica's gradients are computed from the gathered params and reduce-scattered, and the update runs
+    on the slices (`update_sharding.py`).
     """
     accum = grad_accum_steps
     total_weight = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-5)
     total_count = jnp.maximum(jnp.sum(_nsp_weights(batch)), 1.0)
-    step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
-    def micro_step(micro, index):
-        def loss_fn(params):
-            outputs = forward(model, params, micro, deterministic=False, rng=jax.random.fold_in(step_rng, index))
-            sums = pretraining_sums(outputs, micro)
-            return _objective(sums, total_weight, total_count, nsp_loss), sums
-        (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        return grads, sums
+    def grads_and_sums(params, rows, rng_data, step, total_weight, total_count):
+        """Gradients (microbatches summed in float32) and loss sums of these rows, normalised by the totals."""
+        step_rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), step)
 
-    if accum == 1:
-        grads, sums = micro_step(batch, 0)
-    else:
+        def micro_step(micro, index):
+            def loss_fn(params):
+                outputs = forward(model, params, micro, deterministic=False,
+                                  rng=jax.random.fold_in(step_rng, index))
+                sums = pretraining_sums(outputs, micro)
+                return _objective(sums, total_weight, total_count, nsp_loss), sums
+            (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            return grads, sums
+
+        if accum == 1:
+            return micro_step(rows, 0)
         # Rows j*accum + i form microbatch i, so every device holds an equal share of each microbatch.
         micro_batches = jax.tree_util.tree_map(
-            lambda x: jnp.swapaxes(x.reshape((x.shape[0] // accum, accum) + x.shape[1:]), 0, 1), batch)
+            lambda x: jnp.swapaxes(x.reshape((x.shape[0] // accum, accum) + x.shape[1:]), 0, 1), rows)
 
         def body(carry, inputs):
             index, micro = inputs
             grads, sums = micro_step(micro, index)
+            grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
             return jax.tree_util.tree_map(jnp.add, carry, (grads, sums)), None
 
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(lambda: micro_step(
-            jax.tree_util.tree_map(lambda x: x[0], micro_batches), 0)))
+        shapes = jax.eval_shape(lambda: micro_step(jax.tree_util.tree_map(lambda x: x[0], micro_batches), 0))
+        zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32 if jnp.issubdtype(
+            x.dtype, jnp.floating) else x.dtype), shapes)
         (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro_batches))
+        return grads, sums
 
+    scalars = (state.rng, state.step, total_weight, total_count)
+    if update_sharding is None:
+        grads, sums = grads_and_sums(state.params, batch, *scalars)
+    else:
+        grads, sums = update_sharding_lib.local_gradients(
+            update_sharding, grads_and_sums, update_sharding_lib.gather(update_sharding, state.params), batch,
+            *scalars)
     params = state.params
-    if update_shardings is not None:
-        # The gradients are first summed to the params' own layout: constrained straight to the sliced one, the
-        # SPMD partitioner carries that layout back into the weight-gradient matmuls and reshuffles activations
-        # between chips for them (on v5litepod-16: 0.9 GB/chip of collective-permutes, the step 53% slower by
-        # XLA:TPU's estimate). Slicing replicated values is free; the update touches 1/data of every tensor.
-        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        grads = jax.lax.with_sharding_constraint(grads, update_shardings)
-        params = jax.lax.with_sharding_constraint(params, update_shardings)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
 
@@ -178,8 +184,6 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
         new_params, new_opt_state = jax.lax.cond(finite, update,
                                                  lambda params, opt_state, grads: (params, opt_state),
                                                  params, state.opt_state, grads)
-    if update_shardings is not None:
-        new_params = jax.lax.with_sharding_constraint(new_params, update_shardings)
     nonfinite = (~finite).astype(jnp.int32)
     new_state = state.replace(
         step=state.step + 1,
@@ -204,13 +208,12 @@ def eval_sums(params, batch: dict, *, model: nn.Module) -> dict:
 
 
 def compile_steps(*, model, optimizer, schedule, grad_accum_steps: int, nsp_loss: bool, state_shardings_tree,
-                  mesh, update_shardings=None):
+                  mesh, update_sharding=None):
     """The jitted train step (state donated) and eval step, with batches split over data x fsdp."""
     batch_sharding = sharding.batch_sharding(mesh)
     train = jax.jit(
         functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
-                          grad_accum_steps=grad_accum_steps, nsp_loss=nsp_loss, update_shardings=update_shardings,
-                          param_shardings=state_shardings_tree.params),
+                          grad_accum_steps=grad_accum_steps, nsp_loss=nsp_loss, update_sharding=update_sharding),
         in_shardings=(state_shardings_tree, batch_sharding),
         out_shardings=(state_shardings_tree, sharding.replicated(mesh)),
         donate_argnums=(0,))
