@@ -94,8 +94,7 @@ def _add_job_flags(parser: argparse.ArgumentParser, *, restarts: str, dry_run: s
 
 
 def _compile(args: argparse.Namespace) -> int:
-    import json
-
+    from bertjax import jsonio
     from bertjax.cloud import topologies
     from bertjax.pretraining import config as pretrain_config
 
@@ -108,7 +107,7 @@ def _compile(args: argparse.Namespace) -> int:
     result = tpu_compile.compile_for_topology(config, topology, args.mfu, dump_hlo=args.dump_hlo)
     if not result["fits"] and args.fit_batch:
         result["fit"] = tpu_compile.fit_batch(config, topology, args.mfu, requested=result)
-    print(json.dumps(result) if args.json else tpu_compile.describe(result))
+    print(jsonio.dumps(result) if args.json else tpu_compile.describe(result))
     if not result["fits"]:
         over = (result["hbm_bytes_per_chip"] - result["hbm_capacity_bytes_per_chip"]) / 2**30
         fit = result.get("fit")

@@ -6,9 +6,8 @@ command runs, so `bertjax --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import json
 
-from bertjax import options
+from bertjax import jsonio, options
 from bertjax.console import route_logging_to_console
 from bertjax.finetune.glue_data import TASKS
 from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
@@ -234,7 +233,7 @@ def _glue(args: argparse.Namespace) -> int:
         return 0
     result = glue.run_task(args.task, args.data, args.workdir, settings, init=args.init, **common)
     _say_outputs(args.workdir)
-    print(json.dumps({"task": result["task"], "metrics": result["metrics"], "score": result["score"]}))
+    print(jsonio.dumps({"task": result["task"], "metrics": result["metrics"], "score": result["score"]}))
     return 0
 
 
@@ -248,7 +247,7 @@ def _features(args: argparse.Namespace) -> int:
                                max_eval_examples=args.max_eval_examples, batch_size=args.batch_size,
                                cv_folds=args.cv_folds, seed=args.seed)
     _say_outputs(args.workdir)
-    print(json.dumps({k: result[k] for k in ("task", "metrics", "score", "layers", "pooling",
+    print(jsonio.dumps({k: result[k] for k in ("task", "metrics", "score", "layers", "pooling",
                                               "num_train_examples")}))
     return 0
 
@@ -262,7 +261,7 @@ def _multiple_choice(args: argparse.Namespace) -> int:
                                  max_seq_length=args.max_seq_length, save_checkpoint=args.save_checkpoint,
                                  export_hf=args.export_hf)
     _say_outputs(args.workdir)
-    print(json.dumps(result["metrics"]))
+    print(jsonio.dumps(result["metrics"]))
     return 0
 
 
@@ -275,7 +274,7 @@ def _squad(args: argparse.Namespace) -> int:
                        init=args.init, train_file=args.train, predict_file=args.predict,
                        save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)
     _say_outputs(args.workdir)
-    print(json.dumps(result.get("metrics", {})))
+    print(jsonio.dumps(result.get("metrics", {})))
     return 0
 
 
@@ -288,13 +287,13 @@ def _ner(args: argparse.Namespace) -> int:
                      options.from_flags(NerSettings, args), init=args.init, save_checkpoint=args.save_checkpoint,
                      export_hf=args.export_hf)
     _say_outputs(args.workdir)
-    print(json.dumps({split: m["overall"] for split, m in result["metrics"].items()}))
+    print(jsonio.dumps({split: m["overall"] for split, m in result["metrics"].items()}))
     return 0
 
 
 def _eval_squad(args: argparse.Namespace) -> int:
     from bertjax.finetune.squad import eval_file
 
-    print(json.dumps(eval_file(args.data, args.predictions, args.na_prob_file, args.na_prob_thresh, args.version),
+    print(jsonio.dumps(eval_file(args.data, args.predictions, args.na_prob_file, args.na_prob_thresh, args.version),
                      indent=2))
     return 0

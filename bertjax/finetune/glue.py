@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from bertjax import jsonio
 from bertjax.finetune import glue_data, glue_metrics
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.trainer import (
@@ -108,13 +109,14 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
 
     result = {
         "task": task.name, "metrics": metrics, "score": score,
-        "num_train_examples": len(splits["train"]), "max_seq_length": max_seq_length,
+        "num_train_examples": train_info.pop("num_train_rows"), "num_train_available": len(splits["train"]),
+        "max_seq_length": max_seq_length,
         "settings": dataclasses.asdict(settings), **train_info,
         "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
         "total_seconds": time.perf_counter() - started, "init": init,
     }
     with open(os.path.join(out_dir, "metrics.json"), "w") as f:
-        json.dump(result, f, indent=2)
+        jsonio.dump(result, f, indent=2)
     return result
 
 
@@ -142,7 +144,7 @@ def run_all(data: str, workdir: str, settings: TrainSettings, *, init: str, task
                "tasks_scored": len(done), "tasks_total": len(tasks)}
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+        jsonio.dump(summary, f, indent=2)
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(summary_table(summary))
     return summary

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import logging
 import os
 import time
 
 import numpy as np
 
+from bertjax import jsonio
 from bertjax.finetune import glue_metrics, swag_data
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.trainer import Trainer, classification_loss, write_fine_tuned
@@ -74,12 +74,13 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
                      architecture="BertForMultipleChoice")
 
-    result = {"metrics": metrics, "num_train_examples": len(train), "num_val_examples": len(val),
+    result = {"metrics": metrics, "num_train_examples": train_info.pop("num_train_rows"),
+              "num_train_available": len(train), "num_val_examples": len(val),
               "num_test_examples": 0 if test is None else len(test), "max_seq_length": max_seq_length,
               "settings": dataclasses.asdict(settings), **train_info,
               "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
               "total_seconds": time.perf_counter() - started, "init": init}
     with open(os.path.join(workdir, "metrics.json"), "w") as f:
-        json.dump(result, f, indent=2)
+        jsonio.dump(result, f, indent=2)
     log.info("multiple choice: %s", metrics)
     return result

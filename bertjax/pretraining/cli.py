@@ -150,12 +150,11 @@ def _init_vocab_file(init: str, tokens: list[str], workdir: str) -> str:
 
 
 def _goodput(args: argparse.Namespace) -> int:
-    import json
-
+    from bertjax import jsonio
     from bertjax.pretraining import goodput
 
     account = goodput.job_account(args.workdir)
-    print(json.dumps(account, indent=1) if args.json else "\n".join(goodput.format_job(account, args.workdir)))
+    print(jsonio.dumps(account, indent=1) if args.json else "\n".join(goodput.format_job(account, args.workdir)))
     return 0
 
 
