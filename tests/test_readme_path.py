@@ -10,12 +10,46 @@ import sys
 from tests.conftest import REPO_ROOT
 
 
+def readme_blocks(marker: str) -> list[str]:
+    """The bash blocks that follow the README's `<!-- MARKER -->` markers, in order."""
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    found = re.findall(rf"<!-- {marker} -->\n```bash\n(.*?)\n```", readme, re.S)
+    assert found, f"README.md has no bash block after <!-- {marker} -->"
+    return found
+
+
 def readme_path_block() -> str:
     """The bash block that follows the README's `<!-- the-whole-path -->` marker."""
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    found = re.search(r"<!-- the-whole-path -->\n```bash\n(.*?)\n```", readme, re.S)
-    assert found, "README.md has no bash block after <!-- the-whole-path -->"
-    return found.group(1)
+    [block] = readme_blocks("the-whole-path")
+    return block
+
+
+def _head(source: pathlib.Path, target: pathlib.Path, lines: int, *, blank_line_end: bool = False) -> None:
+    """The first `lines` lines of a real data file (with blank_line_end: on to the end of the sentence)."""
+    kept = []
+    with open(source, encoding="utf-8") as f:
+        for line in f:
+            if len(kept) >= lines and (not blank_line_end or not line.strip()):
+                break
+            kept.append(line)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("".join(kept), encoding="utf-8")
+
+
+def _fine_tune_inputs(shared_data: pathlib.Path, root: pathlib.Path) -> None:
+    """The fine-tune examples' inputs under the README's names, cut from the real data to a few hundred rows."""
+    for split, rows in (("train", 200), ("dev", 64), ("test", 32)):
+        _head(shared_data / "glue" / "RTE" / f"{split}.tsv", root / "glue_data" / "RTE" / f"{split}.tsv", 1 + rows)
+    for split, lines in (("train", 1500), ("valid", 400), ("test", 400)):
+        _head(shared_data / "conll2003" / f"{split}.txt", root / "conll2003" / f"{split}.txt", lines,
+              blank_line_end=True)
+    for name in ("train-v2.0.json", "dev-v2.0.json"):  # the one SQuAD 2.0 sample here: trained and predicted on
+        (root / name).write_bytes((shared_data / "squad" / "sample-dev-v2.0.json").read_bytes())
+
+
+def _strict(text: str):
+    """JSON as a strict parser reads it (NaN / Infinity are errors)."""
+    return json.loads(text, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(f"not JSON: {name}")))
 
 
 def test_the_readme_path_runs_literally(shared_data, tmp_path):
@@ -38,3 +72,21 @@ def test_the_readme_path_runs_literally(shared_data, tmp_path):
     assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "vocab.txt").exists()
     mrpc = json.loads((tmp_path / "runs/mrpc/metrics.json").read_text())
     assert "f1" in json.dumps(mrpc) and "accuracy" in json.dumps(mrpc)
+
+    # Then the fine-tune examples, as written, on what the path built (each block after its marker).
+    _fine_tune_inputs(shared_data, tmp_path)
+    # On this machine's one CPU device, as a user's shell has it (the suite's 8 forced devices would refuse SQuAD's
+    # default batch of 12).
+    user_env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
+    for block in readme_blocks("the-fine-tune-examples"):
+        result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=tmp_path, env=user_env,
+                                capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, block + "\n" + result.stdout[-3000:] + result.stderr[-3000:]
+    rte = _strict((tmp_path / "runs/rte/metrics.json").read_text())
+    assert 0 <= rte["metrics"]["dev"]["accuracy"] <= 1 and rte["num_train_examples"] == 200
+    assert len((tmp_path / "runs/rte/RTE.tsv").read_text().splitlines()) == 1 + 32
+    squad = _strict((tmp_path / "runs/squad2/metrics.json").read_text())
+    assert "exact" in json.dumps(squad) and (tmp_path / "runs/squad2/null_odds.json").exists()
+    ner = _strict((tmp_path / "runs/ner/metrics.json").read_text())
+    assert 0 <= ner["metrics"]["valid"]["overall"]["f1"] <= 1
+    assert (tmp_path / "runs/ner/hf/config.json").exists() and (tmp_path / "runs/ner/checkpoint").is_dir()
