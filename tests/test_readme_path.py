@@ -1,11 +1,14 @@
 """The README's whole path (corpus -> vocab -> shards -> pretrain -> export -> GLUE fine-tune) run literally: the
-bash block after `<!-- the-whole-path -->`, in a fresh directory, at tiny sizes through the variables it documents."""
+bash block after `<!-- the-whole-path -->`, in a fresh directory, at tiny sizes through the variables it documents;
+then (slow) the fine-tune and `launch local` examples, as written, on what it built."""
 import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import REPO_ROOT
 
@@ -52,17 +55,31 @@ def _strict(text: str):
     return json.loads(text, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(f"not JSON: {name}")))
 
 
-def test_the_readme_path_runs_literally(shared_data, tmp_path):
+@pytest.fixture(scope="module")
+def path_run(shared_data, tmp_path_factory):
+    """The path block run once in a fresh directory: (directory, environment, its stdout)."""
+    root = tmp_path_factory.mktemp("readme")
     # The console script of this interpreter's environment, as a user's shell would find it after `make install`.
     bin_dir = pathlib.Path(sys.executable).parent
     env = dict(os.environ, STEPS="20", EPOCHS="0.01", GLUE_DIR=str(shared_data / "glue"), JAX_PLATFORMS="cpu",
                PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     script = "set -euo pipefail\n" + readme_path_block()
-    result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+    result = subprocess.run(["bash", "-c", script], cwd=root, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return root, env, result.stdout
+
+
+def _run_block(block: str, root: pathlib.Path, env: dict) -> None:
+    result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=root, env=env, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, block + "\n" + result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_the_readme_path_runs_literally(path_run):
+    tmp_path, _, stdout = path_run
     # The shards' shapes came from their metadata (bert-tiny's preset asks for 128 / 20).
-    assert "from the shards' metadata: data.max_seq_length=64, data.max_predictions_per_seq=10\n" in result.stdout
+    assert "from the shards' metadata: data.max_seq_length=64, data.max_predictions_per_seq=10\n" in stdout
     # Each step consumed the one before: the shards' vocab, the run's 20 steps, the export, the fine-tune's score.
     vocab = (tmp_path / "vocab" / "vocab.txt").read_text(encoding="utf-8").splitlines()
     metadata = json.loads(next((tmp_path / "records").glob("*.json")).read_text())
@@ -73,15 +90,17 @@ def test_the_readme_path_runs_literally(shared_data, tmp_path):
     mrpc = json.loads((tmp_path / "runs/mrpc/metrics.json").read_text())
     assert "f1" in json.dumps(mrpc) and "accuracy" in json.dumps(mrpc)
 
-    # Then the fine-tune examples, as written, on what the path built (each block after its marker).
+
+@pytest.mark.slow  # ~4 minutes here beside the path's 3
+def test_the_readme_examples_run_as_written_on_what_the_path_built(shared_data, path_run):
+    """The fine-tune examples and the `launch local` example, each block after its marker, as written."""
+    tmp_path, env, _ = path_run
     _fine_tune_inputs(shared_data, tmp_path)
     # On this machine's one CPU device, as a user's shell has it (the suite's 8 forced devices would refuse SQuAD's
     # default batch of 12).
     user_env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
     for block in readme_blocks("the-fine-tune-examples"):
-        result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=tmp_path, env=user_env,
-                                capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, block + "\n" + result.stdout[-3000:] + result.stderr[-3000:]
+        _run_block(block, tmp_path, user_env)
     rte = _strict((tmp_path / "runs/rte/metrics.json").read_text())
     assert 0 <= rte["metrics"]["dev"]["accuracy"] <= 1 and rte["num_train_examples"] == 200
     assert len((tmp_path / "runs/rte/RTE.tsv").read_text().splitlines()) == 1 + 32
@@ -90,3 +109,10 @@ def test_the_readme_path_runs_literally(shared_data, tmp_path):
     ner = _strict((tmp_path / "runs/ner/metrics.json").read_text())
     assert 0 <= ner["metrics"]["valid"]["overall"]["f1"] <= 1
     assert (tmp_path / "runs/ner/hf/config.json").exists() and (tmp_path / "runs/ner/checkpoint").is_dir()
+
+    # 2 processes, each on its own shard of the records the block writes.
+    [block] = readme_blocks("the-launch-local-example")
+    _run_block(block, tmp_path, user_env)
+    assert (tmp_path / "runs/mp/COMPLETED").exists()
+    steps = [json.loads(line).get("step") for line in (tmp_path / "runs/mp/metrics.jsonl").read_text().splitlines()]
+    assert max(s for s in steps if s is not None) == 100
