@@ -7,6 +7,7 @@ command runs: `bertjax --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from bertjax import options
 from bertjax.console import Console
@@ -19,8 +20,11 @@ _DETECTED = {"corpus_format": None}
 
 
 def data_config_from_flags(args: argparse.Namespace) -> PretrainingDataConfig:
-    """The data config `data create` runs with (static masking: the original's TFRecords)."""
-    return options.from_flags(PretrainingDataConfig, args, masking="static")
+    """The data config `data create` runs with (static masking: the original's TFRecords); --format left out
+    (and not detected) is the config's default."""
+    default = next(f.default for f in dataclasses.fields(PretrainingDataConfig) if f.name == "corpus_format")
+    return options.from_flags(PretrainingDataConfig, args, masking="static",
+                              corpus_format=args.corpus_format or default)
 
 
 def _resolve_format(args: argparse.Namespace) -> None:
