@@ -20,8 +20,8 @@ def test_presets_load_and_overrides_apply():
 @pytest.mark.parametrize("override,message", [
     ("train.stepz=5", "train.stepz: unknown config key"),
     ("bogus.steps=5", "bogus.steps: unknown config key"),
-    ("train.steps=five", "train.steps=five: expected a int"),
-    ("train.steps=2.5", "expected a int, got float"),
+    ("train.steps=five", "train.steps=five: expected an int"),
+    ("train.steps=2.5", "expected an int, got float"),
     ("data.whole_word_masking=maybe", "expected a boolean"),
     ("train.steps", "expected KEY=VALUE"),
     # Out-of-range values that used to train (a negative learning rate made the loss rise).
