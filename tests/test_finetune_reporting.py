@@ -98,3 +98,21 @@ def test_a_fine_tune_resumed_at_its_last_step_says_it_trained_nothing(tiny_init,
     assert "nothing left to train: resumed at step 3 of 3" in out, out
     assert "nan" not in out.lower() and "trained 3 steps" not in out and not re.search(r"epoch \d", out), out
     assert info["history"] == [] and info["total_steps"] == 3
+
+
+def test_quick_runs_limit_or_skip_the_test_predictions(tiny_init, tmp_path, capsys):  # noqa: F811
+    data = _synthetic_glue(tmp_path / "glue")  # SST-2: 48 dev rows, 10 test rows
+    argv = ["finetune", "glue", "--task", "sst2", "--init", tiny_init, "--data", str(data), "--batch-size", "16",
+            "--max-seq-length", "32", "--max-steps", "2", "--eval-batch-size", "16", "--max-eval-examples", "4"]
+    assert main([*argv, "--workdir", str(tmp_path / "limited")]) == 0
+    out = capsys.readouterr().out
+    # --max-eval-examples limits the test rows as it limits the dev rows
+    assert out.count("predicting 4 rows (1 batch of 16) ...") == 2 and "predicting 10 rows" not in out, out
+    submission = (tmp_path / "limited" / "SST-2.tsv").read_text().splitlines()
+    assert submission[0] == "index\tprediction" and [row.split("\t")[0] for row in submission[1:]] == \
+        ["0", "1", "2", "3"]
+    assert main([*argv, "--workdir", str(tmp_path / "skipped"), "--no-predict-test"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("predicting 4 rows") == 1, out  # dev only
+    assert not (tmp_path / "skipped" / "SST-2.tsv").exists()
+    assert (tmp_path / "skipped" / "metrics.json").exists()

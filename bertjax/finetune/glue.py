@@ -60,9 +60,11 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     loss = regression_loss if task.is_regression else classification_loss
     trainer = Trainer(module, ckpt.config, ckpt.params, loss, settings, source=init or "checkpoint")
     features = {name: glue_data.featurize(ex, tokenizer, max_seq_length) for name, ex in splits.items()}
-    if settings.max_eval_examples:
+    if not settings.predict_test:
+        features = {name: f for name, f in features.items() if not name.startswith("test:")}
+    if settings.max_eval_examples:  # dev and test rows alike
         features.update({name: {k: v[:settings.max_eval_examples] for k, v in f.items()}
-                         for name, f in features.items() if name.startswith("dev:")})
+                         for name, f in features.items() if name.startswith(("dev:", "test:"))})
 
     def evaluate(write_predictions: bool = False) -> dict:
         metrics, rows = {}, []
@@ -98,10 +100,14 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
         test = f"test:{split.name}"
         if test in features:
             preds = predictions_from_logits(task, trainer.predict(features[test]))
-            glue_data.write_submission(task, os.path.join(out_dir, split.submission), splits[test].guids, preds)
-    if task.name == "mnli" and (ax := _read_diagnostic(data)) is not None:
-        preds = predictions_from_logits(task, trainer.predict(glue_data.featurize(ax, tokenizer, max_seq_length)))
-        glue_data.write_submission(task, os.path.join(out_dir, "AX.tsv"), ax.guids, preds)
+            guids = splits[test].guids[:len(preds)]
+            glue_data.write_submission(task, os.path.join(out_dir, split.submission), guids, preds)
+    if task.name == "mnli" and settings.predict_test and (ax := _read_diagnostic(data)) is not None:
+        ax_features = glue_data.featurize(ax, tokenizer, max_seq_length)
+        if settings.max_eval_examples:
+            ax_features = {k: v[:settings.max_eval_examples] for k, v in ax_features.items()}
+        preds = predictions_from_logits(task, trainer.predict(ax_features))
+        glue_data.write_submission(task, os.path.join(out_dir, "AX.tsv"), ax.guids[:len(preds)], preds)
 
     id2label = None if task.is_regression else dict(enumerate(task.labels))
     write_fine_tuned(trainer.params, ckpt, out_dir, bertjax_checkpoint=save_checkpoint, hf=export_hf,

@@ -46,7 +46,8 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
         raise ValueError(f"{os.path.join(data, 'train.csv')}: no label column; the training file needs one")
     val = swag_data.head(swag_data.read_swag(os.path.join(data, "val.csv")), settings.max_eval_examples)
     test_path = os.path.join(data, "test.csv")
-    test = swag_data.read_swag(test_path) if os.path.exists(test_path) else None
+    test = swag_data.head(swag_data.read_swag(test_path), settings.max_eval_examples) \
+        if os.path.exists(test_path) and settings.predict_test else None
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     ckpt.config.check_length(max_seq_length, "--max-seq-length")
     os.makedirs(workdir, exist_ok=True)

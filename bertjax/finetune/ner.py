@@ -33,7 +33,7 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
     splits = ner_data.read_conll_dir(data)
     train = splits["train"]  # settings.max_train_examples subsets its windows in the Trainer
     eval_sentences = {split: splits[split].head(settings.max_eval_examples) for split in ("valid", "test")
-                      if split in splits}
+                      if split in splits and (split != "test" or settings.predict_test)}
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     ckpt.config.check_length(ner.max_seq_length, "--max-seq-length")
     os.makedirs(workdir, exist_ok=True)
