@@ -60,7 +60,7 @@ def _vocab_train(args: argparse.Namespace) -> int:
     _resolve_format(args)
 
     vocab = train_vocab(options.from_flags(CorpusConfig, args), args.out, args.vocab_size, args.type,
-                        lower_case=args.lower_case, max_sentences=args.max_sentences)
+                        lower_case=args.lower_case, max_sentences=args.max_sentences, min_count=args.min_count)
     Console().line(f"wrote {vocab.path}: {vocab.size} tokens" + (
         f" of the {args.vocab_size} asked: {vocab.short_because}" if vocab.short_because else ""))
     return 0
@@ -108,6 +108,9 @@ def register(subparsers) -> None:
     train.add_argument("--type", choices=("sentencepiece", "wordpiece"), required=True)
     train.add_argument("--out", required=True)
     train.add_argument("--max-sentences", type=int, default=5_000_000)
+    train.add_argument("--min-count", type=int, default=10,
+                       help="wordpiece: keep only pieces seen at least this often (lower it on a small corpus for a "
+                       "larger vocabulary)")
     train.set_defaults(func=_vocab_train)
 
     corpus = subparsers.add_parser("demo-corpus", help="write the embedded demo corpus (Python's reference "
