@@ -57,6 +57,11 @@ def test_max_steps_ends_the_fine_tune_and_it_reports_what_it_trained(tiny_init, 
     assert re.search(r"trained 7 steps in .*, final epoch loss \d", out), out
 
     metrics = _strict((work / "metrics.json").read_text())
+    # Beside the score, the score of always predicting the most frequent training label (SST-2 here: 80 of each
+    # label, so label 0, "0"; half the 48 dev rows are 0).
+    assert metrics["majority_baseline"] == {"label": "0", "metrics": {"dev": {"accuracy": 0.5}}}
+    assert re.search(r"dev: accuracy=\S+; always predicting the most frequent training label \('0'\): "
+                     r"accuracy=0\.5\n", out), out
     assert metrics["num_train_examples"] == 40 and metrics["num_train_available"] == 160
     assert metrics["total_steps"] == 7 and metrics["epochs"] == pytest.approx(1.4)
     assert [(h["epoch"], h["epoch_fraction"], h["steps"]) for h in metrics["history"]] == [(1, 1.0, 5), (2, 0.4, 7)]

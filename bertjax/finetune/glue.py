@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from bertjax import jsonio
+from bertjax.console import Console, metric_text
 from bertjax.finetune import glue_data, glue_metrics
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.trainer import (
@@ -33,6 +34,18 @@ log = logging.getLogger(__name__)
 
 def predictions_from_logits(task: glue_data.GlueTask, logits: np.ndarray) -> np.ndarray:
     return logits[:, 0] if task.is_regression else np.argmax(logits, axis=-1)
+
+
+def majority_baseline(task: glue_data.GlueTask, features: dict) -> dict | None:
+    """The dev metrics of always predicting the training set's most frequent label (None for regression): what a
+    score must beat before it says the model learned anything (MRPC's all-positive accuracy is 0.684)."""
+    if task.is_regression:
+        return None
+    majority = int(np.argmax(np.bincount(features["train"]["labels"].astype(np.int64))))
+    metrics = {split.name: glue_metrics.compute_metrics(
+        task.name, np.full(len(features[f"dev:{split.name}"]["labels"]), majority),
+        features[f"dev:{split.name}"]["labels"]) for split in task.splits}
+    return {"label": glue_data.label_name(task, majority), "metrics": metrics}
 
 
 def _read_diagnostic(data: str) -> glue_data.Examples | None:
@@ -92,6 +105,10 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     train_info = trainer.train(features["train"], epoch_end=epoch_end if eval_each_epoch else None,
                                workdir=out_dir, evaluate=lambda: flat(evaluate()))
     metrics = evaluate(write_predictions=True)
+    baseline = majority_baseline(task, features)
+    if baseline:
+        Console().line(f"dev: {metric_text(flat(metrics))}; always predicting the most frequent training label "
+                       f"({baseline['label']!r}): {metric_text(flat(baseline['metrics']))}")
     for i, m in enumerate(per_epoch):
         train_info["history"][i]["dev"] = m
     score = float(np.mean([glue_metrics.task_score(task.name, m) for m in metrics.values()]))
@@ -114,7 +131,7 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
                      architecture="BertForSequenceClassification", id2label=id2label)
 
     result = {
-        "task": task.name, "metrics": metrics, "score": score,
+        "task": task.name, "metrics": metrics, "score": score, "majority_baseline": baseline,
         "num_train_examples": train_info.pop("num_train_rows"), "num_train_available": len(splits["train"]),
         "max_seq_length": max_seq_length,
         "settings": dataclasses.asdict(settings), **train_info,
