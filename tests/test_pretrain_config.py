@@ -70,3 +70,22 @@ def test_a_config_with_sizes_written_out_resumes_a_run_saved_without_them():
     bigger["model"]["hidden_size"] = 256
     with pytest.raises(ValueError, match=r"model.hidden_size: 128 -> 256"):
         pretrain_config.check_resume_config(preset.to_dict(), bigger, allow_changes=False, where="ckpt")
+
+
+def test_a_warmup_ratio_follows_the_steps(capsys):
+    """optimizer.warmup_ratio: the warmup is that share of train.steps, so `--set train.steps=10` alone on a preset
+    with a warmup ratio needs no new warmup (bert-tiny's fixed 30 warmup steps refuse it, and say so)."""
+    import json
+
+    from bertjax.cli import main
+    from bertjax.pretraining.optim import OptimizerConfig, make_optimizer
+
+    assert main(["config", "show", "bert-tiny", "--set", "train.steps=10"]) == 2
+    assert "(or set optimizer.warmup_ratio, e.g. 0.1 of the steps)" in capsys.readouterr().err
+    assert main(["config", "show", "bert-tiny", "--set", "train.steps=10", "--set", "optimizer.warmup_ratio=0.1"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer"]["warmup_ratio"] == 0.1
+    # 8 steps at ratio 0.25: 2 warmup steps, then linear decay to 0 at step 8 (hand-computed).
+    _, schedule = make_optimizer(OptimizerConfig(learning_rate=1.0, warmup_steps=10_000, warmup_ratio=0.25), 8)
+    assert [float(schedule(s)) for s in (0, 1, 2, 5, 8)] == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.0])
+    with pytest.raises(ValueError, match=r"warmup_ratio=1.5 must be in \[0, 1\]"):
+        OptimizerConfig(warmup_ratio=1.5)
