@@ -1,4 +1,5 @@
-"""`bertjax finetune glue | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of sentences).
+"""`bertjax finetune glue | classify | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of
+sentences), `predict` (a fine-tuned model on new text).
 
 The flags come from the fields of `bertjax.finetune.settings`; the jobs (JAX, TensorFlow) are imported only when a
 command runs, so `bertjax --help` stays fast.
@@ -11,6 +12,7 @@ from bertjax import jsonio, options
 from bertjax.console import route_logging_to_console
 from bertjax.finetune.glue_data import TASKS
 from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
+from bertjax.finetune.table_data import PROBLEMS
 from bertjax.interop.cli import ANY_CHECKPOINT_HELP
 
 INIT_HELP = ("checkpoint to start from: a bertjax run directory (its newest complete step) or step, an HF model "
@@ -40,6 +42,25 @@ def register(subparsers) -> None:
     glue.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
     _add_train_args(glue, learning_rate=2e-5, batch_size=32, epochs=3.0)
     glue.set_defaults(func=_glue)
+
+    classify = jobs.add_parser(
+        "classify", help="fine-tune a sequence classifier on your own CSV/TSV/JSON Lines/Parquet files "
+                         "(single-label, multi-label or regression); dev metrics and predictions")
+    classify.add_argument("--train", required=True, help="training file: .csv, .tsv, .jsonl or .parquet, local or "
+                                                         "gs://, with a header (CSV/TSV) naming the columns")
+    classify.add_argument("--dev", help="file scored after training (its labels must be among the training file's)")
+    classify.add_argument("--test", help="file to predict (labels not needed)")
+    classify.add_argument("--text-column", default="text")
+    classify.add_argument("--text-pair-column", help="second text of a pair (e.g. NLI's hypothesis)")
+    classify.add_argument("--label-column", default="label")
+    classify.add_argument("--problem", default="single_label_classification", choices=PROBLEMS,
+                          help="multi-label: a list per row (JSON Lines, Parquet) or one string cut at "
+                               "--label-separator; regression: numbers (Pearson/Spearman)")
+    classify.add_argument("--label-separator", default=",", help="multi-label labels given as one string")
+    classify.add_argument("--max-seq-length", type=int, default=128)
+    classify.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
+    _add_train_args(classify, learning_rate=2e-5, batch_size=32, epochs=3.0)
+    classify.set_defaults(func=_classify)
 
     features = jobs.add_parser(
         "features", help="frozen features + scikit-learn logistic regression (C by cross-validation on train); "
@@ -105,6 +126,20 @@ def register(subparsers) -> None:
                        help="print each sentence's nearest neighbour by cosine similarity (cls/mean)")
     embed.set_defaults(func=_embed)
 
+    predict = subparsers.add_parser(
+        "predict", help="a fine-tuned classifier, regressor or token classifier on new text -> JSON Lines (the "
+                        "numbers of transformers' pipeline on its export)")
+    predict.add_argument("--model", required=True, help="fine-tune workdir, exported HF directory or bertjax "
+                                                        "checkpoint with a classifier head")
+    predict.add_argument("--input", default="-", help=".csv, .tsv, .jsonl or .parquet file (local or gs://), or '-' "
+                                                      "(default): one text per line on stdin")
+    predict.add_argument("--output", default="-", help="JSON Lines file, or '-' (default): stdout")
+    predict.add_argument("--text-column", default="text")
+    predict.add_argument("--text-pair-column", help="second text of a pair (sequence classification)")
+    predict.add_argument("--max-seq-length", type=int, default=128)
+    predict.add_argument("--batch-size", type=int, default=64)
+    predict.set_defaults(func=_predict)
+
     evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics")
     evals = evaluate.add_subparsers(dest="job", required=True)
     squad_eval = evals.add_parser("squad", help="the official SQuAD v1.1 / v2.0 evaluation of a predictions file")
@@ -157,6 +192,57 @@ def _embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _predict(args: argparse.Namespace) -> int:
+    import sys
+
+    if args.output == "-":  # stdout holds the JSON Lines alone: progress and notes go to stderr
+        real_stdout, sys.stdout = sys.stdout, sys.stderr
+        try:
+            lines = _predicted_lines(args)
+        finally:
+            sys.stdout = real_stdout
+        sys.stdout.writelines(lines)
+        return 0
+    lines = _predicted_lines(args)
+    from etils import epath
+
+    epath.Path(args.output).write_text("".join(lines), encoding="utf-8")
+    print(f"wrote {args.output}: {len(lines)} rows")
+    return 0
+
+
+def _predicted_lines(args: argparse.Namespace) -> list[str]:
+    """`bertjax predict`'s output lines for its --input (a table file, or stdin lines)."""
+    import sys
+
+    from bertjax.finetune.predict import Predictor
+
+    route_logging_to_console()
+    if args.input == "-":
+        texts, invalid = input_lines(sys.stdin.buffer.read())
+        if invalid:
+            raise ValueError(f"stdin: line {invalid[0]} is not valid UTF-8")
+        wheres, pairs = [f"stdin:{i + 1}" for i in range(len(texts))], None
+        if args.text_pair_column:
+            raise ValueError("--text-pair-column needs an --input file with that column (stdin holds one text a line)")
+    else:
+        from bertjax.finetune.table_data import read_rows
+
+        columns = [args.text_column] + ([args.text_pair_column] if args.text_pair_column else [])
+        rows = read_rows(args.input, columns)
+        for where, row in rows:
+            for column in columns:
+                if not isinstance(row.get(column), str):
+                    raise ValueError(f"{where}: column {column!r} is {row.get(column)!r}; expected a text")
+        wheres = [where for where, _ in rows]
+        texts = [row[args.text_column] for _, row in rows]
+        pairs = [row[args.text_pair_column] for _, row in rows] if args.text_pair_column else None
+    if not texts:
+        raise ValueError(f"--input {args.input} holds no rows")
+    predictor = Predictor(args.model, max_seq_length=args.max_seq_length, batch_size=args.batch_size)
+    return [jsonio.dumps(row, ensure_ascii=False) + "\n" for row in predictor.predict(texts, pairs, wheres)]
+
+
 def input_lines(data: bytes) -> tuple[list[str], list[int]]:
     """The lines of an `embed` input, split at "\\n" only (a Windows "\\r\\n" too): row i of the output is line i,
     whatever else a line holds (U+2028, form feed and NEL, where Python's splitlines() would split, stay inside
@@ -186,6 +272,19 @@ def _say_outputs(workdir: str) -> None:
     Console().line(f"outputs in {workdir}: {', '.join(names)}")
 
 
+def _write_model_cards(workdir: str) -> None:
+    """README.md (the Hub's model card) in each HF directory the run exported: WORKDIR/hf, or one per task of
+    `glue --task all`, from the run's run.json and metrics.json."""
+    from etils import epath
+
+    from bertjax.interop.model_card import write_card
+
+    root = epath.Path(workdir)
+    for run_dir in [root, *(p for p in root.iterdir() if p.is_dir())]:
+        if (run_dir / "hf" / "config.json").exists() and (run_dir / "metrics.json").exists():
+            write_card(str(run_dir / "hf"), str(run_dir), record_dir=workdir)
+
+
 def _owned_run(job):
     """A fine-tune command on the workdir it owns (run_record.py): refused for another run's workdir, resumed for
     its own unfinished one, not rerun when finished; stopped by SIGTERM after saving its state (exit 0)."""
@@ -208,7 +307,9 @@ def _owned_run(job):
                 console.line(f"{args.workdir} already holds this run, completed (its metrics are there); "
                              f"--overwrite runs it again")
                 return 0
-            return job(args)
+            code = job(args)
+            _write_model_cards(args.workdir)
+            return code
         except Preempted as stopped:
             console.line(str(stopped))
             return 0
@@ -234,6 +335,23 @@ def _glue(args: argparse.Namespace) -> int:
     result = glue.run_task(args.task, args.data, args.workdir, settings, init=args.init, **common)
     _say_outputs(args.workdir)
     print(jsonio.dumps({"task": result["task"], "metrics": result["metrics"], "score": result["score"]}))
+    return 0
+
+
+@_owned_run
+def _classify(args: argparse.Namespace) -> int:
+    from bertjax.finetune import classify
+    from bertjax.finetune.table_data import TableSpec
+
+    route_logging_to_console()
+    spec = TableSpec(text_column=args.text_column, text_pair_column=args.text_pair_column,
+                     label_column=args.label_column, problem=args.problem, label_separator=args.label_separator)
+    result = classify.run(args.train, args.workdir, options.from_flags(TrainSettings, args), spec, init=args.init,
+                          dev=args.dev, test=args.test, max_seq_length=args.max_seq_length,
+                          eval_each_epoch=args.eval_each_epoch, save_checkpoint=args.save_checkpoint,
+                          export_hf=args.export_hf)
+    _say_outputs(args.workdir)
+    print(jsonio.dumps({"problem": result["problem"], "labels": result["labels"], "metrics": result["metrics"]}))
     return 0
 
 

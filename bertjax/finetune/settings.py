@@ -34,6 +34,17 @@ class TrainSettings:
     predict_test: bool = option(True, "predict the test split(s) where the data has them (GLUE submission files, "
                                 "NER test.txt, SWAG test.csv); --no-predict-test skips them")
     eval_every: int = option(0, "also record dev metrics every N steps (0: only at the end)")
+    dtype: str = option("float32", "compute dtype of the matmuls: float32 | bfloat16 (mixed precision: float32 "
+                        "master weights and optimizer state; softmax, LayerNorm and losses in float32)")
+    grad_accum_steps: int = option(1, "split each batch into this many micro-batches, their gradients summed into "
+                                   "one update (the same update for 1/N of the activation memory; NER's token "
+                                   "mean is then per micro-batch)")
+    metric_for_best: str = option("", "dev metric as the evaluation names it (e.g. accuracy, f1, macro_f1, "
+                                  "pearson): the params of its best evaluation are kept and exported, not the "
+                                  "last; evaluated every --eval-every steps, else after every epoch. Higher is "
+                                  "better, except for names holding loss, mse or error")
+    early_stopping_patience: int = option(0, "stop after this many evaluations in a row without a better "
+                                          "--metric-for-best (0: never)")
     save_every: int = option(1000, "steps between saves of the training state in WORKDIR/train_state (a rerun of "
                              "the same command resumes from the newest, bit-exactly; SIGTERM saves too); 0: only "
                              "on SIGTERM")
@@ -52,11 +63,26 @@ class TrainSettings:
         for name in ("save_every", "max_steps", "max_train_examples", "max_eval_examples", "eval_every"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("batch_size", "eval_batch_size", "length_bucket", "log_every", "max_consecutive_nonfinite"):
+        if self.dtype not in ("float32", "bfloat16"):
+            problems.append(f"dtype={self.dtype!r} must be float32 or bfloat16")
+        if self.grad_accum_steps >= 1 and self.batch_size % self.grad_accum_steps:
+            problems.append(f"batch_size={self.batch_size} is not divisible by grad_accum_steps="
+                            f"{self.grad_accum_steps}")
+        if self.early_stopping_patience < 0:
+            problems.append(f"early_stopping_patience={self.early_stopping_patience} must be >= 0")
+        if self.early_stopping_patience and not self.metric_for_best:
+            problems.append("early_stopping_patience needs metric_for_best (the metric whose evaluations it counts)")
+        for name in ("batch_size", "eval_batch_size", "length_bucket", "log_every", "max_consecutive_nonfinite",
+                     "grad_accum_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if problems:
             raise ValueError("fine-tuning settings: " + "; ".join(problems))
+
+
+def greater_is_better(metric: str) -> bool:
+    """Whether a higher value of `metric` is the better one (not for losses and errors)."""
+    return not any(word in metric.lower() for word in ("loss", "mse", "error"))
 
 
 @dataclasses.dataclass(frozen=True)

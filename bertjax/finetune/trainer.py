@@ -22,7 +22,7 @@ from bertjax import compile_cache, sharding
 from bertjax.checkpoint import ModelCheckpoint, merge_params, save_model
 from bertjax.console import Console, duration, metric_text
 from bertjax.finetune.run_record import TRAIN_STATE
-from bertjax.finetune.settings import TrainSettings
+from bertjax.finetune.settings import TrainSettings, greater_is_better
 from bertjax.interop.hf import export_hf
 from bertjax.model.bert import init_params
 from bertjax.preemption import PreemptionFlag
@@ -53,19 +53,62 @@ class TrainStateSaver:
         if self.directory.exists():
             self.directory.rmtree()
 
-    def save(self, step: int, params, opt_state) -> None:
-        self.manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                                        opt_state=ocp.args.StandardSave(opt_state)), force=True)
+    def save(self, step: int, params, opt_state, best: "BestTracker | None" = None) -> None:
+        items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state))
+        if best is not None:  # the best evaluation so far: its params (none yet: the current ones) and count
+            items.update(best_params=ocp.args.StandardSave(params if best.params is None else best.params),
+                         best=ocp.args.JsonSave(best.state()))
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         self.manager.wait_until_finished()
 
-    def restore(self, params, opt_state):
-        """(params, opt_state, step) of the newest save, laid out as the given (freshly initialised) ones."""
+    def restore(self, params, opt_state, best: "BestTracker | None" = None):
+        """(params, opt_state, step) of the newest save, laid out as the given (freshly initialised) ones; `best`
+        gets the best evaluation's params and count back."""
         step = self.latest()
         abstract = lambda tree: jax.tree_util.tree_map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract(params)), opt_state=ocp.args.StandardRestore(abstract(opt_state))))
+        items = dict(params=ocp.args.StandardRestore(abstract(params)),
+                     opt_state=ocp.args.StandardRestore(abstract(opt_state)))
+        if best is not None:
+            items.update(best_params=ocp.args.StandardRestore(abstract(params)), best=ocp.args.JsonRestore())
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        if best is not None:
+            best.load(restored["best"], restored["best_params"])
         return restored["params"], restored["opt_state"], step
+
+
+class BestTracker:
+    """The params of the best evaluation by `metric` (a copy on the devices), and the evaluations since it, for
+    --metric-for-best and --early-stopping-patience."""
+
+    def __init__(self, metric: str, patience: int):
+        self.metric, self.patience, self.higher = metric, patience, greater_is_better(metric)
+        self.value, self.step, self.stale, self.params = None, None, 0, None
+
+    def update(self, step: int, metrics: dict, params) -> bool:
+        """Records an evaluation; True when it is the best so far (its params are then kept)."""
+        if self.metric not in metrics:
+            raise ValueError(f"--metric-for-best {self.metric!r} is not among the evaluation's metrics "
+                             f"{sorted(metrics)}")
+        value = float(metrics[self.metric])
+        better = self.value is None or (value > self.value if self.higher else value < self.value)
+        if better:
+            self.value, self.step, self.stale = value, step, 0
+            self.params = jax.tree_util.tree_map(jnp.copy, params)  # the training step donates its params
+        else:
+            self.stale += 1
+        return better
+
+    @property
+    def should_stop(self) -> bool:
+        return bool(self.patience) and self.stale >= self.patience
+
+    def state(self) -> dict:
+        return {"value": self.value, "step": self.step, "stale": self.stale}
+
+    def load(self, state: dict, params) -> None:
+        self.value, self.step, self.stale = state["value"], state["step"], state["stale"]
+        self.params = params if self.step is not None else None
 
 
 class Trainer:
@@ -73,15 +116,20 @@ class Trainer:
 
     def __init__(self, module: nn.Module, config, pretrained_params: dict, loss_fn: Callable, settings: TrainSettings,
                  source: str = "checkpoint", mesh=None):
+        if settings.dtype != config.dtype:  # mixed precision: bfloat16 matmuls, the params stay float32
+            config = config.replace(dtype=settings.dtype)
+            module = module.clone(config=config)
         self.module, self.config, self.settings, self.loss_fn = module, config, settings, loss_fn
         # Before the steps compile: a rerun (another seed, a restarted job) reads them back.
         compile_cache.enable(settings.compilation_cache_dir, key="compilation_cache_dir")
         self.mesh = mesh or sharding.make_mesh()
         n_data = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        for name in ("batch_size", "eval_batch_size"):
-            if getattr(settings, name) % n_data:
+        for name, rows in (("batch_size", settings.batch_size // settings.grad_accum_steps),
+                           ("eval_batch_size", settings.eval_batch_size)):
+            if rows % n_data:
                 raise ValueError(f"{name}={getattr(settings, name)} is not divisible by the {n_data} data-parallel "
-                                 "devices")
+                                 "devices" + (f" times grad_accum_steps={settings.grad_accum_steps}"
+                                              if name == "batch_size" and settings.grad_accum_steps > 1 else ""))
         key = jax.random.PRNGKey(settings.seed)
         self.init_key, self.dropout_key = jax.random.split(key)
         # Outside the mesh: the dummy init batch of 1 row cannot be split over the data axis.
@@ -113,11 +161,33 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- training
 
-    def _loss(self, params, batch, rng):
+    def _loss(self, params, batch, rng, total_weight=None):
+        """The weighted mean loss of `batch`, or (a micro-batch's) weighted sum over `total_weight`."""
         outputs = self.module.apply({"params": params}, batch["input_ids"], batch["input_mask"],
                                     batch["segment_ids"], deterministic=False, rngs={"dropout": rng})
         per_example = self.loss_fn(outputs, batch)
-        return jnp.sum(per_example * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+        if total_weight is None:
+            total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+        return jnp.sum(per_example * batch["weights"]) / total_weight
+
+    def _loss_and_grads(self, params, batch, rng):
+        """The batch's loss and gradient, over settings.grad_accum_steps micro-batches (summed in a scan)."""
+        accum = self.settings.grad_accum_steps
+        if accum == 1:
+            return jax.value_and_grad(self._loss)(params, batch, rng)
+        total = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+        # Rows j*accum + i form micro-batch i, so every device holds an equal share of each (as in pretraining).
+        micro_batches = jax.tree_util.tree_map(
+            lambda x: jnp.swapaxes(x.reshape((x.shape[0] // accum, accum) + x.shape[1:]), 0, 1), batch)
+
+        def body(carry, inputs):
+            index, micro = inputs
+            loss, grads = jax.value_and_grad(self._loss)(params, micro, jax.random.fold_in(rng, index), total)
+            return jax.tree_util.tree_map(jnp.add, carry, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree_util.tree_map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro_batches))
+        return loss, grads
 
     def train(self, arrays: dict[str, np.ndarray], epoch_end: Callable[[int, float], dict | None] | None = None,
               workdir: str | None = None, evaluate: Callable[[], dict] | None = None) -> dict:
@@ -144,9 +214,12 @@ class Trainer:
             learning_rate=s.learning_rate, warmup_steps=warmup, weight_decay=s.weight_decay,
             clip_norm=s.max_grad_norm), total_steps)
         console = Console()
+        best = BestTracker(s.metric_for_best, s.early_stopping_patience) if s.metric_for_best else None
+        if best is not None and evaluate is None:
+            raise ValueError(f"--metric-for-best {s.metric_for_best}: this run has no dev set to evaluate")
 
         def step(params, opt_state, batch, rng):
-            loss, grads = jax.value_and_grad(self._loss)(params, batch, rng)
+            loss, grads = self._loss_and_grads(params, batch, rng)
             finite = jnp.isfinite(optax.tree.norm(grads))
 
             def update(params, opt_state):
@@ -169,11 +242,11 @@ class Trainer:
             states = TrainStateSaver(workdir) if workdir is not None else None
             params, step_index = self.params, 0
             if states is not None and states.latest() is not None:
-                params, opt_state, step_index = states.restore(params, opt_state)
+                params, opt_state, step_index = states.restore(params, opt_state, best)
                 console.line(f"resumed from {states.directory}/{step_index} (step {step_index} of {total_steps})")
             writer = MetricsWriter(workdir or "", total_steps, enabled=workdir is not None, console=console,
                                    start_step=step_index)
-            history, resumed_at = [], step_index
+            history, resumed_at, stopped_early = [], step_index, False
             nonfinite_total, nonfinite_run = 0, 0
             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
             console.start_progress(total_steps, initial=step_index)
@@ -227,18 +300,29 @@ class Trainer:
                             writer.console(step_index, values,
                                            keys=("epoch", "loss", "learning_rate", "examples_per_s"))
                             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
-                        if evaluate and s.eval_every and step_index % s.eval_every == 0:
+                        # --metric-for-best without --eval-every: an evaluation at each epoch's last step (before
+                        # a save of that step, so that a resumed run has it too).
+                        if evaluate and (s.eval_every and step_index % s.eval_every == 0 or best is not None and
+                                         not s.eval_every and (step_index % steps_per_epoch == 0
+                                                               or step_index == total_steps)):
                             self.params = params
                             evaluated = evaluate()
                             writer.write(step_index, evaluated, prefix="eval_")
                             console.line(f"eval at step {step_index}: {metric_text(evaluated)}")
+                            if best is not None and best.update(step_index, evaluated, params):
+                                console.line(f"best {best.metric} so far: {best.value:.4f} (step {step_index})")
+                            stopped_early = best is not None and best.should_stop and step_index < total_steps
                         if states is not None and (preemption.requested or (
                                 s.save_every and step_index % s.save_every == 0 and step_index < total_steps)):
-                            states.save(step_index, params, opt_state)
+                            states.save(step_index, params, opt_state, best)
                             if preemption.requested:
                                 raise Preempted(f"stopped by a signal at step {step_index} of {total_steps}, "
                                                 f"its training state saved in {states.directory}: rerun the same "
                                                 f"command to resume")
+                        if stopped_early:
+                            console.line(f"early stopping at step {step_index}: {best.stale} evaluations without a "
+                                         f"better {best.metric} (best {best.value:.4f} at step {best.step})")
+                            break
                     self.params = params
                     if step_index == first_step:  # resumed at this epoch's end: it trained nothing in this run
                         continue
@@ -258,12 +342,18 @@ class Trainer:
                         if evaluated:
                             writer.write(step_index, evaluated, prefix="eval_")
                             console.line(f"eval after epoch {epoch + 1}: {metric_text(evaluated)}")
+                    if stopped_early:
+                        break
             finally:
                 preemption.restore()
                 console.close_progress()
                 writer.close()
         if states is not None:  # trained: the state only a resume needed goes (a BERT-large one is 4 GB)
             states.remove()
+        if best is not None and best.params is not None:  # what the job evaluates and exports from here on
+            self.params = best.params
+            console.line(f"kept the params of the best evaluation: {best.metric} {best.value:.4f} at step "
+                         f"{best.step} of {step_index}")
         ran = step_index - resumed_at
         if ran and nonfinite_total == ran:  # nothing learned: a score now would be the untrained head's
             raise TooManyNonFiniteSteps(
@@ -278,7 +368,9 @@ class Trainer:
         else:
             console.line(f"nothing left to train: resumed at step {step_index} of {total_steps}")
         return {"total_steps": total_steps, "warmup_steps": warmup, "epochs": epochs, "num_train_rows": n,
-                "history": history, "nonfinite_steps": nonfinite_total}
+                "history": history, "nonfinite_steps": nonfinite_total, "steps_run": step_index,
+                "stopped_early": stopped_early,
+                **({"best": {"metric": best.metric, **best.state()}} if best is not None else {})}
 
     # ------------------------------------------------------------------------------------------- inference
 
@@ -352,6 +444,8 @@ def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_che
         head = {"architecture": architecture}
         if hf_config.get("id2label"):  # regression (STS-B) has none
             head["id2label"] = {str(i): label for i, label in hf_config["id2label"].items()}
+        if hf_config.get("problem_type"):
+            head["problem_type"] = hf_config["problem_type"]
         save_model(str(target), params, init.config, init.vocab, init.lower_case, head=head)
     if hf:
         export_hf(params, init.config, init.vocab, str(epath.Path(out_dir) / "hf"), lower_case=init.lower_case,

@@ -62,6 +62,7 @@ def _export(args: argparse.Namespace) -> int:
     from bertjax.checkpoint import resolve_checkpoint
     from bertjax.interop.hf import export_hf
     from bertjax.interop.load import load_pretrained
+    from bertjax.interop.model_card import write_card
 
     if epath.Path(args.out).exists():
         raise ValueError(f"--out {args.out} already exists; choose a new directory")
@@ -70,8 +71,13 @@ def _export(args: argparse.Namespace) -> int:
     head = loaded.head or {}  # a fine-tune job's class and labels; otherwise inferred from the tensors held
     id2label = {int(i): label for i, label in head["id2label"].items()} if "id2label" in head else None
     architecture = export_hf(loaded.params, loaded.config, loaded.vocab, args.out, lower_case=loaded.lower_case,
-                             architecture=head.get("architecture"), id2label=id2label)
-    print(f"wrote {args.out} as {architecture} (from {source})")
+                             architecture=head.get("architecture"), id2label=id2label,
+                             problem_type=head.get("problem_type"))
+    # A fine-tune job's checkpoint sits in its workdir (<workdir>/checkpoint), beside the run's records.
+    run_dir = epath.Path(source).parent
+    card = write_card(args.out, str(run_dir) if (run_dir / "metrics.json").exists() else None,
+                      base=None if (run_dir / "metrics.json").exists() else source)
+    print(f"wrote {args.out} as {architecture} (from {source}), model card {card}")
     if "span_boundary" in loaded.params:
         from bertjax.interop.names import SBO_FILE
 

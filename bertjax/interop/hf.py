@@ -107,6 +107,8 @@ def hf_head(directory: str) -> dict | None:
     head = {"architecture": architecture}
     if architecture in FINE_TUNED_HEADS[:2] and config.get("id2label"):
         head["id2label"] = {str(k): v for k, v in config["id2label"].items()}
+    if architecture == "BertForSequenceClassification" and config.get("problem_type"):
+        head["problem_type"] = config["problem_type"]
     return head
 
 
@@ -135,8 +137,11 @@ def _readable_as_umask_allows(path: epath.Path) -> None:
 
 
 def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: str, lower_case: bool = True,
-              architecture: str | None = None, id2label: dict[int, str] | None = None) -> str:
-    """Writes an HF directory for `params`; returns the architecture written (inferred from the heads held)."""
+              architecture: str | None = None, id2label: dict[int, str] | None = None,
+              problem_type: str | None = None) -> str:
+    """Writes an HF directory for `params`; returns the architecture written (inferred from the heads held).
+    `problem_type` (a sequence classifier's; default regression for one output, else single-label) tells
+    transformers' pipeline which activation the scores take (multi-label: sigmoid)."""
     architecture = architecture or _architecture(params)
     tensors = convert.tensors_from_params(params, config, "hf")
     # Not part of any HF BERT architecture: kept out of model.safetensors (no unexpected keys on load).
@@ -154,7 +159,8 @@ def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: st
         extra = dict(num_labels=num_labels, id2label={str(i): l for i, l in labels.items()},
                      label2id={l: i for i, l in labels.items()})
         if architecture == "BertForSequenceClassification":
-            extra["problem_type"] = "regression" if num_labels == 1 else "single_label_classification"
+            extra["problem_type"] = problem_type or (
+                "regression" if num_labels == 1 else "single_label_classification")
     files = _hf_files(tensors, sbo, config.to_hf_dict(architecture, **extra), vocab, lower_case,
                       config.max_position_embeddings)
     out = epath.Path(out_dir)

@@ -1,0 +1,186 @@
+"""A user's own labelled text: CSV, TSV, JSON Lines or Parquet files (local or gs://) -> GLUE-style `Examples`.
+
+Each row is told by where it is (`file:line` for the text formats, `file: row N` for Parquet), so a bad one (no text,
+a label the training file never had, a non-numeric regression label) is a ValueError naming file, line and column.
+Label names stay as given: the label set is the training file's, sorted (numerically where every name is a number),
+and it becomes config.json's id2label. Three problems, named as transformers' `problem_type` spells them:
+single-label classification (label ids), multi-label (a JSON/Parquet list or one string cut at a separator; a
+0/1 matrix) and regression (floats).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+import sys
+
+import numpy as np
+from etils import epath
+
+from bertjax.finetune.glue_data import Examples
+
+PROBLEMS = ("single_label_classification", "multi_label_classification", "regression")
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """Which columns hold what, and what the label is."""
+    text_column: str = "text"
+    text_pair_column: str | None = None
+    label_column: str = "label"
+    problem: str = "single_label_classification"
+    label_separator: str = ","  # multi-label labels given as one string
+
+    def __post_init__(self):
+        if self.problem not in PROBLEMS:
+            raise ValueError(f"unknown problem {self.problem!r}; expected one of {', '.join(PROBLEMS)}")
+
+
+def file_format(path: str) -> str:
+    """csv | tsv | jsonl | parquet, from the file name's suffix."""
+    suffix = epath.Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        raise ValueError(f"{path}: unknown table format {suffix or '(no suffix)'!r}; expected one of "
+                         f"{', '.join(FORMATS)}")
+    return FORMATS[suffix]
+
+
+def read_rows(path: str, columns: list[str]) -> list[tuple[str, dict]]:
+    """(where, {column: value}) for every data row of `path`; `where` is `file:line` (`file: row N` for Parquet).
+    A column of `columns` the file lacks is an error naming the columns it has."""
+    kind = file_format(path)
+    source = epath.Path(path)
+    if not source.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        with source.open("rb") as f:
+            table = pq.read_table(f)
+        _check_columns(path, table.column_names, columns)
+        values = table.select(columns).to_pylist()
+        return [(f"{path}: row {i + 1}", row) for i, row in enumerate(values)]
+    text = source.read_text(encoding="utf-8-sig")
+    if kind == "jsonl":
+        rows, seen = [], set()
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not a JSON object ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+            seen |= set(row)
+            rows.append((f"{path}:{number}", row))
+        _check_columns(path, sorted(seen), columns)
+        return rows
+    csv.field_size_limit(sys.maxsize)
+    # TSV: no quoting (sentences hold unbalanced quotes; a tab never sits inside a field), as GLUE's files.
+    dialect = dict(delimiter="\t", quoting=csv.QUOTE_NONE) if kind == "tsv" else {}
+    reader = csv.reader(io.StringIO(text, newline=""), **dialect)
+    header = next(reader, None)
+    if header is None:
+        raise ValueError(f"{path}: empty file (a header line naming the columns is expected)")
+    _check_columns(path, header, columns)
+    rows, line = [], reader.line_num + 1
+    for fields in reader:
+        if fields:  # a blank line is no row
+            if len(fields) != len(header):
+                raise ValueError(f"{path}:{line}: {len(fields)} fields, the header has {len(header)}")
+            rows.append((f"{path}:{line}", dict(zip(header, fields))))
+        line = reader.line_num + 1  # a quoted field may span lines: the next row starts after this one
+    return rows
+
+
+def _check_columns(path: str, have, wanted: list[str]) -> None:
+    missing = [c for c in wanted if c not in have]
+    if missing:
+        raise ValueError(f"{path}: no column {', '.join(map(repr, missing))}; it has {', '.join(map(repr, have))}")
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value)) or (isinstance(value, str)
+                                                                                   and not value.strip())
+
+
+def _text(where: str, row: dict, column: str) -> str:
+    value = row.get(column)
+    if _missing(value):
+        raise ValueError(f"{where}: column {column!r} is empty; expected the text")
+    return str(value)
+
+
+def _label_names(spec: TableSpec, where: str, value) -> list[str]:
+    """The label names of one row (one for single-label)."""
+    if spec.problem == "multi_label_classification":
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return []
+        items = value if isinstance(value, (list, tuple, np.ndarray)) else str(value).split(spec.label_separator)
+        return [str(item).strip() for item in items if str(item).strip()]
+    if _missing(value):
+        raise ValueError(f"{where}: column {spec.label_column!r} is empty; expected a label")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # a Parquet/JSON 1.0 is the label "1"
+    return [str(value)]
+
+
+def _regression_value(spec: TableSpec, where: str, value) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: column {spec.label_column!r} is {value!r}, not a number (regression labels "
+                         f"are numbers)") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{where}: column {spec.label_column!r} is {value!r}, not a finite number")
+    return number
+
+
+def label_order(names) -> list[str]:
+    """The label set in id order: numeric where every name is a number ("2" before "10"), else by name."""
+    names = sorted(set(names))
+    try:
+        return sorted(names, key=float)
+    except ValueError:
+        return names
+
+
+def read_split(path: str, spec: TableSpec, labels: list[str] | None = None,
+               with_labels: bool = True) -> tuple[Examples, list[str] | None]:
+    """One file as Examples (guids are its `where`s) and the label names in id order: found here when `labels` is
+    None (the training file), else `labels`, and a label outside them is an error. `with_labels=False` (a test
+    file) reads the texts only."""
+    columns = [spec.text_column] + ([spec.text_pair_column] if spec.text_pair_column else [])
+    rows = read_rows(path, columns + ([spec.label_column] if with_labels else []))
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    wheres = [where for where, _ in rows]
+    text_a = [_text(where, row, spec.text_column) for where, row in rows]
+    text_b = [_text(where, row, spec.text_pair_column) for where, row in rows] if spec.text_pair_column else None
+    if not with_labels:
+        return Examples(wheres, text_a, text_b, None), labels
+    raw = [row.get(spec.label_column) for _, row in rows]
+    if spec.problem == "regression":
+        values = np.asarray([_regression_value(spec, where, v) for where, v in zip(wheres, raw)], np.float32)
+        return Examples(wheres, text_a, text_b, values), None
+    per_row = [_label_names(spec, where, v) for where, v in zip(wheres, raw)]
+    if labels is None:
+        labels = label_order(name for names in per_row for name in names)
+        if not labels:
+            raise ValueError(f"{path}: column {spec.label_column!r} holds no labels")
+    ids = {name: i for i, name in enumerate(labels)}
+    for where, names in zip(wheres, per_row):
+        for name in names:
+            if name not in ids:
+                raise ValueError(f"{where}: column {spec.label_column!r}: label {name!r} is not among the training "
+                                 f"file's labels {labels}")
+    if spec.problem == "multi_label_classification":
+        matrix = np.zeros((len(rows), len(labels)), np.float32)
+        for i, names in enumerate(per_row):
+            matrix[i, [ids[name] for name in names]] = 1.0
+        return Examples(wheres, text_a, text_b, matrix), labels
+    return Examples(wheres, text_a, text_b, np.asarray([ids[names[0]] for names in per_row], np.int32)), labels
