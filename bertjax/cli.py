@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full argument parser with every registered subcommand; every command shows its defaults in --help
     and takes --verbose."""
     parser = argparse.ArgumentParser(prog="bertjax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=version_line())
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
@@ -54,6 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--verbose", action="store_true",
                                  help="also show TensorFlow's and XLA's native start-up log lines")
     return parser
+
+
+def version_line() -> str:
+    """`bertjax 0.1.0 (jax 0.10.2, Python 3.11.9) at /path/to/bertjax`: the installed version and where it runs from
+    (an editable install and a checkout on PYTHONPATH can differ), without importing JAX."""
+    import importlib.metadata
+
+    def installed(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    return f"bertjax {installed('bertjax')} (jax {installed('jax')}, Python {sys.version.split()[0]}) at {here}"
 
 
 def walk_commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

@@ -60,12 +60,17 @@ def parse_value(raw: str, hint: Any, key: str) -> Any:
     try:
         value = ast.literal_eval(raw.replace("_", "") if kind in (int, float) else raw)
     except (ValueError, SyntaxError):
-        raise ValueError(f"{key}={raw}: expected a {kind.__name__}") from None
+        raise ValueError(f"{key}={raw}: expected {_a(kind.__name__)}") from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise ValueError(f"{key}={raw}: expected a {kind.__name__}, got {type(value).__name__}")
+        raise ValueError(f"{key}={raw}: expected {_a(kind.__name__)}, got {type(value).__name__}")
     return value
+
+
+def _a(noun: str) -> str:
+    """`an int`, `a float`."""
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def dotted_keys(cls: type, prefix: str = "") -> list[str]:
@@ -108,7 +113,7 @@ def from_config_dict(cls: type, values: Any, prefix: str = "") -> Any:
         if dataclasses.is_dataclass(hint):
             value = from_config_dict(hint, value, f"{prefix}{name}.")
         elif not _fits(hint, value):  # a config file's value of another type (`"steps": "ten"`), named by its key
-            raise ValueError(f"{prefix}{name}={value!r}: expected {hint.__name__}")
+            raise ValueError(f"{prefix}{name}={value!r}: expected {_a(hint.__name__)}")
         kwargs[name] = value
     return cls(**kwargs)
 
@@ -160,7 +165,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, exclude: Iterable[s
             continue
         kind, nullable = _base_type(_hints(cls)[field.name])
         default = defaults.get(field.name, field.default)
-        spellings = [flag_name(field.name), *field.metadata.get("flags", ())]
+        # Once each: a field's extra spelling may be its own name's (--text-field twice in --help otherwise).
+        spellings = list(dict.fromkeys([flag_name(field.name), *field.metadata.get("flags", ())]))
         help_text = field.metadata.get("help", "")
         # argparse %-formats help strings ("50%" would break); the default is shown by the help formatter.
         common = dict(dest=field.name, help=help_text.replace("%", "%%"))

@@ -32,7 +32,7 @@ def test_wordpiece_vocab_train(texts, tmp_path, capsys):
     # 3000 sentences of one play hold fewer frequent word pieces than asked: the closing line says so, and why.
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert len(vocab) < 1500
-    assert f"vocab.txt: {len(vocab)} tokens of the 1500 asked" in line and "seen at least 10 times" in line, line
+    assert f"vocab.txt: {len(vocab)} tokens of the 1500 asked: limited by --min-count 10" in line, line
     assert re.match(r"\d\d:\d\d:\d\d wrote ", line), line  # timestamped like every job's lines
     assert vocab[:5] == RESERVED and len(vocab) == len(set(vocab)) and len(vocab) > 500
     assert any(t.startswith("##") for t in vocab)
@@ -93,3 +93,21 @@ def test_bad_vocab_arguments(texts, tmp_path, capsys, argv, message):
     train, _ = texts
     assert bertjax_main(["vocab", "train", "--input", str(train), "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_wordpiece_min_count_steers_the_vocabulary_size(texts, tmp_path, capsys):
+    """The same 3000 sentences: pieces seen twice or more are many more than those seen 10 times or more."""
+    train, _ = texts
+    sizes = {}
+    for min_count in (10, 2):
+        out = tmp_path / f"wp{min_count}"
+        assert bertjax_main(["vocab", "train", "--input", str(train), "--format", "wrapped", "--vocab-size", "8000",
+                             "--type", "wordpiece", "--out", str(out), "--max-sentences", "3000",
+                             "--min-count", str(min_count)]) == 0
+        sizes[min_count] = len((out / "vocab.txt").read_text(encoding="utf-8").splitlines())
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert f"{sizes[min_count]} tokens of the 8000 asked: limited by --min-count {min_count}" in line, line
+    assert sizes[2] > 1.5 * sizes[10], sizes
+    assert bertjax_main(["vocab", "train", "--input", str(train), "--vocab-size", "100", "--type", "wordpiece",
+                         "--out", str(tmp_path / "bad"), "--min-count", "0"]) == 2
+    assert "--min-count 0: expected a count >= 1" in capsys.readouterr().err

@@ -229,7 +229,7 @@ def test_a_fine_tune_can_be_made_small_and_says_how_its_evaluation_goes(tiny_ini
                  "--max-steps", "3", "--log-every", "1", "--eval-batch-size", "16", "--eval-every", "2",
                  "--max-eval-examples", "20"]) == 0
     out = capsys.readouterr().out
-    assert "training: 40 examples, 3 steps of 8" in out  # 160 rows, 3 epochs asked
+    assert "training: 40 examples (a seeded subset of 160), 3 steps of 8 = 0.6 epochs (--max-steps 3; 3 asked)" in out
     records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], "eval_accuracy" in r) for r in records] == [(1, False), (2, False), (2, True), (3, False)]
     assert re.search(r"eval at step 2: accuracy=\S+", out), out

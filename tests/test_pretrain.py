@@ -205,6 +205,7 @@ def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, packing):
     assert "preempted at step" in output
     stopped_at = int(output.split("preempted at step ")[1].split("/")[0])
     assert 20 <= stopped_at < STEPS
+    assert f"rerun the same command to resume from step {stopped_at}\n" in output, output[-3000:]
     _run(_argv(workdir, corpus, *extra))
     expected, resumed = _losses(uninterrupted), _losses(workdir)
     assert [resumed[s] for s in range(21, STEPS + 1)] == [expected[s] for s in range(21, STEPS + 1)]

@@ -22,8 +22,8 @@ def test_presets_load_and_overrides_apply():
 @pytest.mark.parametrize("override,message", [
     ("train.stepz=5", "train.stepz: unknown config key"),
     ("bogus.steps=5", "bogus.steps: unknown config key"),
-    ("train.steps=five", "train.steps=five: expected a int"),
-    ("train.steps=2.5", "expected a int, got float"),
+    ("train.steps=five", "train.steps=five: expected an int"),
+    ("train.steps=2.5", "expected an int, got float"),
     ("data.whole_word_masking=maybe", "expected a boolean"),
     ("train.steps", "expected KEY=VALUE"),
     # Out-of-range values that used to train (a negative learning rate made the loss rise).
@@ -81,8 +81,27 @@ def test_a_config_file_value_of_another_type_is_named_by_its_key(tmp_path):
     written = good.to_dict()
     written["train"]["steps"] = "ten"
     (tmp_path / "config.json").write_text(json.dumps(written))
-    with pytest.raises(ValueError, match=rf"^{tmp_path}/config\.json: train\.steps='ten': expected int$"):
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/config\.json: train\.steps='ten': expected an int$"):
         load_config(str(tmp_path / "config.json"))
     written["train"]["steps"], written["optimizer"]["learning_rate"] = 100, 1  # an int where a float goes is fine
     (tmp_path / "config.json").write_text(json.dumps(written))
     assert load_config(str(tmp_path / "config.json")).optimizer.learning_rate == 1
+
+
+def test_a_warmup_ratio_follows_the_steps(capsys):
+    """optimizer.warmup_ratio: the warmup is that share of train.steps, so `--set train.steps=10` alone on a preset
+    with a warmup ratio needs no new warmup (bert-tiny's fixed 30 warmup steps refuse it, and say so)."""
+    import json
+
+    from bertjax.cli import main
+    from bertjax.pretraining.optim import OptimizerConfig, make_optimizer
+
+    assert main(["config", "show", "bert-tiny", "--set", "train.steps=10"]) == 2
+    assert "(or set optimizer.warmup_ratio, e.g. 0.1 of the steps)" in capsys.readouterr().err
+    assert main(["config", "show", "bert-tiny", "--set", "train.steps=10", "--set", "optimizer.warmup_ratio=0.1"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer"]["warmup_ratio"] == 0.1
+    # 8 steps at ratio 0.25: 2 warmup steps, then linear decay to 0 at step 8 (hand-computed).
+    _, schedule = make_optimizer(OptimizerConfig(learning_rate=1.0, warmup_steps=10_000, warmup_ratio=0.25), 8)
+    assert [float(schedule(s)) for s in (0, 1, 2, 5, 8)] == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.0])
+    with pytest.raises(ValueError, match=r"warmup_ratio=1.5 must be in \[0, 1\]"):
+        OptimizerConfig(warmup_ratio=1.5)

@@ -1,5 +1,6 @@
 """The README's whole path (corpus -> vocab -> shards -> pretrain -> export -> GLUE fine-tune) run literally: the
-bash block after `<!-- the-whole-path -->`, in a fresh directory, at tiny sizes through the variables it documents."""
+bash block after `<!-- the-whole-path -->`, in a fresh directory, at tiny sizes through the variables it documents;
+then (slow) the fine-tune and `launch local` examples, as written, on what it built."""
 import json
 import os
 import pathlib
@@ -7,28 +8,78 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO_ROOT
+
+
+def readme_blocks(marker: str) -> list[str]:
+    """The bash blocks that follow the README's `<!-- MARKER -->` markers, in order."""
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    found = re.findall(rf"<!-- {marker} -->\n```bash\n(.*?)\n```", readme, re.S)
+    assert found, f"README.md has no bash block after <!-- {marker} -->"
+    return found
 
 
 def readme_path_block() -> str:
     """The bash block that follows the README's `<!-- the-whole-path -->` marker."""
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    found = re.search(r"<!-- the-whole-path -->\n```bash\n(.*?)\n```", readme, re.S)
-    assert found, "README.md has no bash block after <!-- the-whole-path -->"
-    return found.group(1)
+    [block] = readme_blocks("the-whole-path")
+    return block
 
 
-def test_the_readme_path_runs_literally(shared_data, tmp_path):
+def _head(source: pathlib.Path, target: pathlib.Path, lines: int, *, blank_line_end: bool = False) -> None:
+    """The first `lines` lines of a real data file (with blank_line_end: on to the end of the sentence)."""
+    kept = []
+    with open(source, encoding="utf-8") as f:
+        for line in f:
+            if len(kept) >= lines and (not blank_line_end or not line.strip()):
+                break
+            kept.append(line)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("".join(kept), encoding="utf-8")
+
+
+def _fine_tune_inputs(shared_data: pathlib.Path, root: pathlib.Path) -> None:
+    """The fine-tune examples' inputs under the README's names, cut from the real data to a few hundred rows."""
+    for split, rows in (("train", 200), ("dev", 64), ("test", 32)):
+        _head(shared_data / "glue" / "RTE" / f"{split}.tsv", root / "glue_data" / "RTE" / f"{split}.tsv", 1 + rows)
+    for split, lines in (("train", 1500), ("valid", 400), ("test", 400)):
+        _head(shared_data / "conll2003" / f"{split}.txt", root / "conll2003" / f"{split}.txt", lines,
+              blank_line_end=True)
+    for name in ("train-v2.0.json", "dev-v2.0.json"):  # the one SQuAD 2.0 sample here: trained and predicted on
+        (root / name).write_bytes((shared_data / "squad" / "sample-dev-v2.0.json").read_bytes())
+
+
+def _strict(text: str):
+    """JSON as a strict parser reads it (NaN / Infinity are errors)."""
+    return json.loads(text, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(f"not JSON: {name}")))
+
+
+@pytest.fixture(scope="module")
+def path_run(shared_data, tmp_path_factory):
+    """The path block run once in a fresh directory: (directory, environment, its stdout)."""
+    root = tmp_path_factory.mktemp("readme")
     # The console script of this interpreter's environment, as a user's shell would find it after `make install`.
     bin_dir = pathlib.Path(sys.executable).parent
     env = dict(os.environ, STEPS="20", EPOCHS="0.01", GLUE_DIR=str(shared_data / "glue"), JAX_PLATFORMS="cpu",
                PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     script = "set -euo pipefail\n" + readme_path_block()
-    result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+    result = subprocess.run(["bash", "-c", script], cwd=root, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return root, env, result.stdout
+
+
+def _run_block(block: str, root: pathlib.Path, env: dict) -> None:
+    result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=root, env=env, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, block + "\n" + result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_the_readme_path_runs_literally(path_run):
+    tmp_path, _, stdout = path_run
     # The shards' shapes came from their metadata (bert-tiny's preset asks for 128 / 20).
-    assert "from the shards' metadata: data.max_seq_length=64, data.max_predictions_per_seq=10\n" in result.stdout
+    assert "from the shards' metadata: data.max_seq_length=64, data.max_predictions_per_seq=10\n" in stdout
     # Each step consumed the one before: the shards' vocab, the run's 20 steps, the export, the fine-tune's score.
     vocab = (tmp_path / "vocab" / "vocab.txt").read_text(encoding="utf-8").splitlines()
     metadata = json.loads(next((tmp_path / "records").glob("*.json")).read_text())
@@ -38,3 +89,30 @@ def test_the_readme_path_runs_literally(shared_data, tmp_path):
     assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "vocab.txt").exists()
     mrpc = json.loads((tmp_path / "runs/mrpc/metrics.json").read_text())
     assert "f1" in json.dumps(mrpc) and "accuracy" in json.dumps(mrpc)
+
+
+@pytest.mark.slow  # ~4 minutes here beside the path's 3
+def test_the_readme_examples_run_as_written_on_what_the_path_built(shared_data, path_run):
+    """The fine-tune examples and the `launch local` example, each block after its marker, as written."""
+    tmp_path, env, _ = path_run
+    _fine_tune_inputs(shared_data, tmp_path)
+    # On this machine's one CPU device, as a user's shell has it (the suite's 8 forced devices would refuse SQuAD's
+    # default batch of 12).
+    user_env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
+    for block in readme_blocks("the-fine-tune-examples"):
+        _run_block(block, tmp_path, user_env)
+    rte = _strict((tmp_path / "runs/rte/metrics.json").read_text())
+    assert 0 <= rte["metrics"]["dev"]["accuracy"] <= 1 and rte["num_train_examples"] == 200
+    assert len((tmp_path / "runs/rte/RTE.tsv").read_text().splitlines()) == 1 + 32
+    squad = _strict((tmp_path / "runs/squad2/metrics.json").read_text())
+    assert "exact" in json.dumps(squad) and (tmp_path / "runs/squad2/null_odds.json").exists()
+    ner = _strict((tmp_path / "runs/ner/metrics.json").read_text())
+    assert 0 <= ner["metrics"]["valid"]["overall"]["f1"] <= 1
+    assert (tmp_path / "runs/ner/hf/config.json").exists() and (tmp_path / "runs/ner/checkpoint").is_dir()
+
+    # 2 processes, each on its own shard of the records the block writes.
+    [block] = readme_blocks("the-launch-local-example")
+    _run_block(block, tmp_path, user_env)
+    assert (tmp_path / "runs/mp/COMPLETED").exists()
+    steps = [json.loads(line).get("step") for line in (tmp_path / "runs/mp/metrics.jsonl").read_text().splitlines()]
+    assert max(s for s in steps if s is not None) == 100

@@ -2,6 +2,7 @@
 devices) on this CPU machine; fit, FLOPs and cost figures."""
 import functools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -119,6 +120,10 @@ def test_a_state_over_hbm_exits_1_with_the_size_and_no_accumulation_helps(capsys
             "--fit-batch"]
     assert bertjax_main(args) == 1
     captured = capsys.readouterr()
+    # Said before and timed after: the compile and the --fit-batch search.
+    assert re.search(r"compiling bert-tiny's train step for v5e:2x2 with XLA:TPU .*\n.*compiled in \S+\n.*"
+                     r"--fit-batch: compiling with more gradient accumulation steps until the step fits \.\.\.\n"
+                     r".*--fit-batch: searched in \S+\n", captured.out), captured.out
     assert "DOES NOT FIT" in captured.out
     assert "does not fit HBM" in captured.err and "no grad_accum_steps fits either" in captured.err
     over = float(captured.err.split("HBM: ")[1].split(" GiB")[0])
@@ -139,6 +144,10 @@ def test_a_step_over_hbm_exits_1_with_the_size_and_fit_batch_finds_one_that_fits
     assert fit["fits"] is True and fit["grad_accum_steps"] > 1 and fit["global_batch"] == 65536
     # The proposal is the report of that configuration's own compile: it fits with room to spare.
     assert f"--set train.grad_accum_steps={fit['grad_accum_steps']}" in captured.err
+    # ... with the step time and cost of the configuration that fits (progress lines on stderr: stdout is JSON)
+    assert (f"step {fit['step_seconds'] * 1e3:.1f} ms, 1000 steps = {fit['total_hours']:.2f} h, "
+            f"{fit['chip_hours']:,.2f} chip-hours)") in captured.err, captured.err
+    assert "compiled in" in captured.err
     assert fit["per_chip_batch"] == 65536 / 4 / fit["grad_accum_steps"]
     assert fit["hbm_bytes_per_chip"] <= fit["hbm_capacity_bytes_per_chip"] < result["hbm_bytes_per_chip"]
 

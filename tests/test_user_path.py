@@ -143,7 +143,8 @@ def _check_command(words: list[str], tree: dict, leaves: set, line: str) -> tupl
         if path + (word,) not in tree:
             break
         path += (word,)
-    assert path in leaves, f"README: {line!r} is not a bertjax command"
+    root_flags_only = not path and words and all(word.startswith("-") for word in words)  # bertjax --version
+    assert path in leaves or root_flags_only, f"README: {line!r} is not a bertjax command"
     flags = {s for action in tree[path]._actions for s in action.option_strings}
     rest = words[len(path):]
     for index, word in enumerate(rest):
@@ -192,3 +193,29 @@ def test_an_export_that_fails_midway_leaves_nothing_at_out(tmp_path, minilm_dir)
     export_hf(loaded.params, loaded.config, loaded.vocab, str(out))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "special_tokens_map.json",
                                                      "tokenizer_config.json", "vocab.txt"]
+
+
+def test_the_readme_puts_bertjax_on_the_path_of_a_new_shell(tmp_path):
+    """The README's `<!-- a-new-shell -->` block, run in a shell whose PATH lacks the environment (a new terminal
+    after `make demo`), finds `bertjax` and prints its version."""
+    import importlib.metadata
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"<!-- a-new-shell -->\n```bash\n(.*?)\n```", readme, re.S).group(1)
+    venv = pathlib.Path(sys.prefix)
+    if not (venv / "bin" / "activate").exists():
+        pytest.skip(f"{sys.prefix} is not a virtual environment")
+    (tmp_path / ".venv").symlink_to(venv)  # the checkout's .venv, as `make install` makes it
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PATH")}
+    env["PATH"] = "/usr/bin:/bin"
+    assert subprocess.run(["bash", "-c", "command -v bertjax"], env=env, capture_output=True).returncode != 0
+    result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    version = importlib.metadata.version("bertjax")
+    assert re.fullmatch(rf"bertjax {re.escape(version)} \(jax \S+, Python 3\.\d+\.\d+\) at \S+/bertjax\n",
+                        result.stdout), result.stdout

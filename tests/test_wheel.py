@@ -46,3 +46,20 @@ def test_wheel_installed_outside_the_repo_pretrains_and_compiles(tmp_path, minil
     compiled = run("compile", "--config", "bert-tiny", "--topology", "v5e:2x2")
     assert compiled.returncode == 0, compiled.stderr[-2000:]
     assert "fits" in compiled.stdout
+
+
+def test_the_build_writes_no_license_warning_and_help_names_each_flag_once(tmp_path):
+    """pyproject's license is a PEP 639 SPDX string: setuptools builds without its deprecation warnings (three per
+    install with the old table); and --help shows `--text-field TEXT_FIELD` once."""
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+                            str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert "license" not in (built.stdout + built.stderr).lower(), built.stdout + built.stderr
+    import zipfile
+
+    with zipfile.ZipFile(next(tmp_path.glob("bertjax-*.whl"))) as wheel:
+        metadata = wheel.read(next(n for n in wheel.namelist() if n.endswith("METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata
+    shown = subprocess.run([sys.executable, "-m", "bertjax.cli", "vocab", "train", "--help"], capture_output=True,
+                           text=True, timeout=120).stdout
+    assert "--text-field TEXT_FIELD" in shown and "--text-field TEXT_FIELD, --text-field" not in shown, shown

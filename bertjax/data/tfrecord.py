@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from bertjax import jsonio
 from bertjax.data import schema
 from bertjax.data.corpus import expand_inputs, file_order
 
@@ -84,7 +85,7 @@ def write_metadata(out_dir: str, prefix: str, summary: dict) -> str:
     """Writes `<prefix>-metadata.json` beside the shards (atomically: a temporary name, then a rename)."""
     path = os.path.join(out_dir, prefix + METADATA_SUFFIX)
     with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-        json.dump(summary, f, indent=1, default=list)
+        jsonio.dump(summary, f, indent=1, default=list)
     tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
     return path
 

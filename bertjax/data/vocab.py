@@ -14,8 +14,8 @@ VOCAB_TYPES = ("sentencepiece", "wordpiece")
 # [PAD] first so that pad id 0 matches BERT's convention; the rest in the released vocab order.
 RESERVED = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 assert set(RESERVED) == set(SPECIAL_TOKENS.values())
-# tensorflow-text's WordPiece learner keeps only pieces seen at least this often (its `lower_thresh`); stated here
-# so that a vocabulary smaller than asked can say why.
+# tensorflow-text's WordPiece learner keeps only pieces seen at least this often (its `lower_thresh`, the default
+# of `vocab train --min-count`), so that a vocabulary smaller than asked can say which setting limited it.
 WORDPIECE_MIN_COUNT = 10
 
 
@@ -54,25 +54,30 @@ def train_sentencepiece(sentences: Iterator[str], out_dir: str, vocab_size: int,
 
 
 def train_wordpiece(sentences: tf.data.Dataset, out_dir: str, vocab_size: int, *,
-                    lower_case: bool = True) -> TrainedVocab:
-    """Train `out_dir/vocab.txt` (BERT layout: reserved tokens first)."""
+                    lower_case: bool = True, min_count: int = WORDPIECE_MIN_COUNT) -> TrainedVocab:
+    """Train `out_dir/vocab.txt` (BERT layout: reserved tokens first) from pieces seen at least `min_count`
+    times."""
+    if min_count < 1:
+        raise ValueError(f"--min-count {min_count}: expected a count >= 1")
     from tensorflow_text.tools.wordpiece_vocab import bert_vocab_from_dataset
 
     tf.io.gfile.makedirs(out_dir)
     vocab = bert_vocab_from_dataset.bert_vocab_from_dataset(
         sentences.batch(1024).prefetch(2), vocab_size=vocab_size, reserved_tokens=RESERVED,
-        bert_tokenizer_params={"lower_case": lower_case}, learn_params={"lower_thresh": WORDPIECE_MIN_COUNT})
+        bert_tokenizer_params={"lower_case": lower_case}, learn_params={"lower_thresh": min_count})
     path = os.path.join(out_dir, "vocab.txt")
     with tf.io.gfile.GFile(path + ".tmp", "w") as f:
         f.write("".join(token + "\n" for token in vocab))
     tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
     return TrainedVocab(path, len(vocab), "" if len(vocab) >= vocab_size else
-                        f"the corpus has no more word pieces seen at least {WORDPIECE_MIN_COUNT} times in the "
-                        "sentences read (tensorflow-text's learner drops rarer ones): a larger corpus gives more")
+                        f"limited by --min-count {min_count}: the corpus has no more word pieces seen at least "
+                        f"{min_count} times in the sentences read (a lower --min-count or a larger corpus gives "
+                        f"more)")
 
 
 def train_vocab(config: corpus.CorpusConfig, out_dir: str, vocab_size: int, vocab_type: str, *,
-                lower_case: bool | None = None, max_sentences: int | None = 5_000_000) -> TrainedVocab:
+                lower_case: bool | None = None, max_sentences: int | None = 5_000_000,
+                min_count: int = WORDPIECE_MIN_COUNT) -> TrainedVocab:
     """Train a vocabulary of `vocab_type` (at most `vocab_size` tokens) on the corpus."""
     if vocab_type not in VOCAB_TYPES:
         raise ValueError(f"--type {vocab_type!r}: expected one of {', '.join(VOCAB_TYPES)}")
@@ -82,4 +87,5 @@ def train_vocab(config: corpus.CorpusConfig, out_dir: str, vocab_size: int, voca
     if vocab_type == "sentencepiece":
         return train_sentencepiece((s.decode("utf-8") for s in sentences.as_numpy_iterator()), out_dir,
                                    vocab_size, lower_case=bool(lower_case))
-    return train_wordpiece(sentences, out_dir, vocab_size, lower_case=True if lower_case is None else lower_case)
+    return train_wordpiece(sentences, out_dir, vocab_size, lower_case=True if lower_case is None else lower_case,
+                           min_count=min_count)

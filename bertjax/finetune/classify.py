@@ -10,7 +10,6 @@ fine-tuned model with the label names as id2label (bertjax checkpoint and/or HF 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
@@ -18,6 +17,7 @@ import jax
 import numpy as np
 import optax
 
+from bertjax import jsonio
 from bertjax.finetune import glue_data, label_metrics, table_data
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss, write_fine_tuned
@@ -69,7 +69,7 @@ def prediction_rows(problem: str, logits: np.ndarray, names: list[str] | None, g
 
 def _write_jsonl(path: str, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        f.writelines(jsonio.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.TableSpec, *, init: str,
@@ -122,11 +122,12 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
     result = {
         "task": "classify", "problem": problem, "labels": names, "metrics": metrics,
         "train": train, "dev": dev, "test": test, "columns": dataclasses.asdict(spec),
-        "num_train_examples": len(train_examples), "max_seq_length": max_seq_length,
+        "num_train_examples": train_info.pop("num_train_rows"), "num_train_available": len(train_examples),
+        "max_seq_length": max_seq_length,
         "settings": dataclasses.asdict(settings), **train_info,
         "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
         "total_seconds": time.perf_counter() - started, "init": init,
     }
     with open(os.path.join(workdir, "metrics.json"), "w") as f:
-        json.dump(result, f, indent=2)
+        jsonio.dump(result, f, indent=2)
     return result

@@ -7,9 +7,8 @@ command runs, so `bertjax --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import json
 
-from bertjax import options
+from bertjax import jsonio, options
 from bertjax.console import route_logging_to_console
 from bertjax.finetune.glue_data import TASKS
 from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
@@ -241,7 +240,7 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
     if not texts:
         raise ValueError(f"--input {args.input} holds no rows")
     predictor = Predictor(args.model, max_seq_length=args.max_seq_length, batch_size=args.batch_size)
-    return [json.dumps(row, ensure_ascii=False) + "\n" for row in predictor.predict(texts, pairs, wheres)]
+    return [jsonio.dumps(row, ensure_ascii=False) + "\n" for row in predictor.predict(texts, pairs, wheres)]
 
 
 def input_lines(data: bytes) -> tuple[list[str], list[int]]:
@@ -340,7 +339,7 @@ def _glue(args: argparse.Namespace) -> int:
         return 0
     result = glue.run_task(args.task, args.data, args.workdir, settings, init=args.init, **common)
     _say_outputs(args.workdir)
-    print(json.dumps({"task": result["task"], "metrics": result["metrics"], "score": result["score"]}))
+    print(jsonio.dumps({"task": result["task"], "metrics": result["metrics"], "score": result["score"]}))
     return 0
 
 
@@ -357,7 +356,7 @@ def _classify(args: argparse.Namespace) -> int:
                           eval_each_epoch=args.eval_each_epoch, save_checkpoint=args.save_checkpoint,
                           export_hf=args.export_hf)
     _say_outputs(args.workdir)
-    print(json.dumps({"problem": result["problem"], "labels": result["labels"], "metrics": result["metrics"]}))
+    print(jsonio.dumps({"problem": result["problem"], "labels": result["labels"], "metrics": result["metrics"]}))
     return 0
 
 
@@ -371,7 +370,7 @@ def _features(args: argparse.Namespace) -> int:
                                max_eval_examples=args.max_eval_examples, batch_size=args.batch_size,
                                cv_folds=args.cv_folds, seed=args.seed)
     _say_outputs(args.workdir)
-    print(json.dumps({k: result[k] for k in ("task", "metrics", "score", "layers", "pooling",
+    print(jsonio.dumps({k: result[k] for k in ("task", "metrics", "score", "layers", "pooling",
                                               "num_train_examples")}))
     return 0
 
@@ -385,7 +384,7 @@ def _multiple_choice(args: argparse.Namespace) -> int:
                                  max_seq_length=args.max_seq_length, save_checkpoint=args.save_checkpoint,
                                  export_hf=args.export_hf)
     _say_outputs(args.workdir)
-    print(json.dumps(result["metrics"]))
+    print(jsonio.dumps(result["metrics"]))
     return 0
 
 
@@ -398,7 +397,7 @@ def _squad(args: argparse.Namespace) -> int:
                        init=args.init, train_file=args.train, predict_file=args.predict,
                        save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)
     _say_outputs(args.workdir)
-    print(json.dumps(result.get("metrics", {})))
+    print(jsonio.dumps(result.get("metrics", {})))
     return 0
 
 
@@ -411,13 +410,13 @@ def _ner(args: argparse.Namespace) -> int:
                      options.from_flags(NerSettings, args), init=args.init, save_checkpoint=args.save_checkpoint,
                      export_hf=args.export_hf)
     _say_outputs(args.workdir)
-    print(json.dumps({split: m["overall"] for split, m in result["metrics"].items()}))
+    print(jsonio.dumps({split: m["overall"] for split, m in result["metrics"].items()}))
     return 0
 
 
 def _eval_squad(args: argparse.Namespace) -> int:
     from bertjax.finetune.squad import eval_file
 
-    print(json.dumps(eval_file(args.data, args.predictions, args.na_prob_file, args.na_prob_thresh, args.version),
+    print(jsonio.dumps(eval_file(args.data, args.predictions, args.na_prob_file, args.na_prob_thresh, args.version),
                      indent=2))
     return 0

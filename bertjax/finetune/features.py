@@ -18,13 +18,13 @@ GLUE's submission file(s) (<TASK>.tsv: index, prediction), as the fine-tuning jo
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import time
 
 import numpy as np
 
+from bertjax import jsonio
 from bertjax.finetune import glue_data, glue_metrics
 from bertjax.finetune.embed import encoded_features, parse_layers
 
@@ -145,7 +145,7 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
               "num_train_available": len(splits["train"]), "max_seq_length": max_seq_length, "seed": seed,
               **fit_info, "feature_seconds": feature_seconds, "fit_seconds": fit_seconds, "init": init}
     with open(os.path.join(out_dir, "metrics.json"), "w") as f:
-        json.dump(result, f, indent=2)
+        jsonio.dump(result, f, indent=2)
     log.info("%s: score %.4f (%s; the metrics: the line below and metrics.json)", task.name, score,
              f"C={fit_info['C']:g}" if "C" in fit_info else f"alpha={fit_info['alpha']:g}")
     return result

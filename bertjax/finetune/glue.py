@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from bertjax import jsonio
+from bertjax.console import Console, metric_text
 from bertjax.finetune import glue_data, glue_metrics
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.trainer import (
@@ -32,6 +34,18 @@ log = logging.getLogger(__name__)
 
 def predictions_from_logits(task: glue_data.GlueTask, logits: np.ndarray) -> np.ndarray:
     return logits[:, 0] if task.is_regression else np.argmax(logits, axis=-1)
+
+
+def majority_baseline(task: glue_data.GlueTask, features: dict) -> dict | None:
+    """The dev metrics of always predicting the training set's most frequent label (None for regression): what a
+    score must beat before it says the model learned anything (MRPC's all-positive accuracy is 0.684)."""
+    if task.is_regression:
+        return None
+    majority = int(np.argmax(np.bincount(features["train"]["labels"].astype(np.int64))))
+    metrics = {split.name: glue_metrics.compute_metrics(
+        task.name, np.full(len(features[f"dev:{split.name}"]["labels"]), majority),
+        features[f"dev:{split.name}"]["labels"]) for split in task.splits}
+    return {"label": glue_data.label_name(task, majority), "metrics": metrics}
 
 
 def _read_diagnostic(data: str) -> glue_data.Examples | None:
@@ -59,9 +73,11 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     loss = regression_loss if task.is_regression else classification_loss
     trainer = Trainer(module, ckpt.config, ckpt.params, loss, settings, source=init or "checkpoint")
     features = {name: glue_data.featurize(ex, tokenizer, max_seq_length) for name, ex in splits.items()}
-    if settings.max_eval_examples:
+    if not settings.predict_test:
+        features = {name: f for name, f in features.items() if not name.startswith("test:")}
+    if settings.max_eval_examples:  # dev and test rows alike
         features.update({name: {k: v[:settings.max_eval_examples] for k, v in f.items()}
-                         for name, f in features.items() if name.startswith("dev:")})
+                         for name, f in features.items() if name.startswith(("dev:", "test:"))})
 
     def evaluate(write_predictions: bool = False) -> dict:
         metrics, rows = {}, []
@@ -89,6 +105,10 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     train_info = trainer.train(features["train"], epoch_end=epoch_end if eval_each_epoch else None,
                                workdir=out_dir, evaluate=lambda: flat(evaluate()))
     metrics = evaluate(write_predictions=True)
+    baseline = majority_baseline(task, features)
+    if baseline:
+        Console().line(f"dev: {metric_text(flat(metrics))}; always predicting the most frequent training label "
+                       f"({baseline['label']!r}): {metric_text(flat(baseline['metrics']))}")
     for i, m in enumerate(per_epoch):
         train_info["history"][i]["dev"] = m
     score = float(np.mean([glue_metrics.task_score(task.name, m) for m in metrics.values()]))
@@ -97,24 +117,29 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
         test = f"test:{split.name}"
         if test in features:
             preds = predictions_from_logits(task, trainer.predict(features[test]))
-            glue_data.write_submission(task, os.path.join(out_dir, split.submission), splits[test].guids, preds)
-    if task.name == "mnli" and (ax := _read_diagnostic(data)) is not None:
-        preds = predictions_from_logits(task, trainer.predict(glue_data.featurize(ax, tokenizer, max_seq_length)))
-        glue_data.write_submission(task, os.path.join(out_dir, "AX.tsv"), ax.guids, preds)
+            guids = splits[test].guids[:len(preds)]
+            glue_data.write_submission(task, os.path.join(out_dir, split.submission), guids, preds)
+    if task.name == "mnli" and settings.predict_test and (ax := _read_diagnostic(data)) is not None:
+        ax_features = glue_data.featurize(ax, tokenizer, max_seq_length)
+        if settings.max_eval_examples:
+            ax_features = {k: v[:settings.max_eval_examples] for k, v in ax_features.items()}
+        preds = predictions_from_logits(task, trainer.predict(ax_features))
+        glue_data.write_submission(task, os.path.join(out_dir, "AX.tsv"), ax.guids[:len(preds)], preds)
 
     id2label = None if task.is_regression else dict(enumerate(task.labels))
     write_fine_tuned(trainer.params, ckpt, out_dir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
                      architecture="BertForSequenceClassification", id2label=id2label)
 
     result = {
-        "task": task.name, "metrics": metrics, "score": score,
-        "num_train_examples": len(splits["train"]), "max_seq_length": max_seq_length,
+        "task": task.name, "metrics": metrics, "score": score, "majority_baseline": baseline,
+        "num_train_examples": train_info.pop("num_train_rows"), "num_train_available": len(splits["train"]),
+        "max_seq_length": max_seq_length,
         "settings": dataclasses.asdict(settings), **train_info,
         "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
         "total_seconds": time.perf_counter() - started, "init": init,
     }
     with open(os.path.join(out_dir, "metrics.json"), "w") as f:
-        json.dump(result, f, indent=2)
+        jsonio.dump(result, f, indent=2)
     return result
 
 
@@ -142,7 +167,7 @@ def run_all(data: str, workdir: str, settings: TrainSettings, *, init: str, task
                "tasks_scored": len(done), "tasks_total": len(tasks)}
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+        jsonio.dump(summary, f, indent=2)
     with open(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(summary_table(summary))
     return summary

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import logging
 import os
 import time
 
 import numpy as np
 
+from bertjax import jsonio
 from bertjax.finetune import glue_metrics, swag_data
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.trainer import Trainer, classification_loss, write_fine_tuned
@@ -46,7 +46,8 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
         raise ValueError(f"{os.path.join(data, 'train.csv')}: no label column; the training file needs one")
     val = swag_data.head(swag_data.read_swag(os.path.join(data, "val.csv")), settings.max_eval_examples)
     test_path = os.path.join(data, "test.csv")
-    test = swag_data.read_swag(test_path) if os.path.exists(test_path) else None
+    test = swag_data.head(swag_data.read_swag(test_path), settings.max_eval_examples) \
+        if os.path.exists(test_path) and settings.predict_test else None
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     ckpt.config.check_length(max_seq_length, "--max-seq-length")
     os.makedirs(workdir, exist_ok=True)
@@ -74,12 +75,13 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
                      architecture="BertForMultipleChoice")
 
-    result = {"metrics": metrics, "num_train_examples": len(train), "num_val_examples": len(val),
+    result = {"metrics": metrics, "num_train_examples": train_info.pop("num_train_rows"),
+              "num_train_available": len(train), "num_val_examples": len(val),
               "num_test_examples": 0 if test is None else len(test), "max_seq_length": max_seq_length,
               "settings": dataclasses.asdict(settings), **train_info,
               "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
               "total_seconds": time.perf_counter() - started, "init": init}
     with open(os.path.join(workdir, "metrics.json"), "w") as f:
-        json.dump(result, f, indent=2)
+        jsonio.dump(result, f, indent=2)
     log.info("multiple choice: %s", metrics)
     return result

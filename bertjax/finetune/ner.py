@@ -13,6 +13,7 @@ import logging
 import os
 import time
 
+from bertjax import jsonio
 from bertjax.finetune import ner_data, ner_metrics
 from bertjax.finetune.settings import NerSettings, TrainSettings
 from bertjax.finetune.trainer import (
@@ -32,7 +33,7 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
     splits = ner_data.read_conll_dir(data)
     train = splits["train"]  # settings.max_train_examples subsets its windows in the Trainer
     eval_sentences = {split: splits[split].head(settings.max_eval_examples) for split in ("valid", "test")
-                      if split in splits}
+                      if split in splits and (split != "test" or settings.predict_test)}
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     ckpt.config.check_length(ner.max_seq_length, "--max-seq-length")
     os.makedirs(workdir, exist_ok=True)
@@ -70,12 +71,13 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
                      architecture="BertForTokenClassification", id2label=dict(enumerate(labels)))
     result = {"metrics": metrics, "labels": labels, "num_train_sentences": len(train),
-              "num_train_windows": len(train_features), "settings": dataclasses.asdict(settings),
+              "num_train_windows": train_info.pop("num_train_rows"),
+              "num_train_windows_available": len(train_features), "settings": dataclasses.asdict(settings),
               "ner_settings": dataclasses.asdict(ner), **train_info,
               "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
               "total_seconds": time.perf_counter() - started, "init": init}
     with open(os.path.join(workdir, "labels.json"), "w", encoding="utf-8") as f:
         json.dump(labels, f)
     with open(os.path.join(workdir, "metrics.json"), "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+        jsonio.dump(result, f, indent=2)
     return result

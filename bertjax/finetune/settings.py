@@ -28,8 +28,11 @@ class TrainSettings:
     max_steps: int = option(0, "stop after this many steps (0: the epochs decide); the schedule spans them")
     max_train_examples: int = option(0, "train on a seeded random subset of this many training rows (a SQuAD or "
                                      "NER window counts as one; 0: all), for quick runs")
-    max_eval_examples: int = option(0, "evaluate on the first N examples of each evaluated split (GLUE dev rows, "
-                                    "SQuAD questions, NER sentences, multiple-choice rows; 0: all), for quick runs")
+    max_eval_examples: int = option(0, "evaluate and predict on the first N examples of each split (GLUE dev and "
+                                    "test rows, SQuAD questions, NER sentences, multiple-choice rows; 0: all), for "
+                                    "quick runs")
+    predict_test: bool = option(True, "predict the test split(s) where the data has them (GLUE submission files, "
+                                "NER test.txt, SWAG test.csv); --no-predict-test skips them")
     eval_every: int = option(0, "also record dev metrics every N steps (0: only at the end)")
     dtype: str = option("float32", "compute dtype of the matmuls: float32 | bfloat16 (mixed precision: float32 "
                         "master weights and optimizer state; softmax, LayerNorm and losses in float32)")

@@ -7,12 +7,12 @@ the best non-null answers), and optionally the model (bertjax checkpoint / HF Be
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
 import time
 
+from bertjax import jsonio
 from bertjax.finetune import squad_data, squad_metrics
 from bertjax.finetune.settings import SquadSettings, TrainSettings
 from bertjax.finetune.squad_postprocess import predict_answers
@@ -101,7 +101,8 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
         log.info("train: %d questions -> %d windows", len(examples), len(feats))
         result.update(trainer.train(feats.arrays(), workdir=workdir,
                                     evaluate=evaluate if predict_file and scored else None),
-                      num_train_examples=len(examples), num_train_windows=len(feats))
+                      num_train_examples=len(examples), num_train_windows_available=len(feats))
+        result["num_train_windows"] = result.pop("num_train_rows")
         result["seconds_per_epoch"] = [h["seconds"] for h in result["history"]]
     if predict_file:
         (preds, nbest, null_odds, best_non_null), seconds = predict()
@@ -120,7 +121,7 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
 
 def _write_json(path: str, value) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, ensure_ascii=False)
+        jsonio.dump(value, f, indent=2, ensure_ascii=False)
 
 
 def _check_predictions(data: dict, preds, data_file: str, predictions_file: str) -> None:

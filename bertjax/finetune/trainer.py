@@ -196,9 +196,10 @@ class Trainer:
         and, with `workdir`, to WORKDIR/metrics.jsonl and WORKDIR/tensorboard as in pretraining; the training
         state is saved every settings.save_every steps and on SIGTERM (then Preempted is raised), and a run that
         finds one resumes from it: the same example order and dropout masks, so the same bits. `evaluate`: dev
-        metrics (a flat dict), recorded as eval_* every settings.eval_every steps."""
+        metrics (a flat dict), recorded as eval_* every settings.eval_every steps. Returns the steps, the epochs they
+        cover (fractional), the rows trained on (num_train_rows: after --max-train-examples) and the per-epoch history."""
         s = self.settings
-        n = len(arrays["input_ids"])
+        n = available = len(arrays["input_ids"])
         if n == 0:
             raise ValueError("no training examples")
         if s.max_train_examples and s.max_train_examples < n:  # its own generator: the example order is unchanged
@@ -229,8 +230,11 @@ class Trainer:
             params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), params, opt_state)
             return params, opt_state, loss, finite
 
-        console.line(f"training: {n:,} examples, {total_steps:,} steps of {s.batch_size} ({s.epochs:g} epochs, "
-                     f"{warmup} warmup), peak learning rate {s.learning_rate:g}")
+        epochs = total_steps / steps_per_epoch  # what the steps cover: --max-steps may end before s.epochs
+        console.line(f"training: {n:,} examples" + (f" (a seeded subset of {available:,})" if n < available else "")
+                     + f", {total_steps:,} steps of {s.batch_size} = {epochs:.3g} epochs"
+                     + (f" (--max-steps {s.max_steps}; {s.epochs:g} asked)" if epochs < s.epochs else "")
+                     + f", {warmup} warmup, peak learning rate {s.learning_rate:g}")
         with sharding.activate(self.mesh):
             opt_state = jax.jit(optimizer.init)(self.params)
             train_step = jax.jit(step, donate_argnums=(0, 1))
@@ -248,8 +252,8 @@ class Trainer:
             console.start_progress(total_steps, initial=step_index)
             preemption = PreemptionFlag()
             try:
-                for epoch in range(math.ceil(s.epochs)):
-                    started, losses = time.perf_counter(), []
+                for epoch in range(math.ceil(epochs)):
+                    started, losses, first_step = time.perf_counter(), [], step_index
                     order = rng.permutation(n)  # drawn for every epoch, so a resumed run has the same orders
                     done_in_epoch = step_index - epoch * steps_per_epoch
                     if done_in_epoch >= steps_per_epoch:  # finished before the restored step
@@ -289,7 +293,8 @@ class Trainer:
                             seconds = max(time.perf_counter() - interval_start, 1e-9)
                             values = {"loss": float(np.mean(jax.device_get(interval_losses))) if interval_losses
                                       else float("nan"),
-                                      "learning_rate": float(schedule(step_index - 1)), "epoch": epoch + 1,
+                                      "learning_rate": float(schedule(step_index - 1)),
+                                      "epoch": step_index / steps_per_epoch,  # fractional: where in the data
                                       "examples_per_s": interval_steps * s.batch_size / seconds}
                             writer.write(step_index, values)
                             writer.console(step_index, values,
@@ -319,12 +324,19 @@ class Trainer:
                                          f"better {best.metric} (best {best.value:.4f} at step {best.step})")
                             break
                     self.params = params
-                    mean_loss = float(np.mean(jax.device_get(losses))) if losses else float("nan")
+                    if step_index == first_step:  # resumed at this epoch's end: it trained nothing in this run
+                        continue
+                    # None when every step of the epoch was skipped as non-finite (there is no mean to give).
+                    mean_loss = float(np.mean(jax.device_get(losses))) if losses else None
                     seconds = time.perf_counter() - started
-                    history.append({"epoch": epoch + 1, "steps": step_index, "train_loss": mean_loss,
+                    covered = (step_index - epoch * steps_per_epoch) / steps_per_epoch
+                    history.append({"epoch": epoch + 1, "epoch_fraction": covered, "steps": step_index,
+                                    "steps_this_run": step_index - first_step, "train_loss": mean_loss,
                                     "seconds": seconds})
-                    console.line(f"epoch {epoch + 1}: {step_index} steps, mean loss {mean_loss:.4f}, "
-                                 f"{duration(seconds)}")
+                    console.line(f"epoch {epoch + 1}" + (f" ({covered:.2g} of it)" if covered < 1 else "")
+                                 + f": {step_index} steps, mean loss "
+                                 + (f"{mean_loss:.4f}" if mean_loss is not None else "n/a (no finite step)")
+                                 + f", {duration(seconds)}")
                     if epoch_end is not None:
                         evaluated = epoch_end(epoch + 1, seconds)
                         if evaluated:
@@ -348,11 +360,16 @@ class Trainer:
                 f"every one of the {ran} steps had a non-finite gradient and skipped its update; no metrics "
                 f"written. Check the checkpoint and vocabulary (NaN embeddings?), or lower the learning rate.")
         seconds = max(sum(h["seconds"] for h in history), 1e-9)
-        console.line(f"trained {ran} steps in {duration(seconds)} ({ran * s.batch_size / seconds:.1f} examples/s)"
-                     + (f", final epoch loss {history[-1]['train_loss']:.4f}" if history else "")
-                     + (f"; curve in {writer.jsonl_path} and {writer.tensorboard_dir}" if workdir else ""))
-        return {"total_steps": total_steps, "warmup_steps": warmup, "history": history,
-                "nonfinite_steps": nonfinite_total, "steps_run": step_index, "stopped_early": stopped_early,
+        final_loss = history[-1]["train_loss"] if history else None
+        if ran:
+            console.line(f"trained {ran} steps in {duration(seconds)} ({ran * s.batch_size / seconds:.1f} "
+                         f"examples/s)" + (f", final epoch loss {final_loss:.4f}" if final_loss is not None else "")
+                         + (f"; curve in {writer.jsonl_path} and {writer.tensorboard_dir}" if workdir else ""))
+        else:
+            console.line(f"nothing left to train: resumed at step {step_index} of {total_steps}")
+        return {"total_steps": total_steps, "warmup_steps": warmup, "epochs": epochs, "num_train_rows": n,
+                "history": history, "nonfinite_steps": nonfinite_total, "steps_run": step_index,
+                "stopped_early": stopped_early,
                 **({"best": {"metric": best.metric, **best.state()}} if best is not None else {})}
 
     # ------------------------------------------------------------------------------------------- inference

@@ -153,13 +153,13 @@ def _init_vocab_file(init: str, tokens: list[str], workdir: str) -> str:
 
 
 def _goodput(args: argparse.Namespace) -> int:
-    import json
     import sys
 
+    from bertjax import jsonio
     from bertjax.pretraining import goodput
 
     account = goodput.job_account(args.workdir)
-    print(json.dumps(account, indent=1) if args.json else "\n".join(goodput.format_job(account, args.workdir)))
+    print(jsonio.dumps(account, indent=1) if args.json else "\n".join(goodput.format_job(account, args.workdir)))
     if account["unreadable"]:  # an account that leaves a run out is not the job's: said, and not a success
         print(f"bertjax goodput: error: the account of {args.workdir} is incomplete: {len(account['unreadable'])} "
               f"run account(s) cannot be read ({'; '.join(account['unreadable'])})", file=sys.stderr)

@@ -249,9 +249,9 @@ def validate(config: PretrainConfig, num_devices: int | None = None, require_dat
             config.bert_config(config.model.vocab_size or 30522)
         except ValueError as error:
             problems.append(f"model: {error}")
-    if config.optimizer.warmup_steps > config.train.steps:
+    if config.optimizer.warmup_for(config.train.steps) > config.train.steps:
         problems.append(f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be in [0, train.steps="
-                        f"{config.train.steps}]")
+                        f"{config.train.steps}] (or set optimizer.warmup_ratio, e.g. 0.1 of the steps)")
     max_positions = config.model.max_position_embeddings
     if config.data.max_seq_length > max_positions:
         problems.append(f"data.max_seq_length={config.data.max_seq_length} exceeds "

@@ -16,6 +16,8 @@ import time
 
 from etils import epath
 
+from bertjax import jsonio
+
 GOODPUT_DIR = "goodput"
 LAUNCHER_LOG = "launcher.jsonl"
 SNAPSHOT_EVERY_S = 10.0
@@ -100,7 +102,7 @@ class RunAccount:
             return
         document = {"run": self.run_id, "process_start": self.clock.start, "updated": self.clock.last,
                     "ended": ended, "status": status, **self.record()}
-        _write_atomically(self.directory / f"{self.run_id}.json", json.dumps(document, indent=1) + "\n")
+        _write_atomically(self.directory / f"{self.run_id}.json", jsonio.dumps(document, indent=1) + "\n")
         self._written = time.time()
 
 
@@ -118,7 +120,7 @@ def launcher_event(workdir: str, event: str, **fields) -> None:
     """Appends {"event", "time", **fields} to WORKDIR/goodput/launcher.jsonl (a launcher's start/end of a run)."""
     path = epath.Path(workdir) / GOODPUT_DIR / LAUNCHER_LOG
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+    line = jsonio.dumps({"event": event, "time": time.time(), **fields}) + "\n"
     if "://" in str(path):  # objects cannot be appended to: rewritten whole (the launcher is the only writer)
         path.write_text((path.read_text() if path.exists() else "") + line)
     else:

@@ -500,6 +500,8 @@ def _summary(status: str, step: int, start_step: int, total_steps: int, wall_sec
                      f"{best[0]}; most frequent token {last[1]['most_frequent_token_accuracy']:.4g})")
     lines.append(f"  checkpoints: {workdir}/checkpoints (newest: step {saved_step})")
     lines.append(f"  metrics: {writer.jsonl_path}; TensorBoard: tensorboard --logdir {writer.tensorboard_dir}")
+    if status != "completed":  # as a fine-tune stopped by a signal says it
+        lines.append(f"  rerun the same command to resume from step {saved_step}")
     return lines
 
 

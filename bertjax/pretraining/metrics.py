@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
+from bertjax import jsonio
 from bertjax.console import Console, duration, metric_text
 from bertjax.model.config import BertConfig
 
@@ -239,7 +240,7 @@ class MetricsWriter:
             return
         record = {"step": int(step), **{prefix + k: float(v) for k, v in values.items()}}
         with self.jsonl_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(jsonio.dumps(record) + "\n")
         for key, value in record.items():
             if key != "step":
                 self.tensorboard.scalar(key, value, step)
@@ -253,7 +254,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         with self.jsonl_path.open("a") as f:
-            f.write(json.dumps({"step": int(step), "event": event, **values}) + "\n")
+            f.write(jsonio.dumps({"step": int(step), "event": event, **values}) + "\n")
         for key, value in values.items():
             if isinstance(value, (int, float)):
                 self.tensorboard.scalar(f"{event}/{key}", value, step)

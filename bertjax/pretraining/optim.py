@@ -102,6 +102,8 @@ class OptimizerConfig:
                        "tensor by the trust ratio ||w|| / ||update||, as in large-batch recipes)")
     learning_rate: float = option(1e-4, "peak learning rate")
     warmup_steps: int = option(10_000, "linear warmup from 0")
+    warmup_ratio: float = option(0.0, "the warmup as a share of the run's steps; > 0 replaces warmup_steps (so a "
+                                 "changed train.steps needs no new warmup)")
     decay: str = option("linear", "after warmup, to 0 at the last step: linear | cosine")
     weight_decay: float = option(0.01, "decoupled, not applied to LayerNorm parameters and biases")
     b1: float = option(0.9)
@@ -120,6 +122,8 @@ class OptimizerConfig:
             problems.append(f"learning_rate={self.learning_rate} must be > 0")
         if self.warmup_steps < 0:
             problems.append(f"warmup_steps={self.warmup_steps} must be >= 0")
+        if not 0 <= self.warmup_ratio <= 1:
+            problems.append(f"warmup_ratio={self.warmup_ratio} must be in [0, 1]")
         for name in ("weight_decay", "clip_norm"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}={getattr(self, name)} must be >= 0")
@@ -131,11 +135,15 @@ class OptimizerConfig:
         if problems:
             raise ValueError("optimizer: " + "; ".join(problems))
 
+    def warmup_for(self, num_train_steps: int) -> int:
+        """The warmup steps of a run of `num_train_steps`: warmup_ratio of them where set, else warmup_steps."""
+        return int(round(self.warmup_ratio * num_train_steps)) if self.warmup_ratio else self.warmup_steps
+
 
 def make_optimizer(config: OptimizerConfig, num_train_steps: int) -> tuple[optax.GradientTransformation,
                                                                            optax.Schedule]:
     """(optimizer, schedule) for `num_train_steps` updates."""
-    schedule = SCHEDULES[config.decay](config.learning_rate, num_train_steps, config.warmup_steps)
+    schedule = SCHEDULES[config.decay](config.learning_rate, num_train_steps, config.warmup_for(num_train_steps))
     adam = (optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps) if config.bias_correction
             else _scale_by_adam_no_bias_correction(config.b1, config.b2, config.eps))
     chain = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm else []
