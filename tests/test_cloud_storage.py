@@ -167,11 +167,49 @@ def _tfrecords(folder: str) -> list[list[bytes]]:
             for name in sorted(gfile.listdir(folder)) if name.endswith(".tfrecord")]
 
 
-# Parquet from gs:// passes alone but failed after the others in one process ("I/O operation on closed file":
-# file_readers._parquet_file caches a ParquetFile over a tf.io.gfile.GFile); left to the corpus readers' owners.
-@pytest.mark.parametrize("name", ["text.txt", "docs.jsonl.gz"])
+def test_parquet_and_arrow_files_on_gs_read_as_the_local_copies(gcs_dir, tmp_path):
+    """Record units of a Parquet file (row groups, from the cached ParquetFile) and of an Arrow stream on gs://
+    are those of the local copies, also after the cached file's handle was closed under it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bertjax.data import file_readers
+
+    gfile = _tf_gfile()
+    texts = [f"document {i} " * (i % 7 + 1) for i in range(50)]
+    pq.write_table(pa.table({"text": texts}), str(tmp_path / "docs.parquet"), row_group_size=20)
+    with pa.ipc.new_stream(str(tmp_path / "docs.arrow"), pa.schema([("text", pa.string())])) as stream:
+        stream.write_table(pa.table({"text": texts}), max_chunksize=20)
+    for name in ("docs.parquet", "docs.arrow"):
+        gfile.copy(str(tmp_path / name), f"{gcs_dir}/{name}")
+
+    def units(path):
+        file_readers.check_input_files([path], _corpus_config())
+        found, k = [], 0
+        while True:
+            chunk, more = file_readers.record_unit(path.encode(), k, True, b"parquet", b"text", 20)
+            if not more:
+                return found
+            found.append(list(chunk))
+            k += 1
+
+    for name in ("docs.parquet", "docs.arrow"):
+        expected = units(str(tmp_path / name))
+        assert sum(expected, []) == [t.encode() for t in texts]
+        assert units(f"{gcs_dir}/{name}") == expected, name
+    file_readers._parquet_file(f"{gcs_dir}/docs.parquet").close(force=True)  # as a reader torn down elsewhere
+    assert units(f"{gcs_dir}/docs.parquet") == units(str(tmp_path / "docs.parquet"))
+
+
+def _corpus_config():
+    from bertjax.data.data_config import CorpusConfig
+
+    return CorpusConfig(corpus_format="parquet", text_field="text")
+
+
+@pytest.mark.parametrize("name", ["text.txt", "docs.jsonl.gz", "docs.parquet"])
 def test_data_create_from_a_gs_corpus_to_gs_shards(gcs_dir, tmp_path, minilm_dir, name):
-    """`data create` with corpus (text, JSON Lines .gz), vocab and output all in the bucket writes the
+    """`data create` with corpus (text, JSON Lines .gz, Parquet), vocab and output all in the bucket writes the
     records, shard by shard, and the metadata that the same run on local copies of the files writes."""
     import gzip
 
