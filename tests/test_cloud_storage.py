@@ -271,3 +271,61 @@ def test_beam_data_create_reads_and_writes_gs(gcs_dir, tmp_path, minilm_dir):
     expected = create(str(tmp_path / "text.txt"), str(minilm_dir / "vocab.txt"), str(tmp_path / "local"))
     assert len(expected) == 2 and sum(map(len, expected)) > 30
     assert create(f"{gcs_dir}/in/text.txt", f"{gcs_dir}/in/vocab.txt", f"{gcs_dir}/out") == expected
+
+
+def test_finetune_classify_with_gs_data_init_workdir_and_export(gcs_dir, tmp_path, minilm_dir):
+    """`finetune classify` with its train/dev/test files, the model it starts from, its workdir and its HF export
+    all in the bucket: the metrics, predictions and exported weights of the same run on local files."""
+    import random
+    import subprocess
+    import sys
+
+    import safetensors.numpy
+
+    from tests.conftest import save_tiny_hf
+
+    gfile = _tf_gfile()
+    rng = random.Random(0)
+    filler = "the a movie film plot actor scene story music was very and".split()
+
+    def rows(n):
+        return "".join(f"{' '.join(rng.choices(filler, k=5))} {('awful', 'great')[i % 2]},{('sad', 'happy')[i % 2]}\n"
+                       for i in range(n))
+
+    local, remote = tmp_path / "in", f"{gcs_dir}/in"
+    local.mkdir()
+    for name, text in {"train.csv": "review,mood\n" + rows(48), "dev.csv": "review,mood\n" + rows(16),
+                       "test.csv": "review\n" + "".join(r.split(",")[0] + "\n" for r in rows(4).splitlines())}.items():
+        (local / name).write_text(text, encoding="utf-8")
+    save_tiny_hf(local / "init", minilm_dir / "vocab.txt", seed=0)
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            gfile.makedirs(f"{remote}/{path.parent.relative_to(local)}".rstrip("/."))
+            gfile.copy(str(path), f"{remote}/{path.relative_to(local)}")
+
+    def classify(folder, workdir):
+        command = [sys.executable, "-m", "bertjax.cli", "finetune", "classify", "--train", f"{folder}/train.csv",
+                   "--dev", f"{folder}/dev.csv", "--test", f"{folder}/test.csv", "--text-column", "review",
+                   "--label-column", "mood", "--init", f"{folder}/init", "--workdir", workdir,
+                   "--max-seq-length", "16", "--batch-size", "16", "--epochs", "2", "--seed", "1",
+                   "--export-hf"]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        read = lambda name: gfile.GFile(f"{workdir}/{name}", "rb").read()  # noqa: E731
+        metrics = json.loads(read("metrics.json"))
+        rows = {split: [json.loads(line) for line in read(f"{split}_predictions.jsonl").splitlines()]
+                for split in ("dev", "test")}
+        assert [r.pop("where") for r in rows["test"]] == [f"{folder}/test.csv:{i}" for i in range(2, 6)]
+        for row in rows["dev"]:
+            row.pop("where")
+        return ({k: metrics[k] for k in ("labels", "metrics")}, rows["dev"], rows["test"],
+                safetensors.numpy.load(read("hf/model.safetensors")), json.loads(read("hf/config.json")))
+
+    expected = classify(str(local), str(tmp_path / "work"))
+    found = classify(remote, f"{gcs_dir}/work")
+    assert expected[0]["labels"] == ["happy", "sad"] and len(expected[1]) == 16
+    assert found[:3] == expected[:3]
+    assert found[3].keys() == expected[3].keys()
+    for name, value in expected[3].items():
+        assert (found[3][name] == value).all(), name
+    assert found[4] == expected[4]
