@@ -329,3 +329,39 @@ def test_finetune_classify_with_gs_data_init_workdir_and_export(gcs_dir, tmp_pat
     for name, value in expected[3].items():
         assert (found[3][name] == value).all(), name
     assert found[4] == expected[4]
+
+
+def test_a_gs_step_without_orbaxs_commit_marker_is_never_taken_for_a_checkpoint(gcs_dir, minilm_dir):
+    """On gs:// Orbax writes a step in place and finishes it with commit_success.txt (no rename there). A save cut
+    before its marker (step 12: the marker deleted) and one cut earlier (step 15: some params objects, nothing
+    else) are not listed for a resume, not what a run directory stands for, and not loaded when named."""
+    from google.cloud import storage
+
+    from bertjax import cli
+    from bertjax.checkpoint import CheckpointConfig, TrainCheckpointer, complete_steps, load_model, \
+        resolve_checkpoint
+    from tests.conftest import save_tiny_checkpoint
+
+    run = f"{gcs_dir}/run"
+    for step, seed in ((5, 0), (12, 1)):
+        save_tiny_checkpoint(f"{run}/checkpoints/{step}", minilm_dir / "vocab.txt", seed)
+    bucket_name, prefix = cloud_storage.split(f"{run}/checkpoints")
+    bucket = storage.Client().bucket(bucket_name)
+    assert bucket.blob(f"{prefix}/12/commit_success.txt").exists()
+    assert complete_steps(run) == [5, 12]
+
+    # Cut through TensorFlow's file system, which epath (Orbax's listing) reads: its stat cache would otherwise
+    # keep the marker for seconds in this process (a resumed job is a new process, with an empty cache).
+    _tf_gfile().remove(f"{run}/checkpoints/12/commit_success.txt")
+    for blob in list(bucket.list_blobs(prefix=f"{prefix}/5/params/"))[:2]:
+        bucket.copy_blob(blob, bucket, blob.name.replace(f"{prefix}/5/", f"{prefix}/15/", 1))
+    assert complete_steps(run) == [5]
+    assert resolve_checkpoint(run) == f"{run}/checkpoints/5"
+    checkpointer = TrainCheckpointer(run, CheckpointConfig())
+    try:
+        assert checkpointer.steps() == [5] and checkpointer.latest_step() == 5  # what a resume tries, newest first
+    finally:
+        checkpointer.close()
+    with pytest.raises(ValueError, match=r"checkpoints/12: cannot read the checkpoint .*incomplete"):
+        load_model(f"{run}/checkpoints/12")
+    assert cli.main(["info", run]) == 0
