@@ -365,3 +365,39 @@ def test_a_gs_step_without_orbaxs_commit_marker_is_never_taken_for_a_checkpoint(
     with pytest.raises(ValueError, match=r"checkpoints/12: cannot read the checkpoint .*incomplete"):
         load_model(f"{run}/checkpoints/12")
     assert cli.main(["info", run]) == 0
+
+
+GS_CACHE_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp
+from bertjax import compile_cache
+assert compile_cache.enable(sys.argv[1]) == sys.argv[1]
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # this program compiles in well under 0.5 s
+stats = compile_cache.CacheStats().start()
+jax.jit(lambda x: jnp.tanh(x @ x.T) @ x + 1)(jnp.ones((96, 96))).block_until_ready()
+print(stats.hits, stats.misses)
+"""
+
+
+def test_the_compilation_cache_on_gs_is_read_back_by_a_restart(gcs_dir):
+    """A job's first run writes its compiled programs to a gs:// cache (JAX's cache goes through etils.epath);
+    the restarted process reads every one of them back from the bucket instead of compiling."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+    from tests.test_pretrain import _env
+
+    cache = f"{gcs_dir}/jax-cache"
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", GS_CACHE_PROGRAM, cache], env=_env(1), cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return tuple(int(n) for n in done.stdout.split()[-2:])
+
+    hits, misses = run()
+    assert hits == 0 and misses >= 1
+    entries = [name for name in _tf_gfile().listdir(cache) if name.endswith("-cache")]
+    assert len(entries) >= 1, _tf_gfile().listdir(cache)
+    assert run() == (misses, 0)
