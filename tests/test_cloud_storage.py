@@ -401,3 +401,23 @@ def test_the_compilation_cache_on_gs_is_read_back_by_a_restart(gcs_dir):
     entries = [name for name in _tf_gfile().listdir(cache) if name.endswith("-cache")]
     assert len(entries) >= 1, _tf_gfile().listdir(cache)
     assert run() == (misses, 0)
+
+
+@pytest.mark.parametrize("job", [["glue", "--task", "sst2", "--data", "glue"],
+                                 ["features", "--task", "sst2", "--data", "glue"],
+                                 ["ner", "--data", "conll"], ["squad", "--train", "train.json", "--version", "1.1"],
+                                 ["multiple-choice", "--data", "swag"]])
+def test_fine_tunes_that_write_locally_refuse_a_gs_workdir_in_one_line(gcs_dir, tmp_path, monkeypatch, capsys,
+                                                                       job):
+    """Only `finetune classify` writes its workdir through epath; another fine-tune given a gs:// workdir wrote
+    it under ./gs:/ on the local disk and said nothing. It is refused, before anything is read or written."""
+    from bertjax import cli
+
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["finetune", *job, "--init", str(tmp_path / "no-model"), "--workdir", f"{gcs_dir}/work"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"bertjax finetune: error: --workdir {gcs_dir}/work: finetune {job[0]} writes its outputs to a local "
+        "directory only (finetune classify takes a gs:// workdir); give a local directory and copy it to the bucket "
+        "after")
+    assert list(tmp_path.iterdir()) == [] and not _tf_gfile().exists(f"{gcs_dir}/work")
