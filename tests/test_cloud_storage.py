@@ -224,11 +224,12 @@ def test_data_create_from_a_gs_corpus_to_gs_shards(gcs_dir, tmp_path, minilm_dir
     documents = [d for d in open(text_path, encoding="utf-8").read().split("\n\n") if d.strip()][:60]
     files = {"text.txt": "\n\n".join(documents).encode(),
              "docs.jsonl.gz": gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in documents).encode())}
-    for name, data in files.items():
-        (tmp_path / name).write_bytes(data)
+    for file_name, data in files.items():  # not `name`: the corpus under test
+        (tmp_path / file_name).write_bytes(data)
     pq.write_table(pa.table({"text": documents}), str(tmp_path / "docs.parquet"), row_group_size=20)
-    for name in [*files, "docs.parquet", "vocab.txt"]:
-        gfile.copy(str(minilm_dir / name) if name == "vocab.txt" else str(tmp_path / name), f"{gcs_dir}/in/{name}")
+    for file_name in [*files, "docs.parquet", "vocab.txt"]:
+        gfile.copy(str(minilm_dir / file_name) if file_name == "vocab.txt" else str(tmp_path / file_name),
+                   f"{gcs_dir}/in/{file_name}")
 
     def create(folder, name, out):
         extra = ("--format", "sentences") if name.endswith(".txt") else \
@@ -241,6 +242,7 @@ def test_data_create_from_a_gs_corpus_to_gs_shards(gcs_dir, tmp_path, minilm_dir
     (tmp_path / "vocab.txt").write_bytes((minilm_dir / "vocab.txt").read_bytes())
     expected, expected_metadata = create(str(tmp_path), name, str(tmp_path / "out"))
     assert len(expected) == 2 and sum(map(len, expected)) > 50
+    assert expected_metadata["stats"]["documents_read"] == len(documents), expected_metadata["stats"]
     records, metadata = create(f"{gcs_dir}/in", name, f"{gcs_dir}/out")
     assert records == expected
     for key in ("input_formats", "num_instances"):
