@@ -9,7 +9,9 @@ Items:
 The pretraining trainer writes these same items (plus optimizer and data state) in each step directory, so every
 command that takes a checkpoint also takes a training step directory.
 
-Orbax writes to a temporary name and renames on completion, so a half-written checkpoint never has the final name.
+A half-written checkpoint is never listed as one: on a local disk Orbax writes to a temporary name and renames
+on completion; on gs:// (no atomic rename) it writes in place and finishes with a `commit_success.txt` object,
+and a step directory without it is not finalised (not listed, not restored, removed by the next save of that step).
 """
 from __future__ import annotations
 
@@ -333,7 +335,8 @@ class TrainCheckpointer:
     A step directory holds the model items above (so `bertjax export` takes it) plus the optimizer state, the
     train meta (step, RNG, counters) and the job config. The input-pipeline position of process i is written to
     `<workdir>/input_state/<step>/process_i` *before* the step's Orbax save starts, so every checkpoint Orbax
-    has finalised has its pipeline positions; Orbax finalises by renaming, so an interrupted save is never listed.
+    has finalised has its pipeline positions; an interrupted save is never listed (Orbax finalises a step by
+    renaming it locally, by writing its commit_success.txt on gs://).
     """
 
     def __init__(self, workdir: str, config: CheckpointConfig):

@@ -167,11 +167,49 @@ def _tfrecords(folder: str) -> list[list[bytes]]:
             for name in sorted(gfile.listdir(folder)) if name.endswith(".tfrecord")]
 
 
-# Parquet from gs:// passes alone but failed after the others in one process ("I/O operation on closed file":
-# file_readers._parquet_file caches a ParquetFile over a tf.io.gfile.GFile); left to the corpus readers' owners.
-@pytest.mark.parametrize("name", ["text.txt", "docs.jsonl.gz"])
+def test_parquet_and_arrow_files_on_gs_read_as_the_local_copies(gcs_dir, tmp_path):
+    """Record units of a Parquet file (row groups, from the cached ParquetFile) and of an Arrow stream on gs://
+    are those of the local copies, also after the cached file's handle was closed under it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from bertjax.data import file_readers
+
+    gfile = _tf_gfile()
+    texts = [f"document {i} " * (i % 7 + 1) for i in range(50)]
+    pq.write_table(pa.table({"text": texts}), str(tmp_path / "docs.parquet"), row_group_size=20)
+    with pa.ipc.new_stream(str(tmp_path / "docs.arrow"), pa.schema([("text", pa.string())])) as stream:
+        stream.write_table(pa.table({"text": texts}), max_chunksize=20)
+    for name in ("docs.parquet", "docs.arrow"):
+        gfile.copy(str(tmp_path / name), f"{gcs_dir}/{name}")
+
+    def units(path):
+        file_readers.check_input_files([path], _corpus_config())
+        found, k = [], 0
+        while True:
+            chunk, more = file_readers.record_unit(path.encode(), k, True, b"parquet", b"text", 20)
+            if not more:
+                return found
+            found.append(list(chunk))
+            k += 1
+
+    for name in ("docs.parquet", "docs.arrow"):
+        expected = units(str(tmp_path / name))
+        assert sum(expected, []) == [t.encode() for t in texts]
+        assert units(f"{gcs_dir}/{name}") == expected, name
+    file_readers._parquet_file(f"{gcs_dir}/docs.parquet").close(force=True)  # as a reader torn down elsewhere
+    assert units(f"{gcs_dir}/docs.parquet") == units(str(tmp_path / "docs.parquet"))
+
+
+def _corpus_config():
+    from bertjax.data.data_config import CorpusConfig
+
+    return CorpusConfig(corpus_format="parquet", text_field="text")
+
+
+@pytest.mark.parametrize("name", ["text.txt", "docs.jsonl.gz", "docs.parquet"])
 def test_data_create_from_a_gs_corpus_to_gs_shards(gcs_dir, tmp_path, minilm_dir, name):
-    """`data create` with corpus (text, JSON Lines .gz), vocab and output all in the bucket writes the
+    """`data create` with corpus (text, JSON Lines .gz, Parquet), vocab and output all in the bucket writes the
     records, shard by shard, and the metadata that the same run on local copies of the files writes."""
     import gzip
 
@@ -186,11 +224,12 @@ def test_data_create_from_a_gs_corpus_to_gs_shards(gcs_dir, tmp_path, minilm_dir
     documents = [d for d in open(text_path, encoding="utf-8").read().split("\n\n") if d.strip()][:60]
     files = {"text.txt": "\n\n".join(documents).encode(),
              "docs.jsonl.gz": gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in documents).encode())}
-    for name, data in files.items():
-        (tmp_path / name).write_bytes(data)
+    for file_name, data in files.items():  # not `name`: the corpus under test
+        (tmp_path / file_name).write_bytes(data)
     pq.write_table(pa.table({"text": documents}), str(tmp_path / "docs.parquet"), row_group_size=20)
-    for name in [*files, "docs.parquet", "vocab.txt"]:
-        gfile.copy(str(minilm_dir / name) if name == "vocab.txt" else str(tmp_path / name), f"{gcs_dir}/in/{name}")
+    for file_name in [*files, "docs.parquet", "vocab.txt"]:
+        gfile.copy(str(minilm_dir / file_name) if file_name == "vocab.txt" else str(tmp_path / file_name),
+                   f"{gcs_dir}/in/{file_name}")
 
     def create(folder, name, out):
         extra = ("--format", "sentences") if name.endswith(".txt") else \
@@ -203,6 +242,7 @@ def test_data_create_from_a_gs_corpus_to_gs_shards(gcs_dir, tmp_path, minilm_dir
     (tmp_path / "vocab.txt").write_bytes((minilm_dir / "vocab.txt").read_bytes())
     expected, expected_metadata = create(str(tmp_path), name, str(tmp_path / "out"))
     assert len(expected) == 2 and sum(map(len, expected)) > 50
+    assert expected_metadata["stats"]["documents_read"] == len(documents), expected_metadata["stats"]
     records, metadata = create(f"{gcs_dir}/in", name, f"{gcs_dir}/out")
     assert records == expected
     for key in ("input_formats", "num_instances"):
@@ -233,3 +273,153 @@ def test_beam_data_create_reads_and_writes_gs(gcs_dir, tmp_path, minilm_dir):
     expected = create(str(tmp_path / "text.txt"), str(minilm_dir / "vocab.txt"), str(tmp_path / "local"))
     assert len(expected) == 2 and sum(map(len, expected)) > 30
     assert create(f"{gcs_dir}/in/text.txt", f"{gcs_dir}/in/vocab.txt", f"{gcs_dir}/out") == expected
+
+
+def test_finetune_classify_with_gs_data_init_workdir_and_export(gcs_dir, tmp_path, minilm_dir):
+    """`finetune classify` with its train/dev/test files, the model it starts from, its workdir and its HF export
+    all in the bucket: the metrics, predictions and exported weights of the same run on local files."""
+    import random
+    import subprocess
+    import sys
+
+    import safetensors.numpy
+
+    from tests.conftest import save_tiny_hf
+
+    gfile = _tf_gfile()
+    rng = random.Random(0)
+    filler = "the a movie film plot actor scene story music was very and".split()
+
+    def rows(n):
+        return "".join(f"{' '.join(rng.choices(filler, k=5))} {('awful', 'great')[i % 2]},{('sad', 'happy')[i % 2]}\n"
+                       for i in range(n))
+
+    local, remote = tmp_path / "in", f"{gcs_dir}/in"
+    local.mkdir()
+    for name, text in {"train.csv": "review,mood\n" + rows(48), "dev.csv": "review,mood\n" + rows(16),
+                       "test.csv": "review\n" + "".join(r.split(",")[0] + "\n" for r in rows(4).splitlines())}.items():
+        (local / name).write_text(text, encoding="utf-8")
+    save_tiny_hf(local / "init", minilm_dir / "vocab.txt", seed=0)
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            gfile.makedirs(f"{remote}/{path.parent.relative_to(local)}".rstrip("/."))
+            gfile.copy(str(path), f"{remote}/{path.relative_to(local)}")
+
+    def classify(folder, workdir):
+        command = [sys.executable, "-m", "bertjax.cli", "finetune", "classify", "--train", f"{folder}/train.csv",
+                   "--dev", f"{folder}/dev.csv", "--test", f"{folder}/test.csv", "--text-column", "review",
+                   "--label-column", "mood", "--init", f"{folder}/init", "--workdir", workdir,
+                   "--max-seq-length", "16", "--batch-size", "16", "--epochs", "2", "--seed", "1",
+                   "--export-hf"]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        read = lambda name: gfile.GFile(f"{workdir}/{name}", "rb").read()  # noqa: E731
+        metrics = json.loads(read("metrics.json"))
+        rows = {split: [json.loads(line) for line in read(f"{split}_predictions.jsonl").splitlines()]
+                for split in ("dev", "test")}
+        assert [r.pop("where") for r in rows["test"]] == [f"{folder}/test.csv:{i}" for i in range(2, 6)]
+        for row in rows["dev"]:
+            row.pop("where")
+        return ({k: metrics[k] for k in ("labels", "metrics")}, rows["dev"], rows["test"],
+                safetensors.numpy.load(read("hf/model.safetensors")), json.loads(read("hf/config.json")))
+
+    expected = classify(str(local), str(tmp_path / "work"))
+    found = classify(remote, f"{gcs_dir}/work")
+    assert expected[0]["labels"] == ["happy", "sad"] and len(expected[1]) == 16
+    assert found[:3] == expected[:3]
+    assert found[3].keys() == expected[3].keys()
+    for name, value in expected[3].items():
+        assert (found[3][name] == value).all(), name
+    assert found[4] == expected[4]
+
+
+def test_a_gs_step_without_orbaxs_commit_marker_is_never_taken_for_a_checkpoint(gcs_dir, minilm_dir):
+    """On gs:// Orbax writes a step in place and finishes it with commit_success.txt (no rename there). A save cut
+    before its marker (step 12: the marker deleted) and one cut earlier (step 15: some params objects, nothing
+    else) are not listed for a resume, not what a run directory stands for, and not loaded when named."""
+    from google.cloud import storage
+
+    from bertjax import cli
+    from bertjax.checkpoint import CheckpointConfig, TrainCheckpointer, complete_steps, load_model, \
+        resolve_checkpoint
+    from tests.conftest import save_tiny_checkpoint
+
+    run = f"{gcs_dir}/run"
+    for step, seed in ((5, 0), (12, 1)):
+        save_tiny_checkpoint(f"{run}/checkpoints/{step}", minilm_dir / "vocab.txt", seed)
+    bucket_name, prefix = cloud_storage.split(f"{run}/checkpoints")
+    bucket = storage.Client().bucket(bucket_name)
+    assert bucket.blob(f"{prefix}/12/commit_success.txt").exists()
+    assert complete_steps(run) == [5, 12]
+
+    # Cut through TensorFlow's file system, which epath (Orbax's listing) reads: its stat cache would otherwise
+    # keep the marker for seconds in this process (a resumed job is a new process, with an empty cache).
+    _tf_gfile().remove(f"{run}/checkpoints/12/commit_success.txt")
+    for blob in list(bucket.list_blobs(prefix=f"{prefix}/5/params/"))[:2]:
+        bucket.copy_blob(blob, bucket, blob.name.replace(f"{prefix}/5/", f"{prefix}/15/", 1))
+    assert complete_steps(run) == [5]
+    assert resolve_checkpoint(run) == f"{run}/checkpoints/5"
+    checkpointer = TrainCheckpointer(run, CheckpointConfig())
+    try:
+        assert checkpointer.steps() == [5] and checkpointer.latest_step() == 5  # what a resume tries, newest first
+    finally:
+        checkpointer.close()
+    with pytest.raises(ValueError, match=r"checkpoints/12: cannot read the checkpoint .*incomplete"):
+        load_model(f"{run}/checkpoints/12")
+    assert cli.main(["info", run]) == 0
+
+
+GS_CACHE_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp
+from bertjax import compile_cache
+assert compile_cache.enable(sys.argv[1]) == sys.argv[1]
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # this program compiles in well under 0.5 s
+stats = compile_cache.CacheStats().start()
+jax.jit(lambda x: jnp.tanh(x @ x.T) @ x + 1)(jnp.ones((96, 96))).block_until_ready()
+print(stats.hits, stats.misses)
+"""
+
+
+def test_the_compilation_cache_on_gs_is_read_back_by_a_restart(gcs_dir):
+    """A job's first run writes its compiled programs to a gs:// cache (JAX's cache goes through etils.epath);
+    the restarted process reads every one of them back from the bucket instead of compiling."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+    from tests.test_pretrain import _env
+
+    cache = f"{gcs_dir}/jax-cache"
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", GS_CACHE_PROGRAM, cache], env=_env(1), cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return tuple(int(n) for n in done.stdout.split()[-2:])
+
+    hits, misses = run()
+    assert hits == 0 and misses >= 1
+    entries = [name for name in _tf_gfile().listdir(cache) if name.endswith("-cache")]
+    assert len(entries) >= 1, _tf_gfile().listdir(cache)
+    assert run() == (misses, 0)
+
+
+@pytest.mark.parametrize("job", [["glue", "--task", "sst2", "--data", "glue"],
+                                 ["features", "--task", "sst2", "--data", "glue"],
+                                 ["ner", "--data", "conll"], ["squad", "--train", "train.json", "--version", "1.1"],
+                                 ["multiple-choice", "--data", "swag"]])
+def test_fine_tunes_that_write_locally_refuse_a_gs_workdir_in_one_line(gcs_dir, tmp_path, monkeypatch, capsys,
+                                                                       job):
+    """Only `finetune classify` writes its workdir through epath; another fine-tune given a gs:// workdir wrote
+    it under ./gs:/ on the local disk and said nothing. It is refused, before anything is read or written."""
+    from bertjax import cli
+
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["finetune", *job, "--init", str(tmp_path / "no-model"), "--workdir", f"{gcs_dir}/work"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"bertjax finetune: error: --workdir {gcs_dir}/work: finetune {job[0]} writes its outputs to a local "
+        "directory only (finetune classify takes a gs:// workdir); give a local directory and copy it to the bucket "
+        "after")
+    assert list(tmp_path.iterdir()) == [] and not _tf_gfile().exists(f"{gcs_dir}/work")

@@ -44,7 +44,40 @@ def compression_of(path: str, head: bytes) -> str:
 
 
 def _open_raw(path: str):
-    return open(path, "rb") if "://" not in path else tf.io.gfile.GFile(path, "rb")
+    """A buffered binary file of `path`: a local file, or (gs://, any other scheme) TensorFlow's file system."""
+    return open(path, "rb") if "://" not in path else io.BufferedReader(_GFileRaw(path), 1 << 20)
+
+
+class _GFileRaw(io.RawIOBase):
+    """A tf.io.gfile.GFile as a standard raw binary file. GFile has no `closed`: pyarrow asks a Python file for it
+    and takes its absence for a closed file ("I/O operation on closed file"), so Parquet and Arrow files on gs://
+    are read through this."""
+
+    def __init__(self, path: str):
+        self._file = tf.io.gfile.GFile(path, "rb")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self._file.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._file.seek(offset, whence)
+        return self._file.tell()
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
 
 
 def open_decompressed(path: str):
@@ -291,7 +324,10 @@ def _is_parquet(path: str) -> bool:
     return not path.lower().endswith(".arrow")
 
 
-_PARQUET_FILES: collections.OrderedDict = collections.OrderedDict()  # path -> open ParquetFile (footer read once)
+# path -> open ParquetFile (footer read once), most recently used last. The ParquetFile owns its file (a gs://
+# file is closed when the last ParquetFile on it is collected, never while a reader holds it); one whose file was
+# closed anyway is opened again rather than read.
+_PARQUET_FILES: collections.OrderedDict = collections.OrderedDict()
 _PARQUET_LOCK = threading.Lock()
 
 
@@ -300,8 +336,8 @@ def _parquet_file(path: str):
 
     with _PARQUET_LOCK:
         found = _PARQUET_FILES.pop(path, None)
-    if found is None:  # a local path: Arrow's own file, read with pread (threads may read row groups at once)
-        try:
+    if found is None or found.closed:
+        try:  # a local path: Arrow's own file, read with pread (threads may read row groups at once)
             found = pq.ParquetFile(path if "://" not in path else _open_raw(path))
         except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid: a cut footer, not Parquet at all
             raise CorpusError(f"{path}: not a readable Parquet file ({errors.first_line(error)}); cut, or still "

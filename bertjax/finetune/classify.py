@@ -10,12 +10,12 @@ fine-tuned model with the label names as id2label (bertjax checkpoint and/or HF 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import jax
 import numpy as np
 import optax
+from etils import epath
 
 from bertjax import jsonio
 from bertjax.finetune import glue_data, label_metrics, table_data
@@ -67,9 +67,8 @@ def prediction_rows(problem: str, logits: np.ndarray, names: list[str] | None, g
     return rows
 
 
-def _write_jsonl(path: str, rows: list[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(jsonio.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+def _write_jsonl(path: epath.Path, rows: list[dict]) -> None:
+    path.write_text("".join(jsonio.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
 
 
 def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.TableSpec, *, init: str,
@@ -83,7 +82,8 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
     test_examples = table_data.read_split(test, spec, names, with_labels=False)[0] if test else None
     ckpt, tokenizer = load_init(init)
     ckpt.config.check_length(max_seq_length, "--max-seq-length")
-    os.makedirs(workdir, exist_ok=True)
+    out = epath.Path(workdir)  # a local directory or gs://
+    out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
     num_labels = 1 if names is None else len(names)
@@ -110,10 +110,10 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
     if dev_features is not None:
         logits = trainer.predict(dev_features)
         metrics["dev"] = metrics_of(problem, logits, dev_features["labels"])
-        _write_jsonl(os.path.join(workdir, "dev_predictions.jsonl"),
+        _write_jsonl(out / "dev_predictions.jsonl",
                      prediction_rows(problem, logits, names, dev_examples.guids))
     if test_examples is not None:
-        _write_jsonl(os.path.join(workdir, "test_predictions.jsonl"),
+        _write_jsonl(out / "test_predictions.jsonl",
                      prediction_rows(problem, trainer.predict(featurize(test_examples)), names, test_examples.guids))
 
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
@@ -128,6 +128,5 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
         "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
         "total_seconds": time.perf_counter() - started, "init": init,
     }
-    with open(os.path.join(workdir, "metrics.json"), "w") as f:
-        jsonio.dump(result, f, indent=2)
+    (out / "metrics.json").write_text(jsonio.dumps(result, indent=2))
     return result

@@ -287,6 +287,16 @@ def _write_model_cards(workdir: str) -> None:
 
 # The arguments that name the files a fine-tune reads (their content is part of its run record).
 INPUT_ARGS = ("data", "train", "dev", "test", "predict")
+# Fine-tunes whose every output is written through epath/Orbax, so that their --workdir may be gs://. The others
+# write with open() and would put a gs:// workdir under ./gs:/ on the local disk: they refuse it instead.
+CLOUD_WORKDIR_JOBS = ("classify",)
+
+
+def _check_workdir(args: argparse.Namespace) -> None:
+    if "://" in args.workdir and args.job not in CLOUD_WORKDIR_JOBS:
+        raise ValueError(f"--workdir {args.workdir}: finetune {args.job} writes its outputs to a local directory "
+                         f"only (finetune {', '.join(CLOUD_WORKDIR_JOBS)} takes a gs:// workdir); give a local "
+                         "directory and copy it to the bucket after")
 
 
 def _owned_run(job):
@@ -301,6 +311,7 @@ def _owned_run(job):
         from bertjax.finetune.trainer import Preempted
         from bertjax.workdir_lock import WorkdirLock
 
+        _check_workdir(args)
         console = Console()
         lock = WorkdirLock(args.workdir, log=console.line)
         lock.acquire()
@@ -363,6 +374,7 @@ def _classify(args: argparse.Namespace) -> int:
 def _features(args: argparse.Namespace) -> int:
     from bertjax.finetune import features
 
+    _check_workdir(args)
     route_logging_to_console()
     result = features.run_task(args.task, args.data, args.workdir, init=args.init, layers=args.layers,
                                pooling=args.pooling, classifier=args.classifier, max_seq_length=args.max_seq_length,

@@ -17,7 +17,7 @@ from typing import Mapping
 
 import numpy as np
 from etils import epath
-from safetensors.numpy import load_file, save
+from safetensors.numpy import load, load_file, save
 
 from bertjax.checkpoint import read_vocab_file
 from bertjax.interop import convert
@@ -32,11 +32,12 @@ _HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
 
 
 def _load_safetensors(path) -> dict[str, np.ndarray]:
-    """A safetensors file's tensors; a cut or damaged file is a ValueError naming it."""
+    """A safetensors file's tensors (gs:// read whole through epath: safetensors' `load_file` is local only); a cut
+    or damaged file is a ValueError naming it."""
     from safetensors import SafetensorError
 
     try:
-        return load_file(str(path))
+        return load_file(str(path)) if "://" not in str(path) else load(epath.Path(path).read_bytes())
     except SafetensorError as error:
         raise ValueError(f"{path}: not a readable safetensors file ({error}); a cut download? fetch it again") \
             from None
