@@ -37,7 +37,9 @@ def by_name(path: str) -> str | None:
 def by_bytes(path: str) -> str:
     """"parquet" | "jsonl" | "text" from a file's first 64 KiB (decompressed)."""
     _, head = file_readers._head(path)
-    if head.startswith((b"PAR1", b"ARROW1")):
+    # Parquet, the Arrow IPC file format, and the Arrow IPC stream format (`datasets.save_to_disk`'s .arrow files:
+    # a 0xFFFFFFFF continuation marker first, no magic).
+    if head.startswith((b"PAR1", b"ARROW1", b"\xff\xff\xff\xff")):
         return "parquet"
     first = next((line.strip() for line in head.split(b"\n")[:-1] if line.strip()), b"")
     if first.startswith(b"{"):
