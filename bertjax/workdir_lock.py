@@ -76,7 +76,8 @@ def parse(text: bytes) -> dict:
 
 
 class LocalLockFile:
-    """WORKDIR/LOCK on a file system: created with O_EXCL, rewritten by rename (readers never see it half-written).
+    """WORKDIR/LOCK on a file system: created by a hard link (atomic, fails if it exists), rewritten by rename
+    (readers never see it half-written).
     The generation it hands out is always 0: a rename cannot be made conditional, so the read-back check of the
     token just before a rewrite has to do."""
 
@@ -94,12 +95,23 @@ class LocalLockFile:
 
     def write(self, data: bytes, generation: int) -> int | None:
         if generation == ABSENT:
+            # Written whole under another name, then hard-linked as LOCK (which fails if LOCK exists): another
+            # job never reads a just-created, still empty LOCK (taken for an unreadable one and replaced).
+            temporary = self.path.parent / f".{LOCK_NAME}.{uuid.uuid4().hex}"
+            temporary.write_bytes(data)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                os.link(temporary, self.path)
             except FileExistsError:
                 return None
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            except OSError:  # a file system without hard links: create with O_EXCL, then write
+                try:
+                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                except FileExistsError:
+                    return None
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+            finally:
+                temporary.unlink(missing_ok=True)
             return 0
         temporary = self.path.parent / f".{LOCK_NAME}.{uuid.uuid4().hex}"
         temporary.write_bytes(data)

@@ -66,7 +66,8 @@ def test_two_pretrain_jobs_on_one_workdir(corpus, tmp_path):  # noqa: F811
     steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
     assert steps == sorted(set(steps)) and steps[-1] == 400
-    assert "newest: step 400" in output and not (workdir / LOCK_NAME).exists()
+    assert "newest: step 400" in output, output[-2000:]
+    assert not (workdir / LOCK_NAME).exists(), (workdir / LOCK_NAME).read_text()
 
 
 @pytest.mark.parametrize("content", ["null", "[1, 2]", '"a lock"', "",
