@@ -52,7 +52,6 @@ _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 # Instructions that do no work of their own (or whose work is their callees').
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
          "after-all", "partition-id", "replica-id", "opt-barrier", "copy-done", "slice-done", "async-done"}
-_ASYNC_DONE = re.compile(r"^([\w-]+)-done$")
 PALLAS_TARGET = "tpu_custom_call"
 
 

@@ -20,7 +20,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax import sharding
@@ -121,11 +120,3 @@ def local_gradients(update: UpdateSharding, grads_and_sums, compute_params, batc
         replicated), out_specs=(leaf_specs, PartitionSpec()), axis_names={DATA}, check_vma=False)(
         compute_params, batch, *replicated)
 
-
-def param_bytes_split(update: UpdateSharding, abstract_params) -> tuple[int, int]:
-    """(float32 bytes of the params split over data, of those reduced whole): how much of the update is shared."""
-    split = whole = 0
-    for dim, x in zip(jax.tree_util.tree_leaves(update.dims), jax.tree_util.tree_leaves(abstract_params)):
-        size = int(np.prod(x.shape)) * 4
-        split, whole = (split + size, whole) if dim >= 0 else (split, whole + size)
-    return split, whole

@@ -14,7 +14,6 @@ Each client has its own switch:
 from __future__ import annotations
 
 import datetime
-import os
 import pathlib
 import http.client
 import http.server
