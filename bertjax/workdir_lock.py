@@ -33,6 +33,7 @@ from bertjax.cloud_storage import ABSENT, GcsObject
 LOCK_NAME = "LOCK"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 120.0
+LOCAL_GENERATION = 1  # what a local LOCK's "generation" always is (any number but ABSENT)
 
 
 class WorkdirBusy(ValueError):
@@ -78,15 +79,16 @@ def parse(text: bytes) -> dict:
 class LocalLockFile:
     """WORKDIR/LOCK on a file system: created by a hard link (atomic, fails if it exists), rewritten by rename
     (readers never see it half-written).
-    The generation it hands out is always 0: a rename cannot be made conditional, so the read-back check of the
-    token just before a rewrite has to do."""
+    The generation it hands out is always LOCAL_GENERATION: a rename cannot be made conditional, so the read-back
+    check of the token just before a rewrite has to do. (Not ABSENT, 0: a heartbeat naming it would be taken for a
+    create, refused since LOCK exists, and leave the job thinking it lost its lock: no heartbeats, no release.)"""
 
     def __init__(self, path: epath.Path):
         self.path = path
 
     def read(self) -> tuple[bytes, int] | None:
         try:
-            return self.path.read_bytes(), 0
+            return self.path.read_bytes(), LOCAL_GENERATION
         except FileNotFoundError:
             return None
         except IsADirectoryError:
@@ -112,11 +114,11 @@ class LocalLockFile:
                     f.write(data)
             finally:
                 temporary.unlink(missing_ok=True)
-            return 0
+            return LOCAL_GENERATION
         temporary = self.path.parent / f".{LOCK_NAME}.{uuid.uuid4().hex}"
         temporary.write_bytes(data)
         os.replace(temporary, self.path)
-        return 0
+        return LOCAL_GENERATION
 
     def delete(self, generation: int) -> bool:
         try:

@@ -27,6 +27,19 @@ def test_a_second_holder_is_refused_by_name_until_the_first_releases(tmp_path):
     second.release()
 
 
+def test_a_heartbeat_rewrites_the_lock_and_the_holder_still_releases_it(tmp_path):
+    lock = WorkdirLock(str(tmp_path), log=lambda m: None)
+    lock.acquire()
+    before = json.loads((tmp_path / LOCK_NAME).read_text())
+    time.sleep(0.01)
+    lock.refresh()  # what the heartbeat thread does every HEARTBEAT_S
+    after = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert after["token"] == before["token"] and after["heartbeat"] > before["heartbeat"]
+    lock.refresh()
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
 def test_the_lock_of_a_dead_job_is_taken_over(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that no longer runs, as a SIGKILLed job leaves it
