@@ -301,38 +301,57 @@ def _check_workdir(args: argparse.Namespace) -> None:
 
 def _owned_run(job):
     """A fine-tune command on the workdir it owns (run_record.py): refused for another run's workdir, resumed for
-    its own unfinished one, not rerun when finished; stopped by SIGTERM after saving its state (exit 0)."""
+    its own unfinished one, not rerun when finished; stopped by SIGTERM after saving its state (exit 0). A workdir
+    it created and failed in before saving a training state is removed (new_workdir.py)."""
     import functools
 
     @functools.wraps(job)
     def run(args: argparse.Namespace) -> int:
         from bertjax.console import Console
-        from bertjax.finetune.run_record import claim, input_fingerprints
-        from bertjax.finetune.trainer import Preempted
+        from bertjax.new_workdir import removed_if_failed_before_saving
         from bertjax.workdir_lock import WorkdirLock
 
         _check_workdir(args)
         console = Console()
         lock = WorkdirLock(args.workdir, log=console.line)
-        lock.acquire()
-        try:
-            record = {k: v for k, v in vars(args).items() if k not in ("func", "command", "job")}
-            record.update(input_fingerprints(getattr(args, name, None) for name in INPUT_ARGS))
-            state = claim(args.workdir, {"job": args.job, **record}, overwrite=args.overwrite, log=console.line)
-            if state == "completed":
-                console.line(f"{args.workdir} already holds this run, completed (its metrics are there); "
-                             f"--overwrite runs it again")
-                return 0
-            code = job(args)
-            _write_model_cards(args.workdir)
-            return code
-        except Preempted as stopped:
-            console.line(str(stopped))
-            return 0
-        finally:
-            lock.release()
+        with removed_if_failed_before_saving(args.workdir, lambda: _has_saved_state(args.workdir)):
+            lock.acquire()
+            try:
+                return _claimed_run(job, args, console)
+            finally:
+                lock.release()
 
     return run
+
+
+def _has_saved_state(workdir: str) -> bool:
+    """Whether a fine-tune workdir holds a training state to resume from."""
+    from etils import epath
+
+    from bertjax.checkpoint import complete_steps
+    from bertjax.finetune.run_record import TRAIN_STATE
+
+    return bool(complete_steps(str(epath.Path(workdir) / TRAIN_STATE)))
+
+
+def _claimed_run(job, args: argparse.Namespace, console) -> int:
+    from bertjax.finetune.run_record import claim, input_fingerprints
+    from bertjax.finetune.trainer import Preempted
+
+    record = {k: v for k, v in vars(args).items() if k not in ("func", "command", "job")}
+    record.update(input_fingerprints(getattr(args, name, None) for name in INPUT_ARGS))
+    state = claim(args.workdir, {"job": args.job, **record}, overwrite=args.overwrite, log=console.line)
+    if state == "completed":
+        console.line(f"{args.workdir} already holds this run, completed (its metrics are there); "
+                     f"--overwrite runs it again")
+        return 0
+    try:
+        code = job(args)
+    except Preempted as stopped:
+        console.line(str(stopped))
+        return 0
+    _write_model_cards(args.workdir)
+    return code
 
 
 @_owned_run

@@ -33,6 +33,7 @@ from bertjax.pretraining import step as train_step
 from bertjax.pretraining.config import PretrainConfig, check_resume_config, validate
 from bertjax.pretraining.job import build_job_step, compile_step
 from bertjax.pretraining.step import TooManyNonFiniteSteps
+from bertjax.new_workdir import removed_if_failed_before_saving
 from bertjax.workdir_lock import WorkdirLock
 
 # Per-step counts the train step reports, summed over a logging interval for throughput (not logged per step).
@@ -227,15 +228,17 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     The run's goodput account (goodput.py) goes to WORKDIR/goodput/ as it runs, and to metrics.jsonl at its end.
     The workdir is this job's alone while it runs (workdir_lock.py: another live job there is refused)."""
     lock = WorkdirLock(workdir, log=Console().line) if jax.process_index() == 0 else None
-    if lock is not None:
-        checkpoint_lib.check_writable(str(epath.Path(workdir) / "checkpoints"))  # a full disk: one line, first
-        lock.acquire()  # before anything else is written
-    try:
-        return _run(config, workdir, init_from=init_from, max_steps_this_run=max_steps_this_run,
-                    allow_config_change=allow_config_change)
-    finally:
+    with removed_if_failed_before_saving(workdir, lambda: bool(checkpoint_lib.complete_steps(workdir)),
+                                         enabled=lock is not None):
         if lock is not None:
-            lock.release()
+            checkpoint_lib.check_writable(str(epath.Path(workdir) / "checkpoints"))  # a full disk: one line, first
+            lock.acquire()  # before anything else is written
+        try:
+            return _run(config, workdir, init_from=init_from, max_steps_this_run=max_steps_this_run,
+                        allow_config_change=allow_config_change)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this_run: int | None,
