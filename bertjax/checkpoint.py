@@ -417,15 +417,17 @@ class StepCheckpointer:
         self.close()
         if not self.directory.exists() or jax.process_index() != 0:
             return
-        for path in self.directory.iterdir():
+        paths = list(self.directory.iterdir())
+        if not any(".corrupt" in path.name for path in paths):
+            self.directory.rmtree()  # one call (a directory on gs:// is only a prefix of its objects)
+            return
+        for path in paths:
             if ".corrupt" in path.name:
                 continue
             if path.is_dir():
                 path.rmtree()
             else:
                 path.unlink()
-        if not any(self.directory.iterdir()):
-            self.directory.rmdir()
 
     def wait(self) -> None:
         try:
