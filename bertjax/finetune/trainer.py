@@ -18,8 +18,17 @@ import optax
 from etils import epath
 
 from bertjax import compile_cache, sharding
-from bertjax.checkpoint import (BEST, BEST_PARAMS, OPT_STATE, PARAMS, ModelCheckpoint, StepCheckpointer,
-                                merge_params, orbax_path, save_model)
+from bertjax.checkpoint import (
+    BEST,
+    BEST_PARAMS,
+    OPT_STATE,
+    PARAMS,
+    ModelCheckpoint,
+    StepCheckpointer,
+    merge_params,
+    orbax_path,
+    save_model,
+)
 from bertjax.console import Console, duration, metric_text
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
