@@ -130,8 +130,7 @@ def _pipeline_answer(tokenizer, model, question: str, context: str, max_seq_len:
     p_mask = np.asarray([[s != 1 for s in encoded.sequence_ids(0)]], np.int64)
     p_mask[0, 0] = 0
     with torch.no_grad():
-        out = model(input_ids=torch.tensor(encoded["input_ids"]), attention_mask=torch.tensor(encoded["attention_mask"]),
-                    token_type_ids=torch.tensor(encoded["token_type_ids"]))
+        out = model(**{k: torch.tensor(encoded[k]) for k in ("input_ids", "attention_mask", "token_type_ids")})
     starts, ends, scores, null = select_starts_ends(out.start_logits.numpy(), out.end_logits.numpy(), p_mask,
                                                     encoded["attention_mask"], 1000000, 1, handle_impossible, 30)
     offsets = encoded["offset_mapping"][0]
@@ -190,7 +189,7 @@ def test_predict_answer_spans_equal_the_squad_job_and_the_pipeline(squad_run, tm
 
 
 def test_predict_spans_names_a_missing_column(squad_run, tmp_path):
-    work, rows = squad_run
+    work = squad_run[0]
     source = tmp_path / "in.csv"
     source.write_text("question,passage\nWho?,Someone.\n")
     run = subprocess.run([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(work / "hf"), "--input",

@@ -15,14 +15,12 @@ checkpoint with a head. Rows are batched on the mesh by the fine-tuning Trainer'
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
 import numpy as np
 from etils import epath
-
-import dataclasses
-import json
 
 from bertjax.finetune import classify, squad_data
 from bertjax.finetune.settings import SquadSettings, TrainSettings
@@ -51,7 +49,7 @@ def squad_settings(model: str, **overrides) -> SquadSettings:
     """The SQuAD settings a fine-tune workdir's run recorded (metrics.json), else the job's defaults; `overrides`
     that are not None win."""
     recorded = epath.Path(model) / "metrics.json"
-    settings = json.loads(recorded.read_text()).get("settings", {}) if recorded.is_file() else {}
+    settings = squad_data.read_json(str(recorded)).get("settings", {}) if recorded.is_file() else {}
     known = {field.name for field in dataclasses.fields(SquadSettings)}
     settings = {k: v for k, v in settings.items() if k in known}
     return SquadSettings(**{**settings, **{k: v for k, v in overrides.items() if v is not None}})
