@@ -223,17 +223,17 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
     """`bertjax predict`'s output lines for its --input (a table file, or stdin lines)."""
     import sys
 
-    from bertjax.finetune.predict import Predictor
+    from bertjax.finetune.predict import Predictor, answers_questions
 
     route_logging_to_console()
-    predictor = Predictor(args.model, max_seq_length=args.max_seq_length, batch_size=args.batch_size,
-                          doc_stride=args.doc_stride, version=args.squad_version)
-    if predictor.spans:
+    # The input is read and checked before the model loads (a bad file fails in seconds); its columns depend on the
+    # model's head, which the model's description tells without its tensors.
+    if answers_questions(args.model):
         if args.input == "-":
             raise ValueError(f"{args.model} answers questions: give an --input file with the columns "
                              f"{args.question_column!r} and {args.context_column!r} (stdin holds one text a line)")
         wheres, (questions, contexts) = _input_columns(args.input, [args.question_column, args.context_column])
-        rows = predictor.answers(questions, contexts, wheres)
+        texts = None
     elif args.input == "-":
         texts, invalid = input_lines(sys.stdin.buffer.read())
         if invalid:
@@ -242,11 +242,15 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
             raise ValueError("--input - holds no rows")
         if args.text_pair_column:
             raise ValueError("--text-pair-column needs an --input file with that column (stdin holds one text a line)")
-        rows = predictor.predict(texts, None, [f"stdin:{i + 1}" for i in range(len(texts))])
+        wheres, pairs = [f"stdin:{i + 1}" for i in range(len(texts))], None
     else:
         wheres, (texts, *pairs) = _input_columns(
             args.input, [args.text_column] + ([args.text_pair_column] if args.text_pair_column else []))
-        rows = predictor.predict(texts, pairs[0] if pairs else None, wheres)
+        pairs = pairs[0] if pairs else None
+    predictor = Predictor(args.model, max_seq_length=args.max_seq_length, batch_size=args.batch_size,
+                          doc_stride=args.doc_stride, version=args.squad_version)
+    rows = predictor.predict(texts, pairs, wheres) if texts is not None else \
+        predictor.answers(questions, contexts, wheres)
     return [jsonio.dumps(row, ensure_ascii=False) + "\n" for row in rows]
 
 

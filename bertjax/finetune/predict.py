@@ -26,7 +26,7 @@ from bertjax.finetune import classify, squad_data
 from bertjax.finetune.settings import SquadSettings, TrainSettings
 from bertjax.finetune.squad_postprocess import answer_spans
 from bertjax.finetune.trainer import Trainer
-from bertjax.interop.load import load_init
+from bertjax.interop.load import describe_pretrained, load_init
 from bertjax.model.bert import BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification
 
 HEADS = {"BertForSequenceClassification": BertForSequenceClassification,
@@ -43,6 +43,12 @@ def resolve_model(model: str) -> str:
         if (root / name).is_dir():
             return str(root / name)
     return model
+
+
+def answers_questions(model: str) -> bool:
+    """Whether `model` (as `--model` takes it) has a span head, told by its description (no tensors loaded)."""
+    head = describe_pretrained(resolve_model(model)).head or {}
+    return head.get("architecture") == SPANS
 
 
 def squad_settings(model: str, **overrides) -> SquadSettings:
