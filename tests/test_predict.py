@@ -147,6 +147,7 @@ def _sentence_with_answer(context: str, seed: int) -> str:
 
 
 def test_predict_answer_spans_equal_the_squad_job_and_the_pipeline(squad_run, tmp_path):
+    """The job's answers on its run (several windows a context), and the pipeline's on the export."""
     from bertjax.finetune.predict import Predictor
 
     work, rows = squad_run
@@ -163,6 +164,20 @@ def test_predict_answer_spans_equal_the_squad_job_and_the_pipeline(squad_run, tm
     assert [row["where"] for row in ours] == [f"{source}:{i + 1}" for i in range(len(rows))]
     for row, (_, _, context) in zip(ours, rows):
         assert context[row["start"]:row["end"]] == row["answer"] and 0 < row["score"] <= 1
+    # The job's answers at other settings, recomputed from its nbest_predictions.json and null_odds.json: v1.1 (the
+    # best non-empty answer, over several windows) and v2.0 at a threshold that answers half of the questions.
+    nbest = json.loads((work / "nbest_predictions.json").read_text(encoding="utf-8"))
+    best = {qid: next((n["text"] for n in candidates if n["text"]), "") for qid, candidates in nbest.items()}
+    odds = json.loads((work / "null_odds.json").read_text())
+    threshold = float(np.median(list(odds.values())))
+    for version, expected in (("1.1", best), ("2.0", {q: "" if odds[q] > threshold else best[q] for q in odds})):
+        predictor = Predictor(str(work), batch_size=8, version=version, null_score_diff_threshold=threshold)
+        mine = predictor.answers([q for _, q, _ in rows], [c for _, _, c in rows], [qid for qid, _, _ in rows])
+        assert [row["answer"] for row in mine] == [expected[qid] for qid, _, _ in rows]
+        for row, (_, _, context) in zip(mine, rows):  # v1.1 without a valid span among the n best: "", score 0
+            assert context[row["start"]:row["end"]] == row["answer"] and 0 < row["score"] <= 1 or row == {
+                "where": row["where"], "answer": "", "score": 0.0, "start": 0, "end": 0}
+    assert {bool(row["answer"]) for row in mine} == {True, False}
 
     # 2. The HF export on one-sentence contexts: the pipeline's answers, offsets and scores, with SQuAD 2.0's
     # no-answer (the pipeline's handle_impossible_answer) and without it.
