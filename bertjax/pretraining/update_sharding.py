@@ -6,7 +6,11 @@ other mesh axis splits. A step:
 1. gathers the params from their slices, the matmul operands (kernels, the word-embedding table) in the compute
    dtype: an all-gather of bf16 bytes on TPU;
 2. computes each replica's gradients of its own rows inside a `shard_map` over the data axis, microbatches summed
-   locally (the tied word-embedding table gets its lookup and output-layer gradients summed here, once);
+   locally (the tied word-embedding table gets its lookup and output-layer gradients summed here, once). Where
+   the word table is split on its hidden dimension, the input's rows are looked up from the float32 slices
+   (`lookup_rows`): the bf16 gather of the table is then needed only by the output layer, at the end of the
+   forward, and XLA:TPU overlaps it with the encoder (it was the step's first, synchronous, transfer); the
+   lookup's gradient arrives summed on the slice and is added after the output layer's is reduced;
 3. reduce-scatters each gradient to the slices (one reduction per gradient per step: the bytes of one all-reduce,
    split into a reduce-scatter and the next step's all-gather);
 4. runs the whole update (norm, non-finite skip, clipping, Adam/LAMB) on the slices.
