@@ -222,14 +222,14 @@ def test_update_sharded_over_data_gives_the_replicated_updates(mesh_shape, accum
 
 
 def test_word_rows_looked_up_from_the_column_slices_equal_the_whole_tables_rows_and_gradient():
-    """`update_sharding.lookup_rows`: each of 4 replicas holds a quarter of the word table's columns; the rows of
+    """`update_sharding.lookup_rows`: each of 8 replicas holds an eighth of the word table's columns; the rows of
     its own ids, with every column, equal `jnp.take` on the whole table, and the gradient that reaches each slice is
     its columns of the whole table's gradient over the global batch (the lookup's gradient needs no reduction)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from bertjax.pretraining import update_sharding
 
-    mesh = sharding.make_mesh(data=4, fsdp=1, tensor=1)
+    mesh = sharding.make_mesh(data=8, fsdp=1, tensor=1)
     rng = np.random.default_rng(3)
     table = rng.normal(size=(90, 32)).astype(np.float32)
     ids = rng.integers(0, 90, (8, 6)).astype(np.int32)
