@@ -219,31 +219,3 @@ def test_update_sharded_over_data_gives_the_replicated_updates(mesh_shape, accum
     moved = replicated.params["bert"]["layers" if scan else "layer_1"]["intermediate"]["kernel"]
     start = initial.params["bert"]["layers" if scan else "layer_1"]["intermediate"]["kernel"]
     assert not np.allclose(np.asarray(moved), np.asarray(start))
-
-
-def test_word_rows_looked_up_from_the_column_slices_equal_the_whole_tables_rows_and_gradient():
-    """`update_sharding.lookup_rows`: each of 8 replicas holds an eighth of the word table's columns; the rows of
-    its own ids, with every column, equal `jnp.take` on the whole table, and the gradient that reaches each slice is
-    its columns of the whole table's gradient over the global batch (the lookup's gradient needs no reduction)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from bertjax.pretraining import update_sharding
-
-    mesh = sharding.make_mesh(data=8, fsdp=1, tensor=1)
-    rng = np.random.default_rng(3)
-    table = rng.normal(size=(90, 32)).astype(np.float32)
-    ids = rng.integers(0, 90, (8, 6)).astype(np.int32)
-    weights = rng.normal(size=(8, 6, 32)).astype(np.float32)
-
-    def local(table_slice, ids, weights):
-        rows = update_sharding.lookup_rows(table_slice, ids)
-        return rows, jax.grad(lambda t: jnp.sum(update_sharding.lookup_rows(t, ids) * weights))(table_slice)
-
-    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(None, "data"), PartitionSpec("data"),
-                                                            PartitionSpec("data")),
-                                out_specs=(PartitionSpec("data"), PartitionSpec(None, "data")), check_vma=False))
-    rows, grad = run(jax.device_put(table, NamedSharding(mesh, PartitionSpec(None, "data"))), ids, weights)
-    np.testing.assert_array_equal(np.asarray(rows), table[ids])
-    expected = np.zeros_like(table)
-    np.add.at(expected, ids.reshape(-1), weights.reshape(-1, 32))
-    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-6, atol=1e-6)

@@ -107,9 +107,7 @@ class Embeddings(nn.Module):
         self.LayerNorm = LayerNorm(c)
         self.dropout = Dropout(c.hidden_dropout_prob)
 
-    def __call__(self, input_ids, segment_ids, position_ids, deterministic: bool, word_rows=None):
-        """word_rows: the word embeddings of `input_ids` (float32 [B, L, H]) if the caller looked them up already
-        (the update-sharded step, from the table's slices); else looked up here."""
+    def __call__(self, input_ids, segment_ids, position_ids, deterministic: bool):
         # Summed in float32, as the reference implementations do, before the LayerNorm.
         if position_ids is None:
             # Positions 0..L-1: a slice of the table, which shards better than a gather.
@@ -119,9 +117,7 @@ class Embeddings(nn.Module):
         # Rows gathered from the float32 table, not from a bf16 copy of all of it: exact (as HF under autocast), and
         # XLA:TPU no longer converts the whole 30k-row table for the lookup (2-layer BERT-base, 16 sequences per
         # v5e chip: -11% of the step's estimated cycles).
-        if word_rows is None:
-            word_rows = jnp.take(self.word_embeddings.embedding, input_ids, axis=0)
-        x = (word_rows
+        x = (jnp.take(self.word_embeddings.embedding, input_ids, axis=0)
              + positions.astype(jnp.float32)
              + small_table_lookup(self.token_type_embeddings.embedding, segment_ids))
         x = self.LayerNorm(x)
@@ -253,11 +249,10 @@ class BertModel(nn.Module):
                                    bias_init=_zeros(("embed_out",)))
 
     def __call__(self, input_ids, input_mask, segment_ids, *, packing_ids=None, position_ids=None,
-                 pool_positions=None, deterministic: bool = True, word_rows=None):
+                 pool_positions=None, deterministic: bool = True):
         """packing_ids/position_ids: packed rows (attention stays inside a packing id, positions restart);
-        pool_positions [B, k]: pool there (each packed instance's [CLS]) -> pooled [B, k, H], else [B, H];
-        word_rows: the input's word embeddings, looked up by the caller (`Embeddings`)."""
-        hidden = self.embeddings(input_ids, segment_ids, position_ids, deterministic, word_rows)
+        pool_positions [B, k]: pool there (each packed instance's [CLS]) -> pooled [B, k, H], else [B, H]."""
+        hidden = self.embeddings(input_ids, segment_ids, position_ids, deterministic)
         hidden = _constrain(hidden, ("activation_batch", "activation_length", "activation_embed"))
         self.sow("intermediates", "hidden_states", hidden)
         if self.config.scan_layers:
@@ -438,12 +433,11 @@ class BertForPreTraining(nn.Module):
 
     def __call__(self, input_ids, input_mask, segment_ids, masked_lm_positions, *, packing_ids=None,
                  position_ids=None, nsp_positions=None, span_left_positions=None, span_right_positions=None,
-                 deterministic: bool = True, word_rows=None):
-        """span_left/right_positions [B, P]: the tokens just outside each prediction's span (SBO only);
-        word_rows: the input's word embeddings, looked up by the caller (`Embeddings`)."""
+                 deterministic: bool = True):
+        """span_left/right_positions [B, P]: the tokens just outside each prediction's span (SBO only)."""
         sequence, pooled = self.bert(input_ids, input_mask, segment_ids, packing_ids=packing_ids,
                                      position_ids=position_ids, pool_positions=nsp_positions,
-                                     deterministic=deterministic, word_rows=word_rows)
+                                     deterministic=deterministic)
         mlm_logits = self.predictions(gather_positions(sequence, masked_lm_positions), self.bert.attend)
         nsp_logits = self.seq_relationship(pooled.astype(jnp.float32))
         outputs = {"mlm_logits": mlm_logits, "nsp_logits": nsp_logits}

@@ -89,15 +89,14 @@ def summarize(sums: dict, nsp_loss: bool) -> dict:
     return out
 
 
-def forward(model, params, batch: dict, *, deterministic: bool, rng=None, word_rows=None):
-    """The pretraining outputs for a batch dict, packed or not (its optional packing and span features passed on);
-    `word_rows`: the input's word embeddings if looked up already (`model.bert.Embeddings`)."""
+def forward(model, params, batch: dict, *, deterministic: bool, rng=None):
+    """The pretraining outputs for a batch dict, packed or not (its optional packing and span features passed on)."""
     return model.apply({"params": params}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
                        batch["masked_lm_positions"], packing_ids=batch.get("packing_ids"),
                        position_ids=batch.get("position_ids"), nsp_positions=batch.get("instance_cls_positions"),
                        span_left_positions=batch.get("span_left_positions"),
                        span_right_positions=batch.get("span_right_positions"), deterministic=deterministic,
-                       rngs=None if deterministic else {"dropout": rng}, word_rows=word_rows)
+                       rngs=None if deterministic else {"dropout": rng})
 
 
 def skip_by_select(platform: str) -> bool:
@@ -126,23 +125,18 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
     total_weight = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-5)
     total_count = jnp.maximum(jnp.sum(_nsp_weights(batch)), 1.0)
 
-    def grads_and_sums(params, rows, rng_data, step, total_weight, total_count, lookup=None):
-        """Gradients (microbatches summed in float32) and loss sums of these rows, normalised by the totals.
-        `lookup`: (table, rows_of(table, ids)) where the word embeddings are looked up from another table than
-        the params' (the update-sharded step's float32 slices); the gradients are then (params', table's)."""
+    def grads_and_sums(params, rows, rng_data, step, total_weight, total_count):
+        """Gradients (microbatches summed in float32) and loss sums of these rows, normalised by the totals."""
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), step)
 
         def micro_step(micro, index):
-            def loss_fn(differentiated):
-                params, table = differentiated
-                word_rows = None if lookup is None else lookup[1](table, micro["input_ids"])
+            def loss_fn(params):
                 outputs = forward(model, params, micro, deterministic=False,
-                                  rng=jax.random.fold_in(step_rng, index), word_rows=word_rows)
+                                  rng=jax.random.fold_in(step_rng, index))
                 sums = pretraining_sums(outputs, micro)
                 return _objective(sums, total_weight, total_count, nsp_loss), sums
-            table = None if lookup is None else lookup[0]
-            (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)((params, table))
-            return grads if lookup is not None else grads[0], sums
+            (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            return grads, sums
 
         if accum == 1:
             return micro_step(rows, 0)
@@ -167,8 +161,8 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
         grads, sums = grads_and_sums(state.params, batch, *scalars)
     else:
         grads, sums = update_sharding_lib.local_gradients(
-            update_sharding, grads_and_sums, state.params, update_sharding_lib.gather(update_sharding, state.params),
-            batch, *scalars)
+            update_sharding, grads_and_sums, update_sharding_lib.gather(update_sharding, state.params), batch,
+            *scalars)
     params = state.params
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
