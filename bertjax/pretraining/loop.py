@@ -314,8 +314,9 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
                   lower_case=lower_case)
     evaluate = _Evaluator(job.eval_step, eval_batches, config.train.eval_every, mesh, config.train.nsp_loss, writer,
                           log, account)
-    return _Run(config, mesh, job.train_step, iterator, input_stats, account, cache_stats, console, writer, clock,
-                checkpointer, save, evaluate), state
+    return _Run(config=config, mesh=mesh, train_step=job.train_step, iterator=iterator, input_stats=input_stats,
+                account=account, cache_stats=cache_stats, console=console, writer=writer, clock=clock,
+                checkpointer=checkpointer, save=save, evaluate=evaluate), state
 
 
 @dataclasses.dataclass
