@@ -31,6 +31,22 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
+# The files that take longest (seconds on this 2-core machine, one worker each at a time), started first when
+# pytest-xdist spreads the files over workers (`make test`: --dist loadfile --no-loadscope-reorder): the last file
+# a worker starts is then a short one, and the two workers end together.
+LONGEST_FILES = ("test_pretrain.py", "test_tpu_compile.py", "test_readme_path.py", "test_cloud_storage.py",
+                 "test_launch_tpu.py", "test_train_step.py", "test_workdir_lock.py", "test_classify_job.py",
+                 "test_fatal_errors.py", "test_data_pipeline.py", "test_predict.py", "test_babysitter.py")
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist, LONGEST_FILES first (in that order); the rest as collected."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture
 def no_cache_writes():
     """Keeps this test's compiles out of the suite's persistent cache: for programs compiled for libtpu's

@@ -248,7 +248,8 @@ def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrup
            [expected[s] for s in range(complete[-1] + 1, STEPS + 1)]
 
 
-@pytest.mark.parametrize("devices", [4, 1])
+# One device: slow-marked, for the default suite's time; four devices run the same resharding restore.
+@pytest.mark.parametrize("devices", [4, pytest.param(1, marks=pytest.mark.slow)])
 def test_eight_device_checkpoint_continues_on_fewer_devices(uninterrupted, corpus, tmp_path, devices):
     workdir = tmp_path / f"on{devices}"
     shutil.copytree(uninterrupted, workdir)
