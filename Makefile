@@ -47,8 +47,13 @@ demo-embed: install
 	$(BIN)/bertjax embed --checkpoint $(DEMO)-embed/minilm --input examples/sentences.txt \
 		--output $(DEMO)-embed/embeddings.npy --pooling mean --show-neighbours
 
+# Two pytest workers (the CI machine's two cores), a test file each at a time: a file's module fixtures (built
+# workdirs, compiled programs) are built once, by the worker that runs it; the longest files first, in the order
+# tests/conftest.py gives them (LONGEST_FILES).
+TEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/pytest -q --durations=20
+	$(BIN)/pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-slow: install
 	$(BIN)/pytest -q -m slow

@@ -279,11 +279,10 @@ def test_finetune_classify_with_gs_data_init_workdir_and_export(gcs_dir, tmp_pat
     """`finetune classify` with its train/dev/test files, the model it starts from, its workdir and its HF export
     all in the bucket: the metrics, predictions and exported weights of the same run on local files."""
     import random
-    import subprocess
-    import sys
 
     import safetensors.numpy
 
+    from bertjax import cli
     from tests.conftest import save_tiny_hf
 
     gfile = _tf_gfile()
@@ -306,13 +305,10 @@ def test_finetune_classify_with_gs_data_init_workdir_and_export(gcs_dir, tmp_pat
             gfile.copy(str(path), f"{remote}/{path.relative_to(local)}")
 
     def classify(folder, workdir):
-        command = [sys.executable, "-m", "bertjax.cli", "finetune", "classify", "--train", f"{folder}/train.csv",
-                   "--dev", f"{folder}/dev.csv", "--test", f"{folder}/test.csv", "--text-column", "review",
-                   "--label-column", "mood", "--init", f"{folder}/init", "--workdir", workdir,
-                   "--max-seq-length", "16", "--batch-size", "16", "--epochs", "2", "--seed", "1",
-                   "--export-hf"]
-        run = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
+        assert cli.main(["finetune", "classify", "--train", f"{folder}/train.csv", "--dev", f"{folder}/dev.csv",
+                         "--test", f"{folder}/test.csv", "--text-column", "review", "--label-column", "mood",
+                         "--init", f"{folder}/init", "--workdir", workdir, "--max-seq-length", "16",
+                         "--batch-size", "16", "--epochs", "2", "--seed", "1", "--export-hf"]) == 0
         read = lambda name: gfile.GFile(f"{workdir}/{name}", "rb").read()  # noqa: E731
         metrics = json.loads(read("metrics.json"))
         rows = {split: [json.loads(line) for line in read(f"{split}_predictions.jsonl").splitlines()]

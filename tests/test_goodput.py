@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from bertjax import compile_cache
+from bertjax.cli import main as bertjax_main
 from bertjax.pretraining import goodput
 from tests.conftest import REPO_ROOT
 from tests.test_pretrain import _env
@@ -50,22 +51,17 @@ def test_the_job_account_adds_up_runs_restarts_and_the_time_between(two_runs):
     assert parts == pytest.approx(account["wall_s"])
 
 
-def test_bertjax_goodput_prints_the_account_and_names_a_workdir_without_one(two_runs, tmp_path):
-    command = [sys.executable, "-m", "bertjax.cli", "goodput"]
-    shown = subprocess.run(command + [str(two_runs)], env=_env(1), cwd=REPO_ROOT, capture_output=True, text=True,
-                           timeout=120)
-    assert shown.returncode == 0, shown.stderr
-    lines = shown.stdout.splitlines()
+def test_bertjax_goodput_prints_the_account_and_names_a_workdir_without_one(two_runs, tmp_path, capsys):
+    assert bertjax_main(["goodput", str(two_runs)]) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"{two_runs}: 2 run(s), 203.0s wall, goodput 54.2% (110.0s of productive steps)"
     assert any(line.split() == ["between", "runs", "(launcher)", "13.0s", "6.4%"] for line in lines), lines
     assert any("steps 20 -> 50" in line and "lost 5 step(s) ~10.0s" in line for line in lines), lines
-    as_json = subprocess.run(command + [str(two_runs), "--json"], env=_env(1), cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=120)
-    assert json.loads(as_json.stdout)["lost_steps"] == 5
-    empty = subprocess.run(command + [str(tmp_path / "nothing")], env=_env(1), cwd=REPO_ROOT, capture_output=True,
-                           text=True, timeout=120)
-    assert empty.returncode == 2 and "Traceback" not in empty.stderr
-    assert "no run accounts" in empty.stderr and str(tmp_path / "nothing") in empty.stderr
+    assert bertjax_main(["goodput", str(two_runs), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lost_steps"] == 5
+    assert bertjax_main(["goodput", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "no run accounts" in err and str(tmp_path / "nothing") in err
 
 
 def test_the_cache_directory_setting():
@@ -87,17 +83,16 @@ def test_an_unwritable_cache_directory_is_named_by_its_key(tmp_path):
         compile_cache.enable(str(blocked / "jax"))
 
 
-def test_a_cut_run_account_is_named_and_the_account_called_incomplete(two_runs):
+def test_a_cut_run_account_is_named_and_the_account_called_incomplete(two_runs, capsys):
     """Two runs, one account cut mid-write: the other is shown, the cut one named, the command does not succeed."""
     path = two_runs / "goodput" / "b.json"
     path.write_text(path.read_text()[:40])
-    shown = subprocess.run([sys.executable, "-m", "bertjax.cli", "goodput", str(two_runs)], env=_env(1),
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 1
-    assert shown.stdout.splitlines()[0].startswith(f"{two_runs}: 1 run(s), ")
+    assert bertjax_main(["goodput", str(two_runs)]) == 1
+    shown = capsys.readouterr()
+    assert shown.out.splitlines()[0].startswith(f"{two_runs}: 1 run(s), ")
     assert ("  incomplete: left out goodput/b.json: Expecting ',' delimiter: line 1 column 41 (char 40) "
-            "(cut or damaged)") in shown.stdout
-    assert shown.stderr.strip().splitlines()[-1].startswith(
+            "(cut or damaged)") in shown.out
+    assert shown.err.strip().splitlines()[-1].startswith(
         f"bertjax goodput: error: the account of {two_runs} is incomplete: 1 run account(s) cannot be read "
         "(goodput/b.json: ")
 
@@ -106,6 +101,7 @@ CACHE_PROGRAM = """
 import sys, warnings
 import jax, jax.numpy as jnp
 from bertjax import compile_cache
+from bertjax.cli import main as bertjax_main
 compile_cache.enable(sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 with warnings.catch_warnings(record=True) as caught:

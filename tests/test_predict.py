@@ -4,6 +4,7 @@ and scores; on a SQuAD 2.0 run (the real sample) the job's own answers, and on i
 transformers' question-answering pipeline. (The classification side is checked in test_classify_job.py.)"""
 from __future__ import annotations
 
+import io
 import json
 import random
 import re
@@ -13,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from bertjax.cli import main as bertjax_main
 from bertjax.finetune.settings import NerSettings, TrainSettings
 from tests.conftest import save_tiny_hf
 
@@ -55,10 +57,8 @@ def test_predict_token_classification_equals_pipeline(ner_run, tmp_path):
     assert result["metrics"]["valid"]["overall"]["f1"] >= 0.5  # it learned: entities are there to compare
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"sentence": t}) + "\n" for t in texts))
-    run = subprocess.run([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(work), "--input",
-                          str(source), "--text-column", "sentence", "--output", str(tmp_path / "out.jsonl"),
-                          "--max-seq-length", "64", "--batch-size", "8"], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert bertjax_main(["predict", "--model", str(work), "--input", str(source), "--text-column", "sentence",
+                         "--output", str(tmp_path / "out.jsonl"), "--max-seq-length", "64", "--batch-size", "8"]) == 0
     ours = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [row["where"] for row in ours] == [f"{source}:{i + 1}" for i in range(len(texts))]
 
@@ -76,7 +76,7 @@ def test_predict_token_classification_equals_pipeline(ner_run, tmp_path):
         found += len(theirs)
     assert found >= len(texts)  # every sentence holds a person and a place
 
-    # One text a line on stdin, JSON Lines on stdout: the same entities.
+    # One text a line on stdin, JSON Lines on stdout (a process: nothing else on its stdout): the same entities.
     run = subprocess.run([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(work / "hf"),
                           "--max-seq-length", "64", "--batch-size", "8"], input="\n".join(texts) + "\n",
                          capture_output=True, text=True, timeout=600)
@@ -86,11 +86,10 @@ def test_predict_token_classification_equals_pipeline(ner_run, tmp_path):
     assert [row["entities"] for row in piped] == [row["entities"] for row in ours]
 
 
-def test_predict_refuses_a_model_without_a_head(minilm_dir, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(minilm_dir)],
-                         input="a sentence\n", capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0
-    assert "no fine-tuned classifier, token classifier or span head" in run.stderr.strip().splitlines()[-1]
+def test_predict_refuses_a_model_without_a_head(minilm_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a sentence\n")))
+    assert bertjax_main(["predict", "--model", str(minilm_dir)]) == 2
+    assert "no fine-tuned classifier, token classifier or span head" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 # ------------------------------------------------------------------------------------------- answer spans

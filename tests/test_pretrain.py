@@ -1,5 +1,6 @@
 """The pretraining job end to end, in real subprocesses: exact resume after SIGTERM, SIGKILL during a save,
-restore onto fewer devices, multi-process equivalence, and (slow) the loss falling on real text."""
+restore onto fewer devices, multi-process equivalence, and (slow) the loss falling on real text. What is decided
+before a job starts (refusals, a dry run) runs in this process."""
 import json
 import os
 import pathlib
@@ -47,6 +48,19 @@ def _run(argv, devices=8, timeout=600, keep=False):
     result = subprocess.run(argv, env=_env(devices), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result if keep else result.stdout
+
+
+def _in_process(argv, monkeypatch, capsys) -> tuple[int, str, str]:
+    """`bertjax` with `_argv`'s arguments in this process, for what is decided before a job starts (refusals, a dry
+    run, `config show`): (exit status, stdout, stderr). Pretraining's malloc setting for its own process
+    (host_memory) is left off: it would outlive the call in this one."""
+    from bertjax import cli
+
+    monkeypatch.setattr(cli.host_memory, "keep_freed_memory_if_cpu_job", lambda environ: False)
+    capsys.readouterr()
+    code = cli.main(argv[3:] if argv[:3] == [sys.executable, "-m", "bertjax.cli"] else argv)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 TIMESTAMP = re.compile(r"^\d\d:\d\d:\d\d ")
@@ -154,7 +168,7 @@ def test_a_run_appends_its_goodput_account(uninterrupted):
 NATIVE_LOG_LINE = re.compile(r"^[IWEF]\d{4} |absl::InitializeLog|cuInit|cudart|oneDNN|\[Gloo\]")
 
 
-def test_the_console_is_quiet_timestamped_and_ends_with_a_summary(uninterrupted_run):
+def test_the_console_is_quiet_timestamped_and_ends_with_a_summary(uninterrupted_run, monkeypatch, capsys):
     workdir, result = uninterrupted_run
     assert not [l for l in result.stderr.splitlines() if NATIVE_LOG_LINE.search(l)], result.stderr[:2000]
     lines = result.stdout.splitlines()
@@ -175,19 +189,19 @@ def test_the_console_is_quiet_timestamped_and_ends_with_a_summary(uninterrupted_
     written = json.loads((workdir / "config.json").read_text())
     argv = _argv(workdir, ("CORPUS", json.loads((workdir / "config.json").read_text())["data"]["vocab"]))
     overrides = [a for a in argv[argv.index("--set"):] if a != "--set"]
-    shown = subprocess.run([sys.executable, "-m", "bertjax.cli", "config", "show", "bert-tiny",
-                            *[x for o in overrides for x in ("--set", o)]], env=_env(), cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0, shown.stderr
-    expected = json.loads(shown.stdout)
+    code, shown, err = _in_process(["config", "show", "bert-tiny", *[x for o in overrides for x in ("--set", o)]],
+                                   monkeypatch, capsys)
+    assert code == 0, err
+    expected = json.loads(shown)
     assert written["train"] == expected["train"] and written["model"] == expected["model"]
     assert written["data"]["input_kind"] == "text"  # auto, decided when the run started
 
 
-def test_dry_run_compiles_and_plans_without_writing(corpus, tmp_path):
+def test_dry_run_compiles_and_plans_without_writing(corpus, tmp_path, monkeypatch, capsys):
     workdir = tmp_path / "planned"
-    output = _run(_argv(workdir, corpus, "--dry-run"), devices=2)
-    assert "config valid; mesh {'data': 2, 'fsdp': 1, 'tensor': 1} over 2 cpu device(s)" in output
+    code, output, err = _in_process(_argv(workdir, corpus, "--dry-run"), monkeypatch, capsys)
+    assert code == 0, err
+    assert "config valid; mesh {'data': 8, 'fsdp': 1, 'tensor': 1} over 8 cpu device(s)" in output
     assert "first batch read, input_ids[8, 64] masked_lm_ids[8, 10]" in output
     assert re.search(r"step compiled: [\d.]+ GiB per device", output)
     assert "no checkpoints; would start at step 0" in output
@@ -234,7 +248,8 @@ def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrup
            [expected[s] for s in range(complete[-1] + 1, STEPS + 1)]
 
 
-@pytest.mark.parametrize("devices", [4, 1])
+# One device: slow-marked, for the default suite's time; four devices run the same resharding restore.
+@pytest.mark.parametrize("devices", [4, pytest.param(1, marks=pytest.mark.slow)])
 def test_eight_device_checkpoint_continues_on_fewer_devices(uninterrupted, corpus, tmp_path, devices):
     workdir = tmp_path / f"on{devices}"
     shutil.copytree(uninterrupted, workdir)
@@ -250,28 +265,31 @@ def test_eight_device_checkpoint_continues_on_fewer_devices(uninterrupted, corpu
                                rtol=1e-5)
 
 
-def test_resume_with_a_changed_config_is_refused_or_allowed_by_name(uninterrupted, corpus, tmp_path):
+def test_resume_with_a_changed_config_is_refused_or_allowed_by_name(uninterrupted, corpus, tmp_path, monkeypatch,
+                                                                   capsys):
     """Raising train.steps on resume used to rescale the LR schedule silently; a model change dumped Orbax's tree."""
     workdir = tmp_path / "changed"
     shutil.copytree(uninterrupted, workdir)
     for step in (30, 40):
         shutil.rmtree(workdir / "checkpoints" / str(step))
 
-    def attempt(*extra):
-        argv = [a.replace(f"train.steps={STEPS}", "train.steps=60") if "--bigger" in extra else a
+    def argv(*extra):
+        return [a.replace(f"train.steps={STEPS}", "train.steps=60") if "--bigger" in extra else a
                 for a in _argv(workdir, corpus, *[e for e in extra if e != "--bigger"])]
-        return subprocess.run(argv, env=_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
 
-    def error_line(result):  # one line of ours, no traceback (TensorFlow's start-up lines aside)
-        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
-        [line] = [x for x in result.stderr.splitlines() if x.startswith("bertjax pretrain: error:")]
+    def error_line(*extra):  # one line of ours (refused before the job starts: in this process)
+        code, _, err = _in_process(argv(*extra), monkeypatch, capsys)
+        assert code == 2 and "Traceback" not in err, err[-2000:]
+        [line] = [x for x in err.splitlines() if x.startswith("bertjax pretrain: error:")]
         return line
 
-    refused = error_line(attempt("--bigger"))
+    refused = error_line("--bigger")
     assert "train.steps: 40 -> 60" in refused and "--allow-config-change" in refused
-    shape = error_line(attempt("--set", "model.hidden_size=64", "--set", "model.num_attention_heads=2"))
+    shape = error_line("--set", "model.hidden_size=64", "--set", "model.num_attention_heads=2")
     assert "model.hidden_size: 128 -> 64" in shape and "cannot change when resuming" in shape
-    allowed = attempt("--bigger", "--allow-config-change", "--set", "train.log_every=2", "--max-steps-this-run", "2")
+    allowed = subprocess.run(argv("--bigger", "--allow-config-change", "--set", "train.log_every=2",
+                                  "--max-steps-this-run", "2"),
+                             env=_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert allowed.returncode == 0, allowed.stderr[-2000:]
     assert "resuming with changed config keys: train.log_every, train.steps" in allowed.stdout
     assert "step 22/60" in allowed.stdout
@@ -295,7 +313,7 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(u
     assert [resumed[s] for s in range(21, STEPS + 1)] == [expected[s] for s in range(21, STEPS + 1)]
 
 
-def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path):
+def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path, monkeypatch, capsys):
     """Invalid UTF-8 and cut lines reach the console and metrics.jsonl; a binary file is one error line."""
     train_path, vocab = corpus
     bad = tmp_path / "bad.txt"
@@ -312,10 +330,9 @@ def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path):
 
     binary = tmp_path / "model.bin"
     binary.write_bytes(bytes(range(256)) * 64)
-    result = subprocess.run(_argv(tmp_path / "run2", (str(binary), vocab), *steps), env=_env(), cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "model.bin: binary (NUL bytes in its first 64 KiB)" in result.stderr
+    code, _, err = _in_process(_argv(tmp_path / "run2", (str(binary), vocab), *steps), monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "model.bin: binary (NUL bytes in its first 64 KiB)" in err
 
 
 @pytest.fixture

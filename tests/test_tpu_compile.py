@@ -28,9 +28,20 @@ def _tiny(*overrides):
 
 
 @functools.cache
-def _compiled(name: str, *overrides: str, num_slices: int = 1) -> dict:
-    """bert-tiny with `overrides` compiled for `name` (each configuration compiled once per test session)."""
-    return tpu_compile.compile_for_topology(_tiny(*overrides), topologies.parse_topology(name, num_slices), mfu=0.5)
+def _compiled_step(name: str, *overrides: str, num_slices: int = 1):
+    """bert-tiny with `overrides` compiled for `name`, as `compile_for_topology` does (each configuration compiled
+    once per test session): (config, topology, vocab size, compiled step)."""
+    topology = topologies.parse_topology(name, num_slices)
+    config = tpu_compile.job_for_topology(_tiny(*overrides), topology)
+    vocab_size = tpu_compile.vocab_size_of(config)
+    return config, topology, vocab_size, tpu_compile.compile_step(config, topologies.compile_only_devices(topology),
+                                                                  vocab_size)
+
+
+def _compiled(name: str, *overrides: str, num_slices: int = 1, mfu: float | None = 0.5) -> dict:
+    """The report of `_compiled_step`'s program: step time at an assumed `mfu`, or XLA:TPU's estimate (None)."""
+    config, topology, vocab_size, compiled = _compiled_step(name, *overrides, num_slices=num_slices)
+    return tpu_compile.report(config, topology, mfu, compiled, vocab_size)
 
 
 def _param_bytes(config) -> int:
@@ -189,7 +200,7 @@ def test_compiling_for_tpu_on_this_cpu_uses_the_tpu_attention_kernels_and_estima
     # JAX's splash kernel declares no cost: it is counted as without estimate (and said so in the report).
     assert _pallas_kernels(_compiled("v5e:2x2", "model.attention_probs_dropout_prob=0"))[1] > 0
     # The step time comes from XLA:TPU's estimate unless an MFU is assumed.
-    estimated = tpu_compile.compile_for_topology(_tiny(), topologies.parse_topology("v5e:2x2"))
+    estimated = _compiled("v5e:2x2", mfu=None)
     assert estimated["step_time_source"] == "estimated" and estimated["mfu_assumed"] is None
     assert estimated["step_seconds"] == estimated["estimated_step_seconds"] > 0
     assert 0 < estimated["estimated_mfu"] < 1

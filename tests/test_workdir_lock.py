@@ -11,7 +11,7 @@ import pytest
 
 from bertjax.workdir_lock import LOCK_NAME, WorkdirBusy, WorkdirLock, is_stale
 from tests.conftest import REPO_ROOT
-from tests.test_pretrain import _argv, _env, corpus  # noqa: F401 - the corpus fixture
+from tests.test_pretrain import _argv, _env, _in_process, corpus  # noqa: F401 - the corpus fixture
 
 
 def test_a_second_holder_is_refused_by_name_until_the_first_releases(tmp_path):
@@ -57,29 +57,30 @@ def test_the_lock_of_a_dead_job_is_taken_over(tmp_path):
     assert not is_stale(other, now + 60) and is_stale(other, now + 3600)
 
 
-def test_two_pretrain_jobs_on_one_workdir(corpus, tmp_path):  # noqa: F811
+def test_two_pretrain_jobs_on_one_workdir(corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
     workdir = tmp_path / "run"
-    first = subprocess.Popen(_argv(workdir, corpus, "--set", "train.steps=400", "--set", "train.log_every=50",
+    first = subprocess.Popen(_argv(workdir, corpus, "--set", "train.steps=200", "--set", "train.log_every=50",
                                    "--set", "checkpoint.every=100"),
                              env=_env(1), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
         while not (workdir / LOCK_NAME).exists() and time.time() < deadline:
             time.sleep(0.2)
-        second = subprocess.run(_argv(workdir, corpus, "--set", "train.seed=7", "--set", "optimizer.learning_rate=1e-3"),
-                                env=_env(1), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        # The second job in this process: it is refused at once, while the first compiles and trains.
+        code, _, err = _in_process(_argv(workdir, corpus, "--set", "train.seed=7",
+                                         "--set", "optimizer.learning_rate=1e-3"), monkeypatch, capsys)
         output, _ = first.communicate(timeout=600)
     finally:
         first.kill()
-    assert second.returncode == 2, second.stdout + second.stderr
-    assert f"{workdir} is in use by another job (pid {first.pid} on {socket.gethostname()}" in second.stderr
+    assert code == 2, err
+    assert f"{workdir} is in use by another job (pid {first.pid} on {socket.gethostname()}" in err
     assert first.returncode == 0, output[-3000:]
     # Nothing of the second job's: the first's config, one run's steps in order, its own newest checkpoint.
     assert json.loads((workdir / "config.json").read_text())["train"]["seed"] == 0
     steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
-    assert steps == sorted(set(steps)) and steps[-1] == 400
-    assert "newest: step 400" in output, output[-2000:]
+    assert steps == sorted(set(steps)) and steps[-1] == 200
+    assert "newest: step 200" in output, output[-2000:]
     assert not (workdir / LOCK_NAME).exists(), (workdir / LOCK_NAME).read_text()
 
 
