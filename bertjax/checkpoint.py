@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 
 PARAMS, MODEL_CONFIG, VOCAB = "params", "model_config", "vocab"
 OPT_STATE, TRAIN_META, JOB_CONFIG, HEAD = "opt_state", "train_meta", "job_config", "head"
+# A fine-tune's train state also holds the best evaluation's params and its record (--metric-for-best).
+BEST_PARAMS, BEST = "best_params", "best"
+# Items that are trees of arrays (sharded tensorstore arrays, restorable onto any mesh) and items that are JSON.
+ARRAY_ITEMS = (PARAMS, OPT_STATE, TRAIN_META, BEST_PARAMS)
+JSON_ITEMS = (MODEL_CONFIG, VOCAB, JOB_CONFIG, HEAD, BEST)
 # The fields of a train state that are saved as the `train_meta` item (the rest are params and opt_state).
 TRAIN_META_FIELDS = ("step", "rng", "nonfinite_total", "nonfinite_consecutive")
 
@@ -46,22 +51,30 @@ TRAIN_META_FIELDS = ("step", "rng", "nonfinite_total", "nonfinite_consecutive")
 def item_handlers() -> dict[str, ocp.CheckpointHandler]:
     """The Orbax handler of every item a bertjax checkpoint directory may hold. Named handlers let Orbax read an
     item's metadata (shapes) without restoring it, and a trainer step directory reads as a model checkpoint."""
-    return {PARAMS: ocp.StandardCheckpointHandler(), MODEL_CONFIG: ocp.JsonCheckpointHandler(),
-            VOCAB: ocp.JsonCheckpointHandler(), OPT_STATE: ocp.StandardCheckpointHandler(),
-            TRAIN_META: ocp.StandardCheckpointHandler(), JOB_CONFIG: ocp.JsonCheckpointHandler(),
-            HEAD: ocp.JsonCheckpointHandler()}
+    return {**{name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS},
+            **{name: ocp.JsonCheckpointHandler() for name in JSON_ITEMS}}
+
+
+def _save_args(items: dict) -> ocp.args.Composite:
+    """{item: tree of arrays, or JSON} as Orbax saves it (the kind of each item is fixed by its name)."""
+    return ocp.args.Composite(**{name: (ocp.args.JsonSave if name in JSON_ITEMS else ocp.args.StandardSave)(value)
+                                 for name, value in items.items()})
+
+
+def _restore_args(items: dict) -> ocp.args.Composite:
+    """{array item: its abstract tree (shapes, dtypes, shardings), JSON item: None} as Orbax restores it."""
+    return ocp.args.Composite(**{name: ocp.args.JsonRestore() if name in JSON_ITEMS else
+                                 ocp.args.StandardRestore(target) for name, target in items.items()})
 
 
 def _model_items(params, config: BertConfig, vocab: list[str], lower_case: bool) -> dict:
-    return {PARAMS: ocp.args.StandardSave(params), MODEL_CONFIG: ocp.args.JsonSave(config.to_dict()),
-            VOCAB: ocp.args.JsonSave({"tokens": list(vocab), "lower_case": bool(lower_case)})}
+    return {PARAMS: params, MODEL_CONFIG: config.to_dict(),
+            VOCAB: {"tokens": list(vocab), "lower_case": bool(lower_case)}}
 
 
-def _train_state_restore_args(abstract_state) -> dict:
+def _train_state_items(abstract_state) -> dict:
     meta = {name: getattr(abstract_state, name) for name in TRAIN_META_FIELDS}
-    return {PARAMS: ocp.args.StandardRestore(abstract_state.params),
-            OPT_STATE: ocp.args.StandardRestore(abstract_state.opt_state),
-            TRAIN_META: ocp.args.StandardRestore(meta)}
+    return {PARAMS: abstract_state.params, OPT_STATE: abstract_state.opt_state, TRAIN_META: meta}
 
 
 def _train_state_from(restored, abstract_state):
@@ -105,15 +118,15 @@ def orbax_path(directory) -> epath.Path:
 
 
 def save_model(directory: str, params, config: BertConfig, vocab: list[str], lower_case: bool = True,
-               extra_items: dict | None = None, head: dict | None = None) -> None:
-    """Writes params + config + vocab (+ a fine-tuned `head`'s description, and any extra Orbax args) as one
-    composite checkpoint at `directory`."""
+               head: dict | None = None) -> None:
+    """Writes params + config + vocab (+ a fine-tuned `head`'s description) as one composite checkpoint at
+    `directory`."""
     _check_vocab(config, vocab, directory)
-    items = {**_model_items(params, config, vocab, lower_case), **(extra_items or {})}
+    items = _model_items(params, config, vocab, lower_case)
     if head is not None:
-        items[HEAD] = ocp.args.JsonSave(head)
+        items[HEAD] = head
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        checkpointer.save(orbax_path(directory), args=ocp.args.Composite(**items))
+        checkpointer.save(orbax_path(directory), args=_save_args(items))
 
 
 def is_model_checkpoint(directory: str) -> bool:
@@ -208,7 +221,7 @@ def restore_train_state(step_dir: str, abstract_state):
         stored, wanted = _stored_stacked(checkpointer, path), model_lib.is_stacked(abstract_state.params)
         config = load_config(step_dir)
         target = abstract_state if stored == wanted else _abstract_layout(abstract_state, config, stored)
-        restored = checkpointer.restore(path, args=ocp.args.Composite(**_train_state_restore_args(target)))
+        restored = checkpointer.restore(path, args=_restore_args(_train_state_items(target)))
     state = _train_state_from(restored, target)
     if stored != wanted:  # converted on the devices, into the wanted shardings
         shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
@@ -329,57 +342,45 @@ def resolve_checkpoint(path: str) -> str:
     return str(checkpoints / str(steps[-1]))
 
 
-class TrainCheckpointer:
-    """Orbax CheckpointManager over `<workdir>/checkpoints/<step>`, plus each process's input-pipeline position.
+class StepCheckpointer:
+    """An Orbax CheckpointManager over `directory/<step>`, each step a set of our items; what a training job's saves
+    and resumes go through.
 
-    A step directory holds the model items above (so `bertjax export` takes it) plus the optimizer state, the
-    train meta (step, RNG, counters) and the job config. The input-pipeline position of process i is written to
-    `<workdir>/input_state/<step>/process_i` *before* the step's Orbax save starts, so every checkpoint Orbax
-    has finalised has its pipeline positions; an interrupted save is never listed (Orbax finalises a step by
-    renaming it locally, by writing its commit_success.txt on gs://).
+    A step is listed only once Orbax has finalised it (renamed into place; on gs://, its commit_success.txt written
+    last), so a save cut short is never restored; a failed write is one CheckpointWriteError line; a finalised step
+    that cannot be read (a truncated or missing file) is set aside as `<step>.corrupt` by `restore_newest`, which
+    then tries the step before it.
     """
 
-    def __init__(self, workdir: str, config: CheckpointConfig):
-        self.workdir = orbax_path(workdir)
-        self.every = config.every
-        check_writable(str(self.workdir / "checkpoints"))
-        manager_options = ocp.CheckpointManagerOptions(
-            save_interval_steps=config.every, max_to_keep=config.keep, keep_period=config.keep_every or None,
-            enable_async_checkpointing=config.async_save, create=True)
-        self.manager = ocp.CheckpointManager(self.workdir / "checkpoints", options=manager_options,
-                                             item_handlers=item_handlers())
-
-    def input_state_dir(self, step: int) -> str:
-        return str(self.workdir / "input_state" / str(step))
+    def __init__(self, directory, *, keep: int, keep_every: int | None = None, async_save: bool = False):
+        self.directory = orbax_path(directory)
+        check_writable(str(self.directory))
+        manager_options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every,
+                                                       enable_async_checkpointing=async_save, create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=manager_options, item_handlers=item_handlers())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
-
-    def save(self, step: int, state, *, config: BertConfig, vocab: list[str], lower_case: bool, job_config: dict,
-             save_input_state, force: bool = False) -> bool:
-        """Saves (asynchronously) if the step is due or `force`; `save_input_state(dir)` writes this process's
-        pipeline position first."""
-        if not (force or step % self.every == 0):
-            return False
-        meta = {name: getattr(state, name) for name in TRAIN_META_FIELDS}
-        try:
-            save_input_state(self.input_state_dir(step))
-            # An asynchronous save's failure surfaces here at the next save, or in close().
-            saved = self.manager.save(step, force=True, args=ocp.args.Composite(
-                **_model_items(state.params, config, vocab, lower_case),
-                **{OPT_STATE: ocp.args.StandardSave(state.opt_state), TRAIN_META: ocp.args.StandardSave(meta),
-                   JOB_CONFIG: ocp.args.JsonSave(job_config)}))
-        except Exception as error:  # noqa: BLE001 - storage errors come as many types
-            raise _write_error(self.workdir / "checkpoints", error) from None
-        self._remove_stale_input_states()
-        return saved
 
     def steps(self) -> list[int]:
         """Every complete (finalised) step, oldest first."""
         return sorted(self.manager.all_steps())
 
     def step_dir(self, step: int) -> str:
-        return str(self.workdir / "checkpoints" / str(step))
+        return str(self.directory / str(step))
+
+    def save_items(self, step: int, items: dict) -> bool:
+        """Saves `items` ({item name: tree of arrays, or JSON}) as `step`; with async_save in the background, and a
+        failure then surfaces at the next save or in wait()/close()."""
+        try:
+            return self.manager.save(step, force=True, args=_save_args(items))
+        except Exception as error:  # noqa: BLE001 - storage errors come as many types
+            raise _write_error(self.directory, error) from None
+
+    def restore_items(self, step: int, items: dict) -> dict:
+        """The `items` of `step` ({array item: its abstract tree, laid out as wanted (Orbax reshards onto any mesh);
+        JSON item: None})."""
+        return self.manager.restore(step, args=_restore_args(items))
 
     def set_aside(self, step: int) -> str:
         """Moves a step that cannot be restored to `<step>.corrupt` (kept for inspection, never listed again);
@@ -395,15 +396,100 @@ class TrainCheckpointer:
         self.manager.reload()
         return str(target)
 
+    def restore_newest(self, restore, log):
+        """(step, restore(step)) for the newest step that `restore` reads, or None without one. A step it cannot
+        read is set aside with a one-line warning through `log`, and the one before it is tried."""
+        steps = self.steps()
+        for step in reversed(steps):
+            try:
+                return step, restore(step)
+            except Exception as error:  # noqa: BLE001 - any storage or format error makes the step unusable
+                where, moved = self.step_dir(step), self.set_aside(step)
+                log(f"warning: cannot restore {where} ({first_line(error, 200)}); moved it to {moved} and trying "
+                    f"the previous checkpoint")
+        if steps:
+            log(f"warning: none of the {len(steps)} checkpoint(s) could be restored; starting from step 0 (the "
+                f"broken ones are kept as *.corrupt)")
+        return None
+
+    def remove(self) -> None:
+        """Closes the manager and deletes every step (a finished job's state); steps set aside stay."""
+        self.close()
+        if not self.directory.exists() or jax.process_index() != 0:
+            return
+        paths = list(self.directory.iterdir())
+        if not any(".corrupt" in path.name for path in paths):
+            self.directory.rmtree()  # one call (a directory on gs:// is only a prefix of its objects)
+            return
+        for path in paths:
+            if ".corrupt" in path.name:
+                continue
+            if path.is_dir():
+                path.rmtree()
+            else:
+                path.unlink()
+
+    def wait(self) -> None:
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001
+            raise _write_error(self.directory, error) from None
+
+    def close(self) -> None:
+        failed = None
+        try:
+            self.wait()
+        except CheckpointWriteError as error:
+            failed = error
+        try:
+            self.manager.close()
+        except Exception as error:  # noqa: BLE001 - after a failed save, close() re-raises the same failure
+            if failed is None:
+                raise _write_error(self.directory, error) from None
+        if failed is not None:
+            raise failed
+
+
+class TrainCheckpointer(StepCheckpointer):
+    """The pretraining job's steps at `<workdir>/checkpoints/<step>`, plus each process's input-pipeline position.
+
+    A step directory holds the model items above (so `bertjax export` takes it) plus the optimizer state, the
+    train meta (step, RNG, counters) and the job config. The input-pipeline position of process i is written to
+    `<workdir>/input_state/<step>/process_i` *before* the step's Orbax save starts, so every checkpoint Orbax
+    has finalised has its pipeline positions.
+    """
+
+    def __init__(self, workdir: str, config: CheckpointConfig):
+        self.workdir = orbax_path(workdir)
+        self.every = config.every
+        super().__init__(self.workdir / "checkpoints", keep=config.keep, keep_every=config.keep_every or None,
+                         async_save=config.async_save)
+
+    def input_state_dir(self, step: int) -> str:
+        return str(self.workdir / "input_state" / str(step))
+
+    def save(self, step: int, state, *, config: BertConfig, vocab: list[str], lower_case: bool, job_config: dict,
+             save_input_state, force: bool = False) -> bool:
+        """Saves (asynchronously) if the step is due or `force`; `save_input_state(dir)` writes this process's
+        pipeline position first."""
+        if not (force or step % self.every == 0):
+            return False
+        try:
+            save_input_state(self.input_state_dir(step))
+        except Exception as error:  # noqa: BLE001 - storage errors come as many types
+            raise _write_error(self.directory, error) from None
+        saved = self.save_items(step, {**_model_items(state.params, config, vocab, lower_case),
+                                       **_train_state_items(state), JOB_CONFIG: job_config})
+        self._remove_stale_input_states()
+        return saved
+
     def saved_job_config(self, step: int) -> dict:
         """The job config (PretrainConfig.to_dict()) the step was saved with."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(**{JOB_CONFIG: ocp.args.JsonRestore()}))
-        return restored[JOB_CONFIG]
+        return self.restore_items(step, {JOB_CONFIG: None})[JOB_CONFIG]
 
     def restore(self, step: int, abstract_state):
         """The train state at `step`, laid out as `abstract_state` (any mesh: Orbax reshards on restore)."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(**_train_state_restore_args(abstract_state)))
-        return _train_state_from(restored, abstract_state)
+        return _train_state_from(self.restore_items(step, _train_state_items(abstract_state)), abstract_state)
 
     def _remove_stale_input_states(self) -> None:
         # Pipeline positions of checkpoints Orbax has deleted (or never finished) are dropped; the newest ones
@@ -416,23 +502,3 @@ class TrainCheckpointer:
         for path in root.iterdir():
             if path.name.isdigit() and int(path.name) not in kept and int(path.name) < newest:
                 path.rmtree()
-
-    def wait(self) -> None:
-        try:
-            self.manager.wait_until_finished()
-        except Exception as error:  # noqa: BLE001
-            raise _write_error(self.workdir / "checkpoints", error) from None
-
-    def close(self) -> None:
-        failed = None
-        try:
-            self.wait()
-        except CheckpointWriteError as error:
-            failed = error
-        try:
-            self.manager.close()
-        except Exception as error:  # noqa: BLE001 - after a failed save, close() re-raises the same failure
-            if failed is None:
-                raise _write_error(self.workdir / "checkpoints", error) from None
-        if failed is not None:
-            raise failed

@@ -21,13 +21,14 @@ def _argv(data, init, workdir, *extra):
             "--log-every", "1", "--save-every", "0", "--save-checkpoint", *extra]
 
 
-def _sigterm_once_training(workdir):
-    """SIGTERM to this process as soon as the run has logged its first step (mid-epoch 1 of 10-step epochs)."""
+def _sigterm_once_training(workdir, after_step: int = 1):
+    """SIGTERM to this process as soon as the run has logged `after_step` (by default its first step: mid-epoch 1
+    of 10-step epochs)."""
     def watch():
         deadline = time.time() + 300
         while time.time() < deadline:
             path = workdir / "metrics.jsonl"
-            if path.exists() and path.read_text().strip():
+            if path.exists() and path.read_text().strip() and max(_steps(workdir), default=0) >= after_step:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             time.sleep(0.001)
@@ -79,6 +80,41 @@ def test_sigterm_then_rerun_ends_with_the_uninterrupted_weights(tiny_init, tmp_p
     assert "belongs to another fine-tuning run (learning_rate: 0.001 -> 0.002)" in capsys.readouterr().err
     assert main(_argv(data, tiny_init, cut, "--learning-rate", "2e-3", "--overwrite", "--epochs", "1")) == 0
     assert _steps(cut) == list(range(1, 11))
+
+
+def test_a_damaged_newest_train_state_is_set_aside_and_the_previous_one_resumes(tiny_init, tmp_path,  # noqa: F811
+                                                                                   capsys):
+    """Saves every 3 steps and on SIGTERM keep the newest two; the newest one cut (its params files truncated) is
+    moved aside with one warning line, and the run resumes from the one before to the uninterrupted weights."""
+    data = _synthetic_glue(tmp_path / "glue")
+    every = ("--save-every", "3")
+    assert main(_argv(data, tiny_init, tmp_path / "whole", *every)) == 0
+    assert not (tmp_path / "whole" / "train_state").exists()  # a finished run keeps no train state
+
+    cut = tmp_path / "cut"
+    watcher = _sigterm_once_training(cut, after_step=4)
+    assert main(_argv(data, tiny_init, cut, *every)) == 0
+    watcher.join()
+    assert "stopped by a signal at step" in capsys.readouterr().out
+    newest = max(_steps(cut))
+    previous = (newest - 1) // 3 * 3  # the last save every 3 steps before the one on SIGTERM
+    assert 4 <= newest < 30
+    states = cut / "train_state"
+    assert sorted(p.name for p in states.iterdir()) == sorted([str(previous), str(newest)])
+    for path in (states / str(newest) / "params").rglob("*"):
+        if path.is_file() and path.stat().st_size > 64:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    assert main(_argv(data, tiny_init, cut, *every)) == 0
+    out = capsys.readouterr().out
+    [warning] = [line for line in out.splitlines() if "warning: cannot restore" in line]
+    assert f"cannot restore {states}/{newest} (" in warning and f"moved it to {states}/{newest}.corrupt" in warning
+    assert f"resumed from {states}/{previous} (step {previous} of 30)" in out
+    whole, resumed = (load_model(str(w / "checkpoint")).params for w in (tmp_path / "whole", cut))
+    for a, b in zip(jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bit for bit
+    assert _steps(cut) == list(range(1, 31))
+    assert [p.name for p in states.iterdir()] == [f"{newest}.corrupt"]  # kept for inspection; the rest removed
 
 
 def test_a_run_that_wrote_nothing_does_not_hold_its_workdir(tmp_path):

@@ -1,13 +1,16 @@
 """`bertjax predict` on a token-classification run (the NER job on a synthetic CoNLL set) gives transformers'
 pipeline("token-classification", aggregation_strategy="first") on the exported model: the same entities, offsets
-and scores. (The classification side is checked in test_classify_job.py.)"""
+and scores; on a SQuAD 2.0 run (the real sample) the job's own answers, and on its export the answers and scores of
+transformers' question-answering pipeline. (The classification side is checked in test_classify_job.py.)"""
 from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from bertjax.finetune.settings import NerSettings, TrainSettings
@@ -87,4 +90,125 @@ def test_predict_refuses_a_model_without_a_head(minilm_dir, tmp_path):
     run = subprocess.run([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(minilm_dir)],
                          input="a sentence\n", capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
-    assert "no fine-tuned classifier or token classifier head" in run.stderr.strip().splitlines()[-1]
+    assert "no fine-tuned classifier, token classifier or span head" in run.stderr.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------------------------------- answer spans
+
+@pytest.fixture(scope="module")
+def squad_run(tmp_path_factory, minilm_dir, shared_data):
+    """A tiny SQuAD 2.0 run trained a few steps on the real sample (128-token windows, stride 32: several windows
+    a paragraph), its predictions of the sample and its HF export; and the sample's rows."""
+    from bertjax.finetune import squad
+    from bertjax.finetune.settings import SquadSettings
+
+    sample = shared_data / "squad" / "sample-dev-v2.0.json"
+    if not sample.exists():
+        pytest.skip(f"{sample} is absent")
+    root = tmp_path_factory.mktemp("squad")
+    init = save_tiny_hf(root / "init", minilm_dir / "vocab.txt", seed=1)
+    result = squad.run(str(root / "work"), TrainSettings(learning_rate=1e-3, batch_size=8, epochs=3, seed=0),
+                       SquadSettings(version="2.0", max_seq_length=128, doc_stride=32, max_query_length=32),
+                       init=init, train_file=str(sample), predict_file=str(sample), export_hf=True)
+    assert result["num_train_windows"] > result["num_train_examples"]  # long contexts: several windows
+    data = json.loads(sample.read_text(encoding="utf-8"))
+    rows = [(qa["id"], qa["question"], p["context"]) for a in data["data"] for p in a["paragraphs"] for qa in p["qas"]]
+    return root / "work", rows
+
+
+def _pipeline_answer(tokenizer, model, question: str, context: str, max_seq_len: int, handle_impossible: bool):
+    """transformers' pipeline("question-answering") (top_k=1, max_answer_len=30) on one window: removed from
+    transformers 5, it is rebuilt here from its steps: the fast tokenizer's offsets, the model, and the decoding
+    function the library keeps (select_starts_ends, shared with its document-QA pipeline)."""
+    import torch
+    from transformers.pipelines.document_question_answering import select_starts_ends
+
+    encoded = tokenizer(question, context, truncation="only_second", max_length=max_seq_len,
+                        return_offsets_mapping=True, return_overflowing_tokens=True, return_tensors="np")
+    assert len(encoded["input_ids"]) == 1, "the reference is for one-window contexts"
+    # p_mask as the pipeline: 1 where a token is not of the context, [CLS] 0.
+    p_mask = np.asarray([[s != 1 for s in encoded.sequence_ids(0)]], np.int64)
+    p_mask[0, 0] = 0
+    with torch.no_grad():
+        out = model(**{k: torch.tensor(encoded[k]) for k in ("input_ids", "attention_mask", "token_type_ids")})
+    starts, ends, scores, null = select_starts_ends(out.start_logits.numpy(), out.end_logits.numpy(), p_mask,
+                                                    encoded["attention_mask"], 1000000, 1, handle_impossible, 30)
+    offsets = encoded["offset_mapping"][0]
+    start, end = int(offsets[starts[0]][0]), int(offsets[ends[0]][1])
+    if handle_impossible and null > scores[0]:
+        return {"answer": "", "score": null, "start": 0, "end": 0}
+    return {"answer": context[start:end], "score": float(scores[0]), "start": start, "end": end}
+
+
+def _sentence_with_answer(context: str, seed: int) -> str:
+    """One sentence of the context (a one-window context for the reference)."""
+    sentences = [s for s in re.split(r"(?<=\.) ", context) if s]
+    return sentences[seed % len(sentences)]
+
+
+def test_predict_answer_spans_equal_the_squad_job_and_the_pipeline(squad_run, tmp_path):
+    """The job's answers on its run (several windows a context), and the pipeline's on the export."""
+    from bertjax.finetune.predict import Predictor
+
+    work, rows = squad_run
+    # 1. The run's workdir on the sample's own rows: the job's answers (its windows, best span, null rule).
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"q": q, "context": c}) + "\n" for _, q, c in rows))
+    run = subprocess.run([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(work), "--input", str(source),
+                          "--question-column", "q", "--output", str(tmp_path / "out.jsonl"), "--batch-size", "8"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ours = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    job = json.loads((work / "predictions.json").read_text(encoding="utf-8"))
+    assert [row["answer"] for row in ours] == [job[qid] for qid, _, _ in rows]
+    assert [row["where"] for row in ours] == [f"{source}:{i + 1}" for i in range(len(rows))]
+    for row, (_, _, context) in zip(ours, rows):
+        assert context[row["start"]:row["end"]] == row["answer"] and 0 < row["score"] <= 1
+    # The job's answers at other settings, recomputed from its nbest_predictions.json and null_odds.json: v1.1 (the
+    # best non-empty answer, over several windows) and v2.0 at a threshold that answers half of the questions.
+    nbest = json.loads((work / "nbest_predictions.json").read_text(encoding="utf-8"))
+    best = {qid: next((n["text"] for n in candidates if n["text"]), "") for qid, candidates in nbest.items()}
+    odds = json.loads((work / "null_odds.json").read_text())
+    threshold = float(np.median(list(odds.values())))
+    for version, expected in (("1.1", best), ("2.0", {q: "" if odds[q] > threshold else best[q] for q in odds})):
+        predictor = Predictor(str(work), batch_size=8, version=version, null_score_diff_threshold=threshold)
+        mine = predictor.answers([q for _, q, _ in rows], [c for _, _, c in rows], [qid for qid, _, _ in rows])
+        assert [row["answer"] for row in mine] == [expected[qid] for qid, _, _ in rows]
+        for row, (_, _, context) in zip(mine, rows):  # v1.1 without a valid span among the n best: "", score 0
+            assert context[row["start"]:row["end"]] == row["answer"] and 0 < row["score"] <= 1 or row == {
+                "where": row["where"], "answer": "", "score": 0.0, "start": 0, "end": 0}
+    assert {bool(row["answer"]) for row in mine} == {True, False}
+
+    # 2. The HF export on one-sentence contexts: the pipeline's answers, offsets and scores, with SQuAD 2.0's
+    # no-answer (the pipeline's handle_impossible_answer) and without it.
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(work / "hf"))
+    model = transformers.AutoModelForQuestionAnswering.from_pretrained(str(work / "hf")).eval()
+    questions = [q for _, q, _ in rows] * 2
+    contexts = [_sentence_with_answer(c, i) for i, (_, _, c) in enumerate(rows)] + \
+        [_sentence_with_answer(c, i + 1) for i, (_, _, c) in enumerate(rows)]
+    wheres = [str(i) for i in range(len(questions))]
+    kinds = set()
+    for version in ("2.0", "1.1"):
+        # n_best_size 128: every start and end of the window, the pipeline's exhaustive search (the job's 20 best
+        # starts x 20 best ends can miss the best valid span of this barely trained model).
+        predictor = Predictor(str(work / "hf"), max_seq_length=128, batch_size=8, version=version, n_best_size=128)
+        mine = predictor.answers(questions, contexts, wheres)
+        for question, context, row in zip(questions, contexts, mine):
+            theirs = _pipeline_answer(tokenizer, model, question, context, 128, version == "2.0")
+            assert (row["answer"], row["start"], row["end"]) == (theirs["answer"], theirs["start"], theirs["end"]), \
+                (version, question, context, row, theirs)
+            assert row["score"] == pytest.approx(theirs["score"], rel=1e-3, abs=1e-6)
+            kinds.add(bool(row["answer"]))
+    assert kinds == {True, False}  # answers and no-answers both compared
+
+
+def test_predict_spans_names_a_missing_column(squad_run, tmp_path):
+    work = squad_run[0]
+    source = tmp_path / "in.csv"
+    source.write_text("question,passage\nWho?,Someone.\n")
+    run = subprocess.run([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(work / "hf"), "--input",
+                          str(source), "--max-seq-length", "128"], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert str(source) in last and "'context'" in last, last

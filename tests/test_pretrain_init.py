@@ -111,3 +111,4 @@ def test_a_cut_safetensors_file_is_named_in_one_line(tmp_path, minilm_dir, capsy
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith(f"bertjax finetune: error: {weights}: not a readable safetensors file (") and \
         line.endswith("); a cut download? fetch it again"), line
+    assert not (tmp_path / "run").exists()  # the workdir it created and failed in before saving: removed

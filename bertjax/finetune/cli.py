@@ -127,16 +127,24 @@ def register(subparsers) -> None:
     embed.set_defaults(func=_embed)
 
     predict = subparsers.add_parser(
-        "predict", help="a fine-tuned classifier, regressor or token classifier on new text -> JSON Lines (the "
-                        "numbers of transformers' pipeline on its export)")
+        "predict", help="a fine-tuned classifier, regressor, token classifier or question-answering (span) model on "
+                        "new text -> JSON Lines (the numbers of transformers' pipeline on its export)")
     predict.add_argument("--model", required=True, help="fine-tune workdir, exported HF directory or bertjax "
-                                                        "checkpoint with a classifier head")
+                                                        "checkpoint with a classifier or span head")
     predict.add_argument("--input", default="-", help=".csv, .tsv, .jsonl or .parquet file (local or gs://), or '-' "
                                                       "(default): one text per line on stdin")
     predict.add_argument("--output", default="-", help="JSON Lines file, or '-' (default): stdout")
     predict.add_argument("--text-column", default="text")
     predict.add_argument("--text-pair-column", help="second text of a pair (sequence classification)")
-    predict.add_argument("--max-seq-length", type=int, default=128)
+    predict.add_argument("--question-column", default="question", help="a span model's question")
+    predict.add_argument("--context-column", default="context", help="a span model's context (long ones: windows)")
+    predict.add_argument("--max-seq-length", type=int,
+                         help="tokens per row (default 128; a span model: per window, as its SQuAD run, else 384)")
+    predict.add_argument("--doc-stride", type=int, help="a span model: tokens between window starts (default: as "
+                                                        "its SQuAD run, else 128)")
+    predict.add_argument("--squad-version", choices=("1.1", "2.0"),
+                         help="a span model: 2.0 answers \"\" when no answer wins (default: as its SQuAD run, else "
+                              "1.1; give 2.0 for an exported SQuAD 2.0 model)")
     predict.add_argument("--batch-size", type=int, default=64)
     predict.set_defaults(func=_predict)
 
@@ -215,32 +223,50 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
     """`bertjax predict`'s output lines for its --input (a table file, or stdin lines)."""
     import sys
 
-    from bertjax.finetune.predict import Predictor
+    from bertjax.finetune.predict import Predictor, answers_questions
 
     route_logging_to_console()
-    if args.input == "-":
+    # The input is read and checked before the model loads (a bad file fails in seconds); its columns depend on the
+    # model's head, which the model's description tells without its tensors.
+    if answers_questions(args.model):
+        if args.input == "-":
+            raise ValueError(f"{args.model} answers questions: give an --input file with the columns "
+                             f"{args.question_column!r} and {args.context_column!r} (stdin holds one text a line)")
+        wheres, (questions, contexts) = _input_columns(args.input, [args.question_column, args.context_column])
+        texts = None
+    elif args.input == "-":
         texts, invalid = input_lines(sys.stdin.buffer.read())
         if invalid:
             raise ValueError(f"stdin: line {invalid[0]} is not valid UTF-8")
-        wheres, pairs = [f"stdin:{i + 1}" for i in range(len(texts))], None
+        if not texts:
+            raise ValueError("--input - holds no rows")
         if args.text_pair_column:
             raise ValueError("--text-pair-column needs an --input file with that column (stdin holds one text a line)")
+        wheres, pairs = [f"stdin:{i + 1}" for i in range(len(texts))], None
     else:
-        from bertjax.finetune.table_data import read_rows
+        wheres, (texts, *pairs) = _input_columns(
+            args.input, [args.text_column] + ([args.text_pair_column] if args.text_pair_column else []))
+        pairs = pairs[0] if pairs else None
+    predictor = Predictor(args.model, max_seq_length=args.max_seq_length, batch_size=args.batch_size,
+                          doc_stride=args.doc_stride, version=args.squad_version)
+    rows = predictor.predict(texts, pairs, wheres) if texts is not None else \
+        predictor.answers(questions, contexts, wheres)
+    return [jsonio.dumps(row, ensure_ascii=False) + "\n" for row in rows]
 
-        columns = [args.text_column] + ([args.text_pair_column] if args.text_pair_column else [])
-        rows = read_rows(args.input, columns)
-        for where, row in rows:
-            for column in columns:
-                if not isinstance(row.get(column), str):
-                    raise ValueError(f"{where}: column {column!r} is {row.get(column)!r}; expected a text")
-        wheres = [where for where, _ in rows]
-        texts = [row[args.text_column] for _, row in rows]
-        pairs = [row[args.text_pair_column] for _, row in rows] if args.text_pair_column else None
-    if not texts:
-        raise ValueError(f"--input {args.input} holds no rows")
-    predictor = Predictor(args.model, max_seq_length=args.max_seq_length, batch_size=args.batch_size)
-    return [jsonio.dumps(row, ensure_ascii=False) + "\n" for row in predictor.predict(texts, pairs, wheres)]
+
+def _input_columns(path: str, columns: list[str]) -> tuple[list[str], list[list[str]]]:
+    """(where each row came from, each column's texts) of a table file; a missing column or a row without a text
+    there is an error naming the file (and line) and the column."""
+    from bertjax.finetune.table_data import read_rows
+
+    rows = read_rows(path, columns)
+    if not rows:
+        raise ValueError(f"--input {path} holds no rows")
+    for where, row in rows:
+        for column in columns:
+            if not isinstance(row.get(column), str):
+                raise ValueError(f"{where}: column {column!r} is {row.get(column)!r}; expected a text")
+    return [where for where, _ in rows], [[row[column] for _, row in rows] for column in columns]
 
 
 def input_lines(data: bytes) -> tuple[list[str], list[int]]:
@@ -301,38 +327,57 @@ def _check_workdir(args: argparse.Namespace) -> None:
 
 def _owned_run(job):
     """A fine-tune command on the workdir it owns (run_record.py): refused for another run's workdir, resumed for
-    its own unfinished one, not rerun when finished; stopped by SIGTERM after saving its state (exit 0)."""
+    its own unfinished one, not rerun when finished; stopped by SIGTERM after saving its state (exit 0). A workdir
+    it created and failed in before saving a training state is removed (new_workdir.py)."""
     import functools
 
     @functools.wraps(job)
     def run(args: argparse.Namespace) -> int:
         from bertjax.console import Console
-        from bertjax.finetune.run_record import claim, input_fingerprints
-        from bertjax.finetune.trainer import Preempted
+        from bertjax.new_workdir import removed_if_failed_before_saving
         from bertjax.workdir_lock import WorkdirLock
 
         _check_workdir(args)
         console = Console()
         lock = WorkdirLock(args.workdir, log=console.line)
-        lock.acquire()
-        try:
-            record = {k: v for k, v in vars(args).items() if k not in ("func", "command", "job")}
-            record.update(input_fingerprints(getattr(args, name, None) for name in INPUT_ARGS))
-            state = claim(args.workdir, {"job": args.job, **record}, overwrite=args.overwrite, log=console.line)
-            if state == "completed":
-                console.line(f"{args.workdir} already holds this run, completed (its metrics are there); "
-                             f"--overwrite runs it again")
-                return 0
-            code = job(args)
-            _write_model_cards(args.workdir)
-            return code
-        except Preempted as stopped:
-            console.line(str(stopped))
-            return 0
-        finally:
-            lock.release()
+        with removed_if_failed_before_saving(args.workdir, lambda: _has_saved_state(args.workdir)):
+            lock.acquire()
+            try:
+                return _claimed_run(job, args, console)
+            finally:
+                lock.release()
 
     return run
+
+
+def _has_saved_state(workdir: str) -> bool:
+    """Whether a fine-tune workdir holds a training state to resume from."""
+    from etils import epath
+
+    from bertjax.checkpoint import complete_steps
+    from bertjax.finetune.run_record import TRAIN_STATE
+
+    return bool(complete_steps(str(epath.Path(workdir) / TRAIN_STATE)))
+
+
+def _claimed_run(job, args: argparse.Namespace, console) -> int:
+    from bertjax.finetune.run_record import claim, input_fingerprints
+    from bertjax.finetune.trainer import Preempted
+
+    record = {k: v for k, v in vars(args).items() if k not in ("func", "command", "job")}
+    record.update(input_fingerprints(getattr(args, name, None) for name in INPUT_ARGS))
+    state = claim(args.workdir, {"job": args.job, **record}, overwrite=args.overwrite, log=console.line)
+    if state == "completed":
+        console.line(f"{args.workdir} already holds this run, completed (its metrics are there); "
+                     f"--overwrite runs it again")
+        return 0
+    try:
+        code = job(args)
+    except Preempted as stopped:
+        console.line(str(stopped))
+        return 0
+    _write_model_cards(args.workdir)
+    return code
 
 
 @_owned_run

@@ -7,24 +7,32 @@ checkpoint with a head. Rows are batched on the mesh by the fine-tuning Trainer'
 - token classification: `entities`, each {entity_group, score, word, start, end} with character offsets, as
   pipeline("token-classification", aggregation_strategy="first"): a word takes its first piece's label and score,
   adjacent words of one type (B- opens a new one) form an entity with their mean score. Words are BERT's
-  pre-tokens: runs of word characters, and each other non-space character alone.
+  pre-tokens: runs of word characters, and each other non-space character alone;
+- question answering (spans): `answer`, `score`, `start`, `end` per (question, context), the SQuAD job's answer
+  (its windows and best-span rule, and for SQuAD 2.0 its null-score rule: "" when no answer wins) with character
+  offsets into the context and the score of transformers' former pipeline("question-answering"). The decoding
+  settings are those the SQuAD run recorded in its metrics.json (an exported directory: the job's defaults).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
 import numpy as np
 from etils import epath
 
-from bertjax.finetune import classify
-from bertjax.finetune.settings import TrainSettings
+from bertjax.finetune import classify, squad_data
+from bertjax.finetune.settings import SquadSettings, TrainSettings
+from bertjax.finetune.squad_postprocess import answer_spans
 from bertjax.finetune.trainer import Trainer
-from bertjax.interop.load import load_init
-from bertjax.model.bert import BertForSequenceClassification, BertForTokenClassification
+from bertjax.interop.load import describe_pretrained, load_init
+from bertjax.model.bert import BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification
 
 HEADS = {"BertForSequenceClassification": BertForSequenceClassification,
-         "BertForTokenClassification": BertForTokenClassification}
+         "BertForTokenClassification": BertForTokenClassification,
+         "BertForQuestionAnswering": BertForQuestionAnswering}
+SPANS = "BertForQuestionAnswering"
 _WORD = re.compile(r"\w+|[^\w\s]")
 
 
@@ -37,24 +45,50 @@ def resolve_model(model: str) -> str:
     return model
 
 
-class Predictor:
-    """A fine-tuned classifier or token classifier, ready to predict batches of texts."""
+def answers_questions(model: str) -> bool:
+    """Whether `model` (as `--model` takes it) has a span head, told by its description (no tensors loaded)."""
+    head = describe_pretrained(resolve_model(model)).head or {}
+    return head.get("architecture") == SPANS
 
-    def __init__(self, model: str, *, max_seq_length: int = 128, batch_size: int = 64):
+
+def squad_settings(model: str, **overrides) -> SquadSettings:
+    """The SQuAD settings a fine-tune workdir's run recorded (metrics.json), else the job's defaults; `overrides`
+    that are not None win."""
+    recorded = epath.Path(model) / "metrics.json"
+    settings = squad_data.read_json(str(recorded)).get("settings", {}) if recorded.is_file() else {}
+    known = {field.name for field in dataclasses.fields(SquadSettings)}
+    settings = {k: v for k, v in settings.items() if k in known}
+    return SquadSettings(**{**settings, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+class Predictor:
+    """A fine-tuned classifier, token classifier or span (question-answering) model, ready to predict batches.
+
+    max_seq_length: None for the default (128; a span model: its SQuAD settings' window). A span model's
+    settings are squad_settings(model, **squad): SquadSettings fields to override, None for the recorded one."""
+
+    def __init__(self, model: str, *, max_seq_length: int | None = None, batch_size: int = 64, **squad):
         self.source = resolve_model(model)
         ckpt, self.tokenizer = load_init(self.source)
         head = ckpt.head or {}
         self.architecture = head.get("architecture")
-        if self.architecture not in HEADS or "classifier" not in ckpt.params:
-            raise ValueError(f"{model}: no fine-tuned classifier or token classifier head (architecture "
+        self.spans = self.architecture == SPANS
+        if self.architecture not in HEADS or ("qa_outputs" if self.spans else "classifier") not in ckpt.params:
+            raise ValueError(f"{model}: no fine-tuned classifier, token classifier or span head (architecture "
                              f"{self.architecture!r}); `bertjax predict` needs a model a fine-tune job wrote")
+        if self.spans:
+            self.squad = squad_settings(model, **squad, max_seq_length=max_seq_length)
+            max_seq_length, self.lower_case = self.squad.max_seq_length, ckpt.lower_case
+            module = BertForQuestionAnswering(ckpt.config)
+        else:
+            max_seq_length = max_seq_length or 128
+            num_labels = int(np.shape(ckpt.params["classifier"]["bias"])[0])
+            self.id2label = [head.get("id2label", {}).get(str(i), f"LABEL_{i}") for i in range(num_labels)]
+            self.problem = head.get("problem_type") or (
+                "regression" if num_labels == 1 else "single_label_classification")
+            module = HEADS[self.architecture](ckpt.config, num_labels)
         ckpt.config.check_length(max_seq_length, "--max-seq-length")
-        num_labels = int(np.shape(ckpt.params["classifier"]["bias"])[0])
-        self.id2label = [head.get("id2label", {}).get(str(i), f"LABEL_{i}") for i in range(num_labels)]
-        self.problem = head.get("problem_type") or (
-            "regression" if num_labels == 1 else "single_label_classification")
         self.max_seq_length = max_seq_length
-        module = HEADS[self.architecture](ckpt.config, num_labels)
         # batch_size: the Trainer's check that it divides over the devices applies to both fields.
         settings = TrainSettings(batch_size=batch_size, eval_batch_size=batch_size)
         self.trainer = Trainer(module, ckpt.config, ckpt.params, loss_fn=None, settings=settings, source=self.source)
@@ -71,6 +105,20 @@ class Predictor:
                     row["score"] = row["scores"][row["label"]]
             return rows
         return [{"where": where, **entities} for where, entities in zip(wheres, self._entities(texts))]
+
+    def answers(self, questions: list[str], contexts: list[str], wheres: list[str]) -> list[dict]:
+        """A span model's answer to each question in its context, by the SQuAD job's windows and decoding."""
+        # Each row as one SQuAD paragraph with one question (its id: where it came from).
+        dataset = {"data": [{"paragraphs": [{"context": context, "qas": [{"id": where, "question": question}]}]}
+                            for question, context, where in zip(questions, contexts, wheres)]}
+        s = self.squad
+        examples, features = squad_data.featurize(
+            dataset, self.tokenizer, self.lower_case, False, s.version_2, max_seq_length=s.max_seq_length,
+            doc_stride=s.doc_stride, max_query_length=s.max_query_length, source="--input")
+        start_logits, end_logits = self.trainer.predict(features.arrays(), per_token=True)
+        spans = answer_spans(examples, features, start_logits, end_logits, s.n_best_size, s.max_answer_length,
+                             s.version_2, s.null_score_diff_threshold)
+        return [{"where": where, **span} for where, span in zip(wheres, spans)]
 
     def _entities(self, texts: list[str]) -> list[dict]:
         words = [[(m.start(), m.end()) for m in _WORD.finditer(text)] for text in texts]

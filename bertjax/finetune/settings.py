@@ -45,9 +45,9 @@ class TrainSettings:
                                   "better, except for names holding loss, mse or error")
     early_stopping_patience: int = option(0, "stop after this many evaluations in a row without a better "
                                           "--metric-for-best (0: never)")
-    save_every: int = option(1000, "steps between saves of the training state in WORKDIR/train_state (a rerun of "
-                             "the same command resumes from the newest, bit-exactly; SIGTERM saves too); 0: only "
-                             "on SIGTERM")
+    save_every: int = option(1000, "steps between saves of the training state in WORKDIR/train_state, the newest "
+                             "two kept (a rerun of the same command resumes from the newest that reads, "
+                             "bit-exactly; SIGTERM saves too); 0: only on SIGTERM")
 
     def __post_init__(self):
         problems = []

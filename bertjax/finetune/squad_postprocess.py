@@ -40,6 +40,58 @@ def _candidates(start_logits, end_logits, offsets, max_context, n_best_size, max
     return s[ok], e[ok]
 
 
+def _ranked(ex, feature_indexes, features, start_logits, end_logits, n_best_size, max_answer_length, version_2):
+    """One question's n-best answers, best first, as (text, start_logit, end_logit, feature, start, end) with
+    feature -1 for the null answer; and the null candidate (score, start_logit, end_logit, feature)."""
+    prelim = []  # (score, feature_index, start, end, start_logit, end_logit)
+    null = (float("inf"), 0.0, 0.0, -1)
+    for f in feature_indexes:
+        sl, el = start_logits[f], end_logits[f]
+        if version_2 and sl[0] + el[0] < null[0]:
+            null = (float(sl[0] + el[0]), float(sl[0]), float(el[0]), f)
+        s, e = _candidates(sl, el, features.token_offsets[f], features.max_context[f], n_best_size,
+                           max_answer_length)
+        prelim.extend((float(sl[a] + el[b]), f, int(a), int(b), float(sl[a]), float(el[b])) for a, b in zip(s, e))
+    if version_2 and feature_indexes:
+        prelim.append((null[1] + null[2], -1, 0, 0, null[1], null[2]))
+    # Sort by total score only (stable), as run_squad.
+    prelim.sort(key=lambda p: p[0], reverse=True)
+    seen, nbest = set(), []
+    for _, f, a, b, sl, el in prelim:
+        if len(nbest) >= n_best_size:
+            break
+        if f >= 0:
+            offsets = features.token_offsets[f]
+            text = ex.context[offsets[a, 0]:offsets[b, 1]]
+        else:
+            text = ""
+        if text in seen:
+            continue
+        seen.add(text)
+        nbest.append((text, sl, el, f, a, b))
+    if version_2 and "" not in seen:
+        nbest.append(("", null[1], null[2], -1, 0, 0))
+    if not nbest:
+        nbest.append(("", 0.0, 0.0, -1, 0, 0))
+    return nbest, null
+
+
+def _by_example(features) -> dict[int, list[int]]:
+    by_example = collections.defaultdict(list)
+    for feature_index, example_index in enumerate(features.example_index):
+        by_example[int(example_index)].append(feature_index)
+    return by_example
+
+
+def _choice(nbest, null, version_2: bool, null_score_diff_threshold: float):
+    """(the answer taken: an nbest entry, or None for the null answer under v2's rule; null odds or None)."""
+    non_null = next((n for n in nbest if n[0]), None)
+    if not version_2:
+        return nbest[0], None
+    score_diff = NO_SPAN_SCORE_DIFF if non_null is None else null[0] - non_null[1] - non_null[2]
+    return (None if score_diff > null_score_diff_threshold else non_null), float(score_diff)
+
+
 def predict_answers(examples, features, start_logits: np.ndarray, end_logits: np.ndarray, n_best_size: int = 20,
                     max_answer_length: int = 30, version_2: bool = False, null_score_diff_threshold: float = 0.0):
     """(predictions, nbest, null_odds, best_non_null) keyed by question id.
@@ -49,53 +101,52 @@ def predict_answers(examples, features, start_logits: np.ndarray, end_logits: np
     """
     start_logits = np.asarray(start_logits, np.float32)
     end_logits = np.asarray(end_logits, np.float32)
-    by_example = collections.defaultdict(list)
-    for feature_index, example_index in enumerate(features.example_index):
-        by_example[int(example_index)].append(feature_index)
+    by_example = _by_example(features)
     predictions, nbest_json, null_odds, best_non_null = {}, {}, {}, {}
     for example_index, ex in enumerate(examples):
-        prelim = []  # (score, feature_index, start, end, start_logit, end_logit)
-        score_null, null_start, null_end = float("inf"), 0.0, 0.0
-        for f in by_example.get(example_index, []):
-            sl, el = start_logits[f], end_logits[f]
-            if version_2 and sl[0] + el[0] < score_null:
-                score_null, null_start, null_end = float(sl[0] + el[0]), float(sl[0]), float(el[0])
-            s, e = _candidates(sl, el, features.token_offsets[f], features.max_context[f], n_best_size,
-                               max_answer_length)
-            prelim.extend((float(sl[a] + el[b]), f, int(a), int(b), float(sl[a]), float(el[b])) for a, b in zip(s, e))
-        if version_2 and by_example.get(example_index):
-            prelim.append((null_start + null_end, -1, 0, 0, null_start, null_end))
-        # Sort by total score only (stable), as run_squad.
-        prelim.sort(key=lambda p: p[0], reverse=True)
-        seen, nbest = set(), []
-        for _, f, a, b, sl, el in prelim:
-            if len(nbest) >= n_best_size:
-                break
-            if f >= 0:
-                offsets = features.token_offsets[f]
-                text = ex.context[offsets[a, 0]:offsets[b, 1]]
-            else:
-                text = ""
-            if text in seen:
-                continue
-            seen.add(text)
-            nbest.append((text, sl, el))
-        if version_2 and "" not in seen:
-            nbest.append(("", null_start, null_end))
-        if not nbest:
-            nbest.append(("", 0.0, 0.0))
-        probs = _softmax([sl + el for _, sl, el in nbest])
-        nbest_json[ex.qas_id] = [{"text": t, "probability": float(p), "start_logit": sl, "end_logit": el}
-                                 for (t, sl, el), p in zip(nbest, probs)]
-        non_null = next((n for n in nbest if n[0]), None)
-        best_non_null[ex.qas_id] = non_null[0] if non_null else ""
-        if not version_2:
-            predictions[ex.qas_id] = nbest[0][0]
-            continue
-        if non_null is None:
-            score_diff = NO_SPAN_SCORE_DIFF
-        else:
-            score_diff = score_null - non_null[1] - non_null[2]
-        null_odds[ex.qas_id] = float(score_diff)
-        predictions[ex.qas_id] = "" if score_diff > null_score_diff_threshold else non_null[0]
+        nbest, null = _ranked(ex, by_example.get(example_index, []), features, start_logits, end_logits,
+                              n_best_size, max_answer_length, version_2)
+        probs = _softmax([n[1] + n[2] for n in nbest])
+        nbest_json[ex.qas_id] = [{"text": n[0], "probability": float(p), "start_logit": n[1], "end_logit": n[2]}
+                                 for n, p in zip(nbest, probs)]
+        best_non_null[ex.qas_id] = next((n[0] for n in nbest if n[0]), "")
+        chosen, odds = _choice(nbest, null, version_2, null_score_diff_threshold)
+        predictions[ex.qas_id] = chosen[0] if chosen else ""
+        if version_2:
+            null_odds[ex.qas_id] = odds
     return predictions, nbest_json, null_odds, best_non_null
+
+
+def _window_probabilities(logits: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Softmax over a window's [CLS] and context tokens (the others get 0), as transformers' QA pipeline."""
+    allowed = offsets[:, 0] >= 0
+    allowed[0] = True
+    x = np.where(allowed, logits.astype(np.float64), -np.inf)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def answer_spans(examples, features, start_logits: np.ndarray, end_logits: np.ndarray, n_best_size: int = 20,
+                 max_answer_length: int = 30, version_2: bool = False,
+                 null_score_diff_threshold: float = 0.0) -> list[dict]:
+    """Per example, the answer predict_answers gives, as {answer, score, start, end}: character offsets into the
+    context, and the score of transformers' QA pipeline (start probability x end probability, each a softmax over
+    the answer's window's [CLS] and context tokens); the null answer is ("", its window's [CLS] x [CLS], 0, 0)."""
+    start_logits = np.asarray(start_logits, np.float32)
+    end_logits = np.asarray(end_logits, np.float32)
+    by_example = _by_example(features)
+    out = []
+    for example_index, ex in enumerate(examples):
+        nbest, null = _ranked(ex, by_example.get(example_index, []), features, start_logits, end_logits,
+                              n_best_size, max_answer_length, version_2)
+        chosen, _ = _choice(nbest, null, version_2, null_score_diff_threshold)
+        text, _, _, f, a, b = chosen or ("", 0.0, 0.0, null[3], 0, 0)
+        if f < 0:  # no window at all, or v1.1 without any valid span
+            out.append({"answer": "", "score": 0.0, "start": 0, "end": 0})
+            continue
+        offsets = features.token_offsets[f]
+        score = (_window_probabilities(start_logits[f], offsets)[a] *
+                 _window_probabilities(end_logits[f], offsets)[b])
+        start, end = (int(offsets[a, 0]), int(offsets[b, 1])) if text else (0, 0)
+        out.append({"answer": text, "score": float(score), "start": start, "end": end})
+    return out

@@ -15,11 +15,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from etils import epath
 
 from bertjax import compile_cache, sharding
-from bertjax.checkpoint import ModelCheckpoint, merge_params, orbax_path, save_model
+from bertjax.checkpoint import (
+    BEST,
+    BEST_PARAMS,
+    OPT_STATE,
+    PARAMS,
+    ModelCheckpoint,
+    StepCheckpointer,
+    merge_params,
+    orbax_path,
+    save_model,
+)
 from bertjax.console import Console, duration, metric_text
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
@@ -38,43 +47,38 @@ class Preempted(Exception):
 
 
 class TrainStateSaver:
-    """The fine-tune's params and optimizer state at WORKDIR/train_state/<step> (Orbax; the newest kept)."""
+    """The fine-tune's params and optimizer state (and the best evaluation's, with --metric-for-best) at
+    WORKDIR/train_state/<step>, through checkpoint.StepCheckpointer. The newest two are kept, so that a newest one
+    that cannot be read is set aside and the one before it resumed."""
 
     def __init__(self, workdir: str):
-        self.directory = orbax_path(workdir) / TRAIN_STATE
-        self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=1, enable_async_checkpointing=False))
-
-    def latest(self) -> int | None:
-        return self.manager.latest_step()
+        self.checkpointer = StepCheckpointer(orbax_path(workdir) / TRAIN_STATE, keep=2)
+        self.directory = self.checkpointer.directory
 
     def remove(self) -> None:
-        self.manager.close()
-        if self.directory.exists():
-            self.directory.rmtree()
+        self.checkpointer.remove()
 
     def save(self, step: int, params, opt_state, best: "BestTracker | None" = None) -> None:
-        items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state))
+        items = {PARAMS: params, OPT_STATE: opt_state}
         if best is not None:  # the best evaluation so far: its params (none yet: the current ones) and count
-            items.update(best_params=ocp.args.StandardSave(params if best.params is None else best.params),
-                         best=ocp.args.JsonSave(best.state()))
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-        self.manager.wait_until_finished()
+            items.update({BEST_PARAMS: params if best.params is None else best.params, BEST: best.state()})
+        self.checkpointer.save_items(step, items)
 
-    def restore(self, params, opt_state, best: "BestTracker | None" = None):
-        """(params, opt_state, step) of the newest save, laid out as the given (freshly initialised) ones; `best`
-        gets the best evaluation's params and count back."""
-        step = self.latest()
+    def restore(self, params, opt_state, best: "BestTracker | None", log):
+        """(params, opt_state, step) of the newest save that reads, laid out as the given (freshly initialised)
+        ones, or None without one; `best` gets the best evaluation's params and count back."""
         abstract = lambda tree: jax.tree_util.tree_map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-        items = dict(params=ocp.args.StandardRestore(abstract(params)),
-                     opt_state=ocp.args.StandardRestore(abstract(opt_state)))
+        items = {PARAMS: abstract(params), OPT_STATE: abstract(opt_state)}
         if best is not None:
-            items.update(best_params=ocp.args.StandardRestore(abstract(params)), best=ocp.args.JsonRestore())
-        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+            items.update({BEST_PARAMS: abstract(params), BEST: None})
+        found = self.checkpointer.restore_newest(lambda step: self.checkpointer.restore_items(step, items), log)
+        if found is None:
+            return None
+        step, restored = found
         if best is not None:
-            best.load(restored["best"], restored["best_params"])
-        return restored["params"], restored["opt_state"], step
+            best.load(restored[BEST], restored[BEST_PARAMS])
+        return restored[PARAMS], restored[OPT_STATE], step
 
 
 class BestTracker:
@@ -241,8 +245,9 @@ class Trainer:
             rng = np.random.default_rng(s.seed)
             states = TrainStateSaver(workdir) if workdir is not None else None
             params, step_index = self.params, 0
-            if states is not None and states.latest() is not None:
-                params, opt_state, step_index = states.restore(params, opt_state, best)
+            resumed = states.restore(params, opt_state, best, console.line) if states is not None else None
+            if resumed is not None:
+                params, opt_state, step_index = resumed
                 console.line(f"resumed from {states.directory}/{step_index} (step {step_index} of {total_steps})")
             writer = MetricsWriter(workdir or "", total_steps, enabled=workdir is not None, console=console,
                                    start_step=step_index)

@@ -45,7 +45,7 @@ FUSED_BACKENDS = ("dot_product", "cudnn", "pallas_tpu", "splash_tpu")
 # From this length up, `auto` runs attention dropout in the fused TPU kernel. XLA:TPU's estimates (2-layer BERT-base
 # on v5e, bf16): at seq 128 and 256 the reference (XLA fusing the einsums, softmax and dropout) is faster
 # (14.6 vs 16.0 ms at 64 sequences per chip; 9.0 vs 9.7 ms at seq 256, 16 per chip); at seq 512 the [S, S]
-# probabilities and dropout bits dominate and the kernel wins (see docs/architecture.md).
+# probabilities and dropout bits dominate and the kernel wins (see docs/performance.md).
 FUSED_DROPOUT_MIN_LENGTH = 512
 
 

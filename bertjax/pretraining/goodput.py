@@ -10,6 +10,7 @@ run, come from there. No JAX here: `bertjax goodput` reads a workdir (local or g
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -73,6 +74,14 @@ class RunAccount:
 
     def mark(self, category: str) -> None:
         self.clock.mark(category)
+
+    @contextlib.contextmanager
+    def charged_to(self, category: str):
+        """The block's time is charged to `category`, the time before it (since the previous mark) to step_s: the
+        loop's productive time. A block that raises is charged nothing: its time goes to the next mark."""
+        self.mark("step_s")
+        yield
+        self.mark(category)
 
     def resumed_at(self, step: int, workdir: str) -> None:
         """The run starts at `step`: steps an earlier run computed beyond it are lost work, recomputed now."""

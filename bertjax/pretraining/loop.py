@@ -29,15 +29,14 @@ from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
+from bertjax.pretraining import progress as progress_lib
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step
 from bertjax.pretraining.config import PretrainConfig, check_resume_config, validate
 from bertjax.pretraining.job import build_job_step, compile_step
 from bertjax.pretraining.step import TooManyNonFiniteSteps
+from bertjax.new_workdir import removed_if_failed_before_saving
 from bertjax.workdir_lock import WorkdirLock
-
-# Per-step counts the train step reports, summed over a logging interval for throughput (not logged per step).
-_COUNTED = ("real_tokens", "masked_tokens", "instances")
 
 
 def _resolved_input(data) -> input_source.InputSource:
@@ -230,19 +229,22 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     The run's goodput account (goodput.py) goes to WORKDIR/goodput/ as it runs, and to metrics.jsonl at its end.
     The workdir is this job's alone while it runs (workdir_lock.py: another live job there is refused)."""
     lock = WorkdirLock(workdir, log=Console().line) if jax.process_index() == 0 else None
-    if lock is not None:
-        checkpoint_lib.check_writable(str(epath.Path(workdir) / "checkpoints"))  # a full disk: one line, first
-        lock.acquire()  # before anything else is written
-    try:
-        return _run(config, workdir, init_from=init_from, max_steps_this_run=max_steps_this_run,
-                    allow_config_change=allow_config_change)
-    finally:
+    with removed_if_failed_before_saving(workdir, lambda: bool(checkpoint_lib.complete_steps(workdir)),
+                                         enabled=lock is not None):
         if lock is not None:
-            lock.release()
+            checkpoint_lib.check_writable(str(epath.Path(workdir) / "checkpoints"))  # a full disk: one line, first
+            lock.acquire()  # before anything else is written
+        try:
+            return _run(config, workdir, init_from=init_from, max_steps_this_run=max_steps_this_run,
+                        allow_config_change=allow_config_change)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
-def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this_run: int | None,
-         allow_config_change: bool) -> RunResult:
+def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config_change: bool) -> tuple[_Run, object]:
+    """Everything before the first step, each part's time charged to the run's goodput account: (the run, its
+    train state, resumed, initialised or started from `init_from`)."""
     # Before anything compiles: a restart reads the step's executable back instead of compiling it.
     compile_cache.enable(config.train.compilation_cache_dir)
     account = goodput_lib.RunAccount(workdir, enabled=jax.process_index() == 0)
@@ -298,7 +300,6 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
     account.mark("restore_s")
     if account.enabled:
         account.resumed_at(int(state.step), workdir)
-    step_fn, eval_fn = job.train_step, job.eval_step
 
     eval_batches = _eval_batches(config, process_index, process_count) if config.train.eval_every else None
     writer = metrics_lib.MetricsWriter(workdir, config.train.steps, enabled=process_index == 0, console=console,
@@ -309,125 +310,156 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
         f"{sum(np.size(x) for x in jax.tree_util.tree_leaves(abstract.params)):,} params; batch "
         f"{config.train.batch_size} x {seq_len} tokens; peak {peak_flops / 1e12:.3g} TFLOP/s per device "
         f"({peak_source})")
+    clock = progress_lib.StepClock(int(state.step), config.train.steps, batch_size=config.train.batch_size,
+                                   seq_len=seq_len, bert_config=bert_config, peak_flops=peak_flops,
+                                   sbo=config.train.span_boundary_objective, run_start=run_start, account=account,
+                                   writer=writer, console=console)
+    save = _Saver(checkpointer, iterator, account, config=config, bert_config=bert_config, vocab=vocab,
+                  lower_case=lower_case)
+    evaluate = _Evaluator(job.eval_step, eval_batches, config.train.eval_every, mesh, config.train.nsp_loss, writer,
+                          log, account)
+    return _Run(config=config, mesh=mesh, train_step=job.train_step, iterator=iterator, input_stats=input_stats,
+                account=account, cache_stats=cache_stats, console=console, writer=writer, clock=clock,
+                checkpointer=checkpointer, save=save, evaluate=evaluate), state
 
-    save_input = lambda directory: pipeline_lib.save_iterator(
-        iterator, pipeline_lib.iterator_checkpoint_path(directory, process_index))
 
-    def save(step, force=False):
-        account.mark("step_s")
-        saved = checkpointer.save(step, state, config=bert_config, vocab=vocab, lower_case=lower_case,
-                                  job_config=config.to_dict(), save_input_state=save_input, force=force)
-        account.mark("checkpoint_s")
-        if saved:  # a killed run's account then reaches at least its last checkpoint
-            account.snapshot(step, force=True)
-        return saved
+@dataclasses.dataclass
+class _Run:
+    """A run set up to take its first step (`_start`): what the loop steps and calls."""
+    config: PretrainConfig  # its data resolved
+    mesh: object
+    train_step: object
+    iterator: object
+    input_stats: collections.Counter  # the input pipeline's counters (this process's)
+    account: goodput_lib.RunAccount
+    cache_stats: compile_cache.CacheStats
+    console: Console
+    writer: metrics_lib.MetricsWriter
+    clock: progress_lib.StepClock
+    checkpointer: checkpoint_lib.TrainCheckpointer
+    save: _Saver
+    evaluate: _Evaluator
 
+
+def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this_run: int | None,
+         allow_config_change: bool) -> RunResult:
+    """The loop: next batch, step, log, eval, save, until train.steps, a preemption or `max_steps_this_run`."""
+    run, state = _start(config, workdir, init_from=init_from, allow_config_change=allow_config_change)
+    config, account, writer, log = run.config, run.account, run.writer, run.console.line
+    step = start_step = int(state.step)
     preemption = PreemptionFlag()
-    step = int(state.step)
-    start_step = step
-    status, last_metrics, previous = "completed", {}, None
-    interval_start, interval_steps, interval_counts = None, 0, None
-    totals = collections.Counter()  # the timed steps' real tokens and seconds, for the run's mean throughput
-    evals = []  # (step, eval metrics)
-    reported_input = collections.Counter()
-
-    def evaluate(at_step):
-        account.mark("step_s")
-        evals.append((at_step, _evaluate_and_report(eval_fn, state.params, eval_batches, mesh,
-                                                    config.train.nsp_loss, at_step, writer, log)))
-        account.mark("eval_s")
-
+    nonfinite = _NonFiniteGuard(config.train.max_consecutive_nonfinite)
+    status, last_metrics, reported_input = "completed", {}, collections.Counter()
     account.mark("setup_s")
     account.snapshot(step, force=True)
     try:
-        with sharding.activate(mesh):
-            if eval_batches and step == 0:  # where learning starts from, for the eval curve
-                evaluate(0)
+        with sharding.activate(run.mesh):
+            if step == 0:  # where learning starts from, for the eval curve
+                run.evaluate(step, state.params)
             while step < config.train.steps:
-                account.mark("step_s")
-                batch = sharding.global_batch(_numpy_batch(next(iterator)), mesh)
-                account.mark("input_wait_s")
-                if interval_start is None:
-                    log(f"compiling the train step (step {step + 1} includes it) ...")
-                    compile_start = time.perf_counter()
-                state, step_metrics = step_fn(state, batch)
+                with account.charged_to("input_wait_s"):
+                    batch = sharding.global_batch(_numpy_batch(next(run.iterator)), run.mesh)
+                run.clock.before_step(step)
+                state, step_metrics = run.train_step(state, batch)
                 step += 1
-                if previous is not None and int(previous["nonfinite_consecutive"]) >= \
-                        config.train.max_consecutive_nonfinite:
-                    raise TooManyNonFiniteSteps(
-                        f"{int(previous['nonfinite_consecutive'])} consecutive steps had a non-finite gradient "
-                        f"(up to step {step - 1}); stopping. Lower optimizer.learning_rate, or check the data.")
-                previous = step_metrics  # read one step late, so the check never stalls dispatch
-                if interval_start is None:
-                    jax.block_until_ready(step_metrics)  # the first step includes compilation: not timed
-                    log(f"step {step} compiled and ran in {duration(time.perf_counter() - compile_start)}")
-                    account.mark("compile_s")
-                    interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
-                    writer.mark_start(step)
-                    console.start_progress(config.train.steps, initial=step)
-                else:
-                    interval_steps += 1
-                    account.timed_steps += 1
-                    console.advance()
-                    # Summed on the device (asynchronous adds), read only when logging.
-                    counts = {k: step_metrics[k] for k in _COUNTED}
-                    interval_counts = counts if interval_counts is None else jax.tree_util.tree_map(
-                        jax.numpy.add, interval_counts, counts)
+                nonfinite.check(step, step_metrics)
+                run.clock.after_step(step, step_metrics)
                 if step % config.train.log_every == 0 or step == config.train.steps:
-                    last_metrics = {k: v for k, v in metrics_lib.to_python(step_metrics).items()
-                                    if k not in _COUNTED}
-                    if interval_steps:
-                        seconds = time.perf_counter() - interval_start
-                        counted = metrics_lib.to_python(interval_counts)
-                        last_metrics.update(metrics_lib.interval_metrics(
-                            seconds, interval_steps, config.train.batch_size, seq_len, counted, bert_config,
-                            peak_flops, sbo=config.train.span_boundary_objective))
-                        totals.update(seconds=seconds, steps=interval_steps, **counted)
-                    interval_start, interval_steps, interval_counts = time.perf_counter(), 0, None
-                    last_metrics.update(_input_metrics(input_stats))
+                    last_metrics = {**_step_values(step_metrics), **run.clock.interval(),
+                                    **_input_metrics(run.input_stats)}
                     writer.write(step, last_metrics)
                     writer.console(step, last_metrics)
-                    reported_input = _warn_about_input(input_stats, reported_input, config.data.max_line_chars,
+                    reported_input = _warn_about_input(run.input_stats, reported_input, config.data.max_line_chars,
                                                        config.data.next_sentence_prediction, log)
                     account.snapshot(step)
-                if eval_batches and step % config.train.eval_every == 0:
-                    evaluate(step)
-                save(step)
+                run.evaluate(step, state.params)  # when due, as the save
+                run.save(step, state)
                 if preemption.agreed(step):
                     status = "preempted"
                     break
                 if max_steps_this_run is not None and step - start_step >= max_steps_this_run:
                     status = "stopped"
                     break
-        if checkpointer.latest_step() != step:
-            save(step, force=True)
+        if run.checkpointer.latest_step() != step:
+            run.save(step, state, force=True)
     finally:
-        console.close_progress()
-        failing = sys.exc_info()[1] is not None
-        account.mark("step_s")
-        try:
-            checkpointer.close()
-        except checkpoint_lib.CheckpointWriteError:
-            if not failing:  # else the error already on its way out says it
-                raise
-        finally:
-            account.mark("checkpoint_s")  # the wait for the last save to be finalised
-            account.step = step
-            cache_stats.close()
-            goodput = account.record()
-            account.snapshot(step, ended=True, status="failed" if sys.exc_info()[1] is not None else status)
-            if sys.exc_info()[1] is None:
-                writer.write_event(step, "goodput", {k: v for k, v in goodput.items() if k != "step"})
-            writer.close()
-            preemption.restore()
-    for text in _summary(status, step, start_step, config.train.steps, time.perf_counter() - run_start, totals,
-                         bert_config, seq_len, peak_flops, last_metrics, evals, checkpointer.latest_step(), workdir,
-                         writer, sbo=config.train.span_boundary_objective) + [goodput_lib.format_run(goodput)]:
+        goodput = _finish(run, step, status, preemption)
+    for text in progress_lib.summary(status, step, run.clock, last_metrics, run.evaluate.results,
+                                     run.checkpointer.latest_step(), workdir, writer):
         log(text)
-    if status == "completed" and process_index == 0:
+    log(goodput_lib.format_run(goodput))
+    if status == "completed" and jax.process_index() == 0:
         # After the last save is finalised: a babysitter restarts the job until this file exists.
         (epath.Path(workdir) / COMPLETION_MARKER).write_text(json.dumps({"final_step": step}))
     return RunResult(step, status, last_metrics)
+
+
+def _finish(run: _Run, step: int, status: str, preemption: PreemptionFlag) -> dict:
+    """Ends a run, also one an error is leaving: waits for the last save, closes the goodput account (its final
+    snapshot, and when nothing failed its record in metrics.jsonl), the writers and the signal handlers. Returns
+    the account's record."""
+    run.console.close_progress()
+    failing = sys.exc_info()[1] is not None
+    run.account.mark("step_s")
+    try:
+        run.checkpointer.close()
+    except checkpoint_lib.CheckpointWriteError:
+        if not failing:  # else the error already on its way out says it
+            raise
+    finally:
+        run.account.mark("checkpoint_s")  # the wait for the last save to be finalised
+        run.account.step = step
+        run.cache_stats.close()
+        goodput = run.account.record()
+        run.account.snapshot(step, ended=True, status="failed" if sys.exc_info()[1] is not None else status)
+        if sys.exc_info()[1] is None:
+            run.writer.write_event(step, "goodput", {k: v for k, v in goodput.items() if k != "step"})
+        run.writer.close()
+        preemption.restore()
+    return goodput
+
+
+class _NonFiniteGuard:
+    """Stops the run after train.max_consecutive_nonfinite steps in a row had a non-finite gradient. A step's
+    counter is read one step late, so the check never stalls dispatch."""
+
+    def __init__(self, limit: int):
+        self.limit, self.previous = limit, None
+
+    def check(self, step: int, step_metrics: dict) -> None:
+        """`step_metrics`: of the step that led to `step`; the previous step's counter is read."""
+        previous, self.previous = self.previous, step_metrics
+        if previous is not None and int(previous["nonfinite_consecutive"]) >= self.limit:
+            raise TooManyNonFiniteSteps(
+                f"{int(previous['nonfinite_consecutive'])} consecutive steps had a non-finite gradient "
+                f"(up to step {step - 1}); stopping. Lower optimizer.learning_rate, or check the data.")
+
+
+class _Saver:
+    """Saves the train state with what a resume needs (the model's config and vocabulary, the job's config, this
+    process's input position) when the step is due or forced; its blocking part charged to checkpoint_s."""
+
+    def __init__(self, checkpointer, iterator, account, *, config: PretrainConfig, bert_config, vocab: list[str],
+                 lower_case: bool):
+        self.checkpointer, self.iterator, self.account, self.config = checkpointer, iterator, account, config
+        self.model = dict(config=bert_config, vocab=vocab, lower_case=lower_case)
+
+    def __call__(self, step: int, state, force: bool = False) -> bool:
+        with self.account.charged_to("checkpoint_s"):
+            saved = self.checkpointer.save(step, state, **self.model, job_config=self.config.to_dict(),
+                                           save_input_state=self._save_input, force=force)
+        if saved:  # a killed run's account then reaches at least its last checkpoint
+            self.account.snapshot(step, force=True)
+        return saved
+
+    def _save_input(self, directory: str) -> None:
+        pipeline_lib.save_iterator(self.iterator, pipeline_lib.iterator_checkpoint_path(directory,
+                                                                                         jax.process_index()))
+
+
+def _step_values(step_metrics: dict) -> dict:
+    """A step's metrics as logged (its token counts go into the interval's throughput instead)."""
+    return {k: v for k, v in metrics_lib.to_python(step_metrics).items() if k not in progress_lib.COUNTED}
 
 
 # The input pipeline's counters (this process's; blocks read ahead of training included) as metrics.
@@ -466,13 +498,27 @@ def _eval_batches(config: PretrainConfig, process_index: int, process_count: int
     return [_numpy_batch(element) for element in dataset.take(config.train.eval_batches)]
 
 
-def _evaluate_and_report(eval_fn, params, batches, mesh, nsp_loss: bool, step: int, writer, log) -> dict:
-    values = {**_evaluate(eval_fn, params, batches, mesh, nsp_loss),
-              "most_frequent_token_accuracy": most_frequent_token_accuracy(batches)}
-    writer.write(step, values, prefix="eval_")
-    log(f"eval at step {step}: {metric_text(values, ('loss', 'mlm_accuracy', 'nsp_accuracy'))} (always predicting "
-        f"the most frequent masked token: mlm_accuracy={values['most_frequent_token_accuracy']:.4g})")
-    return values
+class _Evaluator:
+    """The held-out eval of the params at a step where one is due (every train.eval_every steps; none without eval
+    batches): written, logged and kept in `results` (step, metrics) for the summary; its time charged to eval_s."""
+
+    def __init__(self, eval_step, batches: list[dict] | None, every: int, mesh, nsp_loss: bool, writer, log,
+                 account):
+        self.eval_step, self.batches, self.every, self.mesh, self.nsp_loss = eval_step, batches, every, mesh, nsp_loss
+        self.writer, self.log, self.account = writer, log, account
+        self.results = []
+
+    def __call__(self, step: int, params) -> None:
+        if not self.batches or step % self.every:
+            return
+        with self.account.charged_to("eval_s"):
+            values = {**_evaluate(self.eval_step, params, self.batches, self.mesh, self.nsp_loss),
+                      "most_frequent_token_accuracy": most_frequent_token_accuracy(self.batches)}
+            self.writer.write(step, values, prefix="eval_")
+            self.log(f"eval at step {step}: {metric_text(values, ('loss', 'mlm_accuracy', 'nsp_accuracy'))} (always "
+                     f"predicting the most frequent masked token: "
+                     f"mlm_accuracy={values['most_frequent_token_accuracy']:.4g})")
+            self.results.append((step, values))
 
 
 def most_frequent_token_accuracy(batches: list[dict]) -> float:
@@ -482,31 +528,6 @@ def most_frequent_token_accuracy(batches: list[dict]) -> float:
     weights = np.concatenate([b["masked_lm_weights"].ravel() for b in batches]) > 0
     counts = np.bincount(ids[weights])
     return float(counts.max() / max(weights.sum(), 1)) if counts.size else 0.0
-
-
-def _summary(status: str, step: int, start_step: int, total_steps: int, wall_seconds: float, totals, bert_config,
-             seq_len: int, peak_flops: float, last_metrics: dict, evals: list, saved_step, workdir: str,
-             writer, sbo: bool = False) -> list[str]:
-    """The closing lines: how far, how long, how fast, the final and best metrics, and where everything is."""
-    lines = [f"{status} at step {step}/{total_steps}: {step - start_step} steps in {duration(wall_seconds)}"]
-    if totals["seconds"]:
-        mean = metrics_lib.interval_metrics(totals["seconds"], totals["steps"], 1, seq_len, totals, bert_config,
-                                            peak_flops, sbo=sbo)
-        lines[0] += (f" (timed steps: {mean['steps_per_s']:.3g} steps/s, {mean['real_tokens_per_s']:,.0f} real "
-                     f"tokens/s, mean MFU {mean['mfu']:.3g})")
-    if last_metrics:
-        lines.append(f"  last step: {metric_text(last_metrics, ('loss', 'mlm_accuracy', 'nsp_accuracy'))}")
-    if evals:
-        first, last = evals[0], evals[-1]
-        best = max(evals, key=lambda e: e[1]["mlm_accuracy"])
-        lines.append(f"  eval mlm_accuracy: {first[1]['mlm_accuracy']:.4g} at step {first[0]} -> "
-                     f"{last[1]['mlm_accuracy']:.4g} at step {last[0]} (best {best[1]['mlm_accuracy']:.4g} at step "
-                     f"{best[0]}; most frequent token {last[1]['most_frequent_token_accuracy']:.4g})")
-    lines.append(f"  checkpoints: {workdir}/checkpoints (newest: step {saved_step})")
-    lines.append(f"  metrics: {writer.jsonl_path}; TensorBoard: tensorboard --logdir {writer.tensorboard_dir}")
-    if status != "completed":  # as a fine-tune stopped by a signal says it
-        lines.append(f"  rerun the same command to resume from step {saved_step}")
-    return lines
 
 
 def _evaluate(eval_fn, params, batches, mesh, nsp_loss: bool) -> dict:

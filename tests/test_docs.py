@@ -1,0 +1,54 @@
+"""The docs stay what a reader needs: the README links each of them, reliability.md names only tests that exist, no
+page carries issue numbers (history is in git), and architecture.md stays a short description, not a logbook."""
+import re
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ("architecture.md", "performance.md", "reliability.md", "reference.md")
+
+
+def test_the_readme_links_every_doc_and_each_exists():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for name in DOCS:
+        assert f"(docs/{name})" in readme, f"README.md does not link docs/{name}"
+        assert (ROOT / "docs" / name).is_file(), f"docs/{name} is linked but missing"
+
+
+def referenced_tests(text: str) -> list[tuple[str, str]]:
+    """(file, test) for every `test_x.py::name`, and every `::name` after it, in the order written."""
+    found, current = [], None
+    for match in re.finditer(r"\b(test_\w+\.py)\b|::(test_\w+)", text):
+        if match.group(1):
+            current = match.group(1)
+        else:
+            assert current, f"::{match.group(2)} names no file before it"
+            found.append((current, match.group(2)))
+    return found
+
+
+def test_reliability_names_only_tests_that_exist():
+    references = referenced_tests((ROOT / "docs" / "reliability.md").read_text(encoding="utf-8"))
+    assert len(references) > 50  # the page is read: each promise names its tests
+    missing = [f"{file}::{name}" for file, name in references
+               if not (ROOT / "tests" / file).is_file()
+               or not re.search(rf"^\s*def {name}\(", (ROOT / "tests" / file).read_text(encoding="utf-8"),
+                                re.MULTILINE)]
+    assert missing == [], f"docs/reliability.md names tests that do not exist: {missing}"
+
+
+def test_the_reference_reader_follows_a_file_to_its_tests():
+    text = "`test_a.py::test_x`, `::test_y`; `test_b.py::test_z`"
+    assert referenced_tests(text) == [("test_a.py", "test_x"), ("test_a.py", "test_y"), ("test_b.py", "test_z")]
+
+
+def test_no_doc_carries_issue_numbers():
+    for name in DOCS:
+        text = (ROOT / "docs" / name).read_text(encoding="utf-8")
+        hits = re.findall(r".{0,30}(?:\bissues?\b|#\d+).{0,30}", text, flags=re.IGNORECASE)
+        assert hits == [], f"docs/{name}: {hits}"
+
+
+def test_architecture_stays_a_description_not_a_logbook():
+    lines = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").count("\n")
+    # ~130 of them are the Layout map, one line per module; the rest describes the system as it is.
+    assert lines <= 420, f"docs/architecture.md has {lines} lines: move figures to performance.md, history to git"

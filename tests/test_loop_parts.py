@@ -1,0 +1,99 @@
+"""The pieces the pretraining loop calls, each on hand-made inputs: the step clock's throughput (against FLOPs
+counted by hand from the formula in metrics.train_flops' docstring), the goodput account's charges, and the
+non-finite guard. The loop itself is tested end to end in test_pretrain.py."""
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bertjax.console import Console
+from bertjax.model.config import BertConfig
+from bertjax.pretraining import goodput, progress
+from bertjax.pretraining.loop import _NonFiniteGuard
+from bertjax.pretraining.metrics import MetricsWriter
+from bertjax.pretraining.step import TooManyNonFiniteSteps
+
+BATCH, SEQ_LEN, PEAK = 2, 6, 1e9
+# hidden 4, 1 layer, intermediate 8, vocabulary 10, rows of 6: per real token 8*16 + 4*4*8 + 4*6*4 = 352 forward
+# FLOPs, per masked token 2*16 + 2*4*10 = 112, per instance 2*16 + 2*4*2 = 48; training is 3x the forward.
+CONFIG = BertConfig(vocab_size=10, hidden_size=4, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8)
+
+
+def _counts(real, masked, instances):
+    return {"real_tokens": jnp.float32(real), "masked_tokens": jnp.float32(masked), "instances": jnp.float32(instances)}
+
+
+@pytest.fixture
+def clock(tmp_path):
+    account = goodput.RunAccount(str(tmp_path), enabled=False)
+    writer = MetricsWriter(str(tmp_path), 100, enabled=False, console=Console(enabled=False))
+    return progress.StepClock(0, 100, batch_size=BATCH, seq_len=SEQ_LEN, bert_config=CONFIG, peak_flops=PEAK,
+                              sbo=False, run_start=time.perf_counter(), account=account, writer=writer,
+                              console=Console(enabled=False))
+
+
+def _per_step(values: dict) -> dict:
+    """Each rate divided by steps_per_s: the amount per step, whatever the seconds were."""
+    return {k: v / values["steps_per_s"] for k, v in values.items() if k != "steps_per_s"}
+
+
+def test_the_clock_times_the_steps_after_the_compiling_one(clock):
+    clock.before_step(0)
+    clock.after_step(1, _counts(1000, 1000, 1000))  # compiles: neither timed nor counted
+    assert clock.account.timed_steps == 0 and clock.account.clock.seconds["compile_s"] > 0
+    clock.after_step(2, _counts(10, 3, 2))
+    clock.after_step(3, _counts(8, 2, 1))
+    per_step = _per_step(clock.interval())
+    flops = 3 * ((10 + 8) * 352 + (3 + 2) * 112 + (2 + 1) * 48) / 2  # 10560 per step
+    assert per_step == pytest.approx({"sequences_per_s": BATCH, "tokens_per_s": BATCH * SEQ_LEN,
+                                      "real_tokens_per_s": 9, "instances_per_s": 1.5,
+                                      "tflops_per_device": flops / jax.device_count() / 1e12,
+                                      "mfu": flops / jax.device_count() / PEAK}, rel=1e-5)
+    assert clock.account.timed_steps == 2
+    assert clock.interval() == {}  # no step since: nothing to report, nothing added to the run's mean
+    clock.after_step(4, _counts(12, 4, 3))
+    clock.interval()
+    mean = _per_step(clock.mean())
+    assert mean["real_tokens_per_s"] == pytest.approx(30 / 3)
+    assert mean["instances_per_s"] == pytest.approx(6 / 3)
+    assert mean["sequences_per_s"] == pytest.approx(1)  # the summary's mean counts rows of one
+
+
+def test_the_summary_says_how_far_how_fast_and_where(clock, tmp_path):
+    assert clock.mean() is None
+    lines = progress.summary("preempted", 7, clock, {"loss": 2.5}, [(0, {"mlm_accuracy": 0.1,
+                             "most_frequent_token_accuracy": 0.05}), (4, {"mlm_accuracy": 0.3,
+                             "most_frequent_token_accuracy": 0.05})], 5, str(tmp_path), clock.writer)
+    assert lines[0].startswith("preempted at step 7/100: 7 steps in ") and "timed steps" not in lines[0]
+    assert lines[1] == "  last step: loss=2.5"
+    assert lines[2] == ("  eval mlm_accuracy: 0.1 at step 0 -> 0.3 at step 4 (best 0.3 at step 4; most frequent "
+                        "token 0.05)")
+    assert lines[3] == f"  checkpoints: {tmp_path}/checkpoints (newest: step 5)"
+    assert lines[-1] == "  rerun the same command to resume from step 5"
+
+
+def test_a_charge_splits_the_time_between_the_steps_and_its_category(tmp_path):
+    account = goodput.RunAccount(str(tmp_path), enabled=False, start=time.time())
+    account.mark("startup_s")
+    time.sleep(0.05)  # the loop's own time since the last mark: productive
+    with account.charged_to("eval_s"):
+        time.sleep(0.1)
+    seconds = account.clock.seconds
+    assert seconds["step_s"] >= 0.05 and seconds["eval_s"] >= 0.1
+    eval_before = seconds["eval_s"]
+    with pytest.raises(RuntimeError), account.charged_to("eval_s"):
+        raise RuntimeError("a failed eval")
+    assert seconds["eval_s"] == eval_before  # what a failure took goes to the next mark (the run's end)
+    record = account.record()
+    assert sum(record[k] for k in goodput.CATEGORIES) == pytest.approx(record["wall_s"], abs=0.01)
+
+
+def test_the_guard_stops_once_the_limit_of_non_finite_steps_in_a_row_is_reached():
+    guard = _NonFiniteGuard(limit=3)
+    for step, consecutive in enumerate([0, 1, 2, 0, 1, 2], start=1):
+        guard.check(step, {"nonfinite_consecutive": jnp.int32(consecutive)})
+    guard.check(7, {"nonfinite_consecutive": jnp.int32(3)})  # read one step late: step 7's count not yet
+    with pytest.raises(TooManyNonFiniteSteps, match=r"^3 consecutive steps had a non-finite gradient \(up to "
+                                                    r"step 7\)"):
+        guard.check(8, {"nonfinite_consecutive": jnp.int32(0)})

@@ -1,0 +1,40 @@
+"""A command that creates its workdir and fails before saving anything to resume from leaves no workdir behind;
+one that existed before, or holds a complete checkpoint, is kept."""
+import pytest
+
+from bertjax.cli import main
+from bertjax.new_workdir import removed_if_failed_before_saving
+
+
+def _pretrain_missing_input(workdir, vocab):
+    return main(["pretrain", "--config", "bert-tiny", "--workdir", str(workdir), "--set", f"data.vocab={vocab}",
+                 "--set", f"data.input={workdir.parent}/no-such-*.txt", "--set", "train.steps=10",
+                 "--set", "optimizer.warmup_steps=1"])
+
+
+def test_a_pretrain_that_fails_on_its_input_removes_the_workdir_it_created(tmp_path, minilm_dir, capsys):
+    assert _pretrain_missing_input(tmp_path / "run", minilm_dir / "vocab.txt") == 2
+    assert "matches no files" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_workdir_that_existed_before_is_kept(tmp_path, minilm_dir, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    assert _pretrain_missing_input(tmp_path / "run", minilm_dir / "vocab.txt") == 2
+    assert "matches no files" in capsys.readouterr().err
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_a_workdir_holding_a_saved_state_is_kept(tmp_path):
+    workdir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="step 5000"):
+        with removed_if_failed_before_saving(str(workdir), lambda: True):
+            workdir.mkdir()
+            raise RuntimeError("failed at step 5000")
+    assert workdir.is_dir()
+    with pytest.raises(RuntimeError):
+        with removed_if_failed_before_saving(str(tmp_path / "other"), lambda: False):
+            (tmp_path / "other" / "checkpoints").mkdir(parents=True)
+            raise RuntimeError("bad input")
+    assert not (tmp_path / "other").exists()
