@@ -176,6 +176,36 @@ def test_shards_define_their_own_shapes(created):
         assert batch["input_ids"].shape == (8, SEQ) and batch["masked_lm_ids"].shape == (8, PRED)
 
 
+def test_the_input_is_resolved_once_into_what_the_job_reads(created, corpus_slice, tmp_path):
+    """input_source.resolve: a shard set's metadata gives the job's shapes, vocabulary and files (those it lists,
+    not a stray shard beside them); the pipeline reads the files found, without looking again; an unfinished set
+    is refused, named; a text input is its corpus files."""
+    import shutil
+
+    from bertjax.data import input_source
+
+    corpus, vocab = corpus_slice
+    out = tmp_path / "records"
+    shutil.copytree(created, out)
+    shutil.copy(out / "pretrain-00000-of-00003.tfrecord", out / "stray-00000.tfrecord")
+    meta = json.loads((out / "pretrain-metadata.json").read_text())
+    source = input_source.resolve(PretrainingDataConfig(input=str(out), num_epochs=1))  # 128 / 20, no vocab
+    assert source.files == tuple(str(out / name) for name in meta["shards"])
+    resolved = source.config
+    assert (resolved.input_kind, resolved.max_seq_length, resolved.max_predictions_per_seq, resolved.packing,
+            resolved.masking_scheme, resolved.vocab) == ("tfrecord", SEQ, PRED, False, "token", vocab)
+    # Resolved once: the pipeline reads what was found, though the metadata is gone now, and so is the set's right
+    # to be read (resolving again refuses it).
+    (out / "pretrain-metadata.json").unlink()
+    batches = list(make_pretraining_dataset(source, 8, drop_remainder=False).as_numpy_iterator())
+    assert sum(len(b["input_ids"]) for b in batches) == meta["examples"]
+    assert batches[0]["input_ids"].shape[1] == SEQ and batches[0]["masked_lm_ids"].shape[1] == PRED
+    with pytest.raises(ValueError, match=rf"^{out}: 4 shard\(s\) but no `data create` metadata .*name them by a glob"):
+        input_source.resolve(PretrainingDataConfig(input=str(out)), "data.eval_input")
+    text = input_source.resolve(PretrainingDataConfig(input=f"{corpus},{corpus}", vocab=vocab))
+    assert (text.config.input_kind, text.files) == ("text", (str(corpus),))
+
+
 def test_packed_records_read_back_by_a_packed_pipeline_only(created, corpus_slice, tmp_path):
     """`data create --pack`: the packed features (metadata says so), the same examples through the reader,
     the same instance count as the unpacked records, and a reader without packing refused."""

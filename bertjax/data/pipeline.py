@@ -13,13 +13,12 @@ restored in a fresh process (`restore_iterator`) to continue bit-identically.
 from __future__ import annotations
 
 import collections
-import json
-import os
 
 import tensorflow as tf
 
-from bertjax.data import corpus, file_readers, masking, tfrecord
+from bertjax.data import corpus, file_readers, input_source, masking, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.data.input_source import InputSource
 from bertjax.data.stages import (
     InstanceMaker,
     finalize_batch,
@@ -30,19 +29,15 @@ from bertjax.data.stages import (
 from bertjax.data.tokenizers import load_tokenizer
 
 
-def _host_files(config: PretrainingDataConfig, process_index: int,
-                process_count: int) -> tuple[list[str], tuple[int, int]]:
+def _host_files(source: InputSource, process_index: int, process_count: int) -> tuple[list[str], tuple[int, int]]:
     """The files this process reads and its share of their units (corpus.files_for_process)."""
-    share = (0, 1)
+    config, files, share = source.config, list(source.files), (0, 1)
     if config.input_kind == "tfrecord":
-        files = tfrecord.find_shards(config.inputs)
-        _check_tfrecord_metadata(config, files)
         if len(files) < process_count:  # every process reads every file, and keeps its share of the records
             return files, share
         files = corpus.shard_files(files, process_index, process_count)
     else:
-        files, share = corpus.files_for_process(corpus.expand_inputs(config.inputs), config, process_index,
-                                                process_count)
+        files, share = corpus.files_for_process(files, config, process_index, process_count)
         file_readers.check_input_files(files, config)
     # An endless pipeline over empty input would spin forever without yielding: refuse it up front.
     if all(tf.io.gfile.stat(f).length == 0 for f in files):
@@ -51,71 +46,9 @@ def _host_files(config: PretrainingDataConfig, process_index: int,
 
 
 def resolve_input(config: PretrainingDataConfig, key: str = "data.input") -> PretrainingDataConfig:
-    """The config with its input kind decided (`auto`: TFRecords of `data create`, else text) and checked, and
-    for TFRecord input without data.vocab, the vocabulary `data create` recorded in its metadata (when still
-    readable); `key` names the option in errors (data.input or data.eval_input)."""
-    config.require_input()
-    found = tfrecord.detect_kind(config.inputs)
-    kind = found if config.input_kind == "auto" else config.input_kind
-    if kind != found and not config.is_tfds:
-        raise ValueError(f"{key}={config.input!r} holds {found} files, but data.input_kind={config.input_kind}: "
-                         f"set data.input_kind=auto (or {found})")
-    config = config.replace(input_kind=kind)
-    if kind == "tfrecord":
-        config = shapes_from_metadata(config)
-    if kind == "tfrecord" and not config.vocab:
-        directories = sorted({os.path.dirname(f) for f in tfrecord.find_shards(config.inputs)})
-        recorded = [meta.get("config", {}).get("vocab") for directory in directories
-                    for _, meta in tfrecord.read_metadata(directory)]
-        readable = [v for v in recorded if v and tf.io.gfile.exists(v)]
-        if readable:
-            config = config.replace(vocab=readable[0])
-    config.require_input()
-    return config
-
-
-# What `data create` metadata written before these keys existed means: unpacked, token-masked records.
-_OLDER_FEATURE_SPEC = {"instances_per_row": None, "masking_scheme": "token"}
-
-
-def shapes_from_metadata(config: PretrainingDataConfig) -> PretrainingDataConfig:
-    """The config with the shapes `data create` recorded for its TFRecords (sequence length, predictions per
-    sequence, packing, masking scheme, whether NSP pairs were made): shards define their own. Shards whose
-    metadata disagree, or TFRecords without metadata, keep the config's values (and are checked against them when
-    read)."""
-    directories = sorted({os.path.dirname(f) for f in tfrecord.find_shards(config.inputs)})
-    specs = {json.dumps({**_OLDER_FEATURE_SPEC, **meta.get("feature_spec", {}), "next_sentence_prediction":
-                         meta.get("config", {}).get("next_sentence_prediction", True)}, sort_keys=True)
-             for directory in directories for _, meta in tfrecord.read_metadata(directory)}
-    if len(specs) != 1:
-        return config
-    spec = json.loads(specs.pop())
-    changes = {key: spec[key] for key in ("max_seq_length", "max_predictions_per_seq", "masking_scheme",
-                                          "next_sentence_prediction") if key in spec}
-    changes["packing"] = spec["instances_per_row"] is not None
-    if spec["instances_per_row"] is not None:
-        changes["max_instances_per_row"] = spec["instances_per_row"]
-    return config.replace(**changes)
-
-
-def _check_tfrecord_metadata(config: PretrainingDataConfig, files: list[str]):
-    """Shapes must match what `data create` wrote (every metadata file beside the shards, however they were
-    named: a directory, a glob or files)."""
-    wanted = tfrecord.feature_spec_metadata(config)
-    for directory in sorted({os.path.dirname(f) for f in files}):
-        for meta_path, metadata in tfrecord.read_metadata(directory):
-            # Records written before these keys existed are unpacked and token-masked.
-            written = {"instances_per_row": None, "masking_scheme": "token", **metadata.get("feature_spec", {})}
-            for key, value in wanted.items():
-                if key in written and written[key] != value:
-                    hint = ""
-                    if key == "instances_per_row":  # None = unpacked rows
-                        hint = (f" (set data.packing=true, data.max_instances_per_row={written[key]})"
-                                if written[key] else " (they are unpacked: set data.packing=false)")
-                    if key == "masking_scheme":
-                        hint = f" (set data.masking_scheme={written[key]})"
-                    raise ValueError(f"{meta_path}: the shards hold examples with {key}={written[key]}, the "
-                                     f"pipeline asks for {value}{hint}")
+    """The config as a job reads its input (input_source.resolve): the kind decided, the shapes and vocabulary of
+    `data create` shards taken."""
+    return input_source.resolve(config, key).config
 
 
 def _documents(config: PretrainingDataConfig, files: list[str], order_seed: tf.Tensor, process_index: int,
@@ -130,8 +63,8 @@ def _epochs(num_epochs: int | None) -> tf.data.Dataset:
     return tf.data.Dataset.counter() if num_epochs is None else tf.data.Dataset.range(num_epochs)
 
 
-def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: int, process_index: int = 0,
-                             process_count: int = 1, stats: collections.Counter | None = None,
+def make_pretraining_dataset(source: InputSource | PretrainingDataConfig, global_batch_size: int,
+                             process_index: int = 0, process_count: int = 1, stats: collections.Counter | None = None,
                              drop_remainder: bool = True) -> tf.data.Dataset:
     """Per-host batches of global_batch_size / process_count examples for the trainer.
 
@@ -140,16 +73,19 @@ def make_pretraining_dataset(config: PretrainingDataConfig, global_batch_size: i
     int32 next_sentence_labels [B, 1]; with `config.packing`, the packed layout of data/schema.py. Process i
     reads only its files (files[i::n]; TFRecords in fewer files than processes: its records, [i::n]; JSON Lines or
     Parquet in fewer files than processes: its row groups / record chunks, corpus.files_for_process); the stream is a
-    pure function of (config, process_index, process_count). `stats`, if given, collects counters.
+    pure function of (config, process_index, process_count). `stats`, if given, collects counters. `source` is the
+    input as the job resolved it (input_source.resolve); a config is resolved here.
     """
-    config = resolve_input(config)
+    if not isinstance(source, InputSource):
+        source = input_source.resolve(source)
+    config = source.config
     if global_batch_size % process_count:
         raise ValueError(f"global batch {global_batch_size} is not divisible by {process_count} processes")
     batch_size = global_batch_size // process_count
     seed = config.seed
     host_seed = fold_seed(tf.constant([seed, 0], tf.int64), process_index)
     files, share = (([], (0, 1)) if config.input_kind == "text" and config.is_tfds else
-                    _host_files(config, process_index, process_count))
+                    _host_files(source, process_index, process_count))
 
     if config.input_kind == "tfrecord":
         # Fewer shards than processes (`data create`'s one shard, read by 2 hosts): all processes read the same

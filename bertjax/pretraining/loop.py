@@ -20,6 +20,7 @@ from bertjax import checkpoint as checkpoint_lib
 from bertjax import compile_cache, sharding
 from bertjax.checkpoint import COMPLETION_MARKER
 from bertjax.console import Console, duration, metric_text
+from bertjax.data import input_source
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
@@ -38,13 +39,14 @@ from bertjax.new_workdir import removed_if_failed_before_saving
 from bertjax.workdir_lock import WorkdirLock
 
 
-def _resolved_input(data):
-    """data.input's kind decided; a run needs a vocabulary (its size shapes the model, checkpoints carry it)."""
-    data = pipeline_lib.resolve_input(data)
-    if not data.vocab:
+def _resolved_input(data) -> input_source.InputSource:
+    """data.input resolved (input_source.resolve); a run needs a vocabulary (its size shapes the model, checkpoints
+    carry it)."""
+    source = input_source.resolve(data)
+    if not source.config.vocab:
         raise ValueError(f"data.vocab is empty and the `data create` metadata of data.input={data.input!r} names no "
                          f"readable vocabulary: set data.vocab to the vocab the shards were made with")
-    return data
+    return source
 
 
 def _shapes_taken(requested, resolved) -> str:
@@ -174,12 +176,13 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     """`pretrain --dry-run`: everything a run checks before its first step, then the step compiled on this
     machine's devices, as lines for a person (nothing is written but the compilation cache's entries)."""
     compile_cache.enable(config.train.compilation_cache_dir)
-    config = dataclasses.replace(config, data=_resolved_input(config.data))
+    source = _resolved_input(config.data)
+    config = dataclasses.replace(config, data=source.config)
     validate(config, jax.device_count())
     mesh = config.mesh.build()
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
-        config.data, config.train.batch_size, jax.process_index(), jax.process_count()))))
+        source, config.train.batch_size, jax.process_index(), jax.process_count()))))
     if init_from or config.init_from:
         load_pretrained(init_from or config.init_from)  # readable, before any device time is spent
     compiled = compile_step(config, jax.devices(), len(tokenizer.vocab))
@@ -248,7 +251,8 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     # The input kind decided (and the vocab and shapes of `data create` shards found) once, before anything is
     # saved; validated after, as the shards may have set the shapes.
     requested = config.data
-    config = dataclasses.replace(config, data=_resolved_input(config.data))
+    source = _resolved_input(config.data)
+    config = dataclasses.replace(config, data=source.config)
     validate(config, jax.device_count())
     init_from = init_from or config.init_from
     process_index, process_count = jax.process_index(), jax.process_count()
@@ -273,7 +277,7 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
         effective = config.with_model_sizes(len(vocab)).to_dict()
         (epath.Path(workdir) / "config.json").write_text(json.dumps(effective, indent=2) + "\n")
     input_stats = collections.Counter()
-    dataset = pipeline_lib.make_pretraining_dataset(config.data, config.train.batch_size, process_index,
+    dataset = pipeline_lib.make_pretraining_dataset(source, config.train.batch_size, process_index,
                                                     process_count, stats=input_stats)
     account.mark("setup_s")
     cache_stats = account.cache_stats = compile_cache.CacheStats().start()  # the compiles from here: init, steps
@@ -489,7 +493,7 @@ def _warn_about_input(stats, reported, max_line_chars: int, nsp: bool, log):
 
 def _eval_batches(config: PretrainConfig, process_index: int, process_count: int) -> list[dict]:
     """A fixed held-out set: static masks from a fixed seed, so evals at different steps are comparable."""
-    dataset = pipeline_lib.make_pretraining_dataset(pipeline_lib.resolve_input(config.eval_data(), "data.eval_input"),
+    dataset = pipeline_lib.make_pretraining_dataset(input_source.resolve(config.eval_data(), "data.eval_input"),
                                                     config.train.batch_size, process_index, process_count)
     return [_numpy_batch(element) for element in dataset.take(config.train.eval_batches)]
 

@@ -1,0 +1,93 @@
+"""A pretraining input resolved once: what `data.input` (or `data.eval_input`) points at and how it is read.
+
+`resolve` decides the kind (the TFRecord shards of `data create`, or text: corpus files, hf:, tfds:), finds the
+files (a shard directory as its metadata lists it; an unfinished shard set refused, naming it), takes the shapes
+and vocabulary `data create` recorded in the shards' metadata, and checks the shards against the config. The job
+calls it once per input; the pipeline reads what it found.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import tensorflow as tf
+
+from bertjax.data import corpus, tfrecord
+from bertjax.data.data_config import PretrainingDataConfig
+
+# What `data create` metadata written before these keys existed means: unpacked, token-masked records.
+_OLDER_FEATURE_SPEC = {"instances_per_row": None, "masking_scheme": "token"}
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSource:
+    """What a job reads: the data config with its input kind decided (and, for shards, their shapes and
+    vocabulary), and every file of the input (shards, or corpus files; none for tfds:)."""
+
+    config: PretrainingDataConfig
+    files: tuple[str, ...]
+
+
+def resolve(config: PretrainingDataConfig, key: str = "data.input") -> InputSource:
+    """The input of `config` resolved: kind `auto` is TFRecords for `data create` output, else text; an explicit
+    kind the files contradict, shards whose metadata disagree with the config, and an unfinished shard set are
+    errors naming `key` (data.input or data.eval_input) or the file. TFRecord input without data.vocab takes the
+    vocabulary `data create` recorded (when still readable)."""
+    config.require_input()
+    found = tfrecord.detect_kind(config.inputs)
+    kind = found if config.input_kind == "auto" else config.input_kind
+    if kind != found and not config.is_tfds:
+        raise ValueError(f"{key}={config.input!r} holds {found} files, but data.input_kind={config.input_kind}: "
+                         f"set data.input_kind=auto (or {found})")
+    config = config.replace(input_kind=kind)
+    if kind == "text":
+        config.require_input()
+        return InputSource(config, () if config.is_tfds else tuple(corpus.expand_inputs(config.inputs)))
+    files = tfrecord.find_shards(config.inputs)
+    metadata = [entry for directory in sorted({os.path.dirname(f) for f in files})
+                for entry in tfrecord.read_metadata(directory)]
+    config = _shapes_from_metadata(config, [meta for _, meta in metadata])
+    if not config.vocab:
+        recorded = [meta.get("config", {}).get("vocab") for _, meta in metadata]
+        readable = [v for v in recorded if v and tf.io.gfile.exists(v)]
+        if readable:
+            config = config.replace(vocab=readable[0])
+    _check_shapes(config, metadata)
+    return InputSource(config, tuple(files))
+
+
+def _shapes_from_metadata(config: PretrainingDataConfig, metadata: list[dict]) -> PretrainingDataConfig:
+    """The config with the shapes `data create` recorded for its TFRecords (sequence length, predictions per
+    sequence, packing, masking scheme, whether NSP pairs were made): shards define their own. Shards whose
+    metadata disagree, or TFRecords without metadata, keep the config's values (checked by `_check_shapes`)."""
+    specs = {json.dumps({**_OLDER_FEATURE_SPEC, **meta.get("feature_spec", {}), "next_sentence_prediction":
+                         meta.get("config", {}).get("next_sentence_prediction", True)}, sort_keys=True)
+             for meta in metadata}
+    if len(specs) != 1:
+        return config
+    spec = json.loads(specs.pop())
+    changes = {key: spec[key] for key in ("max_seq_length", "max_predictions_per_seq", "masking_scheme",
+                                          "next_sentence_prediction") if key in spec}
+    changes["packing"] = spec["instances_per_row"] is not None
+    if spec["instances_per_row"] is not None:
+        changes["max_instances_per_row"] = spec["instances_per_row"]
+    return config.replace(**changes)
+
+
+def _check_shapes(config: PretrainingDataConfig, metadata: list[tuple[str, dict]]) -> None:
+    """Shapes must match what `data create` wrote (every metadata file beside the shards, however they were
+    named: a directory, a glob or files)."""
+    wanted = tfrecord.feature_spec_metadata(config)
+    for meta_path, meta in metadata:
+        written = {**_OLDER_FEATURE_SPEC, **meta.get("feature_spec", {})}
+        for key, value in wanted.items():
+            if key in written and written[key] != value:
+                hint = ""
+                if key == "instances_per_row":  # None = unpacked rows
+                    hint = (f" (set data.packing=true, data.max_instances_per_row={written[key]})"
+                            if written[key] else " (they are unpacked: set data.packing=false)")
+                if key == "masking_scheme":
+                    hint = f" (set data.masking_scheme={written[key]})"
+                raise ValueError(f"{meta_path}: the shards hold examples with {key}={written[key]}, the "
+                                 f"pipeline asks for {value}{hint}")
