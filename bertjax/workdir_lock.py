@@ -154,7 +154,11 @@ class WorkdirLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         deadline = time.time() + wait_s
         while True:
-            self.generation = self.store.write(self._text(), ABSENT)
+            try:
+                self.generation = self.store.write(self._text(), ABSENT)
+            except OSError as error:  # a read-only disk or mount, someone else's directory: named, not a temp file
+                raise ValueError(f"{self.path.parent}: cannot write there ({error.strerror or error}); give a "
+                                 "writable --workdir") from None
             if self.generation is not None:
                 break
             found = self.store.read()

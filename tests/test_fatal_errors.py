@@ -183,3 +183,28 @@ def test_a_workdir_that_cannot_be_made_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == f"bertjax finetune: error: [Errno 20] Not a directory: '{workdir}'"
     assert "Traceback" not in err
+
+
+def test_a_fine_tune_on_a_read_only_workdir_is_one_line(tmp_path, capsys):
+    """An existing workdir the job may not write (sysfs refuses writes even to root, as a read-only mount does)."""
+    from bertjax.cli import main
+
+    read_only = Path("/sys/kernel")
+    if not read_only.is_dir() or os.access(read_only, os.W_OK) and _writable(read_only):
+        pytest.skip("no read-only directory on this machine")
+    assert main(["finetune", "glue", "--task", "sst2", "--init", str(tmp_path / "none"), "--data", str(tmp_path),
+                 "--workdir", str(read_only)]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"bertjax finetune: error: {read_only}: cannot write there (") and \
+        last.endswith("); give a writable --workdir"), last
+    assert "Traceback" not in err
+
+
+def _writable(directory: Path) -> bool:
+    try:
+        (directory / ".bertjax-probe").write_text("x")
+    except OSError:
+        return False
+    (directory / ".bertjax-probe").unlink()
+    return True
