@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
+import uuid
 
 import jax
 import numpy as np
@@ -309,8 +310,9 @@ def _write_error(directory, error: Exception) -> CheckpointWriteError:
 
 
 def check_writable(directory: str) -> None:
-    """Creates `directory` and writes (then removes) a small file in it; CheckpointWriteError if it cannot."""
-    probe = epath.Path(directory) / f".bertjax-write-test-{jax.process_index()}"
+    """Creates `directory` and writes (then removes) a small file in it; CheckpointWriteError if it cannot. The
+    file's name is this call's own: two jobs probing one directory at once must not remove each other's."""
+    probe = epath.Path(directory) / f".bertjax-write-test-{jax.process_index()}-{uuid.uuid4().hex}"
     try:
         epath.Path(directory).mkdir(parents=True, exist_ok=True)
         probe.write_text("ok")

@@ -3,7 +3,9 @@
 Otherwise a typo in `--set data.input=...` leaves `config.json` and an empty `checkpoints/` behind, and the next
 command on that workdir meets a run that never ran (a resume refused for its "changed" config, `info` reading a
 workdir with no model). A workdir that existed before the command is never removed, nor one holding a complete
-checkpoint: a job that fails at step 5000 keeps its checkpoints to resume from.
+checkpoint: a job that fails at step 5000 keeps its checkpoints to resume from. Only while no other job holds
+the workdir's lock: of two jobs started at once on a new workdir, the one refused (or failing beside the holder)
+must not remove what the other is writing.
 """
 from __future__ import annotations
 
@@ -12,16 +14,20 @@ from typing import Callable, Iterator
 
 from etils import epath
 
+from bertjax.workdir_lock import WorkdirLock
+
 
 @contextlib.contextmanager
-def removed_if_failed_before_saving(workdir: str, has_saved: Callable[[], bool], *,
-                                    enabled: bool = True) -> Iterator[None]:
-    """Runs the body; if it raises, `workdir` did not exist before and `has_saved()` is False, removes it."""
+def removed_if_failed_before_saving(workdir: str, has_saved: Callable[[], bool],
+                                    lock: WorkdirLock | None) -> Iterator[None]:
+    """Runs the body, which takes and releases `lock`; if it raises, `workdir` did not exist before,
+    `has_saved()` is False and no job holds the lock, removes it. `lock` None (a process of the job that holds no
+    lock): never removes."""
     path = epath.Path(workdir)
-    created = enabled and not path.exists()
+    created = lock is not None and not path.exists()
     try:
         yield
     except Exception:
-        if created and path.exists() and not has_saved():
+        if created and path.exists() and not has_saved() and lock.read() is None:
             path.rmtree()
         raise

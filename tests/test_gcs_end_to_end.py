@@ -98,3 +98,29 @@ def test_info_export_and_goodput_of_a_gs_workdir(gs_uninterrupted):
     assert json.loads(_gfile().GFile(f"{out}/config.json").read())["hidden_size"] == 128
     report = _bertjax("goodput", gs_uninterrupted)
     assert "goodput" in report.lower()
+
+
+def test_two_pretrain_jobs_started_at_once_on_one_gs_workdir_exactly_one_runs(gs_corpus):
+    """Both processes race for the bucket's LOCK (create-if-absent by generation): one trains to the end and
+    releases it, the other is refused in one line naming the holder, and nothing of its own reaches the bucket."""
+    from tests.conftest import GCS_BUCKET
+
+    workdir = f"gs://{GCS_BUCKET}/e2e-two-jobs"
+    seeds = (0, 7)
+    jobs = [subprocess.Popen(_argv(workdir, gs_corpus, "--set", f"train.seed={seed}"), env=_env(1), cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for seed in seeds]
+    try:
+        outputs = [job.communicate(timeout=600)[0] for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    codes = [job.returncode for job in jobs]
+    assert sorted(codes) == [0, 2], list(zip(codes, [o[-2000:] for o in outputs]))
+    runner, refused = (0, 1) if codes[0] == 0 else (1, 0)
+    assert f"{workdir} is in use by another job (pid {jobs[runner].pid}" in outputs[refused], outputs[refused][-2000:]
+    assert len(outputs[refused].strip().splitlines()) <= 3, outputs[refused]
+    config = json.loads(_gfile().GFile(f"{workdir}/config.json").read())
+    assert config["train"]["seed"] == seeds[runner]
+    steps = [r["step"] for r in _records(workdir) if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))
+    assert not _gfile().exists(f"{workdir}/LOCK")

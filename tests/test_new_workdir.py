@@ -1,9 +1,10 @@
 """A command that creates its workdir and fails before saving anything to resume from leaves no workdir behind;
-one that existed before, or holds a complete checkpoint, is kept."""
+one that existed before, holds a complete checkpoint, or another job holds, is kept."""
 import pytest
 
 from bertjax.cli import main
 from bertjax.new_workdir import removed_if_failed_before_saving
+from bertjax.workdir_lock import LOCK_NAME, WorkdirBusy, WorkdirLock
 
 
 def _pretrain_missing_input(workdir, vocab):
@@ -29,12 +30,27 @@ def test_a_workdir_that_existed_before_is_kept(tmp_path, minilm_dir, capsys):
 def test_a_workdir_holding_a_saved_state_is_kept(tmp_path):
     workdir = tmp_path / "run"
     with pytest.raises(RuntimeError, match="step 5000"):
-        with removed_if_failed_before_saving(str(workdir), lambda: True):
+        with removed_if_failed_before_saving(str(workdir), lambda: True, WorkdirLock(str(workdir))):
             workdir.mkdir()
             raise RuntimeError("failed at step 5000")
     assert workdir.is_dir()
     with pytest.raises(RuntimeError):
-        with removed_if_failed_before_saving(str(tmp_path / "other"), lambda: False):
+        with removed_if_failed_before_saving(str(tmp_path / "other"), lambda: False,
+                                            WorkdirLock(str(tmp_path / "other"))):
             (tmp_path / "other" / "checkpoints").mkdir(parents=True)
             raise RuntimeError("bad input")
     assert not (tmp_path / "other").exists()
+
+
+def test_a_job_refused_on_a_new_workdir_leaves_the_holders_work_alone(tmp_path):
+    """Two jobs started at once on a workdir neither found: the one refused the lock must not remove what the
+    holder has begun to write (it did: a gs:// pretrain lost its checkpoints to the refused job's cleanup)."""
+    workdir = tmp_path / "run"
+    holder, refused = WorkdirLock(str(workdir), log=lambda m: None), WorkdirLock(str(workdir), log=lambda m: None)
+    with pytest.raises(WorkdirBusy):
+        with removed_if_failed_before_saving(str(workdir), lambda: False, refused):
+            holder.acquire()  # the other job wins the race
+            (workdir / "config.json").write_text("{}")
+            refused.acquire()
+    assert (workdir / "config.json").exists() and (workdir / LOCK_NAME).exists()
+    holder.release()

@@ -340,7 +340,7 @@ def _owned_run(job):
         _check_workdir(args)
         console = Console()
         lock = WorkdirLock(args.workdir, log=console.line)
-        with removed_if_failed_before_saving(args.workdir, lambda: _has_saved_state(args.workdir)):
+        with removed_if_failed_before_saving(args.workdir, lambda: _has_saved_state(args.workdir), lock):
             lock.acquire()
             try:
                 return _claimed_run(job, args, console)

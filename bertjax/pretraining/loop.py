@@ -229,8 +229,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
     The run's goodput account (goodput.py) goes to WORKDIR/goodput/ as it runs, and to metrics.jsonl at its end.
     The workdir is this job's alone while it runs (workdir_lock.py: another live job there is refused)."""
     lock = WorkdirLock(workdir, log=Console().line) if jax.process_index() == 0 else None
-    with removed_if_failed_before_saving(workdir, lambda: bool(checkpoint_lib.complete_steps(workdir)),
-                                         enabled=lock is not None):
+    with removed_if_failed_before_saving(workdir, lambda: bool(checkpoint_lib.complete_steps(workdir)), lock):
         if lock is not None:
             checkpoint_lib.check_writable(str(epath.Path(workdir) / "checkpoints"))  # a full disk: one line, first
             lock.acquire()  # before anything else is written
