@@ -229,12 +229,12 @@ def check_resume_config(saved: dict, current: dict, *, allow_changes: bool, wher
     fixed = [k for k in changed if k.startswith(_FIXED_ON_RESUME)]
     if fixed:
         raise ResumeRefused(f"{where} was saved with another model or data shape ({show(fixed)}); these cannot change "
-                         f"when resuming: use a new --workdir (with --init to start from its weights)")
+                            f"when resuming: use a new --workdir (with --init to start from its weights)")
     meaningful = [k for k in changed if not k.startswith(_FREE_ON_RESUME)]
     if meaningful and not allow_changes:
         raise ResumeRefused(f"{where} was saved with a different config ({show(meaningful)}); resuming would change "
-                         f"the run mid-way (e.g. rescale the learning-rate schedule): pass --allow-config-change "
-                         f"to resume with it anyway, or use a new --workdir")
+                            f"the run mid-way (e.g. rescale the learning-rate schedule): pass --allow-config-change "
+                            f"to resume with it anyway, or use a new --workdir")
     return changed
 
 
