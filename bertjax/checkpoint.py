@@ -344,6 +344,11 @@ def resolve_checkpoint(path: str) -> str:
     return str(checkpoints / str(steps[-1]))
 
 
+class ResumeRefused(ValueError):
+    """The job's config cannot resume from a saved step (a refused config change): the config, not the step, is at
+    fault, so `StepCheckpointer.restore_newest` lets it through instead of setting the step aside."""
+
+
 class StepCheckpointer:
     """An Orbax CheckpointManager over `directory/<step>`, each step a set of our items; what a training job's saves
     and resumes go through.
@@ -400,11 +405,14 @@ class StepCheckpointer:
 
     def restore_newest(self, restore, log):
         """(step, restore(step)) for the newest step that `restore` reads, or None without one. A step it cannot
-        read is set aside with a one-line warning through `log`, and the one before it is tried."""
+        read is set aside with a one-line warning through `log`, and the one before it is tried; a ResumeRefused
+        (the config, not the step, is at fault) passes through."""
         steps = self.steps()
         for step in reversed(steps):
             try:
                 return step, restore(step)
+            except ResumeRefused:
+                raise
             except Exception as error:  # noqa: BLE001 - any storage or format error makes the step unusable
                 where, moved = self.step_dir(step), self.set_aside(step)
                 log(f"warning: cannot restore {where} ({first_line(error, 200)}); moved it to {moved} and trying "

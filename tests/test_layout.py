@@ -7,14 +7,34 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def listed_modules(block: str) -> list[str]:
+    """The modules a Layout block names, in order: a line starts with a module (`folder/name.py`) or several of one
+    folder (`folder/{a,b}.py`); other lines (a continued description, a file that is not a module) name none."""
+    modules = []
+    for spec in re.findall(r"^(\S+\.py)(?=\s|$)", block, flags=re.MULTILINE):
+        group = re.fullmatch(r"([^{}]*)\{([^{}]+)\}\.py", spec)
+        modules += [f"{group[1]}{name}.py" for name in group[2].split(",")] if group else [spec]
+    return modules
+
+
+def test_the_layout_reader_expands_a_folders_group():
+    block = ("README.md           the commands\n"
+             "pkg/{__init__,cli}.py  the entry point; its commands\n"
+             "                       pkg/not_listed.py: a continued description names none\n"
+             "pkg/sub/{a,b}.py       two modules of one folder\n"
+             "pkg/sub/c.py           one module\n")
+    assert listed_modules(block) == ["pkg/__init__.py", "pkg/cli.py", "pkg/sub/a.py", "pkg/sub/b.py", "pkg/sub/c.py"]
+
+
 def test_layout_lists_every_module_and_only_existing_ones():
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     block = text.split("## Layout", 1)[1].split("```", 2)[1]
-    listed = set(re.findall(r"^(\S+\.py)\b", block, flags=re.MULTILINE))
+    listed = listed_modules(block)
     in_tree = {str(p.relative_to(ROOT)) for folder in ("bertjax", "launch", "pipelines", "configs", "bench")
                for p in (ROOT / folder).rglob("*.py")}
-    assert sorted(in_tree - listed) == [], "modules missing from docs/architecture.md's Layout"
-    assert sorted(listed - in_tree) == [], "Layout lists modules that do not exist"
+    assert sorted(in_tree - set(listed)) == [], "modules missing from docs/architecture.md's Layout"
+    assert sorted(set(listed) - in_tree) == [], "Layout lists modules that do not exist"
+    assert len(listed) == len(set(listed)), "Layout lists a module twice"
 
 
 def import_graph(package_dir: pathlib.Path) -> dict[str, set[str]]:

@@ -1,15 +1,18 @@
 """The pieces the pretraining loop calls, each on hand-made inputs: the step clock's throughput (against FLOPs
-counted by hand from the formula in metrics.train_flops' docstring), the goodput account's charges, and the
-non-finite guard. The loop itself is tested end to end in test_pretrain.py."""
+counted by hand from the formula in metrics.train_flops' docstring), the goodput account's charges, the
+non-finite guard, and the resume's choice of step. The loop itself is tested end to end in test_pretrain.py."""
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from bertjax.checkpoint import JOB_CONFIG, PARAMS, ResumeRefused, StepCheckpointer
 from bertjax.console import Console
 from bertjax.model.config import BertConfig
 from bertjax.pretraining import goodput, progress
+from bertjax.pretraining.config import check_resume_config, load_config
 from bertjax.pretraining.loop import _NonFiniteGuard
 from bertjax.pretraining.metrics import MetricsWriter
 from bertjax.pretraining.step import TooManyNonFiniteSteps
@@ -97,3 +100,36 @@ def test_the_guard_stops_once_the_limit_of_non_finite_steps_in_a_row_is_reached(
     with pytest.raises(TooManyNonFiniteSteps, match=r"^3 consecutive steps had a non-finite gradient \(up to "
                                                     r"step 7\)"):
         guard.check(8, {"nonfinite_consecutive": jnp.int32(0)})
+
+
+def test_resume_sets_an_unreadable_step_aside_but_lets_a_refused_config_through(tmp_path):
+    """restore_newest, which the pretraining and fine-tune resumes call: a step whose files are cut is set aside
+    and the one before it restored; a config the steps refuse is the config's fault, so it propagates and no step
+    is set aside."""
+    saved = load_config("bert-tiny", ["data.input=x", "data.vocab=v"]).to_dict()
+    checkpointer = StepCheckpointer(tmp_path / "steps", keep=3)
+    for step in (1, 2):
+        checkpointer.save_items(step, {PARAMS: {"w": np.full(4096, step, np.float32)}, JOB_CONFIG: saved})
+    abstract = {PARAMS: {"w": jax.ShapeDtypeStruct((4096,), np.float32)}, JOB_CONFIG: None}
+    bigger = load_config("bert-tiny", ["data.input=x", "data.vocab=v", "train.steps=600"]).to_dict()
+
+    def restore(step, current):
+        items = checkpointer.restore_items(step, abstract)
+        check_resume_config(items[JOB_CONFIG], current, allow_changes=False, where=checkpointer.step_dir(step))
+        return items[PARAMS]["w"]
+
+    lines = []
+    with pytest.raises(ResumeRefused, match=r"train\.steps: 300 -> 600"):
+        checkpointer.restore_newest(lambda step: restore(step, bigger), lines.append)
+    assert lines == [] and checkpointer.steps() == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == ["1", "2"]
+
+    for path in (tmp_path / "steps" / "2" / PARAMS).rglob("*"):
+        if path.is_file() and path.stat().st_size > 64:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    step, values = checkpointer.restore_newest(lambda step: restore(step, saved), lines.append)
+    assert step == 1 and np.all(np.asarray(values) == 1)
+    [warning] = lines
+    assert f"cannot restore {tmp_path}/steps/2 (" in warning and f"moved it to {tmp_path}/steps/2.corrupt" in warning
+    assert checkpointer.steps() == [1] and (tmp_path / "steps" / "2.corrupt").is_dir()
+    checkpointer.close()

@@ -18,7 +18,7 @@ import pathlib
 import ml_collections
 
 from bertjax import options
-from bertjax.checkpoint import CheckpointConfig, ModelCheckpoint
+from bertjax.checkpoint import CheckpointConfig, ModelCheckpoint, ResumeRefused
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.model.config import (
     BERT_CONFIG_KEYS,
@@ -217,8 +217,8 @@ def _sizes_written_out(flat: dict, other: dict) -> dict:
 def check_resume_config(saved: dict, current: dict, *, allow_changes: bool, where: str) -> list[str]:
     """The keys whose value differs between the config a checkpoint was saved with and this run's.
 
-    Raises ValueError naming them if any cannot change on resume, or if any changes the run's meaning and
-    `allow_changes` is false; returns the changed keys otherwise (free ones included).
+    Raises ResumeRefused (a ValueError) naming them if any cannot change on resume, or if any changes the run's
+    meaning and `allow_changes` is false; returns the changed keys otherwise (free ones included).
     """
     # As JSON stores them (tuples become lists); a key the saved config lacks is an option added since, whose
     # default reproduces the older behaviour: not a change.
@@ -228,13 +228,13 @@ def check_resume_config(saved: dict, current: dict, *, allow_changes: bool, wher
     show = lambda keys: ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
     fixed = [k for k in changed if k.startswith(_FIXED_ON_RESUME)]
     if fixed:
-        raise ValueError(f"{where} was saved with another model or data shape ({show(fixed)}); these cannot change "
-                         f"when resuming: use a new --workdir (with --init to start from its weights)")
+        raise ResumeRefused(f"{where} was saved with another model or data shape ({show(fixed)}); these cannot change "
+                            f"when resuming: use a new --workdir (with --init to start from its weights)")
     meaningful = [k for k in changed if not k.startswith(_FREE_ON_RESUME)]
     if meaningful and not allow_changes:
-        raise ValueError(f"{where} was saved with a different config ({show(meaningful)}); resuming would change "
-                         f"the run mid-way (e.g. rescale the learning-rate schedule): pass --allow-config-change "
-                         f"to resume with it anyway, or use a new --workdir")
+        raise ResumeRefused(f"{where} was saved with a different config ({show(meaningful)}); resuming would change "
+                            f"the run mid-way (e.g. rescale the learning-rate schedule): pass --allow-config-change "
+                            f"to resume with it anyway, or use a new --workdir")
     return changed
 
 

@@ -18,13 +18,12 @@ from flax import traverse_util
 
 from bertjax import checkpoint as checkpoint_lib
 from bertjax import compile_cache, sharding
-from bertjax.checkpoint import COMPLETION_MARKER
+from bertjax.checkpoint import COMPLETION_MARKER, ResumeRefused
 from bertjax.console import Console, duration, metric_text
 from bertjax.data import input_source
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
-from bertjax.errors import first_line
 from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
@@ -96,19 +95,14 @@ def _resume(checkpointer, abstract, dataset, config: PretrainConfig, allow_confi
             process_index: int, log):
     """(state, input iterator) from the newest step that restores, or None without any step.
 
-    A step that cannot be read (a truncated or missing file, garbage metadata) is moved aside as
-    `<step>.corrupt` with a one-line warning, and the next older one is tried. A config that cannot resume
-    is a ValueError (check_resume_config), not a broken step.
+    `checkpointer.restore_newest` sets a step that cannot be read (a truncated or missing file, garbage metadata)
+    aside as `<step>.corrupt` and tries the next older one; a config that cannot resume from the step is a
+    ResumeRefused (check_resume_config), which it lets through: the config, not the step, is at fault.
     """
-    steps = checkpointer.steps()
-    for step in reversed(steps):
+    def restore(step: int):
         where = checkpointer.step_dir(step)
-        try:
-            saved = checkpointer.saved_job_config(step)
-        except Exception as error:  # noqa: BLE001 - any storage or format error makes the step unusable
-            _set_aside(checkpointer, step, error, log)
-            continue
-        changed = check_resume_config(saved, config.to_dict(), allow_changes=allow_config_change, where=where)
+        changed = check_resume_config(checkpointer.saved_job_config(step), config.to_dict(),
+                                      allow_changes=allow_config_change, where=where)
         if changed:
             log(f"resuming with changed config keys: {', '.join(changed)}")
         try:
@@ -116,19 +110,17 @@ def _resume(checkpointer, abstract, dataset, config: PretrainConfig, allow_confi
             iterator = iter(dataset)
             pipeline_lib.restore_iterator(iterator, pipeline_lib.iterator_checkpoint_path(
                 checkpointer.input_state_dir(step), process_index))
-        except Exception as error:  # noqa: BLE001
+        except ValueError as error:
             data_changes = [k for k in changed if k.startswith("data.")]
-            if isinstance(error, ValueError) and data_changes:  # the change, not the step, is the problem
-                raise ValueError(f"{where}: the input pipeline cannot continue with the changed "
-                                 f"{', '.join(data_changes)} ({error})") from None
-            _set_aside(checkpointer, step, error, log)
-            continue
+            if data_changes:  # the change, not the step, is the problem
+                raise ResumeRefused(f"{where}: the input pipeline cannot continue with the changed "
+                                    f"{', '.join(data_changes)} ({error})") from None
+            raise
         log(f"resumed from {where}")
         return state, iterator
-    if steps:
-        log(f"warning: none of the {len(steps)} checkpoint(s) could be restored; starting from step 0 (the broken "
-             f"ones are kept as *.corrupt)")
-    return None
+
+    found = checkpointer.restore_newest(restore, log)
+    return None if found is None else found[1]
 
 
 # What a run read: each input file's size and modification time, to tell a resume on replaced files.
@@ -163,13 +155,6 @@ def _check_inputs_unchanged(record, data, resumed: bool, writer: bool, log) -> N
             f"was a position in the old files")
     if writer and earlier != stamps:
         record.write_text(json.dumps(stamps, indent=1, sort_keys=True) + "\n")
-
-
-def _set_aside(checkpointer, step: int, error: Exception, log) -> None:
-    where = checkpointer.step_dir(step)
-    moved = checkpointer.set_aside(step)
-    log(f"warning: cannot restore {where} ({first_line(error, 200)}); moved it to {moved} and trying the previous "
-         f"checkpoint")
 
 
 def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_mfu: float = 0.5) -> str:
