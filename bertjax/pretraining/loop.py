@@ -25,6 +25,7 @@ from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.errors import first_line
+from bertjax.host_memory import memory_warning
 from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
@@ -195,6 +196,7 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     step_seconds = flops / (jax.device_count() * peak * assumed_mfu)
     saved = checkpoint_lib.complete_steps(workdir)
     gib = 2**30
+    warning = memory_warning(compiled.hbm_bytes_per_chip or 0, jax.local_devices()[0], jax.local_device_count())
     return "\n".join([
         f"config valid; mesh {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)",
@@ -205,6 +207,7 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
         f"step compiled: {compiled.hbm_bytes_per_chip / gib:.2f} GiB per device (state and batch "
         f"{(compiled.argument_bytes_per_chip or 0) / gib:.2f} GiB, temporaries "
         f"{(compiled.temp_bytes_per_chip or 0) / gib:.2f} GiB)",
+        *([warning] if warning else []),
         f"model FLOPs per step {flops:.4g}; at {assumed_mfu:.0%} MFU of {peak / 1e12:.3g} TFLOP/s per device "
         f"({peak_source}): {step_seconds:.3g} s/step, {config.train.steps} steps = "
         f"{duration(config.train.steps * step_seconds)}",
