@@ -517,10 +517,15 @@ class _Evaluator:
         with self.account.charged_to("eval_s"):
             values = {**_evaluate(self.eval_step, params, self.batches, self.mesh, self.nsp_loss),
                       "most_frequent_token_accuracy": most_frequent_token_accuracy(self.batches)}
+            nsp = ""
+            if "nsp_accuracy" in values:
+                values["majority_nsp_accuracy"] = majority_nsp_accuracy(self.batches)
+                nsp = f"; always predicting the most frequent NSP label: nsp_accuracy=" \
+                      f"{values['majority_nsp_accuracy']:.4g}"
             self.writer.write(step, values, prefix="eval_")
             self.log(f"eval at step {step}: {metric_text(values, ('loss', 'mlm_accuracy', 'nsp_accuracy'))} (always "
                      f"predicting the most frequent masked token: "
-                     f"mlm_accuracy={values['most_frequent_token_accuracy']:.4g})")
+                     f"mlm_accuracy={values['most_frequent_token_accuracy']:.4g}{nsp})")
             self.results.append((step, values))
 
 
@@ -530,6 +535,17 @@ def most_frequent_token_accuracy(batches: list[dict]) -> float:
     ids = np.concatenate([b["masked_lm_ids"].ravel() for b in batches])
     weights = np.concatenate([b["masked_lm_weights"].ravel() for b in batches]) > 0
     counts = np.bincount(ids[weights])
+    return float(counts.max() / max(weights.sum(), 1)) if counts.size else 0.0
+
+
+def majority_nsp_accuracy(batches: list[dict]) -> float:
+    """The NSP accuracy of always predicting the eval set's most frequent next-sentence label (the instances a row
+    holds, where packed): what the NSP head must beat, as random next sentences are drawn with probability 0.5
+    only on average, and fewer where a document ends."""
+    labels = np.concatenate([b["next_sentence_labels"].ravel() for b in batches])
+    weights = (np.concatenate([b["next_sentence_weights"].ravel() for b in batches]) > 0
+               if "next_sentence_weights" in batches[0] else np.ones(labels.size, bool))
+    counts = np.bincount(labels[weights].astype(np.int64))
     return float(counts.max() / max(weights.sum(), 1)) if counts.size else 0.0
 
 
