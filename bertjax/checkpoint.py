@@ -155,6 +155,15 @@ def load_description(directory: str) -> ModelCheckpoint:
     return ModelCheckpoint(None, config.replace(scan_layers=False), vocab["tokens"], vocab["lower_case"])
 
 
+def load_job_config(directory: str) -> dict | None:
+    """The job config a training step saved beside its model (None for a model checkpoint without one)."""
+    path = orbax_path(directory)
+    if not is_model_checkpoint(directory) or not (path / JOB_CONFIG).exists():
+        return None
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
+        return checkpointer.restore(path, args=ocp.args.Composite(**{JOB_CONFIG: ocp.args.JsonRestore()}))[JOB_CONFIG]
+
+
 def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     """Reads a checkpoint written by `save_model` (or a trainer step directory).
 

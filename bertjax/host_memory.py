@@ -16,6 +16,7 @@ MALLOC_*/GLIBC_TUNABLES malloc setting, or a preloaded malloc, turns this off.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from collections.abc import Mapping
 
@@ -61,3 +62,44 @@ def keep_freed_memory() -> bool:
         return False
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))  # -1: never trim
     return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
+
+
+def host_ram_bytes() -> int | None:
+    """This machine's physical memory, or its cgroup's limit where lower (None where the OS does not say)."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    try:  # a container's limit (cgroup v2): "max" where there is none
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        return min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        return total
+
+
+def device_memory_bytes(device) -> tuple[int, str] | None:
+    """(bytes one program may hold on `device`, where that memory is) or None where unknown: a CPU device's is the
+    host's RAM (shared by all its CPU devices), an accelerator's what its runtime reports as its limit."""
+    if device.platform == "cpu":
+        ram = host_ram_bytes()
+        return None if ram is None else (ram, "this host's memory")
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    return None if not limit else (int(limit), f"a {device.device_kind} device's memory")
+
+
+def memory_warning(need_per_device: int, device, local_devices: int) -> str:
+    """One line when a compiled step needs more memory than the devices have ("" when it fits or is unknown): what
+    was asked, what the host has, and what to lower."""
+    capacity = device_memory_bytes(device)
+    if capacity is None:
+        return ""
+    have, where = capacity
+    # CPU devices share the host's RAM: all of this process's devices need it at once.
+    need = need_per_device * (local_devices if device.platform == "cpu" else 1)
+    if need <= have:
+        return ""
+    gib = 2**30
+    asked = (f"{need_per_device / gib:.2f} GiB per device x {local_devices} devices = {need / gib:.2f} GiB"
+             if need != need_per_device else f"{need / gib:.2f} GiB per device")
+    return (f"warning: the step needs {asked}, more than the {have / gib:.2f} GiB of {where}: lower "
+            f"train.batch_size (or raise train.grad_accum_steps) or data.max_seq_length")

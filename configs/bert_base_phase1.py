@@ -20,7 +20,7 @@ def get_config():
     c.train.batch_size = 256
     c.train.log_every = 100
     c.optimizer.learning_rate = 1e-4
-    c.optimizer.warmup_steps = 10_000
+    c.optimizer.warmup_ratio = 10_000 / 900_000  # 10k steps, and the same share of any other train.steps
     c.checkpoint.every = 10_000
     c.checkpoint.keep_every = 100_000
     return c

@@ -20,7 +20,7 @@ def get_config():
     c.train.steps = 100_000
     c.train.batch_size = 256
     c.optimizer.learning_rate = 1e-4
-    c.optimizer.warmup_steps = 1_000
+    c.optimizer.warmup_ratio = 0.01  # 1k of the 100k steps
     c.checkpoint.every = 10_000
     c.reset_schedule = True
     return c

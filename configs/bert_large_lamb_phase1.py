@@ -20,7 +20,7 @@ def get_config():
     c.train.grad_accum_steps = 16
     c.optimizer.name = "lamb"
     c.optimizer.learning_rate = 6e-3
-    c.optimizer.warmup_steps = 2000
+    c.optimizer.warmup_ratio = 2000 / 7038  # 2000 steps (You et al.: 28.4%)
     c.optimizer.b2 = 0.999
     c.optimizer.weight_decay = 0.01
     c.checkpoint.every = 500

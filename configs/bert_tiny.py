@@ -17,6 +17,6 @@ def get_config():
     c.train.batch_size = 32
     c.train.log_every = 20
     c.optimizer.learning_rate = 1e-3
-    c.optimizer.warmup_steps = 30
+    c.optimizer.warmup_ratio = 0.1  # 30 of the 300 steps, and a share of any other train.steps
     c.checkpoint.every = 100
     return c

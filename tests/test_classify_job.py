@@ -43,7 +43,7 @@ def _write_csv(path: Path, header: list[str], rows: list[list]) -> Path:
     return path
 
 
-def test_single_label_csv_keeps_names_and_matches_transformers(tiny_init, tmp_path):
+def test_single_label_csv_keeps_names_and_matches_transformers(tiny_init, tmp_path, capsys):
     """Through the command line: label names reach config.json, the export's model card parses as the Hub's
     format with the run's metrics, and transformers gives the job's own dev scores."""
     rng = random.Random(0)
@@ -63,6 +63,10 @@ def test_single_label_csv_keeps_names_and_matches_transformers(tiny_init, tmp_pa
     result = json.loads((work / "metrics.json").read_text())
     assert result["labels"] == ["happy", "sad"]
     assert result["metrics"]["dev"]["accuracy"] >= 0.95
+    # Balanced labels: the tie goes to the first id ("happy"), right on half of the dev rows.
+    assert result["majority_baseline"]["label"] == "happy"
+    assert result["majority_baseline"]["metrics"]["dev"]["accuracy"] == 0.5
+    assert "; always predicting the most frequent training label ('happy'): accuracy=0.5 " in capsys.readouterr().out
     assert set(result["metrics"]["dev"]) == {"accuracy", "macro_f1", "micro_f1", "mcc"}
     config = json.loads((work / "hf" / "config.json").read_text())
     assert config["id2label"] == {"0": "happy", "1": "sad"}
@@ -97,6 +101,20 @@ def test_single_label_csv_keeps_names_and_matches_transformers(tiny_init, tmp_pa
     for row, theirs in zip(predicted, pipe(texts, top_k=None), strict=True):
         assert row["scores"] == pytest.approx({e["label"]: e["score"] for e in theirs}, abs=2e-5)
         assert (row["label"], row["score"]) == (theirs[0]["label"], pytest.approx(theirs[0]["score"], abs=2e-5))
+
+
+def test_the_majority_baseline_is_the_most_frequent_training_label_on_dev():
+    """Hand-counted: "b" is 3 of the 5 training labels; predicting it is right on 3 of the 4 dev rows; a constant
+    prediction has an MCC of 0. No baseline for regression, multi-label, or without a dev set."""
+    from bertjax.finetune.classify import majority_baseline
+
+    single = "single_label_classification"
+    baseline = majority_baseline(single, np.array([0, 1, 1, 2, 1]), {"labels": np.array([1, 0, 1, 1])},
+                                 ["a", "b", "c"])
+    assert baseline["label"] == "b"
+    assert baseline["metrics"]["dev"]["accuracy"] == 0.75 and baseline["metrics"]["dev"]["mcc"] == 0.0
+    assert majority_baseline(single, np.array([0, 1]), None, ["a", "b"]) is None
+    assert majority_baseline("regression", np.array([0.5]), {"labels": np.array([0.1])}, None) is None
 
 
 def test_text_pair_from_parquet(tiny_init, tmp_path):

@@ -111,3 +111,21 @@ def test_only_fixed_shape_jobs_keep_freed_memory(monkeypatch, tmp_path):
     assert applied == []
     cli.main(["pretrain", "--config", "no-such-preset", "--workdir", str(tmp_path / "w")])
     assert applied == [1]
+
+
+def test_memory_warning_compares_the_step_with_the_hosts_ram():
+    """A CPU device's memory is the host's RAM (as the OS reports it), shared by the process's CPU devices."""
+    import os
+
+    import jax
+
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert host_memory.host_ram_bytes() <= ram
+    cpu = jax.devices("cpu")[0]
+    have = host_memory.host_ram_bytes()
+    assert host_memory.memory_warning(have // 4, cpu, 2) == ""
+    line = host_memory.memory_warning(have // 4, cpu, 8)  # 8 devices x a quarter: twice the RAM
+    gib = 2**30
+    assert line == (f"warning: the step needs {have / 4 / gib:.2f} GiB per device x 8 devices = {have * 2 / gib:.2f} "
+                    f"GiB, more than the {have / gib:.2f} GiB of this host's memory: lower train.batch_size (or raise "
+                    f"train.grad_accum_steps) or data.max_seq_length")

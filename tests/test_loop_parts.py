@@ -13,7 +13,7 @@ from bertjax.console import Console
 from bertjax.model.config import BertConfig
 from bertjax.pretraining import goodput, progress
 from bertjax.pretraining.config import check_resume_config, load_config
-from bertjax.pretraining.loop import _NonFiniteGuard
+from bertjax.pretraining.loop import _NonFiniteGuard, majority_nsp_accuracy
 from bertjax.pretraining.metrics import MetricsWriter
 from bertjax.pretraining.step import TooManyNonFiniteSteps
 
@@ -74,6 +74,20 @@ def test_the_summary_says_how_far_how_fast_and_where(clock, tmp_path):
                         "token 0.05)")
     assert lines[3] == f"  checkpoints: {tmp_path}/checkpoints (newest: step 5)"
     assert lines[-1] == "  rerun the same command to resume from step 5"
+    with_nsp = progress.summary("completed", 7, clock, {}, [(4, {"mlm_accuracy": 0.3, "nsp_accuracy": 0.625,
+                                "most_frequent_token_accuracy": 0.05, "majority_nsp_accuracy": 0.6})], 5,
+                                str(tmp_path), clock.writer)
+    assert "  eval nsp_accuracy: 0.625 at step 4 (most frequent label 0.6)" in with_nsp
+
+
+def test_the_nsp_baseline_is_the_share_of_the_most_frequent_label():
+    """Hand-counted: 3 of 5 unpacked rows are random next sentences (label 1): 0.6. Packed rows hold up to 2
+    instances, the weights saying which are real: 3 real, 2 of them label 0: 2/3."""
+    unpacked = [{"next_sentence_labels": np.array([[1], [0], [1]])}, {"next_sentence_labels": np.array([[1], [0]])}]
+    assert majority_nsp_accuracy(unpacked) == pytest.approx(0.6)
+    packed = [{"next_sentence_labels": np.array([[0, 1], [0, 1]]),
+               "next_sentence_weights": np.array([[1, 1], [1, 0]])}]
+    assert majority_nsp_accuracy(packed) == pytest.approx(2 / 3)
 
 
 def test_a_charge_splits_the_time_between_the_steps_and_its_category(tmp_path):

@@ -202,6 +202,26 @@ def test_predict_answer_spans_equal_the_squad_job_and_the_pipeline(squad_run, tm
     assert kinds == {True, False}  # answers and no-answers both compared
 
 
+def test_a_squad2_export_keeps_its_version_and_windows_for_predict(squad_run, tmp_path):
+    """The export's config.json records the run's SQuAD settings, so predict on the export alone (no metrics.json
+    beside it, no --squad-version or --max-seq-length) gives the job's own answers, no-answers included."""
+    import shutil
+
+    from bertjax.finetune.predict import Predictor
+
+    work, rows = squad_run
+    exported = tmp_path / "exported"
+    shutil.copytree(work / "hf", exported)
+    recorded = json.loads((exported / "config.json").read_text())["squad_settings"]
+    assert (recorded["version"], recorded["max_seq_length"], recorded["doc_stride"]) == ("2.0", 128, 32)
+    predictor = Predictor(str(exported), batch_size=8)
+    assert (predictor.squad.version, predictor.max_seq_length) == ("2.0", 128)
+    mine = predictor.answers([q for _, q, _ in rows], [c for _, _, c in rows], [qid for qid, _, _ in rows])
+    job = json.loads((work / "predictions.json").read_text(encoding="utf-8"))
+    assert [row["answer"] for row in mine] == [job[qid] for qid, _, _ in rows]
+    assert "" in job.values()  # a no-answer among them: what a 1.1 decoding would not give
+
+
 def test_predict_spans_names_a_missing_column(squad_run, tmp_path):
     work = squad_run[0]
     source = tmp_path / "in.csv"

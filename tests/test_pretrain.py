@@ -208,6 +208,51 @@ def test_dry_run_compiles_and_plans_without_writing(corpus, tmp_path, monkeypatc
     assert not workdir.exists()
 
 
+def test_config_init_from_a_run_takes_its_batch_and_the_steps_alone(uninterrupted, corpus, tmp_path, monkeypatch,
+                                                                     capsys):
+    """`--config init` from one of our runs: that run's batch (8 x 64, 10 predictions), not the recipe's 256 x 128;
+    `train.steps=10` alone is valid (the warmup a share of the steps)."""
+    argv = ["pretrain", "--config", "init", "--init", str(uninterrupted), "--workdir", str(tmp_path / "continued"),
+            "--set", f"data.input={corpus[0]}", "--set", "train.steps=10", "--dry-run"]
+    code, output, err = _in_process(argv, monkeypatch, capsys)
+    assert code == 0, err
+    assert ("the --init run's own batch: train.batch_size=8, train.grad_accum_steps=1, data.max_seq_length=64, "
+            "data.max_predictions_per_seq=10") in output
+    assert "first batch read, input_ids[8, 64] masked_lm_ids[8, 10]" in output
+    assert "10 steps =" in output and "warning" not in output
+
+
+@pytest.mark.slow  # two dry runs at large batches (~90 s); memory_warning itself: test_host_memory.py
+def test_dry_run_warns_when_the_step_needs_more_memory_than_the_host(corpus, tmp_path, monkeypatch, capsys):
+    """A dry run whose step needs more than the host's RAM (8 CPU devices share it) says so in one line, with what
+    to lower; the batch is sized from this host's RAM and the step's temporaries at batch 512."""
+    from bertjax.host_memory import host_ram_bytes
+
+    argv = _argv(tmp_path / "small", corpus, "--dry-run")
+    argv[argv.index("train.batch_size=8")] = "train.batch_size=512"
+    code, output, err = _in_process(argv, monkeypatch, capsys)
+    assert code == 0, err
+    assert "warning" not in output
+    state, temporaries = (float(x) * 2**30 for x in re.search(
+        r"state and batch ([\d.]+) GiB, temporaries ([\d.]+) GiB", output).groups())
+    # The temporaries grow with the batch: twice the RAM over the 8 devices.
+    batch = 512 * int((2 * host_ram_bytes() / 8 - state) / temporaries + 1)
+    if batch > 65536:
+        pytest.skip(f"this host's RAM would take a batch of {batch} to exceed")
+    argv = _argv(tmp_path / "big", corpus, "--dry-run")
+    argv[argv.index("train.batch_size=8")] = f"train.batch_size={batch}"
+    code, output, err = _in_process(argv, monkeypatch, capsys)
+    assert code == 0, err
+    warnings = [line for line in output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, output
+    need, devices, total, have = re.fullmatch(
+        r"warning: the step needs ([\d.]+) GiB per device x (\d+) devices = ([\d.]+) GiB, more than the ([\d.]+) GiB "
+        r"of this host's memory: lower train.batch_size \(or raise train.grad_accum_steps\) or "
+        r"data.max_seq_length", warnings[0]).groups()
+    assert devices == "8" and float(total) > float(have) == pytest.approx(host_ram_bytes() / 2**30, abs=0.01)
+    assert f"step compiled: {need} GiB per device" in output
+
+
 # Unpacked: slow-marked, for the default suite's time; the SIGKILL test below resumes an unpacked run bit-exactly.
 @pytest.mark.parametrize("packing", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, packing):

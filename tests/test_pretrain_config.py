@@ -1,5 +1,6 @@
 """Pretraining job config: presets, --set overrides with types, and errors before any compile."""
 import json
+import pathlib
 
 import pytest
 
@@ -88,18 +89,31 @@ def test_a_config_file_value_of_another_type_is_named_by_its_key(tmp_path):
     assert load_config(str(tmp_path / "config.json")).optimizer.learning_rate == 1
 
 
-def test_a_warmup_ratio_follows_the_steps(capsys):
-    """optimizer.warmup_ratio: the warmup is that share of train.steps, so `--set train.steps=10` alone on a preset
-    with a warmup ratio needs no new warmup (bert-tiny's fixed 30 warmup steps refuse it, and say so)."""
-    import json
+# The presets of this checkout, by path (the installed `bertjax.configs` may be another checkout's).
+PRESET_FILES = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
+
+def test_a_warmup_ratio_follows_the_steps(capsys):
+    """A preset's warmup is a share of train.steps (optimizer.warmup_ratio), so `--set train.steps=10` alone is a
+    valid run; the presets' own runs keep their published warmup; an override of warmup_steps alone asks for that
+    many steps (the key set wins over the preset's ratio)."""
     from bertjax.cli import main
     from bertjax.pretraining.optim import OptimizerConfig, make_optimizer
 
-    assert main(["config", "show", "bert-tiny", "--set", "train.steps=10"]) == 2
-    assert "(or set optimizer.warmup_ratio, e.g. 0.1 of the steps)" in capsys.readouterr().err
-    assert main(["config", "show", "bert-tiny", "--set", "train.steps=10", "--set", "optimizer.warmup_ratio=0.1"]) == 0
-    assert json.loads(capsys.readouterr().out)["optimizer"]["warmup_ratio"] == 0.1
+    tiny = str(PRESET_FILES / "bert_tiny.py")
+    assert main(["config", "show", tiny, "--set", "train.steps=10"]) == 0
+    shown = json.loads(capsys.readouterr().out)["optimizer"]
+    assert OptimizerConfig(**shown).warmup_for(10) == 1
+    # Each preset's own run: the warmup its recipe publishes (bert-tiny 30 of 300; BERT 10k; phase 2 1k; LAMB 2000).
+    for name, warmup in (("bert_tiny", 30), ("bert_base_phase1", 10_000), ("bert_base_phase2", 1_000),
+                         ("bert_large_lamb_phase1", 2000)):
+        config = pretrain_config.load_config(str(PRESET_FILES / f"{name}.py"), ["data.input=x", "data.vocab=v"])
+        assert config.optimizer.warmup_for(config.train.steps) == warmup, name
+    fixed = pretrain_config.load_config(tiny, ["data.input=x", "train.steps=10", "optimizer.warmup_steps=3"])
+    assert (fixed.optimizer.warmup_ratio, fixed.optimizer.warmup_for(10)) == (0.0, 3)
+    assert main(["config", "show", tiny, "--set", "train.steps=10", "--set", "optimizer.warmup_steps=30"]) == 2
+    assert "optimizer.warmup_steps=30 must be in [0, train.steps=10] (or set optimizer.warmup_ratio" in \
+        capsys.readouterr().err
     # 8 steps at ratio 0.25: 2 warmup steps, then linear decay to 0 at step 8 (hand-computed).
     _, schedule = make_optimizer(OptimizerConfig(learning_rate=1.0, warmup_steps=10_000, warmup_ratio=0.25), 8)
     assert [float(schedule(s)) for s in (0, 1, 2, 5, 8)] == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.0])

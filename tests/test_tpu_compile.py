@@ -163,6 +163,37 @@ def test_a_step_over_hbm_exits_1_with_the_size_and_fit_batch_finds_one_that_fits
     assert fit["hbm_bytes_per_chip"] <= fit["hbm_capacity_bytes_per_chip"] < result["hbm_bytes_per_chip"]
 
 
+def _tiny_chip_hours() -> float:
+    """300 steps of bert-tiny on 4 v5e chips at an assumed 50% MFU, the step time from the model FLOPs (hand
+    formula)."""
+    flops = 32 * metrics.train_flops_per_sequence(_tiny().bert_config(30522), 128, 20)
+    return 300 * flops / (4 * topologies.parse_topology("v5e:2x2").peak_flops_per_chip * 0.5) / 3600 * 4
+
+
+def test_the_cost_is_the_chip_hours_at_the_price_given(capsys):
+    """`--price-per-chip-hour`: the chip-hours at that price, on one line; without a price, how to give one."""
+    chip_hours = _tiny_chip_hours()
+    priced = tpu_compile.with_cost(_compiled("v5e:2x2"), 1.5)
+    assert (priced["price_per_chip_hour"], priced["cost_usd"]) == (1.5, pytest.approx(chip_hours * 1.5))
+    assert f"cost: {chip_hours:,.2f} chip-hours x $1.5 per chip-hour = ${chip_hours * 1.5:,.2f} " \
+           "(--price-per-chip-hour)" in tpu_compile.describe(priced).splitlines()
+    unpriced = tpu_compile.with_cost(_compiled("v5e:2x2"), None)
+    assert unpriced["cost_usd"] is None
+    assert "cost: give --price-per-chip-hour USD (no price list is built in; see docs/performance.md)" in \
+        tpu_compile.describe(unpriced).splitlines()
+    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--price-per-chip-hour",
+                         "-1"]) == 2
+    assert "--price-per-chip-hour -1: expected a price in USD above 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a compile of its own through the command (~1-3 min here)
+def test_the_command_prints_the_cost_in_json(capsys):
+    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--mfu", "0.5",
+                         "--price-per-chip-hour", "1.5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["price_per_chip_hour"], result["cost_usd"]) == (1.5, pytest.approx(_tiny_chip_hours() * 1.5))
+
+
 def test_bad_mesh_or_batch_is_an_error_before_compiling(capsys):
     assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--set", "mesh.data=3"]) == 2
     assert "mesh" in capsys.readouterr().err

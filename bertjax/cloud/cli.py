@@ -32,6 +32,9 @@ def register(subparsers) -> None:
     aot.add_argument("--dump-hlo", default="", metavar="FILE", help="write the compiled HLO text to FILE")
     aot.add_argument("--fit-batch", action="store_true", help="if the step does not fit, find the smallest "
                      "grad_accum_steps (largest per-chip microbatch) that does, by compiling")
+    aot.add_argument("--price-per-chip-hour", type=float, metavar="USD", help="the price of one chip-hour (the "
+                     "region's on-demand, Spot or committed rate): the cost is the chip-hours at it, on one line "
+                     "and in --json as cost_usd (no price list is built in)")
     aot.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     aot.set_defaults(func=_compile)
 
@@ -102,6 +105,8 @@ def _compile(args: argparse.Namespace) -> int:
     topology = topologies.parse_topology(args.topology, args.num_slices)
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu {args.mfu}: expected a fraction in (0, 1]")
+    if args.price_per_chip_hour is not None and not args.price_per_chip_hour > 0:
+        raise ValueError(f"--price-per-chip-hour {args.price_per_chip_hour:g}: expected a price in USD above 0")
     config = pretrain_config.load_config(args.config, args.overrides, require_data=False)
     from bertjax.cloud import compile as tpu_compile
     from bertjax.console import Console, duration
@@ -117,6 +122,7 @@ def _compile(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         result["fit"] = tpu_compile.fit_batch(config, topology, args.mfu, requested=result)
         console.line(f"--fit-batch: searched in {duration(time.perf_counter() - started)}")
+    result = tpu_compile.with_cost(result, args.price_per_chip_hour)
     print(jsonio.dumps(result) if args.json else tpu_compile.describe(result))
     if not result["fits"]:
         over = (result["hbm_bytes_per_chip"] - result["hbm_capacity_bytes_per_chip"]) / 2**30
@@ -134,8 +140,10 @@ def _time_and_cost(report: dict) -> str:
     """`; step 41.2 ms, 1000 steps = 0.01 h, 0.05 chip-hours` of a compile report (empty without a step time)."""
     if report.get("step_seconds") is None:
         return ""
+    from bertjax.cloud.compile import cost_text
+
     return (f"; step {report['step_seconds'] * 1e3:.1f} ms, {report['steps']} steps = {report['total_hours']:.2f} h, "
-            f"{report['chip_hours']:,.2f} chip-hours")
+            + (cost_text(report) or f"{report['chip_hours']:,.2f} chip-hours"))
 
 
 def _wheel_name() -> str:

@@ -107,6 +107,26 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
     }
 
 
+def with_cost(report: dict, price_per_chip_hour: float | None) -> dict:
+    """The report with `price_per_chip_hour` (USD, the user's: no price list is built in) and `cost_usd`, its
+    chip-hours at that price (None without a price or a step time); a --fit-batch proposal in it gets the same."""
+    chip_hours = report.get("chip_hours")
+    report = dict(report, price_per_chip_hour=price_per_chip_hour,
+                  cost_usd=None if price_per_chip_hour is None or chip_hours is None else
+                  chip_hours * price_per_chip_hour)
+    if report.get("fit"):
+        report["fit"] = with_cost(report["fit"], price_per_chip_hour)
+    return report
+
+
+def cost_text(report: dict) -> str:
+    """`5,120.00 chip-hours x $1.2 per chip-hour = $6,144.00` (empty without a step time or a price)."""
+    if report.get("cost_usd") is None:
+        return ""
+    return (f"{report['chip_hours']:,.2f} chip-hours x ${report['price_per_chip_hour']:g} per chip-hour = "
+            f"${report['cost_usd']:,.2f}")
+
+
 def compile_for_topology(config: PretrainConfig, topology: Topology, mfu: float | None = None,
                          dump_hlo: str = "") -> dict:
     """Compile the job's step for `topology` and report (see `report`); `dump_hlo`: write the compiled HLO text
@@ -200,4 +220,6 @@ def describe(result: dict) -> str:
         lines.append(f"{basis}: {result['step_seconds'] * 1e3:.1f} ms/step, {result['tokens_per_second']:,.0f} "
                      f"tokens/s; {result['steps']} steps = {result['total_hours']:.2f} h, "
                      f"{result['chip_hours']:,.0f} chip-hours")
+        lines.append(f"cost: {cost_text(result)} (--price-per-chip-hour)" if result.get("cost_usd") is not None else
+                     "cost: give --price-per-chip-hour USD (no price list is built in; see docs/performance.md)")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ import optax
 from etils import epath
 
 from bertjax import jsonio
+from bertjax.console import Console, metric_text
 from bertjax.finetune import glue_data, label_metrics, table_data
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss, write_fine_tuned
@@ -49,6 +50,18 @@ def metrics_of(problem: str, logits: np.ndarray, labels: np.ndarray) -> dict[str
     if problem == "multi_label_classification":
         return label_metrics.multi_label(logits > 0, labels)
     return label_metrics.regression(logits[:, 0], labels)
+
+
+def majority_baseline(problem: str, train_labels: np.ndarray, dev_features: dict | None,
+                      names: list[str] | None) -> dict | None:
+    """The dev metrics of always predicting the training set's most frequent label (single-label classification
+    with a dev set; None otherwise): what a score must beat before it says the model learned anything."""
+    if problem != "single_label_classification" or dev_features is None:
+        return None
+    majority = int(np.argmax(np.bincount(np.asarray(train_labels, np.int64), minlength=len(names))))
+    dev_labels = dev_features["labels"]
+    return {"label": names[majority], "metrics": {"dev": label_metrics.single_label(
+        np.full(len(dev_labels), majority), dev_labels, len(names))}}
 
 
 def prediction_rows(problem: str, logits: np.ndarray, names: list[str] | None, guids: list[str]) -> list[dict]:
@@ -112,6 +125,10 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
         metrics["dev"] = metrics_of(problem, logits, dev_features["labels"])
         _write_jsonl(out / "dev_predictions.jsonl",
                      prediction_rows(problem, logits, names, dev_examples.guids))
+    baseline = majority_baseline(problem, train_features["labels"], dev_features, names)
+    if baseline:
+        Console().line(f"dev: {metric_text(metrics['dev'])}; always predicting the most frequent training label "
+                       f"({baseline['label']!r}): {metric_text(baseline['metrics']['dev'])}")
     if test_examples is not None:
         _write_jsonl(out / "test_predictions.jsonl",
                      prediction_rows(problem, trainer.predict(featurize(test_examples)), names, test_examples.guids))
@@ -120,7 +137,7 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
                      architecture="BertForSequenceClassification",
                      id2label=None if names is None else dict(enumerate(names)), problem_type=problem)
     result = {
-        "task": "classify", "problem": problem, "labels": names, "metrics": metrics,
+        "task": "classify", "problem": problem, "labels": names, "metrics": metrics, "majority_baseline": baseline,
         "train": train, "dev": dev, "test": test, "columns": dataclasses.asdict(spec),
         "num_train_examples": train_info.pop("num_train_rows"), "num_train_available": len(train_examples),
         "max_seq_length": max_seq_length,

@@ -143,8 +143,8 @@ def register(subparsers) -> None:
     predict.add_argument("--doc-stride", type=int, help="a span model: tokens between window starts (default: as "
                                                         "its SQuAD run, else 128)")
     predict.add_argument("--squad-version", choices=("1.1", "2.0"),
-                         help="a span model: 2.0 answers \"\" when no answer wins (default: as its SQuAD run, else "
-                              "1.1; give 2.0 for an exported SQuAD 2.0 model)")
+                         help="a span model: 2.0 answers \"\" when no answer wins (default: as its SQuAD run "
+                              "recorded, in its workdir or its export's config.json; else 1.1)")
     predict.add_argument("--batch-size", type=int, default=64)
     predict.set_defaults(func=_predict)
 

@@ -11,7 +11,8 @@ checkpoint with a head. Rows are batched on the mesh by the fine-tuning Trainer'
 - question answering (spans): `answer`, `score`, `start`, `end` per (question, context), the SQuAD job's answer
   (its windows and best-span rule, and for SQuAD 2.0 its null-score rule: "" when no answer wins) with character
   offsets into the context and the score of transformers' former pipeline("question-answering"). The decoding
-  settings are those the SQuAD run recorded in its metrics.json (an exported directory: the job's defaults).
+  settings are those the SQuAD run recorded in its metrics.json, else those its model carries (an export's
+  config.json `squad_settings`, a checkpoint's head): a SQuAD 2.0 export needs no --squad-version.
 """
 from __future__ import annotations
 
@@ -51,11 +52,13 @@ def answers_questions(model: str) -> bool:
     return head.get("architecture") == SPANS
 
 
-def squad_settings(model: str, **overrides) -> SquadSettings:
-    """The SQuAD settings a fine-tune workdir's run recorded (metrics.json), else the job's defaults; `overrides`
-    that are not None win."""
+def squad_settings(model: str, head: dict | None = None, **overrides) -> SquadSettings:
+    """The SQuAD settings a fine-tune workdir's run recorded (metrics.json), else those its model carries (`head`'s
+    "squad": an export's config.json, a checkpoint's head), else the job's defaults; `overrides` that are not
+    None win."""
     recorded = epath.Path(model) / "metrics.json"
     settings = squad_data.read_json(str(recorded)).get("settings", {}) if recorded.is_file() else {}
+    settings = settings or (head or {}).get("squad") or {}
     known = {field.name for field in dataclasses.fields(SquadSettings)}
     settings = {k: v for k, v in settings.items() if k in known}
     return SquadSettings(**{**settings, **{k: v for k, v in overrides.items() if v is not None}})
@@ -77,7 +80,7 @@ class Predictor:
             raise ValueError(f"{model}: no fine-tuned classifier, token classifier or span head (architecture "
                              f"{self.architecture!r}); `bertjax predict` needs a model a fine-tune job wrote")
         if self.spans:
-            self.squad = squad_settings(model, **squad, max_seq_length=max_seq_length)
+            self.squad = squad_settings(model, head, **squad, max_seq_length=max_seq_length)
             max_seq_length, self.lower_case = self.squad.max_seq_length, ckpt.lower_case
             module = BertForQuestionAnswering(ckpt.config)
         else:

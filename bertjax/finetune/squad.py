@@ -114,7 +114,7 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
         if scored:
             result["metrics"] = score(preds, null_odds, best_non_null)  # printed once, as JSON, by the command
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
-                     architecture="BertForQuestionAnswering")
+                     architecture="BertForQuestionAnswering", squad=dataclasses.asdict(squad))
     _write_json(os.path.join(workdir, "metrics.json"), result)
     return result
 

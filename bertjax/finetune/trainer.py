@@ -451,6 +451,8 @@ def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_che
             head["id2label"] = {str(i): label for i, label in hf_config["id2label"].items()}
         if hf_config.get("problem_type"):
             head["problem_type"] = hf_config["problem_type"]
+        if hf_config.get("squad"):  # a span model's SQuAD settings: how `bertjax predict` decodes it
+            head["squad"] = hf_config["squad"]
         save_model(str(target), params, init.config, init.vocab, init.lower_case, head=head)
     if hf:
         export_hf(params, init.config, init.vocab, str(epath.Path(out_dir) / "hf"), lower_case=init.lower_case,

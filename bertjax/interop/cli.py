@@ -72,7 +72,7 @@ def _export(args: argparse.Namespace) -> int:
     id2label = {int(i): label for i, label in head["id2label"].items()} if "id2label" in head else None
     architecture = export_hf(loaded.params, loaded.config, loaded.vocab, args.out, lower_case=loaded.lower_case,
                              architecture=head.get("architecture"), id2label=id2label,
-                             problem_type=head.get("problem_type"))
+                             problem_type=head.get("problem_type"), squad=head.get("squad"))
     # A fine-tune job's checkpoint sits in its workdir (<workdir>/checkpoint), beside the run's records.
     run_dir = epath.Path(source).parent
     card = write_card(args.out, str(run_dir) if (run_dir / "metrics.json").exists() else None,

@@ -104,6 +104,8 @@ def hf_lower_case(directory: str) -> bool:
     return True
 
 
+# config.json's key for a span model's SQuAD settings (bertjax's own; transformers keeps and ignores it).
+SQUAD_KEY = "squad_settings"
 FINE_TUNED_HEADS = ("BertForSequenceClassification", "BertForTokenClassification", "BertForMultipleChoice",
                     "BertForQuestionAnswering")
 
@@ -120,6 +122,8 @@ def hf_head(directory: str) -> dict | None:
         head["id2label"] = {str(k): v for k, v in config["id2label"].items()}
     if architecture == "BertForSequenceClassification" and config.get("problem_type"):
         head["problem_type"] = config["problem_type"]
+    if architecture == "BertForQuestionAnswering" and config.get(SQUAD_KEY):
+        head["squad"] = config[SQUAD_KEY]
     return head
 
 
@@ -139,10 +143,12 @@ def _architecture(params: Mapping) -> str:
 
 def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: str, lower_case: bool = True,
               architecture: str | None = None, id2label: dict[int, str] | None = None,
-              problem_type: str | None = None) -> str:
+              problem_type: str | None = None, squad: dict | None = None) -> str:
     """Writes an HF directory for `params`; returns the architecture written (inferred from the heads held).
     `problem_type` (a sequence classifier's; default regression for one output, else single-label) tells
-    transformers' pipeline which activation the scores take (multi-label: sigmoid)."""
+    transformers' pipeline which activation the scores take (multi-label: sigmoid). `squad`: a span model's SQuAD
+    settings (version, windows, decoding), kept in config.json as `squad_settings` (transformers ignores the key)
+    so that `bertjax predict` on the export decodes as the run did."""
     architecture = architecture or _architecture(params)
     tensors = convert.tensors_from_params(params, config, "hf")
     # Not part of any HF BERT architecture: kept out of model.safetensors (no unexpected keys on load).
@@ -162,6 +168,8 @@ def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: st
         if architecture == "BertForSequenceClassification":
             extra["problem_type"] = problem_type or (
                 "regression" if num_labels == 1 else "single_label_classification")
+    if squad and architecture == "BertForQuestionAnswering":
+        extra[SQUAD_KEY] = dict(squad)
     files = _hf_files(tensors, sbo, config.to_hf_dict(architecture, **extra), vocab, lower_case,
                       config.max_position_embeddings)
     out = epath.Path(out_dir)

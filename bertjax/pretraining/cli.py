@@ -7,6 +7,7 @@ jax.distributed.initialize must come before anything touches a device.
 from __future__ import annotations
 
 import argparse
+import functools
 
 from bertjax import options
 
@@ -110,18 +111,27 @@ def _pretrain(args: argparse.Namespace) -> int:
 def _config_with_init(args: argparse.Namespace):
     """The job's config where --init supplies what the user left out: the model (`--config init`) and, with
     data.vocab empty, the checkpoint's own vocabulary."""
+    from bertjax.checkpoint import load_job_config, resolve_checkpoint
     from bertjax.console import Console
     from bertjax.interop.load import describe_pretrained
+    from bertjax.interop.hub import local_model_path
     from bertjax.pretraining import config as pretrain_config
 
     init = describe_pretrained(args.init)
-    config = pretrain_config.load_config(args.config, args.overrides, require_data=False, init=init)
-    if config.data.vocab:
-        return pretrain_config.load_config(args.config, args.overrides, init=init)
+    init_run = {}
+    if args.config == pretrain_config.INIT_CONFIG:
+        init_run = pretrain_config.init_run_settings(load_job_config(resolve_checkpoint(local_model_path(args.init))))
+        asked = {override.split("=", 1)[0].strip() for override in args.overrides}
+        taken = {key: value for key, value in init_run.items() if key not in asked}
+        if taken:
+            Console().line("the --init run's own batch: " + ", ".join(f"{k}={v}" for k, v in taken.items()))
+    load = functools.partial(pretrain_config.load_config, args.config, args.overrides, init=init, init_run=init_run)
+    if load(require_data=False).data.vocab:
+        return load()
     vocab_file = _init_vocab_file(args.init, init.vocab, args.workdir)
     Console().line(f"data.vocab: the --init checkpoint's vocabulary ({len(init.vocab):,} tokens, "
                    f"lower_case={init.lower_case}), {vocab_file}")
-    return pretrain_config.load_config(args.config, args.overrides, init=init, init_vocab_file=vocab_file)
+    return load(init_vocab_file=vocab_file)
 
 
 def _init_vocab_file(init: str, tokens: list[str], workdir: str) -> str:

@@ -143,17 +143,31 @@ def _config_values(name_or_path: str) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
-# `--config init`: the --init checkpoint's model (architecture and vocabulary), the default recipe for the rest.
+# `--config init`: the --init checkpoint's model (architecture and vocabulary), the default recipe for the rest,
+# its warmup as BERT's share (10k of 1M steps) so that a shorter train.steps needs no new warmup.
 INIT_CONFIG = "init"
+_INIT_WARMUP_RATIO = 0.01
 # The model keys a checkpoint defines (its architecture; compute settings such as dtype stay the job's).
 _CHECKPOINT_MODEL_KEYS = (*BERT_CONFIG_KEYS, "layer_norm_eps", "pad_token_id")
+# What `--config init` takes from an --init checkpoint a bertjax pretraining run saved: the shape of its batch (the
+# default recipe's 256 x 128 can be far more than the run was sized for: bert-tiny's is 32 x 128).
+INIT_RUN_KEYS = ("train.batch_size", "train.grad_accum_steps", "data.max_seq_length", "data.max_predictions_per_seq")
+
+
+def init_run_settings(job_config: dict | None) -> dict:
+    """{key: value} of INIT_RUN_KEYS in a checkpoint's saved pretraining job config ({} for none, or another job's)."""
+    flat = _flat(job_config or {})
+    return {key: flat[key] for key in INIT_RUN_KEYS if key in flat}
 
 
 def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool = True,
-                init: ModelCheckpoint | None = None, init_vocab_file: str = "") -> PretrainConfig:
+                init: ModelCheckpoint | None = None, init_vocab_file: str = "",
+                init_run: dict | None = None) -> PretrainConfig:
     """A preset (name in configs/, a .py with get_config(), a run's config.json, or `init`: the model of the --init
-    checkpoint `init`), then KEY=VALUE overrides, validated (`require_data=False`: a config that is only compiled
-    needs no input files). With an init checkpoint, an empty data.vocab becomes `init_vocab_file` (its vocab)."""
+    checkpoint `init`, and the batch of the run that saved it, `init_run` as init_run_settings gives), then
+    KEY=VALUE overrides, validated (`require_data=False`: a config that is only compiled needs no input files).
+    With an init checkpoint, an empty data.vocab becomes `init_vocab_file` (its vocab). An override of one of
+    optimizer.warmup_steps / warmup_ratio alone wins over the other's preset value (the key set is the one used)."""
     if name_or_path == INIT_CONFIG:
         if init is None:
             raise ValueError("--config init takes the model of the --init checkpoint: give --init CHECKPOINT")
@@ -161,11 +175,16 @@ def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool
         values.lock()
         for key in _CHECKPOINT_MODEL_KEYS:
             options.apply_override(values, PretrainConfig, f"model.{key}={getattr(init.config, key)}")
+        for key, value in {"optimizer.warmup_ratio": _INIT_WARMUP_RATIO, **(init_run or {})}.items():
+            options.apply_override(values, PretrainConfig, f"{key}={value}")
     else:
         values = _config_values(name_or_path)
         values.lock()
     for override in overrides:
         options.apply_override(values, PretrainConfig, override)
+    overridden = {override.split("=", 1)[0].strip() for override in overrides}
+    if "optimizer.warmup_steps" in overridden and "optimizer.warmup_ratio" not in overridden:
+        values.optimizer.warmup_ratio = 0.0  # a ratio would replace the steps asked for
     try:
         config = options.from_config_dict(PretrainConfig, values)
     except (TypeError, ValueError) as error:

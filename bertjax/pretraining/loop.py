@@ -24,7 +24,9 @@ from bertjax.data import input_source
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
+from bertjax.host_memory import memory_warning
 from bertjax.interop.load import check_vocab_fits, load_pretrained
+from bertjax.new_workdir import removed_if_failed_before_saving
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
@@ -34,7 +36,6 @@ from bertjax.pretraining import step as train_step
 from bertjax.pretraining.config import PretrainConfig, check_resume_config, validate
 from bertjax.pretraining.job import build_job_step, compile_step
 from bertjax.pretraining.step import TooManyNonFiniteSteps
-from bertjax.new_workdir import removed_if_failed_before_saving
 from bertjax.workdir_lock import WorkdirLock
 
 
@@ -180,6 +181,7 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     step_seconds = flops / (jax.device_count() * peak * assumed_mfu)
     saved = checkpoint_lib.complete_steps(workdir)
     gib = 2**30
+    warning = memory_warning(compiled.hbm_bytes_per_chip or 0, jax.local_devices()[0], jax.local_device_count())
     return "\n".join([
         f"config valid; mesh {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
         f"{jax.process_count()} process(es)",
@@ -190,6 +192,7 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
         f"step compiled: {compiled.hbm_bytes_per_chip / gib:.2f} GiB per device (state and batch "
         f"{(compiled.argument_bytes_per_chip or 0) / gib:.2f} GiB, temporaries "
         f"{(compiled.temp_bytes_per_chip or 0) / gib:.2f} GiB)",
+        *([warning] if warning else []),
         f"model FLOPs per step {flops:.4g}; at {assumed_mfu:.0%} MFU of {peak / 1e12:.3g} TFLOP/s per device "
         f"({peak_source}): {step_seconds:.3g} s/step, {config.train.steps} steps = "
         f"{duration(config.train.steps * step_seconds)}",
@@ -498,10 +501,15 @@ class _Evaluator:
         with self.account.charged_to("eval_s"):
             values = {**_evaluate(self.eval_step, params, self.batches, self.mesh, self.nsp_loss),
                       "most_frequent_token_accuracy": most_frequent_token_accuracy(self.batches)}
+            nsp = ""
+            if "nsp_accuracy" in values:
+                values["majority_nsp_accuracy"] = majority_nsp_accuracy(self.batches)
+                nsp = f"; always predicting the most frequent NSP label: nsp_accuracy=" \
+                      f"{values['majority_nsp_accuracy']:.4g}"
             self.writer.write(step, values, prefix="eval_")
             self.log(f"eval at step {step}: {metric_text(values, ('loss', 'mlm_accuracy', 'nsp_accuracy'))} (always "
                      f"predicting the most frequent masked token: "
-                     f"mlm_accuracy={values['most_frequent_token_accuracy']:.4g})")
+                     f"mlm_accuracy={values['most_frequent_token_accuracy']:.4g}{nsp})")
             self.results.append((step, values))
 
 
@@ -511,6 +519,17 @@ def most_frequent_token_accuracy(batches: list[dict]) -> float:
     ids = np.concatenate([b["masked_lm_ids"].ravel() for b in batches])
     weights = np.concatenate([b["masked_lm_weights"].ravel() for b in batches]) > 0
     counts = np.bincount(ids[weights])
+    return float(counts.max() / max(weights.sum(), 1)) if counts.size else 0.0
+
+
+def majority_nsp_accuracy(batches: list[dict]) -> float:
+    """The NSP accuracy of always predicting the eval set's most frequent next-sentence label (the instances a row
+    holds, where packed): what the NSP head must beat, as random next sentences are drawn with probability 0.5
+    only on average, and fewer where a document ends."""
+    labels = np.concatenate([b["next_sentence_labels"].ravel() for b in batches])
+    weights = (np.concatenate([b["next_sentence_weights"].ravel() for b in batches]) > 0
+               if "next_sentence_weights" in batches[0] else np.ones(labels.size, bool))
+    counts = np.bincount(labels[weights].astype(np.int64))
     return float(counts.max() / max(weights.sum(), 1)) if counts.size else 0.0
 
 

@@ -93,6 +93,9 @@ def summary(status: str, step: int, clock: StepClock, last_metrics: dict, evals:
         lines.append(f"  eval mlm_accuracy: {first[1]['mlm_accuracy']:.4g} at step {first[0]} -> "
                      f"{last[1]['mlm_accuracy']:.4g} at step {last[0]} (best {best[1]['mlm_accuracy']:.4g} at step "
                      f"{best[0]}; most frequent token {last[1]['most_frequent_token_accuracy']:.4g})")
+        if "majority_nsp_accuracy" in last[1]:
+            lines.append(f"  eval nsp_accuracy: {last[1]['nsp_accuracy']:.4g} at step {last[0]} (most frequent "
+                         f"label {last[1]['majority_nsp_accuracy']:.4g})")
     lines.append(f"  checkpoints: {workdir}/checkpoints (newest: step {saved_step})")
     lines.append(f"  metrics: {writer.jsonl_path}; TensorBoard: tensorboard --logdir {writer.tensorboard_dir}")
     if status != "completed":  # as a fine-tune stopped by a signal says it
