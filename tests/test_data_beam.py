@@ -114,6 +114,23 @@ def test_same_multiset_on_one_and_two_workers(two_workers, corpus, tmp_path):
     assert _multiset(one) == reference
 
 
+def test_beam_workers_write_no_native_start_up_lines(corpus, tmp_path):
+    """The README's local Beam command (2 worker processes, each importing TensorFlow) as a user runs it: the
+    console lines on stdout, and nothing on stderr (no TensorFlow/CUDA start-up lines, no Beam option echoes)."""
+    from tests.test_pretrain import NATIVE_LOG_LINE
+
+    pattern, vocab = corpus
+    result = subprocess.run(
+        [sys.executable, "-m", "bertjax.cli", "data", "create", "--runner", "beam", "--input", pattern.replace(
+            "wiki-*", "wiki-a"), "--vocab", vocab, "--out", str(tmp_path / "out"), *FLAGS,
+         *[word for option in MULTI_PROCESSING for word in ("--beam-option", option)]],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "with Beam's DirectRunner" in result.stdout
+    assert not [line for line in result.stderr.splitlines() if NATIVE_LOG_LINE.search(line)], result.stderr[:3000]
+    assert result.stderr == "", result.stderr[:3000]
+
+
 @pytest.mark.slow
 def test_same_multiset_on_threads_on_a_second_run_and_not_for_another_seed(two_workers, corpus, tmp_path):
     out, _ = two_workers
