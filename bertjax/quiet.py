@@ -20,11 +20,11 @@ import sys
 import tempfile
 import threading
 
-# The start-up lines of a process that imports TensorFlow (and of Beam's local workers, which restate their
-# options): nothing a user can act on.
+# The start-up lines of a process that imports TensorFlow, of Beam's local workers (which restate their options)
+# and of gloo joining CPU processes at each new collective: nothing a user can act on.
 START_UP_LINE = re.compile(
     rb"absl::InitializeLog\(\)|cudart_stub\.cc.*Could not find cuda drivers|failed call to cuInit|port\.cc.*oneDNN"
-    rb"|No semi_persistent_directory found|Discarding unparseable args")
+    rb"|No semi_persistent_directory found|Discarding unparseable args|^\[Gloo\] Rank \d+ is connected to")
 
 
 @contextlib.contextmanager
