@@ -20,10 +20,12 @@ import sys
 import tempfile
 import threading
 
-# The start-up lines of a process that imports TensorFlow, of Beam's local workers (which restate their options)
-# and of gloo joining CPU processes at each new collective: nothing a user can act on.
+# The start-up lines of a process that imports TensorFlow (and oneDNN's notice when its first int64 op runs, where
+# TF_ENABLE_ONEDNN_OPTS was not set to 0 for it), of Beam's local workers (which restate their options) and of gloo
+# joining CPU processes at each new collective: nothing a user can act on.
 START_UP_LINE = re.compile(
-    rb"absl::InitializeLog\(\)|cudart_stub\.cc.*Could not find cuda drivers|failed call to cuInit|port\.cc.*oneDNN"
+    rb"absl::InitializeLog\(\)|cudart_stub\.cc.*Could not find cuda drivers|failed call to cuInit"
+    rb"|oneDNN custom operations are on|oneDNN supports DT_INT64 only"
     rb"|No semi_persistent_directory found|Discarding unparseable args|^\[Gloo\] Rank \d+ is connected to")
 
 

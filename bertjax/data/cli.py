@@ -40,12 +40,11 @@ def _create(args: argparse.Namespace) -> int:
         if args.num_workers != 1 or args.worker_index != 0:
             raise ValueError("--runner beam spreads the work over Beam's workers itself: drop --worker-index/"
                              "--num-workers")
-        from bertjax import quiet
         from bertjax.data.beam_create import create_with_beam
 
-        with quiet.native_lines_dropped(args.verbose):  # local workers import TensorFlow loudly
-            create_with_beam(data_config_from_flags(args), args.out, args.shards, runner=args.beam_runner,
-                             beam_options=args.beam_option or [], overwrite=args.overwrite, log=Console().line)
+        create_with_beam(data_config_from_flags(args), args.out, args.shards, runner=args.beam_runner,
+                         beam_options=args.beam_option or [], overwrite=args.overwrite, log=Console().line,
+                         verbose=args.verbose)
         return 0
     if args.beam_option or args.beam_runner != "DirectRunner":
         raise ValueError("--beam-runner/--beam-option need --runner beam")
