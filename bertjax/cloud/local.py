@@ -20,8 +20,8 @@ import threading
 import time
 
 from bertjax import options
-from bertjax.quiet import START_UP_LINE
 from bertjax.cloud.babysitter import USAGE_ERROR_EXIT, babysit
+from bertjax.quiet import START_UP_LINE
 
 
 def free_port() -> int:
