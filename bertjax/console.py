@@ -80,6 +80,44 @@ class Console:
         return _Timed(self, what)
 
 
+class Progress:
+    """A long piece of work counted in units (batches, folds): a line before, a bar on a terminal or else a line
+    with the count and the ETA every `every_s` seconds, and a timed line after (`close`).
+
+    `what` names the work in the lines: "extracting features of 1,200 rows" gives "extracting features of 1,200
+    rows (19 batches) ...", "extracting features of 1,200 rows: batch 7/19, eta 41s" and "extracting features of
+    1,200 rows: done in 1m05s". `detail` is added inside the brackets of the first line."""
+
+    EVERY_S = 15.0
+
+    def __init__(self, what: str, total: int, unit: str = "batch", console: Console | None = None,
+                 every_s: float | None = None, detail: str = ""):
+        self.console, self.what, self.total, self.unit = console or Console(), what, total, unit
+        self.every_s = self.EVERY_S if every_s is None else every_s
+        self.done = 0
+        self.start = self.last_line = time.perf_counter()
+        units = unit if total == 1 else (unit + "es" if unit.endswith(("s", "ch")) else unit + "s")
+        self.console.line(f"{what} ({total} {units}{detail}) ...")
+        self.console.start_progress(total, unit=unit)
+
+    def advance(self, units: int = 1) -> None:
+        """`units` more of the work are done."""
+        self.done += units
+        self.console.advance(units)
+        now = time.perf_counter()
+        if not self.console.shows_bar and now - self.last_line >= self.every_s and self.done < self.total:
+            eta = (now - self.start) / self.done * (self.total - self.done)
+            self.console.line(f"{self.what}: {self.unit} {self.done}/{self.total}, eta {duration(eta)}")
+            self.last_line = now
+
+    def close(self, said: str | None = None) -> float:
+        """The closing line, `SAID in 12s` (SAID by default: "WHAT: done"); returns the seconds since the start."""
+        self.console.close_progress()
+        seconds = time.perf_counter() - self.start
+        self.console.line(f"{said or self.what + ': done'} in {duration(seconds)}")
+        return seconds
+
+
 class _Timed:
     def __init__(self, console: Console, what: str):
         self.console, self.what = console, what

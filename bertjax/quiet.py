@@ -7,13 +7,26 @@ TF_CPP_MIN_LOG_LEVEL does not reach them, so fd 2 is pointed at a temporary file
 what was captured is discarded when they succeed and written back when they fail, so a real import or device
 error is never hidden. Later native messages (a crash report) reach the terminal as they always do. Joining a
 multi-process job on CPU, gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks" per process: held the same way.
+Worker processes a job starts (Beam's DirectRunner in multi_processing mode) import TensorFlow themselves and
+inherit fd 2: while they run, fd 2 is a pipe whose lines reach the terminal as they come, except the known
+start-up lines (`native_lines_dropped`), so a worker's traceback is never held back.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import tempfile
+import threading
+
+# The start-up lines of a process that imports TensorFlow (and oneDNN's notice when its first int64 op runs, where
+# TF_ENABLE_ONEDNN_OPTS was not set to 0 for it), of Beam's local workers (which restate their options) and of gloo
+# joining CPU processes at each new collective: nothing a user can act on.
+START_UP_LINE = re.compile(
+    rb"absl::InitializeLog\(\)|cudart_stub\.cc.*Could not find cuda drivers|failed call to cuInit"
+    rb"|oneDNN custom operations are on|oneDNN supports DT_INT64 only"
+    rb"|No semi_persistent_directory found|Discarding unparseable args|^\[Gloo\] Rank \d+ is connected to")
 
 
 @contextlib.contextmanager
@@ -42,6 +55,37 @@ def native_output_held(verbose: bool = False, fds: tuple[int, ...] = (2,)):
             os.dup2(saved[fd], fd)
             os.close(saved[fd])
             held[fd].close()
+
+
+@contextlib.contextmanager
+def native_lines_dropped(verbose: bool = False, fd: int = 2):
+    """Inside the block, lines written to `fd` (by this process or a child it starts) pass through as they come,
+    except those START_UP_LINE matches. A child still running after the block keeps writing through the filter."""
+    if verbose:
+        yield
+        return
+    sys.stderr.flush()
+    terminal = os.dup(fd)
+    read, write = os.pipe()
+    os.dup2(write, fd)
+    os.close(write)
+
+    def forward():
+        with os.fdopen(read, "rb") as lines:
+            for line in lines:
+                if not START_UP_LINE.search(line):
+                    os.write(terminal, line)
+
+    forwarder = threading.Thread(target=forward, name="native-lines", daemon=True)
+    forwarder.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(terminal, fd)  # the pipe's last writer in this process closed: the forwarder ends at its end
+        forwarder.join(timeout=5)
+        if not forwarder.is_alive():  # else a child holds the pipe: the forwarder still needs `terminal`
+            os.close(terminal)
 
 
 def start_tensorflow(verbose: bool = False) -> None:

@@ -5,6 +5,7 @@ pretraining reader follows, and no shard under a final name from a killed job.""
 from __future__ import annotations
 
 import collections
+import io
 import json
 import os
 import runpy
@@ -12,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,11 +61,42 @@ def _config(corpus, **changes) -> PretrainingDataConfig:
 
 
 @pytest.fixture(scope="module")
-def two_workers(corpus, tmp_path_factory):
-    """DirectRunner, multi-processing, 2 workers; the summary carries the runner's committed counters."""
+def two_workers_run(corpus, tmp_path_factory):
+    """DirectRunner, multi-processing, 2 workers; the summary carries the runner's committed counters. Also what
+    reached stderr (file descriptor 2, which the worker processes inherit) while it ran."""
     out = tmp_path_factory.mktemp("beam-2")
-    summary = beam_create.create_with_beam(_config(corpus), str(out), 3, beam_options=MULTI_PROCESSING)
-    return out, summary
+    # This process's own first device query (cuInit's line) comes before, as the CLI's quiet start makes it.
+    tf.config.list_logical_devices()
+    with tempfile.TemporaryFile() as stderr:
+        # As in a terminal: sys.stderr writes to file descriptor 2 (pytest's capture replaces it otherwise).
+        captured_stderr, sys.stderr = sys.stderr, io.TextIOWrapper(io.FileIO(2, "w", closefd=False),
+                                                                   line_buffering=True)
+        terminal = os.dup(2)
+        os.dup2(stderr.fileno(), 2)
+        try:
+            summary = beam_create.create_with_beam(_config(corpus), str(out), 3, beam_options=MULTI_PROCESSING)
+        finally:
+            sys.stderr.flush()
+            os.dup2(terminal, 2)
+            os.close(terminal)
+            sys.stderr = captured_stderr
+        stderr.seek(0)
+        return out, summary, stderr.read().decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def two_workers(two_workers_run):
+    return two_workers_run[:2]
+
+
+def test_beam_workers_write_no_native_start_up_lines(two_workers_run):
+    """The 2 worker processes each import TensorFlow, whose start-up lines (and Beam's echo of its options) they
+    would write to the terminal: none reaches it."""
+    from tests.test_pretrain import NATIVE_LOG_LINE
+
+    stderr = two_workers_run[2]
+    assert not [line for line in stderr.splitlines() if NATIVE_LOG_LINE.search(line)], stderr[:3000]
+    assert "semi_persistent_directory" not in stderr and "unparseable args" not in stderr, stderr[:3000]
 
 
 def _records(out: Path) -> list[bytes]:

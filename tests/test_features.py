@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -141,12 +142,17 @@ def _glue_slice(shared_data, root, train_rows: int, dev_rows: int):
     return root
 
 
-def test_finetune_features_on_real_sst2(shared_data, minilm_dir, tmp_path):
+def test_finetune_features_on_real_sst2(shared_data, minilm_dir, tmp_path, capsys, monkeypatch):
     """`bertjax finetune features` end to end on 300 real SST-2 train rows / 120 dev rows with a tiny random
-    encoder: a C from the grid, and dev metrics that recompute from the written predictions."""
+    encoder: a C from the grid, and dev metrics that recompute from the written predictions. Its two long parts,
+    the extraction and the cross-validation, show their progress: said before, counted, timed after."""
     from sklearn.metrics import accuracy_score
 
+    from bertjax.console import Progress
     from bertjax.finetune import features
+
+    # A progress line per unit of work (every 15 s otherwise, which these few rows never take).
+    monkeypatch.setattr(Progress, "EVERY_S", 0.0)
 
     data = _glue_slice(shared_data, tmp_path / "glue", 300, 120)
     init = save_tiny_hf(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
@@ -154,6 +160,14 @@ def test_finetune_features_on_real_sst2(shared_data, minilm_dir, tmp_path):
     assert cli(["finetune", "features", "--task", "sst2", "--data", str(data), "--init", init, "--workdir",
                 str(work), "--layers", "0,1", "--pooling", "mean", "--max-train-examples", "200",
                 "--max-seq-length", "32", "--cv-folds", "3"]) == 0
+    out = capsys.readouterr().out
+    # 200 train + 120 dev + 30 test rows in batches of 64: 4 + 2 + 1 batches.
+    assert "sst2: extracting features of 350 rows (7 batches of 64: 200 train, 120 dev, 30 test) ...\n" in out, out
+    assert re.findall(r"extracting features of 350 rows: batch (\d)/7, eta \S+\n", out) == list("123456"), out
+    assert re.search(r"sst2: features of 350 rows \(64 wide\) in \S+\n", out), out
+    assert "cross-validating C on 200 rows (3 folds, 7 values of C each) ...\n" in out, out
+    assert re.findall(r"cross-validating C on 200 rows: fold (\d)/3, eta \S+\n", out) == ["1", "2"], out
+    assert re.search(r"cross-validated C and refitted on all 200 rows in \S+\n.*sst2: score", out), out
     result = json.loads((work / "metrics.json").read_text())
     assert result["num_train_examples"] == 200 and result["num_train_available"] == 300
     assert result["feature_width"] == 64 and result["C"] in features.C_GRID

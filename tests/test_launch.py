@@ -1,6 +1,7 @@
 """`bertjax launch tpu|gke --dry-run`: the queued-resource request, built from google-cloud-tpu's own message types,
 the gcloud commands and the xpk command, against golden files written by hand from the documented gcloud and xpk
 syntax. No network."""
+import os
 import pathlib
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 from bertjax.cli import main as bertjax_main
+from tests.conftest import REPO_ROOT
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 pytest.importorskip("google.cloud.tpu_v2alpha1", reason="launch tpu needs google-cloud-tpu (the test extras)")
@@ -116,3 +118,35 @@ def test_a_worker_index_outside_the_workers_is_named(tmp_path, capsys):
                          str(tmp_path / "o"), "--num-workers", "2", "--worker-index", "5"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "bertjax data: error: --worker-index 5 is not one of the 2 workers' indices (0..1)")
+
+
+def test_launch_local_shares_the_cpu_peak_among_the_hosts_devices_and_shows_no_gloo_lines(tmp_path):
+    """2 local processes x 4 CPU devices share one machine's cores: each device's peak (the MFU's denominator) is
+    an eighth of the host's measured matmul peak, as one process's 8 forced devices get (a whole one each before:
+    an MFU 8 times too low). Their collectives' gloo connection lines stay off the launcher's output."""
+    import jax
+    import jax.numpy as jnp
+
+    from bertjax.pretraining.metrics import cached_matmul_peak
+
+    peak, _ = cached_matmul_peak(jax.devices()[0], jnp.float32, cache_dir=str(tmp_path))  # what the workers read
+    script = tmp_path / "peak.py"
+    script.write_text(
+        "import sys, jax\n"
+        "a = sys.argv\n"
+        "jax.distributed.initialize(a[a.index('--coordinator') + 1], int(a[a.index('--num-processes') + 1]),\n"
+        "                           int(a[a.index('--process-id') + 1]))\n"
+        "from bertjax.pretraining.metrics import device_peak_flops\n"
+        f"peak, source = device_peak_flops(cache_dir={str(tmp_path)!r})\n"
+        "print('PEAK', repr(peak), source, flush=True)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", "import sys; from bertjax.cloud.local import launch; "
+                           f"sys.exit(launch([], 2, 4, program=[sys.executable, {str(script)!r}]))"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if "PEAK " in line)
+    assert [line[:4] for line in lines] == ["[p0]", "[p1]"], done.stdout
+    for line in lines:
+        assert float(line.split()[2]) == pytest.approx(peak / 8, rel=1e-9), line
+        assert line.endswith("shared by the 8 CPU devices of this host"), line
+    assert "Gloo" not in done.stdout + done.stderr, done.stdout

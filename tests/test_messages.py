@@ -146,6 +146,44 @@ def test_progress_bar_draws_on_any_terminal(columns):
     assert b"10/10" in drawn and b"a line above the bar" in drawn, drawn
 
 
+def test_progress_is_a_bar_on_a_terminal_and_counted_lines_in_a_log():
+    """console.Progress (feature extraction, cross-validation, prediction): on a terminal a bar of its units and
+    no count lines; in a log (a file) the count and ETA as lines; both said before and timed after."""
+    import io
+    import pty
+
+    from bertjax.console import Console, Progress
+
+    controller, terminal = pty.openpty()
+    with os.fdopen(terminal, "w") as stream:
+        work = Progress("cross-validating C", 3, unit="fold", console=Console(stream=stream), every_s=0)
+        for _ in range(3):
+            work.advance()
+        work.close()
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal side is closed: all read
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(controller)
+    assert b"cross-validating C (3 folds) ..." in drawn and b"| 0/3 [" in drawn, drawn  # tqdm's bar
+    assert b"fold 1/3" not in drawn and b"cross-validating C: done in" in drawn, drawn
+
+    log = io.StringIO()
+    work = Progress("predicting 20 rows", 2, console=Console(stream=log), every_s=0, detail=" of 16")
+    work.advance()
+    work.advance()
+    work.close("predicted 20 rows")
+    messages = [line.split(" ", 1)[1] for line in log.getvalue().splitlines()]
+    assert messages[0] == "predicting 20 rows (2 batches of 16) ..."
+    assert re.fullmatch(r"predicting 20 rows: batch 1/2, eta \d+s", messages[1]), messages
+    assert re.fullmatch(r"predicted 20 rows in \d+s", messages[2]) and len(messages) == 3, messages
+
+
 def test_a_vocab_with_a_duplicate_token_is_one_line_naming_it(tmp_path, capsys, minilm_dir):
     tokens = (minilm_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
     tokens.insert(5000, "guitar")  # already at another line

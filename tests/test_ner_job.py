@@ -4,6 +4,7 @@ with the same logits as ours."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,8 @@ def test_cli_finetune_ner_writes_predictions_metrics_and_hf_export(shared_data, 
                "--eval-batch-size", "32", "--length-bucket", "64", "--save-checkpoint", "--export-hf",
                "--eval-every", "6", "--max-eval-examples", "40"])
     assert rc == 0
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr().out
+    printed = json.loads(out.strip().splitlines()[-1])
     result = json.loads((work / "metrics.json").read_text())
     assert set(printed) == set(result["metrics"]) == {"valid", "test"}
     labels = result["labels"]
@@ -57,6 +59,10 @@ def test_cli_finetune_ner_writes_predictions_metrics_and_hf_export(shared_data, 
     evals = {r["step"]: r for r in records if "eval_f1" in r}
     assert sorted(evals) == [6, 12]
     assert evals[12]["eval_f1"] == pytest.approx(result["metrics"]["valid"]["overall"]["f1"])
+    # ... and on the console, as GLUE's are
+    for step in (6, 12):
+        shown = re.search(rf"eval at step {step}: precision=\S+ recall=\S+ f1=(\S+)", out)
+        assert shown and float(shown[1]) == pytest.approx(evals[step]["eval_f1"], rel=1e-3), out
 
     for split in ("valid", "test"):
         gold = ner_data.read_conll(str(data / f"{split}.txt")).head(40)  # --max-eval-examples 40

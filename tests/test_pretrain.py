@@ -154,6 +154,8 @@ def test_a_run_appends_its_goodput_account(uninterrupted):
     assert account["step"] == STEPS and account["first_step"] == 0 and account["lost_steps"] == 0
     categories = ("startup_s", "setup_s", "restore_s", "compile_s", "input_wait_s", "step_s", "eval_s", "checkpoint_s")
     assert all(account[k] >= 0 for k in categories) and account["compile_s"] > 0 and account["step_s"] > 0
+    # A fresh run has nothing to restore: initialising its state is part of its setup.
+    assert account["restore_s"] == 0 and account["setup_s"] > 0
     # Every second of the run is charged to one category, from process start (startup: imports, mesh) to the end.
     assert sum(account[k] for k in categories) == pytest.approx(account["wall_s"], rel=0.05)
     assert account["startup_s"] > 1 and account["goodput"] == pytest.approx(account["step_s"] / account["wall_s"],
@@ -185,6 +187,7 @@ def test_the_console_is_quiet_timestamped_and_ends_with_a_summary(uninterrupted_
     assert f"{workdir}/metrics.jsonl" in summary[3] and f"{workdir}/tensorboard" in summary[3]
     assert re.match(r"  goodput [\d.]+% of [\d.]+s wall: startup [\d.]+s, .*compile [\d.]+s, .*step [\d.]+s",
                     summary[4]), summary
+    assert "restore" not in summary[4], summary  # a fresh run: nothing restored
     # The effective config sits beside the checkpoints, equal to what `config show` prints for the same flags.
     written = json.loads((workdir / "config.json").read_text())
     argv = _argv(workdir, ("CORPUS", json.loads((workdir / "config.json").read_text())["data"]["vocab"]))
@@ -285,7 +288,7 @@ def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrup
     # The steps past the checkpoint were computed twice: the goodput account says how many.
     [account] = _goodput(workdir)
     assert killed_at >= 20 and account["lost_steps"] == killed_at - complete[-1], (killed_at, account)
-    assert account["lost_s"] > 0 and account["first_step"] == complete[-1]
+    assert account["lost_s"] > 0 and account["first_step"] == complete[-1] and account["restore_s"] > 0
     # The killed run compiled the same step: this one read it from the suite's persistent compilation cache.
     assert account["compile_cache_hits"] >= 1 or not SUITE_CACHE_ON, account
     expected, resumed = _losses(uninterrupted), _losses(workdir)

@@ -134,7 +134,12 @@ def test_a_state_over_hbm_exits_1_with_the_size_and_no_accumulation_helps(capsys
     # Said before and timed after: the compile and the --fit-batch search.
     assert re.search(r"compiling bert-tiny's train step for v5e:2x2 with XLA:TPU .*\n.*compiled in \S+\n.*"
                      r"--fit-batch: compiling with more gradient accumulation steps until the step fits \.\.\.\n"
-                     r".*--fit-batch: searched in \S+\n", captured.out), captured.out
+                     r"(.*\n)*.*--fit-batch: searched in \S+\n", captured.out), captured.out
+    # ... and each compile of the search, said before and after with what it found (bert-tiny's 32 sequences
+    # over 4 chips: 8 a chip, at most 8 microbatches of one; the most accumulated does not fit either).
+    assert re.search(r"--fit-batch: compiling with grad_accum_steps=8 \(per-chip microbatch 1\) \.\.\.\n.*"
+                     r"--fit-batch: grad_accum_steps=8 needs [\d.]+ GiB of 15\.75 per chip: does not fit \(compiled in "
+                     r"\S+\)\n", captured.out), captured.out
     assert "DOES NOT FIT" in captured.out
     assert "does not fit HBM" in captured.err and "no grad_accum_steps fits either" in captured.err
     over = float(captured.err.split("HBM: ")[1].split(" GiB")[0])

@@ -120,7 +120,7 @@ def _compile(args: argparse.Namespace) -> int:
     if not result["fits"] and args.fit_batch:
         console.line("--fit-batch: compiling with more gradient accumulation steps until the step fits ...")
         started = time.perf_counter()
-        result["fit"] = tpu_compile.fit_batch(config, topology, args.mfu, requested=result)
+        result["fit"] = tpu_compile.fit_batch(config, topology, args.mfu, requested=result, log=console.line)
         console.line(f"--fit-batch: searched in {duration(time.perf_counter() - started)}")
     result = tpu_compile.with_cost(result, args.price_per_chip_hour)
     print(jsonio.dumps(result) if args.json else tpu_compile.describe(result))

@@ -11,9 +11,11 @@ compile (RESOURCE_EXHAUSTED); that is reported as not fitting, with the size.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from bertjax.cloud.estimate import Interconnect, estimate_program
 from bertjax.cloud.topologies import GENERATIONS, Topology, compile_only_devices
+from bertjax.console import duration
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.pretraining import metrics
 from bertjax.pretraining.config import PretrainConfig, validate
@@ -141,11 +143,12 @@ def compile_for_topology(config: PretrainConfig, topology: Topology, mfu: float 
 
 
 def fit_batch(config: PretrainConfig, topology: Topology, mfu: float | None = None,
-              requested: dict | None = None) -> dict:
+              requested: dict | None = None, log=lambda line: None) -> dict:
     """The smallest grad_accum_steps (the largest per-chip microbatch, same global batch) whose step fits HBM,
     found by compiling (a binary search: more accumulation never needs more memory); the report of that
     configuration, or of the most accumulated one when none fits (its `fits` is then False). `requested`: the
-    report of `config` itself if already compiled (not compiled again)."""
+    report of `config` itself if already compiled (not compiled again). `log`: a line per compile, before and
+    after it (a BERT-base compile takes minutes)."""
     config = job_for_topology(config, topology)
     vocab_size = vocab_size_of(config)
     devices = compile_only_devices(topology)
@@ -157,8 +160,15 @@ def fit_batch(config: PretrainConfig, topology: Topology, mfu: float | None = No
     def compiled(accum: int) -> dict:
         if accum not in results:
             candidate = dataclasses.replace(config, train=dataclasses.replace(config.train, grad_accum_steps=accum))
+            log(f"--fit-batch: compiling with grad_accum_steps={accum} (per-chip microbatch "
+                f"{per_step // accum}) ...")
+            started = time.perf_counter()
             results[accum] = report(candidate, topology, mfu, compile_step(candidate, devices, vocab_size),
                                     vocab_size)
+            found, seconds = results[accum], time.perf_counter() - started
+            log(f"--fit-batch: grad_accum_steps={accum} needs {found['hbm_bytes_per_chip'] / 2**30:.2f} GiB of "
+                f"{found['hbm_capacity_bytes_per_chip'] / 2**30:.2f} per chip: "
+                f"{'fits' if found['fits'] else 'does not fit'} (compiled in {duration(seconds)})")
         return results[accum]
 
     low, high = 0, len(choices) - 1

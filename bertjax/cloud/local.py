@@ -21,6 +21,7 @@ import time
 
 from bertjax import options
 from bertjax.cloud.babysitter import USAGE_ERROR_EXIT, babysit
+from bertjax.quiet import START_UP_LINE
 
 
 def free_port() -> int:
@@ -29,8 +30,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _relay(prefix: str, stream, sink, tail=None) -> None:
+def _relay(prefix: str, stream, sink, tail=None, quiet: bool = True) -> None:
+    """A worker's output lines, prefixed with its name; `quiet`: without the native start-up lines (gloo's "Rank N
+    is connected", printed whenever the workers' CPU devices join a new collective)."""
     for line in iter(stream.readline, b""):
+        if quiet and START_UP_LINE.search(line):
+            continue
         text = f"[{prefix}] " + line.decode(errors="replace")
         sink.write(text)
         sink.flush()
@@ -65,8 +70,8 @@ class LocalProcesses:
                     "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(self.processes),
                     "--process-id", str(index)]
             child = subprocess.Popen(argv, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            threading.Thread(target=_relay, args=(f"p{index}", child.stdout, sys.stdout, self._tail),
-                             daemon=True).start()
+            threading.Thread(target=_relay, args=(f"p{index}", child.stdout, sys.stdout, self._tail,
+                                                  "--verbose" not in command), daemon=True).start()
             self.children.append(child)
 
     def wait(self) -> tuple[int, str]:

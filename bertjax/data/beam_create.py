@@ -47,6 +47,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from bertjax import quiet
 from bertjax.data import corpus, create, file_readers, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.instances import Block, nsp_warning
@@ -392,9 +393,11 @@ def _stale_temporary_directories(out_dir: str, overwrite: bool, log) -> None:
 
 
 def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: int, *, runner: str = "DirectRunner",
-                     beam_options: list[str] = (), overwrite: bool = False, log=print) -> dict:
+                     beam_options: list[str] = (), overwrite: bool = False, log=print,
+                     verbose: bool = False) -> dict:
     """Runs the pipeline to completion and returns the summary written to pretrain-metadata.json (plus
-    "beam_metrics": the runner's committed counters)."""
+    "beam_metrics": the runner's committed counters). Local workers' start-up lines (each imports TensorFlow) are
+    dropped unless `verbose`."""
     if config.input_kind == "tfrecord" or config.is_tfds:
         raise ValueError("data create --runner beam reads corpus files (not tfds: or TFRecord input)")
     config = config.replace(input_kind="text")
@@ -414,8 +417,9 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     run_id = uuid.uuid4().hex  # tells this run's metadata from an earlier run's (--overwrite, nothing made)
     build_pipeline(pipeline, config, files, out_dir, num_shards, base_stats=base_stats, earlier=earlier,
                    start=start, runner=runner, run_id=run_id, input_formats=dict(sorted(formats.items())))
-    result = pipeline.run()
-    result.wait_until_finish()
+    with quiet.native_lines_dropped(verbose):
+        result = pipeline.run()
+        result.wait_until_finish()
     metadata = os.path.join(out_dir, tfrecord.shard_prefix() + tfrecord.METADATA_SUFFIX)
     summary = {}
     if tf.io.gfile.exists(metadata):

@@ -43,7 +43,8 @@ def _create(args: argparse.Namespace) -> int:
         from bertjax.data.beam_create import create_with_beam
 
         create_with_beam(data_config_from_flags(args), args.out, args.shards, runner=args.beam_runner,
-                         beam_options=args.beam_option or [], overwrite=args.overwrite, log=Console().line)
+                         beam_options=args.beam_option or [], overwrite=args.overwrite, log=Console().line,
+                         verbose=args.verbose)
         return 0
     if args.beam_option or args.beam_runner != "DirectRunner":
         raise ValueError("--beam-runner/--beam-option need --runner beam")

@@ -472,8 +472,8 @@ def _ner(args: argparse.Namespace) -> int:
 
 
 def _eval_squad(args: argparse.Namespace) -> int:
-    from bertjax.finetune.squad import eval_file
+    from bertjax.finetune.squad_metrics import evaluate_file
 
-    print(jsonio.dumps(eval_file(args.data, args.predictions, args.na_prob_file, args.na_prob_thresh, args.version),
+    print(jsonio.dumps(evaluate_file(args.data, args.predictions, args.na_prob_file, args.na_prob_thresh, args.version),
                      indent=2))
     return 0

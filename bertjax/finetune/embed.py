@@ -78,12 +78,14 @@ def _features(params, input_ids, input_mask, segment_ids, *, model: BertModel, s
 
 
 def encoded_features(checkpoint: ModelCheckpoint, arrays: dict[str, np.ndarray], *, layers: str = "last",
-                     pooling: str = "cls", batch_size: int = 64, length_bucket: int = 32) -> np.ndarray:
+                     pooling: str = "cls", batch_size: int = 64, length_bucket: int = 32,
+                     progress=None) -> np.ndarray:
     """Features of already-encoded rows (input_ids/input_mask/segment_ids [N, L], e.g. GLUE's featurization).
 
     Returns float32 [N, D] (cls/mean) or [N, L, D] (none; padding positions hold the padding's vectors), with
     D = hidden_size x (number of concatenated layers). Batches are padded to `batch_size` rows and cut to a
-    multiple of `length_bucket` tokens, so the model compiles once per length bucket.
+    multiple of `length_bucket` tokens, so the model compiles once per length bucket. `progress`: a
+    console.Progress advanced once per batch.
     """
     if pooling not in POOLINGS:
         raise ValueError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
@@ -105,6 +107,8 @@ def encoded_features(checkpoint: ModelCheckpoint, arrays: dict[str, np.ndarray],
         if pooling == "none":
             out = np.pad(out, [(0, 0), (0, max_len - length), (0, 0)])
         outputs.append(out)
+        if progress is not None:
+            progress.advance()
     width = selection.width(config.hidden_size)
     if not outputs:
         return np.zeros((0, width) if pooling != "none" else (0, max_len, width), np.float32)

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 import time
 
 import numpy as np
 
 from bertjax import jsonio
+from bertjax.console import Console, Progress
 from bertjax.finetune import glue_data, glue_metrics
 from bertjax.finetune.embed import encoded_features, parse_layers
 
@@ -49,14 +51,17 @@ def subsample(examples: glue_data.Examples, max_examples: int | None, seed: int)
 
 
 def fit_predict(train_x: np.ndarray, train_y: np.ndarray, eval_x: np.ndarray, *, regression: bool,
-                scoring: str = "accuracy", cv_folds: int = 5, seed: int = 42, max_iter: int = 2000):
+                scoring: str = "accuracy", cv_folds: int = 5, seed: int = 42, max_iter: int = 2000,
+                console: Console | None = None):
     """Fit the classifier (regressor) on training features; returns (predictions for eval_x, fit info).
 
     The one fitting routine: the job and the parity bench (bench/feature_classifier.py) both call it, so the
-    two sides of a comparison share every setting.
+    two sides of a comparison share every setting. `console`: where the cross-validation's progress goes
+    (folds done, ETA; none without one).
     """
     try:
         from sklearn.linear_model import LogisticRegressionCV, RidgeCV
+        from sklearn.metrics import get_scorer
         from sklearn.model_selection import StratifiedKFold
         from sklearn.preprocessing import StandardScaler
     except ImportError:
@@ -73,14 +78,36 @@ def fit_predict(train_x: np.ndarray, train_y: np.ndarray, eval_x: np.ndarray, *,
     if "use_legacy_attributes" in inspect.signature(LogisticRegressionCV).parameters:
         # scikit-learn >= 1.8: plain L2 said explicitly, and the simplified fitted attributes.
         extra = {"l1_ratios": (0.0,), "use_legacy_attributes": False}
-    model = LogisticRegressionCV(Cs=list(C_GRID), cv=folds, scoring=scoring, max_iter=max_iter,
+    scorer = get_scorer(scoring)
+    if console is not None:
+        scorer = _FoldCounter(scorer, Progress(
+            f"cross-validating C on {len(train_y):,} rows", cv_folds, unit="fold", console=console,
+            detail=f", {len(C_GRID)} values of C each"), len(C_GRID))
+    model = LogisticRegressionCV(Cs=list(C_GRID), cv=folds, scoring=scorer, max_iter=max_iter,
                                  random_state=seed, **extra).fit(train_x, train_y)
+    if console is not None:
+        scorer.progress.close(f"cross-validated C and refitted on all {len(train_y):,} rows")
     # scores_: [folds, (l1_ratios,) Cs], or (older releases) {class: [folds, Cs]} with equal entries.
     scores = next(iter(model.scores_.values())) if isinstance(model.scores_, dict) else model.scores_
     cv_scores = np.asarray(scores).reshape(cv_folds, -1).mean(axis=0)
     return model.predict(eval_x), {
         "classifier": "LogisticRegressionCV", "C": float(np.ravel(model.C_)[0]), "C_grid": list(C_GRID),
         "cv_folds": cv_folds, "cv_scoring": scoring, "cv_mean_scores": [float(s) for s in cv_scores]}
+
+
+class _FoldCounter:
+    """A scorer that advances a Progress once per fold: LogisticRegressionCV scores each fold's path once per C,
+    in this process (no n_jobs), after fitting it."""
+
+    def __init__(self, scorer, progress: Progress, per_fold: int):
+        self.scorer, self.progress, self.per_fold, self.calls = scorer, progress, per_fold, 0
+
+    def __call__(self, estimator, x, y, **kwargs):
+        score = self.scorer(estimator, x, y, **kwargs)
+        self.calls += 1
+        if self.calls % self.per_fold == 0:
+            self.progress.advance()
+        return score
 
 
 def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None, loaded=None,
@@ -103,27 +130,30 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
     out_dir = workdir
     os.makedirs(out_dir, exist_ok=True)
 
-    started = time.perf_counter()
+    dev = {split.name: splits[f"dev:{split.name}"].head(max_eval_examples) for split in task.splits}
+    tests = {split: splits[f"test:{split.name}"] for split in task.splits if f"test:{split.name}" in splits}
+    sizes = [len(train)] + [len(e) for e in dev.values()] + [len(e) for e in tests.values()]
+    progress = Progress(f"{task.name}: extracting features of {sum(sizes):,} rows",
+                        sum(math.ceil(n / batch_size) for n in sizes),
+                        detail=f" of {batch_size}: {len(train):,} train, {sum(sizes[1:len(dev) + 1]):,} dev, "
+                               f"{sum(sizes[len(dev) + 1:]):,} test")
 
     def features(examples):
         arrays = glue_data.featurize(examples, tokenizer, max_seq_length)
-        return encoded_features(ckpt, arrays, layers=layers, pooling=pooling, batch_size=batch_size)
+        return encoded_features(ckpt, arrays, layers=layers, pooling=pooling, batch_size=batch_size,
+                                progress=progress)
 
     train_x = features(train)
-    dev = {split.name: splits[f"dev:{split.name}"].head(max_eval_examples) for split in task.splits}
     dev_x = {name: features(examples) for name, examples in dev.items()}
-    tests = {split: splits[f"test:{split.name}"] for split in task.splits if f"test:{split.name}" in splits}
     test_x = [features(examples) for examples in tests.values()]
-    feature_seconds = time.perf_counter() - started
-    log.info("%s: features of %d train and %d dev examples (%d wide) in %.1fs", task.name, len(train),
-             sum(len(e) for e in dev.values()), train_x.shape[1], feature_seconds)
+    feature_seconds = progress.close(f"{task.name}: features of {sum(sizes):,} rows ({train_x.shape[1]} wide)")
 
     started = time.perf_counter()
     names = list(dev)
     stacked = np.concatenate([dev_x[n] for n in names] + test_x)  # one fit scores dev and test rows
     preds, fit_info = fit_predict(train_x, train.labels, stacked, regression=task.is_regression,
                                   scoring="matthews_corrcoef" if task.name == "cola" else "accuracy",
-                                  cv_folds=cv_folds, seed=seed)
+                                  cv_folds=cv_folds, seed=seed, console=Console())
     fit_seconds = time.perf_counter() - started
     metrics, offset = {}, 0
     with open(os.path.join(out_dir, "dev_predictions.tsv"), "w", encoding="utf-8") as f:

@@ -199,9 +199,40 @@ def evaluate_v2(dataset: list, preds: dict[str, str], na_probs: dict[str, float]
 
 
 def evaluate(dataset_json: dict, preds: dict[str, str], na_probs: dict[str, float] | None = None,
-             version: str | None = None) -> dict:
+             version: str | None = None, na_prob_thresh: float = 1.0) -> dict:
     """Score a predictions dict against an official-format dataset JSON; version from the file unless given."""
     version = (version or str(dataset_json.get("version", "1.1"))).lstrip("v")
     if version.startswith("1"):
         return evaluate_v1(dataset_json["data"], preds)
-    return evaluate_v2(dataset_json["data"], preds, na_probs)
+    return evaluate_v2(dataset_json["data"], preds, na_probs, na_prob_thresh)
+
+
+def evaluate_file(data_file: str, predictions_file: str, na_prob_file: str | None = None,
+                  na_prob_thresh: float = 1.0, version: str | None = None) -> dict:
+    """`bertjax eval squad`: the official script's output for a predictions file (and optional null odds). Reads
+    JSON only: no TensorFlow or JAX is imported, so the command starts in a second and writes no native lines."""
+    from bertjax.finetune import squad_data
+
+    data = squad_data.load_squad_json(data_file)
+    preds = squad_data.read_json(predictions_file)
+    na_probs = squad_data.read_json(na_prob_file) if na_prob_file else None
+    _check_predictions(data, preds, data_file, predictions_file)
+    return evaluate(data, preds, na_probs, version, na_prob_thresh)
+
+
+def _check_predictions(data: dict, preds, data_file: str, predictions_file: str) -> None:
+    """A predictions file must map this dataset's question ids to answer strings (the official script would
+    divide by zero or score a wrong file as 0 without a word)."""
+    if not isinstance(preds, dict) or not all(isinstance(v, str) for v in preds.values()):
+        raise ValueError(f"{predictions_file}: expected a JSON object {{question id: answer text}}, got "
+                         f"{type(preds).__name__}" + (" with non-string answers" if isinstance(preds, dict) else ""))
+    ids = {qa["id"] for article in data["data"] for paragraph in article["paragraphs"] for qa in paragraph["qas"]}
+    if not ids:
+        raise ValueError(f"{data_file}: the dataset has no questions")
+    if not ids & preds.keys():
+        raise ValueError(f"{predictions_file}: none of its {len(preds)} question id(s) is one of the {len(ids)} "
+                         f"questions of {data_file} (predictions of another dataset?)")
+    extra = len(preds.keys() - ids)
+    if extra:
+        print(f"warning: {predictions_file}: {extra} of its {len(preds)} question id(s) are not in {data_file}; "
+              f"ignored", file=sys.stderr)

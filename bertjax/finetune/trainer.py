@@ -29,7 +29,7 @@ from bertjax.checkpoint import (
     orbax_path,
     save_model,
 )
-from bertjax.console import Console, duration, metric_text
+from bertjax.console import Console, Progress, duration, metric_text
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
 from bertjax.interop.hf import export_hf
@@ -390,51 +390,22 @@ class Trainer:
         max_len = arrays["input_ids"].shape[1]
         inputs = {k: arrays[k] for k in INPUT_KEYS}
         outputs = []
-        progress = _PredictProgress(n, self.settings.eval_batch_size)
+        batch_size = self.settings.eval_batch_size
+        progress = Progress(f"predicting {n:,} rows", math.ceil(n / batch_size), detail=f" of {batch_size}")
         with sharding.activate(self.mesh):
-            for batch, real in self._batches(inputs, np.arange(n), self.settings.eval_batch_size):
-                progress.advance()
+            for batch, real in self._batches(inputs, np.arange(n), batch_size):
                 out = jax.device_get(self._predict(self.params, batch))
+                progress.advance()
                 out = jax.tree_util.tree_map(lambda x, r=real: np.asarray(x[:r]), out)
                 if per_token:
                     out = jax.tree_util.tree_map(
                         lambda x: np.pad(x, ((0, 0), (0, max_len - x.shape[1])) + ((0, 0),) * (x.ndim - 2),
                                      constant_values=-1e4), out)
                 outputs.append(out)
-        progress.close()
+        progress.close(f"predicted {n:,} rows")
         if not outputs:
             raise ValueError("nothing to predict")
         return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs)
-
-
-class _PredictProgress:
-    """Prediction's progress like training's: a line before, a bar on a terminal (else a line with the ETA every
-    LINE_EVERY_S), a timed line after."""
-
-    LINE_EVERY_S = 15.0
-
-    def __init__(self, rows: int, batch_size: int):
-        self.console, self.rows = Console(), rows
-        self.total, self.done = math.ceil(rows / batch_size), 0
-        self.start = self.last_line = time.perf_counter()
-        self.console.line(f"predicting {rows:,} rows ({self.total} batch{'es' if self.total != 1 else ''} of "
-                          f"{batch_size}) ...")
-        self.console.start_progress(self.total, unit="batch")
-
-    def advance(self) -> None:
-        if self.done:  # the previous batch is done once the next is asked for (its outputs were read back)
-            self.console.advance()
-        self.done += 1
-        now = time.perf_counter()
-        if not self.console.shows_bar and now - self.last_line >= self.LINE_EVERY_S and self.done > 1:
-            eta = (now - self.start) / (self.done - 1) * (self.total - self.done + 1)
-            self.console.line(f"predicting: batch {self.done}/{self.total}, eta {duration(eta)}")
-            self.last_line = now
-
-    def close(self) -> None:
-        self.console.advance()
-        self.console.close_progress()
-        self.console.line(f"predicted {self.rows:,} rows in {duration(time.perf_counter() - self.start)}")
 
 
 def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_checkpoint: bool, hf: bool,

@@ -23,10 +23,10 @@ GOODPUT_DIR = "goodput"
 LAUNCHER_LOG = "launcher.jsonl"
 SNAPSHOT_EVERY_S = 10.0
 # In the order a run goes through them. startup: process start to mesh ready; setup: tokenizer, job, input
-# pipeline, eval set; restore: the train state read from a checkpoint (or initialised) and the input position
-# restored; compile: the first step (compile + one run); input_wait: host time waiting for the next batch; step:
-# the productive steps (dispatch, logging, the preemption check); eval; checkpoint: the blocking part of saves
-# (and waiting for the last one at exit).
+# pipeline, eval set, a fresh train state initialised; restore: the train state read from a checkpoint (a resume
+# with its input position, or --init's weights); compile: the first step (compile + one run); input_wait: host
+# time waiting for the next batch; step: the productive steps (dispatch, logging, the preemption check); eval;
+# checkpoint: the blocking part of saves (and waiting for the last one at exit).
 CATEGORIES = ("startup_s", "setup_s", "restore_s", "compile_s", "input_wait_s", "step_s", "eval_s", "checkpoint_s")
 
 

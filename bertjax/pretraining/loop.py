@@ -283,8 +283,9 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
             state = _init_from(state, init_from, shardings, abstract, config.reset_schedule, vocab, log)
     _check_inputs_unchanged(epath.Path(workdir) / INPUTS_RECORD, config.data, resumed is not None,
                             process_index == 0, log)
-    jax.block_until_ready(state)  # restored or initialised, not only dispatched: the time is restore's
-    account.mark("restore_s")
+    jax.block_until_ready(state)  # restored or initialised, not only dispatched: the time is charged now
+    # Restore is reading a checkpoint (a resume, or --init's weights); a fresh state is part of the setup.
+    account.mark("restore_s" if resumed is not None or init_from else "setup_s")
     if account.enabled:
         account.resumed_at(int(state.step), workdir)
 

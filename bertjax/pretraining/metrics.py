@@ -6,7 +6,9 @@ import json
 import os
 import pathlib
 import platform
+import socket
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +73,26 @@ def device_peak_flops(device=None, dtype: str = "bfloat16", cache_dir: str | Non
     dtype = jnp.float32 if dtype == "float32" or device.platform == "cpu" else jnp.bfloat16
     if device.platform != "cpu":
         return measure_matmul_peak(dtype), f"measured {device.device_kind} matmul peak"
-    return cached_matmul_peak(device, dtype, cache_dir)
+    peak, source = cached_matmul_peak(device, dtype, cache_dir)
+    # One CPU device's matmul uses every core; the devices of this host (forced ones, other local processes) share
+    # them, so each device's peak is its share: MFU is then the host's utilisation, as on an accelerator.
+    sharing = cpu_devices_on_this_host()
+    if sharing > 1:
+        return peak / sharing, f"{source}, shared by the {sharing} CPU devices of this host"
+    return peak, source
+
+
+def cpu_devices_on_this_host() -> int:
+    """This process's CPU devices times the processes on this host (`launch local` runs them all on one); a
+    collective when there are several processes: every process calls it."""
+    local = jax.local_device_count()
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF  # an int32: JAX's default integers
+    hosts = np.asarray(multihost_utils.process_allgather(np.asarray(host, np.int32)))
+    return local * int((hosts == host).sum())
 
 
 def cached_matmul_peak(device, dtype, cache_dir: str | None = None) -> tuple[float, str]:
