@@ -1,6 +1,7 @@
-"""The pretraining job end to end, in real subprocesses: exact resume after SIGTERM, SIGKILL during a save,
-restore onto fewer devices, multi-process equivalence, and (slow) the loss falling on real text. What is decided
-before a job starts (refusals, a dry run) runs in this process."""
+"""The pretraining job end to end: in real subprocesses what is about the process (exact resume after SIGTERM,
+SIGKILL during a save, restore onto fewer devices, multi-process equivalence, a quiet console, a full disk, and
+(slow) the loss falling on real text); in this process what is about the job (refusals, a dry run, resumes from a
+set-aside or changed checkpoint, warnings on its input), which spares each a process start."""
 import json
 import os
 import pathlib
@@ -61,6 +62,14 @@ def _in_process(argv, monkeypatch, capsys) -> tuple[int, str, str]:
     code = cli.main(argv[3:] if argv[:3] == [sys.executable, "-m", "bertjax.cli"] else argv)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def _run_here(argv, monkeypatch, capsys) -> str:
+    """`_run` in this process (its 8 devices), for tests of what a job does rather than of its process (a resume,
+    its warnings): the same job without a process start, which pays TensorFlow's and JAX's imports. Its stdout."""
+    code, out, err = _in_process(argv, monkeypatch, capsys)
+    assert code == 0, out[-3000:] + err[-3000:]
+    return out
 
 
 TIMESTAMP = re.compile(r"^\d\d:\d\d:\d\d ")
@@ -127,10 +136,11 @@ def uninterrupted(uninterrupted_run):
     return uninterrupted_run[0]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_packed(tmp_path_factory, corpus):
+@pytest.fixture
+def uninterrupted_packed(tmp_path_factory, corpus, monkeypatch, capsys):
+    """The packed run uninterrupted, in this process: the reference the SIGTERM test's processes must equal."""
     workdir = tmp_path_factory.mktemp("uninterrupted_packed")
-    _run(_argv(workdir, corpus, *PACKING))
+    _run_here(_argv(workdir, corpus, *PACKING), monkeypatch, capsys)
     return workdir
 
 
@@ -335,15 +345,14 @@ def test_resume_with_a_changed_config_is_refused_or_allowed_by_name(uninterrupte
     assert "train.steps: 40 -> 60" in refused and "--allow-config-change" in refused
     shape = error_line("--set", "model.hidden_size=64", "--set", "model.num_attention_heads=2")
     assert "model.hidden_size: 128 -> 64" in shape and "cannot change when resuming" in shape
-    allowed = subprocess.run(argv("--bigger", "--allow-config-change", "--set", "train.log_every=2",
-                                  "--max-steps-this-run", "2"),
-                             env=_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert allowed.returncode == 0, allowed.stderr[-2000:]
-    assert "resuming with changed config keys: train.log_every, train.steps" in allowed.stdout
-    assert "step 22/60" in allowed.stdout
+    allowed = _run_here(argv("--bigger", "--allow-config-change", "--set", "train.log_every=2",
+                             "--max-steps-this-run", "2"), monkeypatch, capsys)
+    assert "resuming with changed config keys: train.log_every, train.steps" in allowed
+    assert "step 22/60" in allowed
 
 
-def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(uninterrupted, corpus, tmp_path):
+def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(uninterrupted, corpus, tmp_path,
+                                                                               monkeypatch, capsys):
     """A truncated params file in the newest step used to block resuming behind ~150 lines of traceback."""
     workdir = tmp_path / "corrupt"
     shutil.copytree(uninterrupted, workdir)
@@ -352,7 +361,7 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(u
         if path.is_file() and path.stat().st_size > 64:
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     (workdir / "metrics.jsonl").write_text("")
-    output = _run(_argv(workdir, corpus))
+    output = _run_here(_argv(workdir, corpus), monkeypatch, capsys)
     [warning] = [_message(line) for line in output.splitlines() if _message(line).startswith("warning: cannot restore")]
     assert "checkpoints/30" in warning and "checkpoints/30.corrupt" in warning
     assert "resumed from" in output and "checkpoints/20" in output
@@ -369,7 +378,7 @@ def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path, mo
     workdir = tmp_path / "run"
     steps = ("--set", "train.steps=3", "--set", "optimizer.warmup_steps=1", "--set", "data.max_line_chars=20000",
              "--set", "data.doc_buffer_size=1000", "--set", "checkpoint.every=1000")
-    output = _run(_argv(workdir, (str(bad), vocab), *steps))
+    output = _run_here(_argv(workdir, (str(bad), vocab), *steps), monkeypatch, capsys)
     assert "input: 1 line(s) with invalid UTF-8 so far" in output
     assert "input: 1 line(s) longer than data.max_line_chars=20000 so far" in output
     last = _step_records(workdir)[-1]
@@ -422,14 +431,14 @@ def test_a_full_disk_is_named_and_nothing_is_marked_complete(corpus, small_disk)
     assert not (small_disk / "run" / "COMPLETED").exists()
 
 
-def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp_path):
+def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp_path, monkeypatch, capsys):
     workdir = tmp_path / "phase2"
     argv = _argv(workdir, corpus, "--init", str(uninterrupted))  # a run directory: its newest complete step
     argv[argv.index("data.max_seq_length=64")] = "data.max_seq_length=128"  # phase 2: longer sequences
     argv[argv.index("data.max_predictions_per_seq=10")] = "data.max_predictions_per_seq=20"
     argv[argv.index(f"train.steps={STEPS}")] = "train.steps=2"
     argv[argv.index("optimizer.warmup_steps=5")] = "optimizer.warmup_steps=1"
-    output = _run(argv)
+    output = _run_here(argv, monkeypatch, capsys)
     assert f"initialised from {uninterrupted}/checkpoints/{STEPS} (fresh optimizer state and schedule)" in output
     phase2, fresh = _losses(workdir), _losses(uninterrupted)
     assert sorted(phase2) == [1, 2]
@@ -472,7 +481,7 @@ def test_loss_falls_on_wikitext(shared_data, minilm_dir, tmp_path):
     assert losses[300] < losses[10]
 
 
-def test_a_resume_on_replaced_input_files_warns(corpus, tmp_path):
+def test_a_resume_on_replaced_input_files_warns(corpus, tmp_path, monkeypatch, capsys):
     """The run records its input files (size, modification time): a resume after one was replaced says so."""
     train_path, vocab = corpus
     text = pathlib.Path(train_path).read_text(encoding="utf-8")
@@ -482,12 +491,12 @@ def test_a_resume_on_replaced_input_files_warns(corpus, tmp_path):
     argv = _argv(workdir, (str(mine), vocab), "--set", "train.steps=4", "--set", "checkpoint.every=2",
                  "--set", "optimizer.warmup_steps=1",
                  "--max-steps-this-run", "2")
-    first = _run(argv, devices=1)
+    first = _run_here(argv, monkeypatch, capsys)
     assert "input file(s) changed" not in first
     assert json.loads((workdir / "inputs.json").read_text()).keys() == {str(mine)}
     documents = text.split("\n\n")
     mine.write_text("\n\n".join(reversed(documents)), encoding="utf-8")  # another file, same documents
-    second = _run(argv, devices=1)
+    second = _run_here(argv, monkeypatch, capsys)
     assert f"resumed from {workdir}/checkpoints/2" in second, second
     assert (f"warning: 1 input file(s) changed since this run started ({mine}): it continues on them from the saved "
             "input position, which was a position in the old files") in second

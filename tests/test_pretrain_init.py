@@ -1,8 +1,6 @@
 """Continued pretraining from a released checkpoint: `--init` supplies the model (`--config init`) and the
 vocabulary, and the run says which modules start fresh."""
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -10,7 +8,7 @@ from bertjax.data.demo_corpus import write_demo_corpus
 from bertjax.interop.load import describe_pretrained, load_pretrained
 from bertjax.pretraining import config as pretrain_config
 from tests.conftest import save_tiny_checkpoint, save_tiny_hf
-from tests.test_pretrain import _run
+from tests.test_pretrain import _in_process, _run_here
 
 
 def test_describe_gives_what_loading_gives_without_tensors(minilm_dir):
@@ -34,15 +32,16 @@ def test_config_init_is_the_checkpoints_model(minilm_dir):
         pretrain_config.load_config("init", ["data.input=x"])
 
 
-def test_pretrain_from_init_takes_its_model_and_vocab_and_names_fresh_heads(tmp_path, minilm_dir):
+def test_pretrain_from_init_takes_its_model_and_vocab_and_names_fresh_heads(tmp_path, minilm_dir, monkeypatch,
+                                                                            capsys):
     init = save_tiny_checkpoint(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)  # an encoder, no MLM/NSP heads
     train_path, _ = write_demo_corpus(str(tmp_path / "corpus"))
     workdir = tmp_path / "run"
-    output = _run([sys.executable, "-m", "bertjax.cli", "pretrain", "--config", "init", "--init", init,
-                   "--workdir", str(workdir), "--set", f"data.input={train_path}", "--set", "data.max_seq_length=64",
-                   "--set", "data.max_predictions_per_seq=10", "--set", "data.doc_buffer_size=40",
-                   "--set", "data.shuffle_buffer=100", "--set", "train.steps=2", "--set", "train.batch_size=8",
-                   "--set", "optimizer.warmup_steps=1", "--set", "checkpoint.every=2"], devices=1)
+    output = _run_here(["pretrain", "--config", "init", "--init", init, "--workdir", str(workdir),
+                        "--set", f"data.input={train_path}", "--set", "data.max_seq_length=64",
+                        "--set", "data.max_predictions_per_seq=10", "--set", "data.doc_buffer_size=40",
+                        "--set", "data.shuffle_buffer=100", "--set", "train.steps=2", "--set", "train.batch_size=8",
+                        "--set", "optimizer.warmup_steps=1", "--set", "checkpoint.every=2"], monkeypatch, capsys)
     assert f"data.vocab: the --init checkpoint's vocabulary (30,522 tokens, lower_case=True), {workdir}/init_vocab.txt" \
         in output
     assert "not in the checkpoint, freshly initialised: predictions, seq_relationship\n" in output, output
@@ -51,17 +50,18 @@ def test_pretrain_from_init_takes_its_model_and_vocab_and_names_fresh_heads(tmp_
     assert (workdir / "init_vocab.txt").read_text() == (minilm_dir / "vocab.txt").read_text()
 
 
-def test_a_vocab_other_than_the_checkpoints_is_named(tmp_path, minilm_dir):
+def test_a_vocab_other_than_the_checkpoints_is_named(tmp_path, minilm_dir, monkeypatch, capsys):
     init = save_tiny_checkpoint(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
     tokens = (minilm_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
     tokens[2000], tokens[2001] = tokens[2001], tokens[2000]  # same size, two words' rows swapped
     (tmp_path / "vocab.txt").write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
     train_path, _ = write_demo_corpus(str(tmp_path / "corpus"))
-    output = _run([sys.executable, "-m", "bertjax.cli", "pretrain", "--config", "init", "--init", init,
-                   "--workdir", str(tmp_path / "run"), "--set", f"data.input={train_path}",
-                   "--set", f"data.vocab={tmp_path / 'vocab.txt'}", "--set", "data.max_seq_length=32",
-                   "--set", "data.max_predictions_per_seq=5", "--set", "train.steps=1", "--set", "train.batch_size=4",
-                   "--set", "optimizer.warmup_steps=0", "--set", "checkpoint.every=1"], devices=1)
+    output = _run_here(["pretrain", "--config", "init", "--init", init,
+                        "--workdir", str(tmp_path / "run"), "--set", f"data.input={train_path}",
+                        "--set", f"data.vocab={tmp_path / 'vocab.txt'}", "--set", "data.max_seq_length=32",
+                        "--set", "data.max_predictions_per_seq=5", "--set", "train.steps=1",
+                        "--set", "train.batch_size=8", "--set", "optimizer.warmup_steps=0",
+                        "--set", "checkpoint.every=1"], monkeypatch, capsys)
     assert (f"warning: data.vocab differs from the vocabulary of --init {init} in 2 token(s) (2000: "
             f"{tokens[2001]!r} -> {tokens[2000]!r}, 2001: {tokens[2000]!r} -> {tokens[2001]!r})") in output, output
 
@@ -79,7 +79,7 @@ def test_a_vocab_larger_than_the_embedding_table_is_refused(tmp_path, minilm_dir
     assert "vocab.txt has 30000 tokens, the word embeddings of" in capsys.readouterr().out
 
 
-def test_pretrain_refuses_a_vocab_larger_than_the_models_table(tmp_path, minilm_dir):
+def test_pretrain_refuses_a_vocab_larger_than_the_models_table(tmp_path, minilm_dir, monkeypatch, capsys):
     """`--config init` takes the checkpoint's table size; a bigger data.vocab would index past it (NaN losses): refused
     before anything trains, by the same check as fine-tuning's and embed's."""
     init = save_tiny_checkpoint(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
@@ -87,15 +87,14 @@ def test_pretrain_refuses_a_vocab_larger_than_the_models_table(tmp_path, minilm_
     extra = "".join(f"[extra{i}]\n" for i in range(600))
     big.write_text((minilm_dir / "vocab.txt").read_text(encoding="utf-8") + extra, encoding="utf-8")
     train_path, _ = write_demo_corpus(str(tmp_path / "corpus"))
-    done = subprocess.run([sys.executable, "-m", "bertjax.cli", "pretrain", "--config", "init", "--init", init,
-                           "--workdir", str(tmp_path / "run"), "--set", f"data.input={train_path}",
-                           "--set", f"data.vocab={big}", "--set", "train.steps=2", "--set", "optimizer.warmup_steps=1"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.strip().splitlines()[-1] == (
+    code, out, err = _in_process(["pretrain", "--config", "init", "--init", init, "--workdir", str(tmp_path / "run"),
+                                  "--set", f"data.input={train_path}", "--set", f"data.vocab={big}",
+                                  "--set", "train.steps=2", "--set", "optimizer.warmup_steps=1"], monkeypatch, capsys)
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
         f"bertjax pretrain: error: {big} has 31122 tokens but the word embeddings of the model (model.vocab_size="
         f"30522) have 30522 rows: ids 30522..31121 have no embedding; use the vocab the checkpoint was trained with")
-    assert "step" not in done.stdout
+    assert "step" not in out
 
 
 def test_a_cut_safetensors_file_is_named_in_one_line(tmp_path, minilm_dir, capsys):
