@@ -115,6 +115,21 @@ def test_a_pickle_with_code_is_refused_with_the_safetensors_advice(tmp_path, cap
     assert "weights_only=False" not in line
 
 
+def _all_drawn(controller: int) -> bytes:
+    """Everything written to a pseudo-terminal whose terminal side is closed (then closes the controller)."""
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal side is closed: all read
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(controller)
+    return drawn
+
+
 @pytest.mark.parametrize("columns", [0, 100])
 def test_progress_bar_draws_on_any_terminal(columns):
     # A pseudo-terminal as `script` or `docker exec -t` give one: unsized (0 columns) or sized.
@@ -133,16 +148,7 @@ def test_progress_bar_draws_on_any_terminal(columns):
         console.advance(10)
         console.line("a line above the bar")
         console.close_progress()
-    drawn = b""
-    while True:
-        try:
-            chunk = os.read(controller, 65536)
-        except OSError:  # the terminal side is closed: all read
-            break
-        if not chunk:
-            break
-        drawn += chunk
-    os.close(controller)
+    drawn = _all_drawn(controller)
     assert b"10/10" in drawn and b"a line above the bar" in drawn, drawn
 
 
@@ -160,16 +166,7 @@ def test_progress_is_a_bar_on_a_terminal_and_counted_lines_in_a_log():
         for _ in range(3):
             work.advance()
         work.close()
-    drawn = b""
-    while True:
-        try:
-            chunk = os.read(controller, 65536)
-        except OSError:  # the terminal side is closed: all read
-            break
-        if not chunk:
-            break
-        drawn += chunk
-    os.close(controller)
+    drawn = _all_drawn(controller)
     assert b"cross-validating C (3 folds) ..." in drawn and b"| 0/3 [" in drawn, drawn  # tqdm's bar
     assert b"fold 1/3" not in drawn and b"cross-validating C: done in" in drawn, drawn
 
