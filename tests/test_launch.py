@@ -138,8 +138,11 @@ def test_launch_local_shares_the_cpu_peak_among_the_hosts_devices_and_shows_no_g
         "                           int(a[a.index('--process-id') + 1]))\n"
         "from bertjax.pretraining.metrics import device_peak_flops\n"
         f"peak, source = device_peak_flops(cache_dir={str(tmp_path)!r})\n"
-        "print('PEAK', repr(peak), source, flush=True)\n")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
+        # One write: the workers' stdout is unbuffered, and gloo's native lines would land between print's pieces.
+        "sys.stdout.write(f'PEAK {peak!r} {source}\\n'); sys.stdout.flush()\n")
+    # Without the gs:// stand-in's proxy (set for the session when test_cloud_storage ran first in this worker).
+    env = {name: value for name, value in os.environ.items() if "proxy" not in name.lower()}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
     done = subprocess.run([sys.executable, "-c", "import sys; from bertjax.cloud.local import launch; "
                            f"sys.exit(launch([], 2, 4, program=[sys.executable, {str(script)!r}]))"],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
