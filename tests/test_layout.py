@@ -8,22 +8,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def listed_modules(block: str) -> list[str]:
-    """The modules a Layout block names, in order: a line starts with a module (`folder/name.py`) or several of one
-    folder (`folder/{a,b}.py`); other lines (a continued description, a file that is not a module) name none."""
+    """The modules a Layout block names, in order: a line starts with a module's path (`folder/name.py`), or with
+    several, comma-separated; other lines (a continued description, a file that is not a module) name none."""
     modules = []
-    for spec in re.findall(r"^(\S+\.py)(?=\s|$)", block, flags=re.MULTILINE):
-        group = re.fullmatch(r"([^{}]*)\{([^{}]+)\}\.py", spec)
-        modules += [f"{group[1]}{name}.py" for name in group[2].split(",")] if group else [spec]
+    for paths in re.findall(r"^((?:\S+\.py, )*\S+\.py),?(?=\s|$)", block, flags=re.MULTILINE):
+        modules += paths.split(", ")
     return modules
 
 
-def test_the_layout_reader_expands_a_folders_group():
+def test_the_layout_reader_takes_several_paths_on_a_line():
     block = ("README.md           the commands\n"
-             "pkg/{__init__,cli}.py  the entry point; its commands\n"
-             "                       pkg/not_listed.py: a continued description names none\n"
-             "pkg/sub/{a,b}.py       two modules of one folder\n"
-             "pkg/sub/c.py           one module\n")
-    assert listed_modules(block) == ["pkg/__init__.py", "pkg/cli.py", "pkg/sub/a.py", "pkg/sub/b.py", "pkg/sub/c.py"]
+             "pkg/__init__.py, pkg/cli.py\n"
+             "                       the entry point; its commands; pkg/not_listed.py in a description names none\n"
+             "pkg/sub/a.py, pkg/sub/b.py,\n"
+             "pkg/sub/c.py\n"
+             "                       three modules of one folder\n"
+             "pkg/sub/d.py           one module\n")
+    assert listed_modules(block) == ["pkg/__init__.py", "pkg/cli.py", "pkg/sub/a.py", "pkg/sub/b.py", "pkg/sub/c.py",
+                                     "pkg/sub/d.py"]
 
 
 def test_layout_lists_every_module_and_only_existing_ones():
