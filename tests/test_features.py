@@ -167,7 +167,8 @@ def test_finetune_features_on_real_sst2(shared_data, minilm_dir, tmp_path, capsy
     assert re.search(r"sst2: features of 350 rows \(64 wide\) in \S+\n", out), out
     assert "cross-validating C on 200 rows (3 folds, 7 values of C each) ...\n" in out, out
     assert re.findall(r"cross-validating C on 200 rows: fold (\d)/3, eta \S+\n", out) == ["1", "2"], out
-    assert re.search(r"cross-validated C and refitted on all 200 rows in \S+\n.*sst2: score", out, re.S), out
+    # (The score line that follows is a log record: where it lands depends on which test set up logging first.)
+    assert re.search(r"cross-validated C and refitted on all 200 rows in \S+\n", out), out
     result = json.loads((work / "metrics.json").read_text())
     assert result["num_train_examples"] == 200 and result["num_train_available"] == 300
     assert result["feature_width"] == 64 and result["C"] in features.C_GRID
