@@ -16,7 +16,7 @@ import pytest
 
 from bertjax.checkpoint import load_model
 from bertjax.data.demo_corpus import write_demo_corpus
-from tests.conftest import REPO_ROOT, SUITE_CACHE_ON
+from tests.conftest import REPO_ROOT, SUITE_CACHE_ON, xla_flags
 
 STEPS = 40
 
@@ -40,7 +40,7 @@ def _argv(workdir, corpus, *extra):
 
 def _env(devices=8):
     env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=xla_flags(devices))
     env["PYTHONPATH"] = str(REPO_ROOT)
     return env
 

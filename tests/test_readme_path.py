@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, SUITE_COMPILE_FLAGS
 
 
 def readme_blocks(marker: str) -> list[str]:
@@ -101,8 +101,8 @@ def test_the_readme_examples_run_as_written_on_what_the_path_built(shared_data, 
     tmp_path, env, _ = path_run
     _fine_tune_inputs(shared_data, tmp_path)
     # On this machine's one CPU device, as a user's shell has it (the suite's 8 forced devices would refuse SQuAD's
-    # default batch of 12).
-    user_env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}
+    # default batch of 12); the suite's cheaper compile kept.
+    user_env = dict(env, XLA_FLAGS=SUITE_COMPILE_FLAGS)
     for block in readme_blocks("the-fine-tune-examples"):
         _run_block(block, tmp_path, user_env)
     rte = _strict((tmp_path / "runs/rte/metrics.json").read_text())

@@ -25,7 +25,7 @@ from bertjax.data.instances import Block, assemble, create_instances
 from bertjax.data.masking import masker_for_tokenizer, span_length_probabilities
 from bertjax.data.stages import block_rng
 from bertjax.data.tokenizers import WordPieceTokenizer
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, xla_flags
 
 # SpanBERT trains at 512 tokens; 128 is BERT's phase-1 length (the budget cuts more spans short there).
 SIZES = {512: 80, 128: 20}
@@ -413,7 +413,7 @@ def test_pretraining_with_sbo_lowers_both_losses(shared_data, tmp_path):
             "--set", "model.max_position_embeddings=64", "--set", "train.batch_size=16", "--set", "train.steps=40",
             "--set", "train.log_every=1", "--set", "optimizer.warmup_steps=5", "--set", "checkpoint.every=1000"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO_ROOT),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     result = subprocess.run(argv, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "sbo_loss=" in result.stdout  # on the console beside mlm_loss

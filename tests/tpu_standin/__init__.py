@@ -22,6 +22,7 @@ def standin(root: pathlib.Path, workers: int = 2, plans=(), devices_per_worker: 
     """Starts the API stand-in; yields (server, env): env points a launcher at it (gcloud on PATH, the API
     endpoint, the workers' root). The workers' `bertjax` is this checkout's, or toy_job.py with toy_job=True.
     Stops it, killing whatever jobs its workers still run."""
+    from tests.conftest import xla_flags
     from tests.tpu_standin.api import TpuStandIn
 
     root.mkdir(parents=True, exist_ok=True)
@@ -36,7 +37,7 @@ def standin(root: pathlib.Path, workers: int = 2, plans=(), devices_per_worker: 
     _script(worker_bin / "bertjax", f'#!/bin/sh\nexec {sys.executable} {program} "$@"\n')
     cache = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
     (root / "config.json").write_text(json.dumps({"worker_bin": str(worker_bin), "repo": str(REPO),
-                                                  "devices_per_worker": devices_per_worker, "cache": cache}))
+                                                  "xla_flags": xla_flags(devices_per_worker), "cache": cache}))
     server = TpuStandIn(root, workers, plans, operation_polls)
     host = server.start()
     env = {"TPU_STANDIN_ROOT": str(root), "BERTJAX_TPU_EMULATOR_HOST": host,

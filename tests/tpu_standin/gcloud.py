@@ -77,7 +77,7 @@ def _ssh(chosen, count, command, state_file, config) -> int:
         index = int(worker.name.split("-")[1])
         env = {"HOME": str(worker), "PATH": f"{config['worker_bin']}:/usr/bin:/bin", "LANG": "C.UTF-8",
                "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": config["repo"],
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={config['devices_per_worker']}",
+               "XLA_FLAGS": config["xla_flags"],
                "XDG_CACHE_HOME": config["cache"], "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                "JAX_NUM_PROCESSES": str(count), "JAX_PROCESS_ID": str(index)}
         children.append(subprocess.Popen(["bash", "-c", command], cwd=worker, env=env, start_new_session=True,
