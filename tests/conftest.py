@@ -2,8 +2,8 @@
 import os
 
 # XLA:CPU's cheaper compile (LLVM without its optimization passes): the suite's tiny programs spend far longer
-# compiling than running, and this halves the compile (test_train_step.py: 224 -> 129 s). Numerics are the same
-# operations, only unoptimized; jobs and benchmarks outside the suite keep XLA's defaults.
+# compiling than running (test_train_step.py: 224 -> 129 s wall with it). The same operations, unoptimized: every
+# tolerance against the references holds; jobs and benchmarks outside the suite keep XLA's defaults.
 SUITE_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
