@@ -23,8 +23,8 @@ plain jnp:
         mult = k2 | 1;  add = fmix32(k2 + 0x632BE5AB)
     element (query i, key j):  x = (i << 16) | j;  u = fmix32(x * mult + add);  keep = u <u threshold
 with fmix32 MurmurHash3's 32-bit finaliser (xor-shift 16, * 0x85EBCA6B, xor-shift 13, * 0xC2B2AE35, xor-shift 16)
-and threshold = round((1 - rate) * 2^32). Per key/query pair that is 18 32-bit integer ops with the positions'
-iotas (HASH_OPS_PER_ELEMENT) plus the select applying it; x is unique for lengths up to 65536. Multiplying by a per-stream odd number (not xoring a key in) keeps two streams'
+and threshold = round((1 - rate) * 2^32). Per key/query pair the kernels spend 11 32-bit integer ops on it
+(HASH_OPS_PER_ELEMENT: x * mult + add is precomputed per block sweep) plus the select applying it; x is unique for lengths up to 65536. Multiplying by a per-stream odd number (not xoring a key in) keeps two streams'
 masks from being shifted copies of each other. pltpu.prng_* is not used: its bits cannot be reproduced off-TPU.
 
 Off TPU the kernels run in interpret mode: call inside `jax.experimental.pallas.tpu.force_tpu_interpret_mode()`
@@ -48,13 +48,15 @@ LANES = 128        # the TPU vector lane width
 SUBLANES = 8       # rows of 32 bits in one memory tile / vreg
 MAX_LENGTH = 1 << 16   # x = (i << 16) | j needs i, j < 2^16
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)   # the reference's mask logit; exp(MASK_VALUE - m) == 0
-# Vector-unit (VPU) ops per query/key pair, as the kernels write them. The keep-mask hash: 2 iotas and 2 block
-# offsets (the global query and key positions), shift, or, multiply, add, fmix32 (3 shifts, 3 xors, 2 multiplies),
-# the sign flip of the unsigned compare and the compare = 18. Besides the matmuls and the hash (exp runs on the
-# separate EUP and is declared as a transcendental): forward scale, segment compare, mask select, max, subtract,
-# sum, keep select, cast to the matmul dtype = 8; dq scale, compare, select, subtract lse, dP's keep scale and
-# select, subtract D, multiply by P, cast = 9; dk/dv those and P*Z's scale, select and cast = 12.
-HASH_OPS_PER_ELEMENT = 18
+# Vector-unit (VPU) ops per query/key pair, as the kernels write them. The keep-mask hash: the block's offset added
+# to its precomputed x_local * mult + add (`_init_block_hash`), fmix32 (3 shifts, 3 xors, 2 multiplies), the sign
+# flip of the unsigned compare and the compare = 11; the precomputation, once per held block's sweep over the
+# streamed blocks, 6 per element of one block (2 iotas, shift, add, multiply, add): 6 / (streamed blocks) per pair.
+# Besides the matmuls and the hash (exp runs on the separate EUP and is declared as a transcendental): forward
+# scale, segment compare, mask select, max, subtract, sum, keep select, cast to the matmul dtype = 8; dq scale,
+# compare, select, subtract lse, dP's keep scale and select, subtract D, multiply by P, cast = 9; dk/dv those and
+# P*Z's scale, select and cast = 12.
+HASH_OPS_PER_ELEMENT, HASH_INIT_OPS_PER_ELEMENT = 11, 6
 _FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 8, 9, 12
 
 
@@ -76,11 +78,14 @@ def keep_threshold(rate: float) -> int:
     return min(round((1.0 - rate) * 2.0**32), 2**32 - 1)
 
 
+def _below(u, threshold: int):
+    """Unsigned u < threshold as a signed compare: the sign bit of both sides flipped."""
+    return (u ^ jnp.int32(_SIGN)) < jnp.int32(i32(threshold - 2**31))
+
+
 def _keep(rows, cols, mult, add, threshold: int):
     """Boolean keep mask for int32 global positions `rows`, `cols` (broadcasting) of one stream."""
-    u = fmix32(((rows << 16) | cols) * mult + add)
-    # Unsigned u < threshold as a signed compare: flip the sign bit of both sides.
-    return (u ^ jnp.int32(_SIGN)) < jnp.int32(i32(threshold - 2**31))
+    return _below(fmix32(((rows << 16) | cols) * mult + add), threshold)
 
 
 def seed_from_rng(rng) -> jax.Array:
@@ -147,19 +152,32 @@ def _scores(a, b, a_seg, b_seg, scale):
     return jnp.where(a_seg == b_seg, s, MASK_VALUE)
 
 
-def _block_keep(seed_ref, batch_index, head_index, q_start, k_start, shape, threshold, transposed=False):
-    """The keep mask of one block of `shape` ([block_q, block_k], or [block_k, block_q] when `transposed`: the same
-    bits for each query/key pair); seed_ref holds (seed, batch offset, head offset): the offsets of this call's
-    batch and heads in the global arrays (non-zero inside a shard_map)."""
-    mult, add = _stream_key(seed_ref[0], batch_index + seed_ref[1], head_index + seed_ref[2])
+def _kernel_stream(seed_ref, batch_index, head_index):
+    """(mult, add) of a grid cell's stream; seed_ref holds (seed, batch offset, head offset): the offsets of this
+    call's batch and heads in the global arrays (non-zero inside a shard_map). Scalar work."""
+    return _stream_key(seed_ref[0], batch_index + seed_ref[1], head_index + seed_ref[2])
+
+
+def _init_block_hash(hash_sc, seed_ref, batch_index, head_index, transposed=False):
+    """At the start of a held block's sweep: hash_sc = x_local * mult + add for this stream, x_local = (query offset
+    << 16) + key offset within a block of hash_sc's shape ([block_q, block_k], or [block_k, block_q] when
+    `transposed`). A block starting at (q_start, k_start) has x = x_local + (q_start << 16) + k_start (positions
+    < 2^16: no carries), so its x * mult + add is hash_sc + ((q_start << 16) + k_start) * mult: one vector add."""
+    mult, add = _kernel_stream(seed_ref, batch_index, head_index)
     q_axis, k_axis = (1, 0) if transposed else (0, 1)
-    rows = lax.broadcasted_iota(jnp.int32, shape, q_axis) + q_start
-    cols = lax.broadcasted_iota(jnp.int32, shape, k_axis) + k_start
-    return _keep(rows, cols, mult, add, threshold)
+    shape = hash_sc.shape
+    local = (lax.broadcasted_iota(jnp.int32, shape, q_axis) << 16) + lax.broadcasted_iota(jnp.int32, shape, k_axis)
+    hash_sc[...] = local * mult + add
 
 
-def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, qseg_sc, *,
-                scale, threshold, inv_keep):
+def _block_keep(hash_sc, seed_ref, batch_index, head_index, q_start, k_start, threshold):
+    """The keep mask of the block at (q_start, k_start), in hash_sc's orientation: the bits of `_keep`."""
+    mult, _ = _kernel_stream(seed_ref, batch_index, head_index)
+    return _below(fmix32(hash_sc[...] + ((q_start << 16) + k_start) * mult), threshold)
+
+
+def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, qseg_sc,
+                hash_sc, *, scale, threshold, inv_keep):
     b, h, qi, ki = (pl.program_id(i) for i in range(4))
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
 
@@ -169,6 +187,8 @@ def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_re
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
         qseg_sc[...] = _column(qseg_ref[...])
+        if threshold is not None:
+            _init_block_hash(hash_sc, seed_ref, b, h)
 
     s = _scores(q_ref[...], k_ref[...], qseg_sc[...][:, :1], kseg_ref[...], scale)
     m_prev, l_prev = m_sc[...][:, :1], l_sc[...][:, :1]
@@ -177,7 +197,7 @@ def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_re
     alpha = jnp.exp(m_prev - m_new)
     l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
     if threshold is not None:
-        p = jnp.where(_block_keep(seed_ref, b, h, qi * block_q, ki * block_k, s.shape, threshold), p, 0.0)
+        p = jnp.where(_block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k, threshold), p, 0.0)
     v = v_ref[...]
     acc_sc[...] = alpha * acc_sc[...] + _dot(p.astype(v.dtype), v, _NN)
     m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
@@ -203,7 +223,7 @@ def _probs_and_dscores(s, lse, di, dp, keep, inv_keep):
 
 
 def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref, dq_ref, dq_sc,
-               qseg_sc, lse_sc, di_sc, *, scale, threshold, inv_keep):
+               qseg_sc, lse_sc, di_sc, hash_sc, *, scale, threshold, inv_keep):
     b, h, qi, ki = (pl.program_id(i) for i in range(4))
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
 
@@ -213,10 +233,12 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_re
         qseg_sc[...] = _column(qseg_ref[...])
         lse_sc[...] = _column(lse_ref[...])
         di_sc[...] = _column(di_ref[...])
+        if threshold is not None:
+            _init_block_hash(hash_sc, seed_ref, b, h)
 
     k = k_ref[...]
     s = _scores(q_ref[...], k, qseg_sc[...][:, :1], kseg_ref[...], scale)
-    keep = None if threshold is None else _block_keep(seed_ref, b, h, qi * block_q, ki * block_k, s.shape,
+    keep = None if threshold is None else _block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k,
                                                       threshold)
     dp = _dot(do_ref[...], v_ref[...], _NT)      # d(P*Z) = dO V^T
     _, ds = _probs_and_dscores(s, lse_sc[...][:, :1], di_sc[...][:, :1], dp, keep, inv_keep)
@@ -228,7 +250,7 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_re
 
 
 def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref, dk_ref, dv_ref,
-                dk_sc, dv_sc, kseg_sc, *, scale, threshold, inv_keep):
+                dk_sc, dv_sc, kseg_sc, hash_sc, *, scale, threshold, inv_keep):
     """Scores transposed: s^T = K Q^T [block_k, block_q], so dV = (P*Z)^T dO and dK = dS^T Q are plain matmuls and
     the per-query statistics and segment ids are lane rows."""
     b, h, ki, qi = (pl.program_id(i) for i in range(4))   # key blocks outer, query blocks inner (reduced)
@@ -239,11 +261,13 @@ def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_r
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
         kseg_sc[...] = _column(kseg_ref[...])
+        if threshold is not None:
+            _init_block_hash(hash_sc, seed_ref, b, h, transposed=True)
 
     q, do = q_ref[...], do_ref[...]
     s_t = _scores(k_ref[...], q, kseg_sc[...][:, :1], qseg_ref[...], scale)
-    keep = None if threshold is None else _block_keep(seed_ref, b, h, qi * block_q, ki * block_k, s_t.shape,
-                                                      threshold, transposed=True)
+    keep = None if threshold is None else _block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k,
+                                                      threshold)
     dp_t = _dot(v_ref[...], do, _NT)             # (dO V^T)^T = V dO^T
     pz_t, ds_t = _probs_and_dscores(s_t, lse_ref[...], di_ref[...], dp_t, keep, inv_keep)
     dv_sc[...] += _dot(pz_t.astype(do.dtype), do, _NN)
@@ -293,8 +317,10 @@ def _cost(*, pairs, matmuls, head_dim, vpu_ops, threshold, exps, grid, specs, op
     the two units run side by side in the kernel's VLIW bundles, so the slower sets the time. `exps` exponentials
     per pair. Bytes: each operand's (inputs and outputs, `specs` matching `operands`) tile-padded block times the
     times it is copied over the grid."""
-    elementwise = vpu_ops + (HASH_OPS_PER_ELEMENT if threshold is not None else 0)
-    flops = pairs * max(2 * head_dim * matmuls, elementwise * VPU_OP_MXU_FLOPS)
+    elementwise = vpu_ops
+    if threshold is not None:   # grid[3]: the streamed blocks of one sweep
+        elementwise += HASH_OPS_PER_ELEMENT + HASH_INIT_OPS_PER_ELEMENT / grid[3]
+    flops = pairs * max(2 * head_dim * matmuls, round(elementwise * VPU_OP_MXU_FLOPS))
     bytes_accessed = sum(_tile_padded_bytes(spec.block_shape, x) * _block_fetches(spec.index_map, grid)
                          for spec, x in zip(specs, operands))
     return pl.CostEstimate(flops=int(flops), transcendentals=int(exps * pairs), bytes_accessed=int(bytes_accessed))
@@ -352,7 +378,7 @@ def _forward(q, k, v, segment_ids, seed, rate, block_q, block_k):
         (batch, heads, length // block_q, length // block_k),
         [q_spec, k_spec, k_spec, qseg_spec, kseg_spec], [q_spec, q_stat],
         [_column_scratch(block_q), _column_scratch(block_q), pltpu.VMEM((block_q, head_dim), jnp.float32),
-         _column_scratch(block_q, jnp.int32)],
+         _column_scratch(block_q, jnp.int32), pltpu.VMEM((block_q, block_k), jnp.int32)],
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, 1, length), jnp.float32)),
         cost, seed, q, k, v, seg, seg)
 
@@ -372,17 +398,19 @@ def _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k):
         functools.partial(_dq_kernel, scale=scale, **kwargs), "flash_dropout_dq", (batch, heads, nq, nk),
         [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec], [q_spec],
         [pltpu.VMEM((block_q, head_dim), jnp.float32), _column_scratch(block_q, jnp.int32),
-         _column_scratch(block_q), _column_scratch(block_q)],
+         _column_scratch(block_q), _column_scratch(block_q), pltpu.VMEM((block_q, block_k), jnp.int32)],
         [jax.ShapeDtypeStruct(q.shape, q.dtype)],
         dict(pairs=pairs, matmuls=3, head_dim=head_dim, vpu_ops=_DQ_VPU_OPS, threshold=kwargs["threshold"], exps=1),
         *args)[0]
 
-    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=3, k_axis=2)
+    # dk/dv holds a key block over streamed query blocks: the held block is block_q long here too (the streamed
+    # operands are re-read once per held block), so the blocks swap roles.
+    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_k, block_q, head_dim, q_axis=3, k_axis=2)
     dk, dv = _pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, **kwargs), "flash_dropout_dkv", (batch, heads, nk, nq),
+        functools.partial(_dkv_kernel, scale=scale, **kwargs), "flash_dropout_dkv", (batch, heads, nq, nk),
         [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec], [k_spec, k_spec],
-        [pltpu.VMEM((block_k, head_dim), jnp.float32), pltpu.VMEM((block_k, head_dim), jnp.float32),
-         _column_scratch(block_k, jnp.int32)],
+        [pltpu.VMEM((block_q, head_dim), jnp.float32), pltpu.VMEM((block_q, head_dim), jnp.float32),
+         _column_scratch(block_q, jnp.int32), pltpu.VMEM((block_q, block_k), jnp.int32)],
         [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         dict(pairs=pairs, matmuls=4, head_dim=head_dim, vpu_ops=_DKV_VPU_OPS, threshold=kwargs["threshold"],
              exps=1),
