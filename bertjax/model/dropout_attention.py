@@ -54,10 +54,10 @@ MASK_VALUE = float(jnp.finfo(jnp.float32).min)   # the reference's mask logit; e
 # streamed blocks, 6 per element of one block (2 iotas, shift, add, multiply, add): 6 / (streamed blocks) per pair.
 # Besides the matmuls and the hash (exp runs on the separate EUP and is declared as a transcendental): forward
 # scale, segment compare, mask select, max, subtract, sum, keep select, cast to the matmul dtype = 8; dq scale,
-# compare, select, subtract lse, dP's keep scale and select, subtract D, multiply by P, cast = 9; dk/dv those and
-# P*Z's scale, select and cast = 12.
+# compare, select, subtract lse, dP's keep select, subtract D, multiply by P, cast = 8 (1/keep_prob is folded into
+# the per-query statistics: `_backward_statistics`); dk/dv those and P*Z's select and cast = 10.
 HASH_OPS_PER_ELEMENT, HASH_INIT_OPS_PER_ELEMENT = 11, 6
-_FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 8, 9, 12
+_FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 8, 8, 10
 
 
 _SIGN = i32(0x80000000)
@@ -210,16 +210,20 @@ def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_re
         lse_ref[...] = _row(m + jnp.log(l))
 
 
-def _probs_and_dscores(s, lse, di, dp, keep, inv_keep):
-    """The backward's recomputation for one block, from the masked logits s, the statistics and dP = dO V^T (all
-    broadcasting, in either orientation): dropped, scaled probabilities P*Z and dS."""
-    p = jnp.exp(s - lse)
+def _backward_statistics(lse, di, inv_keep):
+    """(lse - log(1/keep_prob), D * keep_prob): with these `_probs_and_dscores` needs no 1/keep_prob scaling."""
+    return lse - math.log(inv_keep), di * (1.0 / inv_keep)
+
+
+def _probs_and_dscores(s, lse_kept, di_kept, dp, keep):
+    """The backward's recomputation for one block, from the masked logits s, `_backward_statistics` and
+    dP = dO V^T (all broadcasting, in either orientation): dropped, scaled probabilities P*Z and dS.
+    p = exp(s - lse_kept) = P / keep_prob, so P*Z = keep ? p : 0 and dS = P (dP Z - D) = p ((keep ? dP : 0) - D
+    keep_prob)."""
+    p = jnp.exp(s - lse_kept)
     if keep is None:
-        pz = p
-    else:
-        pz = jnp.where(keep, p * inv_keep, 0.0)
-        dp = jnp.where(keep, dp * inv_keep, 0.0)
-    return pz, p * (dp - di)
+        return p, p * (dp - di_kept)
+    return jnp.where(keep, p, 0.0), p * (jnp.where(keep, dp, 0.0) - di_kept)
 
 
 def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref, dq_ref, dq_sc,
@@ -231,8 +235,9 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_re
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
         qseg_sc[...] = _column(qseg_ref[...])
-        lse_sc[...] = _column(lse_ref[...])
-        di_sc[...] = _column(di_ref[...])
+        lse, di = _backward_statistics(lse_ref[...], di_ref[...], inv_keep)
+        lse_sc[...] = _column(lse)
+        di_sc[...] = _column(di)
         if threshold is not None:
             _init_block_hash(hash_sc, seed_ref, b, h)
 
@@ -241,7 +246,7 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_re
     keep = None if threshold is None else _block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k,
                                                       threshold)
     dp = _dot(do_ref[...], v_ref[...], _NT)      # d(P*Z) = dO V^T
-    _, ds = _probs_and_dscores(s, lse_sc[...][:, :1], di_sc[...][:, :1], dp, keep, inv_keep)
+    _, ds = _probs_and_dscores(s, lse_sc[...][:, :1], di_sc[...][:, :1], dp, keep)
     dq_sc[...] += _dot(ds.astype(k.dtype), k, _NN)
 
     @pl.when(ki == pl.num_programs(3) - 1)
@@ -269,7 +274,7 @@ def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_r
     keep = None if threshold is None else _block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k,
                                                       threshold)
     dp_t = _dot(v_ref[...], do, _NT)             # (dO V^T)^T = V dO^T
-    pz_t, ds_t = _probs_and_dscores(s_t, lse_ref[...], di_ref[...], dp_t, keep, inv_keep)
+    pz_t, ds_t = _probs_and_dscores(s_t, *_backward_statistics(lse_ref[...], di_ref[...], inv_keep), dp_t, keep)
     dv_sc[...] += _dot(pz_t.astype(do.dtype), do, _NN)
     dk_sc[...] += _dot(ds_t.astype(q.dtype), q, _NN)
 
@@ -444,7 +449,8 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     segment_ids [batch, length] int32: 0 = padding; a query attends to the keys with its id (so padding attends to
     padding and every row has a key). dropout_rate: static, in [0, 1); 0 = no dropout (the hash is not even
     computed). seed: uint32/int32 scalar, or a jax PRNG key (turned into a uint32 by `seed_from_rng`). The keep
-    mask is `dropout_keep_mask(seed, batch, heads, length, length, dropout_rate)`. The length is padded (with
+    mask is `dropout_keep_mask(seed, batch, heads, length, length, dropout_rate)`. block_q: the held block (queries
+    in the forward and dq kernels, keys in dk/dv), block_k: the streamed one. The length is padded (with
     segment id 0) to a multiple of the blocks. Output in query's dtype; softmax statistics in float32.
     batch_offset/head_offset (int or traced int32): the global index of this call's first example and head, for a
     call on one shard inside a shard_map, so that the mask is that of the global arrays whatever the sharding.
