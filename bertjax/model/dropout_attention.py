@@ -24,7 +24,8 @@ plain jnp:
     element (query i, key j):  x = (i << 16) | j;  u = fmix32(x * mult + add);  keep = u <u threshold
 with fmix32 MurmurHash3's 32-bit finaliser (xor-shift 16, * 0x85EBCA6B, xor-shift 13, * 0xC2B2AE35, xor-shift 16)
 and threshold = round((1 - rate) * 2^32). Per key/query pair the kernels spend 11 32-bit integer ops on it
-(HASH_OPS_PER_ELEMENT: x * mult + add is precomputed per block sweep) plus the select applying it; x is unique for lengths up to 65536. Multiplying by a per-stream odd number (not xoring a key in) keeps two streams'
+(HASH_OPS_PER_ELEMENT: x * mult + add is precomputed per block sweep) plus the select applying it; x is unique
+for lengths up to 65536. Multiplying by a per-stream odd number (not xoring a key in) keeps two streams'
 masks from being shifted copies of each other. pltpu.prng_* is not used: its bits cannot be reproduced off-TPU.
 
 Off TPU the kernels run in interpret mode: call inside `jax.experimental.pallas.tpu.force_tpu_interpret_mode()`
@@ -311,8 +312,10 @@ def _block_fetches(index_map, grid) -> int:
 # pl.CostEstimate has one flop count, which XLA (and `bertjax compile`) prices at the MXU's peak; the kernels'
 # elementwise work runs on the VPU at a lower rate, so it is declared as the MXU flops that take as long. v5e, per
 # TensorCore and cycle: 4 MXUs x 128 x 128 multiply-adds = 131072 flops (197 TFLOP/s bf16 at 1.5 GHz, the Cloud
-# TPU v5e docs); the VPU one (8, 128) vreg op per vector-ALU slot, 4 slots (the scaling book's "How to think about
-# TPUs"; the slot count is the stated assumption) = 4096 32-bit ops. One VPU op = 131072 / 4096 = 32 MXU flops.
+# TPU v5e docs); the VPU one op on an (8, 128) vreg (the scaling book's "How to think about TPUs") in each of 4
+# vector-ALU slots (the slot count is our assumption) = 4096 32-bit ops. One VPU op = 131072 / 4096 = 32 MXU
+# flops. v4 and v5p have the same four 128 x 128 MXUs and vreg shape per TensorCore; v6e's 256 x 256 MXUs would
+# make it 128 (not modelled: one figure for every generation).
 VPU_OP_MXU_FLOPS = 32
 
 
@@ -376,8 +379,8 @@ def _forward(q, k, v, segment_ids, seed, rate, block_q, block_k):
     seg = segment_ids.reshape(batch, 1, length)
     q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=2, k_axis=3)
     kwargs = _kernel_args(rate)
-    cost = dict(pairs=batch * heads * length * length, matmuls=2, head_dim=head_dim, vpu_ops=_FWD_VPU_OPS,
-                threshold=kwargs["threshold"], exps=1)
+    cost = {"pairs": batch * heads * length * length, "matmuls": 2, "head_dim": head_dim, "vpu_ops": _FWD_VPU_OPS,
+            "threshold": kwargs["threshold"], "exps": 1}
     return _pallas_call(
         functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(head_dim), **kwargs), "flash_dropout_fwd",
         (batch, heads, length // block_q, length // block_k),
@@ -395,7 +398,8 @@ def _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k):
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)[:, :, None, :]   # [B, H, 1, S]
     kwargs = _kernel_args(rate)
     scale = 1.0 / math.sqrt(head_dim)
-    pairs = batch * heads * length * length
+    cost = {"pairs": batch * heads * length * length, "head_dim": head_dim, "threshold": kwargs["threshold"],
+            "exps": 1}
     args = (seed, q, k, v, seg, seg, lse, di, do)
 
     q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=2, k_axis=3)
@@ -405,7 +409,7 @@ def _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k):
         [pltpu.VMEM((block_q, head_dim), jnp.float32), _column_scratch(block_q, jnp.int32),
          _column_scratch(block_q), _column_scratch(block_q), pltpu.VMEM((block_q, block_k), jnp.int32)],
         [jax.ShapeDtypeStruct(q.shape, q.dtype)],
-        dict(pairs=pairs, matmuls=3, head_dim=head_dim, vpu_ops=_DQ_VPU_OPS, threshold=kwargs["threshold"], exps=1),
+        {**cost, "matmuls": 3, "vpu_ops": _DQ_VPU_OPS},
         *args)[0]
 
     # dk/dv holds a key block over streamed query blocks: the held block is block_q long here too (the streamed
@@ -417,8 +421,7 @@ def _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k):
         [pltpu.VMEM((block_q, head_dim), jnp.float32), pltpu.VMEM((block_q, head_dim), jnp.float32),
          _column_scratch(block_q, jnp.int32), pltpu.VMEM((block_q, block_k), jnp.int32)],
         [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        dict(pairs=pairs, matmuls=4, head_dim=head_dim, vpu_ops=_DKV_VPU_OPS, threshold=kwargs["threshold"],
-             exps=1),
+        {**cost, "matmuls": 4, "vpu_ops": _DKV_VPU_OPS},
         *args)
     return dq, dk, dv
 
