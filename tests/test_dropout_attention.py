@@ -153,13 +153,16 @@ def test_seeds_select_masks_and_outputs():
                                   da.dropout_keep_mask(jax.random.bits(key, (), jnp.uint32), 1, 2, 64, 64, 0.1))
 
 
-def test_attention_entry_point_with_the_dropout_backend_equals_the_reference_with_its_mask():
-    batch, length, heads, head_dim, rate = 2, 100, 2, 16, 0.1
+@pytest.mark.parametrize("length, grid", [(100, (1, 1)), (250, (1, 2))])
+def test_attention_entry_point_with_the_dropout_backend_equals_the_reference_with_its_mask(length, grid):
+    """Through `dot_product_attention`, whose held block is the longest of 512/256/128 dividing the length padded
+    to 128 (250 -> 256: one held block of 256 over 2 streamed blocks of 128 in every kernel)."""
+    batch, heads, head_dim, rate = 2, 2, 16, 0.1
     q, k, v = _inputs(batch, length, heads, head_dim, seed=3)
     input_mask = np.ones((batch, length), np.int32)
-    input_mask[1, 60:] = 0
+    input_mask[1, length * 3 // 5:] = 0
     packing_ids = np.zeros((batch, length), np.int32)
-    packing_ids[0, 40:] = 1
+    packing_ids[0, length * 2 // 5:] = 1
     rng = jax.random.key(11)
     weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]
     mask = da.dropout_keep_mask(da.seed_from_rng(rng), batch, heads, length, length, rate)
@@ -169,6 +172,9 @@ def test_attention_entry_point_with_the_dropout_backend_equals_the_reference_wit
                                                      dropout_rate=rate, dropout_rng=rng, deterministic=False)
     reference = lambda q, k, v: reference_attention(q, k, v, input_mask, packing_ids, dropout_rate=rate,
                                                     dropout_rng=rng, deterministic=False, keep_mask=mask)
+    eqns = jax.make_jaxpr(jax.grad(_loss(attend("flash_dropout_tpu"), weights)))(q, k, v).jaxpr
+    grids = [eqn.params["grid_mapping"].grid for eqn in _all_eqns(eqns) if eqn.primitive.name == "pallas_call"]
+    assert grids == [(batch, heads, *grid)] * 3
     with pltpu.force_tpu_interpret_mode():
         out = attend("flash_dropout_tpu")(q, k, v)
         grads = jax.grad(_loss(attend("flash_dropout_tpu"), weights), argnums=(0, 1, 2))(q, k, v)
@@ -183,22 +189,73 @@ def test_attention_entry_point_with_the_dropout_backend_equals_the_reference_wit
                                np.asarray(reference_attention(q, k, v, input_mask, packing_ids))[valid], atol=1e-5)
 
 
-def test_cost_estimates_are_declared_on_every_kernel():
-    q, k, v = (jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16) for _ in range(3))
-    segment_ids = jax.ShapeDtypeStruct((2, 256), jnp.int32)
-
+def _kernel_eqns(q, k, v, segment_ids, **blocks):
+    """The pallas_call equations of the kernel's forward + backward, traced (not run)."""
     def step(q, k, v, segment_ids):
         loss = lambda q, k, v: jnp.sum(da.flash_attention_with_dropout(
-            q, k, v, segment_ids, dropout_rate=0.1, seed=0).astype(jnp.float32))
+            q, k, v, segment_ids, dropout_rate=0.1, seed=0, **blocks).astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     jaxpr = jax.make_jaxpr(step)(q, k, v, segment_ids)
-    costs = [eqn.params["cost_estimate"] for eqn in _all_eqns(jaxpr.jaxpr) if eqn.primitive.name == "pallas_call"]
+    return [eqn for eqn in _all_eqns(jaxpr.jaxpr) if eqn.primitive.name == "pallas_call"]
+
+
+def test_cost_estimates_count_tile_padded_bytes_per_copy_and_vpu_work():
+    """Declared costs, hand-counted for batch 2, 4 heads of 64 (bf16), length 256 in 128 blocks (2 x 2 per head).
+    A [2, 4, 256, 64] bf16 array moves as (8, 128) tiles: 64 lanes padded to 128, A = 2*4*256*128*2 bytes per
+    pass; a (1, 128) block of a [.., 1, 256] int32/f32 array is one (1, 128) tile, 512 bytes."""
+    q, k, v = (jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16) for _ in range(3))
+    costs = [eqn.params["cost_estimate"] for eqn in _kernel_eqns(q, k, v, jax.ShapeDtypeStruct((2, 256), jnp.int32))]
     assert len(costs) == 3
+    a, tile = 2 * 4 * 256 * 128 * 2, 512
+    steps, per_outer_block = 2 * 4 * 2 * 2, 2 * 4 * 2   # grid cells; (batch, head, outer block) cells
+    stats = 2 * 4 * 256 * 4                               # lse or D [2, 4, 1, 256] float32, read once
+    expected_bytes = [
+        # forward: q once, k and v once per query block, o once; q segment ids per outer block, k's every step
+        a + 2 * 2 * a + a + per_outer_block * tile + steps * tile + stats,
+        # dq: q, do, dq once; k, v per query block; segment ids as the forward; lse and D once
+        3 * a + 2 * 2 * a + per_outer_block * tile + steps * tile + 2 * stats,
+        # dk/dv: k, v, dk, dv once; q and do per key block; k segment ids per key block; q's, lse and D every step
+        4 * a + 2 * 2 * a + per_outer_block * tile + 3 * steps * tile,
+    ]
     pairs = 2 * 4 * 256 * 256
-    for cost, matmuls in zip(costs, (2, 3, 4)):   # forward, dq, dkv
-        assert cost.flops >= pairs * (2 * 64 * matmuls + da.HASH_OPS_PER_ELEMENT)
-        assert cost.transcendentals == pairs
-        assert cost.bytes_accessed >= 4 * 2 * 256 * 4 * 64 * 2   # at least q, k, v and the output once
+    # VPU ops per pair (the hash's 11, its per-sweep precomputation 6 / 2 streamed blocks, + forward 8, dq 8,
+    # dk/dv 10) at 32 MXU flops each exceed the matmuls' 128 per [S, S, 64] product (2, 3, 4 of them): the VPU's
+    # time is the kernel's.
+    hash_ops = 11 + 6 / 2
+    expected_flops = [pairs * 32 * (hash_ops + 8), pairs * 32 * (hash_ops + 8), pairs * 32 * (hash_ops + 10)]
+    assert [c.bytes_accessed for c in costs] == expected_bytes
+    assert [c.flops for c in costs] == expected_flops
+    assert [c.transcendentals for c in costs] == [pairs] * 3
+
+
+def test_statistics_and_segment_ids_reach_the_kernels_lane_dense():
+    """lse and D as [B, H, 1, S] float32, segment ids as [B, 1, S] int32: no copy replicated over lanes or
+    sublanes goes in or out of any kernel."""
+    batch, length, heads = 2, 256, 4
+    q, k, v = (jax.ShapeDtypeStruct((batch, length, heads, 64), jnp.bfloat16) for _ in range(3))
+    eqns = _kernel_eqns(q, k, v, jax.ShapeDtypeStruct((batch, length), jnp.int32))
+    qkv_shape = (batch, heads, length, 64)
+    others = [var.aval for eqn in eqns for var in (*eqn.invars, *eqn.outvars)
+              if var.aval.shape not in (qkv_shape, (3,))]   # (3,): the prefetched seed and offsets
+    assert others and all(a.shape in ((batch, 1, length), (batch, heads, 1, length)) for a in others), others
+    assert {a.dtype for a in others if a.shape == (batch, 1, length)} == {jnp.dtype(jnp.int32)}
+    assert {a.dtype for a in others if a.shape == (batch, heads, 1, length)} == {jnp.dtype(jnp.float32)}
+
+
+def test_the_forwards_lane_dense_log_sum_exp_is_the_softmax_normaliser():
+    """The forward's lse output [B, H, 1, S]: logsumexp over the keys of the query's segment, from plain jnp."""
+    batch, length, heads, head_dim = 2, 256, 2, 16
+    q, k, v = _inputs(batch, length, heads, head_dim, seed=8)
+    segment_ids = _segments(batch, length, "packing")
+    to_bhsd = lambda x: jnp.swapaxes(x, 1, 2)
+    seed = jnp.zeros(3, jnp.int32)
+    with pltpu.force_tpu_interpret_mode():
+        _, lse = da._forward(to_bhsd(q), to_bhsd(k), to_bhsd(v), segment_ids, seed, 0.1, 128, 128)
+    assert lse.shape == (batch, heads, 1, length) and lse.dtype == jnp.float32
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(head_dim)
+    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    expected = jax.nn.logsumexp(jnp.where(same, scores, -jnp.inf), axis=-1)
+    np.testing.assert_allclose(np.asarray(lse[:, :, 0]), np.asarray(expected), atol=1e-5)
 
 
 def _all_eqns(jaxpr):

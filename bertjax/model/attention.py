@@ -227,7 +227,12 @@ def _splash_attention(query, key, value, segment_ids, batch_offset, head_offset)
 def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset):
     from bertjax.model.dropout_attention import flash_attention_with_dropout
 
-    # The kernel pads the length to its blocks itself (padding with segment id 0) and slices the output back.
+    # The kernel pads the length to its blocks itself (padding with segment id 0) and slices the output back. Its
+    # held block (queries in the forward and dq kernels, keys in dk/dv) is the longest of 512, 256, 128 tokens that
+    # divides the length padded to 128: the streamed blocks are re-read once per held block, so at seq 512 every
+    # operand moves once.
+    padded = query.shape[1] + -query.shape[1] % KERNEL_BLOCK
+    held = next(block for block in (4 * KERNEL_BLOCK, 2 * KERNEL_BLOCK, KERNEL_BLOCK) if padded % block == 0)
     return flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
-                                        block_q=KERNEL_BLOCK, block_k=KERNEL_BLOCK, batch_offset=batch_offset,
+                                        block_q=held, block_k=KERNEL_BLOCK, batch_offset=batch_offset,
                                         head_offset=head_offset)

@@ -5,7 +5,8 @@
 computed blockwise (flash attention: running max and sum over key blocks), so the [batch, heads, S, S]
 probabilities and the dropout bits never reach HBM. The backward (jax.custom_vjp) recomputes the probabilities
 from the saved log-sum-exp and the keep mask from the same hash, in two kernels: one accumulating dq over key
-blocks, one accumulating dk and dv over query blocks.
+blocks, one accumulating dk and dv over query blocks (on the transposed scores). Per-query statistics (lse, D) and
+segment ids live in HBM lane-dense, [B, H, 1, S] and [B, 1, S].
 
 Dropout semantics (those of `bertjax.model.attention.reference_attention`): the mask applies to the normalised
 probabilities. The running max/sum use the undropped probabilities; only the P.V product uses the dropped ones,
@@ -22,9 +23,9 @@ plain jnp:
         mult = k2 | 1;  add = fmix32(k2 + 0x632BE5AB)
     element (query i, key j):  x = (i << 16) | j;  u = fmix32(x * mult + add);  keep = u <u threshold
 with fmix32 MurmurHash3's 32-bit finaliser (xor-shift 16, * 0x85EBCA6B, xor-shift 13, * 0xC2B2AE35, xor-shift 16)
-and threshold = round((1 - rate) * 2^32). Per key/query pair that is 13 32-bit integer ops (shift, or, mul, add,
-3 shifts, 3 xors, 2 muls, the sign flip of the unsigned compare, the compare) plus the select applying it; x is
-unique for lengths up to 65536. Multiplying by a per-stream odd number (not xoring a key in) keeps two streams'
+and threshold = round((1 - rate) * 2^32). Per key/query pair the kernels spend 11 32-bit integer ops on it
+(HASH_OPS_PER_ELEMENT: x * mult + add is precomputed per block sweep) plus the select applying it; x is unique
+for lengths up to 65536. Multiplying by a per-stream odd number (not xoring a key in) keeps two streams'
 masks from being shifted copies of each other. pltpu.prng_* is not used: its bits cannot be reproduced off-TPU.
 
 Off TPU the kernels run in interpret mode: call inside `jax.experimental.pallas.tpu.force_tpu_interpret_mode()`
@@ -33,6 +34,7 @@ Off TPU the kernels run in interpret mode: call inside `jax.experimental.pallas.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
@@ -43,14 +45,20 @@ from jax.experimental.pallas import tpu as pltpu
 
 from bertjax.model.hashing import C_ADD, C_HEAD, GOLDEN, fmix32, i32
 
-LANES = 128        # the TPU vector lane width: per-row statistics are stored replicated over 128 lanes
-SUBLANES = 8       # key segment ids are stored replicated over 8 sublanes (one (8, 128) tile row)
+LANES = 128        # the TPU vector lane width
+SUBLANES = 8       # rows of 32 bits in one memory tile / vreg
 MAX_LENGTH = 1 << 16   # x = (i << 16) | j needs i, j < 2^16
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)   # the reference's mask logit; exp(MASK_VALUE - m) == 0
-HASH_OPS_PER_ELEMENT = 13   # integer ops of the keep-mask hash per query/key pair (see the module docstring)
-# Per query/key pair besides the matmuls and the hash: scale, segment compare, mask select, max, subtract, sum,
-# keep select (forward ~7); the backward kernels a few more each.
-_FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 7, 8, 10
+# Vector-unit (VPU) ops per query/key pair, as the kernels write them. The keep-mask hash: the block's offset added
+# to its precomputed x_local * mult + add (`_init_block_hash`), fmix32 (3 shifts, 3 xors, 2 multiplies), the sign
+# flip of the unsigned compare and the compare = 11; the precomputation, once per held block's sweep over the
+# streamed blocks, 6 per element of one block (2 iotas, shift, add, multiply, add): 6 / (streamed blocks) per pair.
+# Besides the matmuls and the hash (exp runs on the separate EUP and is declared as a transcendental): forward
+# scale, segment compare, mask select, max, subtract, sum, keep select, cast to the matmul dtype = 8; dq scale,
+# compare, select, subtract lse, dP's keep select, subtract D, multiply by P, cast = 8 (1/keep_prob is folded into
+# the per-query statistics: `_backward_statistics`); dk/dv those and P*Z's select and cast = 10.
+HASH_OPS_PER_ELEMENT, HASH_INIT_OPS_PER_ELEMENT = 11, 6
+_FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 8, 8, 10
 
 
 _SIGN = i32(0x80000000)
@@ -71,11 +79,14 @@ def keep_threshold(rate: float) -> int:
     return min(round((1.0 - rate) * 2.0**32), 2**32 - 1)
 
 
+def _below(u, threshold: int):
+    """Unsigned u < threshold as a signed compare: the sign bit of both sides flipped."""
+    return (u ^ jnp.int32(_SIGN)) < jnp.int32(i32(threshold - 2**31))
+
+
 def _keep(rows, cols, mult, add, threshold: int):
     """Boolean keep mask for int32 global positions `rows`, `cols` (broadcasting) of one stream."""
-    u = fmix32(((rows << 16) | cols) * mult + add)
-    # Unsigned u < threshold as a signed compare: flip the sign bit of both sides.
-    return (u ^ jnp.int32(_SIGN)) < jnp.int32(i32(threshold - 2**31))
+    return _below(fmix32(((rows << 16) | cols) * mult + add), threshold)
 
 
 def seed_from_rng(rng) -> jax.Array:
@@ -107,8 +118,11 @@ def dropout_keep_mask(seed, batch: int, heads: int, q_len: int, kv_len: int, rat
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Kernels. Block refs arrive squeezed: q/k/v/o [block, head_dim], q segment ids [block_q, LANES], key segment ids
-# [SUBLANES, block_k], per-row statistics [block_q, LANES] (replicated over lanes).
+# Kernels. Block refs arrive squeezed: q/k/v/o [block, head_dim]; segment ids and the per-query statistics (lse, di)
+# lane-dense, one (1, block) row of a [B, 1, S] / [B, H, 1, S] array. The forward and dq kernels hold per-query
+# values as sublane columns (block_q, LANES) in VMEM scratch, transposed once per query block; the dk/dv kernel
+# computes the scores transposed ([block_k, block_q]), so per-query values are lane rows there and broadcast over
+# sublanes as they are.
 
 def _dot(a, b, contract):
     """a . b contracting dims `contract` ((lhs,), (rhs,)), float32 result (exact float32 for float32 inputs).
@@ -121,43 +135,70 @@ def _dot(a, b, contract):
 
 _NT = ((1,), (1,))   # a [m, d] . b [n, d] -> [m, n]
 _NN = ((1,), (0,))   # a [m, k] . b [k, n] -> [m, n]
-_TN = ((0,), (0,))   # a [k, m] . b [k, n] -> [m, n]
 
 
-def _scores(q_ref, k_ref, qseg_ref, kseg_ref, scale):
-    """Masked logits [block_q, block_k] in float32 and the mask."""
-    s = _dot(q_ref[...], k_ref[...], _NT) * scale
-    mask = qseg_ref[...][:, :1] == kseg_ref[...][:1, :]
-    return jnp.where(mask, s, MASK_VALUE)
+def _column(row):
+    """A (1, n) lane row as an (n, LANES) sublane column (each row i holds row[0, i] in every lane)."""
+    return jnp.broadcast_to(row, (LANES, row.shape[1])).T
 
 
-def _block_keep(seed_ref, batch_index, head_index, q_block, k_block, shape, threshold):
-    """The keep mask of one [block_q, block_k] block; seed_ref holds (seed, batch offset, head offset): the
-    offsets of this call's batch and heads in the global arrays (non-zero inside a shard_map)."""
-    mult, add = _stream_key(seed_ref[0], batch_index + seed_ref[1], head_index + seed_ref[2])
-    rows = lax.broadcasted_iota(jnp.int32, shape, 0) + q_block * shape[0]
-    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + k_block * shape[1]
-    return _keep(rows, cols, mult, add, threshold)
+def _row(column):
+    """An (n, LANES) sublane column (every lane equal) as a (1, n) lane row."""
+    return column.T[:1, :]
 
 
-def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *,
-                scale, threshold, inv_keep):
+def _scores(a, b, a_seg, b_seg, scale):
+    """Masked logits a b^T * scale [rows of a, rows of b] in float32; a_seg (rows, 1), b_seg (1, cols)."""
+    s = _dot(a, b, _NT) * scale
+    return jnp.where(a_seg == b_seg, s, MASK_VALUE)
+
+
+def _kernel_stream(seed_ref, batch_index, head_index):
+    """(mult, add) of a grid cell's stream; seed_ref holds (seed, batch offset, head offset): the offsets of this
+    call's batch and heads in the global arrays (non-zero inside a shard_map). Scalar work."""
+    return _stream_key(seed_ref[0], batch_index + seed_ref[1], head_index + seed_ref[2])
+
+
+def _init_block_hash(hash_sc, seed_ref, batch_index, head_index, transposed=False):
+    """At the start of a held block's sweep: hash_sc = x_local * mult + add for this stream, x_local = (query offset
+    << 16) + key offset within a block of hash_sc's shape ([block_q, block_k], or [block_k, block_q] when
+    `transposed`). A block starting at (q_start, k_start) has x = x_local + (q_start << 16) + k_start (positions
+    < 2^16: no carries), so its x * mult + add is hash_sc + ((q_start << 16) + k_start) * mult: one vector add."""
+    mult, add = _kernel_stream(seed_ref, batch_index, head_index)
+    q_axis, k_axis = (1, 0) if transposed else (0, 1)
+    shape = hash_sc.shape
+    local = (lax.broadcasted_iota(jnp.int32, shape, q_axis) << 16) + lax.broadcasted_iota(jnp.int32, shape, k_axis)
+    hash_sc[...] = local * mult + add
+
+
+def _block_keep(hash_sc, seed_ref, batch_index, head_index, q_start, k_start, threshold):
+    """The keep mask of the block at (q_start, k_start), in hash_sc's orientation: the bits of `_keep`."""
+    mult, _ = _kernel_stream(seed_ref, batch_index, head_index)
+    return _below(fmix32(hash_sc[...] + ((q_start << 16) + k_start) * mult), threshold)
+
+
+def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, qseg_sc,
+                hash_sc, *, scale, threshold, inv_keep):
     b, h, qi, ki = (pl.program_id(i) for i in range(4))
+    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
 
     @pl.when(ki == 0)
     def _init():
         m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        qseg_sc[...] = _column(qseg_ref[...])
+        if threshold is not None:
+            _init_block_hash(hash_sc, seed_ref, b, h)
 
-    s = _scores(q_ref, k_ref, qseg_ref, kseg_ref, scale)
+    s = _scores(q_ref[...], k_ref[...], qseg_sc[...][:, :1], kseg_ref[...], scale)
     m_prev, l_prev = m_sc[...][:, :1], l_sc[...][:, :1]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     p = jnp.exp(s - m_new)                       # undropped: the softmax statistics see every key
     alpha = jnp.exp(m_prev - m_new)
     l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
     if threshold is not None:
-        p = jnp.where(_block_keep(seed_ref, b, h, qi, ki, s.shape, threshold), p, 0.0)
+        p = jnp.where(_block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k, threshold), p, 0.0)
     v = v_ref[...]
     acc_sc[...] = alpha * acc_sc[...] + _dot(p.astype(v.dtype), v, _NN)
     m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
@@ -165,38 +206,48 @@ def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_re
 
     @pl.when(ki == pl.num_programs(3) - 1)
     def _finish():
-        m, l = m_sc[...][:, :1], l_sc[...][:, :1]
-        o_ref[...] = (acc_sc[...] * (inv_keep / l)).astype(o_ref.dtype)
-        lse_ref[...] = jnp.broadcast_to(m + jnp.log(l), lse_ref.shape)
+        m, l = m_sc[...], l_sc[...]
+        o_ref[...] = (acc_sc[...] * (inv_keep / l[:, :1])).astype(o_ref.dtype)
+        lse_ref[...] = _row(m + jnp.log(l))
 
 
-def _probs_and_dscores(seed_ref, b, h, qi, ki, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref, *,
-                       scale, threshold, inv_keep):
-    """The backward's recomputation for one block: dropped, scaled probabilities P*Z and dS (both [bq, bk])."""
-    s = _scores(q_ref, k_ref, qseg_ref, kseg_ref, scale)
-    p = jnp.exp(s - lse_ref[...][:, :1])
-    dp = _dot(do_ref[...], v_ref[...], _NT)      # d(P*Z) = dO V^T
-    if threshold is None:
-        pz = p
-    else:
-        keep = _block_keep(seed_ref, b, h, qi, ki, s.shape, threshold)
-        pz = jnp.where(keep, p * inv_keep, 0.0)
-        dp = jnp.where(keep, dp * inv_keep, 0.0)
-    ds = p * (dp - di_ref[...][:, :1])
-    return pz, ds
+def _backward_statistics(lse, di, inv_keep):
+    """(lse - log(1/keep_prob), D * keep_prob): with these `_probs_and_dscores` needs no 1/keep_prob scaling."""
+    return lse - math.log(inv_keep), di * (1.0 / inv_keep)
 
 
-def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref, dq_ref, dq_sc, *,
-               scale, threshold, inv_keep):
+def _probs_and_dscores(s, lse_kept, di_kept, dp, keep):
+    """The backward's recomputation for one block, from the masked logits s, `_backward_statistics` and
+    dP = dO V^T (all broadcasting, in either orientation): dropped, scaled probabilities P*Z and dS.
+    p = exp(s - lse_kept) = P / keep_prob, so P*Z = keep ? p : 0 and dS = P (dP Z - D) = p ((keep ? dP : 0) - D
+    keep_prob)."""
+    p = jnp.exp(s - lse_kept)
+    if keep is None:
+        return p, p * (dp - di_kept)
+    return jnp.where(keep, p, 0.0), p * (jnp.where(keep, dp, 0.0) - di_kept)
+
+
+def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref, dq_ref, dq_sc,
+               qseg_sc, lse_sc, di_sc, hash_sc, *, scale, threshold, inv_keep):
     b, h, qi, ki = (pl.program_id(i) for i in range(4))
+    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
 
     @pl.when(ki == 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+        qseg_sc[...] = _column(qseg_ref[...])
+        lse, di = _backward_statistics(lse_ref[...], di_ref[...], inv_keep)
+        lse_sc[...] = _column(lse)
+        di_sc[...] = _column(di)
+        if threshold is not None:
+            _init_block_hash(hash_sc, seed_ref, b, h)
 
-    _, ds = _probs_and_dscores(seed_ref, b, h, qi, ki, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref,
-                               do_ref, scale=scale, threshold=threshold, inv_keep=inv_keep)
     k = k_ref[...]
+    s = _scores(q_ref[...], k, qseg_sc[...][:, :1], kseg_ref[...], scale)
+    keep = None if threshold is None else _block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k,
+                                                      threshold)
+    dp = _dot(do_ref[...], v_ref[...], _NT)      # d(P*Z) = dO V^T
+    _, ds = _probs_and_dscores(s, lse_sc[...][:, :1], di_sc[...][:, :1], dp, keep)
     dq_sc[...] += _dot(ds.astype(k.dtype), k, _NN)
 
     @pl.when(ki == pl.num_programs(3) - 1)
@@ -205,19 +256,28 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_re
 
 
 def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref, dk_ref, dv_ref,
-                dk_sc, dv_sc, *, scale, threshold, inv_keep):
+                dk_sc, dv_sc, kseg_sc, hash_sc, *, scale, threshold, inv_keep):
+    """Scores transposed: s^T = K Q^T [block_k, block_q], so dV = (P*Z)^T dO and dK = dS^T Q are plain matmuls and
+    the per-query statistics and segment ids are lane rows."""
     b, h, ki, qi = (pl.program_id(i) for i in range(4))   # key blocks outer, query blocks inner (reduced)
+    block_q, block_k = q_ref.shape[0], k_ref.shape[0]
 
     @pl.when(qi == 0)
     def _init():
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+        kseg_sc[...] = _column(kseg_ref[...])
+        if threshold is not None:
+            _init_block_hash(hash_sc, seed_ref, b, h, transposed=True)
 
-    pz, ds = _probs_and_dscores(seed_ref, b, h, qi, ki, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref,
-                                do_ref, scale=scale, threshold=threshold, inv_keep=inv_keep)
-    do, q = do_ref[...], q_ref[...]
-    dv_sc[...] += _dot(pz.astype(do.dtype), do, _TN)
-    dk_sc[...] += _dot(ds.astype(q.dtype), q, _TN)
+    q, do = q_ref[...], do_ref[...]
+    s_t = _scores(k_ref[...], q, kseg_sc[...][:, :1], qseg_ref[...], scale)
+    keep = None if threshold is None else _block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k,
+                                                      threshold)
+    dp_t = _dot(v_ref[...], do, _NT)             # (dO V^T)^T = V dO^T
+    pz_t, ds_t = _probs_and_dscores(s_t, *_backward_statistics(lse_ref[...], di_ref[...], inv_keep), dp_t, keep)
+    dv_sc[...] += _dot(pz_t.astype(do.dtype), do, _NN)
+    dk_sc[...] += _dot(ds_t.astype(q.dtype), q, _NN)
 
     @pl.when(qi == pl.num_programs(3) - 1)
     def _finish():
@@ -226,22 +286,51 @@ def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_r
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# pallas_calls. Arrays: q/k/v/o [B, H, S, D]; qseg [B, S, LANES]; kseg [B, SUBLANES, S]; lse/di [B, H, S, LANES].
+# pallas_calls. Arrays: q/k/v/o [B, H, S, D]; segment ids [B, 1, S]; lse/di [B, H, 1, S].
 
-def _nbytes(*arrays) -> int:
-    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays)
+def _tile_padded_bytes(block_shape, array) -> int:
+    """Bytes a DMA moves for one block of `array` in HBM: whole (rows, 128) tiles of XLA:TPU's layout, rows = 8
+    (bf16 packs row pairs into 32-bit words of the same (8, 128) tile), or the array's second-last dim rounded up to
+    a power of two where it is under 8 (a [.., 1, S] array is tiled (1, 128))."""
+    itemsize = jnp.dtype(array.dtype).itemsize
+    *outer, rows, cols = [1 if d is None else d for d in block_shape]
+    tile_rows = min(SUBLANES, 1 << max(0, array.shape[-2] - 1).bit_length())
+    return math.prod(outer) * -(-rows // tile_rows) * tile_rows * -(-cols // LANES) * LANES * itemsize
 
 
-def _cost(*, pairs, matmuls, head_dim, vpu_ops, threshold, exps, streamed_once, streamed_per_q_block,
-          streamed_per_k_block, n_q_blocks, n_k_blocks) -> pl.CostEstimate:
-    """Roofline figures of one kernel: `matmuls` [bq,bk,D] products (2*D flops per pair each), `vpu_ops` float ops
-    per pair, the hash's integer ops when dropout is on (counted as flops: they occupy the same VPU slots), `exps`
-    exponentials per pair; bytes: blocks read once, re-read for every query block (e.g. K, V in the forward), or
-    re-read for every key block."""
-    hash_ops = HASH_OPS_PER_ELEMENT if threshold is not None else 0
-    flops = pairs * (2 * head_dim * matmuls + vpu_ops + hash_ops)
-    bytes_accessed = (_nbytes(*streamed_once) + n_q_blocks * _nbytes(*streamed_per_q_block)
-                      + n_k_blocks * _nbytes(*streamed_per_k_block))
+def _block_fetches(index_map, grid) -> int:
+    """How many times a block is copied: Pallas copies when the block index differs from the previous grid step's
+    (the grid iterated row-major); counted over the grid."""
+    count, last = 0, None
+    for g in itertools.product(*(range(n) for n in grid)):
+        index = index_map(*g)
+        count += index != last
+        last = index
+    return count
+
+
+# pl.CostEstimate has one flop count, which XLA (and `bertjax compile`) prices at the MXU's peak; the kernels'
+# elementwise work runs on the VPU at a lower rate, so it is declared as the MXU flops that take as long. v5e, per
+# TensorCore and cycle: 4 MXUs x 128 x 128 multiply-adds = 131072 flops (197 TFLOP/s bf16 at 1.5 GHz, the Cloud
+# TPU v5e docs); the VPU one op on an (8, 128) vreg (the scaling book's "How to think about TPUs") in each of 4
+# vector-ALU slots (the slot count is our assumption) = 4096 32-bit ops. One VPU op = 131072 / 4096 = 32 MXU
+# flops. v4 and v5p have the same four 128 x 128 MXUs and vreg shape per TensorCore; v6e's 256 x 256 MXUs would
+# make it 128 (not modelled: one figure for every generation).
+VPU_OP_MXU_FLOPS = 32
+
+
+def _cost(*, pairs, matmuls, head_dim, vpu_ops, threshold, exps, grid, specs, operands) -> pl.CostEstimate:
+    """Roofline figures of one kernel. Flops: the larger of the MXU's (`matmuls` [bq, bk, D] products, 2*D flops
+    per pair each) and the VPU's (`vpu_ops` per pair and the hash's when dropout is on, at VPU_OP_MXU_FLOPS each):
+    the two units run side by side in the kernel's VLIW bundles, so the slower sets the time. `exps` exponentials
+    per pair. Bytes: each operand's (inputs and outputs, `specs` matching `operands`) tile-padded block times the
+    times it is copied over the grid."""
+    elementwise = vpu_ops
+    if threshold is not None:   # grid[3]: the streamed blocks of one sweep
+        elementwise += HASH_OPS_PER_ELEMENT + HASH_INIT_OPS_PER_ELEMENT / grid[3]
+    flops = pairs * max(2 * head_dim * matmuls, round(elementwise * VPU_OP_MXU_FLOPS))
+    bytes_accessed = sum(_tile_padded_bytes(spec.block_shape, x) * _block_fetches(spec.index_map, grid)
+                         for spec, x in zip(specs, operands))
     return pl.CostEstimate(flops=int(flops), transcendentals=int(exps * pairs), bytes_accessed=int(bytes_accessed))
 
 
@@ -255,24 +344,23 @@ def _specs(block_q, block_k, head_dim, q_axis: int, k_axis: int):
 
     q_spec = pl.BlockSpec((None, None, block_q, head_dim), q_rows)
     k_spec = pl.BlockSpec((None, None, block_k, head_dim), k_rows)
-    row_stat = pl.BlockSpec((None, None, block_q, LANES), q_rows)
-    qseg = pl.BlockSpec((None, block_q, LANES), lambda *g: (g[0], g[q_axis], 0))
-    kseg = pl.BlockSpec((None, SUBLANES, block_k), lambda *g: (g[0], 0, g[k_axis]))
-    return q_spec, k_spec, row_stat, qseg, kseg
+    q_stat = pl.BlockSpec((None, None, 1, block_q), lambda *g: (g[0], g[1], 0, g[q_axis]))
+    qseg = pl.BlockSpec((None, 1, block_q), lambda *g: (g[0], 0, g[q_axis]))
+    kseg = pl.BlockSpec((None, 1, block_k), lambda *g: (g[0], 0, g[k_axis]))
+    return q_spec, k_spec, q_stat, qseg, kseg
 
 
-def _grid_spec(grid, in_specs, out_specs, scratch):
+def _pallas_call(kernel, name, grid, in_specs, out_specs, scratch, out_shape, cost, *args):
     # The seed is prefetched to SMEM; index maps and kernels receive its ref after the grid indices.
     wrap = lambda spec: pl.BlockSpec(spec.block_shape, lambda *g: spec.index_map(*g[:4]))
-    return pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=[wrap(s) for s in in_specs],
-                                        out_specs=[wrap(s) for s in out_specs], scratch_shapes=scratch)
-
-
-def _segment_layouts(segment_ids, length):
-    batch = segment_ids.shape[0]
-    qseg = lax.broadcast_in_dim(segment_ids, (batch, length, LANES), (0, 1))
-    kseg = lax.broadcast_in_dim(segment_ids, (batch, SUBLANES, length), (0, 2))
-    return qseg, kseg
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=[wrap(s) for s in in_specs],
+                                             out_specs=[wrap(s) for s in out_specs], scratch_shapes=scratch)
+    return pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        cost_estimate=_cost(grid=grid, specs=(*in_specs, *out_specs), operands=(*args[1:], *out_shape), **cost),
+        name=name,
+    )(*args)
 
 
 def _kernel_args(rate):
@@ -281,78 +369,60 @@ def _kernel_args(rate):
     return dict(threshold=keep_threshold(rate), inv_keep=1.0 / (1.0 - rate))
 
 
+def _column_scratch(block, dtype=jnp.float32):
+    return pltpu.VMEM((block, LANES), dtype)
+
+
 def _forward(q, k, v, segment_ids, seed, rate, block_q, block_k):
+    """(o [B, H, S, D], lse [B, H, 1, S] float32)."""
     batch, heads, length, head_dim = q.shape
-    nq, nk = length // block_q, length // block_k
-    qseg, kseg = _segment_layouts(segment_ids, length)
-    q_spec, k_spec, row_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=2, k_axis=3)
+    seg = segment_ids.reshape(batch, 1, length)
+    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=2, k_axis=3)
     kwargs = _kernel_args(rate)
-    out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, length, LANES), jnp.float32))
-    cost = _cost(pairs=batch * heads * length * length, matmuls=2, head_dim=head_dim, vpu_ops=_FWD_VPU_OPS,
-                 threshold=kwargs["threshold"], exps=1, streamed_once=(q, *out_shape), streamed_per_q_block=(k, v),
-                 streamed_per_k_block=(), n_q_blocks=nq, n_k_blocks=nk)
-    cost = pl.CostEstimate(flops=cost.flops, transcendentals=cost.transcendentals,
-                           bytes_accessed=cost.bytes_accessed + heads * (_nbytes(qseg) + nq * _nbytes(kseg)))
-    o, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(head_dim), **kwargs),
-        grid_spec=_grid_spec(
-            (batch, heads, nq, nk), [q_spec, k_spec, k_spec, qseg_spec, kseg_spec], [q_spec, row_stat],
-            [pltpu.VMEM((block_q, LANES), jnp.float32), pltpu.VMEM((block_q, LANES), jnp.float32),
-             pltpu.VMEM((block_q, head_dim), jnp.float32)]),
-        out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=cost,
-        name="flash_dropout_fwd",
-    )(seed, q, k, v, qseg, kseg)
-    return o, lse[..., 0]
+    cost = {"pairs": batch * heads * length * length, "matmuls": 2, "head_dim": head_dim, "vpu_ops": _FWD_VPU_OPS,
+            "threshold": kwargs["threshold"], "exps": 1}
+    return _pallas_call(
+        functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(head_dim), **kwargs), "flash_dropout_fwd",
+        (batch, heads, length // block_q, length // block_k),
+        [q_spec, k_spec, k_spec, qseg_spec, kseg_spec], [q_spec, q_stat],
+        [_column_scratch(block_q), _column_scratch(block_q), pltpu.VMEM((block_q, head_dim), jnp.float32),
+         _column_scratch(block_q, jnp.int32), pltpu.VMEM((block_q, block_k), jnp.int32)],
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, 1, length), jnp.float32)),
+        cost, seed, q, k, v, seg, seg)
 
 
 def _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k):
     batch, heads, length, head_dim = q.shape
     nq, nk = length // block_q, length // block_k
-    qseg, kseg = _segment_layouts(segment_ids, length)
-    di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-    lse = jnp.broadcast_to(lse[..., None], (*lse.shape, LANES))
-    di = jnp.broadcast_to(di[..., None], (*di.shape, LANES))
+    seg = segment_ids.reshape(batch, 1, length)
+    di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)[:, :, None, :]   # [B, H, 1, S]
     kwargs = _kernel_args(rate)
     scale = 1.0 / math.sqrt(head_dim)
-    pairs = batch * heads * length * length
-    seg_bytes = heads * (_nbytes(qseg) + _nbytes(kseg))
+    cost = {"pairs": batch * heads * length * length, "head_dim": head_dim, "threshold": kwargs["threshold"],
+            "exps": 1}
+    args = (seed, q, k, v, seg, seg, lse, di, do)
 
-    q_spec, k_spec, row_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=2, k_axis=3)
-    cost = _cost(pairs=pairs, matmuls=3, head_dim=head_dim, vpu_ops=_DQ_VPU_OPS, threshold=kwargs["threshold"],
-                 exps=1, streamed_once=(q, lse, di, do, q), streamed_per_q_block=(k, v), streamed_per_k_block=(),
-                 n_q_blocks=nq, n_k_blocks=nk)
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, **kwargs),
-        grid_spec=_grid_spec(
-            (batch, heads, nq, nk),
-            [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, row_stat, row_stat, q_spec], [q_spec],
-            [pltpu.VMEM((block_q, head_dim), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(flops=cost.flops, transcendentals=cost.transcendentals,
-                                      bytes_accessed=cost.bytes_accessed + nq * seg_bytes),
-        name="flash_dropout_dq",
-    )(seed, q, k, v, qseg, kseg, lse, di, do)[0]
+    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=2, k_axis=3)
+    dq = _pallas_call(
+        functools.partial(_dq_kernel, scale=scale, **kwargs), "flash_dropout_dq", (batch, heads, nq, nk),
+        [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec], [q_spec],
+        [pltpu.VMEM((block_q, head_dim), jnp.float32), _column_scratch(block_q, jnp.int32),
+         _column_scratch(block_q), _column_scratch(block_q), pltpu.VMEM((block_q, block_k), jnp.int32)],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype)],
+        {**cost, "matmuls": 3, "vpu_ops": _DQ_VPU_OPS},
+        *args)[0]
 
-    q_spec, k_spec, row_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=3, k_axis=2)
-    cost = _cost(pairs=pairs, matmuls=4, head_dim=head_dim, vpu_ops=_DKV_VPU_OPS, threshold=kwargs["threshold"],
-                 exps=1, streamed_once=(k, v, k, v), streamed_per_q_block=(),
-                 streamed_per_k_block=(q, lse, di, do), n_q_blocks=nq, n_k_blocks=nk)
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, **kwargs),
-        grid_spec=_grid_spec(
-            (batch, heads, nk, nq),
-            [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, row_stat, row_stat, q_spec], [k_spec, k_spec],
-            [pltpu.VMEM((block_k, head_dim), jnp.float32), pltpu.VMEM((block_k, head_dim), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(flops=cost.flops, transcendentals=cost.transcendentals,
-                                      bytes_accessed=cost.bytes_accessed + nk * seg_bytes),
-        name="flash_dropout_dkv",
-    )(seed, q, k, v, qseg, kseg, lse, di, do)
+    # dk/dv holds a key block over streamed query blocks: the held block is block_q long here too (the streamed
+    # operands are re-read once per held block), so the blocks swap roles.
+    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_k, block_q, head_dim, q_axis=3, k_axis=2)
+    dk, dv = _pallas_call(
+        functools.partial(_dkv_kernel, scale=scale, **kwargs), "flash_dropout_dkv", (batch, heads, nq, nk),
+        [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec], [k_spec, k_spec],
+        [pltpu.VMEM((block_q, head_dim), jnp.float32), pltpu.VMEM((block_q, head_dim), jnp.float32),
+         _column_scratch(block_q, jnp.int32), pltpu.VMEM((block_q, block_k), jnp.int32)],
+        [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        {**cost, "matmuls": 4, "vpu_ops": _DKV_VPU_OPS},
+        *args)
     return dq, dk, dv
 
 
@@ -382,7 +452,8 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     segment_ids [batch, length] int32: 0 = padding; a query attends to the keys with its id (so padding attends to
     padding and every row has a key). dropout_rate: static, in [0, 1); 0 = no dropout (the hash is not even
     computed). seed: uint32/int32 scalar, or a jax PRNG key (turned into a uint32 by `seed_from_rng`). The keep
-    mask is `dropout_keep_mask(seed, batch, heads, length, length, dropout_rate)`. The length is padded (with
+    mask is `dropout_keep_mask(seed, batch, heads, length, length, dropout_rate)`. block_q: the held block (queries
+    in the forward and dq kernels, keys in dk/dv), block_k: the streamed one. The length is padded (with
     segment id 0) to a multiple of the blocks. Output in query's dtype; softmax statistics in float32.
     batch_offset/head_offset (int or traced int32): the global index of this call's first example and head, for a
     call on one shard inside a shard_map, so that the mask is that of the global arrays whatever the sharding.
