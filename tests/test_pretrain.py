@@ -18,7 +18,9 @@ from bertjax.checkpoint import load_model
 from bertjax.data.demo_corpus import write_demo_corpus
 from tests.conftest import REPO_ROOT, SUITE_CACHE_ON, xla_flags
 
-STEPS = 40
+# Checkpoints every EVERY steps (the newest 3 kept); signals come at step MIDDLE, a save step.
+STEPS, EVERY = 20, 5
+MIDDLE = STEPS // 2
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def _argv(workdir, corpus, *extra):
             "--set", f"data.input={train_path}", "--set", f"data.vocab={vocab}", "--set", "data.max_seq_length=64",
             "--set", "data.max_predictions_per_seq=10", "--set", "data.doc_buffer_size=40",
             "--set", "data.shuffle_buffer=100", "--set", f"train.steps={STEPS}", "--set", "train.batch_size=8",
-            "--set", "train.log_every=1", "--set", "checkpoint.every=10", "--set", "optimizer.warmup_steps=5",
+            "--set", "train.log_every=1", "--set", f"checkpoint.every={EVERY}", "--set", "optimizer.warmup_steps=5",
             *extra]
 
 
@@ -155,8 +157,9 @@ def test_uninterrupted_run_writes_metrics_and_checkpoints(uninterrupted):
     assert 0 < last["mfu"] < 1 and 0 <= last["padding_fraction"] < 1
     assert last["real_tokens_per_s"] == pytest.approx(last["tokens_per_s"] * (1 - last["padding_fraction"]), rel=0.5)
     assert any(p.name.startswith("events.out.tfevents") for p in (uninterrupted / "tensorboard").iterdir())
-    # keep=3 most recent of the saves every 10 steps
-    assert sorted(int(p.name) for p in (uninterrupted / "checkpoints").iterdir() if p.name.isdigit()) == [20, 30, 40]
+    # keep=3 most recent of the saves every EVERY steps
+    assert sorted(int(p.name) for p in (uninterrupted / "checkpoints").iterdir() if p.name.isdigit()) == \
+        [STEPS - 2 * EVERY, STEPS - EVERY, STEPS]
 
 
 def test_a_run_appends_its_goodput_account(uninterrupted):
@@ -272,32 +275,32 @@ def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, packing):
     uninterrupted = request.getfixturevalue("uninterrupted_packed" if packing else "uninterrupted")
     extra = PACKING if packing else ()
     workdir = tmp_path / "preempted"
-    code, output = _run_until(_argv(workdir, corpus, *extra), "step 20/", signal.SIGTERM)
+    code, output = _run_until(_argv(workdir, corpus, *extra), f"step {MIDDLE}/", signal.SIGTERM)
     assert code == 0, output[-3000:]
     assert "preempted at step" in output
     stopped_at = int(output.split("preempted at step ")[1].split("/")[0])
-    assert 20 <= stopped_at < STEPS
+    assert MIDDLE <= stopped_at < STEPS
     assert f"rerun the same command to resume from step {stopped_at}\n" in output, output[-3000:]
     _run(_argv(workdir, corpus, *extra))
     expected, resumed = _losses(uninterrupted), _losses(workdir)
-    assert [resumed[s] for s in range(21, STEPS + 1)] == [expected[s] for s in range(21, STEPS + 1)]
+    assert [resumed[s] for s in range(MIDDLE + 1, STEPS + 1)] == [expected[s] for s in range(MIDDLE + 1, STEPS + 1)]
     for a, b in zip(_final_params(workdir), _final_params(uninterrupted)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrupted, corpus, tmp_path):
     workdir = tmp_path / "killed"
-    code, output = _run_until(_argv(workdir, corpus), "step 20/", signal.SIGKILL)
+    code, output = _run_until(_argv(workdir, corpus), f"step {MIDDLE}/", signal.SIGKILL)
     assert code == -signal.SIGKILL
     complete = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert complete and complete[-1] in (10, 20), complete
-    killed_at = max(r["step"] for r in _step_records(workdir))  # the kill came at step 20 or a little after
+    assert complete and complete[-1] in (MIDDLE - EVERY, MIDDLE), complete
+    killed_at = max(r["step"] for r in _step_records(workdir))  # the kill came at step MIDDLE or a little after
     # Whatever was in flight (a temporary directory, if any) is not a step: the resume restarts from `complete`.
     output = _run(_argv(workdir, corpus))
     assert f"resumed from {workdir}/checkpoints/{complete[-1]}" in output
     # The steps past the checkpoint were computed twice: the goodput account says how many.
     [account] = _goodput(workdir)
-    assert killed_at >= 20 and account["lost_steps"] == killed_at - complete[-1], (killed_at, account)
+    assert killed_at >= MIDDLE and account["lost_steps"] == killed_at - complete[-1], (killed_at, account)
     assert account["lost_s"] > 0 and account["first_step"] == complete[-1] and account["restore_s"] > 0
     # The killed run compiled the same step: this one read it from the suite's persistent compilation cache.
     assert account["compile_cache_hits"] >= 1 or not SUITE_CACHE_ON, account
@@ -311,15 +314,16 @@ def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrup
 def test_eight_device_checkpoint_continues_on_fewer_devices(uninterrupted, corpus, tmp_path, devices):
     workdir = tmp_path / f"on{devices}"
     shutil.copytree(uninterrupted, workdir)
-    for step in (30, 40):  # go back to the 8-device checkpoint at step 20
+    for step in (MIDDLE + EVERY, STEPS):  # go back to the 8-device checkpoint at step MIDDLE
         shutil.rmtree(workdir / "checkpoints" / str(step))
     (workdir / "metrics.jsonl").write_text("")
     output = _run(_argv(workdir, corpus, "--max-steps-this-run", "5"), devices=devices)
-    assert "resumed from" in output and "checkpoints/20" in output
+    assert "resumed from" in output and f"checkpoints/{MIDDLE}" in output
     expected, continued = _losses(uninterrupted), _losses(workdir)
-    assert sorted(continued) == [21, 22, 23, 24, 25]
+    after = range(MIDDLE + 1, MIDDLE + 6)
+    assert sorted(continued) == list(after)
     # Same math, different reduction order across devices: equal to float32 rounding.
-    np.testing.assert_allclose([continued[s] for s in range(21, 26)], [expected[s] for s in range(21, 26)],
+    np.testing.assert_allclose([continued[s] for s in after], [expected[s] for s in after],
                                rtol=1e-5)
 
 
@@ -328,7 +332,7 @@ def test_resume_with_a_changed_config_is_refused_or_allowed_by_name(uninterrupte
     """Raising train.steps on resume used to rescale the LR schedule silently; a model change dumped Orbax's tree."""
     workdir = tmp_path / "changed"
     shutil.copytree(uninterrupted, workdir)
-    for step in (30, 40):
+    for step in (MIDDLE + EVERY, STEPS):
         shutil.rmtree(workdir / "checkpoints" / str(step))
 
     def argv(*extra):
@@ -342,13 +346,13 @@ def test_resume_with_a_changed_config_is_refused_or_allowed_by_name(uninterrupte
         return line
 
     refused = error_line("--bigger")
-    assert "train.steps: 40 -> 60" in refused and "--allow-config-change" in refused
+    assert f"train.steps: {STEPS} -> 60" in refused and "--allow-config-change" in refused
     shape = error_line("--set", "model.hidden_size=64", "--set", "model.num_attention_heads=2")
     assert "model.hidden_size: 128 -> 64" in shape and "cannot change when resuming" in shape
     allowed = _run_here(argv("--bigger", "--allow-config-change", "--set", "train.log_every=2",
                              "--max-steps-this-run", "2"), monkeypatch, capsys)
     assert "resuming with changed config keys: train.log_every, train.steps" in allowed
-    assert "step 22/60" in allowed
+    assert f"step {MIDDLE + 2}/60" in allowed
 
 
 def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(uninterrupted, corpus, tmp_path,
@@ -356,18 +360,19 @@ def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(u
     """A truncated params file in the newest step used to block resuming behind ~150 lines of traceback."""
     workdir = tmp_path / "corrupt"
     shutil.copytree(uninterrupted, workdir)
-    shutil.rmtree(workdir / "checkpoints" / "40")
-    for path in (workdir / "checkpoints" / "30" / "params").rglob("*"):
+    newest, damaged = STEPS, MIDDLE + EVERY
+    shutil.rmtree(workdir / "checkpoints" / str(newest))
+    for path in (workdir / "checkpoints" / str(damaged) / "params").rglob("*"):
         if path.is_file() and path.stat().st_size > 64:
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     (workdir / "metrics.jsonl").write_text("")
     output = _run_here(_argv(workdir, corpus), monkeypatch, capsys)
     [warning] = [_message(line) for line in output.splitlines() if _message(line).startswith("warning: cannot restore")]
-    assert "checkpoints/30" in warning and "checkpoints/30.corrupt" in warning
-    assert "resumed from" in output and "checkpoints/20" in output
-    assert (workdir / "checkpoints" / "30.corrupt").is_dir()
+    assert f"checkpoints/{damaged}" in warning and f"checkpoints/{damaged}.corrupt" in warning
+    assert "resumed from" in output and f"checkpoints/{MIDDLE}" in output
+    assert (workdir / "checkpoints" / f"{damaged}.corrupt").is_dir()
     expected, resumed = _losses(uninterrupted), _losses(workdir)
-    assert [resumed[s] for s in range(21, STEPS + 1)] == [expected[s] for s in range(21, STEPS + 1)]
+    assert [resumed[s] for s in range(MIDDLE + 1, STEPS + 1)] == [expected[s] for s in range(MIDDLE + 1, STEPS + 1)]
 
 
 def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path, monkeypatch, capsys):

@@ -23,7 +23,9 @@ def main(argv: list[str]) -> int:
     for step in range(start + 1, steps + 1):
         time.sleep(0.2)
         print(f"step {step}/{steps}", flush=True)
-        position.write_text(str(step))
+        # Atomically, as a real job saves: a preemption between truncate and write left an empty file.
+        position.with_suffix(".tmp").write_text(str(step))
+        os.replace(position.with_suffix(".tmp"), position)
     if worker == 0:
         (workdir / "COMPLETED").write_text("")
     return 0
