@@ -54,6 +54,17 @@ def setup():
     return mesh, model, optimizer, schedule, state, shardings
 
 
+@pytest.fixture(scope="module")
+def skipping_steps(setup):
+    """The jitted step with the non-finite skip as a branch ("cond") and as a select, each compiled once for the
+    tests that use them."""
+    mesh, model, optimizer, schedule, state, shardings = setup
+    return {skip: jax.jit(functools.partial(train_step.train_step, model=model, optimizer=optimizer,
+                                            schedule=schedule, grad_accum_steps=1, nsp_loss=True,
+                                            skip_nonfinite=skip))
+            for skip in ("cond", "select")}
+
+
 def _torch_losses(params, batches, tmp_path):
     export_hf(jax.device_get(params), CONFIG, [f"t{i}" for i in range(90)], str(tmp_path / "hf"))
     reference = transformers.BertForPreTraining.from_pretrained(str(tmp_path / "hf"))
@@ -120,14 +131,13 @@ def test_gradient_accumulation_equals_one_big_batch(setup):
 
 
 @pytest.mark.parametrize("skip", ["cond", "select"])
-def test_non_finite_gradient_skips_the_update(setup, skip):
-    mesh, model, optimizer, schedule, state, shardings = setup
+def test_non_finite_gradient_skips_the_update(setup, skipping_steps, skip):
+    state = setup[4]
     batch = _batches(1, seed=6)[0]
     bad = jax.tree_util.tree_map(lambda x: x, state)
     bad = bad.replace(params=jax.tree_util.tree_map(lambda x: x, bad.params))
     bad.params["bert"]["embeddings"]["LayerNorm"]["scale"] = jnp.full((32,), jnp.nan)
-    step = jax.jit(lambda s, b: train_step.train_step(s, b, model=model, optimizer=optimizer, schedule=schedule,
-                                                      grad_accum_steps=1, nsp_loss=True, skip_nonfinite=skip))
+    step = skipping_steps[skip]
     new_state, metrics = step(bad, batch)
     assert int(new_state.nonfinite_total) == 1 and int(new_state.nonfinite_consecutive) == 1
     assert int(new_state.step) == 1
@@ -137,15 +147,13 @@ def test_non_finite_gradient_skips_the_update(setup, skip):
     assert int(good_state.nonfinite_total) == 0 and not np.array_equal(kernel(good_state), kernel(state))
 
 
-def test_select_and_branch_skips_give_the_same_updates(setup):
+def test_select_and_branch_skips_give_the_same_updates(setup, skipping_steps):
     """The non-finite skip as a select fused into the update (TPU, GPU) and as a branch (CPU): the same 5 steps."""
-    mesh, model, optimizer, schedule, state, shardings = setup
+    state = setup[4]
     assert train_step.skip_by_select("tpu") and train_step.skip_by_select("gpu")
     assert not train_step.skip_by_select("cpu")
     states = {}
-    for skip in ("cond", "select"):
-        step = jax.jit(functools.partial(train_step.train_step, model=model, optimizer=optimizer, schedule=schedule,
-                                         grad_accum_steps=1, nsp_loss=True, skip_nonfinite=skip))
+    for skip, step in skipping_steps.items():
         states[skip] = state
         for batch in _batches(5, seed=7):
             states[skip], _ = step(states[skip], batch)
