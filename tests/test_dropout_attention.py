@@ -88,6 +88,37 @@ def test_forward_and_gradients_equal_the_reference_with_the_kernels_mask(length,
     assert np.abs(np.asarray(out - no_dropout)).max() > 1e-2
 
 
+@pytest.mark.parametrize("length, head_dim, layout, blocks", [
+    (128, 16, "packing", {}),                               # 1/sqrt(16) a power of two: q and its bias pre-scaled
+    (500, 8, "padding", dict(block_q=256, block_k=128)),    # 1/sqrt(8) scaled in the kernels; 2 held blocks
+])
+def test_biases_added_in_the_kernel_get_the_gradients_of_biases_added_before_it(length, head_dim, layout, blocks):
+    """`biases`: the q/k/v biases' gradients, summed inside the kernels, equal the reference's (jax's reduction of
+    the gradient of q + bias etc.); q/k/v's gradients and the output too. The key bias's is ~0 in both (softmax
+    ignores a shift of every logit of a row): an absolute tolerance besides the relative one (float32 sums)."""
+    batch, heads, rate, seed = 2, 2, 0.1, 7
+    q, k, v = _inputs(batch, length, heads, head_dim, seed=5)
+    rng = np.random.default_rng(6)
+    biases = tuple(jnp.asarray(rng.normal(size=(heads, head_dim)), jnp.float32) for _ in range(3))
+    segment_ids = _segments(batch, length, layout)
+    weights = (segment_ids != 0).astype(jnp.float32)[:, :, None, None]
+    mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate)
+    kernel = lambda q, k, v, b: da.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=rate, seed=seed,
+                                                                biases=b, **blocks)
+    reference = lambda q, k, v, b: _reference(*(x + bias for x, bias in zip((q, k, v), b)), segment_ids, mask, rate)
+    loss = lambda f: lambda q, k, v, b: jnp.sum(jnp.sin(f(q, k, v, b)) * weights)
+    with pltpu.force_tpu_interpret_mode():
+        out = kernel(q, k, v, biases)
+        grads = jax.grad(loss(kernel), argnums=(0, 1, 2, 3))(q, k, v, biases)
+    expected_grads = jax.grad(loss(reference), argnums=(0, 1, 2, 3))(q, k, v, biases)
+    _assert_close((out, jax.tree.leaves(grads)[:3]), (reference(q, k, v, biases), jax.tree.leaves(expected_grads)[:3]),
+                  segment_ids)
+    for grad, expected in zip(grads[3], expected_grads[3]):
+        assert grad.shape == (heads, head_dim) and grad.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5, atol=5e-5)
+    assert np.abs(np.asarray(grads[3][2])).max() > 1.0   # the value bias's gradient is not trivially small
+
+
 def test_rate_zero_is_attention_without_dropout():
     q, k, v = _inputs(2, 128, 2, 16)
     segment_ids = _segments(2, 128, "packing")
@@ -209,23 +240,35 @@ def test_cost_estimates_count_tile_padded_bytes_per_copy_and_vpu_work():
     a, tile = 2 * 4 * 256 * 128 * 2, 512
     steps, per_outer_block = 2 * 4 * 2 * 2, 2 * 4 * 2   # grid cells; (batch, head, outer block) cells
     stats = 2 * 4 * 256 * 4                               # lse or D [2, 4, 1, 256] float32, read once
+    sums = per_outer_block * 8 * 128 * 4                  # a bias gradient's (8, 64) float32 tile per held block
     expected_bytes = [
         # forward: q once, k and v once per query block, o once; q segment ids per outer block, k's every step
         a + 2 * 2 * a + a + per_outer_block * tile + steps * tile + stats,
-        # dq: q, do, dq once; k, v per query block; segment ids as the forward; lse and D once
-        3 * a + 2 * 2 * a + per_outer_block * tile + steps * tile + 2 * stats,
-        # dk/dv: k, v, dk, dv once; q and do per key block; k segment ids per key block; q's, lse and D every step
-        4 * a + 2 * 2 * a + per_outer_block * tile + 3 * steps * tile,
+        # dq: q, do, dq once; k, v per query block; segment ids as the forward; lse and D once; dq's sums
+        3 * a + 2 * 2 * a + per_outer_block * tile + steps * tile + 2 * stats + sums,
+        # dk/dv: k, v, dk, dv once; q and do per key block; k segment ids per key block; q's, lse and D every
+        # step; dk's and dv's sums
+        4 * a + 2 * 2 * a + per_outer_block * tile + 3 * steps * tile + 2 * sums,
     ]
     pairs = 2 * 4 * 256 * 256
-    # VPU ops per pair (the hash's 11, its per-sweep precomputation 6 / 2 streamed blocks, + forward 8, dq 8,
-    # dk/dv 10) at 32 MXU flops each exceed the matmuls' 128 per [S, S, 64] product (2, 3, 4 of them): the VPU's
-    # time is the kernel's.
+    # VPU ops per pair (the hash's 11, its per-sweep precomputation 6 / 2 streamed blocks, + forward 7, dq 7,
+    # dk/dv 9: 1/sqrt(64) = 1/8 is a power of two, so q comes pre-scaled and no kernel scales its logits) at 32 MXU
+    # flops each exceed the matmuls' 128 per [S, S, 64] product (2, 3, 4 of them): the VPU's time is the kernel's.
     hash_ops = 11 + 6 / 2
-    expected_flops = [pairs * 32 * (hash_ops + 8), pairs * 32 * (hash_ops + 8), pairs * 32 * (hash_ops + 10)]
+    expected_flops = [pairs * 32 * (hash_ops + 7), pairs * 32 * (hash_ops + 7), pairs * 32 * (hash_ops + 9)]
     assert [c.bytes_accessed for c in costs] == expected_bytes
     assert [c.flops for c in costs] == expected_flops
     assert [c.transcendentals for c in costs] == [pairs] * 3
+
+
+def test_the_logits_are_scaled_in_the_kernels_only_where_the_scale_is_not_a_power_of_two():
+    """head_dim 32: 1/sqrt(32) is inexact in bf16, so q is not pre-scaled and each kernel pays the op per pair
+    (forward 8, dq 8, dk/dv 10 besides the hash's 11 + 6 / 2); its matmuls (2*32 flops per pair each) stay below."""
+    q, k, v = (jax.ShapeDtypeStruct((2, 256, 4, 32), jnp.bfloat16) for _ in range(3))
+    costs = [eqn.params["cost_estimate"] for eqn in _kernel_eqns(q, k, v, jax.ShapeDtypeStruct((2, 256), jnp.int32))]
+    pairs, hash_ops = 2 * 4 * 256 * 256, 11 + 6 / 2
+    assert [c.flops for c in costs] == [pairs * 32 * (hash_ops + 8), pairs * 32 * (hash_ops + 8),
+                                        pairs * 32 * (hash_ops + 10)]
 
 
 def test_statistics_and_segment_ids_reach_the_kernels_lane_dense():
