@@ -90,7 +90,7 @@ def test_forward_and_gradients_equal_the_reference_with_the_kernels_mask(length,
 
 @pytest.mark.parametrize("length, head_dim, layout, blocks", [
     (128, 16, "packing", {}),                               # 1/sqrt(16) a power of two: q and its bias pre-scaled
-    (500, 8, "padding", dict(block_q=256, block_k=128)),    # 1/sqrt(8) scaled in the kernels; 2 held blocks
+    (500, 8, "padding", {"block_q": 256, "block_k": 128}),    # 1/sqrt(8) scaled in the kernels; 2 held blocks
 ])
 def test_biases_added_in_the_kernel_get_the_gradients_of_biases_added_before_it(length, head_dim, layout, blocks):
     """`biases`: the q/k/v biases' gradients, summed inside the kernels, equal the reference's (jax's reduction of
@@ -278,8 +278,9 @@ def test_statistics_and_segment_ids_reach_the_kernels_lane_dense():
     q, k, v = (jax.ShapeDtypeStruct((batch, length, heads, 64), jnp.bfloat16) for _ in range(3))
     eqns = _kernel_eqns(q, k, v, jax.ShapeDtypeStruct((batch, length), jnp.int32))
     qkv_shape = (batch, heads, length, 64)
+    sums_shape = (batch, heads, length // 128 * 8, 64)   # the backward's bias-gradient tiles, one per held block
     others = [var.aval for eqn in eqns for var in (*eqn.invars, *eqn.outvars)
-              if var.aval.shape not in (qkv_shape, (3,))]   # (3,): the prefetched seed and offsets
+              if var.aval.shape not in (qkv_shape, (3,), sums_shape)]   # (3,): the prefetched seed and offsets
     assert others and all(a.shape in ((batch, 1, length), (batch, heads, 1, length)) for a in others), others
     assert {a.dtype for a in others if a.shape == (batch, 1, length)} == {jnp.dtype(jnp.int32)}
     assert {a.dtype for a in others if a.shape == (batch, heads, 1, length)} == {jnp.dtype(jnp.float32)}

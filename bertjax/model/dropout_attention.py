@@ -54,9 +54,10 @@ MASK_VALUE = float(jnp.finfo(jnp.float32).min)   # the reference's mask logit; e
 # flip of the unsigned compare and the compare = 11; the precomputation, once per held block's sweep over the
 # streamed blocks, 6 per element of one block (2 iotas, shift, add, multiply, add): 6 / (streamed blocks) per pair.
 # Besides the matmuls and the hash (exp runs on the separate EUP and is declared as a transcendental): forward
-# scale (none when the query comes pre-scaled: `flash_attention_with_dropout`), segment compare, mask select, max, subtract, sum, keep select, cast to the matmul dtype = 8; dq scale,
+# scale, segment compare, mask select, max, subtract, sum, keep select, cast to the matmul dtype = 8; dq scale,
 # compare, select, subtract lse, dP's keep select, subtract D, multiply by P, cast = 8 (1/keep_prob is folded into
-# the per-query statistics: `_backward_statistics`); dk/dv those and P*Z's select and cast = 10.
+# the per-query statistics: `_backward_statistics`); dk/dv those and P*Z's select and cast = 10. One fewer in each
+# where q comes pre-scaled (`_kernel_inputs`).
 HASH_OPS_PER_ELEMENT, HASH_INIT_OPS_PER_ELEMENT = 11, 6
 _FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 8, 8, 10
 
@@ -237,7 +238,7 @@ def _probs_and_dscores(s, lse_kept, di_kept, dp, keep):
 
 
 def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref, dq_ref, dqsum_ref,
-               dq_sc, qseg_sc, lse_sc, di_sc, hash_sc, *, scale, threshold, inv_keep):
+               dq_sc, qseg_sc, lse_sc, di_sc, hash_sc, *, scale, dq_scale, threshold, inv_keep):
     b, h, qi, ki = (pl.program_id(i) for i in range(4))
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
 
@@ -261,7 +262,7 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_re
 
     @pl.when(ki == pl.num_programs(3) - 1)
     def _finish():
-        dq = dq_sc[...] * scale if scale != 1.0 else dq_sc[...]
+        dq = dq_sc[...] * dq_scale if dq_scale != 1.0 else dq_sc[...]
         dq_ref[...] = dq.astype(dq_ref.dtype)
         dqsum_ref[...] = _row_sum_tile(dq, dqsum_ref.shape)
 
@@ -407,9 +408,10 @@ def _forward(q, k, v, segment_ids, seed, rate, block_q, block_k, scale=None):
         cost, seed, q, k, v, seg, seg)
 
 
-def _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k, scale=None):
+def _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k, scale=None, q_scale=1.0):
     """(dq, dk, dv, (dq, dk, dv summed over the sequence [B, H, D] float32: the gradients of biases added to q/k/v,
-    from the kernels' own accumulators instead of an XLA reduction over [B, H, S, D]))."""
+    from the kernels' own accumulators instead of an XLA reduction over [B, H, S, D])). `q_scale`: q is a query
+    multiplied by it, and dq is returned for that query."""
     batch, heads, length, head_dim = q.shape
     scale = _default_scale(head_dim, scale)
     unscaled = scale == 1.0   # one VPU op per pair fewer
@@ -426,7 +428,8 @@ def _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k, sc
 
     q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=2, k_axis=3)
     dq, dq_sum = _pallas_call(
-        functools.partial(_dq_kernel, scale=scale, **kwargs), "flash_dropout_dq", (batch, heads, nq, nk),
+        functools.partial(_dq_kernel, scale=scale, dq_scale=scale * q_scale, **kwargs), "flash_dropout_dq",
+        (batch, heads, nq, nk),
         [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec], [q_spec, sum_spec],
         [pltpu.VMEM((block_q, head_dim), jnp.float32), _column_scratch(block_q, jnp.int32),
          _column_scratch(block_q), _column_scratch(block_q), pltpu.VMEM((block_q, block_k), jnp.int32)],
@@ -439,7 +442,8 @@ def _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k, sc
     q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_k, block_q, head_dim, q_axis=3, k_axis=2)
     dk, dv, dk_sum, dv_sum = _pallas_call(
         functools.partial(_dkv_kernel, scale=scale, **kwargs), "flash_dropout_dkv", (batch, heads, nq, nk),
-        [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec], [k_spec, k_spec, sum_spec, sum_spec],
+        [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec],
+        [k_spec, k_spec, sum_spec, sum_spec],
         [pltpu.VMEM((block_q, head_dim), jnp.float32), pltpu.VMEM((block_q, head_dim), jnp.float32),
          _column_scratch(block_q, jnp.int32), pltpu.VMEM((block_q, block_k), jnp.int32)],
         [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype), sum_shape, sum_shape],
@@ -452,27 +456,32 @@ def _default_scale(head_dim, scale):
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
-def _add_biases(q, k, v, biases):
-    """q/k/v [B, H, S, D] plus biases [B, H, D] (None: none), in q/k/v's dtype."""
-    if biases is None:
-        return q, k, v
-    return tuple(x + b[:, :, None, :].astype(x.dtype) for x, b in zip((q, k, v), biases))
+def _kernel_inputs(q, k, v, biases, prescale):
+    """q/k/v [B, H, S, D] plus biases [B, H, D] (None: none) in q/k/v's dtype, q times 1/sqrt(D) if `prescale`
+    (then the kernels' logits scale is 1). XLA fuses these into the copies that lay q/k/v out for the kernels."""
+    if biases is not None:
+        q, k, v = (x + b[:, :, None, :].astype(x.dtype) for x, b in zip((q, k, v), biases))
+    if prescale:
+        q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
+    return q, k, v
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, scale):
-    return _forward(*_add_biases(q, k, v, biases), segment_ids, seed, rate, block_q, block_k, scale)[0]
+def _attention(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, prescale):
+    return _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, prescale)[0]
 
 
-def _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, scale):
-    q, k, v = _add_biases(q, k, v, biases)
-    o, lse = _forward(q, k, v, segment_ids, seed, rate, block_q, block_k, scale)
+def _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, prescale):
+    q, k, v = _kernel_inputs(q, k, v, biases, prescale)
+    o, lse = _forward(q, k, v, segment_ids, seed, rate, block_q, block_k, 1.0 if prescale else None)
     return o, (q, k, v, biases, segment_ids, seed, o, lse)   # biases: only whether there are any is used
 
 
-def _attention_bwd(rate, block_q, block_k, scale, residuals, do):
+def _attention_bwd(rate, block_q, block_k, prescale, residuals, do):
     q, k, v, biases, segment_ids, seed, o, lse = residuals
-    dq, dk, dv, sums = _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k, scale)
+    # dq for the query before the prescale: the dq kernel multiplies by 1/sqrt(D) at its end, once per row.
+    scales = {"scale": 1.0, "q_scale": 1.0 / math.sqrt(q.shape[-1])} if prescale else {}
+    dq, dk, dv, sums = _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k, **scales)
     return dq, dk, dv, None if biases is None else sums, None, None
 
 
@@ -511,19 +520,14 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
         pad = lambda x: jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
         query, key, value, segment_ids = pad(query), pad(key), pad(value), pad(segment_ids)
     to_bhsd = lambda x: jnp.swapaxes(x, 1, 2)
-    scale = scale_q = 1.0 / math.sqrt(head_dim)
     if biases is not None:
         biases = tuple(jnp.broadcast_to(b, (batch, heads, head_dim)) for b in biases)
-    if math.frexp(scale)[0] == 0.5:
-        # A power of two (head_dim a power of 4: 16, 64 (BERT), 256): q * scale is exact, and XLA fuses it into the
-        # copy that lays q out for the kernel (and its gradient's into dq's), so no kernel scales its [S, S] logits
-        # (one VPU op per query-key pair fewer in each) nor dq/dk at the end.
-        query, scale = query * jnp.asarray(scale, query.dtype), 1.0
-        if biases is not None:
-            biases = (biases[0] * scale_q, *biases[1:])
+    # Where 1/sqrt(D) is a power of two (D a power of 4: 16, 64 (BERT), 256), q * 1/sqrt(D) is exact: q is scaled
+    # once on its way into the kernels and no kernel scales its [S, S] logits (one VPU op per query-key pair fewer).
+    prescale = math.frexp(1.0 / math.sqrt(head_dim))[0] == 0.5
     # Scalar-prefetched to SMEM: the seed's bits and the global index of this call's first example and head.
     scalars = jnp.concatenate([_seed_word(seed), jnp.asarray(batch_offset, jnp.int32).reshape(1),
                                jnp.asarray(head_offset, jnp.int32).reshape(1)])
     out = _attention(to_bhsd(query), to_bhsd(key), to_bhsd(value), biases, segment_ids, scalars, dropout_rate,
-                     block_q, block_k, scale)
+                     block_q, block_k, prescale)
     return to_bhsd(out)[:, :length]
