@@ -345,28 +345,34 @@ def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, le
 
 def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays():
     """On a mesh the backend runs the kernel per shard (shard_map: batch over data, heads over tensor); each shard
-    hashes its global batch and head indices, so the output is the unsharded one."""
+    hashes its global batch and head indices, so the output is the unsharded one; the q/k/v biases' gradients,
+    summed per shard in the kernels, are the unsharded ones too."""
     from bertjax import sharding
 
     batch, length, heads, head_dim, rate = 2, 128, 2, 16, 0.1
     q, k, v = _inputs(batch, length, heads, head_dim, seed=4)
+    biases = tuple(jnp.asarray(np.random.default_rng(9).normal(size=(3, heads, head_dim)), jnp.float32))
     input_mask = np.ones((batch, length), np.int32)
     input_mask[1, 70:] = 0
     rng = jax.random.key(5)
     mask = da.dropout_keep_mask(da.seed_from_rng(rng), batch, heads, length, length, rate)
     weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]
-    attend = lambda q, k, v: dot_product_attention(q, k, v, input_mask, None, backend="flash_dropout_tpu",
-                                                   dropout_rate=rate, dropout_rng=rng, deterministic=False)
-    reference = lambda q, k, v: reference_attention(q, k, v, input_mask, None, dropout_rate=rate, dropout_rng=rng,
-                                                    deterministic=False, keep_mask=mask)
+    attend = lambda q, k, v, b: dot_product_attention(q, k, v, input_mask, None, backend="flash_dropout_tpu",
+                                                      dropout_rate=rate, dropout_rng=rng, deterministic=False,
+                                                      biases=b)
+    reference = lambda q, k, v, b: reference_attention(q + b[0], k + b[1], v + b[2], input_mask, None,
+                                                       dropout_rate=rate, dropout_rng=rng, deterministic=False,
+                                                       keep_mask=mask)
+    loss = lambda f: lambda q, k, v, b: jnp.sum(jnp.sin(f(q, k, v, b)) * weights)
     mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
     with pltpu.force_tpu_interpret_mode(), sharding.activate(mesh):
-        out, grads = jax.jit(lambda q, k, v: (attend(q, k, v),
-                                              jax.grad(_loss(attend, weights), argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+        out, grads = jax.jit(lambda *a: (attend(*a), jax.grad(loss(attend), argnums=(0, 1, 2, 3))(*a)))(
+            q, k, v, biases)
     valid = input_mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference(q, k, v))[valid], atol=1e-5)
-    for grad, expected in zip(grads, jax.grad(_loss(reference, weights), argnums=(0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference(q, k, v, biases))[valid], atol=1e-5)
+    expected_grads = jax.grad(loss(reference), argnums=(0, 1, 2, 3))(q, k, v, biases)
+    for grad, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5, atol=5e-5)
 
 
 @pytest.mark.slow
