@@ -88,6 +88,37 @@ def test_forward_and_gradients_equal_the_reference_with_the_kernels_mask(length,
     assert np.abs(np.asarray(out - no_dropout)).max() > 1e-2
 
 
+@pytest.mark.parametrize("length, head_dim, layout, blocks", [
+    (128, 16, "packing", {}),                               # 1/sqrt(16) a power of two: q and its bias pre-scaled
+    (500, 8, "padding", {"block_q": 256, "block_k": 128}),    # 1/sqrt(8) scaled in the kernels; 2 held blocks
+])
+def test_biases_added_in_the_kernel_get_the_gradients_of_biases_added_before_it(length, head_dim, layout, blocks):
+    """`biases`: the q/k/v biases' gradients, summed inside the kernels, equal the reference's (jax's reduction of
+    the gradient of q + bias etc.); q/k/v's gradients and the output too. The key bias's is ~0 in both (softmax
+    ignores a shift of every logit of a row): an absolute tolerance besides the relative one (float32 sums)."""
+    batch, heads, rate, seed = 2, 2, 0.1, 7
+    q, k, v = _inputs(batch, length, heads, head_dim, seed=5)
+    rng = np.random.default_rng(6)
+    biases = tuple(jnp.asarray(rng.normal(size=(heads, head_dim)), jnp.float32) for _ in range(3))
+    segment_ids = _segments(batch, length, layout)
+    weights = (segment_ids != 0).astype(jnp.float32)[:, :, None, None]
+    mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate)
+    kernel = lambda q, k, v, b: da.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=rate, seed=seed,
+                                                                biases=b, **blocks)
+    reference = lambda q, k, v, b: _reference(*(x + bias for x, bias in zip((q, k, v), b)), segment_ids, mask, rate)
+    loss = lambda f: lambda q, k, v, b: jnp.sum(jnp.sin(f(q, k, v, b)) * weights)
+    with pltpu.force_tpu_interpret_mode():
+        out = kernel(q, k, v, biases)
+        grads = jax.grad(loss(kernel), argnums=(0, 1, 2, 3))(q, k, v, biases)
+    expected_grads = jax.grad(loss(reference), argnums=(0, 1, 2, 3))(q, k, v, biases)
+    _assert_close((out, jax.tree.leaves(grads)[:3]), (reference(q, k, v, biases), jax.tree.leaves(expected_grads)[:3]),
+                  segment_ids)
+    for grad, expected in zip(grads[3], expected_grads[3]):
+        assert grad.shape == (heads, head_dim) and grad.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5, atol=5e-5)
+    assert np.abs(np.asarray(grads[3][2])).max() > 1.0   # the value bias's gradient is not trivially small
+
+
 def test_rate_zero_is_attention_without_dropout():
     q, k, v = _inputs(2, 128, 2, 16)
     segment_ids = _segments(2, 128, "packing")
@@ -209,23 +240,35 @@ def test_cost_estimates_count_tile_padded_bytes_per_copy_and_vpu_work():
     a, tile = 2 * 4 * 256 * 128 * 2, 512
     steps, per_outer_block = 2 * 4 * 2 * 2, 2 * 4 * 2   # grid cells; (batch, head, outer block) cells
     stats = 2 * 4 * 256 * 4                               # lse or D [2, 4, 1, 256] float32, read once
+    sums = per_outer_block * 8 * 128 * 4                  # a bias gradient's (8, 64) float32 tile per held block
     expected_bytes = [
         # forward: q once, k and v once per query block, o once; q segment ids per outer block, k's every step
         a + 2 * 2 * a + a + per_outer_block * tile + steps * tile + stats,
-        # dq: q, do, dq once; k, v per query block; segment ids as the forward; lse and D once
-        3 * a + 2 * 2 * a + per_outer_block * tile + steps * tile + 2 * stats,
-        # dk/dv: k, v, dk, dv once; q and do per key block; k segment ids per key block; q's, lse and D every step
-        4 * a + 2 * 2 * a + per_outer_block * tile + 3 * steps * tile,
+        # dq: q, do, dq once; k, v per query block; segment ids as the forward; lse and D once; dq's sums
+        3 * a + 2 * 2 * a + per_outer_block * tile + steps * tile + 2 * stats + sums,
+        # dk/dv: k, v, dk, dv once; q and do per key block; k segment ids per key block; q's, lse and D every
+        # step; dk's and dv's sums
+        4 * a + 2 * 2 * a + per_outer_block * tile + 3 * steps * tile + 2 * sums,
     ]
     pairs = 2 * 4 * 256 * 256
-    # VPU ops per pair (the hash's 11, its per-sweep precomputation 6 / 2 streamed blocks, + forward 8, dq 8,
-    # dk/dv 10) at 32 MXU flops each exceed the matmuls' 128 per [S, S, 64] product (2, 3, 4 of them): the VPU's
-    # time is the kernel's.
+    # VPU ops per pair (the hash's 11, its per-sweep precomputation 6 / 2 streamed blocks, + forward 7, dq 7,
+    # dk/dv 9: 1/sqrt(64) = 1/8 is a power of two, so q comes pre-scaled and no kernel scales its logits) at 32 MXU
+    # flops each exceed the matmuls' 128 per [S, S, 64] product (2, 3, 4 of them): the VPU's time is the kernel's.
     hash_ops = 11 + 6 / 2
-    expected_flops = [pairs * 32 * (hash_ops + 8), pairs * 32 * (hash_ops + 8), pairs * 32 * (hash_ops + 10)]
+    expected_flops = [pairs * 32 * (hash_ops + 7), pairs * 32 * (hash_ops + 7), pairs * 32 * (hash_ops + 9)]
     assert [c.bytes_accessed for c in costs] == expected_bytes
     assert [c.flops for c in costs] == expected_flops
     assert [c.transcendentals for c in costs] == [pairs] * 3
+
+
+def test_the_logits_are_scaled_in_the_kernels_only_where_the_scale_is_not_a_power_of_two():
+    """head_dim 32: 1/sqrt(32) is inexact in bf16, so q is not pre-scaled and each kernel pays the op per pair
+    (forward 8, dq 8, dk/dv 10 besides the hash's 11 + 6 / 2); its matmuls (2*32 flops per pair each) stay below."""
+    q, k, v = (jax.ShapeDtypeStruct((2, 256, 4, 32), jnp.bfloat16) for _ in range(3))
+    costs = [eqn.params["cost_estimate"] for eqn in _kernel_eqns(q, k, v, jax.ShapeDtypeStruct((2, 256), jnp.int32))]
+    pairs, hash_ops = 2 * 4 * 256 * 256, 11 + 6 / 2
+    assert [c.flops for c in costs] == [pairs * 32 * (hash_ops + 8), pairs * 32 * (hash_ops + 8),
+                                        pairs * 32 * (hash_ops + 10)]
 
 
 def test_statistics_and_segment_ids_reach_the_kernels_lane_dense():
@@ -235,8 +278,9 @@ def test_statistics_and_segment_ids_reach_the_kernels_lane_dense():
     q, k, v = (jax.ShapeDtypeStruct((batch, length, heads, 64), jnp.bfloat16) for _ in range(3))
     eqns = _kernel_eqns(q, k, v, jax.ShapeDtypeStruct((batch, length), jnp.int32))
     qkv_shape = (batch, heads, length, 64)
+    sums_shape = (batch, heads, length // 128 * 8, 64)   # the backward's bias-gradient tiles, one per held block
     others = [var.aval for eqn in eqns for var in (*eqn.invars, *eqn.outvars)
-              if var.aval.shape not in (qkv_shape, (3,))]   # (3,): the prefetched seed and offsets
+              if var.aval.shape not in (qkv_shape, (3,), sums_shape)]   # (3,): the prefetched seed and offsets
     assert others and all(a.shape in ((batch, 1, length), (batch, heads, 1, length)) for a in others), others
     assert {a.dtype for a in others if a.shape == (batch, 1, length)} == {jnp.dtype(jnp.int32)}
     assert {a.dtype for a in others if a.shape == (batch, heads, 1, length)} == {jnp.dtype(jnp.float32)}
@@ -301,28 +345,34 @@ def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, le
 
 def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays():
     """On a mesh the backend runs the kernel per shard (shard_map: batch over data, heads over tensor); each shard
-    hashes its global batch and head indices, so the output is the unsharded one."""
+    hashes its global batch and head indices, so the output is the unsharded one; the q/k/v biases' gradients,
+    summed per shard in the kernels, are the unsharded ones too."""
     from bertjax import sharding
 
     batch, length, heads, head_dim, rate = 2, 128, 2, 16, 0.1
     q, k, v = _inputs(batch, length, heads, head_dim, seed=4)
+    biases = tuple(jnp.asarray(np.random.default_rng(9).normal(size=(3, heads, head_dim)), jnp.float32))
     input_mask = np.ones((batch, length), np.int32)
     input_mask[1, 70:] = 0
     rng = jax.random.key(5)
     mask = da.dropout_keep_mask(da.seed_from_rng(rng), batch, heads, length, length, rate)
     weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]
-    attend = lambda q, k, v: dot_product_attention(q, k, v, input_mask, None, backend="flash_dropout_tpu",
-                                                   dropout_rate=rate, dropout_rng=rng, deterministic=False)
-    reference = lambda q, k, v: reference_attention(q, k, v, input_mask, None, dropout_rate=rate, dropout_rng=rng,
-                                                    deterministic=False, keep_mask=mask)
+    attend = lambda q, k, v, b: dot_product_attention(q, k, v, input_mask, None, backend="flash_dropout_tpu",
+                                                      dropout_rate=rate, dropout_rng=rng, deterministic=False,
+                                                      biases=b)
+    reference = lambda q, k, v, b: reference_attention(q + b[0], k + b[1], v + b[2], input_mask, None,
+                                                       dropout_rate=rate, dropout_rng=rng, deterministic=False,
+                                                       keep_mask=mask)
+    loss = lambda f: lambda q, k, v, b: jnp.sum(jnp.sin(f(q, k, v, b)) * weights)
     mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
     with pltpu.force_tpu_interpret_mode(), sharding.activate(mesh):
-        out, grads = jax.jit(lambda q, k, v: (attend(q, k, v),
-                                              jax.grad(_loss(attend, weights), argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+        out, grads = jax.jit(lambda *a: (attend(*a), jax.grad(loss(attend), argnums=(0, 1, 2, 3))(*a)))(
+            q, k, v, biases)
     valid = input_mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference(q, k, v))[valid], atol=1e-5)
-    for grad, expected in zip(grads, jax.grad(_loss(reference, weights), argnums=(0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference(q, k, v, biases))[valid], atol=1e-5)
+    expected_grads = jax.grad(loss(reference), argnums=(0, 1, 2, 3))(q, k, v, biases)
+    for grad, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5, atol=5e-5)
 
 
 @pytest.mark.slow

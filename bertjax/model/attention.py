@@ -64,14 +64,19 @@ def resolve_backend(backend: str, dropout_active: bool, platform: str | None = N
 
 
 def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, backend: str = "auto",
-                          dropout_rate: float = 0.0, dropout_rng=None, deterministic: bool = True):
+                          dropout_rate: float = 0.0, dropout_rng=None, deterministic: bool = True, biases=None):
     """Attention output [batch, length, heads, head_dim] in the dtype of `query`.
+
+    `biases`: optional (query, key, value) biases [heads, head_dim] (the projections'), added to query/key/value in
+    their dtype first; the fused dropout kernel adds them itself and sums their gradients in its own kernels.
 
     The Pallas TPU backends run off-TPU (tests on CPU) inside `jax.experimental.pallas.tpu
     .force_tpu_interpret_mode()`, which must enclose the tracing of the backward pass too.
     """
     dropout_active = not deterministic and dropout_rate > 0.0
     backend = resolve_backend(backend, dropout_active, length=query.shape[1])
+    if biases is not None and backend != "flash_dropout_tpu":
+        query, key, value = (x + b.astype(x.dtype) for x, b in zip((query, key, value), biases))
     if backend == "reference":
         return reference_attention(query, key, value, input_mask, packing_ids, dropout_rate=dropout_rate,
                                    dropout_rng=dropout_rng, deterministic=deterministic)
@@ -85,24 +90,34 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
 
         rate = dropout_rate if dropout_active else 0.0
         seed = seed_from_rng(dropout_rng) if rate > 0.0 else jnp.uint32(0)
+        if biases is not None:   # per example, split with the batch and heads
+            biases = tuple(jnp.broadcast_to(b, (query.shape[0], *b.shape)) for b in biases)
         return per_device_shard(functools.partial(_flash_dropout_attention, dropout_rate=rate), query, key, value,
-                                segment_ids, seed)
+                                segment_ids, seed, biases=biases)
     if backend in ("pallas_tpu", "splash_tpu"):
         kernel = _pallas_flash_attention if backend == "pallas_tpu" else _splash_attention
         return per_device_shard(kernel, query, key, value, segment_ids)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
-def per_device_shard(kernel, query, key, value, segment_ids, *replicated):
+def per_device_shard(kernel, query, key, value, segment_ids, *replicated, biases=None):
     """`kernel(query, key, value, segment_ids, *replicated, batch_offset=, head_offset=)` run on each device's
     shard of a multi-device mesh: XLA cannot partition a Mosaic (Pallas TPU) kernel, so the batch is split over
     the activation_batch axes and the heads over activation_heads by the logical-axis rules in force, and each
-    device runs the kernel on its part; the offsets say where that part starts in the whole batch and heads."""
+    device runs the kernel on its part; the offsets say where that part starts in the whole batch and heads.
+    `biases` (optional, [batch, heads, head_dim] each) are split like the batch and heads and passed on as
+    `biases=` (only where given)."""
+    if biases is not None:
+        kernel = _passing_biases(kernel, len(replicated))
+        replicated = (*replicated, *biases)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return kernel(query, key, value, segment_ids, *replicated, batch_offset=0, head_offset=0)
     qkv = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     ids = nn.logical_to_mesh_axes(("activation_batch", "activation_length"))
+    specs = (PartitionSpec(),) * (len(replicated) - (0 if biases is None else 3))
+    if biases is not None:
+        specs += (PartitionSpec(qkv[0], qkv[2], qkv[3]),) * 3
     heads_axes = qkv[2]
     # Over the axes not already manual (inside the train step's shard_map over data: fsdp and tensor, even of
     # size 1: a Mosaic call anywhere an axis is automatic is refused).
@@ -115,8 +130,16 @@ def per_device_shard(kernel, query, key, value, segment_ids, *replicated):
         return kernel(q, k, v, local_ids, *rest, batch_offset=sharding.manual_batch_offset(q.shape[0]),
                       head_offset=0 if heads_axes is None else lax.axis_index(heads_axes) * q.shape[2])
 
-    return jax.shard_map(local, in_specs=(qkv, qkv, qkv, ids) + (PartitionSpec(),) * len(replicated),
+    return jax.shard_map(local, in_specs=(qkv, qkv, qkv, ids) + specs,
                          out_specs=qkv, axis_names=free, check_vma=False)(query, key, value, segment_ids, *replicated)
+
+
+def _passing_biases(kernel, num_replicated):
+    """`kernel` taking its last three positional arguments (after `num_replicated` others) as `biases=`."""
+    def call(query, key, value, segment_ids, *rest, **offsets):
+        return kernel(query, key, value, segment_ids, *rest[:num_replicated], biases=rest[num_replicated:],
+                      **offsets)
+    return call
 
 
 def attention_mask(input_mask, packing_ids=None):
@@ -224,7 +247,8 @@ def _splash_attention(query, key, value, segment_ids, batch_offset, head_offset)
     return out[:, :length]
 
 
-def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset):
+def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset,
+                             biases=None):
     from bertjax.model.dropout_attention import flash_attention_with_dropout
 
     # The kernel pads the length to its blocks itself (padding with segment id 0) and slices the output back. Its
@@ -235,4 +259,4 @@ def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_ra
     held = next(block for block in (4 * KERNEL_BLOCK, 2 * KERNEL_BLOCK, KERNEL_BLOCK) if padded % block == 0)
     return flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
                                         block_q=held, block_k=KERNEL_BLOCK, batch_offset=batch_offset,
-                                        head_offset=head_offset)
+                                        head_offset=head_offset, biases=biases)

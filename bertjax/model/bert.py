@@ -133,11 +133,13 @@ class HeadProjection(nn.Module):
 
     `to_heads`: [B, L, H] -> [B, L, heads, head_dim] with kernel [H, heads, head_dim];
     otherwise [B, L, heads, head_dim] -> [B, L, H] with kernel [heads, head_dim, H].
+    `defer_bias`: return (x W, bias) for the caller to add the bias (attention adds q/k/v's itself).
     (flax's DenseGeneral would do this but initialises a flat kernel, which breaks logical sharding metadata.)
     """
 
     config: BertConfig
     to_heads: bool
+    defer_bias: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -151,7 +153,8 @@ class HeadProjection(nn.Module):
         kernel = self.param("kernel", _kernel_init(c, kernel_names), kernel_shape, jnp.float32)
         bias = self.param("bias", _zeros(bias_names), bias_shape, jnp.float32)
         dtype = _dtype(c)
-        return jnp.einsum(equation, x.astype(dtype), kernel.astype(dtype)) + bias.astype(dtype)
+        y = jnp.einsum(equation, x.astype(dtype), kernel.astype(dtype))
+        return (y, bias) if self.defer_bias else y + bias.astype(dtype)
 
 
 class SelfAttention(nn.Module):
@@ -160,16 +163,17 @@ class SelfAttention(nn.Module):
     @nn.compact
     def __call__(self, hidden, input_mask, packing_ids, deterministic: bool):
         c = self.config
-        query = HeadProjection(c, to_heads=True, name="query")(hidden)
-        key = HeadProjection(c, to_heads=True, name="key")(hidden)
-        value = HeadProjection(c, to_heads=True, name="value")(hidden)
+        # The biases go to the attention, which adds them: the fused dropout kernel sums their gradients itself.
+        (query, bq), (key, bk), (value, bv) = (HeadProjection(c, to_heads=True, defer_bias=True, name=name)(hidden)
+                                               for name in ("query", "key", "value"))
         query, key, value = (_constrain(t, ("activation_batch", "activation_length", "activation_heads",
                                             "activation_kv")) for t in (query, key, value))
         dropout_active = not deterministic and c.attention_probs_dropout_prob > 0
         context = dot_product_attention(
             query, key, value, input_mask, packing_ids, backend=c.attention_backend,
             dropout_rate=c.attention_probs_dropout_prob,
-            dropout_rng=self.make_rng("dropout") if dropout_active else None, deterministic=deterministic)
+            dropout_rng=self.make_rng("dropout") if dropout_active else None, deterministic=deterministic,
+            biases=(bq, bk, bv))
         return context
 
 
