@@ -42,11 +42,12 @@ from bertjax.sharding import target_platform
 FUSED_BACKENDS = ("dot_product", "cudnn", "pallas_tpu", "splash_tpu")
 
 
-# From this length up, `auto` runs attention dropout in the fused TPU kernel. XLA:TPU's estimates (2-layer BERT-base
-# on v5e, bf16): at seq 128 and 256 the reference (XLA fusing the einsums, softmax and dropout) is faster
-# (14.6 vs 16.0 ms at 64 sequences per chip; 9.0 vs 9.7 ms at seq 256, 16 per chip); at seq 512 the [S, S]
-# probabilities and dropout bits dominate and the kernel wins (see docs/performance.md).
-FUSED_DROPOUT_MIN_LENGTH = 512
+# From this length up, `auto` runs attention dropout in the fused TPU kernel. XLA:TPU's estimates (BERT-base on v5e,
+# bf16, 16 sequences per chip): at seq 256 the kernel wins (2 layers 7.84 vs 8.22 ms; 12 layers 30.47 vs 33.27 ms),
+# the [S, S] probabilities and dropout bits outweighing the dearer projections around it (their dots write q/k/v,
+# and read the output and its gradient, in the kernel's [batch, heads, S, 64] layout); at seq 128 the projections'
+# extra time exceeds what the kernel saves (2 layers 5.00 vs 4.89 ms).
+FUSED_DROPOUT_MIN_LENGTH = 256
 
 
 def resolve_backend(backend: str, dropout_active: bool, platform: str | None = None, length: int = 0) -> str:
