@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full argument parser with every registered subcommand; every command shows its defaults in --help
     and takes --verbose."""
     parser = argparse.ArgumentParser(prog="bertjax", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--version", action=PrintVersion)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
@@ -55,6 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--verbose", action="store_true",
                                  help="also show TensorFlow's and XLA's native start-up log lines")
     return parser
+
+
+class PrintVersion(argparse.Action):
+    """`--version`: `version_line()` as one line (argparse's own version action wraps it at the terminal's width,
+    which a long install path crosses)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="show the version and where bertjax runs from, then exit"):  # noqa: A002 - argparse's name
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
 
 
 def version_line() -> str:

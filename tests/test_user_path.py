@@ -19,6 +19,20 @@ def test_config_list_names_every_preset_with_its_description(capsys):
     assert listed["bert-tiny"].startswith("BERT-tiny (L2/H128/A2)")
 
 
+def test_the_version_is_one_line_whatever_the_terminal_width(monkeypatch, capsys):
+    """argparse's version action wrapped the line at the terminal's width: a long install path split it in two."""
+    import importlib.metadata
+
+    monkeypatch.setenv("COLUMNS", "30")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out == cli.version_line() + "\n"
+    assert out.startswith(f"bertjax {importlib.metadata.version('bertjax')} (jax ") and \
+        out.rstrip().endswith(str(REPO_ROOT / "bertjax"))
+
+
 def test_config_show_prints_the_validated_effective_config(capsys):
     assert cli.main(["config", "show", "bert-tiny", "--set", "train.steps=77", "--set", "optimizer.warmup_steps=7"]) == 0
     shown = json.loads(capsys.readouterr().out)
