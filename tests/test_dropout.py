@@ -25,13 +25,16 @@ def test_keep_rate_matches_the_threshold_within_binomial_noise():
 
 
 def test_the_two_halves_of_a_word_are_independent_draws():
-    # Elements i and i + n/2 come from the low and high 16 bits of one word: their agreement must be that of
-    # independent coin flips (a shared or shifted half would make them agree far more often).
-    keep = np.asarray(dropout_lib.keep_mask(jax.random.key(0), 0.5, (1 << 20,)))
-    low, high = keep[: 1 << 19], keep[1 << 19:]
-    n = low.size
-    assert abs((low == high).mean() - 0.5) < 5 * np.sqrt(0.25 / n)
-    assert abs((keep[:-1] == keep[1:]).mean() - 0.5) < 5 * np.sqrt(0.25 / n)
+    # Elements c and c + C/2 of a row come from the low and high 16 bits of one word: their agreement must be that
+    # of independent coin flips (a shared or shifted half would make them agree far more often); so must
+    # neighbours', which come from consecutive counters.
+    for shape in [(1 << 20,), (1 << 10, 1 << 10)]:
+        keep = np.asarray(dropout_lib.keep_mask(jax.random.key(0), 0.5, shape)).reshape(-1, shape[-1])
+        half = shape[-1] // 2
+        low, high = keep[:, :half], keep[:, half:]
+        n = low.size
+        assert abs((low == high).mean() - 0.5) < 5 * np.sqrt(0.25 / n)
+        assert abs((keep[:, :-1] == keep[:, 1:]).mean() - 0.5) < 5 * np.sqrt(0.25 / n)
 
 
 def test_dropout_is_unbiased_and_zeroes_the_dropped():
@@ -78,17 +81,21 @@ def _fmix32(x):
 
 
 def test_mask_is_the_documented_counter_hash():
-    """The module docstring's definition, recomputed in numpy uint32 arithmetic."""
-    key, shape, rate = jax.random.key(11), (3, 5, 8), 0.3
+    """The module docstring's definition, recomputed in numpy uint32 arithmetic: a mask [3, 5, 8] and a flat one."""
+    key, rate = jax.random.key(11), 0.3
+    threshold = dropout_lib.keep_threshold(rate)
     w0, w1 = np.asarray(jax.random.bits(key, (2,), jnp.uint32))
     with np.errstate(over="ignore"):
-        row = np.arange(1, 16, dtype=np.uint32)[:, None]
-        mult = _fmix32(_fmix32(w0 ^ np.uint32(0x9E3779B9)) + row * np.uint32(0x9E3779B9)) | np.uint32(1)
-        add = _fmix32(_fmix32(w1 ^ np.uint32(0x85EBCA77)) + row * np.uint32(0x85EBCA77))
-        words = _fmix32(np.arange(4, dtype=np.uint32)[None, :] * mult + add)
-    draws = np.stack([words & np.uint32(0xFFFF), words >> np.uint32(16)], -1).reshape(shape)
-    expected = draws < dropout_lib.keep_threshold(rate)
-    np.testing.assert_array_equal(np.asarray(dropout_lib.keep_mask(key, rate, shape)), expected)
+        mult = _fmix32(w0 ^ np.uint32(0x9E3779B9)) | np.uint32(1)
+        add = _fmix32(w1 ^ np.uint32(0x85EBCA77))
+        words = lambda count: _fmix32(_fmix32(np.arange(count, dtype=np.uint32) * mult + add))
+    draws = lambda u: np.concatenate([u & np.uint32(0xFFFF), u >> np.uint32(16)], axis=-1)
+    np.testing.assert_array_equal(np.asarray(dropout_lib.keep_mask(key, rate, (3, 5, 8))),
+                                  draws(words(60).reshape(3, 5, 4)) < threshold)
+    np.testing.assert_array_equal(np.asarray(dropout_lib.keep_mask(key, rate, (7,))),
+                                  (draws(words(4)) < threshold)[:7])
+    np.testing.assert_array_equal(np.asarray(dropout_lib.keep_mask(key, rate, (3, 5))),
+                                  (draws(words(8)) < threshold)[:15].reshape(3, 5))
 
 
 def test_rows_columns_and_keys_are_independent_draws():
@@ -97,7 +104,7 @@ def test_rows_columns_and_keys_are_independent_draws():
     bound = 5 * np.sqrt(0.25 / keep[1:].size)
     for a, b in [(keep[1:], keep[:-1]), (keep[:, 2:], keep[:, :-2]), (keep, other)]:
         assert abs((a == b).mean() - 0.5) < bound
-    per_row = keep.mean(axis=1)  # every row's stream keeps at the rate: no degenerate (mult, add) streams
+    per_row = keep.mean(axis=1)  # every row keeps at the rate
     assert np.abs(per_row - 0.5).max() < 5 * np.sqrt(0.25 / 1024)
 
 
