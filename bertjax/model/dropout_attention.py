@@ -460,7 +460,7 @@ class _Layout(NamedTuple):
 
 def _layout(heads: int, head_dim: int) -> _Layout:
     """Packed where two heads of 64 fill a block (BERT's head size, an even head count); elsewhere one head per
-    block in [B, H, S, D]."""
+    block in [B, H, S, D]. (Heads of 16 or 32 could pack 8 or 4 to a block the same way: not compiled or priced.)"""
     return _Layout(heads, head_dim, packed=2 * head_dim == LANES and heads % 2 == 0)
 
 
