@@ -75,6 +75,10 @@ def _assert_close(kernel, reference, segment_ids, atol=1e-5):
     (128, 1, 1, 16, "padding", {}),          # the default 128 blocks: one block
     (512, 1, 1, 8, "packing", {}),           # 4 x 4 blocks of 128
     (500, 1, 2, 8, "padding", {}),           # padded to 512
+    # heads of 64 in pairs: q/k/v/o in the projections' [B, S, H * 64] layout, two heads per 128-lane block
+    (128, 2, 2, 64, "packing", {"block_q": 64, "block_k": 64}),
+    (250, 1, 4, 64, "padding", {}),          # 2 blocks of 2 heads, padded to 256
+    (128, 1, 3, 64, "packing", {"block_q": 64, "block_k": 64}),   # an odd head count: one head per block
 ])
 def test_forward_and_gradients_equal_the_reference_with_the_kernels_mask(length, batch, heads, head_dim, layout,
                                                                         blocks):
@@ -91,6 +95,7 @@ def test_forward_and_gradients_equal_the_reference_with_the_kernels_mask(length,
 @pytest.mark.parametrize("length, head_dim, layout, blocks", [
     (128, 16, "packing", {}),                               # 1/sqrt(16) a power of two: q and its bias pre-scaled
     (500, 8, "padding", {"block_q": 256, "block_k": 128}),    # 1/sqrt(8) scaled in the kernels; 2 held blocks
+    (256, 64, "packing", {"block_q": 128, "block_k": 64}),    # two heads of 64 in one 128-lane block
 ])
 def test_biases_added_in_the_kernel_get_the_gradients_of_biases_added_before_it(length, head_dim, layout, blocks):
     """`biases`: the q/k/v biases' gradients, summed inside the kernels, equal the reference's (jax's reduction of
@@ -230,71 +235,84 @@ def _kernel_eqns(q, k, v, segment_ids, **blocks):
     return [eqn for eqn in _all_eqns(jaxpr.jaxpr) if eqn.primitive.name == "pallas_call"]
 
 
-def test_cost_estimates_count_tile_padded_bytes_per_copy_and_vpu_work():
-    """Declared costs, hand-counted for batch 2, 4 heads of 64 (bf16), length 256 in 128 blocks (2 x 2 per head).
-    A [2, 4, 256, 64] bf16 array moves as (8, 128) tiles: 64 lanes padded to 128, A = 2*4*256*128*2 bytes per
-    pass; a (1, 128) block of a [.., 1, 256] int32/f32 array is one (1, 128) tile, 512 bytes."""
+def test_cost_estimates_count_tile_padded_bytes_per_copy_and_the_work_of_the_slower_unit():
+    """Declared costs, hand-counted for batch 2, 4 heads of 64 (bf16), length 256 in 128 blocks: q/k/v/o as
+    [2, 256, 4 * 64], two heads per 128-lane block (no padding): A = 2*256*256*2 bytes per pass; grid (2 examples,
+    2 head pairs, 2, 2). A (1, 128) block of a [.., 1, 256] int32/f32 array is one (1, 128) tile, 512 bytes; a
+    statistics block holds the pair's two heads, 1024."""
     q, k, v = (jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16) for _ in range(3))
     costs = [eqn.params["cost_estimate"] for eqn in _kernel_eqns(q, k, v, jax.ShapeDtypeStruct((2, 256), jnp.int32))]
     assert len(costs) == 3
-    a, tile = 2 * 4 * 256 * 128 * 2, 512
-    steps, per_outer_block = 2 * 4 * 2 * 2, 2 * 4 * 2   # grid cells; (batch, head, outer block) cells
-    stats = 2 * 4 * 256 * 4                               # lse or D [2, 4, 1, 256] float32, read once
-    sums = per_outer_block * 8 * 128 * 4                  # a bias gradient's (8, 64) float32 tile per held block
+    a, tile, stat_tile = 2 * 256 * 256 * 2, 512, 1024
+    steps, per_outer_block = 2 * 2 * 2 * 2, 2 * 2 * 2     # grid cells; (batch, head pair, outer block) cells
+    stats = 2 * 4 * 256 * 4                               # lse or D [2, 4, 1, 256] float32, moved once
+    biases = 3 * 2 * 256 * 2                              # the q/k/v bias rows [2, 1, 256] bf16, read once each
+    sums = per_outer_block * 8 * 128 * 4                  # a bias gradient's (8, 128) float32 tile per held block
     expected_bytes = [
         # forward: q once, k and v once per query block, o once; q segment ids per outer block, k's every step
-        a + 2 * 2 * a + a + per_outer_block * tile + steps * tile + stats,
-        # dq: q, do, dq once; k, v per query block; segment ids as the forward; lse and D once; dq's sums
-        3 * a + 2 * 2 * a + per_outer_block * tile + steps * tile + 2 * stats + sums,
+        a + 2 * 2 * a + a + per_outer_block * tile + steps * tile + stats + biases,
+        # dq: q, o, do, dq once; k, v per query block; segment ids as the forward; lse read and D written once
+        4 * a + 2 * 2 * a + per_outer_block * tile + steps * tile + 2 * stats + sums + biases,
         # dk/dv: k, v, dk, dv once; q and do per key block; k segment ids per key block; q's, lse and D every
         # step; dk's and dv's sums
-        4 * a + 2 * 2 * a + per_outer_block * tile + 3 * steps * tile + 2 * sums,
+        4 * a + 2 * 2 * a + per_outer_block * tile + steps * (tile + 2 * stat_tile) + 2 * sums + biases,
     ]
     pairs = 2 * 4 * 256 * 256
-    # VPU ops per pair (the hash's 11, its per-sweep precomputation 6 / 2 streamed blocks, + forward 7, dq 7,
-    # dk/dv 9: 1/sqrt(64) = 1/8 is a power of two, so q comes pre-scaled and no kernel scales its logits) at 32 MXU
-    # flops each exceed the matmuls' 128 per [S, S, 64] product (2, 3, 4 of them): the VPU's time is the kernel's.
+    # Per head and query/key pair. VPU: the hash's 11, its per-sweep precomputation 6 / 2 streamed blocks, and
+    # forward 7, dq 7, dk/dv 9 (1/sqrt(64) = 1/8 is a power of two: q comes pre-scaled), at 32 MXU flops each. MXU:
+    # 2, 3, 4 products contracting (or producing) 128 lanes (the pair's other head zeroed), 2 * 128 flops each.
     hash_ops = 11 + 6 / 2
-    expected_flops = [pairs * 32 * (hash_ops + 7), pairs * 32 * (hash_ops + 7), pairs * 32 * (hash_ops + 9)]
+    expected_flops = [pairs * max(32 * (hash_ops + 7), 2 * 128 * 2), pairs * max(32 * (hash_ops + 7), 2 * 128 * 3),
+                      pairs * max(32 * (hash_ops + 9), 2 * 128 * 4)]
+    assert expected_flops == [pairs * 32 * (hash_ops + 7), pairs * 768, pairs * 1024]   # VPU, MXU, MXU
     assert [c.bytes_accessed for c in costs] == expected_bytes
     assert [c.flops for c in costs] == expected_flops
     assert [c.transcendentals for c in costs] == [pairs] * 3
 
 
 def test_the_logits_are_scaled_in_the_kernels_only_where_the_scale_is_not_a_power_of_two():
-    """head_dim 32: 1/sqrt(32) is inexact in bf16, so q is not pre-scaled and each kernel pays the op per pair
-    (forward 8, dq 8, dk/dv 10 besides the hash's 11 + 6 / 2); its matmuls (2*32 flops per pair each) stay below."""
+    """head_dim 32 (one head per block, [B, H, S, 32]): 1/sqrt(32) is inexact in bf16, so q is not pre-scaled and
+    each kernel pays the op per pair (forward 8, dq 8, dk/dv 10 besides the hash's 11 + 6 / 2); the matmuls of 32
+    lanes take whole 128-lane MXU passes (2 * 128 flops per pair each): the forward is the VPU's, dq and dk/dv the
+    MXU's."""
     q, k, v = (jax.ShapeDtypeStruct((2, 256, 4, 32), jnp.bfloat16) for _ in range(3))
     costs = [eqn.params["cost_estimate"] for eqn in _kernel_eqns(q, k, v, jax.ShapeDtypeStruct((2, 256), jnp.int32))]
     pairs, hash_ops = 2 * 4 * 256 * 256, 11 + 6 / 2
-    assert [c.flops for c in costs] == [pairs * 32 * (hash_ops + 8), pairs * 32 * (hash_ops + 8),
-                                        pairs * 32 * (hash_ops + 10)]
+    assert [c.flops for c in costs] == [pairs * 32 * (hash_ops + 8), pairs * 2 * 128 * 3, pairs * 2 * 128 * 4]
 
 
 def test_statistics_and_segment_ids_reach_the_kernels_lane_dense():
-    """lse and D as [B, H, 1, S] float32, segment ids as [B, 1, S] int32: no copy replicated over lanes or
-    sublanes goes in or out of any kernel."""
-    batch, length, heads = 2, 256, 4
+    """Heads of 64 in pairs: q/k/v/o and their gradients as [B, S, H * 64] (the projections' layout, reshaped, no
+    transpose); lse and D as [B, H, 1, S] float32, segment ids as [B, 1, S] int32, the biases as [B, 1, H * 64] rows:
+    no copy replicated over lanes or sublanes goes in or out of any kernel."""
+    batch, length, heads = 2, 256, 2
     q, k, v = (jax.ShapeDtypeStruct((batch, length, heads, 64), jnp.bfloat16) for _ in range(3))
     eqns = _kernel_eqns(q, k, v, jax.ShapeDtypeStruct((batch, length), jnp.int32))
-    qkv_shape = (batch, heads, length, 64)
-    sums_shape = (batch, heads, length // 128 * 8, 64)   # the backward's bias-gradient tiles, one per held block
+    shapes = [var.aval.shape for eqn in eqns for var in (*eqn.invars, *eqn.outvars)]
+    qkv_shape = (batch, length, heads * 64)
+    sums_shape = (batch, length // 128 * 8, heads * 64)   # the backward's bias-gradient tiles, one per held block
+    # forward q, k, v -> o; dq q, k, v, o, dO -> dq; dk/dv q, k, v, dO -> dk, dv. Each kernel reads the 3 bias rows.
+    assert shapes.count(qkv_shape) == 4 + 6 + 6
+    assert shapes.count((batch, 1, heads * 64)) == 3 * 3
     others = [var.aval for eqn in eqns for var in (*eqn.invars, *eqn.outvars)
-              if var.aval.shape not in (qkv_shape, (3,), sums_shape)]   # (3,): the prefetched seed and offsets
+              if var.aval.shape not in (qkv_shape, (3,), sums_shape, (batch, 1, heads * 64))]   # (3,): the seed
     assert others and all(a.shape in ((batch, 1, length), (batch, heads, 1, length)) for a in others), others
     assert {a.dtype for a in others if a.shape == (batch, 1, length)} == {jnp.dtype(jnp.int32)}
     assert {a.dtype for a in others if a.shape == (batch, heads, 1, length)} == {jnp.dtype(jnp.float32)}
 
 
 def test_the_forwards_lane_dense_log_sum_exp_is_the_softmax_normaliser():
-    """The forward's lse output [B, H, 1, S]: logsumexp over the keys of the query's segment, from plain jnp."""
-    batch, length, heads, head_dim = 2, 256, 2, 16
+    """The forward's lse output [B, H, 1, S] (two heads of 64 in one block): logsumexp over the keys of the query's
+    segment, from plain jnp."""
+    batch, length, heads, head_dim = 2, 256, 2, 64
     q, k, v = _inputs(batch, length, heads, head_dim, seed=8)
     segment_ids = _segments(batch, length, "packing")
-    to_bhsd = lambda x: jnp.swapaxes(x, 1, 2)
+    layout = da._layout(heads, head_dim)
+    packed = lambda x: x.reshape(batch, length, heads * head_dim)
     seed = jnp.zeros(3, jnp.int32)
     with pltpu.force_tpu_interpret_mode():
-        _, lse = da._forward(to_bhsd(q), to_bhsd(k), to_bhsd(v), segment_ids, seed, 0.1, 128, 128)
+        _, lse = da._forward(packed(q), packed(k), packed(v), da._bias_rows(layout, None, batch, q.dtype),
+                             segment_ids, seed, 0.1, 128, 128, layout, prescale=False)
     assert lse.shape == (batch, heads, 1, length) and lse.dtype == jnp.float32
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(head_dim)
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
@@ -343,13 +361,14 @@ def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, le
     assert cost["flops"] >= 9 * 2 * 64 * batch * 12 * length * length
 
 
-def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays():
+@pytest.mark.parametrize("heads, head_dim", [(2, 16), (4, 64)])   # one head per shard; a pair of 64 per shard
+def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays(heads, head_dim):
     """On a mesh the backend runs the kernel per shard (shard_map: batch over data, heads over tensor); each shard
     hashes its global batch and head indices, so the output is the unsharded one; the q/k/v biases' gradients,
     summed per shard in the kernels, are the unsharded ones too."""
     from bertjax import sharding
 
-    batch, length, heads, head_dim, rate = 2, 128, 2, 16, 0.1
+    batch, length, rate = 2, 128, 0.1
     q, k, v = _inputs(batch, length, heads, head_dim, seed=4)
     biases = tuple(jnp.asarray(np.random.default_rng(9).normal(size=(3, heads, head_dim)), jnp.float32))
     input_mask = np.ones((batch, length), np.int32)

@@ -43,11 +43,11 @@ FUSED_BACKENDS = ("dot_product", "cudnn", "pallas_tpu", "splash_tpu")
 
 
 # From this length up, `auto` runs attention dropout in the fused TPU kernel. XLA:TPU's estimates (BERT-base on v5e,
-# bf16, 16 sequences per chip): at seq 256 the kernel wins (2 layers 7.84 vs 8.22 ms; 12 layers 30.47 vs 33.27 ms),
-# the [S, S] probabilities and dropout bits outweighing the dearer projections around it (their dots write q/k/v,
-# and read the output and its gradient, in the kernel's [batch, heads, S, 64] layout); at seq 128 the projections'
-# extra time exceeds what the kernel saves (2 layers 5.00 vs 4.89 ms).
-FUSED_DROPOUT_MIN_LENGTH = 256
+# bf16, 16 sequences per chip, 2 layers): at seq 128 the kernel wins (4.78 vs 4.89 ms) since it reads and writes
+# q/k/v and the output in the projections' own [batch, S, heads * 64] layout; in the [batch, heads, S, 64] layout it
+# had lost there (5.00 ms: the projections' dots writing and reading the transposed layout cost more than the
+# kernel saved). Shorter lengths are unmeasured (padded to the kernel's 128-token blocks).
+FUSED_DROPOUT_MIN_LENGTH = 128
 
 
 def resolve_backend(backend: str, dropout_active: bool, platform: str | None = None, length: int = 0) -> str:

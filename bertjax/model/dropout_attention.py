@@ -8,6 +8,14 @@ from the saved log-sum-exp and the keep mask from the same hash, in two kernels:
 blocks, one accumulating dk and dv over query blocks (on the transposed scores). Per-query statistics (lse, D) and
 segment ids live in HBM lane-dense, [B, H, 1, S] and [B, 1, S].
 
+Heads of 64 in pairs (BERT's head size, an even head count): the kernels read q/k/v and write o (and dq/dk/dv) in
+the projections' own [B, S, H * 64] layout, two heads per 128-lane block, so neither the kernels' blocks nor the
+projections around them move a [B, H, S, 64] layout padded to 128 lanes in HBM (nor transpose into it). The
+projections' biases and the query's 1/sqrt(d) are applied to each block inside the kernels (in XLA they would be a
+pass of their own over q/k/v: no transpose copy to fuse into), and D = rowsum(dO * O) is computed in the dq kernel
+(XLA's sum over 64-lane groups would be another pass) and handed to dk/dv. Other head sizes or odd head counts:
+one head per block, [B, H, S, D].
+
 Dropout semantics (those of `bertjax.model.attention.reference_attention`): the mask applies to the normalised
 probabilities. The running max/sum use the undropped probabilities; only the P.V product uses the dropped ones,
 and the 1/keep_prob scale is applied once per row at the end. Backward, with Z = keep / keep_prob:
@@ -36,6 +44,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +65,10 @@ MASK_VALUE = float(jnp.finfo(jnp.float32).min)   # the reference's mask logit; e
 # Besides the matmuls and the hash (exp runs on the separate EUP and is declared as a transcendental): forward
 # scale, segment compare, mask select, max, subtract, sum, keep select, cast to the matmul dtype = 8; dq scale,
 # compare, select, subtract lse, dP's keep select, subtract D, multiply by P, cast = 8 (1/keep_prob is folded into
-# the per-query statistics: `_backward_statistics`); dk/dv those and P*Z's select and cast = 10. One fewer in each
-# where q comes pre-scaled (`_kernel_inputs`).
+# the per-query statistics: `_probs_and_dscores`); dk/dv those and P*Z's select and cast = 10. One fewer in each
+# where q comes pre-scaled (`flash_attention_with_dropout`). Not per pair, so not counted: the bias adds, lane masks
+# and per-head lane selects on [block, 128] q/k/v/o blocks (for a pair of heads as many [block, 128] ops as the
+# one-head layout spends on its two heads' blocks of 64 lanes padded to 128).
 HASH_OPS_PER_ELEMENT, HASH_INIT_OPS_PER_ELEMENT = 11, 6
 _FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 8, 8, 10
 
@@ -119,8 +130,9 @@ def dropout_keep_mask(seed, batch: int, heads: int, q_len: int, kv_len: int, rat
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Kernels. Block refs arrive squeezed: q/k/v/o [block, head_dim]; segment ids and the per-query statistics (lse, di)
-# lane-dense, one (1, block) row of a [B, 1, S] / [B, H, 1, S] array. The forward and dq kernels hold per-query
+# Kernels. Block refs arrive squeezed: q/k/v/o [block, width] (`_Layout`), their biases a (1, width) row; segment
+# ids one (1, block) row of [B, 1, S], the per-query statistics (lse, di) the block's heads' (pack, 1, block) rows
+# of [B, H, 1, S]. The forward and dq kernels hold per-query
 # values as sublane columns (block_q, LANES) in VMEM scratch, transposed once per query block; the dk/dv kernel
 # computes the scores transposed ([block_k, block_q]), so per-query values are lane rows there and broadcast over
 # sublanes as they are.
@@ -169,28 +181,68 @@ def _kernel_stream(seed_ref, batch_index, head_index):
     return _stream_key(seed_ref[0], batch_index + seed_ref[1], head_index + seed_ref[2])
 
 
-def _init_block_hash(hash_sc, seed_ref, batch_index, head_index, transposed=False):
-    """At the start of a held block's sweep: hash_sc = x_local * mult + add for this stream, x_local = (query offset
-    << 16) + key offset within a block of hash_sc's shape ([block_q, block_k], or [block_k, block_q] when
+def _init_block_hash(hash_sc, j, seed_ref, batch_index, head_index, transposed=False):
+    """At the start of a held block's sweep: hash_sc[j] = x_local * mult + add for this stream, x_local = (query
+    offset << 16) + key offset within a block of hash_sc[j]'s shape ([block_q, block_k], or [block_k, block_q] when
     `transposed`). A block starting at (q_start, k_start) has x = x_local + (q_start << 16) + k_start (positions
-    < 2^16: no carries), so its x * mult + add is hash_sc + ((q_start << 16) + k_start) * mult: one vector add."""
+    < 2^16: no carries), so its x * mult + add is hash_sc[j] + ((q_start << 16) + k_start) * mult: one vector add."""
     mult, add = _kernel_stream(seed_ref, batch_index, head_index)
     q_axis, k_axis = (1, 0) if transposed else (0, 1)
-    shape = hash_sc.shape
+    shape = hash_sc.shape[1:]
     local = (lax.broadcasted_iota(jnp.int32, shape, q_axis) << 16) + lax.broadcasted_iota(jnp.int32, shape, k_axis)
-    hash_sc[...] = local * mult + add
+    hash_sc[j] = local * mult + add
 
 
-def _block_keep(hash_sc, seed_ref, batch_index, head_index, q_start, k_start, threshold):
-    """The keep mask of the block at (q_start, k_start), in hash_sc's orientation: the bits of `_keep`."""
+def _block_keep(hash_sc, j, seed_ref, batch_index, head_index, q_start, k_start, threshold):
+    """The keep mask of the block at (q_start, k_start), in hash_sc[j]'s orientation: the bits of `_keep`."""
     mult, _ = _kernel_stream(seed_ref, batch_index, head_index)
-    return _below(fmix32(hash_sc[...] + ((q_start << 16) + k_start) * mult), threshold)
+    return _below(fmix32(hash_sc[j] + ((q_start << 16) + k_start) * mult), threshold)
 
 
-def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, qseg_sc,
-                hash_sc, *, scale, threshold, inv_keep):
-    b, h, qi, ki = (pl.program_id(i) for i in range(4))
+# A block of q/k/v/o is [rows, width]: one head's head_dim lanes (the [B, H, S, D] layout, pack = 1), or `pack` heads
+# side by side in 128 lanes (the projections' [B, S, H * D] layout, pack = 128 / D). Head j of a packed block is
+# the lanes [j * D, (j + 1) * D): its logits contract the held block with the other heads' lanes zeroed against all
+# lanes of the streamed one (on the MXU a 64-deep contraction takes as long as a 128-deep one), and of each
+# [rows, 128] product (P_j V, dS_j K, ...) only head j's lanes are kept.
+
+def _head_lanes(x, j, head_dim):
+    """x [rows, width] with the lanes outside head j's zeroed (x itself where one head fills the block)."""
+    if x.shape[-1] == head_dim:
+        return x
+    lane = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    return jnp.where((lane >= j * head_dim) & (lane < (j + 1) * head_dim), x, jnp.zeros((), x.dtype))
+
+
+def _by_head(parts, shape, head_dim):
+    """[rows, width]: head j's lanes from parts[j] (each [rows, width] or a [rows, 1] column, broadcast)."""
+    parts = [jnp.broadcast_to(x, shape) for x in parts]
+    out = parts[-1]
+    if len(parts) > 1:
+        lane = lax.broadcasted_iota(jnp.int32, shape, 1)
+        for j in reversed(range(len(parts) - 1)):
+            out = jnp.where(lane < (j + 1) * head_dim, parts[j], out)
+    return out
+
+
+def _head_sum(x, j, head_dim):
+    """The sum over head j's lanes of each row of x [rows, width]: a [rows, 1] column."""
+    return jnp.sum(_head_lanes(x, j, head_dim), axis=1, keepdims=True)
+
+
+def _biased(x_ref, bias_ref, factor=1.0):
+    """A q/k/v block plus its projection bias (a (1, width) row), times `factor` (1/sqrt(D) for a pre-scaled query:
+    a power of two, so scaling before or after rounding is the same), in the block's dtype: the bits of XLA's
+    x + bias (computed in float32 and rounded)."""
+    x = x_ref[...]
+    y = x.astype(jnp.float32) + bias_ref[...].astype(jnp.float32)
+    return (y * factor if factor != 1.0 else y).astype(x.dtype)
+
+
+def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc,
+                l_sc, acc_sc, qseg_sc, q_sc, hash_sc, *, scale, prescale, threshold, inv_keep, head_dim):
+    b, hb, qi, ki = (pl.program_id(i) for i in range(4))
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
+    pack = lse_ref.shape[0]
 
     @pl.when(ki == 0)
     def _init():
@@ -198,67 +250,84 @@ def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_re
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
         qseg_sc[...] = _column(qseg_ref[...])
-        if threshold is not None:
-            _init_block_hash(hash_sc, seed_ref, b, h)
+        q = _biased(q_ref, qb_ref, prescale)
+        for j in range(pack):
+            q_sc[j] = _head_lanes(q, j, head_dim)
+            if threshold is not None:
+                _init_block_hash(hash_sc, j, seed_ref, b, hb * pack + j)
 
-    s = _scores(q_ref[...], k_ref[...], qseg_sc[...][:, :1], kseg_ref[...], scale)
-    m_prev, l_prev = m_sc[...][:, :1], l_sc[...][:, :1]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.exp(s - m_new)                       # undropped: the softmax statistics see every key
-    alpha = jnp.exp(m_prev - m_new)
-    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    if threshold is not None:
-        p = jnp.where(_block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k, threshold), p, 0.0)
-    v = v_ref[...]
-    acc_sc[...] = alpha * acc_sc[...] + _dot(p.astype(v.dtype), v, _NN)
-    m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
-    l_sc[...] = jnp.broadcast_to(l_new, l_sc.shape)
+    k, v = _biased(k_ref, kb_ref), _biased(v_ref, vb_ref)
+    alphas, products = [], []
+    for j in range(pack):
+        s = _scores(q_sc[j], k, qseg_sc[...][:, :1], kseg_ref[...], scale)
+        m_prev, l_prev = m_sc[j][:, :1], l_sc[j][:, :1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)                       # undropped: the softmax statistics see every key
+        alpha = jnp.exp(m_prev - m_new)
+        l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        if threshold is not None:
+            keep = _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q, ki * block_k, threshold)
+            p = jnp.where(keep, p, 0.0)
+        alphas.append(alpha)
+        products.append(_dot(p.astype(v.dtype), v, _NN))
+        m_sc[j] = jnp.broadcast_to(m_new, m_sc.shape[1:])
+        l_sc[j] = jnp.broadcast_to(l_new, l_sc.shape[1:])
+    acc_sc[...] = (_by_head(alphas, acc_sc.shape, head_dim) * acc_sc[...]
+                   + _by_head(products, acc_sc.shape, head_dim))
 
     @pl.when(ki == pl.num_programs(3) - 1)
     def _finish():
-        m, l = m_sc[...], l_sc[...]
-        o_ref[...] = (acc_sc[...] * (inv_keep / l[:, :1])).astype(o_ref.dtype)
-        lse_ref[...] = _row(m + jnp.log(l))
-
-
-def _backward_statistics(lse, di, inv_keep):
-    """(lse - log(1/keep_prob), D * keep_prob): with these `_probs_and_dscores` needs no 1/keep_prob scaling."""
-    return lse - math.log(inv_keep), di * (1.0 / inv_keep)
+        scales = [inv_keep / l_sc[j][:, :1] for j in range(pack)]
+        o_ref[...] = (acc_sc[...] * _by_head(scales, acc_sc.shape, head_dim)).astype(o_ref.dtype)
+        for j in range(pack):
+            lse_ref[j] = _row(m_sc[j] + jnp.log(l_sc[j]))
 
 
 def _probs_and_dscores(s, lse_kept, di_kept, dp, keep):
-    """The backward's recomputation for one block, from the masked logits s, `_backward_statistics` and
-    dP = dO V^T (all broadcasting, in either orientation): dropped, scaled probabilities P*Z and dS.
+    """The backward's recomputation for one block, from the masked logits s, lse - log(1/keep_prob), D * keep_prob
+    and dP = dO V^T (all broadcasting, in either orientation): dropped, scaled probabilities P*Z and dS.
     p = exp(s - lse_kept) = P / keep_prob, so P*Z = keep ? p : 0 and dS = P (dP Z - D) = p ((keep ? dP : 0) - D
-    keep_prob)."""
+    keep_prob): with the statistics so adjusted once per row, no 1/keep_prob scaling per pair."""
     p = jnp.exp(s - lse_kept)
     if keep is None:
         return p, p * (dp - di_kept)
     return jnp.where(keep, p, 0.0), p * (jnp.where(keep, dp, 0.0) - di_kept)
 
 
-def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref, dq_ref, dqsum_ref,
-               dq_sc, qseg_sc, lse_sc, di_sc, hash_sc, *, scale, dq_scale, threshold, inv_keep):
-    b, h, qi, ki = (pl.program_id(i) for i in range(4))
+def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, kseg_ref, lse_ref, o_ref, do_ref,
+               dq_ref, dqsum_ref, di_ref, dq_sc, qseg_sc, lse_sc, di_sc, q_sc, do_sc, hash_sc, *, scale, prescale,
+               dq_scale, threshold, inv_keep, head_dim):
+    """Also computes D = rowsum(dO * O) per head from the held blocks, and writes it (lane-dense) for dk/dv."""
+    b, hb, qi, ki = (pl.program_id(i) for i in range(4))
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
+    pack = lse_ref.shape[0]
 
     @pl.when(ki == 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
         qseg_sc[...] = _column(qseg_ref[...])
-        lse, di = _backward_statistics(lse_ref[...], di_ref[...], inv_keep)
-        lse_sc[...] = _column(lse)
-        di_sc[...] = _column(di)
-        if threshold is not None:
-            _init_block_hash(hash_sc, seed_ref, b, h)
+        q, do = _biased(q_ref, qb_ref, prescale), do_ref[...]
+        do_o = do.astype(jnp.float32) * o_ref[...].astype(jnp.float32)
+        for j in range(pack):
+            di = jnp.broadcast_to(_head_sum(do_o, j, head_dim), (block_q, LANES))
+            di_ref[j] = _row(di)
+            lse_sc[j] = _column(lse_ref[j] - math.log(inv_keep))   # see `_probs_and_dscores`
+            di_sc[j] = di * (1.0 / inv_keep)
+            q_sc[j] = _head_lanes(q, j, head_dim)
+            do_sc[j] = _head_lanes(do, j, head_dim)
+            if threshold is not None:
+                _init_block_hash(hash_sc, j, seed_ref, b, hb * pack + j)
 
-    k = k_ref[...]
-    s = _scores(q_ref[...], k, qseg_sc[...][:, :1], kseg_ref[...], scale)
-    keep = None if threshold is None else _block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k,
-                                                      threshold)
-    dp = _dot(do_ref[...], v_ref[...], _NT)      # d(P*Z) = dO V^T
-    _, ds = _probs_and_dscores(s, lse_sc[...][:, :1], di_sc[...][:, :1], dp, keep)
-    dq_sc[...] += _dot(ds.astype(k.dtype), k, _NN)
+    k, v = _biased(k_ref, kb_ref), _biased(v_ref, vb_ref)
+    products = []
+    for j in range(pack):
+        s = _scores(q_sc[j], k, qseg_sc[...][:, :1], kseg_ref[...], scale)
+        keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q,
+                                                          ki * block_k, threshold)
+        dp = _dot(do_sc[j], v, _NT)      # d(P*Z) = dO V^T
+        _, ds = _probs_and_dscores(s, lse_sc[j][:, :1], di_sc[j][:, :1], dp, keep)
+        products.append(_dot(ds.astype(k.dtype), k, _NN))
+    dq_sc[...] += _by_head(products, dq_sc.shape, head_dim)
 
     @pl.when(ki == pl.num_programs(3) - 1)
     def _finish():
@@ -267,29 +336,40 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_re
         dqsum_ref[...] = _row_sum_tile(dq, dqsum_ref.shape)
 
 
-def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref, dk_ref, dv_ref,
-                dksum_ref, dvsum_ref, dk_sc, dv_sc, kseg_sc, hash_sc, *, scale, threshold, inv_keep):
+def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref,
+                dk_ref, dv_ref, dksum_ref, dvsum_ref, dk_sc, dv_sc, kseg_sc, k_sc, v_sc, hash_sc, *, scale, prescale,
+                threshold, inv_keep, head_dim):
     """Scores transposed: s^T = K Q^T [block_k, block_q], so dV = (P*Z)^T dO and dK = dS^T Q are plain matmuls and
     the per-query statistics and segment ids are lane rows."""
-    b, h, ki, qi = (pl.program_id(i) for i in range(4))   # key blocks outer, query blocks inner (reduced)
+    b, hb, ki, qi = (pl.program_id(i) for i in range(4))   # key blocks outer, query blocks inner (reduced)
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
+    pack = lse_ref.shape[0]
 
     @pl.when(qi == 0)
     def _init():
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
         kseg_sc[...] = _column(kseg_ref[...])
-        if threshold is not None:
-            _init_block_hash(hash_sc, seed_ref, b, h, transposed=True)
+        k, v = _biased(k_ref, kb_ref), _biased(v_ref, vb_ref)
+        for j in range(pack):
+            k_sc[j] = _head_lanes(k, j, head_dim)
+            v_sc[j] = _head_lanes(v, j, head_dim)
+            if threshold is not None:
+                _init_block_hash(hash_sc, j, seed_ref, b, hb * pack + j, transposed=True)
 
-    q, do = q_ref[...], do_ref[...]
-    s_t = _scores(k_ref[...], q, kseg_sc[...][:, :1], qseg_ref[...], scale)
-    keep = None if threshold is None else _block_keep(hash_sc, seed_ref, b, h, qi * block_q, ki * block_k,
-                                                      threshold)
-    dp_t = _dot(v_ref[...], do, _NT)             # (dO V^T)^T = V dO^T
-    pz_t, ds_t = _probs_and_dscores(s_t, *_backward_statistics(lse_ref[...], di_ref[...], inv_keep), dp_t, keep)
-    dv_sc[...] += _dot(pz_t.astype(do.dtype), do, _NN)
-    dk_sc[...] += _dot(ds_t.astype(q.dtype), q, _NN)
+    q, do = _biased(q_ref, qb_ref, prescale), do_ref[...]
+    dk_parts, dv_parts = [], []
+    for j in range(pack):
+        s_t = _scores(k_sc[j], q, kseg_sc[...][:, :1], qseg_ref[...], scale)
+        keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q,
+                                                          ki * block_k, threshold)
+        dp_t = _dot(v_sc[j], do, _NT)             # (dO V^T)^T = V dO^T
+        pz_t, ds_t = _probs_and_dscores(s_t, lse_ref[j] - math.log(inv_keep), di_ref[j] * (1.0 / inv_keep), dp_t,
+                                        keep)
+        dv_parts.append(_dot(pz_t.astype(do.dtype), do, _NN))
+        dk_parts.append(_dot(ds_t.astype(q.dtype), q, _NN))
+    dv_sc[...] += _by_head(dv_parts, dv_sc.shape, head_dim)
+    dk_sc[...] += _by_head(dk_parts, dk_sc.shape, head_dim)
 
     @pl.when(qi == pl.num_programs(3) - 1)
     def _finish():
@@ -301,7 +381,7 @@ def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lse_ref, di_r
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# pallas_calls. Arrays: q/k/v/o [B, H, S, D]; segment ids [B, 1, S]; lse/di [B, H, 1, S].
+# pallas_calls. Arrays: q/k/v/o as `_Layout` says; segment ids [B, 1, S]; lse/di [B, H, 1, S].
 
 def _tile_padded_bytes(block_shape, array) -> int:
     """Bytes a DMA moves for one block of `array` in HBM: whole (rows, 128) tiles of XLA:TPU's layout, rows = 8
@@ -334,35 +414,88 @@ def _block_fetches(index_map, grid) -> int:
 VPU_OP_MXU_FLOPS = 32
 
 
-def _cost(*, pairs, matmuls, head_dim, vpu_ops, threshold, exps, grid, specs, operands) -> pl.CostEstimate:
-    """Roofline figures of one kernel. Flops: the larger of the MXU's (`matmuls` [bq, bk, D] products, 2*D flops
-    per pair each) and the VPU's (`vpu_ops` per pair and the hash's when dropout is on, at VPU_OP_MXU_FLOPS each):
-    the two units run side by side in the kernel's VLIW bundles, so the slower sets the time. `exps` exponentials
+def _mxu_width(width: int) -> int:
+    """The lanes an MXU pass spends on a product contracting, or producing, `width` lanes: whole 128-lane passes
+    (a 128 x 128 systolic array: a 64-deep contraction, or 64 output columns, takes as long as 128). A packed
+    block's head contracts all 128 lanes with the other head's zeroed: the same passes as one head of 64 alone."""
+    return -(-width // LANES) * LANES
+
+
+def _cost(*, pairs, matmuls, width, vpu_ops, threshold, exps, grid, specs, operands) -> pl.CostEstimate:
+    """Roofline figures of one kernel. Flops: the larger of the MXU's (`matmuls` products per head of a [bq, bk]
+    block with a q/k/v block `width` lanes wide, at `_mxu_width` as the MXU runs them) and the VPU's (`vpu_ops` per
+    pair and the hash's when dropout is on, at VPU_OP_MXU_FLOPS each): the two units run side by side in the kernel's VLIW bundles, so the slower sets the time. `exps` exponentials
     per pair. Bytes: each operand's (inputs and outputs, `specs` matching `operands`) tile-padded block times the
     times it is copied over the grid."""
     elementwise = vpu_ops
     if threshold is not None:   # grid[3]: the streamed blocks of one sweep
         elementwise += HASH_OPS_PER_ELEMENT + HASH_INIT_OPS_PER_ELEMENT / grid[3]
-    flops = pairs * max(2 * head_dim * matmuls, round(elementwise * VPU_OP_MXU_FLOPS))
+    flops = pairs * max(2 * _mxu_width(width) * matmuls, round(elementwise * VPU_OP_MXU_FLOPS))
     bytes_accessed = sum(_tile_padded_bytes(spec.block_shape, x) * _block_fetches(spec.index_map, grid)
                          for spec, x in zip(specs, operands))
     return pl.CostEstimate(flops=int(flops), transcendentals=int(exps * pairs), bytes_accessed=int(bytes_accessed))
 
 
-def _specs(block_q, block_k, head_dim, q_axis: int, k_axis: int):
-    """BlockSpecs indexed by grid (b, h, *) with the query block index at grid axis `q_axis`, key at `k_axis`."""
-    def q_rows(*g):
-        return g[0], g[1], g[q_axis], 0
+class _Layout(NamedTuple):
+    """How q/k/v/o (and their gradients) lie in HBM for the kernels: `packed`, the projections' own [B, S, H * D]
+    (a free reshape of [B, S, H, D]) in blocks of 128 lanes holding LANES / D heads each; otherwise [B, H, S, D],
+    one head per block (its D lanes padded to 128 in XLA:TPU's HBM tiles)."""
+    heads: int
+    head_dim: int
+    packed: bool
 
-    def k_rows(*g):
-        return g[0], g[1], g[k_axis], 0
+    @property
+    def pack(self) -> int:
+        """Heads per block."""
+        return LANES // self.head_dim if self.packed else 1
 
-    q_spec = pl.BlockSpec((None, None, block_q, head_dim), q_rows)
-    k_spec = pl.BlockSpec((None, None, block_k, head_dim), k_rows)
-    q_stat = pl.BlockSpec((None, None, 1, block_q), lambda *g: (g[0], g[1], 0, g[q_axis]))
+    @property
+    def width(self) -> int:
+        """Lanes of one q/k/v/o block."""
+        return self.pack * self.head_dim
+
+    def length(self, x) -> int:
+        return x.shape[1] if self.packed else x.shape[2]
+
+
+def _layout(heads: int, head_dim: int) -> _Layout:
+    """Packed where two heads of 64 fill a block (BERT's head size, an even head count); elsewhere one head per
+    block in [B, H, S, D]. (Heads of 16 or 32 could pack 8 or 4 to a block the same way: not compiled or priced.)"""
+    return _Layout(heads, head_dim, packed=2 * head_dim == LANES and heads % 2 == 0)
+
+
+def _specs(layout, block_q, block_k, q_axis: int, k_axis: int):
+    """BlockSpecs indexed by grid (b, head block, *) with the query block index at grid axis `q_axis`, key at
+    `k_axis`; the per-query statistics hold the block's `pack` heads."""
+    if layout.packed:
+        q_spec = pl.BlockSpec((None, block_q, LANES), lambda *g: (g[0], g[q_axis], g[1]))
+        k_spec = pl.BlockSpec((None, block_k, LANES), lambda *g: (g[0], g[k_axis], g[1]))
+    else:
+        q_spec = pl.BlockSpec((None, None, block_q, layout.head_dim), lambda *g: (g[0], g[1], g[q_axis], 0))
+        k_spec = pl.BlockSpec((None, None, block_k, layout.head_dim), lambda *g: (g[0], g[1], g[k_axis], 0))
+    q_stat = pl.BlockSpec((None, layout.pack, 1, block_q), lambda *g: (g[0], g[1], 0, g[q_axis]))
     qseg = pl.BlockSpec((None, 1, block_q), lambda *g: (g[0], 0, g[q_axis]))
     kseg = pl.BlockSpec((None, 1, block_k), lambda *g: (g[0], 0, g[k_axis]))
     return q_spec, k_spec, q_stat, qseg, kseg
+
+
+def _sums(layout, batch, held_blocks):
+    """(spec, shape) of the backward's per-held-block bias-gradient tiles: row 0 of an (8, width) float32 tile holds
+    the held block's rows summed (grid axis 2 is the held block in both backward kernels)."""
+    if layout.packed:
+        spec = pl.BlockSpec((None, SUBLANES, LANES), lambda *g: (g[0], g[2], g[1]))
+        shape = (batch, held_blocks * SUBLANES, layout.heads * layout.head_dim)
+    else:
+        spec = pl.BlockSpec((None, None, SUBLANES, layout.head_dim), lambda *g: (g[0], g[1], g[2], 0))
+        shape = (batch, layout.heads, held_blocks * SUBLANES, layout.head_dim)
+    return spec, jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _summed(layout, sums):
+    """The tiles of `_sums` added up: [B, H, D]."""
+    if layout.packed:
+        return sums.sum(axis=1).reshape(sums.shape[0], layout.heads, layout.head_dim)
+    return sums.sum(axis=2)
 
 
 def _pallas_call(kernel, name, grid, in_specs, out_specs, scratch, out_shape, cost, *args):
@@ -388,101 +521,114 @@ def _column_scratch(block, dtype=jnp.float32):
     return pltpu.VMEM((block, LANES), dtype)
 
 
-def _forward(q, k, v, segment_ids, seed, rate, block_q, block_k, scale=None):
-    """(o [B, H, S, D], lse [B, H, 1, S] float32); the logits are q k^T * scale (default 1 / sqrt(D))."""
-    batch, heads, length, head_dim = q.shape
-    scale = _default_scale(head_dim, scale)
+def _forward(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale):
+    """(o in q's layout, lse [B, H, 1, S] float32). q/k/v in `layout`, `biases` (q, k, v) its `_bias_rows`; the
+    logits are (q + bias) (k + bias)^T / sqrt(D), the 1/sqrt(D) applied to the query if `prescale`, else to them."""
+    batch, length, pack, width = q.shape[0], layout.length(q), layout.pack, layout.width
+    scale, q_factor = _scales(layout, prescale)
     seg = segment_ids.reshape(batch, 1, length)
-    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=2, k_axis=3)
+    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(layout, block_q, block_k, q_axis=2, k_axis=3)
+    bias_spec = _bias_spec(layout)
     kwargs = _kernel_args(rate)
-    cost = {"pairs": batch * heads * length * length, "matmuls": 2, "head_dim": head_dim,
+    cost = {"pairs": batch * layout.heads * length * length, "matmuls": 2, "width": width,
             "vpu_ops": _FWD_VPU_OPS - (scale == 1.0),
             "threshold": kwargs["threshold"], "exps": 1}
     return _pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, **kwargs), "flash_dropout_fwd",
-        (batch, heads, length // block_q, length // block_k),
-        [q_spec, k_spec, k_spec, qseg_spec, kseg_spec], [q_spec, q_stat],
-        [_column_scratch(block_q), _column_scratch(block_q), pltpu.VMEM((block_q, head_dim), jnp.float32),
-         _column_scratch(block_q, jnp.int32), pltpu.VMEM((block_q, block_k), jnp.int32)],
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, 1, length), jnp.float32)),
-        cost, seed, q, k, v, seg, seg)
+        functools.partial(_fwd_kernel, scale=scale, prescale=q_factor, head_dim=layout.head_dim, **kwargs),
+        "flash_dropout_fwd", (batch, layout.heads // pack, length // block_q, length // block_k),
+        [q_spec, k_spec, k_spec, bias_spec, bias_spec, bias_spec, qseg_spec, kseg_spec], [q_spec, q_stat],
+        [pltpu.VMEM((pack, block_q, LANES), jnp.float32), pltpu.VMEM((pack, block_q, LANES), jnp.float32),
+         pltpu.VMEM((block_q, width), jnp.float32), _column_scratch(block_q, jnp.int32),
+         pltpu.VMEM((pack, block_q, width), q.dtype), pltpu.VMEM((pack, block_q, block_k), jnp.int32)],
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, layout.heads, 1, length), jnp.float32)),
+        cost, seed, q, k, v, *biases, seg, seg)
 
 
-def _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k, scale=None, q_scale=1.0):
-    """(dq, dk, dv, (dq, dk, dv summed over the sequence [B, H, D] float32: the gradients of biases added to q/k/v,
-    from the kernels' own accumulators instead of an XLA reduction over [B, H, S, D])). `q_scale`: q is a query
-    multiplied by it, and dq is returned for that query."""
-    batch, heads, length, head_dim = q.shape
-    scale = _default_scale(head_dim, scale)
+def _backward(q, k, v, biases, segment_ids, seed, o, lse, do, rate, block_q, block_k, layout, prescale):
+    """(dq, dk, dv, (dq, dk, dv summed over the sequence [B, H, D] float32: the gradients of the biases, from the
+    kernels' own accumulators instead of an XLA reduction over the gradients)); arguments as `_forward`'s."""
+    batch, length, pack, width = q.shape[0], layout.length(q), layout.pack, layout.width
+    scale, q_factor = _scales(layout, prescale)
     unscaled = scale == 1.0   # one VPU op per pair fewer
     nq, nk = length // block_q, length // block_k
+    grid = (batch, layout.heads // pack, nq, nk)
     seg = segment_ids.reshape(batch, 1, length)
-    di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)[:, :, None, :]   # [B, H, 1, S]
-    kwargs = _kernel_args(rate)
-    cost = {"pairs": batch * heads * length * length, "head_dim": head_dim, "threshold": kwargs["threshold"],
+    kwargs = dict(_kernel_args(rate), head_dim=layout.head_dim, scale=scale, prescale=q_factor)
+    cost = {"pairs": batch * layout.heads * length * length, "width": width, "threshold": kwargs["threshold"],
             "exps": 1}
-    args = (seed, q, k, v, seg, seg, lse, di, do)
-    # Per held block, its rows' sum in row 0 of an (8, D) float32 tile.
-    sum_spec = pl.BlockSpec((None, None, SUBLANES, head_dim), lambda *g: (g[0], g[1], g[2], 0))
-    sum_shape = jax.ShapeDtypeStruct((batch, heads, nq * SUBLANES, head_dim), jnp.float32)
+    sum_spec, sum_shape = _sums(layout, batch, nq)
+    bias_spec = _bias_spec(layout)
+    stats_shape = jax.ShapeDtypeStruct((batch, layout.heads, 1, length), jnp.float32)
 
-    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_q, block_k, head_dim, q_axis=2, k_axis=3)
-    dq, dq_sum = _pallas_call(
-        functools.partial(_dq_kernel, scale=scale, dq_scale=scale * q_scale, **kwargs), "flash_dropout_dq",
-        (batch, heads, nq, nk),
-        [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec], [q_spec, sum_spec],
-        [pltpu.VMEM((block_q, head_dim), jnp.float32), _column_scratch(block_q, jnp.int32),
-         _column_scratch(block_q), _column_scratch(block_q), pltpu.VMEM((block_q, block_k), jnp.int32)],
-        [jax.ShapeDtypeStruct(q.shape, q.dtype), sum_shape],
+    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(layout, block_q, block_k, q_axis=2, k_axis=3)
+    # dq: the chain rule of the logits' scale and of the query's prescale once per row, at the end.
+    dq, dq_sum, di = _pallas_call(
+        functools.partial(_dq_kernel, dq_scale=scale * q_factor, **kwargs), "flash_dropout_dq", grid,
+        [q_spec, k_spec, k_spec, bias_spec, bias_spec, bias_spec, qseg_spec, kseg_spec, q_stat, q_spec, q_spec],
+        [q_spec, sum_spec, q_stat],
+        [pltpu.VMEM((block_q, width), jnp.float32), _column_scratch(block_q, jnp.int32),
+         pltpu.VMEM((pack, block_q, LANES), jnp.float32), pltpu.VMEM((pack, block_q, LANES), jnp.float32),
+         pltpu.VMEM((pack, block_q, width), q.dtype), pltpu.VMEM((pack, block_q, width), do.dtype),
+         pltpu.VMEM((pack, block_q, block_k), jnp.int32)],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), sum_shape, stats_shape],
         {**cost, "matmuls": 3, "vpu_ops": _DQ_VPU_OPS - unscaled},
-        *args)
+        seed, q, k, v, *biases, seg, seg, lse, o, do)
 
     # dk/dv holds a key block over streamed query blocks: the held block is block_q long here too (the streamed
     # operands are re-read once per held block), so the blocks swap roles.
-    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(block_k, block_q, head_dim, q_axis=3, k_axis=2)
+    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(layout, block_k, block_q, q_axis=3, k_axis=2)
     dk, dv, dk_sum, dv_sum = _pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, **kwargs), "flash_dropout_dkv", (batch, heads, nq, nk),
-        [q_spec, k_spec, k_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec],
+        functools.partial(_dkv_kernel, **kwargs), "flash_dropout_dkv", grid,
+        [q_spec, k_spec, k_spec, bias_spec, bias_spec, bias_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec],
         [k_spec, k_spec, sum_spec, sum_spec],
-        [pltpu.VMEM((block_q, head_dim), jnp.float32), pltpu.VMEM((block_q, head_dim), jnp.float32),
-         _column_scratch(block_q, jnp.int32), pltpu.VMEM((block_q, block_k), jnp.int32)],
+        [pltpu.VMEM((block_q, width), jnp.float32), pltpu.VMEM((block_q, width), jnp.float32),
+         _column_scratch(block_q, jnp.int32), pltpu.VMEM((pack, block_q, width), k.dtype),
+         pltpu.VMEM((pack, block_q, width), v.dtype), pltpu.VMEM((pack, block_q, block_k), jnp.int32)],
         [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype), sum_shape, sum_shape],
         {**cost, "matmuls": 4, "vpu_ops": _DKV_VPU_OPS - unscaled},
-        *args)
-    return dq, dk, dv, tuple(x.sum(axis=2) for x in (dq_sum, dk_sum, dv_sum))
+        seed, q, k, v, *biases, seg, seg, lse, di, do)
+    return dq, dk, dv, tuple(_summed(layout, x) for x in (dq_sum, dk_sum, dv_sum))
 
 
-def _default_scale(head_dim, scale):
-    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+def _scales(layout, prescale):
+    """(the logits' scale, the query's factor): 1/sqrt(D) on one of them."""
+    factor = 1.0 / math.sqrt(layout.head_dim)
+    return (1.0, factor) if prescale else (factor, 1.0)
 
 
-def _kernel_inputs(q, k, v, biases, prescale):
-    """q/k/v [B, H, S, D] plus biases [B, H, D] (None: none) in q/k/v's dtype, q times 1/sqrt(D) if `prescale`
-    (then the kernels' logits scale is 1). XLA fuses these into the copies that lay q/k/v out for the kernels."""
-    if biases is not None:
-        q, k, v = (x + b[:, :, None, :].astype(x.dtype) for x, b in zip((q, k, v), biases))
-    if prescale:
-        q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
-    return q, k, v
+def _bias_spec(layout):
+    """The BlockSpec of `_bias_rows`: the block's heads' biases, one (1, width) row per grid cell's head block."""
+    if layout.packed:
+        return pl.BlockSpec((None, 1, LANES), lambda *g: (g[0], 0, g[1]))
+    return pl.BlockSpec((None, None, 1, layout.head_dim), lambda *g: (g[0], g[1], 0, 0))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, prescale):
-    return _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, prescale)[0]
+def _bias_rows(layout, biases, batch, dtype):
+    """The q/k/v biases [B, H, D] (None: zeros) as the kernels read them, in q/k/v's dtype: [B, 1, H * D] rows where
+    packed, [B, H, 1, D] otherwise."""
+    shape = (batch, 1, layout.heads * layout.head_dim) if layout.packed else (batch, layout.heads, 1, layout.head_dim)
+    if biases is None:
+        return (jnp.zeros(shape, dtype),) * 3
+    return tuple(b.astype(dtype).reshape(shape) for b in biases)
 
 
-def _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, prescale):
-    q, k, v = _kernel_inputs(q, k, v, biases, prescale)
-    o, lse = _forward(q, k, v, segment_ids, seed, rate, block_q, block_k, 1.0 if prescale else None)
-    return o, (q, k, v, biases, segment_ids, seed, o, lse)   # biases: only whether there are any is used
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _attention(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale):
+    return _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale)[0]
 
 
-def _attention_bwd(rate, block_q, block_k, prescale, residuals, do):
-    q, k, v, biases, segment_ids, seed, o, lse = residuals
-    # dq for the query before the prescale: the dq kernel multiplies by 1/sqrt(D) at its end, once per row.
-    scales = {"scale": 1.0, "q_scale": 1.0 / math.sqrt(q.shape[-1])} if prescale else {}
-    dq, dk, dv, sums = _backward(q, k, v, segment_ids, seed, o, lse, do, rate, block_q, block_k, **scales)
-    return dq, dk, dv, None if biases is None else sums, None, None
+def _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale):
+    rows = _bias_rows(layout, biases, q.shape[0], q.dtype)
+    o, lse = _forward(q, k, v, rows, segment_ids, seed, rate, block_q, block_k, layout, prescale)
+    return o, (q, k, v, biases, rows, segment_ids, seed, o, lse)
+
+
+def _attention_bwd(rate, block_q, block_k, layout, prescale, residuals, do):
+    q, k, v, biases, rows, segment_ids, seed, o, lse = residuals
+    dq, dk, dv, sums = _backward(q, k, v, rows, segment_ids, seed, o, lse, do, rate, block_q, block_k, layout,
+                                 prescale)
+    bias_grads = None if biases is None else tuple(s.astype(b.dtype) for s, b in zip(sums, biases))
+    return dq, dk, dv, bias_grads, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -501,9 +647,9 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     batch_offset/head_offset (int or traced int32): the global index of this call's first example and head, for a
     call on one shard inside a shard_map, so that the mask is that of the global arrays whatever the sharding.
     biases: optional (q, k, v) biases, each [heads, head_dim] or [batch, heads, head_dim], added to query, key and
-    value in their dtype (the projections' biases): their gradients are the kernels' dq/dk/dv summed over the
-    sequence inside the kernels, where XLA's reduction of each [batch, length, heads, 64] gradient (64 lanes padded
-    to 128) is priced at ~0.12 ms a layer on v5e at seq 512, batch 16.
+    value in their dtype (the projections' biases) inside the kernels: their gradients are the kernels' dq/dk/dv
+    summed over the sequence inside the kernels, where XLA's reduction of each [batch, length, heads, 64] gradient
+    (64 lanes padded to 128) is priced at ~0.12 ms a layer on v5e at seq 512, batch 16.
     """
     dropout_rate = float(dropout_rate)
     if not 0.0 <= dropout_rate < 1.0:
@@ -519,7 +665,13 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     if extra:
         pad = lambda x: jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
         query, key, value, segment_ids = pad(query), pad(key), pad(value), pad(segment_ids)
-    to_bhsd = lambda x: jnp.swapaxes(x, 1, 2)
+    layout = _layout(heads, head_dim)
+    padded = length + extra
+    if layout.packed:   # [B, S, H, D] <-> [B, S, H * D]: reshapes that move no data
+        to_kernel = lambda x: x.reshape(batch, padded, heads * head_dim)
+        from_kernel = lambda x: x.reshape(batch, padded, heads, head_dim)
+    else:               # [B, S, H, D] <-> [B, H, S, D]
+        to_kernel = from_kernel = lambda x: jnp.swapaxes(x, 1, 2)
     if biases is not None:
         biases = tuple(jnp.broadcast_to(b, (batch, heads, head_dim)) for b in biases)
     # Where 1/sqrt(D) is a power of two (D a power of 4: 16, 64 (BERT), 256), q * 1/sqrt(D) is exact: q is scaled
@@ -528,6 +680,6 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     # Scalar-prefetched to SMEM: the seed's bits and the global index of this call's first example and head.
     scalars = jnp.concatenate([_seed_word(seed), jnp.asarray(batch_offset, jnp.int32).reshape(1),
                                jnp.asarray(head_offset, jnp.int32).reshape(1)])
-    out = _attention(to_bhsd(query), to_bhsd(key), to_bhsd(value), biases, segment_ids, scalars, dropout_rate,
-                     block_q, block_k, prescale)
-    return to_bhsd(out)[:, :length]
+    out = _attention(to_kernel(query), to_kernel(key), to_kernel(value), biases, segment_ids, scalars, dropout_rate,
+                     block_q, block_k, layout, prescale)
+    return from_kernel(out)[:, :length]
