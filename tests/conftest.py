@@ -28,7 +28,8 @@ def suite_xla_flags(environ) -> str:
     return environ.get("XLA_FLAGS", xla_flags(8))
 
 
-# Must happen before jax is imported anywhere: 8 host devices let tests build real meshes on CPU.
+# Must happen before jax is imported anywhere: 8 host devices let tests build real meshes on CPU (a `make test`
+# worker has its own count: tests/device_schedule.py).
 os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # float32 matmuls in full precision on every platform (GPUs default to TF32), so that the 1e-5 comparisons
@@ -60,9 +61,10 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 # The files that take longest (summed test seconds, a `-n 2` run of the suite on the 2-core machine, 2026-11-25),
 # started first when pytest-xdist spreads the files over workers (`make test`: --dist loadfile
-# --no-loadscope-reorder): the last file a worker starts is then a short one, and the two workers end together.
-LONGEST_FILES = ("test_pretrain.py", "test_cloud_storage.py", "test_data_formats.py", "test_dropout_attention.py",
-                 "test_tpu_compile.py", "test_data_tfrecord.py", "test_fatal_errors.py", "test_readme_path.py",
+# --no-loadscope-reorder): the last file a worker starts is then a short one, and the two workers end together. The
+# 8-device worker takes the files pinned to it first (tests/device_schedule.py), in this order too.
+LONGEST_FILES = ("test_pretrain.py", "test_tpu_compile.py", "test_cloud_storage.py", "test_data_formats.py",
+                 "test_dropout_attention.py", "test_data_tfrecord.py", "test_fatal_errors.py", "test_readme_path.py",
                  "test_data_instances.py", "test_glue_job.py", "test_workdir_lock.py", "test_scan_layers.py",
                  "test_train_step.py", "test_interop.py", "test_model.py")
 
@@ -84,8 +86,8 @@ def pytest_runtest_setup(item):
     needed, have = devices_needed(item.nodeid), host_devices(os.environ["XLA_FLAGS"])
     if have < needed:
         pytest.fail(f"{item.path.name} needs {needed} host devices, this process has {have} (XLA_FLAGS "
-                    f"{os.environ['XLA_FLAGS']!r}): list it in tests/device_schedule.py's FILE_DEVICES or run it on "
-                    f"more devices", pytrace=False)
+                    f"{os.environ['XLA_FLAGS']!r}): run it with BERTJAX_TEST_DEVICES={needed} or "
+                    f"more (tests/device_schedule.py)", pytrace=False)
 
 
 def pytest_collection_modifyitems(items):

@@ -1,7 +1,7 @@
 """`make test`'s two pytest-xdist workers with different CPU device counts, and the files each may run.
 
-XLA:CPU compiles and runs a program for every host device, so a job on 8 devices costs a third more CPU than on one
-(test_classify_job.py + test_glue_job.py: 118 -> 76 CPU-s). Most files are not about sharding: they run on a
+A job's programs partitioned over 8 host devices cost a third more CPU than on one (test_classify_job.py +
+test_glue_job.py: 118 -> 76 CPU-s). Most files are not about sharding: they run on a
 1-device worker; the files below build meshes of several devices and run only on a worker that has them (the
 8-device one), which takes them first and then helps with the rest.
 """
