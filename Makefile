@@ -49,11 +49,14 @@ demo-embed: install
 
 # Two pytest workers (the CI machine's two cores), a test file each at a time: a file's module fixtures (built
 # workdirs, compiled programs) are built once, by the worker that runs it; the longest files first, in the order
-# tests/conftest.py gives them (LONGEST_FILES).
-TEST_WORKERS ?= 2
+# tests/conftest.py gives them (LONGEST_FILES). The workers differ in CPU devices: a job's programs partitioned
+# over 8 host devices cost a third more CPU than on one, so a 1-device worker runs the many files that are not about
+# sharding, and an 8-device worker runs the files that build meshes (tests/device_schedule.py pins them) and then
+# helps with the rest. TEST_WORKERS: pytest-xdist's --tx specs, one per worker.
+TEST_WORKERS ?= --tx popen//env:BERTJAX_TEST_DEVICES=8 --tx popen//env:BERTJAX_TEST_DEVICES=1
 
 test: install
-	$(BIN)/pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/pytest -q --durations=20 $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-slow: install
 	$(BIN)/pytest -q -m slow

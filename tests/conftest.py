@@ -1,5 +1,6 @@
 """Shared test setup: 8 CPU devices for sharding tests, paths to the shared data and the real MiniLM checkpoint."""
 import os
+import re
 
 # XLA:CPU's cheaper compile (LLVM without its optimization passes): the suite's tiny programs spend far longer
 # compiling than running (test_train_step.py: 224 -> 129 s wall with it). The same operations, unoptimized: every
@@ -12,8 +13,24 @@ def xla_flags(devices: int) -> str:
     return f"--xla_force_host_platform_device_count={devices} {SUITE_COMPILE_FLAGS}"
 
 
-# Must happen before jax is imported anywhere: 8 host devices let tests build real meshes on CPU.
-os.environ.setdefault("XLA_FLAGS", xla_flags(8))
+def host_devices(flags: str) -> int:
+    """The CPU devices a process started with these XLA_FLAGS has (XLA's default: 1)."""
+    match = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+    return int(match.group(1)) if match else 1
+
+
+def suite_xla_flags(environ) -> str:
+    """A test process's XLA_FLAGS: `xla_flags(BERTJAX_TEST_DEVICES)` where that is set (a pytest-xdist worker of
+    `make test` gets its own count this way: the XLA_FLAGS it inherits from the controller are this file's default),
+    else XLA_FLAGS as given, else 8 host devices."""
+    if environ.get("BERTJAX_TEST_DEVICES"):
+        return xla_flags(int(environ["BERTJAX_TEST_DEVICES"]))
+    return environ.get("XLA_FLAGS", xla_flags(8))
+
+
+# Must happen before jax is imported anywhere: 8 host devices let tests build real meshes on CPU (a `make test`
+# worker has its own count: tests/device_schedule.py).
+os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # float32 matmuls in full precision on every platform (GPUs default to TF32), so that the 1e-5 comparisons
 # against references hold on a GPU machine too; a no-op on CPU.
@@ -44,11 +61,33 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 # The files that take longest (summed test seconds, a `-n 2` run of the suite on the 2-core machine, 2026-11-25),
 # started first when pytest-xdist spreads the files over workers (`make test`: --dist loadfile
-# --no-loadscope-reorder): the last file a worker starts is then a short one, and the two workers end together.
-LONGEST_FILES = ("test_pretrain.py", "test_cloud_storage.py", "test_data_formats.py", "test_dropout_attention.py",
-                 "test_tpu_compile.py", "test_data_tfrecord.py", "test_fatal_errors.py", "test_readme_path.py",
+# --no-loadscope-reorder): the last file a worker starts is then a short one, and the two workers end together. The
+# 8-device worker takes the files pinned to it first (tests/device_schedule.py), in this order too.
+LONGEST_FILES = ("test_pretrain.py", "test_tpu_compile.py", "test_cloud_storage.py", "test_data_formats.py",
+                 "test_dropout_attention.py", "test_data_tfrecord.py", "test_fatal_errors.py", "test_readme_path.py",
                  "test_data_instances.py", "test_glue_job.py", "test_workdir_lock.py", "test_scan_layers.py",
                  "test_train_step.py", "test_interop.py", "test_model.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` over workers of different device counts (`make test`): tests/device_schedule.py."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.device_schedule import make_scheduler
+
+    return make_scheduler(config, log, lambda spec_env: host_devices(suite_xla_flags({**os.environ, **spec_env})))
+
+
+def pytest_runtest_setup(item):
+    """A file that needs more host devices than this process has fails (a meaningless pass on fewer is no test)."""
+    from tests.device_schedule import devices_needed
+
+    needed, have = devices_needed(item.nodeid), host_devices(os.environ["XLA_FLAGS"])
+    if have < needed:
+        pytest.fail(f"{item.path.name} needs {needed} host devices, this process has {have} (XLA_FLAGS "
+                    f"{os.environ['XLA_FLAGS']!r}): run it with BERTJAX_TEST_DEVICES={needed} or "
+                    f"more (tests/device_schedule.py)", pytrace=False)
 
 
 def pytest_collection_modifyitems(items):
