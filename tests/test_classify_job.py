@@ -4,6 +4,7 @@ names reach config.json, and the exported model gives the job's own dev scores i
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import random
 import time
@@ -21,6 +22,10 @@ from tests.conftest import save_tiny_hf
 
 FILLER = "the a movie film plot actor scene story music was is very quite rather and but with of".split()
 SETTINGS = TrainSettings(learning_rate=5e-3, batch_size=16, epochs=8, seed=1, eval_batch_size=16)
+# The multi-label and regression checks below are "it learns" thresholds: at 8 epochs only some dropout draws learn
+# them (seeds 2-5 stayed at subset accuracy 0.5, as did seed 1 after the dropout masks changed); at 16, seeds 1 and 2
+# reach 1.0 and Pearson 0.92 / 0.97.
+LEARNING_SETTINGS = dataclasses.replace(SETTINGS, epochs=16)
 SETTINGS_FLAGS = ["--learning-rate", "5e-3", "--batch-size", "16", "--epochs", "8", "--seed", "1",
                   "--eval-batch-size", "16"]
 
@@ -151,8 +156,9 @@ def test_multi_label_jsonl(tiny_init, tmp_path):
 
     spec = TableSpec(problem="multi_label_classification")
     work = tmp_path / "work"
-    result = classify.run(str(jsonl(160, tmp_path / "train.jsonl")), str(work), SETTINGS, spec, init=tiny_init,
-                          dev=str(jsonl(32, tmp_path / "dev.jsonl")), max_seq_length=32, export_hf=True)
+    result = classify.run(str(jsonl(160, tmp_path / "train.jsonl")), str(work), LEARNING_SETTINGS, spec,
+                          init=tiny_init, dev=str(jsonl(32, tmp_path / "dev.jsonl")), max_seq_length=32,
+                          export_hf=True)
     assert result["labels"] == ["blue", "red"]
     assert result["metrics"]["dev"]["subset_accuracy"] >= 0.9
     assert json.loads((work / "hf" / "config.json").read_text())["problem_type"] == "multi_label_classification"
@@ -174,7 +180,7 @@ def test_regression_tsv(tiny_init, tmp_path):
         return path
 
     spec = TableSpec(text_column="sentence", label_column="score", problem="regression")
-    result = classify.run(str(tsv(160, tmp_path / "train.tsv")), str(tmp_path / "work"), SETTINGS, spec,
+    result = classify.run(str(tsv(160, tmp_path / "train.tsv")), str(tmp_path / "work"), LEARNING_SETTINGS, spec,
                           init=tiny_init, dev=str(tsv(32, tmp_path / "dev.tsv")), max_seq_length=32)
     assert result["labels"] is None
     assert result["metrics"]["dev"]["pearson"] >= 0.7 and result["metrics"]["dev"]["spearman"] >= 0.7  # untrained: ~0

@@ -1,8 +1,10 @@
 """The package's layout: docs/architecture.md's Layout section lists exactly the modules in the tree, and no
-module of `bertjax/` imports itself back through others (an import cycle)."""
+module of `bertjax/` imports itself back through others (an import cycle), and importing it starts nothing of JAX."""
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -106,3 +108,16 @@ def test_no_import_cycles_in_the_package():
     graph = import_graph(ROOT / "bertjax")
     assert "bertjax.pretraining.job" in graph["bertjax.cloud.compile"]  # the graph sees the package's imports
     assert import_cycles(graph) == []
+
+
+def test_importing_the_package_does_not_start_jax():
+    """A multi-host job calls jax.distributed.initialize() after its imports, which JAX refuses once anything has
+    started the XLA backend: no module may make a JAX array (or ask for devices) when it is imported."""
+    code = ("import importlib, pkgutil, bertjax\n"
+            "for module in pkgutil.walk_packages(bertjax.__path__, 'bertjax.'):\n"
+            "    importlib.import_module(module.name)\n"
+            "from jax._src import xla_bridge\n"
+            "print(xla_bridge.backends_are_initialized())\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "False", "importing bertjax started JAX's backend"

@@ -63,9 +63,6 @@ def hash_words(rng, shape, batch_leading: bool = True) -> jax.Array:
     return fmix32(fmix32(number * mult + add))
 
 
-_SIGN = jnp.int32(-(1 << 31))
-
-
 def _kept_halves(words, rate: float) -> jax.Array:
     """The keep bits of the words' low halves, then their high halves, concatenated along the last axis."""
     threshold = keep_threshold(rate)
@@ -73,8 +70,9 @@ def _kept_halves(words, rate: float) -> jax.Array:
         return jnp.ones(words.shape[:-1] + (2 * words.shape[-1],), bool)
     # draw < threshold for a 16-bit draw d in the top half of a word w: w <u threshold << 16 (the bits below d
     # cannot lift it past a multiple of 2^16); unsigned as signed with the sign bit flipped.
-    bound = jnp.int32(i32(threshold << 16)) ^ _SIGN
-    return jnp.concatenate([((words << 16) ^ _SIGN) < bound, (words ^ _SIGN) < bound], axis=-1)
+    sign = jnp.int32(-(1 << 31))  # made here, not at import: a JAX array at import starts the backend too early
+    bound = jnp.int32(i32(threshold << 16)) ^ sign
+    return jnp.concatenate([((words << 16) ^ sign) < bound, (words ^ sign) < bound], axis=-1)
 
 
 def keep_mask(rng, rate: float, shape) -> jax.Array:
