@@ -51,3 +51,14 @@ def test_dropped_start_up_lines_leave_a_childs_other_lines_as_they_come():
                                                                  "native_lines_dropped(verbose=True)")],
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert len([line for line in shown.stderr.splitlines() if NATIVE_LOG_LINE.search(line)]) == 3, shown.stderr
+
+
+def test_gloos_lines_are_dropped_also_when_two_land_in_one_another():
+    from bertjax.quiet import START_UP_LINE
+
+    lines = [b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+             b"[Gloo] Rank 1[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+             b" is connected to 1 peer ranks. Expected number of connected peer ranks is : 1", b"[Gloo] Rank 1"]
+    assert all(START_UP_LINE.search(line) for line in lines)
+    assert not START_UP_LINE.search(b"step 1/20 loss=10.3 [Gloo] Rank 1 is connected")
+    assert not START_UP_LINE.search(b"Traceback (most recent call last):")
