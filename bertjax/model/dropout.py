@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model.hashing import C_HEAD, GOLDEN, fmix32, i32
+from bertjax.model.hashing import C_HEAD, GOLDEN, below, fmix32
 from bertjax.sharding import manual_batch_offset
 
 _LEVELS = 1 << 16
@@ -69,10 +69,8 @@ def _kept_halves(words, rate: float) -> jax.Array:
     if threshold == _LEVELS:  # rate 0: every element kept (threshold << 16 would not fit 32 bits)
         return jnp.ones(words.shape[:-1] + (2 * words.shape[-1],), bool)
     # draw < threshold for a 16-bit draw d in the top half of a word w: w <u threshold << 16 (the bits below d
-    # cannot lift it past a multiple of 2^16); unsigned as signed with the sign bit flipped.
-    sign = jnp.int32(-(1 << 31))  # made here, not at import: a JAX array at import starts the backend too early
-    bound = jnp.int32(i32(threshold << 16)) ^ sign
-    return jnp.concatenate([((words << 16) ^ sign) < bound, (words ^ sign) < bound], axis=-1)
+    # cannot lift it past a multiple of 2^16).
+    return jnp.concatenate([below(words << 16, threshold << 16), below(words, threshold << 16)], axis=-1)
 
 
 def keep_mask(rng, rate: float, shape) -> jax.Array:

@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from bertjax.model.hashing import C_ADD, C_HEAD, GOLDEN, fmix32, i32
+from bertjax.model.hashing import C_ADD, C_HEAD, GOLDEN, below, fmix32
 
 LANES = 128        # the TPU vector lane width
 SUBLANES = 8       # rows of 32 bits in one memory tile / vreg
@@ -73,7 +73,6 @@ HASH_OPS_PER_ELEMENT, HASH_INIT_OPS_PER_ELEMENT = 11, 6
 _FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 8, 8, 10
 
 
-_SIGN = i32(0x80000000)
 
 
 def _stream_key(seed, batch_index, head_index):
@@ -91,14 +90,9 @@ def keep_threshold(rate: float) -> int:
     return min(round((1.0 - rate) * 2.0**32), 2**32 - 1)
 
 
-def _below(u, threshold: int):
-    """Unsigned u < threshold as a signed compare: the sign bit of both sides flipped."""
-    return (u ^ jnp.int32(_SIGN)) < jnp.int32(i32(threshold - 2**31))
-
-
 def _keep(rows, cols, mult, add, threshold: int):
     """Boolean keep mask for int32 global positions `rows`, `cols` (broadcasting) of one stream."""
-    return _below(fmix32(((rows << 16) | cols) * mult + add), threshold)
+    return below(fmix32(((rows << 16) | cols) * mult + add), threshold)
 
 
 def seed_from_rng(rng) -> jax.Array:
@@ -196,7 +190,7 @@ def _init_block_hash(hash_sc, j, seed_ref, batch_index, head_index, transposed=F
 def _block_keep(hash_sc, j, seed_ref, batch_index, head_index, q_start, k_start, threshold):
     """The keep mask of the block at (q_start, k_start), in hash_sc[j]'s orientation: the bits of `_keep`."""
     mult, _ = _kernel_stream(seed_ref, batch_index, head_index)
-    return _below(fmix32(hash_sc[j] + ((q_start << 16) + k_start) * mult), threshold)
+    return below(fmix32(hash_sc[j] + ((q_start << 16) + k_start) * mult), threshold)
 
 
 # A block of q/k/v/o is [rows, width]: one head's head_dim lanes (the [B, H, S, D] layout, pack = 1), or `pack` heads

@@ -32,3 +32,7 @@ def fmix32(x):
     x = x * jnp.int32(_FMIX_2)
     return x ^ srl(x, 16)
 
+
+def below(u, bound: int):
+    """Unsigned `u < bound` for int32 bits `u` and 0 <= bound < 2^32, as a signed compare (both sign bits flipped)."""
+    return (u ^ jnp.int32(i32(0x80000000))) < jnp.int32(i32(bound - 2**31))
