@@ -319,23 +319,33 @@ def is_stacked(params) -> bool:
 
 
 def is_stacked_path(path) -> bool:
-    """Whether a param's key path (from the params' root) is in the stacked layers (its axis 0 = layer)."""
-    keys = [getattr(k, "key", None) for k in path[:2]]
-    return keys == ["bert", STACKED]
+    """Whether a leaf's key path (from the params' root, or from a state holding params-shaped trees) is in the
+    stacked layers (its axis 0 = layer)."""
+    keys = [getattr(k, "key", None) for k in path]
+    return any(keys[i:i + 2] == ["bert", STACKED] for i in range(len(keys) - 1))
+
+
+def _stack(leaves):
+    """One tensor's layers stacked on a new axis 0; a logically partitioned one (init) names that axis `layers`."""
+    if isinstance(leaves[0], nn.meta.AxisMetadata):
+        stacked = leaves[0].replace_boxed(jnp.stack([leaf.unbox() for leaf in leaves]))
+        return stacked.add_axis(0, {nn.PARTITION_NAME: STACKED})
+    return jnp.stack(leaves)
 
 
 def stack_layers(tree, stack=None):
-    """Every encoder dict of `tree` (params, or an optimizer state holding params-shaped trees) with its
-    `layer_0..layer_{N-1}` subtrees stacked into one `layers` subtree (leading axis = layer). `stack(leaves)`
+    """Every encoder dict of `tree` (params, boxed or not, or an optimizer state holding params-shaped trees) with
+    its `layer_0..layer_{N-1}` subtrees stacked into one `layers` subtree (leading axis = layer). `stack(leaves)`
     combines one tensor's N layers (default: jnp.stack). Trees already stacked are returned unchanged."""
-    stack = stack or jnp.stack
+    stack = stack or _stack
 
     def convert(node):
         keys = _layer_keys(node) if isinstance(node, dict) else []
         if not keys:
             return node
         rest = {k: v for k, v in node.items() if k not in keys}
-        return {**rest, STACKED: jax.tree_util.tree_map(lambda *leaves: stack(leaves), *(node[k] for k in keys))}
+        return {**rest, STACKED: jax.tree_util.tree_map(lambda *leaves: stack(leaves), *(node[k] for k in keys),
+                                                        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))}
 
     return jax.tree_util.tree_map(convert, tree, is_leaf=_is_encoder)
 
