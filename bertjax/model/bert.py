@@ -146,14 +146,21 @@ class HeadProjection(nn.Module):
         c = self.config
         if self.to_heads:
             kernel_shape, kernel_names = (c.hidden_size, c.num_attention_heads, c.head_dim), ("embed", "heads", "kv")
-            bias_shape, bias_names, equation = (c.num_attention_heads, c.head_dim), ("heads", "kv"), "bld,dnh->blnh"
+            bias_shape, bias_names = (c.num_attention_heads, c.head_dim), ("heads", "kv")
         else:
             kernel_shape, kernel_names = (c.num_attention_heads, c.head_dim, c.hidden_size), ("heads", "kv", "embed")
-            bias_shape, bias_names, equation = (c.hidden_size,), ("embed",), "blnh,nhd->bld"
+            bias_shape, bias_names = (c.hidden_size,), ("embed",)
         kernel = self.param("kernel", _kernel_init(c, kernel_names), kernel_shape, jnp.float32)
         bias = self.param("bias", _zeros(bias_names), bias_shape, jnp.float32)
         dtype = _dtype(c)
-        y = jnp.einsum(equation, x.astype(dtype), kernel.astype(dtype))
+        # One [H, heads * head_dim] matmul, not an einsum over (heads, head_dim): XLA:TPU lays a 3-d kernel out
+        # with head_dim (64) in the 128 lanes, half empty, and its backward matmuls ran at ~45% of the MXU's peak.
+        heads = c.num_attention_heads * c.head_dim
+        if self.to_heads:
+            y = (x.astype(dtype) @ kernel.reshape(c.hidden_size, heads).astype(dtype)).reshape(
+                x.shape[:-1] + kernel_shape[1:])
+        else:
+            y = x.reshape(x.shape[:-2] + (heads,)).astype(dtype) @ kernel.reshape(heads, c.hidden_size).astype(dtype)
         return (y, bias) if self.defer_bias else y + bias.astype(dtype)
 
 
