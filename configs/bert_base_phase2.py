@@ -15,6 +15,9 @@ def get_config():
     c = default_config()
     c.model.preset = "base"
     c.model.dtype = "bfloat16"
+    # The tanh GELU, as google-research/bert computed it (its configs say "gelu"; HF calls it "gelu_new"): on TPU
+    # its tanh runs on the transcendental unit where the exact erf is a long polynomial on the vector unit.
+    c.model.hidden_act = "gelu_new"
     c.data.max_seq_length = 512
     c.data.max_predictions_per_seq = 80
     c.train.steps = 100_000

@@ -14,6 +14,9 @@ def get_config():
     c = default_config()
     c.model.preset = "large"
     c.model.dtype = "bfloat16"
+    # The tanh GELU, as google-research/bert computed it (its configs say "gelu"; HF calls it "gelu_new"): on TPU
+    # its tanh runs on the transcendental unit where the exact erf is a long polynomial on the vector unit.
+    c.model.hidden_act = "gelu_new"
     c.data.max_seq_length = 128
     c.train.steps = 7038
     c.train.batch_size = 65536
