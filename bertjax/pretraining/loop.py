@@ -24,6 +24,7 @@ from bertjax.data import input_source
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
+from bertjax.model import bert as model_lib
 from bertjax.host_memory import memory_warning
 from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.new_workdir import removed_if_failed_before_saving
@@ -81,7 +82,8 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, vo
             f"words")
     initialised, loaded = jax.device_get(state.params), checkpoint.params
     merged = checkpoint_lib.merge_params(initialised, loaded, source=f"--init {source}", encoder_only=False)
-    fresh = _modules_missing(initialised, loaded)
+    # The state holds the layers stacked, a checkpoint hands them out per layer: compared by module, not tensor.
+    fresh = _modules_missing(initialised, model_lib.stack_layers(loaded, stack=lambda leaves: leaves[0]))
     log(f"initialised from {source} (fresh optimizer state and schedule)" +
         (f"; not in the checkpoint, freshly initialised: {', '.join(fresh)}" if fresh else ""))
     return state.replace(params=jax.device_put(merged, shardings.params))
