@@ -24,9 +24,9 @@ from bertjax.data import input_source
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
-from bertjax.model import bert as model_lib
 from bertjax.host_memory import memory_warning
 from bertjax.interop.load import check_vocab_fits, load_pretrained
+from bertjax.model import bert as model_lib
 from bertjax.new_workdir import removed_if_failed_before_saving
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
