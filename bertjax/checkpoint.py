@@ -225,7 +225,7 @@ def _abstract_layout(abstract, config: BertConfig, stacked: bool):
 def restore_train_state(step_dir: str, abstract_state):
     """Params, optimizer state and train meta of a trainer step directory, laid out as `abstract_state` (any
     mesh: Orbax reshards on restore; either layer layout: a step saved per layer continues stacked, and back).
-    For continuing another run's schedule (`--init` a step directory)."""
+    For a resume and for continuing another run's schedule (`--init` a step directory)."""
     path = orbax_path(step_dir)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         stored, wanted = _stored_stacked(checkpointer, path), model_lib.is_stacked(abstract_state.params)
@@ -507,8 +507,9 @@ class TrainCheckpointer(StepCheckpointer):
         return self.restore_items(step, {JOB_CONFIG: None})[JOB_CONFIG]
 
     def restore(self, step: int, abstract_state):
-        """The train state at `step`, laid out as `abstract_state` (any mesh: Orbax reshards on restore)."""
-        return _train_state_from(self.restore_items(step, _train_state_items(abstract_state)), abstract_state)
+        """The train state at `step`, laid out as `abstract_state` (any mesh: Orbax reshards on restore; a step
+        saved with its layers per layer, as before they were held stacked, continues stacked)."""
+        return restore_train_state(self.step_dir(step), abstract_state)
 
     def _remove_stale_input_states(self) -> None:
         # Pipeline positions of checkpoints Orbax has deleted (or never finished) are dropped; the newest ones

@@ -169,7 +169,8 @@ def test_losses_and_gradients_equal_packed_and_unpacked(params, packed_and_unpac
     model = model_lib.BertForPreTraining(CONFIG)
     optimizer, schedule = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=0), 10)
     state = nn.meta.unbox(train_state.init_state(jax.random.key(0), model=model, config=CONFIG, optimizer=optimizer,
-                                                 seq_len=SEQ, num_masked=MASKED)).replace(params=params)
+                                                 seq_len=SEQ, num_masked=MASKED)).replace(
+        params=model_lib.stack_layers(params))  # the state holds the layers stacked
     step = jax.jit(functools.partial(train_step.train_step, model=model, optimizer=optimizer, schedule=schedule,
                                      grad_accum_steps=1, nsp_loss=True))
     metrics = [jax.device_get(step(state, {k: jnp.asarray(v) for k, v in b.items()})[1])

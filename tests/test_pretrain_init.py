@@ -50,7 +50,7 @@ def test_pretrain_from_init_takes_its_model_and_vocab_and_names_fresh_heads(tmp_
     assert (workdir / "init_vocab.txt").read_text() == (minilm_dir / "vocab.txt").read_text()
 
 
-def test_a_vocab_other_than_the_checkpoints_is_named(tmp_path, minilm_dir, monkeypatch, capsys):
+def test_a_vocab_or_activation_other_than_the_checkpoints_is_named(tmp_path, minilm_dir, monkeypatch, capsys):
     init = save_tiny_checkpoint(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
     tokens = (minilm_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
     tokens[2000], tokens[2001] = tokens[2001], tokens[2000]  # same size, two words' rows swapped
@@ -61,7 +61,9 @@ def test_a_vocab_other_than_the_checkpoints_is_named(tmp_path, minilm_dir, monke
                         "--set", f"data.vocab={tmp_path / 'vocab.txt'}", "--set", "data.max_seq_length=32",
                         "--set", "data.max_predictions_per_seq=5", "--set", "train.steps=1",
                         "--set", "train.batch_size=8", "--set", "optimizer.warmup_steps=0",
-                        "--set", "checkpoint.every=1"], monkeypatch, capsys)
+                        "--set", "checkpoint.every=1", "--set", "model.hidden_act=gelu_new"], monkeypatch, capsys)
+    assert (f"warning: --init {init} has hidden_act='gelu'; this job computes 'gelu_new' (set "
+            f"model.hidden_act=gelu to continue with the checkpoint's)") in output, output
     assert (f"warning: data.vocab differs from the vocabulary of --init {init} in 2 token(s) (2000: "
             f"{tokens[2001]!r} -> {tokens[2000]!r}, 2001: {tokens[2000]!r} -> {tokens[2001]!r})") in output, output
 

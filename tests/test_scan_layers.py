@@ -111,22 +111,24 @@ def test_scan_gives_the_unrolled_loss_and_gradients(pair):
     loss, grads = _loss_and_grads(unrolled[0], unrolled[3].params, batch)
     scan_loss, scan_grads = _loss_and_grads(scanned[0], scanned[3].params, batch)
     np.testing.assert_allclose(float(scan_loss), float(loss), rtol=1e-6)
-    _assert_close(model_lib.unstack_layers(jax.device_get(scan_grads), config.num_hidden_layers),
-                  jax.device_get(grads))
+    _assert_close(jax.device_get(scan_grads), jax.device_get(grads))  # the state holds both stacked
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", pytest.param("lamb", marks=pytest.mark.slow)])
 def test_stacked_layers_take_the_same_optimizer_updates(optimizer):
-    """Weight decay skips stacked LayerNorm/bias vectors, LAMB's trust ratio is per layer: the same updates."""
-    config, _, unrolled, scanned = _pair("four_layers", optimizer)
-    grads = _loss_and_grads(unrolled[0], unrolled[3].params, _batches(1, seed=6)[0])[1]
+    """The train state holds the layers stacked: weight decay skips stacked LayerNorm/bias vectors, LAMB's trust
+    ratio is per layer, so the updates are those of the same optimizer on the per-layer tensors."""
+    config, _, (model, tx, _, state, _), _ = _pair("four_layers", optimizer)
+    per_layer = lambda tree: model_lib.unstack_layers(jax.device_get(tree), config.num_hidden_layers)
+    grads = _loss_and_grads(model, state.params, _batches(1, seed=6)[0])[1]
+    assert model_lib.is_stacked(state.params) and model_lib.is_stacked(grads)
     updates = []
-    for (_, tx, _, state, _), g in ((unrolled, grads), (scanned, model_lib.stack_layers(grads))):
+    for params, g in ((state.params, grads), (per_layer(state.params), per_layer(grads))):
+        opt_state = tx.init(params)
         for _ in range(2):  # the first step's learning rate is 0 (warmup)
-            update, opt_state = jax.jit(tx.update)(g, state.opt_state, state.params)
-            state = state.replace(opt_state=opt_state)
+            update, opt_state = jax.jit(tx.update)(g, opt_state, params)
         updates.append(jax.device_get(update))
-    _assert_close(model_lib.unstack_layers(updates[1], config.num_hidden_layers), updates[0])
+    _assert_close(per_layer(updates[0]), updates[1])
 
 
 @pytest.mark.slow
@@ -148,7 +150,7 @@ def test_scan_gives_the_unrolled_train_steps():
     (losses, norms, params), (scan_losses, scan_norms, scan_params) = results
     np.testing.assert_allclose(scan_losses, losses, rtol=1e-6)
     np.testing.assert_allclose(scan_norms, norms, rtol=1e-6)
-    _assert_close(model_lib.unstack_layers(scan_params, config.num_hidden_layers), params, rtol=1e-5)
+    _assert_close(scan_params, params, rtol=1e-5)
 
 
 def test_hidden_states_are_sown_per_layer_under_scan():
@@ -157,8 +159,8 @@ def test_hidden_states_are_sown_per_layer_under_scan():
     args = (batch["input_ids"], batch["input_mask"], batch["segment_ids"])
     states = []
     for (_, _, _, state, _), cfg in ((unrolled, config), (scanned, config.replace(scan_layers=True))):
-        _, sown = model_lib.BertModel(cfg).apply({"params": state.params["bert"]}, *args,
-                                                 mutable=["intermediates"])
+        params = model_lib.with_layout(state.params["bert"], cfg, stacked=cfg.scan_layers)
+        _, sown = model_lib.BertModel(cfg).apply({"params": params}, *args, mutable=["intermediates"])
         states.append(sown["intermediates"]["hidden_states"])
     assert len(states[1]) == config.num_hidden_layers + 1
     for a, b in zip(states[1], states[0]):
@@ -197,7 +199,8 @@ def test_a_scanned_checkpoint_reads_and_exports_as_the_unrolled_one(tmp_path):
     checkpoint for a scanned model (merge_params)."""
     config, _, unrolled, scanned = _pair("four_layers")
     vocab = [f"t{i}" for i in range(config.vocab_size)]
-    params, scan_params = jax.device_get(unrolled[3].params), jax.device_get(scanned[3].params)
+    scan_params = jax.device_get(scanned[3].params)
+    params = model_lib.unstack_layers(jax.device_get(unrolled[3].params), config.num_hidden_layers)
     checkpoint_lib.save_model(str(tmp_path / "scanned"), scan_params, config.replace(scan_layers=True), vocab)
     loaded = checkpoint_lib.load_model(str(tmp_path / "scanned"))
     assert not loaded.config.scan_layers and "layer_0" in loaded.params["bert"]
@@ -217,22 +220,26 @@ def test_a_scanned_checkpoint_reads_and_exports_as_the_unrolled_one(tmp_path):
 
 @pytest.mark.parametrize("name", ["tiny", pytest.param("four_layers", marks=pytest.mark.slow)])
 def test_a_per_layer_step_continues_stacked_and_back(name, tmp_path):
-    """restore_train_state (`--init STEP_DIR` keeping the schedule) converts params and Adam moments between
-    the layouts, either way."""
+    """restore_train_state (a resume, or `--init STEP_DIR` keeping the schedule) converts params and Adam moments
+    between the layouts, either way: a step saved per layer (as states were held before they held the layers
+    stacked) continues stacked."""
     config, _, unrolled, scanned = _pair(name)
     vocab = [f"t{i}" for i in range(config.vocab_size)]
-    for layout, (source, target) in {"per_layer": (unrolled, scanned), "stacked": (scanned, unrolled)}.items():
-        state, cfg = source[3], config.replace(scan_layers=source is scanned)
+    stacked = unrolled[3]
+    per_layer = jax.jit(lambda s: model_lib.unstack_layers(s, config.num_hidden_layers))(stacked)
+    assert model_lib.is_stacked(stacked.params) and not model_lib.is_stacked(per_layer.params)
+    for layout, (state, target, cfg) in {"per_layer": (per_layer, stacked, config),
+                                         "stacked": (scanned[3], per_layer, config.replace(scan_layers=True))}.items():
         checkpointer = checkpoint_lib.TrainCheckpointer(str(tmp_path / layout),
                                                         checkpoint_lib.CheckpointConfig(async_save=False))
         checkpointer.save(0, state, config=cfg, vocab=vocab, lower_case=True, job_config={},
                           save_input_state=lambda _: None, force=True)
         checkpointer.close()
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                          target[3])
+                                          target)
         restored = checkpoint_lib.restore_train_state(checkpointer.step_dir(0), abstract)
-        assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(target[3])
-        for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(target[3])):
+        assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(target)
+        for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(target)):
             assert a.sharding == b.sharding
             assert np.array_equal(np.asarray(a), np.asarray(b))
 

@@ -141,7 +141,7 @@ def test_non_finite_gradient_skips_the_update(setup, skipping_steps, skip):
     new_state, metrics = step(bad, batch)
     assert int(new_state.nonfinite_total) == 1 and int(new_state.nonfinite_consecutive) == 1
     assert int(new_state.step) == 1
-    kernel = lambda s: np.asarray(s.params["bert"]["layer_0"]["intermediate"]["kernel"])
+    kernel = lambda s: np.asarray(s.params["bert"]["layers"]["intermediate"]["kernel"][0])
     assert np.array_equal(kernel(new_state), kernel(bad)), "a non-finite step must not change the params"
     good_state, _ = step(*step(state, batch)[:1], batch)  # two steps: the warmup's first learning rate is 0
     assert int(good_state.nonfinite_total) == 0 and not np.array_equal(kernel(good_state), kernel(state))
@@ -159,8 +159,8 @@ def test_select_and_branch_skips_give_the_same_updates(setup, skipping_steps):
             states[skip], _ = step(states[skip], batch)
     for a, b in zip(jax.tree_util.tree_leaves(states["select"]), jax.tree_util.tree_leaves(states["cond"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
-    moved = np.asarray(states["cond"].params["bert"]["layer_0"]["intermediate"]["kernel"])
-    assert not np.allclose(moved, np.asarray(state.params["bert"]["layer_0"]["intermediate"]["kernel"]))
+    moved = np.asarray(states["cond"].params["bert"]["layers"]["intermediate"]["kernel"])
+    assert not np.allclose(moved, np.asarray(state.params["bert"]["layers"]["intermediate"]["kernel"]))
 
 
 def test_optimizer_state_is_sharded_like_its_params():
@@ -169,11 +169,11 @@ def test_optimizer_state_is_sharded_like_its_params():
     optimizer, _ = optim.make_optimizer(optim.OptimizerConfig(learning_rate=LR, warmup_steps=WARMUP), STEPS)
     state, shardings, _ = train_state.make_sharded_state(jax.random.key(0), model=model, config=CONFIG,
                                                    optimizer=optimizer, mesh=mesh, seq_len=SEQ, num_masked=MASKED)
-    param_spec = state.params["bert"]["layer_1"]["intermediate"]["kernel"].sharding.spec
+    param_spec = state.params["bert"]["layers"]["intermediate"]["kernel"].sharding.spec
     adam_state = state.opt_state[1]
-    assert param_spec == jax.sharding.PartitionSpec("fsdp", "tensor")
-    assert adam_state.mu["bert"]["layer_1"]["intermediate"]["kernel"].sharding.spec == param_spec
-    assert adam_state.nu["bert"]["layer_1"]["intermediate"]["kernel"].sharding.spec == param_spec
+    assert param_spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")  # every chip holds every layer
+    assert adam_state.mu["bert"]["layers"]["intermediate"]["kernel"].sharding.spec == param_spec
+    assert adam_state.nu["bert"]["layers"]["intermediate"]["kernel"].sharding.spec == param_spec
 
 
 def test_nsp_metrics_only_with_the_nsp_loss():
@@ -214,8 +214,8 @@ def test_update_sharded_over_data_gives_the_replicated_updates(mesh_shape, accum
                 state, metrics = step(state, sharding.global_batch(batch, mesh))
         finals[shard] = state, metrics
     (sharded, sharded_metrics), (replicated, replicated_metrics) = finals[True], finals[False]
-    layer = sharded.params["bert"]["layers" if scan else "layer_1"]["intermediate"]["kernel"]
-    mu = sharded.opt_state[1].mu["bert"]["layers" if scan else "layer_1"]["intermediate"]["kernel"]
+    layer = sharded.params["bert"]["layers"]["intermediate"]["kernel"]
+    mu = sharded.opt_state[1].mu["bert"]["layers"]["intermediate"]["kernel"]
     assert "data" in jax.tree_util.tree_leaves(tuple(layer.sharding.spec)), layer.sharding.spec
     assert mu.sharding.spec == layer.sharding.spec
     for a, b in zip(jax.tree_util.tree_leaves(sharded), jax.tree_util.tree_leaves(replicated)):
@@ -224,6 +224,6 @@ def test_update_sharded_over_data_gives_the_replicated_updates(mesh_shape, accum
         np.testing.assert_allclose(float(sharded_metrics[key]), float(replicated_metrics[key]), rtol=1e-6)
     initial = train_state.make_sharded_state(jax.random.key(0), model=model, config=config, optimizer=optimizer,
                                              mesh=mesh, seq_len=SEQ, num_masked=MASKED)[0]
-    moved = replicated.params["bert"]["layers" if scan else "layer_1"]["intermediate"]["kernel"]
-    start = initial.params["bert"]["layers" if scan else "layer_1"]["intermediate"]["kernel"]
+    moved = replicated.params["bert"]["layers"]["intermediate"]["kernel"]
+    start = initial.params["bert"]["layers"]["intermediate"]["kernel"]
     assert not np.allclose(np.asarray(moved), np.asarray(start))

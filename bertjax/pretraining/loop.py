@@ -26,6 +26,7 @@ from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.host_memory import memory_warning
 from bertjax.interop.load import check_vocab_fits, load_pretrained
+from bertjax.model import bert as model_lib
 from bertjax.new_workdir import removed_if_failed_before_saving
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
@@ -60,16 +61,19 @@ def _numpy_batch(element) -> dict:
     return {k: v.numpy() for k, v in element.items()}
 
 
-def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, vocab: list[str], log):
+def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, vocab: list[str], hidden_act: str,
+               log):
     """The state started from a checkpoint: a trainer step directory continues its schedule unless
     `reset_schedule`; anything else (ours, HF, TF) gives its params, the rest stays initialised. A run directory
     stands for its newest complete step."""
     source = checkpoint_lib.resolve_checkpoint(source)
     if not reset_schedule and (epath.Path(source) / checkpoint_lib.OPT_STATE).exists():
+        _warn_other_activation(checkpoint_lib.load_config(source).hidden_act, hidden_act, source, log)
         state = checkpoint_lib.restore_train_state(source, abstract)
         log(f"continuing from {source} at step {int(state.step)} (optimizer state and schedule kept)")
         return state
     checkpoint = load_pretrained(source)
+    _warn_other_activation(checkpoint.config.hidden_act, hidden_act, source, log)
     differing = sum(a != b for a, b in zip(vocab, checkpoint.vocab)) + abs(len(vocab) - len(checkpoint.vocab))
     if differing:  # same size (the shapes check that), other tokens: embedding rows now stand for other words
         shown = [f"{i}: {b!r} -> {a!r}" for i, (a, b) in enumerate(zip(vocab, checkpoint.vocab)) if a != b][:3]
@@ -78,10 +82,18 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, vo
             f"words")
     initialised, loaded = jax.device_get(state.params), checkpoint.params
     merged = checkpoint_lib.merge_params(initialised, loaded, source=f"--init {source}", encoder_only=False)
-    fresh = _modules_missing(initialised, loaded)
+    # The state holds the layers stacked, a checkpoint hands them out per layer: compared by module, not tensor.
+    fresh = _modules_missing(initialised, model_lib.stack_layers(loaded, stack=lambda leaves: leaves[0]))
     log(f"initialised from {source} (fresh optimizer state and schedule)" +
         (f"; not in the checkpoint, freshly initialised: {', '.join(fresh)}" if fresh else ""))
     return state.replace(params=jax.device_put(merged, shardings.params))
+
+
+def _warn_other_activation(trained: str, computed: str, source: str, log) -> None:
+    # The shapes do not tell: phase 2 from a phase-1 run of another activation would silently change the function.
+    if trained != computed:
+        log(f"warning: --init {source} has hidden_act={trained!r}; this job computes {computed!r} (set "
+            f"model.hidden_act={trained} to continue with the checkpoint's)")
 
 
 def _modules_missing(params: dict, loaded: dict) -> list[str]:
@@ -280,7 +292,8 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
         iterator = iter(dataset)
         state = train_state.init_sharded_state(job.rng, shardings, mesh, **job.state_args)
         if init_from:
-            state = _init_from(state, init_from, shardings, abstract, config.reset_schedule, vocab, log)
+            state = _init_from(state, init_from, shardings, abstract, config.reset_schedule, vocab,
+                               bert_config.hidden_act, log)
     _check_inputs_unchanged(epath.Path(workdir) / INPUTS_RECORD, config.data, resumed is not None,
                             process_index == 0, log)
     jax.block_until_ready(state)  # restored or initialised, not only dispatched: the time is charged now

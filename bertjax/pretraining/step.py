@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from bertjax import sharding
+from bertjax.model import bert as model_lib
 from bertjax.pretraining import update_sharding as update_sharding_lib
 from bertjax.pretraining.state import TrainState
 from bertjax.sharding import target_platform
@@ -89,9 +90,16 @@ def summarize(sums: dict, nsp_loss: bool) -> dict:
     return out
 
 
+def compute_layout(model, params):
+    """The params as `model` computes with them: the state holds the layers stacked; an unrolled model takes them
+    per layer (slices of the stacked tensors)."""
+    return model_lib.with_layout(params, model.config, stacked=model.config.scan_layers)
+
+
 def forward(model, params, batch: dict, *, deterministic: bool, rng=None):
-    """The pretraining outputs for a batch dict, packed or not (its optional packing and span features passed on)."""
-    return model.apply({"params": params}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
+    """The pretraining outputs for a batch dict, packed or not (its optional packing and span features passed on);
+    `params` in either layer layout."""
+    return model.apply({"params": compute_layout(model, params)}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
                        batch["masked_lm_positions"], packing_ids=batch.get("packing_ids"),
                        position_ids=batch.get("position_ids"), nsp_positions=batch.get("instance_cls_positions"),
                        span_left_positions=batch.get("span_left_positions"),
@@ -157,13 +165,15 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
         return grads, sums
 
     scalars = (state.rng, state.step, total_weight, total_count)
+    compute_params = compute_layout(model, state.params)
     if update_sharding is None:
-        grads, sums = grads_and_sums(state.params, batch, *scalars)
+        grads, sums = grads_and_sums(compute_params, batch, *scalars)
     else:
         grads, sums = update_sharding_lib.local_gradients(
-            update_sharding, grads_and_sums, update_sharding_lib.gather(update_sharding, state.params), batch,
+            update_sharding, grads_and_sums, update_sharding_lib.gather(update_sharding, compute_params), batch,
             *scalars)
     params = state.params
+    grads = model_lib.with_layout(grads, model.config, stacked=model_lib.is_stacked(params))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
 

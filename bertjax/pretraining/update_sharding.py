@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax import sharding
+from bertjax.model import bert as model_lib
 
 DATA = "data"
 
@@ -39,16 +40,16 @@ class UpdateSharding:
     reduce_in_float32: bool      # reduce the gradients in float32 (else in their compute dtype)
 
 
-def split_dim(named: NamedSharding, shape) -> int:
-    """The first dimension of a leaf that no mesh axis (of more than one device) splits yet and the data axis
-    divides; -1 if none."""
+def split_dim(named: NamedSharding, shape, first: int = 0) -> int:
+    """The first dimension from `first` on of a leaf that no mesh axis (of more than one device) splits yet and
+    the data axis divides; -1 if none."""
     mesh = named.mesh
     data = mesh.shape[DATA]
     spec = tuple(named.spec) + (None,) * (len(shape) - len(named.spec))
     if data == 1 or any(DATA in sharding._axes(entry) for entry in spec):
         return -1
     for dim, entry in enumerate(spec):
-        if all(mesh.shape[axis] == 1 for axis in sharding._axes(entry)) and shape[dim] % data == 0:
+        if dim >= first and all(mesh.shape[axis] == 1 for axis in sharding._axes(entry)) and shape[dim] % data == 0:
             return dim
     return -1
 
@@ -62,9 +63,12 @@ def _with_data(named: NamedSharding, dim: int) -> NamedSharding:
 
 
 def split_shardings(shardings_tree, abstract_tree):
-    """Each leaf's sharding also split over data on its `split_dim` (params, moments: anything param-shaped)."""
-    return jax.tree_util.tree_map(lambda named, x: _with_data(named, split_dim(named, x.shape)), shardings_tree,
-                                  abstract_tree)
+    """Each leaf's sharding also split over data on its `split_dim` (params, moments: anything param-shaped). A
+    stacked layer's tensor is split where its layers are (never on the layer axis), so each layer's gradient is
+    reduce-scattered on its own before the layers are stacked."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, named, x: _with_data(named, split_dim(named, x.shape, first=int(model_lib.is_stacked_path(
+            path)))), shardings_tree, abstract_tree)
 
 
 def make(mesh: Mesh, rules, param_shardings, abstract_params, compute_dtype, reduce_in_float32: bool = False):
