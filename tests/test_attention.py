@@ -134,3 +134,24 @@ def test_backend_selection():
     assert resolve_backend("flash_dropout_tpu", dropout_active=True) == "flash_dropout_tpu"
     with pytest.raises(ValueError, match="has no attention dropout"):
         resolve_backend("pallas_tpu", dropout_active=True)
+
+
+@pytest.mark.usefixtures("no_cache_writes")
+def test_splash_lowers_to_a_mosaic_kernel_for_a_tpu_mesh():
+    """Traced for a TPU mesh (libtpu's compile-only devices on this CPU), the splash backend batches its kernel
+    with vmap and lowers it to Mosaic; off TPU (the cases above) it loops over the examples in interpret mode.
+    Lowered only: XLA:TPU's compile of the whole step is test_tpu_compile.py's (slow for splash)."""
+    pytest.importorskip("libtpu", reason="lowering for TPU needs libtpu")
+    from bertjax import sharding
+    from bertjax.cloud import topologies
+
+    devices = topologies.compile_only_devices(topologies.parse_topology("v5e:2x2"))
+    mesh = sharding.make_mesh(data=len(devices), fsdp=1, tensor=1, devices=devices)
+    qkv = jax.ShapeDtypeStruct((4, 128, 2, 64), jnp.float32)
+    mask = jax.ShapeDtypeStruct((4, 128), jnp.int32)
+    with sharding.activate(mesh):
+        assert sharding.target_platform() == "tpu"
+        lowered = jax.jit(lambda q, k, v, m: dot_product_attention(q, k, v, m, backend="splash_tpu")).lower(
+            qkv, qkv, qkv, mask)
+    text = lowered.as_text()
+    assert text.count("tpu_custom_call") == 1 and "splash" in text, text[:2000]

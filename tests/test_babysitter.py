@@ -26,8 +26,12 @@ def two_file_corpus(tmp_path_factory, minilm_dir):
     return str(folder / "part*.txt"), str(minilm_dir / "vocab.txt")
 
 
-def _command(workdir, corpus):
-    return _argv(workdir, corpus)[3:]  # without the "python -m bertjax.cli" prefix
+def _command(workdir, corpus, *extra):
+    return _argv(workdir, corpus, *extra)[3:]  # without the "python -m bertjax.cli" prefix
+
+
+# The killed job's own length (test_pretrain's runs are shorter than its kill points): saves every 10 steps.
+LONG = ("--set", "train.steps=40", "--set", "checkpoint.every=10")
 
 
 def test_a_refused_job_is_not_restarted(two_file_corpus, tmp_path):
@@ -61,7 +65,8 @@ def test_failure_signature_ignores_numbers_that_change_between_runs():
 @pytest.mark.slow
 def test_job_killed_twice_is_restarted_and_ends_bit_exact(two_file_corpus, tmp_path):
     reference = tmp_path / "reference"
-    assert launch(_command(reference, two_file_corpus), processes=2, devices_per_process=4, env=_env(4)) == 0
+    assert launch(_command(reference, two_file_corpus, *LONG), processes=2, devices_per_process=4,
+                  env=_env(4)) == 0
     assert (reference / "COMPLETED").exists()
 
     workdir = tmp_path / "babysat"
@@ -85,12 +90,12 @@ def test_job_killed_twice_is_restarted_and_ends_bit_exact(two_file_corpus, tmp_p
     killer.start()
     messages = []
     started = time.time()
-    assert babysit(backend, _command(workdir, two_file_corpus), str(workdir), max_restarts=3,
+    assert babysit(backend, _command(workdir, two_file_corpus, *LONG), str(workdir), max_restarts=3,
                    log=messages.append) == 0
     babysat_s = time.time() - started
     assert len(kills) == 2 and kills[0] >= 15 and kills[1] >= 27
     assert sum("restart" in m and "preempted" in m for m in messages) == 2
-    for ours, theirs in zip(_final_params(workdir), _final_params(reference)):
+    for ours, theirs in zip(_final_params(workdir, 40), _final_params(reference, 40)):
         assert (ours == theirs).all()
     _check_goodput(workdir, kills, babysat_s)
 

@@ -316,6 +316,7 @@ def test_parquet_memory_stays_flat_from_1x_to_20x(corpus, tmp_path):
     assert peaks[20] - peaks[1] < 50, peaks
 
 
+@pytest.mark.slow  # Beam's pipeline start (~17 CPU-s); its records checked: test_data_beam.py, test_cloud_storage.py
 def test_beam_data_create_writes_the_text_files_records(corpus, tmp_path):
     """`data create --runner beam` (DirectRunner) reads the same formats through the same per-file reader:
     Parquet, zstd JSON Lines and a save_to_disk directory give the text file's records, shard by shard."""

@@ -78,6 +78,17 @@ def test_reading_rules_on_a_hand_written_module():
     assert estimate.coverage["unknown_trip_counts"] == [] and estimate.coverage["trip_counts_from_condition"] == [5]
 
 
+
+def test_a_pallas_kernel_without_a_cost_estimate_is_named_and_adds_no_time():
+    """JAX's splash kernel declares no CostEstimate: the module's kernel without one is counted as such."""
+    hlo = _HLO.replace(', "cost_estimate": {"flops": 3000000000, "transcendentals": 0, "bytes_accessed": 1000000}', "")
+    assert hlo != _HLO
+    estimate = estimate_program(hlo, clock_hz=1e9, peak_flops=1e12, hbm_bytes_per_second=1e9)
+    assert estimate.kernel_seconds == 0 and estimate.seconds == pytest.approx(1866e-9)
+    assert estimate.coverage["pallas_kernels_from_cost_estimate"] == 0
+    assert estimate.coverage["without_estimate"] == {"Pallas kernel without a CostEstimate": 1,
+                                                     "custom-call:AssumeGatherIndicesInBound": 1, "add": 1}
+
 def test_op_name_groups_merge_layers_and_drop_the_jit_wrapper():
     assert op_name_group("jit(train_step)/jvp(Bert)/bert/layer_11/attention/self/lt") == \
         "jvp(Bert)/bert/layer_N/attention/self/lt"

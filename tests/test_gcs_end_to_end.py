@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.test_pretrain import STEPS, _argv, _env, _run, _run_until
+from tests.test_pretrain import EVERY, MIDDLE, STEPS, _argv, _env, _run, _run_until
 
 pytestmark = pytest.mark.slow
 
@@ -63,11 +63,11 @@ def test_pretrain_on_gs_killed_after_a_checkpoint_resumes_bit_exactly_from_the_b
     from tests.conftest import GCS_BUCKET
 
     workdir = f"gs://{GCS_BUCKET}/e2e-killed"
-    code, output = _run_until(_argv(workdir, gs_corpus), "step 20/", signal.SIGKILL, devices=1)
+    code, output = _run_until(_argv(workdir, gs_corpus), f"step {MIDDLE}/", signal.SIGKILL, devices=1)
     assert code == -signal.SIGKILL, output[-3000:]
     complete = sorted(int(p.rstrip("/")) for p in _gfile().listdir(f"{workdir}/checkpoints")
                       if p.rstrip("/").isdigit())
-    assert complete and complete[-1] in (10, 20), complete
+    assert complete and complete[-1] in (MIDDLE - EVERY, MIDDLE), complete
     output = _run(_argv(workdir, gs_corpus), devices=1)
     assert f"resumed from {workdir}/checkpoints/{complete[-1]}" in output, output[-3000:]
     expected, resumed = _losses(gs_uninterrupted), _losses(workdir)

@@ -202,7 +202,7 @@ def test_real_pretrain_preempted_and_reattached_ends_bit_exact(tmp_path, wheel):
     corpus = (str(tmp_path / "part*.txt"), vocab)
 
     def job(workdir):
-        return _argv(workdir, corpus, "--set", "train.steps=30")[3:]
+        return _argv(workdir, corpus, "--set", "train.steps=30", "--set", "checkpoint.every=5")[3:]
 
     reference = tmp_path / "reference"
     assert launch(job(reference), processes=2, devices_per_process=1, env=_env(1)) == 0

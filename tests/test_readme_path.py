@@ -65,7 +65,7 @@ def path_run(shared_data, tmp_path_factory):
         _head(shared_data / "glue" / "MRPC" / f"{split}.tsv", root / "glue_data" / "MRPC" / f"{split}.tsv", 1 + rows)
     # The console script of this interpreter's environment, as a user's shell would find it after `make install`.
     bin_dir = pathlib.Path(sys.executable).parent
-    env = dict(os.environ, STEPS="20", EPOCHS="0.01", GLUE_DIR=str(root / "glue_data"), JAX_PLATFORMS="cpu",
+    env = dict(os.environ, STEPS="5", EPOCHS="0.01", GLUE_DIR=str(root / "glue_data"), JAX_PLATFORMS="cpu",
                PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     script = "set -euo pipefail\n" + readme_path_block()
     result = subprocess.run(["bash", "-c", script], cwd=root, env=env, capture_output=True, text=True,
@@ -84,12 +84,12 @@ def test_the_readme_path_runs_literally(path_run):
     tmp_path, _, stdout = path_run
     # The shards' shapes came from their metadata (bert-tiny's preset asks for 128 / 20).
     assert "from the shards' metadata: data.max_seq_length=64, data.max_predictions_per_seq=10\n" in stdout
-    # Each step consumed the one before: the shards' vocab, the run's 20 steps, the export, the fine-tune's score.
+    # Each step consumed the one before: the shards' vocab, the run's 5 steps, the export, the fine-tune's score.
     vocab = (tmp_path / "vocab" / "vocab.txt").read_text(encoding="utf-8").splitlines()
     metadata = json.loads(next((tmp_path / "records").glob("*.json")).read_text())
     assert len(vocab) > 500 and metadata["examples"] > 1000 and metadata["config"]["vocab"] == "vocab/vocab.txt"
     steps = [json.loads(line).get("step") for line in (tmp_path / "runs/p1/metrics.jsonl").read_text().splitlines()]
-    assert max(s for s in steps if s is not None) == 20
+    assert max(s for s in steps if s is not None) == 5
     assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "vocab.txt").exists()
     mrpc = json.loads((tmp_path / "runs/mrpc/metrics.json").read_text())
     assert "f1" in json.dumps(mrpc) and "accuracy" in json.dumps(mrpc)

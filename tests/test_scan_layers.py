@@ -19,6 +19,7 @@ from bertjax.pretraining import optim
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step
 from tests.test_pretrain import (  # noqa: F401
+    MIDDLE,
     STEPS,
     _argv,
     _final_params,
@@ -167,7 +168,8 @@ def test_hidden_states_are_sown_per_layer_under_scan():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+# Unrolled slow-marked, for the default suite's time: the scanned layers take the same remat policies.
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True], ids=["unrolled", "scanned"])
 def test_remat_recomputes_the_same_loss_and_gradients_dropout_included(scan):
     """model.remat ("dots", "full") recomputes parts of each layer in the backward pass: with dropout on, the
     recomputed masks are the same (hash bits from the same keys), so loss and gradients equal the kept ones'."""
@@ -257,11 +259,11 @@ def uninterrupted_scanned(tmp_path_factory, corpus):  # noqa: F811
 @pytest.mark.slow
 def test_a_scanned_run_resumes_bit_exactly(uninterrupted_scanned, corpus, tmp_path):  # noqa: F811
     workdir = tmp_path / "preempted"
-    code, output = _run_until(_argv(workdir, corpus, *SCAN), "step 20/", signal.SIGTERM)
+    code, output = _run_until(_argv(workdir, corpus, *SCAN), f"step {MIDDLE}/", signal.SIGTERM)
     assert code == 0 and "preempted at step" in output, output[-3000:]
     _run(_argv(workdir, corpus, *SCAN))
     expected, resumed = _losses(uninterrupted_scanned), _losses(workdir)
-    assert [resumed[s] for s in range(21, STEPS + 1)] == [expected[s] for s in range(21, STEPS + 1)]
+    assert [resumed[s] for s in range(MIDDLE + 1, STEPS + 1)] == [expected[s] for s in range(MIDDLE + 1, STEPS + 1)]
     for a, b in zip(_final_params(workdir), _final_params(uninterrupted_scanned)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 

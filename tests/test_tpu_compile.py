@@ -112,6 +112,7 @@ def test_update_sharding_reduces_each_gradient_once_and_gathers_the_params_in_th
     assert sharded["estimated_step_seconds"] >= sharded["estimated_compute_seconds"]
 
 
+@pytest.mark.slow  # a compile of its own (~60 CPU-s); fsdp's sharding rules and step: test_train_step.py
 def test_fsdp_splits_the_params_and_moments_over_chips():
     sharded = _compiled("v5e:2x2", "mesh.data=1", "mesh.fsdp=4")
     assert sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "dcn_data": 1, "shard_optimizer": False}
@@ -238,14 +239,8 @@ def test_compiling_for_tpu_on_this_cpu_uses_the_tpu_attention_kernels_and_estima
     # `auto` picks the TPU kernels for the TPU the program is compiled for, although JAX's default backend here is
     # the CPU (the program compiled is the one the TPU would run), each run per chip (Mosaic calls are not
     # partitioned by XLA). With BERT's attention dropout from seq 128: the dropout kernel, forward, dq and dk/dv per
-    # layer (here 1 layer; bert-tiny's 2 heads of 64 share one 128-lane block); below, the reference (the kernel
-    # unmeasured there); without attention dropout: splash.
+    # layer (here 1 layer; bert-tiny's 2 heads of 64 share one 128-lane block).
     assert _pallas_kernels(_compiled("v5e:2x2")) == (3 * 1, 0)
-    assert _pallas_kernels(_compiled("v5e:2x2", "data.max_seq_length=64", "train.batch_size=4")) == (0, 0)
-    # JAX's splash kernel declares no cost: it is counted as without estimate (and said so in the report). In float32:
-    # the suite's JAX_DEFAULT_MATMUL_PRECISION=highest asks splash's bf16 matmuls for fp32 contraction, which Mosaic
-    # refuses ("Bad lhs type").
-    assert _pallas_kernels(_compiled("v5e:2x2", "model.attention_probs_dropout_prob=0", "model.dtype=float32"))[1] > 0
     # The step time comes from XLA:TPU's estimate unless an MFU is assumed.
     estimated = _compiled("v5e:2x2", mfu=None)
     assert estimated["step_time_source"] == "estimated" and estimated["mfu_assumed"] is None
@@ -255,6 +250,18 @@ def test_compiling_for_tpu_on_this_cpu_uses_the_tpu_attention_kernels_and_estima
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
 
 
+@pytest.mark.slow  # two compiles of their own (~70 CPU-s); `auto`'s choice per platform, seq and dropout, and the
+# splash kernel: test_attention.py; a kernel without a CostEstimate counted: test_estimate.py
+def test_below_seq_128_the_reference_and_without_attention_dropout_splash_are_compiled_for_tpu():
+    # Below seq 128 the reference attention (the kernel unmeasured there); without attention dropout: splash.
+    assert _pallas_kernels(_compiled("v5e:2x2", "data.max_seq_length=64", "train.batch_size=4")) == (0, 0)
+    # JAX's splash kernel declares no cost: it is counted as without estimate (and said so in the report). In float32:
+    # the suite's JAX_DEFAULT_MATMUL_PRECISION=highest asks splash's bf16 matmuls for fp32 contraction, which Mosaic
+    # refuses ("Bad lhs type").
+    assert _pallas_kernels(_compiled("v5e:2x2", "model.attention_probs_dropout_prob=0", "model.dtype=float32"))[1] > 0
+
+
+@pytest.mark.slow  # a compile of its own (~20 CPU-s); trip counts read from a loop's condition: test_estimate.py
 def test_the_estimate_counts_every_microbatch_of_gradient_accumulation():
     # The same 32 sequences in 4 microbatches: the scan's while loop has no known_trip_count in XLA's config; its
     # condition (counter < 4) gives the trip count, so the step is estimated at about the same time, not a quarter.

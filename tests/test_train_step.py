@@ -187,7 +187,9 @@ def test_nsp_metrics_only_with_the_nsp_loss():
     assert without == {"mlm_loss": 2.0, "mlm_accuracy": 0.75, "loss": 2.0}
 
 
-@pytest.mark.parametrize("mesh_shape, accum, scan", [((4, 1, 2), 1, False), ((4, 2, 1), 2, True)],
+# data x tensor slow-marked, for the default suite's time: the same update sharding as data x fsdp.
+@pytest.mark.parametrize("mesh_shape, accum, scan", [pytest.param((4, 1, 2), 1, False, marks=pytest.mark.slow),
+                                                     ((4, 2, 1), 2, True)],
                          ids=["data4xtensor2", "data4xfsdp2-accum2-scan"])
 def test_update_sharded_over_data_gives_the_replicated_updates(mesh_shape, accum, scan):
     """Weight-update sharding (`mesh.shard_optimizer`): params and moments split over data, each replica's

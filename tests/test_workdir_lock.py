@@ -60,9 +60,9 @@ def test_the_lock_of_a_dead_job_is_taken_over(tmp_path):
 def test_two_pretrain_jobs_on_one_workdir(corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
     workdir = tmp_path / "run"
     # The second job is refused within a second of the lock appearing; the first has its start-up and compile
-    # (tens of seconds) still ahead of its 30 steps.
-    first = subprocess.Popen(_argv(workdir, corpus, "--set", "train.steps=30", "--set", "train.log_every=10",
-                                   "--set", "checkpoint.every=15"),
+    # (tens of seconds) still ahead of its 6 steps.
+    first = subprocess.Popen(_argv(workdir, corpus, "--set", "train.steps=6", "--set", "train.log_every=2",
+                                   "--set", "checkpoint.every=3"),
                              env=_env(1), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
@@ -81,8 +81,8 @@ def test_two_pretrain_jobs_on_one_workdir(corpus, tmp_path, monkeypatch, capsys)
     assert json.loads((workdir / "config.json").read_text())["train"]["seed"] == 0
     steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
-    assert steps == sorted(set(steps)) and steps[-1] == 30
-    assert "newest: step 30" in output, output[-2000:]
+    assert steps == sorted(set(steps)) and steps[-1] == 6
+    assert "newest: step 6" in output, output[-2000:]
     assert not (workdir / LOCK_NAME).exists(), (workdir / LOCK_NAME).read_text()
 
 
