@@ -79,8 +79,8 @@ def make_update_sharding(rng, *, model, config, optimizer, mesh, seq_len, num_ma
     # The params as the model computes with them (per layer unless scanned), not as the state holds them.
     abstract = jax.eval_shape(functools.partial(model_lib.init_params, model, config, length=seq_len,
                                                 num_masked=num_masked), rng)
-    return update_sharding.make(mesh, sharding.DEFAULT_RULES, sharding.param_shardings(abstract, mesh), nn.meta.unbox(abstract), config.dtype,
-                                reduce_in_float32)
+    return update_sharding.make(mesh, sharding.DEFAULT_RULES, sharding.param_shardings(abstract, mesh),
+                                nn.meta.unbox(abstract), config.dtype, reduce_in_float32)
 
 
 def init_sharded_state(rng, shardings, mesh, *, model, config, optimizer, seq_len, num_masked) -> TrainState:

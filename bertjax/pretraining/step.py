@@ -99,8 +99,8 @@ def compute_layout(model, params):
 def forward(model, params, batch: dict, *, deterministic: bool, rng=None):
     """The pretraining outputs for a batch dict, packed or not (its optional packing and span features passed on);
     `params` in either layer layout."""
-    return model.apply({"params": compute_layout(model, params)}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
-                       batch["masked_lm_positions"], packing_ids=batch.get("packing_ids"),
+    return model.apply({"params": compute_layout(model, params)}, batch["input_ids"], batch["input_mask"],
+                       batch["segment_ids"], batch["masked_lm_positions"], packing_ids=batch.get("packing_ids"),
                        position_ids=batch.get("position_ids"), nsp_positions=batch.get("instance_cls_positions"),
                        span_left_positions=batch.get("span_left_positions"),
                        span_right_positions=batch.get("span_right_positions"), deterministic=deterministic,

@@ -64,8 +64,8 @@ def _with_data(named: NamedSharding, dim: int) -> NamedSharding:
 
 def split_shardings(shardings_tree, abstract_tree):
     """Each leaf's sharding also split over data on its `split_dim` (params, moments: anything param-shaped). A
-    stacked layer's tensor is split where its layers are (never on the layer axis), so each layer's gradient is
-    reduce-scattered on its own before the layers are stacked."""
+    stacked tensor is never split on its layer axis, so each layer's gradient is reduce-scattered on its own
+    before the layers are stacked."""
     return jax.tree_util.tree_map_with_path(
         lambda path, named, x: _with_data(named, split_dim(named, x.shape, first=int(model_lib.is_stacked_path(
             path)))), shardings_tree, abstract_tree)
