@@ -155,12 +155,13 @@ class HeadProjection(nn.Module):
         dtype = _dtype(c)
         # One [H, heads * head_dim] matmul, not an einsum over (heads, head_dim): XLA:TPU lays a 3-d kernel out
         # with head_dim (64) in the 128 lanes, half empty, and its backward matmuls ran at ~45% of the MXU's peak.
-        heads = c.num_attention_heads * c.head_dim
+        heads_width = c.num_attention_heads * c.head_dim
         if self.to_heads:
-            y = (x.astype(dtype) @ kernel.reshape(c.hidden_size, heads).astype(dtype)).reshape(
+            y = (x.astype(dtype) @ kernel.reshape(c.hidden_size, heads_width).astype(dtype)).reshape(
                 x.shape[:-1] + kernel_shape[1:])
         else:
-            y = x.reshape(x.shape[:-2] + (heads,)).astype(dtype) @ kernel.reshape(heads, c.hidden_size).astype(dtype)
+            y = (x.reshape(x.shape[:-2] + (heads_width,)).astype(dtype)
+                 @ kernel.reshape(heads_width, c.hidden_size).astype(dtype))
         return (y, bias) if self.defer_bias else y + bias.astype(dtype)
 
 
