@@ -181,8 +181,7 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
                 **{name: ocp.args.JsonRestore() for name in json_items}))
             if abstract_params is None:
                 # Restore as host numpy arrays on one device, whatever mesh wrote them.
-                tree = checkpointer.metadata(path).item_metadata[PARAMS]
-                tree = getattr(tree, "tree", tree)
+                tree = _stored_params(checkpointer, path)
                 abstract_params = jax.tree_util.tree_map(
                     lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
                                                    sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
@@ -195,15 +194,20 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     config = BertConfig.from_dict(metadata_only[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
     vocab = metadata_only[VOCAB]
     _check_vocab(config, vocab["tokens"], directory)
-    params = model_lib.with_layout(restored[PARAMS], config, stacked=False)
+    params = model_lib.with_layout(model_lib.merge_head_axes(restored[PARAMS]), config, stacked=False)
     return ModelCheckpoint(params, config.replace(scan_layers=False), vocab["tokens"], vocab["lower_case"],
                            metadata_only.get(HEAD))
 
 
-def _stored_stacked(checkpointer, path) -> bool:
-    """Whether the checkpoint at `path` holds stacked layers (read from its params metadata, not restored)."""
+def _stored_params(checkpointer, path):
+    """The params' Orbax metadata tree (shapes, dtypes) of the checkpoint at `path`, nothing restored."""
     tree = checkpointer.metadata(path).item_metadata[PARAMS]
-    return model_lib.is_stacked(getattr(tree, "tree", tree))
+    return getattr(tree, "tree", tree)
+
+
+def _has_split_head_kernels(metadata) -> bool:
+    leaves = jax.tree_util.tree_leaves_with_path(metadata, is_leaf=lambda x: hasattr(x, "shape"))
+    return any(model_lib.is_split_head_kernel(path, len(leaf.shape)) for path, leaf in leaves)
 
 
 def _abstract_layout(abstract, config: BertConfig, stacked: bool):
@@ -222,20 +226,37 @@ def _abstract_layout(abstract, config: BertConfig, stacked: bool):
     return model_lib.with_layout(abstract, config, stacked, stack=stack, take=take)
 
 
+def _abstract_split_heads(abstract, config: BertConfig):
+    """Abstract arrays with the attention kernels in the split-head shapes of an older checkpoint (replicated)."""
+    def split(path, leaf):
+        shape = model_lib.split_head_shape(path, leaf.shape, config)
+        if shape == tuple(leaf.shape):
+            return leaf
+        replicated = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=replicated)
+    return jax.tree_util.tree_map_with_path(split, abstract)
+
+
 def restore_train_state(step_dir: str, abstract_state):
     """Params, optimizer state and train meta of a trainer step directory, laid out as `abstract_state` (any
-    mesh: Orbax reshards on restore; either layer layout: a step saved per layer continues stacked, and back).
+    mesh: Orbax reshards on restore; either layer layout: a step saved per layer continues stacked, and back; a
+    step of an older bertjax with split-head attention kernels continues with 2-D ones).
     For a resume and for continuing another run's schedule (`--init` a step directory)."""
     path = orbax_path(step_dir)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
-        stored, wanted = _stored_stacked(checkpointer, path), model_lib.is_stacked(abstract_state.params)
+        metadata = _stored_params(checkpointer, path)
+        stored, wanted = model_lib.is_stacked(metadata), model_lib.is_stacked(abstract_state.params)
+        split_heads = _has_split_head_kernels(metadata)
         config = load_config(step_dir)
         target = abstract_state if stored == wanted else _abstract_layout(abstract_state, config, stored)
+        if split_heads:
+            target = _abstract_split_heads(target, config)
         restored = checkpointer.restore(path, args=_restore_args(_train_state_items(target)))
     state = _train_state_from(restored, target)
-    if stored != wanted:  # converted on the devices, into the wanted shardings
+    if stored != wanted or split_heads:  # converted on the devices, into the wanted shardings
         shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
-        state = jax.jit(lambda s: model_lib.with_layout(s, config, wanted), out_shardings=shardings)(state)
+        state = jax.jit(lambda s: model_lib.with_layout(model_lib.merge_head_axes(s), config, wanted),
+                        out_shardings=shardings)(state)
     return state
 
 

@@ -98,9 +98,9 @@ def test_stacked_params_are_named_by_layer_and_replicated_over_it(pair):
     boxed = jax.eval_shape(lambda: model_lib.init_params(model, config.replace(scan_layers=True),
                                                          jax.random.key(0)))
     query = boxed["bert"]["layers"]["attention"]["self"]["query"]["kernel"]
-    assert query.names == ("layers", "embed", "heads", "kv")
-    assert query.value.shape == (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-                                 config.head_dim)
+    assert query.names == ("layers", "embed", "heads")
+    assert query.value.shape == (config.num_hidden_layers, config.hidden_size,
+                                 config.num_attention_heads * config.head_dim)
     assert "layer_0" not in boxed["bert"]
     spec = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, sharding.DEFAULT_RULES)
     assert spec["bert"]["layers"]["attention"]["self"]["query"]["kernel"].spec[0] is None
@@ -244,6 +244,35 @@ def test_a_per_layer_step_continues_stacked_and_back(name, tmp_path):
         for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(target)):
             assert a.sharding == b.sharding
             assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_step_with_split_head_kernels_continues_with_2d_kernels(tmp_path):
+    """A step saved by an older bertjax, the attention kernels as [H, heads, head_dim] / [heads, head_dim, H] and
+    the layers per layer, resumes with 2-D kernels, stacked (params and Adam moments); its model reads the same."""
+    config, _, unrolled, _ = _pair("tiny")
+    vocab = [f"t{i}" for i in range(config.vocab_size)]
+    stacked = unrolled[3]
+
+    def split_heads(state):
+        state = model_lib.unstack_layers(state, config.num_hidden_layers)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: x.reshape(model_lib.split_head_shape(path, x.shape, config)), state)
+    old = jax.jit(split_heads)(stacked)
+    query = old.params["bert"]["layer_0"]["attention"]["self"]["query"]["kernel"]
+    assert query.shape == (config.hidden_size, config.num_attention_heads, config.head_dim)
+    checkpointer = checkpoint_lib.TrainCheckpointer(str(tmp_path), checkpoint_lib.CheckpointConfig(async_save=False))
+    checkpointer.save(0, old, config=config, vocab=vocab, lower_case=True, job_config={},
+                      save_input_state=lambda _: None, force=True)
+    checkpointer.close()
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), stacked)
+    restored = checkpoint_lib.restore_train_state(checkpointer.step_dir(0), abstract)
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(stacked)
+    for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(stacked)):
+        assert a.sharding == b.sharding
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    model = checkpoint_lib.load_model(checkpointer.step_dir(0))
+    per_layer = model_lib.unstack_layers(stacked.params, config.num_hidden_layers)
+    _assert_close(model.params, per_layer, rtol=0)
 
 
 SCAN = ("--set", "model.scan_layers=true")

@@ -1,8 +1,8 @@
 """The one table of BERT tensors: our param path <-> HF PyTorch key <-> Google TF variable name.
 
 Every importer and exporter is driven by this table, so a name is written down once. Layouts:
-- ours (Flax): Dense kernels [in, out]; attention projections split heads: q/k/v kernel [H, heads, head_dim],
-  bias [heads, head_dim], output kernel [heads, head_dim, H].
+- ours (Flax): Dense kernels [in, out] (the attention projections' too); the q/k/v biases split by head,
+  [heads, head_dim].
 - HF PyTorch: Linear weight [out, in]; LayerNorm weight/bias.
 - Google TF: kernels [in, out] (as ours, but unsplit); LayerNorm gamma/beta; seq_relationship/output_weights
   is [2, H], i.e. stored like a PyTorch weight.
@@ -28,13 +28,13 @@ class TensorName:
     path: tuple[str, ...]   # our param path
     hf: str                 # HF key without the "bert." prefix of the task models for encoder/pooler tensors
     tf: str | None          # Google TF variable name (None: no TF counterpart)
-    kind: str               # "embedding" | "vector" | "kernel" (1 input axis) | "kernel2" (2 input axes)
+    kind: str               # "embedding" | "vector" | "kernel"
     group: str
     tf_transposed: bool = False  # TF stores this kernel as [out, in]
 
     @property
     def hf_is_linear(self) -> bool:
-        return self.kind in ("kernel", "kernel2")
+        return self.kind == "kernel"
 
 
 def _encoder_names(num_layers: int) -> list[TensorName]:
@@ -47,8 +47,8 @@ def _encoder_names(num_layers: int) -> list[TensorName]:
         add(path + ("scale",), hf + ".weight", tf + "/gamma", "vector", group)
         add(path + ("bias",), hf + ".bias", tf + "/beta", "vector", group)
 
-    def dense(path, hf, tf, kind="kernel", group="encoder"):
-        add(path + ("kernel",), hf + ".weight", tf + "/kernel", kind, group)
+    def dense(path, hf, tf, group="encoder"):
+        add(path + ("kernel",), hf + ".weight", tf + "/kernel", "kernel", group)
         add(path + ("bias",), hf + ".bias", tf + "/bias", "vector", group)
 
     emb = ("bert", "embeddings")
@@ -61,7 +61,7 @@ def _encoder_names(num_layers: int) -> list[TensorName]:
             dense(ours + ("attention", "self", proj), f"{hf}.attention.self.{proj}",
                   f"{tf}/attention/self/{proj}")
         dense(ours + ("attention", "output_dense"), f"{hf}.attention.output.dense",
-              f"{tf}/attention/output/dense", kind="kernel2")
+              f"{tf}/attention/output/dense")
         layer_norm(ours + ("attention", "output_LayerNorm"), f"{hf}.attention.output.LayerNorm",
                    f"{tf}/attention/output/LayerNorm")
         dense(ours + ("intermediate",), f"{hf}.intermediate.dense", f"{tf}/intermediate/dense")
@@ -119,12 +119,7 @@ def tensor_names(num_layers: int) -> list[TensorName]:
 
 def to_flat_inout(name: TensorName, ours: np.ndarray) -> np.ndarray:
     """Our tensor in the unsplit layout of TF (kernels [in, out], biases 1-D)."""
-    if name.kind == "embedding":
-        return ours
-    if name.kind == "vector":
-        return ours.reshape(-1)
-    split = 1 if name.kind == "kernel" else 2
-    return ours.reshape(int(np.prod(ours.shape[:split])), int(np.prod(ours.shape[split:])))
+    return ours.reshape(-1) if name.kind == "vector" else ours
 
 
 def to_hf(name: TensorName, ours: np.ndarray) -> np.ndarray:

@@ -129,12 +129,12 @@ class Embeddings(nn.Module):
 
 
 class HeadProjection(nn.Module):
-    """A Dense layer with the attention heads as their own kernel axis (shardable over "heads").
+    """A Dense layer into or out of the attention heads, its kernel one 2-D matrix (TF's and HF's layout).
 
-    `to_heads`: [B, L, H] -> [B, L, heads, head_dim] with kernel [H, heads, head_dim];
-    otherwise [B, L, heads, head_dim] -> [B, L, H] with kernel [heads, head_dim, H].
+    `to_heads`: [B, L, H] -> [B, L, heads, head_dim] with kernel [H, heads * head_dim], bias [heads, head_dim];
+    otherwise [B, L, heads, head_dim] -> [B, L, H] with kernel [heads * head_dim, H]. The merged axis is the
+    logical "heads" axis (heads split over the tensor axis in whole heads while it divides them).
     `defer_bias`: return (x W, bias) for the caller to add the bias (attention adds q/k/v's itself).
-    (flax's DenseGeneral would do this but initialises a flat kernel, which breaks logical sharding metadata.)
     """
 
     config: BertConfig
@@ -144,24 +144,23 @@ class HeadProjection(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
+        # 2-D kernels, not [H, heads, head_dim]: XLA:TPU lays a 3-d kernel out with head_dim (64) in the 128
+        # lanes, and with the update sharded it gathered the 3-d kernels synchronously and relaid them out for
+        # the matmuls (BERT-base phase 1 on v5litepod-16: 14.76 -> 14.00 ms estimated, docs/performance.md).
+        heads_width = c.num_attention_heads * c.head_dim
         if self.to_heads:
-            kernel_shape, kernel_names = (c.hidden_size, c.num_attention_heads, c.head_dim), ("embed", "heads", "kv")
+            kernel_shape, kernel_names = (c.hidden_size, heads_width), ("embed", "heads")
             bias_shape, bias_names = (c.num_attention_heads, c.head_dim), ("heads", "kv")
         else:
-            kernel_shape, kernel_names = (c.num_attention_heads, c.head_dim, c.hidden_size), ("heads", "kv", "embed")
+            kernel_shape, kernel_names = (heads_width, c.hidden_size), ("heads", "embed")
             bias_shape, bias_names = (c.hidden_size,), ("embed",)
         kernel = self.param("kernel", _kernel_init(c, kernel_names), kernel_shape, jnp.float32)
         bias = self.param("bias", _zeros(bias_names), bias_shape, jnp.float32)
         dtype = _dtype(c)
-        # One [H, heads * head_dim] matmul, not an einsum over (heads, head_dim): XLA:TPU lays a 3-d kernel out
-        # with head_dim (64) in the 128 lanes, half empty, and its backward matmuls ran at ~45% of the MXU's peak.
-        heads_width = c.num_attention_heads * c.head_dim
         if self.to_heads:
-            y = (x.astype(dtype) @ kernel.reshape(c.hidden_size, heads_width).astype(dtype)).reshape(
-                x.shape[:-1] + kernel_shape[1:])
+            y = (x.astype(dtype) @ kernel.astype(dtype)).reshape(x.shape[:-1] + bias_shape)
         else:
-            y = (x.reshape(x.shape[:-2] + (heads_width,)).astype(dtype)
-                 @ kernel.reshape(heads_width, c.hidden_size).astype(dtype))
+            y = x.reshape(x.shape[:-2] + (heads_width,)).astype(dtype) @ kernel.astype(dtype)
         return (y, bias) if self.defer_bias else y + bias.astype(dtype)
 
 
@@ -331,6 +330,42 @@ def is_stacked_path(path) -> bool:
     stacked layers (its axis 0 = layer)."""
     keys = [getattr(k, "key", None) for k in path]
     return any(keys[i:i + 2] == ["bert", STACKED] for i in range(len(keys) - 1))
+
+
+# The attention projections' kernels: "in" [H, heads * head_dim] (q/k/v), "out" [heads * head_dim, H].
+_HEAD_KERNELS = {"query": "in", "key": "in", "value": "in", "output_dense": "out"}
+
+
+def _head_kernel(path) -> str | None:
+    keys = [getattr(k, "key", None) for k in path]
+    return _HEAD_KERNELS.get(keys[-2]) if len(keys) >= 2 and keys[-1] == "kernel" else None
+
+
+def is_split_head_kernel(path, ndim: int) -> bool:
+    """Whether a leaf is an attention kernel with the heads as their own axes ([H, heads, head_dim] or [heads,
+    head_dim, H], plus the layer axis when stacked): how bertjax saved them until 2026-11-26."""
+    return _head_kernel(path) is not None and ndim == 3 + is_stacked_path(path)
+
+
+def merge_head_axes(tree):
+    """`tree` (params, or a state holding params-shaped trees) with split-head attention kernels (an older
+    checkpoint's) as the 2-D matrices the model holds now: the same values, row-major."""
+    def merge(path, x):
+        if not is_split_head_kernel(path, x.ndim):
+            return x
+        *lead, a, b, c = x.shape
+        return x.reshape((*lead, a, b * c) if _head_kernel(path) == "in" else (*lead, a * b, c))
+    return jax.tree_util.tree_map_with_path(merge, tree)
+
+
+def split_head_shape(path, shape, config: BertConfig) -> tuple[int, ...]:
+    """The split-head shape an older checkpoint stored for an attention kernel of `shape` (others unchanged)."""
+    kind = _head_kernel(path)
+    if kind is None:
+        return tuple(shape)
+    *lead, rows, cols = shape
+    heads = (config.num_attention_heads, config.head_dim)
+    return (*lead, rows, *heads) if kind == "in" else (*lead, *heads, cols)
 
 
 def _stack(leaves):
