@@ -35,6 +35,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # float32 matmuls in full precision on every platform (GPUs default to TF32), so that the 1e-5 comparisons
 # against references hold on a GPU machine too; a no-op on CPU.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# TensorFlow's GCS file system backs off 1 s, 2 s, ... (plus up to 1 s of jitter) before retrying a transient
+# error; the only such errors here are the stand-in's injected ones (tests/test_cloud_storage.py): 1-10 ms. Read
+# when TensorFlow registers the file system (its import), so set before any test imports it.
+os.environ.setdefault("GCS_RETRY_CONFIG_INIT_DELAY_TIME_US", "1000")
+os.environ.setdefault("GCS_RETRY_CONFIG_MAX_DELAY_TIME_US", "10000")
 
 import pathlib
 
