@@ -35,6 +35,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # float32 matmuls in full precision on every platform (GPUs default to TF32), so that the 1e-5 comparisons
 # against references hold on a GPU machine too; a no-op on CPU.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# TensorFlow's GCS file system backs off 1 s, 2 s, ... (plus up to 1 s of jitter) before retrying a transient
+# error; the only such errors here are the stand-in's injected ones (tests/test_cloud_storage.py): 1-10 ms. Read
+# when TensorFlow registers the file system (its import), so set before any test imports it.
+os.environ.setdefault("GCS_RETRY_CONFIG_INIT_DELAY_TIME_US", "1000")
+os.environ.setdefault("GCS_RETRY_CONFIG_MAX_DELAY_TIME_US", "10000")
 
 import pathlib
 
@@ -59,14 +64,17 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
-# The files that take longest (summed test seconds, a `-n 2` run of the suite on the 2-core machine, 2026-11-25),
-# started first when pytest-xdist spreads the files over workers (`make test`: --dist loadfile
+# The files that take longest (their tests' summed wall seconds on a `make test` worker, 2026-11-26; those of 35 s and
+# more), started first when pytest-xdist spreads the files over workers (`make test`: --dist loadfile
 # --no-loadscope-reorder): the last file a worker starts is then a short one, and the two workers end together. The
 # 8-device worker takes the files pinned to it first (tests/device_schedule.py), in this order too.
-LONGEST_FILES = ("test_pretrain.py", "test_tpu_compile.py", "test_cloud_storage.py", "test_data_formats.py",
-                 "test_dropout_attention.py", "test_data_tfrecord.py", "test_fatal_errors.py", "test_readme_path.py",
-                 "test_data_instances.py", "test_glue_job.py", "test_workdir_lock.py", "test_scan_layers.py",
-                 "test_train_step.py", "test_interop.py", "test_model.py")
+LONGEST_FILES = ("test_pretrain.py", "test_cloud_storage.py", "test_data_formats.py", "test_readme_path.py",
+                 "test_tpu_compile.py", "test_train_step.py", "test_dropout_attention.py", "test_fatal_errors.py",
+                 "test_scan_layers.py", "test_data_tfrecord.py", "test_data_pipeline.py", "test_predict.py",
+                 "test_finetune_resume.py", "test_packing.py", "test_glue_job.py", "test_model.py",
+                 "test_classify_job.py", "test_data_beam.py", "test_launch_tpu.py", "test_data_instances.py",
+                 "test_interop.py", "test_trainer_options.py", "test_pretrain_init.py", "test_spanbert.py",
+                 "test_workdir_lock.py")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -18,11 +18,12 @@ def _tf_gfile():
     return tf.io.gfile
 
 
-def _tensorstore(url):
+def _tensorstore(url, context=None):
     import tensorstore as ts
 
     bucket, name = cloud_storage.split(url)
-    return ts.KvStore.open({"driver": "gcs", "bucket": bucket, "path": name + "/"}).result()
+    spec = {"driver": "gcs", "bucket": bucket, "path": name + "/"}
+    return ts.KvStore.open(spec, context=ts.Context(context or {})).result()
 
 
 def test_each_storage_client_reads_what_the_others_wrote(gcs_dir):
@@ -50,8 +51,13 @@ def test_each_storage_client_reads_what_the_others_wrote(gcs_dir):
 
 @pytest.mark.parametrize("status", [503, 429])
 def test_transient_errors_on_reads_and_writes_are_retried_by_every_client(gcs_standin, gcs_dir, status):
+    """Each client's own retry settings shorten its back-off (defaults: 1 s, doubling, so ~20 s of sleep here):
+    google-cloud-storage's Retry per call, tensorstore's gcs_request_retries context, TensorFlow's
+    GCS_RETRY_CONFIG_* variables (tests/conftest.py: read when TensorFlow registers its GCS file system)."""
     from google.cloud import storage
+    from google.cloud.storage.retry import DEFAULT_RETRY
 
+    retry = DEFAULT_RETRY.with_delay(initial=0.01, maximum=0.05)
     gfile = _tf_gfile()
     bucket, prefix = cloud_storage.split(gcs_dir)
     front = gcs_standin.front
@@ -64,8 +70,8 @@ def test_transient_errors_on_reads_and_writes_are_retried_by_every_client(gcs_st
         return result
 
     blob = storage.Client().bucket(bucket).blob(f"{prefix}/a.txt")
-    after_two_failures("POST", lambda: blob.upload_from_string(b"a", if_generation_match=0))
-    assert after_two_failures("GET", blob.download_as_bytes) == b"a"
+    after_two_failures("POST", lambda: blob.upload_from_string(b"a", if_generation_match=0, retry=retry))
+    assert after_two_failures("GET", lambda: blob.download_as_bytes(retry=retry)) == b"a"
 
     def tf_write():
         with gfile.GFile(f"{gcs_dir}/b.txt", "wb") as f:
@@ -74,7 +80,7 @@ def test_transient_errors_on_reads_and_writes_are_retried_by_every_client(gcs_st
     after_two_failures("POST", tf_write)
     assert after_two_failures("GET", lambda: gfile.GFile(f"{gcs_dir}/b.txt", "rb").read()) == b"b"
 
-    store = _tensorstore(gcs_dir)
+    store = _tensorstore(gcs_dir, {"gcs_request_retries": {"initial_delay": "10ms", "max_delay": "50ms"}})
     after_two_failures("POST", lambda: store.write("c.bin", b"c").result())
     assert after_two_failures("GET", lambda: store.read("c.bin").result().value) == b"c"
 

@@ -41,6 +41,13 @@ def _loss(attention, weights):
     return lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v)) * weights)
 
 
+def _value_and_grads(attention, weights, *args):
+    """attention(*args) and the gradients of `_loss`'s sum(sin(out) * weights) with respect to each of args, from
+    one forward run (jax.vjp: the interpreted kernels' forward runs once, not once more inside jax.grad)."""
+    out, pullback = jax.vjp(attention, *args)
+    return out, pullback(jnp.cos(out) * weights)
+
+
 def _kernel_and_reference(q, k, v, segment_ids, rate, seed, **blocks):
     """(out, grads) of the kernel and of the reference with the kernel's mask; rows of padding are left out of the
     loss (their outputs are ignorable: the kernel's padding rows also see the block padding)."""
@@ -51,11 +58,8 @@ def _kernel_and_reference(q, k, v, segment_ids, rate, seed, **blocks):
     mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate) if rate else None
     reference = lambda q, k, v: _reference(q, k, v, segment_ids, mask, rate)
     with pltpu.force_tpu_interpret_mode():
-        out = kernel(q, k, v)
-        grads = jax.grad(_loss(kernel, weights), argnums=(0, 1, 2))(q, k, v)
-    expected = reference(q, k, v)
-    expected_grads = jax.grad(_loss(reference, weights), argnums=(0, 1, 2))(q, k, v)
-    return (out, grads), (expected, expected_grads)
+        kernel_result = _value_and_grads(kernel, weights, q, k, v)
+    return kernel_result, _value_and_grads(reference, weights, q, k, v)
 
 
 def _assert_close(kernel, reference, segment_ids, atol=1e-5):
@@ -68,15 +72,13 @@ def _assert_close(kernel, reference, segment_ids, atol=1e-5):
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), atol=atol)
 
 
+# Each case a branch of its own (interpret mode costs ~10 CPU-s a case): packed segments with dropout in one head's
+# lanes and in pairs, one block and rate 0 are test_biases_..., test_rate_zero_... and the entry point's cases.
 @pytest.mark.parametrize("length, batch, heads, head_dim, layout, blocks", [
     # 120 tokens padded to 128, in 2 x 4 blocks (interpret mode takes any block; Mosaic wants multiples of 128)
     (120, 2, 2, 16, "padding", dict(block_q=64, block_k=32)),
-    (128, 2, 2, 16, "packing", dict(block_q=64, block_k=64)),
-    (128, 1, 1, 16, "padding", {}),          # the default 128 blocks: one block
-    (512, 1, 1, 8, "packing", {}),           # 4 x 4 blocks of 128
-    (500, 1, 2, 8, "padding", {}),           # padded to 512
+    (500, 1, 2, 8, "padding", {}),           # padded to 512: 4 x 4 default blocks of 128; 1/sqrt(8) in the kernels
     # heads of 64 in pairs: q/k/v/o in the projections' [B, S, H * 64] layout, two heads per 128-lane block
-    (128, 2, 2, 64, "packing", {"block_q": 64, "block_k": 64}),
     (250, 1, 4, 64, "padding", {}),          # 2 blocks of 2 heads, padded to 256
     (128, 1, 3, 64, "packing", {"block_q": 64, "block_k": 64}),   # an odd head count: one head per block
 ])
@@ -111,13 +113,10 @@ def test_biases_added_in_the_kernel_get_the_gradients_of_biases_added_before_it(
     kernel = lambda q, k, v, b: da.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=rate, seed=seed,
                                                                 biases=b, **blocks)
     reference = lambda q, k, v, b: _reference(*(x + bias for x, bias in zip((q, k, v), b)), segment_ids, mask, rate)
-    loss = lambda f: lambda q, k, v, b: jnp.sum(jnp.sin(f(q, k, v, b)) * weights)
     with pltpu.force_tpu_interpret_mode():
-        out = kernel(q, k, v, biases)
-        grads = jax.grad(loss(kernel), argnums=(0, 1, 2, 3))(q, k, v, biases)
-    expected_grads = jax.grad(loss(reference), argnums=(0, 1, 2, 3))(q, k, v, biases)
-    _assert_close((out, jax.tree.leaves(grads)[:3]), (reference(q, k, v, biases), jax.tree.leaves(expected_grads)[:3]),
-                  segment_ids)
+        out, grads = _value_and_grads(kernel, weights, q, k, v, biases)
+    expected, expected_grads = _value_and_grads(reference, weights, q, k, v, biases)
+    _assert_close((out, grads[:3]), (expected, expected_grads[:3]), segment_ids)
     for grad, expected in zip(grads[3], expected_grads[3]):
         assert grad.shape == (heads, head_dim) and grad.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5, atol=5e-5)
@@ -189,38 +188,51 @@ def test_seeds_select_masks_and_outputs():
                                   da.dropout_keep_mask(jax.random.bits(key, (), jnp.uint32), 1, 2, 64, 64, 0.1))
 
 
-@pytest.mark.parametrize("length, grid", [(100, (1, 1)), (250, (1, 2))])
-def test_attention_entry_point_with_the_dropout_backend_equals_the_reference_with_its_mask(length, grid):
-    """Through `dot_product_attention`, whose held block is the longest of 512/256/128 dividing the length padded
-    to 128 (250 -> 256: one held block of 256 over 2 streamed blocks of 128 in every kernel)."""
-    batch, heads, head_dim, rate = 2, 2, 16, 0.1
+def _entry_point_case(length):
+    """(q, k, v, input_mask, packing_ids, rng, loss weights) for `dot_product_attention` at `length`."""
+    batch, heads, head_dim = 2, 2, 16
     q, k, v = _inputs(batch, length, heads, head_dim, seed=3)
     input_mask = np.ones((batch, length), np.int32)
     input_mask[1, length * 3 // 5:] = 0
     packing_ids = np.zeros((batch, length), np.int32)
     packing_ids[0, length * 2 // 5:] = 1
-    rng = jax.random.key(11)
     weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]
-    mask = da.dropout_keep_mask(da.seed_from_rng(rng), batch, heads, length, length, rate)
+    return q, k, v, input_mask, packing_ids, jax.random.key(11), weights
 
-    def attend(backend):
-        return lambda q, k, v: dot_product_attention(q, k, v, input_mask, packing_ids, backend=backend,
-                                                     dropout_rate=rate, dropout_rng=rng, deterministic=False)
+
+def _entry_point(input_mask, packing_ids, rng, rate=0.1):
+    return lambda q, k, v: dot_product_attention(q, k, v, input_mask, packing_ids, backend="flash_dropout_tpu",
+                                                 dropout_rate=rate, dropout_rng=rng, deterministic=False)
+
+
+@pytest.mark.parametrize("length, grid", [(100, (1, 1)), (250, (1, 2)), (500, (1, 4))])
+def test_the_entry_points_held_block_is_the_longest_of_512_256_128_dividing_the_padded_length(length, grid):
+    """`dot_product_attention`'s blocks for the kernel (traced, not run): 100 -> 128, one block; 250 -> 256, one
+    held block of 256 over 2 streamed blocks of 128 in every kernel; 500 -> 512: 512 over 4 of 128."""
+    q, k, v, input_mask, packing_ids, rng, weights = _entry_point_case(length)
+    eqns = jax.make_jaxpr(jax.grad(_loss(_entry_point(input_mask, packing_ids, rng), weights)))(q, k, v).jaxpr
+    grids = [eqn.params["grid_mapping"].grid for eqn in _all_eqns(eqns) if eqn.primitive.name == "pallas_call"]
+    assert grids == [(2, 2, *grid)] * 3
+
+
+def test_attention_entry_point_with_the_dropout_backend_equals_the_reference_with_its_mask():
+    """Through `dot_product_attention` at 250 tokens (padded to 256: a held block over 2 streamed ones); and
+    deterministic (eval), the plain attention."""
+    length, batch, heads, rate = 250, 2, 2, 0.1
+    q, k, v, input_mask, packing_ids, rng, weights = _entry_point_case(length)
+    mask = da.dropout_keep_mask(da.seed_from_rng(rng), batch, heads, length, length, rate)
     reference = lambda q, k, v: reference_attention(q, k, v, input_mask, packing_ids, dropout_rate=rate,
                                                     dropout_rng=rng, deterministic=False, keep_mask=mask)
-    eqns = jax.make_jaxpr(jax.grad(_loss(attend("flash_dropout_tpu"), weights)))(q, k, v).jaxpr
-    grids = [eqn.params["grid_mapping"].grid for eqn in _all_eqns(eqns) if eqn.primitive.name == "pallas_call"]
-    assert grids == [(batch, heads, *grid)] * 3
     with pltpu.force_tpu_interpret_mode():
-        out = attend("flash_dropout_tpu")(q, k, v)
-        grads = jax.grad(_loss(attend("flash_dropout_tpu"), weights), argnums=(0, 1, 2))(q, k, v)
+        out, grads = _value_and_grads(_entry_point(input_mask, packing_ids, rng, rate), weights, q, k, v)
         # Deterministic (eval): no dropout, the plain attention.
         eval_out = dot_product_attention(q, k, v, input_mask, packing_ids, backend="flash_dropout_tpu",
                                          dropout_rate=rate, dropout_rng=None, deterministic=True)
+    expected, expected_grads = _value_and_grads(reference, weights, q, k, v)
     valid = input_mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference(q, k, v))[valid], atol=1e-5)
-    for grad, expected in zip(grads, jax.grad(_loss(reference, weights), argnums=(0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(expected)[valid], atol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads):
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), atol=1e-5)
     np.testing.assert_allclose(np.asarray(eval_out)[valid],
                                np.asarray(reference_attention(q, k, v, input_mask, packing_ids))[valid], atol=1e-5)
 

@@ -1,7 +1,8 @@
-"""The pretraining job end to end: in real subprocesses what is about the process (exact resume after SIGTERM,
-SIGKILL during a save, restore onto fewer devices, multi-process equivalence, a quiet console, a full disk, and
-(slow) the loss falling on real text); in this process what is about the job (refusals, a dry run, resumes from a
-set-aside or changed checkpoint, warnings on its input), which spares each a process start."""
+"""The pretraining job end to end: in real subprocesses what is about the process (a run ended by SIGTERM, one
+SIGKILLed during a save, restore onto fewer devices, multi-process equivalence, a quiet console, a full disk, and
+(slow) the loss falling on real text); in this process what is about the job (the resumes after those signals,
+refusals, a dry run, resumes from a set-aside or changed checkpoint, warnings on its input), which spares each a
+process start."""
 import json
 import os
 import pathlib
@@ -273,7 +274,7 @@ def test_dry_run_warns_when_the_step_needs_more_memory_than_the_host(corpus, tmp
 # one is the module's): packed rows' input position resumes in a fresh process in test_data_pipeline.py, their
 # losses and gradients equal the unpacked ones' in test_packing.py.
 @pytest.mark.parametrize("packing", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, packing):
+def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, monkeypatch, capsys, packing):
     uninterrupted = request.getfixturevalue("uninterrupted_packed" if packing else "uninterrupted")
     extra = PACKING if packing else ()
     workdir = tmp_path / "preempted"
@@ -283,14 +284,15 @@ def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, packing):
     stopped_at = int(output.split("preempted at step ")[1].split("/")[0])
     assert MIDDLE <= stopped_at < STEPS
     assert f"rerun the same command to resume from step {stopped_at}\n" in output, output[-3000:]
-    _run(_argv(workdir, corpus, *extra))
+    _run_here(_argv(workdir, corpus, *extra), monkeypatch, capsys)
     expected, resumed = _losses(uninterrupted), _losses(workdir)
     assert [resumed[s] for s in range(MIDDLE + 1, STEPS + 1)] == [expected[s] for s in range(MIDDLE + 1, STEPS + 1)]
     for a, b in zip(_final_params(workdir), _final_params(uninterrupted)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrupted, corpus, tmp_path):
+def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrupted, corpus, tmp_path, monkeypatch,
+                                                                     capsys):
     workdir = tmp_path / "killed"
     code, output = _run_until(_argv(workdir, corpus), f"step {MIDDLE}/", signal.SIGKILL)
     assert code == -signal.SIGKILL
@@ -298,7 +300,7 @@ def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrup
     assert complete and complete[-1] in (MIDDLE - EVERY, MIDDLE), complete
     killed_at = max(r["step"] for r in _step_records(workdir))  # the kill came at step MIDDLE or a little after
     # Whatever was in flight (a temporary directory, if any) is not a step: the resume restarts from `complete`.
-    output = _run(_argv(workdir, corpus))
+    output = _run_here(_argv(workdir, corpus), monkeypatch, capsys)
     assert f"resumed from {workdir}/checkpoints/{complete[-1]}" in output
     # The steps past the checkpoint were computed twice: the goodput account says how many.
     [account] = _goodput(workdir)
