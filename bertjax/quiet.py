@@ -27,9 +27,10 @@ START_UP_LINE = re.compile(
     rb"absl::InitializeLog\(\)|cudart_stub\.cc.*Could not find cuda drivers|failed call to cuInit"
     rb"|oneDNN custom operations are on|oneDNN supports DT_INT64 only"
     rb"|No semi_persistent_directory found|Discarding unparseable args"
-    # gloo's line; two processes' copies can land in one another on a loaded machine ("[Gloo] Rank 1[Gloo] Rank 1 is
-    # connected to ..." and a line " is connected to ...").
-    rb"|^(?:\[Gloo\] Rank \d+ ?)+(?:is connected to|$)|^ ?is connected to \d+ peer ranks")
+    # gloo's line; two copies (its threads write it in pieces) can land in one another on a loaded machine, split
+    # before or after the rank ("[Gloo] Rank 1[Gloo] Rank 1 is connected to ..." then " is connected to ...", or
+    # "[Gloo] Rank [Gloo] Rank 1 is connected to ..." then "1 is connected to ...").
+    rb"|^(?:\[Gloo\] Rank ?\d* ?)+(?:is connected to|$)|^ ?(?:\d+ )?is connected to \d+ peer ranks")
 
 
 @contextlib.contextmanager
