@@ -47,13 +47,14 @@ demo-embed: install
 	$(BIN)/bertjax embed --checkpoint $(DEMO)-embed/minilm --input examples/sentences.txt \
 		--output $(DEMO)-embed/embeddings.npy --pooling mean --show-neighbours
 
-# Two pytest workers (the CI machine's two cores), a test file each at a time: a file's module fixtures (built
+# Three pytest workers on the CI machine's two cores, a test file each at a time: a file's module fixtures (built
 # workdirs, compiled programs) are built once, by the worker that runs it; the longest files first, in the order
-# tests/conftest.py gives them (LONGEST_FILES). The workers differ in CPU devices: a job's programs partitioned
-# over 8 host devices cost a third more CPU than on one, so a 1-device worker runs the many files that are not about
-# sharding, and an 8-device worker runs the files that build meshes (tests/device_schedule.py pins them) and then
-# helps with the rest. TEST_WORKERS: pytest-xdist's --tx specs, one per worker.
-TEST_WORKERS ?= --tx popen//env:BERTJAX_TEST_DEVICES=8 --tx popen//env:BERTJAX_TEST_DEVICES=1
+# tests/conftest.py gives them (LONGEST_FILES). The workers differ in CPU devices: the same tests cost up to twice the
+# CPU over 8 host devices as on one, so an 8-device worker runs only the files that build meshes
+# (tests/device_schedule.py pins them) and ends, and two 1-device workers run the rest; a third process also fills
+# the cores while another waits on a subprocess or the storage stand-in. TEST_WORKERS: pytest-xdist's --tx specs.
+TEST_WORKERS ?= --tx popen//env:BERTJAX_TEST_DEVICES=8 --tx popen//env:BERTJAX_TEST_DEVICES=1 \
+	--tx popen//env:BERTJAX_TEST_DEVICES=1
 
 test: install
 	$(BIN)/pytest -q --durations=20 $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

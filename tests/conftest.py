@@ -64,17 +64,17 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
-# The files that take longest (their tests' summed wall seconds on a `make test` worker, 2026-11-26; those of 35 s and
+# The files that take longest (their tests' summed wall seconds on a `make test` worker, 2026-11-26; those of 20 s and
 # more), started first when pytest-xdist spreads the files over workers (`make test`: --dist loadfile
-# --no-loadscope-reorder): the last file a worker starts is then a short one, and the two workers end together. The
-# 8-device worker takes the files pinned to it first (tests/device_schedule.py), in this order too.
-LONGEST_FILES = ("test_pretrain.py", "test_cloud_storage.py", "test_data_formats.py", "test_readme_path.py",
-                 "test_tpu_compile.py", "test_train_step.py", "test_dropout_attention.py", "test_fatal_errors.py",
-                 "test_scan_layers.py", "test_data_tfrecord.py", "test_data_pipeline.py", "test_predict.py",
-                 "test_finetune_resume.py", "test_packing.py", "test_glue_job.py", "test_model.py",
-                 "test_classify_job.py", "test_data_beam.py", "test_launch_tpu.py", "test_data_instances.py",
-                 "test_interop.py", "test_trainer_options.py", "test_pretrain_init.py", "test_spanbert.py",
-                 "test_workdir_lock.py")
+# --no-loadscope-reorder): the last file a worker starts is then a short one, and the workers end together. The
+# 8-device worker takes the files pinned to it (tests/device_schedule.py) in this order too.
+LONGEST_FILES = ("test_pretrain.py", "test_cloud_storage.py", "test_dropout_attention.py", "test_fatal_errors.py",
+                 "test_data_formats.py", "test_readme_path.py", "test_tpu_compile.py", "test_train_step.py",
+                 "test_data_pipeline.py", "test_scan_layers.py", "test_data_tfrecord.py", "test_predict.py",
+                 "test_glue_job.py", "test_finetune_resume.py", "test_model.py", "test_classify_job.py",
+                 "test_trainer_options.py", "test_data_instances.py", "test_data_beam.py", "test_packing.py",
+                 "test_interop.py", "test_pretrain_init.py", "test_data_vocab.py", "test_launch_tpu.py",
+                 "test_spanbert.py", "test_workdir_lock.py", "test_attention.py")
 
 
 @pytest.hookimpl(optionalhook=True)

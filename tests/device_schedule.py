@@ -1,9 +1,9 @@
-"""`make test`'s two pytest-xdist workers with different CPU device counts, and the files each may run.
+"""`make test`'s pytest-xdist workers with different CPU device counts, and the files each may run.
 
-A job's programs partitioned over 8 host devices cost a third more CPU than on one (test_classify_job.py +
-test_glue_job.py: 118 -> 76 CPU-s). Most files are not about sharding: they run on a
-1-device worker; the files below build meshes of several devices and run only on a worker that has them (the
-8-device one), which takes them first and then helps with the rest.
+A job's programs partitioned over 8 host devices cost up to twice the CPU they cost on one (test_classify_job.py,
+test_trainer_options.py and test_predict.py: 88 CPU-s on 1 device, 165 on 8). Most files are not about sharding:
+they run on the 1-device workers; the files below build meshes of several devices and run only on a worker that has
+them (the 8-device one), which runs nothing else while a 1-device worker is live and then ends.
 """
 from __future__ import annotations
 
@@ -31,11 +31,14 @@ def devices_needed(nodeid: str) -> int:
 
 def next_file(files: Iterable[str], devices: int, fewest: int, most: int) -> str | None:
     """Which of `files` (queue order) a worker with `devices` host devices takes next, where the live workers have
-    `fewest` to `most`: first a file that only workers like it can run, then any it can run; a file that no worker
-    can run goes to whoever asks, to fail there (tests/conftest.py) rather than never run. None: nothing for it."""
+    `fewest` to `most`: a file that only workers like it can run; nothing else while a worker with fewer devices
+    is live (the same tests cost it more); else the first it can run. A file that no worker can run goes to whoever
+    asks, to fail there (tests/conftest.py) rather than never run. None: nothing for it."""
     runnable = [f for f in files if devices_needed(f) <= devices or devices_needed(f) > most]
     only_here = [f for f in runnable if devices_needed(f) > fewest]
-    return (only_here or runnable or [None])[0]
+    if only_here:
+        return only_here[0]
+    return None if devices > fewest or not runnable else runnable[0]
 
 
 def make_scheduler(config, log, worker_devices: Callable[[Mapping[str, str]], int]):
