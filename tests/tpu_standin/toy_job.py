@@ -1,7 +1,8 @@
 """A stand-in for `bertjax pretrain` on the stand-in's workers, for tests of the launcher's mechanics that need
 no training: `pretrain --workdir W [--set train.steps=N] [--fail MESSAGE] --distributed`. Each worker counts
 steps from its saved position in W (resuming as a real job does), prints a step line every 0.2 s (a resumed run:
-every 0.02 s, for the tests only need to see it resume and end), and worker 0 writes W/COMPLETED at the end; --fail prints MESSAGE as an error and exits 1 instead."""
+every 0.02 s, for the tests only need to see it resume and end), and worker 0 writes W/COMPLETED at the end;
+--fail prints MESSAGE as an error and exits 1 instead."""
 import os
 import pathlib
 import sys
