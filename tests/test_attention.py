@@ -55,7 +55,8 @@ def test_reference_matches_naive_attention(inputs):
     q, k, v, input_mask, packing_ids = inputs
     out = reference_attention(q, k, v, input_mask, packing_ids)
     valid = input_mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(out)[valid], _naive(q, k, v, input_mask, packing_ids)[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out)[valid], _naive(q, k, v, input_mask, packing_ids)[valid],
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["dot_product", "pallas_tpu", "splash_tpu"])
@@ -71,10 +72,10 @@ def test_backend_matches_reference_forward_and_gradient(inputs, backend):
     reference = reference_attention(q, k, v, input_mask, packing_ids)
     reference_grads = jax.grad(_loss("reference", input_mask, packing_ids), argnums=(0, 1, 2))(q, k, v)
     assert np.isfinite(np.asarray(out)).all(), "a padded row produced NaN/inf"
-    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference)[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference)[valid], rtol=1e-5, atol=1e-5)
     for grad, expected in zip(grads, reference_grads):
         assert np.isfinite(np.asarray(grad)).all()
-        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the cuDNN fused attention needs an NVIDIA GPU")

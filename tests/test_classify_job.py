@@ -95,7 +95,7 @@ def test_single_label_csv_keeps_names_and_matches_transformers(tiny_init, tmp_pa
     with torch.no_grad():
         probs = torch.softmax(model(**tokenizer(texts, padding=True, return_tensors="pt")).logits, -1).numpy()
     ours = np.array([[row["scores"][n] for n in names] for row in dev_rows])
-    np.testing.assert_allclose(ours, probs, atol=2e-5)
+    np.testing.assert_allclose(ours, probs, rtol=2e-5, atol=2e-5)
     assert [row["label"] for row in dev_rows] == [names[i] for i in probs.argmax(-1)]
 
     # `bertjax predict` on the run equals transformers' pipeline on its export.

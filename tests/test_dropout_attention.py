@@ -62,14 +62,14 @@ def _kernel_and_reference(q, k, v, segment_ids, rate, seed, **blocks):
     return kernel_result, _value_and_grads(reference, weights, q, k, v)
 
 
-def _assert_close(kernel, reference, segment_ids, atol=1e-5):
+def _assert_close(kernel, reference, segment_ids, tol=1e-5):
     (out, grads), (expected, expected_grads) = kernel, reference
     valid = np.asarray(segment_ids) != 0
     assert np.isfinite(np.asarray(out)).all()
-    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(expected)[valid], atol=atol)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(expected)[valid], rtol=tol, atol=tol)
     for grad, expected_grad in zip(grads, expected_grads):
         assert np.isfinite(np.asarray(grad)).all()
-        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), atol=atol)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), rtol=tol, atol=tol)
 
 
 # Each case a branch of its own (interpret mode costs ~10 CPU-s a case): packed segments with dropout in one head's
@@ -142,7 +142,7 @@ def test_the_kernel_applies_exactly_the_jnp_mask():
                                               block_k=64)
     recovered = np.asarray(out).transpose(0, 2, 1, 3) * (1 - rate) * length
     mask = np.asarray(da.dropout_keep_mask(99, batch, heads, length, length, rate))
-    np.testing.assert_allclose(recovered, mask.astype(np.float32), atol=1e-5)
+    np.testing.assert_allclose(recovered, mask.astype(np.float32), rtol=1e-5, atol=1e-5)
 
 
 def test_keep_fraction_and_independence():
@@ -230,11 +230,12 @@ def test_attention_entry_point_with_the_dropout_backend_equals_the_reference_wit
                                          dropout_rate=rate, dropout_rng=None, deterministic=True)
     expected, expected_grads = _value_and_grads(reference, weights, q, k, v)
     valid = input_mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(expected)[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(expected)[valid], rtol=1e-5, atol=1e-5)
     for grad, expected_grad in zip(grads, expected_grads):
-        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(eval_out)[valid],
-                               np.asarray(reference_attention(q, k, v, input_mask, packing_ids))[valid], atol=1e-5)
+                               np.asarray(reference_attention(q, k, v, input_mask, packing_ids))[valid],
+                               rtol=1e-5, atol=1e-5)
 
 
 def _kernel_eqns(q, k, v, segment_ids, **blocks):
@@ -329,7 +330,7 @@ def test_the_forwards_lane_dense_log_sum_exp_is_the_softmax_normaliser():
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(head_dim)
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     expected = jax.nn.logsumexp(jnp.where(same, scores, -jnp.inf), axis=-1)
-    np.testing.assert_allclose(np.asarray(lse[:, :, 0]), np.asarray(expected), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse[:, :, 0]), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
 def _all_eqns(jaxpr):
@@ -400,7 +401,8 @@ def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays(heads, head_
         out, grads = jax.jit(lambda *a: (attend(*a), jax.grad(loss(attend), argnums=(0, 1, 2, 3))(*a)))(
             q, k, v, biases)
     valid = input_mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference(q, k, v, biases))[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference(q, k, v, biases))[valid],
+                               rtol=1e-5, atol=1e-5)
     expected_grads = jax.grad(loss(reference), argnums=(0, 1, 2, 3))(q, k, v, biases)
     for grad, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5, atol=5e-5)

@@ -1,6 +1,6 @@
 """A fatal error ends a job within seconds, non-zero, its last stderr line naming the file and how far it got: cut
 and damaged compressed streams (gzip, zstd, bzip2, every layout) and a cut Arrow file, for each command that reads
-corpora (`data create`, `vocab train`, `pretrain`), each run under a timeout (a reader error used to leave the
+corpora (`data create`, `vocab train`, `pretrain`), each watched for a stall (a reader error used to leave the
 process blocked in the tf.data iterator's destructor forever). Real WikiText-2 text, cut by the test."""
 from __future__ import annotations
 
@@ -9,20 +9,17 @@ import gzip
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests import stall_watch
 
 zstandard = pytest.importorskip("zstandard")
 pa = pytest.importorskip("pyarrow")
 
 ROOT = Path(__file__).resolve().parents[1]
-# A hang is forever; a job that reads a few KB before its error ends in seconds after TensorFlow's start-up (a
-# minute on a machine loaded by the suite's two workers and another job beside them).
-TIMEOUT_S = 120
 _TITLE = re.compile(r"^ = [^=].* = $")
 # bzip2 in 100 kB blocks: the cut leaves whole ones to read before it.
 CODECS = {"gz": gzip.compress, "zst": lambda data: zstandard.ZstdCompressor().compress(data),
@@ -51,16 +48,15 @@ def corpus(shared_data, tmp_path_factory):
             "vocab": str(shared_data / "bert" / "uncased_L-4_H-256_A-4" / "vocab.txt")}
 
 
-def _job(argv: list[str], timeout: float = TIMEOUT_S) -> tuple[int, list[str], float]:
-    """(exit status, stderr lines, seconds) of `bertjax ARGV` in a fresh process; a hang fails the test."""
-    start = time.monotonic()
+def _job(argv: list[str]) -> tuple[int, list[str], float]:
+    """(exit status, stderr lines, seconds) of `bertjax ARGV` in a fresh process; a hang (no CPU time and no output
+    for a while, `stall_watch`) fails the test, a slow start on a loaded machine does not."""
     try:
-        done = subprocess.run([sys.executable, "-m", "bertjax.cli", *argv], cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"bertjax {' '.join(argv[:2])} still running after {timeout} s; stderr tail: "
-                    f"{(expired.stderr or b'')[-2000:]!r}")
-    return done.returncode, done.stderr.strip().splitlines(), time.monotonic() - start
+        done = stall_watch.run([sys.executable, "-m", "bertjax.cli", *argv], cwd=ROOT,
+                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    except stall_watch.Stalled as stalled:
+        pytest.fail(str(stalled))
+    return done.returncode, done.stderr.strip().splitlines(), done.seconds
 
 
 def _create(corpus, path: Path, corpus_format: str, out: Path) -> tuple[int, list[str], float]:
@@ -167,8 +163,7 @@ def test_pretrain_from_a_cut_file_ends_with_its_line(corpus, tmp_path):
             "--set", "data.max_seq_length=64", "--set", "data.max_predictions_per_seq=10",
             "--set", "data.doc_buffer_size=4", "--set", "data.shuffle_buffer=8", "--set", "train.batch_size=8",
             "--set", "train.steps=1000", "--set", "checkpoint.every=1000"]
-    # Start-up and the compile come first (a minute on a loaded machine); the error then ends it at once.
-    rc, err, _ = _job(argv, timeout=240)
+    rc, err, _ = _job(argv)
     assert rc != 0
     assert re.fullmatch(rf"bertjax pretrain: error: {re.escape(str(path))}: the gzip stream ends before its end "
                         r"marker \(the file is cut\), after line \d+", err[-1]), err[-3:]

@@ -58,7 +58,8 @@ def _check_layers(minilm, reference, layers, pooling):
     expected = sum(chosen) if selection.combine == "sum" else np.concatenate(chosen, axis=-1)
     ours = embed_sentences(minilm, SENTENCES, pooling=pooling, layers=layers, max_len=MAX_LEN, batch_size=4)
     assert ours.shape == (len(SENTENCES), selection.width(384))
-    np.testing.assert_allclose(ours, _pool(expected, mask, pooling), atol=1e-4, err_msg=f"{layers}/{pooling}")
+    np.testing.assert_allclose(ours, _pool(expected, mask, pooling), rtol=1e-4, atol=1e-4,
+                               err_msg=f"{layers}/{pooling}")
 
 
 def test_layer_names_follow_output_hidden_states_numbering():
@@ -93,7 +94,7 @@ def test_pooling_none_cli_writes_tokens_and_word_map(minilm_dir, reference, tmp_
     out = np.load(tmp_path / "tokens.npz")
     expected = np.concatenate(states[3:], axis=-1)[mask.astype(bool)]
     assert out["vectors"].shape == expected.shape == (int(mask.sum()), 4 * 384)
-    np.testing.assert_allclose(out["vectors"], expected, atol=1e-4)
+    np.testing.assert_allclose(out["vectors"], expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(out["token_ids"], ids[mask.astype(bool)])
     np.testing.assert_array_equal(np.diff(out["sentence_offsets"]), mask.sum(1))
     assert list(out["layers"]) == [3, 4, 5, 6] and str(out["combine"]) == "concat"

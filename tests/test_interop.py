@@ -118,9 +118,9 @@ def test_tiny_pretraining_logits_match_transformers(tiny_hf_pretraining):
     expected_mlm = np.take_along_axis(out.prediction_logits.numpy(), positions[..., None], axis=1)
     ours = model_lib.BertForPreTraining(loaded.config).apply(
         {"params": loaded.params}, input_ids, input_mask, segment_ids, positions)
-    np.testing.assert_allclose(np.asarray(ours["mlm_logits"]), expected_mlm, atol=1e-4, rtol=0)
-    np.testing.assert_allclose(np.asarray(ours["nsp_logits"]), out.seq_relationship_logits.numpy(), atol=1e-4,
-                               rtol=0)
+    np.testing.assert_allclose(np.asarray(ours["mlm_logits"]), expected_mlm, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ours["nsp_logits"]), out.seq_relationship_logits.numpy(), rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_tiny_pretraining_round_trip_through_cli(tiny_hf_pretraining, tmp_path):
@@ -258,17 +258,17 @@ def test_fine_tuning_heads_match_transformers_and_round_trip(architecture, tmp_p
     if architecture == "BertForSequenceClassification":
         module = model_lib.BertForSequenceClassification(loaded.config, num_labels=3)
         logits = module.apply({"params": loaded.params}, ids, mask, np.zeros_like(ids))
-        np.testing.assert_allclose(np.asarray(logits), out.logits.numpy(), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(logits), out.logits.numpy(), rtol=1e-5, atol=1e-5)
     elif architecture == "BertForTokenClassification":  # no pooler: the export infers the token classifier
         assert "pooler" not in loaded.params["bert"]
         logits = model_lib.BertForTokenClassification(loaded.config, num_labels=3).apply(
             {"params": loaded.params}, ids, mask, np.zeros_like(ids))
-        np.testing.assert_allclose(np.asarray(logits)[mask == 1], out.logits.numpy()[mask == 1], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(logits)[mask == 1], out.logits.numpy()[mask == 1], rtol=1e-5, atol=1e-5)
     else:
         start, end = model_lib.BertForQuestionAnswering(loaded.config).apply(
             {"params": loaded.params}, ids, mask, np.zeros_like(ids))
-        np.testing.assert_allclose(np.asarray(start), out.start_logits.numpy(), atol=1e-5)
-        np.testing.assert_allclose(np.asarray(end), out.end_logits.numpy(), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(start), out.start_logits.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(end), out.end_logits.numpy(), rtol=1e-5, atol=1e-5)
     save_model(str(tmp_path / "ckpt"), loaded.params, loaded.config, loaded.vocab)
     assert cli(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
     reloaded = getattr(transformers, architecture).from_pretrained(str(tmp_path / "hf"))

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bertjax.cli import main as bertjax_main
+from tests import stall_watch
 from tests.conftest import REPO_ROOT
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -143,9 +144,9 @@ def test_launch_local_shares_the_cpu_peak_among_the_hosts_devices_and_shows_no_g
     # Without the gs:// stand-in's proxy (set for the session when test_cloud_storage ran first in this worker).
     env = {name: value for name, value in os.environ.items() if "proxy" not in name.lower()}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
-    done = subprocess.run([sys.executable, "-c", "import sys; from bertjax.cloud.local import launch; "
+    done = stall_watch.run([sys.executable, "-c", "import sys; from bertjax.cloud.local import launch; "
                            f"sys.exit(launch([], 2, 4, program=[sys.executable, {str(script)!r}]))"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+                          env=env, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = sorted(line for line in done.stdout.splitlines() if "PEAK " in line)
     assert [line[:4] for line in lines] == ["[p0]", "[p1]"], done.stdout

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bertjax.cli import main as bertjax_main
+from tests import stall_watch
 from tests.conftest import save_tiny_checkpoint
 
 
@@ -234,7 +235,6 @@ def test_info_of_a_damaged_checkpoint_ends_on_its_line_every_time(tiny_checkpoin
     """As a program (two runs: Orbax's dying threads printed 'Event loop is closed' tracebacks after the line in
     one of three): the line is last, exit 2."""
     import shutil
-    import subprocess
     import sys
 
     broken = tmp_path / "broken"
@@ -243,8 +243,7 @@ def test_info_of_a_damaged_checkpoint_ends_on_its_line_every_time(tiny_checkpoin
         if path.is_file() and path.stat().st_size > 64 and path.name != "_METADATA":
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-m", "bertjax.cli", "info", str(broken)], capture_output=True,
-                              text=True, timeout=120)
+        done = stall_watch.run([sys.executable, "-m", "bertjax.cli", "info", str(broken)])
         assert done.returncode == 2
         last = done.stderr.rstrip("\n").splitlines()[-1]
         assert last.startswith(f"bertjax info: error: {broken}: cannot read the checkpoint"), done.stderr[-2000:]

@@ -52,7 +52,7 @@ def test_sharded_output_equals_unsharded(pretraining, mesh_shape):
     assert query.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     assert len(query.addressable_shards) == 8
     for key in expected:
-        np.testing.assert_allclose(np.asarray(out[key]), np.asarray(expected[key]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out[key]), np.asarray(expected[key]), rtol=1e-5, atol=1e-5)
 
 
 def test_mesh_shape_validation():
@@ -111,7 +111,7 @@ def test_embed_cli_mean_pooling_matches_transformers(minilm_dir, tmp_path):
     mask = batch["attention_mask"][..., None].float()
     expected = ((hidden * mask).sum(1) / mask.sum(1)).numpy()
     assert ours.shape == (3, 384)
-    np.testing.assert_allclose(ours, expected, atol=1e-4)
+    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_embed_gives_one_row_per_input_line(minilm_dir, tmp_path, capsys):
@@ -128,7 +128,7 @@ def test_embed_gives_one_row_per_input_line(minilm_dir, tmp_path, capsys):
     for index in (0, 2, 4):  # each row is its line's own embedding
         (tmp_path / "one.txt").write_bytes(data.split(b"\n")[index].rstrip(b"\r") + b"\n")
         assert cli(["embed", "--input", str(tmp_path / "one.txt"), "--output", str(tmp_path / "one.npy"), *argv]) == 0
-        np.testing.assert_allclose(np.load(tmp_path / "one.npy")[0], rows[index], atol=1e-5)
+        np.testing.assert_allclose(np.load(tmp_path / "one.npy")[0], rows[index], rtol=1e-5, atol=1e-5)
 
 
 def test_embed_cli_rejects_empty_input(minilm_dir, tmp_path, capsys):

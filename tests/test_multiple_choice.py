@@ -114,13 +114,13 @@ def test_each_choice_scored_on_its_own_cls():
     logits = np.asarray(apply(ids, mask))
     assert logits.shape == (2, 4)
     alone = apply(ids[1, 2][None], mask[1, 2][None])
-    np.testing.assert_allclose(logits[1, 2], alone[0], atol=1e-6)
+    np.testing.assert_allclose(logits[1, 2], alone[0], rtol=1e-6, atol=1e-6)
     labels = np.array([3, 0])
     loss = np.asarray(jax.jit(classification_loss)(logits, {"labels": labels}))
     assert loss.shape == (2,)
     shifted = logits - logits.max(axis=1, keepdims=True)
     expected = -(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)))[np.arange(2), labels]
-    np.testing.assert_allclose(loss, expected, atol=1e-6)
+    np.testing.assert_allclose(loss, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_multiple_choice_job_learns_separable_example_and_exports(minilm_dir, tmp_path):
@@ -163,7 +163,7 @@ def test_multiple_choice_job_learns_separable_example_and_exports(minilm_dir, tm
     with torch.no_grad():
         logits = reference(**{k: v.view(len(val_rows), 4, -1) for k, v in batch.items()}).logits.numpy()
     ours = np.array([[float(p[f"score{k}"]) for k in range(4)] for p in predictions])
-    np.testing.assert_allclose(logits, ours, atol=1e-4)
+    np.testing.assert_allclose(logits, ours, rtol=1e-4, atol=1e-4)
     # The saved checkpoint remembers its head: a later `bertjax export` writes BertForMultipleChoice (the tensors
     # alone read as a one-label sequence classifier), and so does a round trip through `convert`.
     assert cli(["export", str(work / "checkpoint"), "--out", str(tmp_path / "later")]) == 0
@@ -175,4 +175,4 @@ def test_multiple_choice_job_learns_separable_example_and_exports(minilm_dir, tm
     later = transformers.BertForMultipleChoice.from_pretrained(str(tmp_path / "again")).eval()
     with torch.no_grad():
         again = later(**{k: v.view(len(val_rows), 4, -1) for k, v in batch.items()}).logits.numpy()
-    np.testing.assert_allclose(again, logits, atol=1e-6)
+    np.testing.assert_allclose(again, logits, rtol=1e-6, atol=1e-6)

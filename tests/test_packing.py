@@ -139,8 +139,8 @@ def test_model_outputs_per_instance_equal_packed_and_unpacked(params, packed_and
             k = np.flatnonzero((packed["masked_lm_positions"][row[i]] == target)
                                & (packed["masked_lm_weights"][row[i]] > 0))
             assert len(k) == 1
-            np.testing.assert_allclose(joint["mlm_logits"][row[i], k[0]], plain["mlm_logits"][i, j], rtol=1e-5,
-                                       atol=1e-5)
+            np.testing.assert_allclose(joint["mlm_logits"][row[i], k[0]], plain["mlm_logits"][i, j],
+                                       rtol=1e-5, atol=1e-5)
             compared += 1
     assert compared == unpacked["masked_lm_weights"].sum()
 

@@ -17,6 +17,7 @@ import pytest
 
 from bertjax.checkpoint import load_model
 from bertjax.data.demo_corpus import write_demo_corpus
+from tests import stall_watch
 from tests.conftest import REPO_ROOT, SUITE_CACHE_ON, xla_flags
 
 # Checkpoints every EVERY steps (the newest 3 kept); signals come at step MIDDLE, a save step.
@@ -48,8 +49,8 @@ def _env(devices=8):
     return env
 
 
-def _run(argv, devices=8, timeout=600, keep=False):
-    result = subprocess.run(argv, env=_env(devices), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(argv, devices=8, keep=False):
+    result = stall_watch.run(argv, env=_env(devices), cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result if keep else result.stdout
 
@@ -482,7 +483,7 @@ def test_loss_falls_on_wikitext(shared_data, minilm_dir, tmp_path):
             "--set", f"data.input={shared_data / 'wikitext-2/wiki.valid.raw'}", "--set", "data.corpus_format=wikitext",
             "--set", f"data.vocab={minilm_dir / 'vocab.txt'}", "--set", "train.steps=300",
             "--set", "train.log_every=10", "--set", "checkpoint.every=1000"]
-    _run(argv, devices=1, timeout=1800)
+    _run(argv, devices=1)
     losses = _losses(workdir)
     records = _step_records(workdir)
     print("mlm_loss curve:", [(r["step"], round(r["mlm_loss"], 3)) for r in records])

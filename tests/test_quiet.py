@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+from tests import stall_watch
 from tests.conftest import REPO_ROOT
 from tests.test_pretrain import NATIVE_LOG_LINE
 
@@ -17,9 +18,8 @@ def test_eval_squad_writes_the_official_numbers_and_no_native_line(shared_data, 
     unanswerable = sum(bool(qa.get("is_impossible")) for qa in questions)
     predictions = tmp_path / "predictions.json"
     predictions.write_text(json.dumps({qa["id"]: "" for qa in questions}))
-    result = subprocess.run([sys.executable, "-m", "bertjax.cli", "eval", "squad", "--data", str(data),
-                             "--predictions", str(predictions)], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = stall_watch.run([sys.executable, "-m", "bertjax.cli", "eval", "squad", "--data", str(data),
+                             "--predictions", str(predictions)], cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
     scores = json.loads(result.stdout)
@@ -42,14 +42,13 @@ def test_dropped_start_up_lines_leave_a_childs_other_lines_as_they_come():
               f"    subprocess.run([sys.executable, '-c', {child!r}], check=True)\n"
               "    print('parent after', file=sys.stderr)\n"
               "print('parent outside', file=sys.stderr)\n")
-    result = subprocess.run([sys.executable, "-c", parent], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = stall_watch.run([sys.executable, "-c", parent], cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == ["parent before", "ValueError: the worker own error", "parent after",
                                           "parent outside"]
-    shown = subprocess.run([sys.executable, "-c", parent.replace("native_lines_dropped()",
-                                                                 "native_lines_dropped(verbose=True)")],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    shown = stall_watch.run([sys.executable, "-c", parent.replace("native_lines_dropped()",
+                                                                  "native_lines_dropped(verbose=True)")],
+                            cwd=REPO_ROOT)
     assert len([line for line in shown.stderr.splitlines() if NATIVE_LOG_LINE.search(line)]) == 3, shown.stderr
 
 

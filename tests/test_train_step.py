@@ -127,7 +127,7 @@ def test_gradient_accumulation_equals_one_big_batch(setup):
     np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-6)
     np.testing.assert_allclose(float(m4["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(four.params), jax.tree_util.tree_leaves(one.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("skip", ["cond", "select"])

@@ -42,7 +42,7 @@ def test_grad_accumulation_is_one_big_batch(tiny_init):
     accumulated, _ = _trainer(tiny_init, grad_accum_steps=2)  # 2 micro-batches of 8 rows, one row a device
     accumulated.train(arrays)
     for a, b in zip(jax.tree_util.tree_leaves(whole.params), jax.tree_util.tree_leaves(accumulated.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)  # only the sum order differs
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-6)  # only the sum order differs
     first = jax.tree_util.tree_leaves(whole.params)[0]
     assert not np.allclose(np.asarray(first), np.asarray(jax.tree_util.tree_leaves(_trainer(tiny_init)[0].params)[0]))
 

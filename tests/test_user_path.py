@@ -8,6 +8,7 @@ import stat
 import pytest
 
 from bertjax import cli
+from tests import stall_watch
 from tests.conftest import REPO_ROOT, save_tiny_checkpoint
 
 
@@ -181,15 +182,12 @@ def test_every_command_is_documented_and_every_documented_command_parses():
 
 
 def test_help_writes_no_native_log_lines():
-    import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "bertjax.cli", "--help"], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = stall_watch.run([sys.executable, "-m", "bertjax.cli", "--help"], cwd=REPO_ROOT)
     assert result.returncode == 0 and "finetune" in result.stdout
     assert result.stderr == ""
-    shown = subprocess.run([sys.executable, "-m", "bertjax.cli", "data", "create", "--help"], cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=120)
+    shown = stall_watch.run([sys.executable, "-m", "bertjax.cli", "data", "create", "--help"], cwd=REPO_ROOT)
     assert "A/B pairs with 50% random next" in shown.stdout and "(default: 0.15)" in shown.stdout
     assert shown.stderr == ""
 
@@ -228,8 +226,7 @@ def test_the_readme_puts_bertjax_on_the_path_of_a_new_shell(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PATH")}
     env["PATH"] = "/usr/bin:/bin"
     assert subprocess.run(["bash", "-c", "command -v bertjax"], env=env, capture_output=True).returncode != 0
-    result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = stall_watch.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     version = importlib.metadata.version("bertjax")
     assert re.fullmatch(rf"bertjax {re.escape(version)} \(jax \S+, Python 3\.\d+\.\d+\) at \S+/bertjax\n",
