@@ -1,10 +1,12 @@
 """One pretraining step at BERT-base shape: bertjax vs transformers.BertForPreTraining + torch AdamW, same run.
 
     .venv/bin/python bench/train_step.py [--batch 8] [--seq 128] [--repeats 3] [--lengths 128,256,512]
+        [--torch-peers eager,compile]
 
 Prints sequences/s of each side and their ratio, model TFLOP/s and the fraction of a matmul peak measured in the
 same run (the CPU's reference for MFU: the faster of XLA's and torch's fp32 matmul), then bertjax's sequences/s at
-each of --lengths. The sides take turns of a few steps so that machine noise hits both alike; the reference runs in
+each of --lengths. `--torch-peers eager,compile` also times the reference under torch.compile (the fairest PyTorch
+peer on a GPU; its warm-up is untimed). The sides take turns of a few steps so that machine noise hits both alike; the reference runs in
 a child process, never at the same time. On a CPU both sides run with the malloc settings of bertjax.host_memory,
 which the `bertjax` command applies there. On an accelerator pass --dtype bfloat16 and the MFU is against the
 device's table peak.
@@ -59,8 +61,9 @@ def _ours(config, batch, seq, masked):
     return run
 
 
-def _torch(config, batch, seq, masked, threads):
-    """The reference step; on a GPU machine it runs there, in bf16 autocast when config.dtype is bfloat16."""
+def _torch(config, batch, seq, masked, threads, compiled=False):
+    """The reference step; on a GPU machine it runs there, in bf16 autocast when config.dtype is bfloat16; with
+    `compiled`, the model's forward and backward through torch.compile (the optimizer step stays eager, fused)."""
     import contextlib
 
     import torch
@@ -71,6 +74,7 @@ def _torch(config, batch, seq, masked, threads):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf_config = transformers.BertConfig(**config.to_bert_config_dict())
     model = transformers.BertForPreTraining(hf_config).train().to(device)
+    forward = torch.compile(model) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-6, weight_decay=0.01,
                             fused=device == "cuda")
     autocast = (torch.autocast(device, dtype=torch.bfloat16) if config.dtype == "bfloat16"
@@ -87,7 +91,7 @@ def _torch(config, batch, seq, masked, threads):
     def run():
         start = time.perf_counter()
         with autocast:
-            loss = model(**inputs).loss
+            loss = forward(**inputs).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -96,7 +100,11 @@ def _torch(config, batch, seq, masked, threads):
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    run()
+    start = time.perf_counter()
+    for _ in range(3 if compiled else 1):  # torch.compile specialises on the first calls, then recompiles once
+        run()
+    print(f"  transformers step ({'torch.compile' if compiled else 'eager'}) warmed up in "
+          f"{time.perf_counter() - start:.1f} s")
     return run
 
 
@@ -127,23 +135,24 @@ def _seconds(call) -> float:
     return time.perf_counter() - start
 
 
-def _serve_torch(config, batch, seq, masked, threads, conn):
+def _serve_torch(config, batch, seq, masked, threads, compiled, conn):
     """Child process: builds the reference step, then times one step per request on `conn`."""
     _same_host_malloc_as_bertjax()
-    run = _torch(config, batch, seq, masked, threads)
+    run = _torch(config, batch, seq, masked, threads, compiled)
     conn.send(("ready", _torch_matmul_peak()))
     while conn.recv():
         conn.send(run())
 
 
-def _torch_in_subprocess(config, batch, seq, masked, threads):
+def _torch_in_subprocess(config, batch, seq, masked, threads, compiled=False):
     """The reference step in its own process: in one process the two frameworks slow each other down (measured:
     bertjax 3.9 s/step alone, 4.9 s when its steps alternate with torch's in the same process)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    process = context.Process(target=_serve_torch, args=(config, batch, seq, masked, threads, child), daemon=True)
+    process = context.Process(target=_serve_torch, args=(config, batch, seq, masked, threads, compiled, child),
+                                  daemon=True)
     process.start()
     ready, matmul_peak = parent.recv()
     assert ready == "ready"
@@ -186,6 +195,8 @@ def main() -> int:
     parser.add_argument("--lengths", default="128,256,512", help="bertjax-only sequence lengths to time ('' = none)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--torch-peers", default="eager",
+                        help="the transformers references to time: eager, compile (torch.compile), or both")
     parser.add_argument("--attention-backend", default="auto",
                         help="bertjax attention backend; the fused ones need --attention-dropout 0")
     parser.add_argument("--attention-dropout", type=float, default=0.1)
@@ -203,8 +214,12 @@ def main() -> int:
                                attention_probs_dropout_prob=args.attention_dropout,
                                attention_backend=args.attention_backend, scan_layers=args.scan_layers)
     device = jax.devices()[0]
-    reference = (None if args.skip_torch
-                 else _torch_in_subprocess(config, args.batch, args.seq, args.masked, args.threads))
+    peers = [] if args.skip_torch else [p for p in args.torch_peers.split(",") if p]
+    if set(peers) - {"eager", "compile"}:
+        parser.error(f"--torch-peers: eager and/or compile, got {args.torch_peers!r}")
+    references = {peer: _torch_in_subprocess(config, args.batch, args.seq, args.masked, args.threads,
+                                             compiled=peer == "compile") for peer in peers}
+    reference = next(iter(references.values()), None)
     if device.platform == "cpu":
         # The machine's peak is the faster of the two frameworks' matmuls, each measured here, now.
         peaks = {"XLA": metrics.measure_matmul_peak()}
@@ -223,15 +238,15 @@ def main() -> int:
     print("  host malloc: " + ("keeps freed memory (bertjax.host_memory), both sides" if malloc_tuned
                                else "glibc defaults"))
     ours = _ours(config, args.batch, args.seq, args.masked)
-    ours_times, torch_times = [], []
+    ours_times, torch_times = [], {peer: [] for peer in references}
     for _ in range(args.repeats):
         # Turns of a few steps per side; the first step after a switch is dropped: it pays for the other side's
         # memory traffic (measured here: +1 s on a 4 s step), which a training job never does.
         ours_times += [ours() for _ in range(args.steps_per_turn)][1:]
-        if reference:
-            torch_times += [reference() for _ in range(args.steps_per_turn)][1:]
-    if reference:
-        reference.close()
+        for peer, run in references.items():
+            torch_times[peer] += [run() for _ in range(args.steps_per_turn)][1:]
+    for run in references.values():
+        run.close()
 
     def report(name, times, seq):
         seconds = statistics.median(times)
@@ -242,9 +257,11 @@ def main() -> int:
         return seconds
 
     ours_median = report("bertjax", ours_times, args.seq)
-    if reference:
-        torch_median = report("transformers + torch AdamW", torch_times, args.seq)
-        print(f"  ratio bertjax / transformers: {torch_median / ours_median:.2f}x (medians)")
+    for peer, times in torch_times.items():
+        name = "transformers + torch AdamW" + (", torch.compile" if peer == "compile" else "")
+        torch_median = report(name, times, args.seq)
+        print(f"  ratio bertjax / transformers{' (torch.compile)' if peer == 'compile' else ''}: "
+              f"{torch_median / ours_median:.2f}x (medians)")
     if args.trace:
         _trace(ours, args.trace, host=device.platform == "cpu")
     for length in [int(x) for x in args.lengths.split(",") if x]:
