@@ -257,16 +257,12 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
 def _input_columns(path: str, columns: list[str]) -> tuple[list[str], list[list[str]]]:
     """(where each row came from, each column's texts) of a table file; a missing column or a row without a text
     there is an error naming the file (and line) and the column."""
-    from bertjax.finetune.table_data import read_rows
+    from bertjax.finetune.table_data import read_rows, text_value
 
     rows = read_rows(path, columns)
     if not rows:
         raise ValueError(f"--input {path} holds no rows")
-    for where, row in rows:
-        for column in columns:
-            if not isinstance(row.get(column), str):
-                raise ValueError(f"{where}: column {column!r} is {row.get(column)!r}; expected a text")
-    return [where for where, _ in rows], [[row[column] for _, row in rows] for column in columns]
+    return [where for where, _ in rows], [[text_value(where, row, column) for where, row in rows] for column in columns]
 
 
 def input_lines(data: bytes) -> tuple[list[str], list[int]]:
