@@ -105,3 +105,79 @@ def test_metrics_equal_scikit_learn():
     assert got["pearson"] == pytest.approx(stats.pearsonr(x, t)[0])
     assert got["spearman"] == pytest.approx(stats.spearmanr(x, t)[0])
     assert got["mse"] == pytest.approx(sk.mean_squared_error(t, x))
+
+
+def test_a_field_opened_by_an_unbalanced_quote_is_named_not_swallowed(tmp_path):
+    """A quote that opens a field and never closes would take every later line into that field (fewer rows than
+    lines, read without a word); one that closes mid-field would drop the quotes from the text."""
+    unclosed = tmp_path / "unclosed.csv"
+    unclosed.write_text('id,text\n1,fine\n2,"he said hi\n3,bye\n4,ok\n')
+    with pytest.raises(ValueError, match=rf'^{unclosed}:3: the quote that opens a field here is never closed \(the '
+                                         r'field would run to the end of the file, line 5\); a quote inside a field '
+                                         r'is written "" in a field wrapped in quotes$'):
+        table_data.read_rows(str(unclosed), ["text"])
+    mid_field = tmp_path / "mid.csv"
+    mid_field.write_text('text,label\nok,a\n"he said" hi,b\n')
+    with pytest.raises(ValueError, match=rf"^{mid_field}:3: the quote that opens a field here closes before the "
+                                         rf"field ends \(line 3: "):
+        table_data.read_split(str(mid_field), TableSpec())
+    # Quotes as a CSV writer writes them (doubled inside a quoted field, a line break inside one) are one row each.
+    written = tmp_path / "written.csv"
+    written.write_text('text\n"he said ""hi"""\n"two\nlines"\nsay "so"\n')
+    assert [row["text"] for _, row in table_data.read_rows(str(written), ["text"])] == \
+        ['he said "hi"', "two\nlines", 'say "so"']
+
+
+def test_files_as_users_have_them_a_bom_read_and_bad_bytes_duplicates_and_non_texts_named(tmp_path):
+    bom = b"\xef\xbb\xbf"  # Excel's "CSV UTF-8" starts with the byte-order mark
+    for name, body in (("excel.csv", "text,label\nx,a\ny,b\n"), ("excel.tsv", "text\tlabel\nx\ta\ny\tb\n"),
+                       ("bom.jsonl", '{"text": "x", "label": "a"}\n{"text": "y", "label": "b"}\n')):
+        (tmp_path / name).write_bytes(bom + body.encode())
+        examples, names = table_data.read_split(str(tmp_path / name), TableSpec())
+        assert (examples.text_a, names) == (["x", "y"], ["a", "b"]), name
+
+    latin1 = tmp_path / "latin1.csv"
+    latin1.write_bytes("text,label\nok,a\ncaf\xe9,b\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"^{latin1}:3: byte 0xe9 is not UTF-8; save the file as UTF-8$"):
+        table_data.read_split(str(latin1), TableSpec())
+
+    twice = "column 'text' is named 2 times; each column a command reads must be named once"
+    header = tmp_path / "header.csv"
+    header.write_text("text,label,text\nx,a,y\n")
+    with pytest.raises(ValueError, match=rf"^{header}: {twice}$"):
+        table_data.read_split(str(header), TableSpec())
+    keys = tmp_path / "keys.jsonl"
+    keys.write_text('{"text": "x", "label": "a"}\n{"text": "y", "label": "b", "text": "z"}\n')
+    with pytest.raises(ValueError, match=rf"^{keys}:2: {twice}$"):
+        table_data.read_split(str(keys), TableSpec())
+    parquet = tmp_path / "twice.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["x"]), pa.array(["y"]), pa.array(["a"])],
+                                        names=["text", "text", "label"]), parquet)
+    with pytest.raises(ValueError, match=rf"^{parquet}: {twice}$"):
+        table_data.read_split(str(parquet), TableSpec())
+    unused = tmp_path / "unused.csv"  # a column named twice that no command reads is no question
+    unused.write_text("note,text,label,note\n1,x,a,2\n3,y,b,4\n")
+    assert table_data.read_split(str(unused), TableSpec())[0].text_a == ["x", "y"]
+
+    # A number where the text should be: training and predict refuse it by the same check.
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"text": "x", "label": "a"}\n{"text": 5, "label": "b"}\n')
+    expected = rf"^{numbers}:2: column 'text' is 5, not a text; expected a string$"
+    with pytest.raises(ValueError, match=expected):
+        table_data.read_split(str(numbers), TableSpec())
+    from bertjax.finetune.cli import _input_columns
+    with pytest.raises(ValueError, match=expected):
+        _input_columns(str(numbers), ["text"])
+
+
+def test_a_training_file_with_one_label_is_refused_for_single_label_classification(tmp_path):
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\nx,pos\ny,pos\n")
+    with pytest.raises(ValueError, match=rf"^{path}: column 'label' holds one label, 'pos', in every row; a "
+                                         r"classifier needs at least 2 \(numbers to predict: --problem regression\)$"):
+        table_data.read_split(str(path), TableSpec())
+    # A dev file with one of the training file's labels, and regression's one value, are fine.
+    assert table_data.read_split(str(path), TableSpec(), ["neg", "pos"])[0].labels.tolist() == [1, 1]
+    same = tmp_path / "same.csv"
+    same.write_text("text,score\nx,1.5\ny,1.5\n")
+    assert table_data.read_split(str(same), REGRESSION)[0].labels.tolist() == [1.5, 1.5]

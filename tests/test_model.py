@@ -138,6 +138,23 @@ def test_embed_cli_rejects_empty_input(minilm_dir, tmp_path, capsys):
     assert "holds no sentences" in capsys.readouterr().err
 
 
+def test_embed_refuses_an_output_it_could_not_write_before_reading_anything(minilm_dir, tmp_path, capsys):
+    """An --output in a missing directory, naming a directory, or naming the input is one line before any work:
+    before the input is read (the empty input's own error does not come first) and the model loads; nothing is
+    written and the input is kept."""
+    source = tmp_path / "empty.txt"
+    source.write_text("\n\n")
+    (tmp_path / "folder").mkdir()
+    for output, expected in ((tmp_path / "no" / "o.npy", f"no directory {tmp_path / 'no'}; create it first"),
+                             (tmp_path / "folder", "is a directory; expected a file name"),
+                             (source, f"is the input {source}; writing it would replace the input")):
+        assert cli(["embed", "--checkpoint", str(minilm_dir), "--input", str(source), "--output", str(output)]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith(f"bertjax embed: error: --output {output}") and expected in last, last
+    assert source.read_text() == "\n\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "folder"]
+
+
 def test_small_table_lookup_equals_gather_forward_and_gradient():
     """The token-type lookup (no gather, so no scatter-add gradient) is exactly table[ids], gradient included."""
     rng = np.random.default_rng(0)

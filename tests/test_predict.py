@@ -86,6 +86,56 @@ def test_predict_token_classification_equals_pipeline(ner_run, tmp_path):
     assert [row["entities"] for row in piped] == [row["entities"] for row in ours]
 
 
+def test_predict_refuses_an_unclosed_quote_and_bad_outputs_before_the_model_loads(ner_run, tmp_path, capsys):
+    """Rows in are rows out: a CSV whose quote opens a field and never closes (which would take in the rows after
+    it) is refused naming its line. An --output that could not be written, or would replace the input, is refused
+    before the input is read (an input that would be refused too tells which came first), and nothing is written."""
+    work = ner_run[0]
+    source = tmp_path / "in.csv"
+    source.write_text('sentence\nalice went to paris\n"bob said hi\ncarol met rome\nthe end\n')
+    original = source.read_bytes()
+    link = tmp_path / "link.csv"
+    link.symlink_to(source)
+    (tmp_path / "folder").mkdir()
+
+    def refused(output) -> str:
+        argv = ["predict", "--model", str(work), "--input", str(source), "--text-column", "sentence",
+                "--output", str(output)]
+        assert bertjax_main(argv) == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    assert refused(tmp_path / "out.jsonl") == (
+        f"bertjax predict: error: {source}:3: the quote that opens a field here is never closed (the field would run "
+        'to the end of the file, line 5); a quote inside a field is written "" in a field wrapped in quotes')
+    assert refused(tmp_path / "missing" / "out.jsonl").endswith(
+        f"--output {tmp_path / 'missing' / 'out.jsonl'}: no directory {tmp_path / 'missing'}; create it first")
+    assert refused(tmp_path / "folder").endswith(f"--output {tmp_path / 'folder'} is a directory; expected a file name")
+    for same in (source, link):
+        assert refused(same).endswith(f"--output {same} is the input {source}; writing it would replace the input, "
+                                      "give another file")
+    assert source.read_bytes() == original
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "in.csv", "link.csv"]
+    assert not any((tmp_path / "folder").iterdir())
+
+
+def test_predict_to_a_reader_that_stopped_ends_quietly_as_unix_tools_do(ner_run, tmp_path):
+    """`bertjax predict | head -1`: the reader gone before the rows are written (here: closed before they are
+    computed, so it is gone every time) ends the command by SIGPIPE (the shell's status 141), no traceback."""
+    import signal
+
+    work, _, texts = ner_run
+    with open(tmp_path / "stderr", "wb") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "bertjax.cli", "predict", "--model", str(work / "hf"),
+                                    "--max-seq-length", "64", "--batch-size", "8"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=stderr)
+        process.stdout.close()
+        process.stdin.write(("\n".join(texts) + "\n").encode())
+        process.stdin.close()
+        assert process.wait(timeout=600) == -signal.SIGPIPE
+    err = (tmp_path / "stderr").read_text()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]
+
+
 def test_predict_refuses_a_model_without_a_head(minilm_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a sentence\n")))
     assert bertjax_main(["predict", "--model", str(minilm_dir)]) == 2

@@ -166,6 +166,7 @@ def _embed(args: argparse.Namespace) -> int:
     from bertjax.finetune.embed import embed_sentences, embed_tokens, nearest_neighbours
     from bertjax.interop.load import load_pretrained
 
+    check_output(args.output, [args.input, args.checkpoint])
     path = epath.Path(args.input)
     if not path.exists():
         raise FileNotFoundError(f"--input {args.input} does not exist")
@@ -209,14 +210,49 @@ def _predict(args: argparse.Namespace) -> int:
             lines = _predicted_lines(args)
         finally:
             sys.stdout = real_stdout
-        sys.stdout.writelines(lines)
+        write_to_stdout(lines)
         return 0
+    check_output(args.output, [args.input, args.model])
     lines = _predicted_lines(args)
     from etils import epath
 
     epath.Path(args.output).write_text("".join(lines), encoding="utf-8")
     print(f"wrote {args.output}: {len(lines)} rows")
     return 0
+
+
+def check_output(output: str, inputs: list[str]) -> None:
+    """An --output file checked before any work: it is no directory, its directory exists, and it is none of the
+    command's `inputs` (writing it would replace the user's file)."""
+    import os
+
+    if "://" in output:  # a bucket has no directories to check
+        if output in inputs:
+            raise ValueError(f"--output {output} is also an input; give another file")
+        return
+    if os.path.isdir(output):
+        raise ValueError(f"--output {output} is a directory; expected a file name")
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {output}: no directory {folder}; create it first")
+    for source in (s for s in inputs if s != "-" and os.path.exists(s)):
+        if os.path.exists(output) and os.path.samefile(output, source):  # a link or another spelling of it too
+            raise ValueError(f"--output {output} is the input {source}; writing it would replace the input, give "
+                             "another file")
+
+
+def write_to_stdout(lines: list[str]) -> None:
+    """`lines` on stdout. A reader that stopped reading (`| head -1`) ends the command as it ends Unix tools, by
+    SIGPIPE: quietly, with the shell's status 141 (Python would raise BrokenPipeError and print its traceback)."""
+    import signal
+    import sys
+
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        sys.stdout.writelines(lines)
+        sys.stdout.flush()
+    finally:
+        signal.signal(signal.SIGPIPE, previous)
 
 
 def _predicted_lines(args: argparse.Namespace) -> list[str]:
@@ -257,16 +293,12 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
 def _input_columns(path: str, columns: list[str]) -> tuple[list[str], list[list[str]]]:
     """(where each row came from, each column's texts) of a table file; a missing column or a row without a text
     there is an error naming the file (and line) and the column."""
-    from bertjax.finetune.table_data import read_rows
+    from bertjax.finetune.table_data import read_rows, text_value
 
     rows = read_rows(path, columns)
     if not rows:
         raise ValueError(f"--input {path} holds no rows")
-    for where, row in rows:
-        for column in columns:
-            if not isinstance(row.get(column), str):
-                raise ValueError(f"{where}: column {column!r} is {row.get(column)!r}; expected a text")
-    return [where for where, _ in rows], [[row[column] for _, row in rows] for column in columns]
+    return [where for where, _ in rows], [[text_value(where, row, column) for where, row in rows] for column in columns]
 
 
 def input_lines(data: bytes) -> tuple[list[str], list[int]]:

@@ -1,14 +1,18 @@
 """A user's own labelled text: CSV, TSV, JSON Lines or Parquet files (local or gs://) -> GLUE-style `Examples`.
 
 Each row is told by where it is (`file:line` for the text formats, `file: row N` for Parquet), so a bad one (no text,
-a label the training file never had, a non-numeric regression label) is a ValueError naming file, line and column.
-Label names stay as given: the label set is the training file's, sorted (numerically where every name is a number),
-and it becomes config.json's id2label. Three problems, named as transformers' `problem_type` spells them:
-single-label classification (label ids), multi-label (a JSON/Parquet list or one string cut at a separator; a
-0/1 matrix) and regression (floats).
+a text that is not a string, a label the training file never had, a non-numeric regression label) is a ValueError
+naming file, line and column. Text formats are UTF-8 (Excel's byte-order mark skipped; a bad byte named by line);
+CSV is read strictly, so a quote that opens a field and never closes is named instead of taking in the rows after
+it; a column read that the header (or a JSON object) names twice is refused. Label names stay as given: the label
+set is the training file's, sorted (numerically where every name is a number), and it becomes config.json's
+id2label. Three problems, named as transformers' `problem_type` spells them: single-label classification (label
+ids; 2 labels or more), multi-label (a JSON/Parquet list or one string cut at a separator; a 0/1 matrix) and
+regression (floats).
 """
 from __future__ import annotations
 
+import codecs
 import csv
 import dataclasses
 import io
@@ -59,45 +63,77 @@ def read_rows(path: str, columns: list[str]) -> list[tuple[str, dict]]:
         import pyarrow.parquet as pq
 
         with source.open("rb") as f:
-            table = pq.read_table(f)
-        _check_columns(path, table.column_names, columns)
-        values = table.select(columns).to_pylist()
+            parquet = pq.ParquetFile(f)
+            _check_columns(path, parquet.schema_arrow.names, columns)
+            values = parquet.read(columns=columns).to_pylist()
         return [(f"{path}: row {i + 1}", row) for i, row in enumerate(values)]
-    text = source.read_text(encoding="utf-8-sig")
+    text = _decoded(path, source.read_bytes())
     if kind == "jsonl":
         rows, seen = [], set()
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
+            where = f"{path}:{number}"
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=lambda pairs: _named_once(where, pairs, columns))
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not a JSON object ({error.msg})") from None
+                raise ValueError(f"{where}: not a JSON object ({error.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
             seen |= set(row)
-            rows.append((f"{path}:{number}", row))
+            rows.append((where, row))
         _check_columns(path, sorted(seen), columns)
         return rows
     csv.field_size_limit(sys.maxsize)
-    # TSV: no quoting (sentences hold unbalanced quotes; a tab never sits inside a field), as GLUE's files.
-    dialect = dict(delimiter="\t", quoting=csv.QUOTE_NONE) if kind == "tsv" else {}
+    # TSV: no quoting (sentences hold unbalanced quotes; a tab never sits inside a field), as GLUE's files. CSV:
+    # strict, so that a field opened by an unbalanced quote is an error instead of swallowing the rows after it.
+    dialect = dict(delimiter="\t", quoting=csv.QUOTE_NONE) if kind == "tsv" else dict(strict=True)
     reader = csv.reader(io.StringIO(text, newline=""), **dialect)
-    header = next(reader, None)
-    if header is None:
-        raise ValueError(f"{path}: empty file (a header line naming the columns is expected)")
-    _check_columns(path, header, columns)
-    rows, line = [], reader.line_num + 1
-    for fields in reader:
-        if fields:  # a blank line is no row
-            if len(fields) != len(header):
-                raise ValueError(f"{path}:{line}: {len(fields)} fields, the header has {len(header)}")
-            rows.append((f"{path}:{line}", dict(zip(header, fields))))
-        line = reader.line_num + 1  # a quoted field may span lines: the next row starts after this one
+    rows, line = [], 1
+    try:
+        header = next(reader, None)
+        if header is None:
+            raise ValueError(f"{path}: empty file (a header line naming the columns is expected)")
+        _check_columns(path, header, columns)
+        line = reader.line_num + 1
+        for fields in reader:
+            if fields:  # a blank line is no row
+                if len(fields) != len(header):
+                    raise ValueError(f"{path}:{line}: {len(fields)} fields, the header has {len(header)}")
+                rows.append((f"{path}:{line}", dict(zip(header, fields))))
+            line = reader.line_num + 1  # a quoted field may span lines: the next row starts after this one
+    except csv.Error as error:
+        fault = (f"is never closed (the field would run to the end of the file, line {reader.line_num})"
+                 if "end of data" in str(error) else f"closes before the field ends (line {reader.line_num}: {error})")
+        raise ValueError(f"{path}:{line}: the quote that opens a field here {fault}; a quote inside a field is "
+                         f"written \"\" in a field wrapped in quotes") from None
     return rows
 
 
-def _check_columns(path: str, have, wanted: list[str]) -> None:
+def _decoded(path: str, data: bytes) -> str:
+    """The text of a UTF-8 file, without the byte-order mark Excel's "CSV UTF-8" starts with; an invalid byte is an
+    error naming its line."""
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: byte 0x{data[error.start]:02x} is not UTF-8; save the file as UTF-8") \
+            from None
+
+
+def _named_once(where: str, pairs: list[tuple], columns: list[str]) -> dict:
+    """`pairs` (name, value) as a dict; a column of `columns` named twice is an error (which one is meant?)."""
+    names = [name for name, _ in pairs]
+    twice = [c for c in columns if names.count(c) > 1]
+    if twice:
+        raise ValueError(f"{where}: column {twice[0]!r} is named {names.count(twice[0])} times; each column a "
+                         f"command reads must be named once")
+    return dict(pairs)
+
+
+def _check_columns(path: str, have: list[str], wanted: list[str]) -> None:
+    _named_once(path, [(name, None) for name in have], wanted)
     missing = [c for c in wanted if c not in have]
     if missing:
         raise ValueError(f"{path}: no column {', '.join(map(repr, missing))}; it has {', '.join(map(repr, have))}")
@@ -108,11 +144,22 @@ def _missing(value) -> bool:
                                                                                    and not value.strip())
 
 
-def _text(where: str, row: dict, column: str) -> str:
+def text_value(where: str, row: dict, column: str) -> str:
+    """A row's text in `column`: a string (a number or list there is an error, as is a missing value)."""
     value = row.get(column)
-    if _missing(value):
+    if value is None or isinstance(value, float) and math.isnan(value):
         raise ValueError(f"{where}: column {column!r} is empty; expected the text")
-    return str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: column {column!r} is {value!r}, not a text; expected a string")
+    return value
+
+
+def _text(where: str, row: dict, column: str) -> str:
+    """A training or test row's text: text_value, not blank."""
+    value = text_value(where, row, column)
+    if not value.strip():
+        raise ValueError(f"{where}: column {column!r} is empty; expected the text")
+    return value
 
 
 def _label_names(spec: TableSpec, where: str, value) -> list[str]:
@@ -172,6 +219,9 @@ def read_split(path: str, spec: TableSpec, labels: list[str] | None = None,
         labels = label_order(name for names in per_row for name in names)
         if not labels:
             raise ValueError(f"{path}: column {spec.label_column!r} holds no labels")
+        if len(labels) == 1 and spec.problem == "single_label_classification":
+            raise ValueError(f"{path}: column {spec.label_column!r} holds one label, {labels[0]!r}, in every row; "
+                             "a classifier needs at least 2 (numbers to predict: --problem regression)")
     ids = {name: i for i, name in enumerate(labels)}
     for where, names in zip(wheres, per_row):
         for name in names:
