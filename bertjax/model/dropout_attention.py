@@ -22,8 +22,8 @@ and the 1/keep_prob scale is applied once per row at the end. Backward, with Z =
     dV = (P*Z)^T dO,   dP = (dO V^T) * Z,   dS = P * (dP - D),   D_i = sum_j dP_ij P_ij = rowsum(dO * O)_i
 (the last because sum_j (dO_i . v_j) P_ij Z_ij = dO_i . o_i), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
 
-The keep mask is a counter-based hash, reproducible outside the kernel (`dropout_keep_mask`; `keep_at` and
-`stream_key` also draw the GPU kernel's, `dropout_attention_gpu`), of
+The keep mask is a counter-based hash, reproducible outside the kernel (`dropout_keep_mask`; `stream_key`,
+`hash_terms` and `keep_at` also draw the GPU kernel's, `dropout_attention_gpu`), of
 (seed, batch index, head index, query position, key position), in int32 arithmetic that wraps (the same bits as
 uint32) with logical shifts, so it lowers to Mosaic's 32-bit vector ops and runs identically in interpret mode and
 plain jnp:
@@ -91,9 +91,16 @@ def keep_threshold(rate: float) -> int:
     return min(round((1.0 - rate) * 2.0**32), 2**32 - 1)
 
 
-def keep_at(rows, cols, mult, add, threshold: int):
-    """Boolean keep mask for int32 global positions `rows`, `cols` (broadcasting) of one stream."""
-    return below(fmix32(((rows << 16) | cols) * mult + add), threshold)
+def hash_terms(rows, cols, mult, add):
+    """x * mult + add for x = (rows << 16) | cols in two terms, (rows << 16) * mult + add and cols * mult, for int32
+    global positions `rows`, `cols` of one stream: their sum is the same bits (cols < 2^16 sets no bit of
+    rows << 16, and products wrap mod 2^32), so a block's [rows, 1] and [1, cols] terms cost no op per pair."""
+    return (rows << 16) * mult + add, cols * mult
+
+
+def keep_at(row_term, col_term, threshold: int):
+    """Boolean keep mask from `hash_terms` (broadcasting): fmix32 of their sum, below the threshold (unsigned)."""
+    return below(fmix32(row_term + col_term), threshold)
 
 
 def seed_from_rng(rng) -> jax.Array:
@@ -121,7 +128,7 @@ def dropout_keep_mask(seed, batch: int, heads: int, q_len: int, kv_len: int, rat
     mult, add = stream_key(seed, b, h)
     rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
     cols = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
-    return keep_at(rows, cols, mult, add, keep_threshold(rate))
+    return keep_at(*hash_terms(rows, cols, mult, add), keep_threshold(rate))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -3,9 +3,11 @@
     out = dropout(softmax(q k^T / sqrt(d) + mask)) v
 
 The GPU counterpart of `dropout_attention` (the TPU kernel), with the same semantics and the same keep mask, bit
-for bit: the element (b, h, i, j) is kept where `dropout_attention.keep_at(i, j, *stream_key(seed, b, h))` says,
-the hash `dropout_keep_mask` draws in plain jnp; both kernels call those functions, so a run switching between TPU
-and GPU drops the same probabilities. Flash attention in the style of jax.experimental.pallas.ops.gpu.attention:
+for bit: the element (b, h, i, j) is kept where `keep_at(*hash_terms(i, j, *stream_key(seed, b, h)))` says (those
+functions `dropout_attention`'s), the mask `dropout_keep_mask` draws in plain jnp and the TPU kernel's tests hold it
+to, so a run moved between TPU and GPU drops the same probabilities. Per query/key pair the hash is an add, fmix32
+and an unsigned compare (11 integer ops); the rest of x * mult + add is per row and per column of a block. Flash
+attention in the style of jax.experimental.pallas.ops.gpu.attention:
 
 - forward, a program per (example, head, query block): the query block held, a loop over key blocks with the
   running max and sum of the undropped probabilities (the softmax sees every key); the dropped ones go into P.V
@@ -17,7 +19,8 @@ and GPU drops the same probabilities. Flash attention in the style of jax.experi
 q/k/v are read, and o, dq, dk, dv written, in the model's [B, S, heads, head_dim] (the projections' [B, S, H * D]
 reshaped, no transpose): a block is `block` rows of one head, 2 * head_dim bytes each (bf16) at a stride of
 2 * H * D. Padding and packing arrive as segment ids [B, S] (0 = padding: padding attends to padding, so every row
-has a key). The projections' biases are left to XLA (on GPU it adds them in the matmuls' epilogue).
+has a key). The projections' biases are added by XLA before the kernel (an elementwise add it can fuse into the
+projections' output; not timed against adding them in-kernel as the TPU kernel does).
 
 Triton wants power-of-two block shapes; the length must be a multiple of the blocks (`dot_product_attention` pads
 it to 128). Off GPU (`interpret=True`) the same kernels run in Pallas' interpreter: the tests on CPU.
@@ -39,6 +42,7 @@ from bertjax.model.dropout_attention import (
     NN,
     NT,
     dot,
+    hash_terms,
     keep_at,
     keep_threshold,
     probs_and_dscores,
@@ -71,7 +75,7 @@ class _Stream:
         """The keep mask of the block of query positions `rows` [bq, 1] and key positions `cols` [1, bk]."""
         if self.threshold is None:
             return None
-        return keep_at(rows, cols, self.mult, self.add, self.threshold)
+        return keep_at(*hash_terms(rows, cols, self.mult, self.add), self.threshold)
 
 
 def _masked_scores(q, k, q_seg, k_seg, scale):
