@@ -9,6 +9,8 @@ import pytest
 from bertjax.model import dropout_attention as da
 from bertjax.model import dropout_attention_gpu as dg
 from bertjax.model.attention import dot_product_attention, reference_attention
+from bertjax.model.bert import BertModel
+from bertjax.model.config import BertConfig
 from tests.test_dropout_attention import _inputs, _reference, _segments, _value_and_grads
 
 
@@ -121,30 +123,59 @@ def test_the_entry_point_pads_to_its_blocks_and_equals_the_reference_with_its_ma
                   np.asarray(reference_attention(q, k, v, input_mask, packing_ids))[valid], rtol=1e-5)
 
 
+def _lowered_for_a_gpu(function, *args):
+    """`function(*args)` traced for a one-GPU mesh (the platform `auto` chooses by) and lowered for CUDA, on this CPU:
+    StableHLO text."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1, 1, 1), ("data", "fsdp", "tensor"), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _triton_calls(text):
+    return sum("custom_call @__gpu$xla.gpu.triton" in line for line in text.splitlines())
+
+
 @pytest.mark.parametrize("length", [128, 512])
 def test_auto_on_a_gpu_lowers_attention_dropout_to_the_triton_kernels(length):
     """BERT-base attention (12 heads of 64, bf16) with attention dropout, `auto`, traced for a GPU mesh and lowered
     for CUDA on this CPU: a forward and a backward Triton kernel, and no [S, S] array (scores, probabilities, mask)
     outside them. Without dropout `auto` stays `dot_product` (no Triton kernel)."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1, 1, 1), ("data", "fsdp", "tensor"), abstract_device=device)
     qkv = jax.ShapeDtypeStruct((4, length, 12, 64), jnp.bfloat16)
     input_mask = jax.ShapeDtypeStruct((4, length), jnp.int32)
 
-    def step(q, k, v, input_mask, deterministic):
-        loss = lambda q, k, v: jnp.sum(dot_product_attention(
-            q, k, v, input_mask, dropout_rate=0.1, dropout_rng=jax.random.key(0),
-            deterministic=deterministic).astype(jnp.float32))
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    def step(deterministic):
+        def gradients(q, k, v, input_mask):
+            loss = lambda q, k, v: jnp.sum(dot_product_attention(
+                q, k, v, input_mask, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                deterministic=deterministic).astype(jnp.float32))
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return gradients
 
-    def lowered(deterministic):
-        with jax.sharding.use_abstract_mesh(mesh):
-            return jax.jit(step, static_argnums=4).trace(qkv, qkv, qkv, input_mask, deterministic).lower(
-                lowering_platforms=("cuda",)).as_text()
-
-    text = lowered(deterministic=False)
-    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
-    assert len(calls) == 2
+    text = _lowered_for_a_gpu(step(deterministic=False), qkv, qkv, qkv, input_mask)
+    assert _triton_calls(text) == 2
     assert "flash_dropout_gpu_fwd" in text and "flash_dropout_gpu_bwd" in text
     assert f"{length}x{length}x" not in text
-    assert "xla.gpu.triton" not in lowered(deterministic=True)
+    assert _triton_calls(_lowered_for_a_gpu(step(deterministic=True), qkv, qkv, qkv, input_mask)) == 0
+
+
+def test_bert_training_on_a_gpu_runs_attention_dropout_in_the_triton_kernels():
+    """The model's own path (`attention_backend="auto"`, the layer's dropout key, packed rows, the projections'
+    biases), 2 layers in bf16 with dropout, its gradients lowered for a GPU: each layer's attention is a forward and
+    a backward Triton kernel, and no [S, S] array is left outside them."""
+    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=256, dtype="bfloat16")
+    model = BertModel(config, add_pooler=False)
+    ids = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), *(jnp.zeros((2, 256), jnp.int32),) * 3))["params"]
+
+    def gradients(params, input_ids, input_mask, packing_ids):
+        def loss(params):
+            out = model.apply({"params": params}, input_ids, input_mask, jnp.zeros_like(input_ids),
+                              packing_ids=packing_ids, deterministic=False, rngs={"dropout": jax.random.key(1)})[0]
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.grad(loss)(params)
+
+    text = _lowered_for_a_gpu(gradients, params, ids, ids, ids)
+    assert _triton_calls(text) == 2 * 2
+    assert "256x256x" not in text
