@@ -74,7 +74,7 @@ LONGEST_FILES = ("test_pretrain.py", "test_cloud_storage.py", "test_dropout_atte
                  "test_glue_job.py", "test_finetune_resume.py", "test_model.py", "test_classify_job.py",
                  "test_trainer_options.py", "test_data_instances.py", "test_data_beam.py", "test_packing.py",
                  "test_interop.py", "test_pretrain_init.py", "test_data_vocab.py", "test_launch_tpu.py",
-                 "test_spanbert.py", "test_workdir_lock.py", "test_attention.py")
+                 "test_spanbert.py", "test_workdir_lock.py", "test_dropout_attention_gpu.py", "test_attention.py")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -126,13 +126,16 @@ def test_backend_selection():
     assert resolve_backend("auto", dropout_active=False, platform="tpu") == "splash_tpu"
     assert resolve_backend("auto", dropout_active=False, platform="gpu") == "dot_product"
     assert resolve_backend("auto", dropout_active=False, platform="cpu") == "reference"
-    assert resolve_backend("auto", dropout_active=True, platform="gpu") == "reference"
+    assert resolve_backend("auto", dropout_active=True, platform="gpu", length=128) == "flash_dropout_gpu"
+    assert resolve_backend("auto", dropout_active=True, platform="gpu", length=512) == "flash_dropout_gpu"
+    assert resolve_backend("auto", dropout_active=True, platform="gpu", length=127) == "reference"
     assert resolve_backend("auto", dropout_active=True, platform="cpu") == "reference"
     assert resolve_backend("auto", dropout_active=True, platform="tpu", length=512) == "flash_dropout_tpu"
     assert resolve_backend("auto", dropout_active=True, platform="tpu", length=256) == "flash_dropout_tpu"
     assert resolve_backend("auto", dropout_active=True, platform="tpu", length=128) == "flash_dropout_tpu"
     assert resolve_backend("auto", dropout_active=True, platform="tpu", length=127) == "reference"
     assert resolve_backend("flash_dropout_tpu", dropout_active=True) == "flash_dropout_tpu"
+    assert resolve_backend("flash_dropout_gpu", dropout_active=True) == "flash_dropout_gpu"
     with pytest.raises(ValueError, match="has no attention dropout"):
         resolve_backend("pallas_tpu", dropout_active=True)
 

@@ -1,6 +1,8 @@
 """The fused Pallas TPU attention with attention dropout (bertjax.dropout_attention): forward and gradients against
 the reference attention with the kernel's own keep mask (interpret mode on CPU), the mask's statistics, and a
 Mosaic compile for two TPU generations (compile-only devices)."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -374,11 +376,14 @@ def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, le
     assert cost["flops"] >= 9 * 2 * 64 * batch * 12 * length * length
 
 
-@pytest.mark.parametrize("heads, head_dim", [(2, 16), (4, 64)])   # one head per shard; a pair of 64 per shard
-def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays(heads, head_dim):
+@pytest.mark.parametrize("backend, heads, head_dim", [
+    ("flash_dropout_tpu", 2, 16), ("flash_dropout_tpu", 4, 64),   # one head per shard; a pair of 64 per shard
+    ("flash_dropout_gpu", 2, 16),                                 # the GPU kernel, interpreted (biases XLA's)
+])
+def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays(backend, heads, head_dim):
     """On a mesh the backend runs the kernel per shard (shard_map: batch over data, heads over tensor); each shard
     hashes its global batch and head indices, so the output is the unsharded one; the q/k/v biases' gradients,
-    summed per shard in the kernels, are the unsharded ones too."""
+    summed per shard in the TPU kernels, are the unsharded ones too."""
     from bertjax import sharding
 
     batch, length, rate = 2, 128, 0.1
@@ -389,7 +394,7 @@ def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays(heads, head_
     rng = jax.random.key(5)
     mask = da.dropout_keep_mask(da.seed_from_rng(rng), batch, heads, length, length, rate)
     weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]
-    attend = lambda q, k, v, b: dot_product_attention(q, k, v, input_mask, None, backend="flash_dropout_tpu",
+    attend = lambda q, k, v, b: dot_product_attention(q, k, v, input_mask, None, backend=backend,
                                                       dropout_rate=rate, dropout_rng=rng, deterministic=False,
                                                       biases=b)
     reference = lambda q, k, v, b: reference_attention(q + b[0], k + b[1], v + b[2], input_mask, None,
@@ -397,7 +402,9 @@ def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays(heads, head_
                                                        keep_mask=mask)
     loss = lambda f: lambda q, k, v, b: jnp.sum(jnp.sin(f(q, k, v, b)) * weights)
     mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
-    with pltpu.force_tpu_interpret_mode(), sharding.activate(mesh):
+    # (The TPU interpreter would take the GPU kernel's pallas_call too, and refuse its Triton parameters.)
+    interpret = pltpu.force_tpu_interpret_mode() if backend.endswith("_tpu") else contextlib.nullcontext()
+    with interpret, sharding.activate(mesh):
         out, grads = jax.jit(lambda *a: (attend(*a), jax.grad(loss(attend), argnums=(0, 1, 2, 3))(*a)))(
             q, k, v, biases)
     valid = input_mask.astype(bool)

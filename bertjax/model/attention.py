@@ -17,12 +17,15 @@ Backends:
 - "flash_dropout_tpu": bertjax's own Pallas TPU flash attention with attention-probability dropout
   (`dropout_attention.py`): the keep mask is a hash of (seed, batch, head, query, key) recomputed in the
   backward, never stored. Its seed is a uint32 drawn from `dropout_rng`, so the same key gives the same mask.
-- "auto": without attention dropout splash on TPU, dot_product on GPU, reference on CPU; with it
-  flash_dropout_tpu on TPU from FUSED_DROPOUT_MIN_LENGTH tokens and the reference otherwise. The platform is the one the program is compiled for
-  (the active mesh's), not the machine tracing it, so `bertjax compile` on a CPU compiles what the TPU would run.
+- "flash_dropout_gpu": the same on GPU, a Pallas kernel lowered through Triton (`dropout_attention_gpu.py`), with
+  the TPU kernel's mask bit for bit; interpreted off GPU.
+- "auto": without attention dropout splash on TPU, dot_product on GPU, reference on CPU; with it the platform's
+  flash_dropout_* from FUSED_DROPOUT_MIN_LENGTH tokens and the reference otherwise. The platform is the one the
+  program is compiled for (the active mesh's), not the machine tracing it, so `bertjax compile` on a CPU compiles
+  what the TPU would run.
 The other fused backends have no attention-probability dropout; asking for one of them explicitly while attention
 dropout is active is an error (dropout is part of BERT's definition).
-Pallas (Mosaic) kernels cannot be partitioned by XLA: on a mesh they run per device (`per_device_shard`).
+Pallas kernels (Mosaic, Triton) cannot be partitioned by XLA: on a mesh they run per device (`per_device_shard`).
 """
 from __future__ import annotations
 
@@ -46,8 +49,11 @@ FUSED_BACKENDS = ("dot_product", "cudnn", "pallas_tpu", "splash_tpu")
 # bf16, 16 sequences per chip, 2 layers): at seq 128 the kernel wins (4.78 vs 4.89 ms) since it reads and writes
 # q/k/v and the output in the projections' own [batch, S, heads * 64] layout; in the [batch, heads, S, 64] layout it
 # had lost there (5.00 ms: the projections' dots writing and reading the transposed layout cost more than the
-# kernel saved). Shorter lengths are unmeasured (padded to the kernel's 128-token blocks).
+# kernel saved). Shorter lengths are unmeasured (padded to the kernel's 128-token blocks). On GPU the same bound:
+# the reference writes and reads its [B, H, S, S] scores and mask in HBM (BERT-base at seq 128 on one H200: 28.7%
+# MFU with attention dropout on); the GPU kernel is not yet timed against it.
 FUSED_DROPOUT_MIN_LENGTH = 128
+FUSED_DROPOUT_BACKENDS = {"tpu": "flash_dropout_tpu", "gpu": "flash_dropout_gpu"}
 
 
 def resolve_backend(backend: str, dropout_active: bool, platform: str | None = None, length: int = 0) -> str:
@@ -56,7 +62,8 @@ def resolve_backend(backend: str, dropout_active: bool, platform: str | None = N
     platform = platform or target_platform()
     if backend == "auto":
         if dropout_active:
-            return "flash_dropout_tpu" if platform == "tpu" and length >= FUSED_DROPOUT_MIN_LENGTH else "reference"
+            fused = FUSED_DROPOUT_BACKENDS.get(platform)
+            return fused if fused and length >= FUSED_DROPOUT_MIN_LENGTH else "reference"
         return {"tpu": "splash_tpu", "gpu": "dot_product"}.get(platform, "reference")
     if backend in FUSED_BACKENDS and dropout_active:
         raise ValueError(f"attention backend {backend!r} has no attention dropout; set "
@@ -72,7 +79,8 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
     their dtype first; the fused dropout kernel adds them itself and sums their gradients in its own kernels.
 
     The Pallas TPU backends run off-TPU (tests on CPU) inside `jax.experimental.pallas.tpu
-    .force_tpu_interpret_mode()`, which must enclose the tracing of the backward pass too.
+    .force_tpu_interpret_mode()`, which must enclose the tracing of the backward pass too; the GPU kernel runs
+    interpreted wherever the target platform is not a GPU.
     """
     dropout_active = not deterministic and dropout_rate > 0.0
     backend = resolve_backend(backend, dropout_active, length=query.shape[1])
@@ -86,11 +94,14 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
         return jax.nn.dot_product_attention(
             query, key, value, mask=mask, implementation="cudnn" if backend == "cudnn" else None)
     segment_ids = _kernel_segment_ids(input_mask, packing_ids)
-    if backend == "flash_dropout_tpu":
+    if backend in FUSED_DROPOUT_BACKENDS.values():
         from bertjax.model.dropout_attention import seed_from_rng
 
         rate = dropout_rate if dropout_active else 0.0
         seed = seed_from_rng(dropout_rng) if rate > 0.0 else jnp.uint32(0)
+        if backend == "flash_dropout_gpu":
+            return per_device_shard(functools.partial(_flash_dropout_gpu_attention, dropout_rate=rate), query, key,
+                                    value, segment_ids, seed)
         if biases is not None:   # per example, split with the batch and heads
             biases = tuple(jnp.broadcast_to(b, (query.shape[0], *b.shape)) for b in biases)
         return per_device_shard(functools.partial(_flash_dropout_attention, dropout_rate=rate), query, key, value,
@@ -261,3 +272,17 @@ def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_ra
     return flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
                                         block_q=held, block_k=KERNEL_BLOCK, batch_offset=batch_offset,
                                         head_offset=head_offset, biases=biases)
+
+
+def _flash_dropout_gpu_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset):
+    from bertjax.model.dropout_attention_gpu import flash_attention_with_dropout
+
+    query, key, value, segment_ids, length = _pad_to_block(query, key, value, segment_ids)
+    # Query blocks of 64 at 128 tokens (twice the programs: 6,144 for BERT-base's batch of 256 on an H100's 132
+    # SMs), of 128 from 256 tokens (the keys and values are re-read once per query block); keys streamed in 64s and
+    # the backward in 64 x 64 blocks (its loops hold q, k, v, dO and two accumulators). Not yet timed on a GPU.
+    block_q = 64 if query.shape[1] == KERNEL_BLOCK else 128
+    out = flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
+                                       block_q=block_q, block_k=64, block_bwd=64, batch_offset=batch_offset,
+                                       head_offset=head_offset, interpret=target_platform() != "gpu")
+    return out[:, :length]

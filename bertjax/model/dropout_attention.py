@@ -22,7 +22,8 @@ and the 1/keep_prob scale is applied once per row at the end. Backward, with Z =
     dV = (P*Z)^T dO,   dP = (dO V^T) * Z,   dS = P * (dP - D),   D_i = sum_j dP_ij P_ij = rowsum(dO * O)_i
 (the last because sum_j (dO_i . v_j) P_ij Z_ij = dO_i . o_i), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
 
-The keep mask is a counter-based hash, reproducible outside the kernel (`dropout_keep_mask`), of
+The keep mask is a counter-based hash, reproducible outside the kernel (`dropout_keep_mask`; `stream_key`,
+`hash_terms` and `keep_at` also draw the GPU kernel's, `dropout_attention_gpu`), of
 (seed, batch index, head index, query position, key position), in int32 arithmetic that wraps (the same bits as
 uint32) with logical shifts, so it lowers to Mosaic's 32-bit vector ops and runs identically in interpret mode and
 plain jnp:
@@ -65,7 +66,7 @@ MASK_VALUE = float(jnp.finfo(jnp.float32).min)   # the reference's mask logit; e
 # Besides the matmuls and the hash (exp runs on the separate EUP and is declared as a transcendental): forward
 # scale, segment compare, mask select, max, subtract, sum, keep select, cast to the matmul dtype = 8; dq scale,
 # compare, select, subtract lse, dP's keep select, subtract D, multiply by P, cast = 8 (1/keep_prob is folded into
-# the per-query statistics: `_probs_and_dscores`); dk/dv those and P*Z's select and cast = 10. One fewer in each
+# the per-query statistics: `probs_and_dscores`); dk/dv those and P*Z's select and cast = 10. One fewer in each
 # where q comes pre-scaled (`flash_attention_with_dropout`). Not per pair, so not counted: the bias adds, lane masks
 # and per-head lane selects on [block, 128] q/k/v/o blocks (for a pair of heads as many [block, 128] ops as the
 # one-head layout spends on its two heads' blocks of 64 lanes padded to 128).
@@ -75,7 +76,7 @@ _FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 8, 8, 10
 
 
 
-def _stream_key(seed, batch_index, head_index):
+def stream_key(seed, batch_index, head_index):
     """(mult, add) of the (batch, head) stream: int32 scalars in the kernel, broadcasting arrays in jnp."""
     k = fmix32(seed ^ jnp.int32(GOLDEN))
     k = fmix32(k + (batch_index + 1) * jnp.int32(GOLDEN))
@@ -90,9 +91,16 @@ def keep_threshold(rate: float) -> int:
     return min(round((1.0 - rate) * 2.0**32), 2**32 - 1)
 
 
-def _keep(rows, cols, mult, add, threshold: int):
-    """Boolean keep mask for int32 global positions `rows`, `cols` (broadcasting) of one stream."""
-    return below(fmix32(((rows << 16) | cols) * mult + add), threshold)
+def hash_terms(rows, cols, mult, add):
+    """x * mult + add for x = (rows << 16) | cols in two terms, (rows << 16) * mult + add and cols * mult, for int32
+    global positions `rows`, `cols` of one stream: their sum is the same bits (cols < 2^16 sets no bit of
+    rows << 16, and products wrap mod 2^32), so a block's [rows, 1] and [1, cols] terms cost no op per pair."""
+    return (rows << 16) * mult + add, cols * mult
+
+
+def keep_at(row_term, col_term, threshold: int):
+    """Boolean keep mask from `hash_terms` (broadcasting): fmix32 of their sum, below the threshold (unsigned)."""
+    return below(fmix32(row_term + col_term), threshold)
 
 
 def seed_from_rng(rng) -> jax.Array:
@@ -100,7 +108,7 @@ def seed_from_rng(rng) -> jax.Array:
     return jax.random.bits(rng, (), jnp.uint32)
 
 
-def _seed_word(seed) -> jax.Array:
+def seed_word(seed) -> jax.Array:
     """The seed as int32[1] (its uint32 bits)."""
     if isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
         seed = seed_from_rng(seed)
@@ -114,13 +122,13 @@ def dropout_keep_mask(seed, batch: int, heads: int, q_len: int, kv_len: int, rat
     """The kernel's keep mask, bool [batch, heads, q_len, kv_len], in plain jnp (the same hash, the same bits)."""
     if max(q_len, kv_len) > MAX_LENGTH:
         raise ValueError(f"lengths up to {MAX_LENGTH} are supported, got {q_len}, {kv_len}")
-    seed = _seed_word(seed)[0]
+    seed = seed_word(seed)[0]
     b = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
     h = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
-    mult, add = _stream_key(seed, b, h)
+    mult, add = stream_key(seed, b, h)
     rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
     cols = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
-    return _keep(rows, cols, mult, add, keep_threshold(rate))
+    return keep_at(*hash_terms(rows, cols, mult, add), keep_threshold(rate))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -131,17 +139,18 @@ def dropout_keep_mask(seed, batch: int, heads: int, q_len: int, kv_len: int, rat
 # computes the scores transposed ([block_k, block_q]), so per-query values are lane rows there and broadcast over
 # sublanes as they are.
 
-def _dot(a, b, contract):
+def dot(a, b, contract):
     """a . b contracting dims `contract` ((lhs,), (rhs,)), float32 result (exact float32 for float32 inputs).
 
     The precision is explicit: Mosaic rejects fp32 contract precision on bf16 operands, which
-    JAX_DEFAULT_MATMUL_PRECISION=highest (the tests' setting) would otherwise ask for."""
+    JAX_DEFAULT_MATMUL_PRECISION=highest (the tests' setting) would otherwise ask for. (Also the GPU kernel's:
+    Triton takes HIGHEST on float32 as IEEE, not TF32.)"""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32, precision=precision)
 
 
-_NT = ((1,), (1,))   # a [m, d] . b [n, d] -> [m, n]
-_NN = ((1,), (0,))   # a [m, k] . b [k, n] -> [m, n]
+NT = ((1,), (1,))   # a [m, d] . b [n, d] -> [m, n]
+NN = ((1,), (0,))   # a [m, k] . b [k, n] -> [m, n]
 
 
 def _column(row):
@@ -163,7 +172,7 @@ def _row_sum_tile(x, shape):
 
 def _scores(a, b, a_seg, b_seg, scale):
     """Masked logits a b^T * scale [rows of a, rows of b] in float32; a_seg (rows, 1), b_seg (1, cols)."""
-    s = _dot(a, b, _NT)
+    s = dot(a, b, NT)
     if scale != 1.0:
         s = s * scale
     return jnp.where(a_seg == b_seg, s, MASK_VALUE)
@@ -172,7 +181,7 @@ def _scores(a, b, a_seg, b_seg, scale):
 def _kernel_stream(seed_ref, batch_index, head_index):
     """(mult, add) of a grid cell's stream; seed_ref holds (seed, batch offset, head offset): the offsets of this
     call's batch and heads in the global arrays (non-zero inside a shard_map). Scalar work."""
-    return _stream_key(seed_ref[0], batch_index + seed_ref[1], head_index + seed_ref[2])
+    return stream_key(seed_ref[0], batch_index + seed_ref[1], head_index + seed_ref[2])
 
 
 def _init_block_hash(hash_sc, j, seed_ref, batch_index, head_index, transposed=False):
@@ -188,7 +197,7 @@ def _init_block_hash(hash_sc, j, seed_ref, batch_index, head_index, transposed=F
 
 
 def _block_keep(hash_sc, j, seed_ref, batch_index, head_index, q_start, k_start, threshold):
-    """The keep mask of the block at (q_start, k_start), in hash_sc[j]'s orientation: the bits of `_keep`."""
+    """The keep mask of the block at (q_start, k_start), in hash_sc[j]'s orientation: the bits of `keep_at`."""
     mult, _ = _kernel_stream(seed_ref, batch_index, head_index)
     return below(fmix32(hash_sc[j] + ((q_start << 16) + k_start) * mult), threshold)
 
@@ -263,7 +272,7 @@ def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref,
             keep = _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q, ki * block_k, threshold)
             p = jnp.where(keep, p, 0.0)
         alphas.append(alpha)
-        products.append(_dot(p.astype(v.dtype), v, _NN))
+        products.append(dot(p.astype(v.dtype), v, NN))
         m_sc[j] = jnp.broadcast_to(m_new, m_sc.shape[1:])
         l_sc[j] = jnp.broadcast_to(l_new, l_sc.shape[1:])
     acc_sc[...] = (_by_head(alphas, acc_sc.shape, head_dim) * acc_sc[...]
@@ -277,7 +286,7 @@ def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref,
             lse_ref[j] = _row(m_sc[j] + jnp.log(l_sc[j]))
 
 
-def _probs_and_dscores(s, lse_kept, di_kept, dp, keep):
+def probs_and_dscores(s, lse_kept, di_kept, dp, keep):
     """The backward's recomputation for one block, from the masked logits s, lse - log(1/keep_prob), D * keep_prob
     and dP = dO V^T (all broadcasting, in either orientation): dropped, scaled probabilities P*Z and dS.
     p = exp(s - lse_kept) = P / keep_prob, so P*Z = keep ? p : 0 and dS = P (dP Z - D) = p ((keep ? dP : 0) - D
@@ -305,7 +314,7 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, 
         for j in range(pack):
             di = jnp.broadcast_to(_head_sum(do_o, j, head_dim), (block_q, LANES))
             di_ref[j] = _row(di)
-            lse_sc[j] = _column(lse_ref[j] - math.log(inv_keep))   # see `_probs_and_dscores`
+            lse_sc[j] = _column(lse_ref[j] - math.log(inv_keep))   # see `probs_and_dscores`
             di_sc[j] = di * (1.0 / inv_keep)
             q_sc[j] = _head_lanes(q, j, head_dim)
             do_sc[j] = _head_lanes(do, j, head_dim)
@@ -318,9 +327,9 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, 
         s = _scores(q_sc[j], k, qseg_sc[...][:, :1], kseg_ref[...], scale)
         keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q,
                                                           ki * block_k, threshold)
-        dp = _dot(do_sc[j], v, _NT)      # d(P*Z) = dO V^T
-        _, ds = _probs_and_dscores(s, lse_sc[j][:, :1], di_sc[j][:, :1], dp, keep)
-        products.append(_dot(ds.astype(k.dtype), k, _NN))
+        dp = dot(do_sc[j], v, NT)       # d(P*Z) = dO V^T
+        _, ds = probs_and_dscores(s, lse_sc[j][:, :1], di_sc[j][:, :1], dp, keep)
+        products.append(dot(ds.astype(k.dtype), k, NN))
     dq_sc[...] += _by_head(products, dq_sc.shape, head_dim)
 
     @pl.when(ki == pl.num_programs(3) - 1)
@@ -357,11 +366,11 @@ def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref,
         s_t = _scores(k_sc[j], q, kseg_sc[...][:, :1], qseg_ref[...], scale)
         keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q,
                                                           ki * block_k, threshold)
-        dp_t = _dot(v_sc[j], do, _NT)             # (dO V^T)^T = V dO^T
-        pz_t, ds_t = _probs_and_dscores(s_t, lse_ref[j] - math.log(inv_keep), di_ref[j] * (1.0 / inv_keep), dp_t,
-                                        keep)
-        dv_parts.append(_dot(pz_t.astype(do.dtype), do, _NN))
-        dk_parts.append(_dot(ds_t.astype(q.dtype), q, _NN))
+        dp_t = dot(v_sc[j], do, NT)             # (dO V^T)^T = V dO^T
+        pz_t, ds_t = probs_and_dscores(s_t, lse_ref[j] - math.log(inv_keep), di_ref[j] * (1.0 / inv_keep), dp_t,
+                                       keep)
+        dv_parts.append(dot(pz_t.astype(do.dtype), do, NN))
+        dk_parts.append(dot(ds_t.astype(q.dtype), q, NN))
     dv_sc[...] += _by_head(dv_parts, dv_sc.shape, head_dim)
     dk_sc[...] += _by_head(dk_parts, dk_sc.shape, head_dim)
 
@@ -672,7 +681,7 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     # once on its way into the kernels and no kernel scales its [S, S] logits (one VPU op per query-key pair fewer).
     prescale = math.frexp(1.0 / math.sqrt(head_dim))[0] == 0.5
     # Scalar-prefetched to SMEM: the seed's bits and the global index of this call's first example and head.
-    scalars = jnp.concatenate([_seed_word(seed), jnp.asarray(batch_offset, jnp.int32).reshape(1),
+    scalars = jnp.concatenate([seed_word(seed), jnp.asarray(batch_offset, jnp.int32).reshape(1),
                                jnp.asarray(head_offset, jnp.int32).reshape(1)])
     out = _attention(to_kernel(query), to_kernel(key), to_kernel(value), biases, segment_ids, scalars, dropout_rate,
                      block_q, block_k, layout, prescale)

@@ -1,0 +1,253 @@
+"""Fused GPU attention (Pallas, Triton lowering) with BERT's attention-probability dropout, forward and backward.
+
+    out = dropout(softmax(q k^T / sqrt(d) + mask)) v
+
+The GPU counterpart of `dropout_attention` (the TPU kernel), with the same semantics and the same keep mask, bit
+for bit: the element (b, h, i, j) is kept where `keep_at(*hash_terms(i, j, *stream_key(seed, b, h)))` says (those
+functions `dropout_attention`'s), the mask `dropout_keep_mask` draws in plain jnp and the TPU kernel's tests hold it
+to, so a run moved between TPU and GPU drops the same probabilities. Per query/key pair the hash is an add, fmix32
+and an unsigned compare (11 integer ops); the rest of x * mult + add is per row and per column of a block. Flash
+attention in the style of jax.experimental.pallas.ops.gpu.attention:
+
+- forward, a program per (example, head, query block): the query block held, a loop over key blocks with the
+  running max and sum of the undropped probabilities (the softmax sees every key); the dropped ones go into P.V
+  and 1/keep_prob is applied once per row at the end; writes o and lse = m + log(l) [B, H, S] float32;
+- backward (jax.custom_vjp), a program per (example, head, block): dk/dv of its key block over every query block,
+  then dq of its query block over every key block (`dropout_attention.probs_and_dscores`: the probabilities and
+  the mask recomputed from lse and the hash, nothing [S, S] stored); D = rowsum(dO * O) by XLA beforehand.
+
+q/k/v are read, and o, dq, dk, dv written, in the model's [B, S, heads, head_dim] (the projections' [B, S, H * D]
+reshaped, no transpose): a block is `block` rows of one head, 2 * head_dim bytes each (bf16) at a stride of
+2 * H * D. Padding and packing arrive as segment ids [B, S] (0 = padding: padding attends to padding, so every row
+has a key). The projections' biases are added by XLA before the kernel (an elementwise add it can fuse into the
+projections' output; not timed against adding them in-kernel as the TPU kernel does).
+
+Triton wants power-of-two block shapes; the length must be a multiple of the blocks (`dot_product_attention` pads
+it to 128). Off GPU (`interpret=True`) the same kernels run in Pallas' interpreter: the tests on CPU.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from bertjax.model.dropout_attention import (
+    MASK_VALUE,
+    MAX_LENGTH,
+    NN,
+    NT,
+    dot,
+    hash_terms,
+    keep_at,
+    keep_threshold,
+    probs_and_dscores,
+    seed_word,
+    stream_key,
+)
+
+TN = ((0,), (0,))   # a [k, m] . b [k, n] -> [m, n]
+# Launch parameters for every kernel here: 4 warps for blocks of up to 128 x 64 (jax's GPU attention's choice for
+# head_dim <= 64), two stages of software pipelining of the loops' loads. Not tuned on a GPU.
+NUM_WARPS, NUM_STAGES = 4, 2
+
+
+def _positions(start, size):
+    """int32 global positions start .. start + size - 1."""
+    return start + jnp.arange(size, dtype=jnp.int32)
+
+
+class _Stream:
+    """A program's dropout stream: (mult, add) of its (example, head) and the threshold; None for rate 0."""
+
+    def __init__(self, scalars_ref, threshold):
+        self.threshold = threshold
+        if threshold is not None:
+            # scalars: the seed's bits, the global index of this call's first example and head (a shard's offset).
+            b, h = pl.program_id(0) + scalars_ref[1], pl.program_id(1) + scalars_ref[2]
+            self.mult, self.add = stream_key(scalars_ref[0], b, h)
+
+    def keep(self, rows, cols):
+        """The keep mask of the block of query positions `rows` [bq, 1] and key positions `cols` [1, bk]."""
+        if self.threshold is None:
+            return None
+        return keep_at(*hash_terms(rows, cols, self.mult, self.add), self.threshold)
+
+
+def _masked_scores(q, k, q_seg, k_seg, scale):
+    """Logits q k^T * scale [bq, bk] in float32, MASK_VALUE where the segments differ (the reference's mask)."""
+    return jnp.where(q_seg[:, None] == k_seg[None, :], dot(q, k, NT) * scale, MASK_VALUE)
+
+
+def _fwd_kernel(scalars_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, block_k, threshold, inv_keep):
+    block_q, head_dim = q_ref.shape
+    q_start = pl.program_id(2) * block_q
+    stream = _Stream(scalars_ref, threshold)
+    q = q_ref[...]
+    q_seg = seg_ref[pl.ds(q_start, block_q)]
+    rows = _positions(q_start, block_q)[:, None]
+
+    def body(kb, carry):
+        acc, m_prev, l_prev = carry
+        keys = pl.ds(kb * block_k, block_k)
+        s = _masked_scores(q, k_ref[keys, :], q_seg, seg_ref[keys], scale)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])          # undropped: the softmax statistics see every key
+        alpha = jnp.exp(m_prev - m_new)
+        l_new = alpha * l_prev + jnp.sum(p, axis=1)
+        keep = stream.keep(rows, _positions(kb * block_k, block_k)[None, :])
+        if keep is not None:
+            p = jnp.where(keep, p, 0.0)
+        v = v_ref[keys, :]
+        return acc * alpha[:, None] + dot(p.astype(v.dtype), v, NN), m_new, l_new
+
+    init = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, k_ref.shape[0] // block_k, body, init)
+    o_ref[...] = (acc * (inv_keep / l)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, seg_ref, lse_ref, di_ref, do_ref, dq_ref, dk_ref, dv_ref, *,
+                scale, block, threshold):
+    """lse_ref, di_ref: lse - log(1/keep_prob) and D * keep_prob (`probs_and_dscores`), [S] of this head."""
+    head_dim = q_ref.shape[1]
+    start = pl.program_id(2) * block
+    held = pl.ds(start, block)
+    stream = _Stream(scalars_ref, threshold)
+    steps = q_ref.shape[0] // block
+
+    def recompute(queries, keys, q, k, v, do):
+        """P*Z and dS of the block (queries, keys) [block, block]."""
+        s = _masked_scores(q, k, seg_ref[queries], seg_ref[keys], scale)
+        keep = stream.keep(_positions(queries.start, block)[:, None], _positions(keys.start, block)[None, :])
+        return probs_and_dscores(s, lse_ref[queries][:, None], di_ref[queries][:, None], dot(do, v, NT), keep)
+
+    # dk, dv of the held key block over every query block: dV = (P*Z)^T dO, dK = dS^T Q * scale.
+    k, v = k_ref[held, :], v_ref[held, :]
+
+    def dkv_body(qb, carry):
+        dk, dv = carry
+        queries = pl.ds(qb * block, block)
+        q, do = q_ref[queries, :], do_ref[queries, :]
+        pz, ds = recompute(queries, held, q, k, v, do)
+        return dk + dot(ds.astype(q.dtype), q, TN), dv + dot(pz.astype(do.dtype), do, TN)
+
+    zeros = jnp.zeros((block, head_dim), jnp.float32)
+    dk, dv = lax.fori_loop(0, steps, dkv_body, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+    # dq of the held query block over every key block: dQ = dS K * scale.
+    q, do = q_ref[held, :], do_ref[held, :]
+
+    def dq_body(kb, dq):
+        keys = pl.ds(kb * block, block)
+        k = k_ref[keys, :]
+        _, ds = recompute(held, keys, q, k, v_ref[keys, :], do)
+        return dq + dot(ds.astype(k.dtype), k, NN)
+
+    dq = lax.fori_loop(0, steps, dq_body, zeros)
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _specs(length, block, head_dim):
+    """BlockSpecs over grid (example, head, block): a `block` of rows of one head of [B, S, H, D]; the head's whole
+    [S, D] (the loops' operands: each loop loads its own blocks); the example's segment ids [S]; a head's [S]
+    statistics of [B, H, S]; the block's rows of them."""
+    rows = pl.BlockSpec((None, block, None, head_dim), lambda b, h, i: (b, i, h, 0))
+    whole = pl.BlockSpec((None, length, None, head_dim), lambda b, h, i: (b, 0, h, 0))
+    segments = pl.BlockSpec((None, length), lambda b, h, i: (b, 0))
+    stats = pl.BlockSpec((None, None, length), lambda b, h, i: (b, h, 0))
+    stat_rows = pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i))
+    return rows, whole, segments, stats, stat_rows
+
+
+_SCALARS = pl.BlockSpec((4,), lambda b, h, i: (0,))   # (seed, batch offset, head offset, 0): 4, a power of two
+
+
+def _forward(q, k, v, segment_ids, scalars, rate, block_q, block_k, interpret):
+    batch, length, heads, head_dim = q.shape
+    rows, whole, segments, _, stat_rows = _specs(length, block_q, head_dim)
+    threshold, inv_keep = (None, 1.0) if rate == 0.0 else (keep_threshold(rate), 1.0 / (1.0 - rate))
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(head_dim), block_k=block_k, threshold=threshold,
+                          inv_keep=inv_keep),
+        grid=(batch, heads, length // block_q),
+        in_specs=[_SCALARS, rows, whole, whole, segments], out_specs=[rows, stat_rows],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret, name="flash_dropout_gpu_fwd",
+    )(scalars, q, k, v, segment_ids)
+
+
+def _backward(q, k, v, segment_ids, scalars, o, lse, do, rate, block, interpret):
+    batch, length, heads, head_dim = q.shape
+    rows, whole, segments, stats, _ = _specs(length, block, head_dim)
+    keep_prob = 1.0 - rate
+    # D = rowsum(dO * O) (= sum_j dP_ij P_ij with the mask: O holds the dropped probabilities), and both statistics
+    # adjusted for 1/keep_prob once per row here, not per pair in the kernel (`probs_and_dscores`).
+    di = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), o.astype(jnp.float32)) * keep_prob
+    lse_kept = lse + math.log(keep_prob)
+    return pl.pallas_call(
+        functools.partial(_bwd_kernel, scale=1.0 / math.sqrt(head_dim), block=block,
+                          threshold=None if rate == 0.0 else keep_threshold(rate)),
+        grid=(batch, heads, length // block),
+        in_specs=[_SCALARS, whole, whole, whole, segments, stats, stats, whole], out_specs=[rows, rows, rows],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)],
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret, name="flash_dropout_gpu_bwd",
+    )(scalars, q, k, v, segment_ids, lse_kept, di, do)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _attention(q, k, v, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret):
+    return _forward(q, k, v, segment_ids, scalars, rate, block_q, block_k, interpret)[0]
+
+
+def _attention_fwd(q, k, v, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret):
+    o, lse = _forward(q, k, v, segment_ids, scalars, rate, block_q, block_k, interpret)
+    return o, (q, k, v, segment_ids, scalars, o, lse)
+
+
+def _attention_bwd(rate, block_q, block_k, block_bwd, interpret, residuals, do):
+    q, k, v, segment_ids, scalars, o, lse = residuals
+    dq, dk, dv = _backward(q, k, v, segment_ids, scalars, o, lse, do, rate, block_bwd, interpret)
+    return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate: float, seed, block_q: int = 64,
+                                 block_k: int = 64, block_bwd: int = 64, batch_offset=0, head_offset=0,
+                                 interpret: bool = False):
+    """dropout(softmax(q k^T / sqrt(d) + mask)) v, fused for GPU; q/k/v [batch, length, heads, head_dim].
+
+    segment_ids [batch, length] int: 0 = padding; a query attends to the keys with its id. dropout_rate: static,
+    in [0, 1); 0 = no dropout (no hash computed). seed: uint32/int32 scalar or a jax PRNG key; the keep mask is
+    `dropout_attention.dropout_keep_mask(seed, batch, heads, length, length, dropout_rate)`, the TPU kernel's.
+    block_q/block_k: the forward's held query block and streamed key block; block_bwd: the backward's (held and
+    streamed alike); powers of two dividing the length. batch_offset/head_offset (int or traced int32): the global
+    index of this call's first example and head (a shard inside a shard_map), so the mask is the global arrays'.
+    interpret: run in Pallas' interpreter (off GPU). Output in query's dtype; softmax statistics in float32.
+    """
+    dropout_rate = float(dropout_rate)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    length, head_dim = query.shape[1], query.shape[3]
+    if length > MAX_LENGTH:
+        raise ValueError(f"lengths up to {MAX_LENGTH} are supported, got {length}")
+    for name, size in (("block_q", block_q), ("block_k", block_k), ("block_bwd", block_bwd), ("head_dim", head_dim)):
+        if size & (size - 1) or (name != "head_dim" and length % size):
+            raise ValueError(f"{name}={size} must be a power of two" + ("" if name == "head_dim" else
+                                                                        f" dividing the length {length}"))
+    scalars = jnp.concatenate([seed_word(seed), jnp.asarray(batch_offset, jnp.int32).reshape(1),
+                               jnp.asarray(head_offset, jnp.int32).reshape(1), jnp.zeros(1, jnp.int32)])
+    return _attention(query, key, value, segment_ids.astype(jnp.int32), scalars, dropout_rate, block_q, block_k,
+                      block_bwd, interpret)

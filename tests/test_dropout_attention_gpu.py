@@ -1,0 +1,181 @@
+"""The fused Pallas GPU attention with attention dropout (bertjax.model.dropout_attention_gpu): forward and gradients
+against the reference attention with the TPU kernel's keep mask (`dropout_attention.dropout_keep_mask`), run in
+Pallas' interpreter on CPU; and `auto`'s choice of it for a GPU, lowered through Triton (no GPU needed)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bertjax.model import dropout_attention as da
+from bertjax.model import dropout_attention_gpu as dg
+from bertjax.model.attention import dot_product_attention, reference_attention
+from bertjax.model.bert import BertModel
+from bertjax.model.config import BertConfig
+from tests.test_dropout_attention import _inputs, _reference, _segments, _value_and_grads
+
+
+def _assert_close(actual, expected, rtol, scale=None):
+    """Equal within rtol of `scale`, by default the expected values' largest magnitude (gradients have entries
+    near 0)."""
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert np.isfinite(actual).all()
+    scale = np.abs(expected).max() if scale is None else scale
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
+
+
+def _kernel_and_reference(q, k, v, segment_ids, rate, seed, **blocks):
+    """(out, grads) of the interpreted kernel and of the float32 reference with `dropout_keep_mask`'s mask, on the
+    same inputs (the reference's in float32); padding rows are left out of the loss (ignorable outputs)."""
+    batch, length, heads, _ = q.shape
+    weights = (segment_ids != 0).astype(jnp.float32)[:, :, None, None]
+    kernel = lambda q, k, v: dg.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=rate, seed=seed,
+                                                             interpret=True, **blocks).astype(jnp.float32)
+    mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate) if rate else None
+    reference = lambda q, k, v: _reference(q, k, v, segment_ids, mask, rate)
+    as32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return _value_and_grads(kernel, weights, q, k, v), _value_and_grads(reference, weights, *as32)
+
+
+@pytest.mark.parametrize("length, heads, head_dim, layout, blocks", [
+    (128, 2, 16, "padding", {}),                                              # 2 x 2 blocks of 64
+    (128, 3, 64, "packing", {"block_q": 32, "block_k": 16, "block_bwd": 32}),  # BERT's head size; uneven blocks
+    pytest.param(512, 2, 16, "packing", {"block_q": 128}, marks=pytest.mark.slow),   # attention.py's 512 blocks
+])
+def test_forward_and_gradients_equal_the_reference_with_the_tpu_kernels_mask(length, heads, head_dim, layout,
+                                                                            blocks):
+    q, k, v = _inputs(2, length, heads, head_dim)
+    segment_ids = _segments(2, length, layout)
+    (out, grads), (expected, expected_grads) = _kernel_and_reference(q, k, v, segment_ids, 0.1, 2024, **blocks)
+    valid = np.asarray(segment_ids) != 0
+    _assert_close(np.asarray(out)[valid], np.asarray(expected)[valid], rtol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads):
+        _assert_close(grad, expected_grad, rtol=1e-5)
+    # The mask mattered: without dropout the output is another.
+    no_dropout = _reference(q, k, v, segment_ids, None, 0.0)
+    assert np.abs(np.asarray(out - no_dropout)[valid]).max() > 1e-2
+
+
+def test_bfloat16_forward_and_gradients_are_the_float32_references_within_bfloat16_precision():
+    """BERT's heads of 64 in bf16 (the GPU's dtype): output and q/k/v gradients within bf16 rounding of the float32
+    reference on the same (bf16-valued) inputs with the same mask; rate 0 is the plain attention."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(2, 128, 2, 64, seed=1))
+    segment_ids = _segments(2, 128, "packing")
+    valid = np.asarray(segment_ids) != 0
+    for rate in (0.1, 0.0):
+        (out, grads), (expected, expected_grads) = _kernel_and_reference(q, k, v, segment_ids, rate, 9)
+        assert grads[0].dtype == jnp.bfloat16
+        _assert_close(np.asarray(out)[valid], np.asarray(expected)[valid], rtol=2e-2)
+        for grad, expected_grad in zip(grads, expected_grads):
+            _assert_close(grad, expected_grad, rtol=3e-2)
+
+
+def test_the_kernel_applies_exactly_the_tpu_kernels_mask():
+    """With q = k = 0 a row's probabilities are uniform, and with v the identity each output row is the row of the
+    keep mask, scaled: out[b, i, h, j] = keep[b, h, i, j] / ((1 - rate) * length): the mask of
+    `dropout_keep_mask`, which the TPU kernel draws too, bit for bit; with batch/head offsets (a shard of a mesh),
+    the global arrays' rows of it."""
+    batch, length, heads, rate = 2, 128, 3, 0.25
+    q = k = jnp.zeros((batch, length, heads, length), jnp.float32)
+    v = jnp.broadcast_to(jnp.eye(length, dtype=jnp.float32)[None, :, None, :], (batch, length, heads, length))
+    segment_ids = jnp.ones((batch, length), jnp.int32)
+    run = lambda q, k, v, **offsets: dg.flash_attention_with_dropout(
+        q, k, v, segment_ids[:q.shape[0]], dropout_rate=rate, seed=99, interpret=True, **offsets)
+    recovered = lambda out: np.asarray(out).transpose(0, 2, 1, 3) * (1 - rate) * length
+    mask = np.asarray(da.dropout_keep_mask(99, batch, heads, length, length, rate)).astype(np.float32)
+    np.testing.assert_allclose(recovered(run(q, k, v)), mask, rtol=1e-6)
+    shard = lambda x: x[1:, :, 1:]   # the second example's last two heads
+    np.testing.assert_allclose(recovered(run(shard(q), shard(k), shard(v), batch_offset=1, head_offset=1)),
+                               mask[1:, 1:], rtol=1e-6)
+
+
+def test_the_entry_point_pads_to_its_blocks_and_equals_the_reference_with_its_mask():
+    """`dot_product_attention(backend="flash_dropout_gpu")` at 250 tokens (padded to 256: query blocks of 128), with
+    the projections' biases (added before the kernel): output and gradients of q/k/v and the biases equal the
+    reference's with the kernel's mask (the key bias's is ~0 in both, softmax ignoring a shift of a row's logits:
+    compared on the value bias's scale); deterministic (eval), the plain attention."""
+    batch, length, heads, head_dim, rate = 2, 250, 2, 16, 0.1
+    q, k, v = _inputs(batch, length, heads, head_dim, seed=3)
+    biases = tuple(jnp.asarray(np.random.default_rng(4).normal(size=(3, heads, head_dim)), jnp.float32))
+    input_mask = np.ones((batch, length), np.int32)
+    input_mask[1, 150:] = 0
+    packing_ids = np.zeros((batch, length), np.int32)
+    packing_ids[0, 100:] = 1
+    rng = jax.random.key(11)
+    mask = da.dropout_keep_mask(da.seed_from_rng(rng), batch, heads, length, length, rate)
+    weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]
+    kernel = lambda q, k, v, b: dot_product_attention(q, k, v, input_mask, packing_ids, backend="flash_dropout_gpu",
+                                                      dropout_rate=rate, dropout_rng=rng, deterministic=False,
+                                                      biases=b)
+    reference = lambda q, k, v, b: reference_attention(q + b[0], k + b[1], v + b[2], input_mask, packing_ids,
+                                                       dropout_rate=rate, deterministic=False, keep_mask=mask)
+    (out, grads), (expected, expected_grads) = (_value_and_grads(f, weights, q, k, v, biases)
+                                                for f in (kernel, reference))
+    valid = input_mask.astype(bool)
+    _assert_close(np.asarray(out)[valid], np.asarray(expected)[valid], rtol=1e-5)
+    for grad, expected_grad in zip(grads[:3], expected_grads[:3]):
+        _assert_close(grad, expected_grad, rtol=1e-5)
+    bias_scale = np.abs(np.asarray(expected_grads[3][2])).max()
+    for grad, expected_grad in zip(grads[3], expected_grads[3]):
+        _assert_close(grad, expected_grad, rtol=1e-5, scale=bias_scale)
+    eval_out = dot_product_attention(q, k, v, input_mask, packing_ids, backend="flash_dropout_gpu",
+                                     dropout_rate=rate, deterministic=True)
+    _assert_close(np.asarray(eval_out)[valid],
+                  np.asarray(reference_attention(q, k, v, input_mask, packing_ids))[valid], rtol=1e-5)
+
+
+def _lowered_for_a_gpu(function, *args):
+    """`function(*args)` traced for a one-GPU mesh (the platform `auto` chooses by) and lowered for CUDA, on this CPU:
+    StableHLO text."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1, 1, 1), ("data", "fsdp", "tensor"), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _triton_calls(text):
+    return sum("custom_call @__gpu$xla.gpu.triton" in line for line in text.splitlines())
+
+
+@pytest.mark.parametrize("length", [128, 512])
+def test_auto_on_a_gpu_lowers_attention_dropout_to_the_triton_kernels(length):
+    """BERT-base attention (12 heads of 64, bf16) with attention dropout, `auto`, traced for a GPU mesh and lowered
+    for CUDA on this CPU: a forward and a backward Triton kernel, and no [S, S] array (scores, probabilities, mask)
+    outside them. Without dropout `auto` stays `dot_product` (no Triton kernel)."""
+    qkv = jax.ShapeDtypeStruct((4, length, 12, 64), jnp.bfloat16)
+    input_mask = jax.ShapeDtypeStruct((4, length), jnp.int32)
+
+    def step(deterministic):
+        def gradients(q, k, v, input_mask):
+            loss = lambda q, k, v: jnp.sum(dot_product_attention(
+                q, k, v, input_mask, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                deterministic=deterministic).astype(jnp.float32))
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return gradients
+
+    text = _lowered_for_a_gpu(step(deterministic=False), qkv, qkv, qkv, input_mask)
+    assert _triton_calls(text) == 2
+    assert "flash_dropout_gpu_fwd" in text and "flash_dropout_gpu_bwd" in text
+    assert f"{length}x{length}x" not in text
+    assert _triton_calls(_lowered_for_a_gpu(step(deterministic=True), qkv, qkv, qkv, input_mask)) == 0
+
+
+def test_bert_training_on_a_gpu_runs_attention_dropout_in_the_triton_kernels():
+    """The model's own path (`attention_backend="auto"`, the layer's dropout key, packed rows, the projections'
+    biases), 2 layers in bf16 with dropout, its gradients lowered for a GPU: each layer's attention is a forward and
+    a backward Triton kernel, and no [S, S] array is left outside them."""
+    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=256, dtype="bfloat16")
+    model = BertModel(config, add_pooler=False)
+    ids = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), *(jnp.zeros((2, 256), jnp.int32),) * 3))["params"]
+
+    def gradients(params, input_ids, input_mask, packing_ids):
+        def loss(params):
+            out = model.apply({"params": params}, input_ids, input_mask, jnp.zeros_like(input_ids),
+                              packing_ids=packing_ids, deterministic=False, rngs={"dropout": jax.random.key(1)})[0]
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.grad(loss)(params)
+
+    text = _lowered_for_a_gpu(gradients, params, ids, ids, ids)
+    assert _triton_calls(text) == 2 * 2
+    assert "256x256x" not in text
