@@ -23,8 +23,8 @@ from __future__ import annotations
 import collections
 import re
 
-from bertjax.cloud.estimate import (_ARRAY, _COLLECTIVES, _FREE, _NUM_PARTITIONS, Collective, StepEstimate,
-                                    _group_size, _Instruction, _moved_bytes, _moved_type, _trip_count_from_condition,
+from bertjax.cloud.estimate import (_ARRAY, _COLLECTIVES, _CUSTOM_TARGET, _FREE, _NUM_PARTITIONS, Collective,
+                                    StepEstimate, _group_size, _Instruction, _moved_bytes, _moved_type, _trip_count_from_condition,
                                     _tuple_elements, array_bytes, collective_seconds, op_name_group, parse_hlo)
 
 # Share of the card's dense bf16 peak a matmul reaches, by the smallest of its M, N and K. Calibrated on the H200
@@ -40,7 +40,6 @@ HBM_EFFICIENCY = 0.65
 # stream (63 ms a step against 61 ms of kernels over ~1,470 launches: ~1.4 us).
 LAUNCH_SECONDS = 3.0e-6
 _MATMUL_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$fp8")
-_CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CONTRACTING = re.compile(r'lhs_contracting_dim(?:ension)?s["=:]*\{?\[?([\d",\s]*)')
 _SLICING = ("slice", "dynamic-slice", "gather")
 
@@ -110,8 +109,7 @@ def price_program(hlo_text: str, *, peak_flops: float, hbm_bytes_per_second: flo
                 for callee in instruction.callees.get("to_apply", []) + instruction.callees.get("calls", []):
                     called_compute, called_exposed = walk(callee, times)
                     seconds, exposed = seconds + called_compute, exposed + called_exposed
-            elif opcode in ("fusion", "custom-call", "copy", "copy-start") or opcode not in _FREE | {"bitcast"} \
-                    and not opcode.endswith("-done"):
+            elif opcode not in _FREE and opcode != "bitcast" and not opcode.endswith("-done"):   # a kernel
                 seconds = kernel_seconds(instruction, types, times)
                 by_op_name[op_name_group(instruction.op_name)] += seconds
             compute += seconds
@@ -179,6 +177,13 @@ def _operand_names(instruction: _Instruction) -> list[str]:
     return re.findall(r"%([\w.\-]+(?:#\d+)?)", text[:end])
 
 
+def _written_type(instruction: _Instruction) -> str:
+    """What a kernel writes: its result, less a custom call's scratch (cuBLAS returns (result, workspace))."""
+    if instruction.opcode == "custom-call" and instruction.result_type.startswith("("):
+        return _tuple_elements(instruction.result_type)[0]
+    return instruction.result_type
+
+
 def _bytes_moved(instruction: _Instruction, types: dict, computations: dict) -> int:
     """Operands read + results written, by their shapes; a fused operand only sliced counts its slices' bytes, an
     in-place dynamic-update-slice root its update's."""
@@ -193,9 +198,7 @@ def _bytes_moved(instruction: _Instruction, types: dict, computations: dict) -> 
     for inner in body:
         for operand in inner.operands:
             users[operand].append(inner)
-    written = array_bytes(instruction.result_type.split("->")[0]) if instruction.opcode != "custom-call" else \
-        array_bytes(_tuple_elements(instruction.result_type)[0] if instruction.result_type.startswith("(")
-                    else instruction.result_type)
+    written = array_bytes(_written_type(instruction))
     updated_in_place = set()
     root = next((i for i in body if i.line.lstrip().startswith("ROOT")), None)
     if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) >= 2:
@@ -220,10 +223,8 @@ def _matmul(instruction: _Instruction, types: dict, computations: dict) -> tuple
         target = _CUSTOM_TARGET.search(instruction.line)
         if not target or target[1] not in _MATMUL_TARGETS:
             return 0, 0
-        result = _tuple_elements(instruction.result_type)[0] if instruction.result_type.startswith("(") \
-            else instruction.result_type
         lhs = _operand_type(_operand_names(instruction)[0], types)
-        return _dot_flops(result, lhs, instruction.line)
+        return _dot_flops(_written_type(instruction), lhs, instruction.line)
     if instruction.opcode != "fusion":
         return 0, 0
     flops, smallest = 0, 0
