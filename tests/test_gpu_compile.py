@@ -1,7 +1,7 @@
 """`bertjax compile` for GPU hosts: the cards and host names (`cloud/gpus.py`), the per-kernel price of a compiled
 XLA:GPU program (`cloud/gpu_estimate.py`) on a hand-written module and on the real H200 program of the BERT-base
-step (../shared/gpu beside the repo: its optimized HLO, and the measured 63 ms a step), and the deviceless compile itself
-(needs the jax CUDA plugin, the `gpu` extra: skipped without it)."""
+step (../shared/gpu beside the repo: its optimized HLO, and the measured 63 ms a step), and the deviceless compile
+itself (needs the jax CUDA plugin, the `gpu` extra: skipped without it)."""
 import gzip
 import importlib.util
 import os

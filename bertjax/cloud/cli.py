@@ -1,6 +1,6 @@
-"""`bertjax compile` (the pretraining step compiled for a TPU slice or a GPU host ahead of time), `bertjax launch tpu` (a Cloud
-TPU queued resource, babysat through preemptions), `bertjax launch gke` (xpk) and `bertjax launch local` (N local
-jax.distributed processes).
+"""`bertjax compile` (the pretraining step compiled for a TPU slice or a GPU host ahead of time), `bertjax launch
+tpu` (a Cloud TPU queued resource, babysat through preemptions), `bertjax launch gke` (xpk) and `bertjax launch
+local` (N local jax.distributed processes).
 
 google-cloud-tpu (extra `cloud`) is imported only when the command runs, so `bertjax --help` stays fast.
 """
@@ -115,7 +115,8 @@ def _compile(args: argparse.Namespace) -> int:
     # Progress on stderr under --json (stdout is then one JSON object): a BERT-base compile takes minutes.
     console = Console(stream=sys.stderr if args.json else sys.stdout)
     compiler = "XLA:GPU, deviceless" if tpu_compile.is_gpu(topology) else "XLA:TPU"
-    console.line(f"compiling {args.config}'s train step for {args.topology} with {compiler} (minutes for BERT-base) ...")
+    console.line(f"compiling {args.config}'s train step for {args.topology} with {compiler} (minutes for "
+                 "BERT-base) ...")
     started = time.perf_counter()
     result = tpu_compile.compile_for_topology(config, topology, args.mfu, dump_hlo=args.dump_hlo)
     console.line(f"compiled in {duration(time.perf_counter() - started)}")

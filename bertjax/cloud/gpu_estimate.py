@@ -24,8 +24,9 @@ import collections
 import re
 
 from bertjax.cloud.estimate import (_ARRAY, _COLLECTIVES, _CUSTOM_TARGET, _FREE, _NUM_PARTITIONS, Collective,
-                                    StepEstimate, _group_size, _Instruction, _moved_bytes, _moved_type, _trip_count_from_condition,
-                                    _tuple_elements, array_bytes, collective_seconds, op_name_group, parse_hlo)
+                                    StepEstimate, _group_size, _Instruction, _moved_bytes, _moved_type,
+                                    _trip_count_from_condition, _tuple_elements, array_bytes, collective_seconds,
+                                    op_name_group, parse_hlo)
 
 # Share of the card's dense bf16 peak a matmul reaches, by the smallest of its M, N and K. Calibrated on the H200
 # profile of the BERT-base step: its projections and weight gradients (M, N, K >= 768; cuBLAS and Triton
