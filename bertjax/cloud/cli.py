@@ -1,6 +1,6 @@
-"""`bertjax compile` (the pretraining step compiled for a TPU slice ahead of time), `bertjax launch tpu` (a Cloud
-TPU queued resource, babysat through preemptions), `bertjax launch gke` (xpk) and `bertjax launch local` (N local
-jax.distributed processes).
+"""`bertjax compile` (the pretraining step compiled for a TPU slice or a GPU host ahead of time), `bertjax launch
+tpu` (a Cloud TPU queued resource, babysat through preemptions), `bertjax launch gke` (xpk) and `bertjax launch
+local` (N local jax.distributed processes).
 
 google-cloud-tpu (extra `cloud`) is imported only when the command runs, so `bertjax --help` stays fast.
 """
@@ -19,20 +19,22 @@ import time
 
 
 def register(subparsers) -> None:
-    aot = subparsers.add_parser("compile", help="compile the pretraining step for a TPU slice on this machine: "
-                                "HBM fit, FLOPs, time and chip-hours before renting it")
+    aot = subparsers.add_parser("compile", help="compile the pretraining step for a TPU slice or a GPU host on "
+                                "this machine: HBM fit, FLOPs, time and chip-hours before renting it")
     aot.add_argument("--config", required=True, help="preset name in configs/ or a .py path")
     aot.add_argument("--topology", required=True, help="gcloud accelerator type (v5litepod-16, v4-32, v5p-16, "
-                     "v6e-16) or topology (v5e:4x4, v4:2x2x4)")
+                     "v6e-16) or topology (v5e:4x4, v4:2x2x4); or a GPU host: h100, h200, a100, or K cards on one "
+                     "host such as h100x8 (needs the gpu extra)")
     aot.add_argument("--num-slices", type=int, default=1, help="multi-slice: this many slices (mesh.dcn_data)")
     aot.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key (repeatable)")
     aot.add_argument("--mfu", type=float, help="assume this model FLOPs utilisation for step time and hours "
-                     "instead of XLA:TPU's estimate of the compiled step (default: the estimate)")
+                     "instead of the estimate of the compiled step (default: the estimate)")
     aot.add_argument("--dump-hlo", default="", metavar="FILE", help="write the compiled HLO text to FILE")
     aot.add_argument("--fit-batch", action="store_true", help="if the step does not fit, find the smallest "
                      "grad_accum_steps (largest per-chip microbatch) that does, by compiling")
-    aot.add_argument("--price-per-chip-hour", type=float, metavar="USD", help="the price of one chip-hour (the "
+    aot.add_argument("--price-per-chip-hour", type=float, metavar="USD", help="the price of one chip-hour or "
+                     "GPU-hour (the "
                      "region's on-demand, Spot or committed rate): the cost is the chip-hours at it, on one line "
                      "and in --json as cost_usd (no price list is built in)")
     aot.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -99,21 +101,22 @@ def _add_job_flags(parser: argparse.ArgumentParser, *, restarts: str, dry_run: s
 
 def _compile(args: argparse.Namespace) -> int:
     from bertjax import jsonio
-    from bertjax.cloud import topologies
+    from bertjax.cloud import compile as tpu_compile
     from bertjax.pretraining import config as pretrain_config
 
-    topology = topologies.parse_topology(args.topology, args.num_slices)
+    topology = tpu_compile.parse_target(args.topology, args.num_slices)
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu {args.mfu}: expected a fraction in (0, 1]")
     if args.price_per_chip_hour is not None and not args.price_per_chip_hour > 0:
         raise ValueError(f"--price-per-chip-hour {args.price_per_chip_hour:g}: expected a price in USD above 0")
     config = pretrain_config.load_config(args.config, args.overrides, require_data=False)
-    from bertjax.cloud import compile as tpu_compile
     from bertjax.console import Console, duration
 
     # Progress on stderr under --json (stdout is then one JSON object): a BERT-base compile takes minutes.
     console = Console(stream=sys.stderr if args.json else sys.stdout)
-    console.line(f"compiling {args.config}'s train step for {args.topology} with XLA:TPU (minutes for BERT-base) ...")
+    compiler = "XLA:GPU, deviceless" if tpu_compile.is_gpu(topology) else "XLA:TPU"
+    console.line(f"compiling {args.config}'s train step for {args.topology} with {compiler} (minutes for "
+                 "BERT-base) ...")
     started = time.perf_counter()
     result = tpu_compile.compile_for_topology(config, topology, args.mfu, dump_hlo=args.dump_hlo)
     console.line(f"compiled in {duration(time.perf_counter() - started)}")

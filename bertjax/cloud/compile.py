@@ -1,20 +1,26 @@
-"""Ahead-of-time compile of the pretraining step for a TPU slice, on any machine: does it fit, what will it cost.
+"""Ahead-of-time compile of the pretraining step for a TPU slice or a GPU host, on any machine: does it fit, what
+will it cost.
 
 The function the job runs (`pretraining.job.build_job_step`, the builder the pretraining loop trains with: the
 job's model, optimizer, mesh, logical-axis rules and shardings) is lowered for the slice's compile-only devices
-(libtpu through jax.experimental.topologies) and compiled by XLA:TPU (`pretraining.job.compile_step`). Its memory
-analysis (per chip) says whether it fits HBM, its cost analysis (per chip) counts the FLOPs XLA will run, and
-the compiled program's own cycle estimates (`estimate.py`) give the step time and estimated MFU, from which the
-hours and chip-hours follow (or from an MFU the user assumes with --mfu). A program larger than HBM fails to
-compile (RESOURCE_EXHAUSTED); that is reported as not fitting, with the size.
+(libtpu through jax.experimental.topologies) and compiled by XLA:TPU (`pretraining.job.compile_step`), or for a
+GPU host's (`gpus.py`: deviceless XLA:GPU from the card's target config). Its memory analysis (per chip) says
+whether it fits HBM, its cost analysis (per chip; none on GPU) counts the FLOPs XLA will run, and the step time
+and estimated MFU come from the compiled program: XLA:TPU's own cycle estimates (`estimate.py`), or on GPU each
+kernel priced on the card (`gpu_estimate.py`); the hours and chip-hours (GPU-hours) follow (or from an MFU the
+user assumes with --mfu). A program larger than HBM fails to compile (RESOURCE_EXHAUSTED); that is reported as
+not fitting, with the size.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 
-from bertjax.cloud.estimate import Interconnect, estimate_program
-from bertjax.cloud.topologies import GENERATIONS, Topology, compile_only_devices
+from bertjax.cloud import gpus
+from bertjax.cloud.estimate import Interconnect, StepEstimate, estimate_program
+from bertjax.cloud.gpu_estimate import price_program
+from bertjax.cloud.topologies import GENERATIONS, Topology, parse_topology
+from bertjax.cloud.topologies import compile_only_devices as tpu_devices
 from bertjax.console import duration
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.pretraining import metrics
@@ -23,6 +29,31 @@ from bertjax.pretraining.job import CompiledStep, compile_step
 
 # BERT's uncased WordPiece vocabulary: the vocab size assumed when the config names neither a size nor a vocab.
 DEFAULT_VOCAB_SIZE = 30522
+
+
+def parse_target(name: str, num_slices: int = 1) -> Topology:
+    """A TPU slice (`v5p-128`, `v5e:4x4`) or a GPU host (`h200`, `h100x8`) by name."""
+    return gpus.parse_gpu_host(name, num_slices) if gpus.is_gpu_topology(name) else parse_topology(name, num_slices)
+
+
+def is_gpu(topology: Topology) -> bool:
+    return topology.generation in gpus.CARDS
+
+
+def compile_only_devices(topology: Topology) -> list:
+    return gpus.compile_only_devices(topology) if is_gpu(topology) else tpu_devices(topology)
+
+
+def estimate_step(topology: Topology, hlo_text: str) -> StepEstimate:
+    """The compiled step's estimated time per chip: XLA:TPU's cycle estimates, or each GPU kernel priced."""
+    if is_gpu(topology):
+        card = gpus.CARDS[topology.generation]
+        return price_program(hlo_text, peak_flops=card.peak_flops, hbm_bytes_per_second=card.hbm_bytes_per_second,
+                             link_bytes_per_second=card.nvlink_bytes_per_second)
+    generation = GENERATIONS[topology.generation]
+    return estimate_program(hlo_text, clock_hz=generation.clock_hz, peak_flops=generation.peak_flops_per_chip,
+                            hbm_bytes_per_second=generation.hbm_bytes_per_second,
+                            interconnect=Interconnect(generation.ici_link_bytes_per_second, generation.ici_ports))
 
 
 def job_for_topology(config: PretrainConfig, topology: Topology) -> PretrainConfig:
@@ -46,8 +77,8 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
            vocab_size: int, top: int = 15) -> dict:
     """The fit and cost figures of one compiled configuration (the keys `bertjax compile --json` prints).
 
-    Step time, tokens/s and hours come from XLA:TPU's own estimate of the compiled step (`estimate.py`) unless
-    `mfu` is given, which assumes that MFU instead (`step_time_source` says which).
+    Step time, tokens/s and hours come from the estimate of the compiled step (`estimate_step`) unless `mfu` is
+    given, which assumes that MFU instead (`step_time_source` says which).
     """
     chips = topology.chips
     data, fsdp, tensor = config.mesh.shape(chips)
@@ -56,11 +87,7 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
     model_flops = config.train.batch_size * metrics.train_flops_per_sequence(
         bert_config, seq_len, config.data.max_predictions_per_seq)
     fits = compiled.fits and compiled.hbm_bytes_per_chip <= topology.usable_hbm_bytes_per_chip
-    generation = GENERATIONS[topology.generation]
-    step = None if compiled.hlo_text is None else estimate_program(
-        compiled.hlo_text, clock_hz=generation.clock_hz, peak_flops=generation.peak_flops_per_chip,
-        hbm_bytes_per_second=generation.hbm_bytes_per_second,
-        interconnect=Interconnect(generation.ici_link_bytes_per_second, generation.ici_ports))
+    step = None if compiled.hlo_text is None else estimate_step(topology, compiled.hlo_text)
     estimated_mfu = None if step is None else model_flops / (chips * topology.peak_flops_per_chip * step.seconds)
     if mfu is not None:
         step_seconds, source = model_flops / (chips * topology.peak_flops_per_chip * mfu), "assumed"
@@ -69,6 +96,7 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
     total_hours = None if step_seconds is None else config.train.steps * step_seconds / 3600
     return {
         "topology": topology.topology, "accelerator_type": topology.accelerator_type,
+        "chip": "GPU" if is_gpu(topology) else "chip",
         "num_slices": topology.num_slices, "chips": chips, "hosts": topology.hosts,
         "mesh": {"data": data, "fsdp": fsdp, "tensor": tensor, "dcn_data": config.mesh.dcn_data,
                  "shard_optimizer": compiled.update_sharded},
@@ -87,7 +115,7 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         compiled.xla_flops_per_chip * chips * config.train.grad_accum_steps,
         "model_flops_per_step": model_flops,
         "peak_flops_per_chip": topology.peak_flops_per_chip,
-        "clock_hz": generation.clock_hz,
+        "clock_hz": None if is_gpu(topology) else GENERATIONS[topology.generation].clock_hz,
         "estimated_cycles_per_step": None if step is None else step.cycles,
         "estimated_step_seconds": None if step is None else step.seconds,
         "estimated_compute_seconds": None if step is None else step.compute_seconds,
@@ -97,7 +125,7 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         "estimated_mfu": estimated_mfu,
         "estimate_breakdown": [] if step is None else [
             [name, seconds, seconds / step.seconds] for name, seconds in list(step.by_op_name.items())[:top]],
-        "estimate_coverage": {} if step is None else dict(
+        "estimate_coverage": {} if step is None else step.coverage if is_gpu(topology) else dict(
             step.coverage, pallas_kernel_seconds=step.kernel_seconds),
         "mfu_assumed": mfu,
         "step_time_source": source,
@@ -125,7 +153,8 @@ def cost_text(report: dict) -> str:
     """`5,120.00 chip-hours x $1.2 per chip-hour = $6,144.00` (empty without a step time or a price)."""
     if report.get("cost_usd") is None:
         return ""
-    return (f"{report['chip_hours']:,.2f} chip-hours x ${report['price_per_chip_hour']:g} per chip-hour = "
+    chip = report.get("chip", "chip")
+    return (f"{report['chip_hours']:,.2f} {chip}-hours x ${report['price_per_chip_hour']:g} per {chip}-hour = "
             f"${report['cost_usd']:,.2f}")
 
 
@@ -186,9 +215,11 @@ def fit_batch(config: PretrainConfig, topology: Topology, mfu: float | None = No
 def describe(result: dict) -> str:
     """The report as lines for a person."""
     gib = 2**30
+    where = (f"{result['accelerator_type']}: {result['chips']} GPU(s) on one host" if result.get("chip") == "GPU" else
+             f"{result['accelerator_type']} x{result['num_slices']} ({result['topology']}): {result['chips']} chips, "
+             f"{result['hosts']} hosts")
     lines = [
-        f"{result['accelerator_type']} x{result['num_slices']} ({result['topology']}): {result['chips']} chips, "
-        f"{result['hosts']} hosts; mesh {result['mesh']}",
+        f"{where}; mesh {result['mesh']}",
         f"batch {result['global_batch']} (per chip {result['per_chip_batch']:g} per microbatch, "
         f"grad_accum_steps {result['grad_accum_steps']}), seq {result['seq_len']}",
         f"HBM per chip: needs {result['hbm_bytes_per_chip'] / gib:.2f} GiB of "
@@ -201,7 +232,9 @@ def describe(result: dict) -> str:
            f", XLA {result['xla_flops_per_step']:.4g} "
            f"({result['xla_flops_per_step'] / result['model_flops_per_step']:.3f}x)"),
     ]
-    if result["estimated_step_seconds"] is not None:
+    if result["estimated_step_seconds"] is not None and result["clock_hz"] is None:
+        lines += _describe_gpu_estimate(result)
+    elif result["estimated_step_seconds"] is not None:
         coverage = result["estimate_coverage"]
         communication = result["estimated_communication_seconds"]
         lines.append(
@@ -229,7 +262,28 @@ def describe(result: dict) -> str:
                  else "by the estimate")
         lines.append(f"{basis}: {result['step_seconds'] * 1e3:.1f} ms/step, {result['tokens_per_second']:,.0f} "
                      f"tokens/s; {result['steps']} steps = {result['total_hours']:.2f} h, "
-                     f"{result['chip_hours']:,.0f} chip-hours")
+                     f"{result['chip_hours']:,.0f} {result.get('chip', 'chip')}-hours")
         lines.append(f"cost: {cost_text(result)} (--price-per-chip-hour)" if result.get("cost_usd") is not None else
                      "cost: give --price-per-chip-hour USD (no price list is built in; see docs/performance.md)")
     return "\n".join(lines)
+
+
+def _describe_gpu_estimate(result: dict) -> list[str]:
+    """The lines of a GPU host's priced step (`gpu_estimate.py`)."""
+    coverage, communication = result["estimate_coverage"], result["estimated_communication_seconds"]
+    kernels = coverage["kernels"]
+    lines = [f"priced per kernel on the card (an estimate, not a measurement): "
+             f"{result['estimated_compute_seconds'] * 1e3:.1f} ms of kernels ({kernels.get('matmul', 0)} matmuls, "
+             f"{kernels.get('memory-bound', 0)} memory-bound, launches included) + {communication['exposed'] * 1e3:.1f}"
+             f" ms of communication not hidden (of {communication['total'] * 1e3:.1f} ms over NVLink) = "
+             f"{result['estimated_step_seconds'] * 1e3:.1f} ms/step, {100 * result['estimated_mfu']:.1f}% MFU"]
+    for kind, entry in result["collectives"].items():
+        dtypes = ", ".join(f"{dtype} {size / 2**20:.1f} MiB" for dtype, size in entry["bytes_by_dtype"].items())
+        lines.append(f"  {kind}: {entry['count']} per step ({entry['async']} async), {dtypes} per GPU; "
+                     f"{entry['seconds'] * 1e3:.2f} ms, {entry['exposed_seconds'] * 1e3:.2f} ms not hidden")
+    lines.append("  where the priced time goes (op_name, layers merged):")
+    lines += [f"  {100 * share:5.1f}%  {seconds * 1e3:8.3f} ms  {name}"
+              for name, seconds, share in result["estimate_breakdown"]]
+    if coverage["unknown_trip_counts"]:
+        lines.append(f"  loops counted once (trip count unknown): {', '.join(coverage['unknown_trip_counts'])}")
+    return lines

@@ -93,8 +93,8 @@ def abstract_batch(config: PretrainConfig, mesh) -> dict:
 
 
 def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> CompiledStep:
-    """Compiles the job's train step for `devices` (this machine's, or a TPU slice's compile-only devices);
-    never runs it."""
+    """Compiles the job's train step for `devices` (this machine's, or a TPU slice's or GPU host's compile-only
+    devices); never runs it."""
     mesh = config.mesh.build(devices)
     job = build_job_step(config, mesh, vocab_size)
     with sharding.activate(mesh):
@@ -111,7 +111,8 @@ def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> Comp
     memory = compiled.memory_analysis()
     need = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
             - memory.alias_size_in_bytes)
-    cost = compiled.cost_analysis()
+    cost = compiled.cost_analysis()   # None from deviceless XLA:GPU
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return CompiledStep(True, int(need), float(cost.get("flops", 0.0)), int(memory.argument_size_in_bytes),
+    flops = None if cost is None else float(cost.get("flops", 0.0))
+    return CompiledStep(True, int(need), flops, int(memory.argument_size_in_bytes),
                         int(memory.temp_size_in_bytes), hlo_text=compiled.as_text(), update_sharded=job.update_sharded)

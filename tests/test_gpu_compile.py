@@ -1,0 +1,230 @@
+"""`bertjax compile` for GPU hosts: the cards and host names (`cloud/gpus.py`), the per-kernel price of a compiled
+XLA:GPU program (`cloud/gpu_estimate.py`) on a hand-written module and on the real H200 program of the BERT-base
+step (../shared/gpu beside the repo: its optimized HLO, and the measured 63 ms a step), and the deviceless compile
+itself (needs the jax CUDA plugin, the `gpu` extra: skipped without it)."""
+import gzip
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from bertjax.cloud import compile as aot
+from bertjax.cloud import gpu_estimate, gpus
+from bertjax.pretraining import metrics
+from bertjax.pretraining.config import load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED_GPU = ROOT.parent / "shared" / "gpu"   # beside the repo, as conftest's SHARED_DATA
+MEASURED_H200_SEQ128_SECONDS = 0.063   # /work/shared/gpu/README.md: seq 128, batch 256, one H200
+CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None \
+    if importlib.util.find_spec("jax_plugins") else False
+needs_cuda_plugin = pytest.mark.skipif(not CUDA_PLUGIN, reason="the deviceless XLA:GPU compile needs the jax CUDA "
+                                       "plugin: pip install -e '.[gpu]'")
+
+
+@pytest.mark.parametrize("name, card, cards", [("h100", "h100", 1), ("H200", "h200", 1), ("a100", "a100", 1),
+                                               ("h100x8", "h100", 8), ("a100x4", "a100", 4)])
+def test_gpu_host_names(name, card, cards):
+    topology = aot.parse_target(name)
+    assert (topology.generation, topology.chips, topology.hosts, topology.topology) == (card, cards, 1,
+                                                                                          f"1x1x{cards}")
+    assert topology.peak_flops_per_chip == gpus.CARDS[card].peak_flops
+    assert aot.is_gpu(topology) and not aot.is_gpu(aot.parse_target("v5p-8"))
+
+
+@pytest.mark.parametrize("name, says", [("h300", "unknown GPU host"), ("h100x9", "9 cards"),
+                                        ("h100x0", "0 cards")])
+def test_bad_gpu_host_names_say_what_is_accepted(name, says):
+    with pytest.raises(ValueError, match=says) as raised:
+        aot.parse_target(name)
+    assert "h100x8" in str(raised.value)
+
+
+def test_target_configs_carry_each_cards_figures():
+    for card in gpus.CARDS.values():
+        text = card.target_config()
+        assert f"memory_bandwidth: {int(card.hbm_bytes_per_second)}\n" in text
+        assert f"device_memory_size: {card.hbm_bytes}\n" in text
+        assert f'device_description_str: "{card.device_kind}"' in text
+    # The H100's is the shared one's (/work/shared/gpu/h100_target_config.pbtxt) field for field.
+    shared = SHARED_GPU / "h100_target_config.pbtxt"
+    if shared.exists():
+        assert gpus.CARDS["h100"].target_config().split() == shared.read_text().split()
+
+
+# A module in the shape XLA:GPU prints (trimmed): a fusion that slices one operand, a loop of 3 trips, an in-place
+# dynamic-update-slice, a cuBLAS matmul, a Triton gemm fusion with a 64-wide side, two async all-reduces (one
+# hidden by the matmul, one longer than the kernels between its start and done) and a synchronous all-gather.
+_HLO = """HloModule jit_step, num_partitions=4
+
+%fused_slice (p0: f32[4,256], p1: f32[256]) -> f32[256] {
+  %p0 = f32[4,256]{1,0} parameter(0)
+  %p1 = f32[256]{0} parameter(1)
+  %s = f32[1,256]{1,0} slice(%p0), slice={[1:2], [0:256]}
+  %b = f32[256]{0} bitcast(%s)
+  ROOT %a = f32[256]{0} add(%b, %p1)
+}
+
+%fused_dus (q0: f32[4,256], q1: f32[256], q2: s32[]) -> f32[4,256] {
+  %q0 = f32[4,256]{1,0} parameter(0)
+  %q1 = f32[256]{0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %u = f32[1,256]{1,0} bitcast(%q1)
+  %z = s32[] constant(0)
+  ROOT %d = f32[4,256]{1,0} dynamic-update-slice(%q0, %u, %q2, %z)
+}
+
+%gemm_computation (g0: bf16[8,128,64], g1: bf16[8,64,128]) -> bf16[8,128,128] {
+  %g0 = bf16[8,128,64]{2,1,0} parameter(0)
+  %g1 = bf16[8,64,128]{2,1,0} parameter(1)
+  ROOT %dot = bf16[8,128,128]{2,1,0} dot(%g0, %g1), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+%body (w: (s32[], f32[4,256], f32[256])) -> (s32[], f32[4,256], f32[256]) {
+  %w = (s32[], f32[4,256]{1,0}, f32[256]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%w), index=0
+  %m = f32[4,256]{1,0} get-tuple-element(%w), index=1
+  %v = f32[256]{0} get-tuple-element(%w), index=2
+  %loop_add_fusion.2 = f32[256]{0} fusion(%m, %v), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(step)/bert/layer_1/add"}
+  ROOT %t = (s32[], f32[4,256]{1,0}, f32[256]{0}) tuple(%i, %m, %loop_add_fusion.2)
+}
+
+%cond (c: (s32[], f32[4,256], f32[256])) -> pred[] {
+  %c = (s32[], f32[4,256]{1,0}, f32[256]{0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+ENTRY %main (m: f32[4,256], v: f32[256], k: s32[], x: bf16[1024,512], wt: bf16[512,2048], l: bf16[8,128,64], r: bf16[8,64,128], big: f32[262144]) -> f32[4,256] {
+  %m = f32[4,256]{1,0} parameter(0)
+  %v = f32[256]{0} parameter(1)
+  %k = s32[] parameter(2)
+  %x = bf16[1024,512]{1,0} parameter(3)
+  %wt = bf16[512,2048]{1,0} parameter(4)
+  %l = bf16[8,128,64]{2,1,0} parameter(5)
+  %r = bf16[8,64,128]{2,1,0} parameter(6)
+  %big = f32[262144]{0} parameter(7)
+  %loop_add_fusion = f32[256]{0} fusion(%m, %v), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(step)/bert/layer_0/add"}
+  %init = (s32[], f32[4,256]{1,0}, f32[256]{0}) tuple(%k, %m, %loop_add_fusion)
+  %while = (s32[], f32[4,256]{1,0}, f32[256]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %loop_dus_fusion = f32[4,256]{1,0} fusion(%m, %v, %k), kind=kLoop, calls=%fused_dus, metadata={op_name="jit(step)/update"}
+  %all-reduce-start = f32[1024]{0} all-reduce-start(%v), replica_groups=[1,4]<=[4], to_apply=%add
+  %custom-call.1 = (bf16[1024,2048]{1,0}, s8[33554432]{0}) custom-call(%x, %wt), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/mlp/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]}}}
+  %all-reduce-done = f32[1024]{0} all-reduce-done(%all-reduce-start)
+  %all-reduce-start.2 = f32[262144]{0} all-reduce-start(%big), replica_groups=[1,4]<=[4], to_apply=%add
+  %gemm_fusion_dot = bf16[8,128,128]{2,1,0} fusion(%l, %r), kind=kCustom, calls=%gemm_computation, metadata={op_name="jit(step)/attention/dot_general"}, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %all-reduce-done.2 = f32[262144]{0} all-reduce-done(%all-reduce-start.2)
+  %all-gather = f32[4096]{0} all-gather(%v), replica_groups=[1,4]<=[4], dimensions={0}
+  %bitcast.1 = f32[1024]{0} bitcast(%all-gather)
+  ROOT %out = f32[4,256]{1,0} copy(%loop_dus_fusion)
+}
+"""
+
+
+def test_the_price_of_each_kernel_on_a_hand_written_module():
+    peak, hbm, link = 1e12, 1e12, 1e9
+    priced = gpu_estimate.price_program(_HLO, peak_flops=peak, hbm_bytes_per_second=hbm, link_bytes_per_second=link)
+    bandwidth, launch = hbm * gpu_estimate.HBM_EFFICIENCY, gpu_estimate.LAUNCH_SECONDS
+    # The add reads one row of its [4,256] f32 operand (the slice) and the [256] one, writes [256]: 3 x 1 KiB.
+    add = 3 * 1024 / bandwidth + launch
+    # In place: reads the [256] update and the s32 offset, writes the update; the [4,256] buffer is not moved.
+    update = (1024 + 4 + 1024) / bandwidth + launch
+    copy = 2 * 4096 / bandwidth + launch
+    # [1024 x 512] @ [512 x 2048]: 2 x 1024 x 2048 x 512 FLOPs, smallest side 512 -> the top class.
+    matmul = 2 * 1024 * 2048 * 512 / (peak * gpu_estimate.matmul_efficiency(512)) + launch
+    # 8 batched [128 x 64] @ [64 x 128]: 2 x 8 x 128 x 128 x 64 FLOPs, a 64-wide side -> the bottom class (10%).
+    attention = 2 * 8 * 128 * 128 * 64 / (peak * 0.10) + launch
+    assert gpu_estimate.matmul_efficiency(512) == 0.78 and gpu_estimate.matmul_efficiency(64) == 0.10
+    kernels = add * 4 + update + matmul + attention + copy   # the add once, and 3 times in the loop
+    # Ring all-reduce of 1 MiB over 4 GPUs: 2 x 3/4 x 1 MiB at 1 GB/s, of which the gemm fusion hides its time;
+    # the 4 KiB all-reduce hides under the matmul; the all-gather (3/4 x 16 KiB) is synchronous.
+    all_reduce = 2 * 3 / 4 * 262144 * 4 / link
+    exposed = (all_reduce - attention) + 3 / 4 * 4096 * 4 / link
+    assert priced.compute_seconds == pytest.approx(kernels, rel=1e-9)
+    assert priced.exposed_communication_seconds == pytest.approx(exposed, rel=1e-9)
+    assert priced.seconds == pytest.approx(kernels + exposed, rel=1e-9)
+    assert priced.coverage["kernels"] == {"memory-bound": 6, "matmul": 2}
+    assert priced.coverage["matmul_flops"] == 2 * 1024 * 2048 * 512 + 2 * 8 * 128 * 128 * 64
+    assert [(c.kind, c.group_size, c.is_async) for c in priced.collectives] == [
+        ("all-reduce", 4, True), ("all-reduce", 4, True), ("all-gather", 4, False)]
+    assert priced.by_op_name["bert/layer_N/add"] == pytest.approx(4 * add, rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def real_h200_program() -> str:
+    path = SHARED_GPU / "step_seq128_after_optimizations.hlo.gz"
+    if not path.exists():
+        pytest.skip(f"{path} is absent (the real H200 program of the BERT-base step; see /work/shared/gpu)")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_real_h200_step_is_priced_within_20_percent_of_its_measured_63_ms(real_h200_program):
+    card = gpus.CARDS["h200"]
+    priced = gpu_estimate.price_program(real_h200_program, peak_flops=card.peak_flops,
+                                        hbm_bytes_per_second=card.hbm_bytes_per_second,
+                                        link_bytes_per_second=card.nvlink_bytes_per_second)
+    assert priced.seconds == pytest.approx(MEASURED_H200_SEQ128_SECONDS, rel=0.20)
+    # Every matmul of the step is found: their FLOPs are the model's analytic count (seq 128, batch 256, 20 MLM
+    # positions; attention and the vocabulary projection included) within 2%.
+    bert = load_config("bert-base-phase1", [], require_data=False).bert_config(30522)
+    model_flops = 256 * metrics.train_flops_per_sequence(bert, 128, 20)
+    assert priced.coverage["matmul_flops"] == pytest.approx(model_flops, rel=0.02)
+    # 1,090 fusions, 205 cuBLAS calls and 3 copies: what the profile's ~1,470 launches a step are, less memsets.
+    assert sum(priced.coverage["kernels"].values()) == 1298
+
+
+def test_without_the_cuda_plugin_a_gpu_host_is_one_line_naming_the_extra(tmp_path):
+    # A `jax_plugins` package without the CUDA plugin ahead of the installed one on the path: as where the extra
+    # is not installed.
+    (tmp_path / "jax_plugins").mkdir()
+    (tmp_path / "jax_plugins" / "__init__.py").write_text("")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    done = subprocess.run([sys.executable, "-m", "bertjax.cli", "compile", "--config", "bert-tiny", "--topology",
+                           "h100"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("bertjax compile: error: compiling for h100 needs the jax CUDA plugin: "), last
+    assert "bertjax[gpu]" in last and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow  # a deviceless XLA:GPU compile of its own (~1 min here)
+@needs_cuda_plugin
+def test_eight_gpus_split_the_update_and_price_the_gradient_reduction_on_nvlink():
+    topology = aot.parse_target("h100x8")
+    config = aot.job_for_topology(load_config("bert-tiny", ["model.num_hidden_layers=1", "model.dtype=bfloat16"],
+                                              require_data=False), topology)
+    compiled = aot.compile_step(config, aot.compile_only_devices(topology), 30522)
+    result = aot.with_cost(aot.report(config, topology, None, compiled, 30522), 2.0)
+    assert result["mesh"]["data"] == 8 and result["mesh"]["shard_optimizer"] is True
+    assert result["fits"] and result["xla_flops_per_step"] is None and result["step_time_source"] == "estimated"
+    # Gradients reduce-scattered, params all-gathered, each over the 8 GPUs and priced at a ring's traffic.
+    collectives = result["collectives"]
+    assert {"reduce-scatter", "all-gather"} <= set(collectives)
+    step = aot.estimate_step(topology, compiled.hlo_text)
+    for collective in step.collectives:
+        assert collective.group_size == 8
+        assert collective.seconds == pytest.approx(7 / 8 * collective.bytes * (2 if collective.kind == "all-reduce"
+                                                                                else 1) / 450e9, rel=1e-9)
+    assert result["estimated_step_seconds"] == pytest.approx(step.seconds)
+    assert result["cost_usd"] == pytest.approx(result["chip_hours"] * 2.0)
+    assert "GPU-hours x $2 per GPU-hour" in aot.describe(result)
+
+
+@pytest.mark.slow  # the BERT-base step compiled deviceless for an H200 (~1-4 min here)
+@needs_cuda_plugin
+def test_bert_base_compiled_for_an_h200_without_one_prices_within_20_percent_of_the_measured_step():
+    topology = aot.parse_target("h200")
+    config = load_config("bert-base-phase1", ["model.hidden_act=gelu"], require_data=False)  # as measured
+    result = aot.compile_for_topology(config, topology)
+    assert result["fits"] and result["hbm_bytes_per_chip"] < gpus.CARDS["h200"].usable_hbm_bytes
+    assert result["step_seconds"] == pytest.approx(MEASURED_H200_SEQ128_SECONDS, rel=0.20)
+    assert 0.2 < result["estimated_mfu"] < 0.4
