@@ -21,15 +21,15 @@ def _argv(data, init, workdir, *extra):
             "--log-every", "1", "--save-every", "0", "--save-checkpoint", *extra]
 
 
-def _sigterm_once_training(workdir, after_step: int = 1):
-    """SIGTERM to this process as soon as the run has logged `after_step` (by default its first step: mid-epoch 1
-    of 10-step epochs)."""
+def _sigterm_once_training(workdir, after_step: int = 1, sig=signal.SIGTERM):
+    """SIGTERM (or `sig`) to this process as soon as the run has logged `after_step` (by default its first step:
+    mid-epoch 1 of 10-step epochs)."""
     def watch():
         deadline = time.time() + 300
         while time.time() < deadline:
             path = workdir / "metrics.jsonl"
             if path.exists() and path.read_text().strip() and max(_steps(workdir), default=0) >= after_step:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), sig)
                 return
             time.sleep(0.001)
 
@@ -79,6 +79,19 @@ def test_sigterm_then_rerun_ends_with_the_uninterrupted_weights(tiny_init, tmp_p
     assert main(_argv(data, tiny_init, cut, "--learning-rate", "2e-3")) == 2
     assert "belongs to another fine-tuning run (learning_rate: 0.001 -> 0.002)" in capsys.readouterr().err
     assert main(_argv(data, tiny_init, cut, "--learning-rate", "2e-3", "--overwrite", "--epochs", "1")) == 0
+    assert _steps(cut) == list(range(1, 11))
+
+
+def test_sighup_saves_like_sigterm_and_the_rerun_resumes(tiny_init, tmp_path, capsys):  # noqa: F811
+    """A dropped SSH session (SIGHUP) used to kill a fine-tune at once: no save, its lock left behind."""
+    data, cut = _synthetic_glue(tmp_path / "glue"), tmp_path / "cut"
+    watcher = _sigterm_once_training(cut, sig=signal.SIGHUP)
+    assert main(_argv(data, tiny_init, cut, "--epochs", "1")) == 0
+    watcher.join()
+    assert "stopped by a signal at step" in capsys.readouterr().out and not (cut / "LOCK").exists()
+    stopped_at = max(_steps(cut))
+    assert main(_argv(data, tiny_init, cut, "--epochs", "1")) == 0
+    assert f"resumed from {cut}/train_state/{stopped_at} (step {stopped_at} of 10)" in capsys.readouterr().out
     assert _steps(cut) == list(range(1, 11))
 
 
@@ -174,3 +187,4 @@ def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
     assert said == [f"{root}: removed the earlier run's outputs (--overwrite)"]
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
         "notes.txt", "run.json", "tensorboard", "tensorboard/mine", "tensorboard/mine/events.out.tfevents.1.host"]
+
