@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
+import os
 import uuid
 
 import jax
@@ -456,6 +457,9 @@ class StepCheckpointer:
         """Closes the manager and deletes every step (a finished job's state); steps set aside stay."""
         self.close()
         if not self.directory.exists() or jax.process_index() != 0:
+            return
+        if os.path.islink(str(self.directory)):  # a user's link out of the workdir: what it points to stays
+            os.unlink(self.directory)
             return
         paths = list(self.directory.iterdir())
         if not any(".corrupt" in path.name for path in paths):

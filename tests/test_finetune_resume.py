@@ -188,3 +188,41 @@ def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
         "notes.txt", "run.json", "tensorboard", "tensorboard/mine", "tensorboard/mine/events.out.tfevents.1.host"]
 
+
+def test_overwrite_removes_a_linked_output_not_what_it_points_to(tmp_path):
+    """A `tensorboard/` linked elsewhere lost the user's event file outside the workdir to --overwrite; a linked
+    `train_state/` crashed it with a traceback. The links go, what they point to stays; so at a run's end."""
+    from bertjax.checkpoint import StepCheckpointer
+    from bertjax.finetune.run_record import claim
+
+    root, outside = tmp_path / "run", tmp_path / "outside"
+    (outside / "board").mkdir(parents=True)
+    (outside / "board" / "events.out.tfevents.1.host").write_text("the user's events")
+    (outside / "state" / "1").mkdir(parents=True)
+    (outside / "state" / "1" / "weights").write_text("the user's state")
+    assert claim(str(root), {"lr": 1}, overwrite=False, log=print) == "new"
+    (root / "tensorboard").symlink_to(outside / "board")
+    (root / "train_state").symlink_to(outside / "state")
+    (root / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert claim(str(root), {"lr": 2}, overwrite=True, log=print) == "new"
+    assert sorted(p.name for p in root.iterdir()) == ["run.json"]  # the links themselves gone
+    assert (outside / "board" / "events.out.tfevents.1.host").read_text() == "the user's events"
+    assert (outside / "state" / "1" / "weights").read_text() == "the user's state"
+    # A finished fine-tune deletes its train_state: through a link, only the link.
+    (root / "train_state").symlink_to(outside / "state")
+    StepCheckpointer(str(root / "train_state"), keep=1).remove()
+    assert not os.path.lexists(root / "train_state")
+    assert (outside / "state" / "1" / "weights").read_text() == "the user's state"
+
+
+def test_a_rerun_on_another_spelling_of_the_workdir_is_the_same_run(tmp_path, capsys):
+    """`x/../w` and `w/` are one workdir: run.json records it resolved, so the rerun is not refused as another run
+    (it was: `workdir: '.../x/../w' -> '.../w/'`). The runs stop at their missing data, after the claim."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "w").mkdir()  # existed before: kept when the run fails
+    data = tmp_path / "no-glue"
+    for spelling in (f"{tmp_path}/x/../w", f"{tmp_path}/w/"):
+        assert main(_argv(data, "no-init", spelling)) == 2
+        assert "belongs to another" not in capsys.readouterr().err
+        (tmp_path / "w" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # it ran a step: a run to keep
+    assert json.loads((tmp_path / "w" / "run.json").read_text())["workdir"] == str(tmp_path / "w")

@@ -89,6 +89,10 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 def _pretrain(args: argparse.Namespace) -> int:
     from bertjax.pretraining import config as pretrain_config
+    from bertjax.workdir_paths import canonical
+
+    # One spelling of the workdir in what the run records (config.json's init_vocab.txt, LOCK, messages).
+    args.workdir = canonical(args.workdir)
 
     # Validate what can be validated before touching devices, so a typo fails in a second.
     if not args.init:
