@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
+import os
 import uuid
 
 import jax
@@ -27,6 +28,7 @@ from etils import epath
 from flax import traverse_util
 from jax.experimental import multihost_utils
 
+from bertjax import workdir_paths
 from bertjax.errors import first_line
 from bertjax.model import bert as model_lib
 from bertjax.model.config import BertConfig
@@ -457,9 +459,10 @@ class StepCheckpointer:
         self.close()
         if not self.directory.exists() or jax.process_index() != 0:
             return
-        paths = list(self.directory.iterdir())
+        # A user's link out of the workdir is removed alone: what it points to stays.
+        paths = [] if os.path.islink(str(self.directory)) else list(self.directory.iterdir())
         if not any(".corrupt" in path.name for path in paths):
-            self.directory.rmtree()  # one call (a directory on gs:// is only a prefix of its objects)
+            workdir_paths.remove(self.directory)  # one call (a directory on gs:// is only a prefix of its objects)
             return
         for path in paths:
             if ".corrupt" in path.name:

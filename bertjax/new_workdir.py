@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 from etils import epath
 
+from bertjax import workdir_paths
 from bertjax.workdir_lock import WorkdirLock
 
 
@@ -29,5 +30,5 @@ def removed_if_failed_before_saving(workdir: str, has_saved: Callable[[], bool],
         yield
     except Exception:
         if created and path.exists() and not has_saved() and lock.read() is None:
-            path.rmtree()
+            workdir_paths.remove(path)
         raise

@@ -28,6 +28,7 @@ import uuid
 
 from etils import epath
 
+from bertjax import workdir_paths
 from bertjax.cloud_storage import ABSENT, GcsObject
 
 LOCK_NAME = "LOCK"
@@ -132,7 +133,7 @@ class WorkdirLock:
     """The lock of one workdir, held by this process from `acquire()` to `release()`."""
 
     def __init__(self, workdir: str, command: str | None = None, log=print):
-        self.path = epath.Path(workdir) / LOCK_NAME
+        self.path = epath.Path(workdir_paths.canonical(workdir)) / LOCK_NAME
         self.store = GcsObject(str(self.path)) if str(self.path).startswith("gs://") else LocalLockFile(self.path)
         self.log = log
         now = time.time()

@@ -64,6 +64,14 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
+def process_running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a reparented child its new parent has not reaped yet)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
 # The files that take longest (their tests' summed wall seconds on a `make test` worker, 2026-11-26; those of 20 s and
 # more), started first when pytest-xdist spreads the files over workers (`make test`: --dist loadfile
 # --no-loadscope-reorder): the last file a worker starts is then a short one, and the workers end together. The

@@ -21,15 +21,15 @@ def _argv(data, init, workdir, *extra):
             "--log-every", "1", "--save-every", "0", "--save-checkpoint", *extra]
 
 
-def _sigterm_once_training(workdir, after_step: int = 1):
-    """SIGTERM to this process as soon as the run has logged `after_step` (by default its first step: mid-epoch 1
-    of 10-step epochs)."""
+def _sigterm_once_training(workdir, after_step: int = 1, sig=signal.SIGTERM):
+    """SIGTERM (or `sig`) to this process as soon as the run has logged `after_step` (by default its first step:
+    mid-epoch 1 of 10-step epochs)."""
     def watch():
         deadline = time.time() + 300
         while time.time() < deadline:
             path = workdir / "metrics.jsonl"
             if path.exists() and path.read_text().strip() and max(_steps(workdir), default=0) >= after_step:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), sig)
                 return
             time.sleep(0.001)
 
@@ -79,6 +79,19 @@ def test_sigterm_then_rerun_ends_with_the_uninterrupted_weights(tiny_init, tmp_p
     assert main(_argv(data, tiny_init, cut, "--learning-rate", "2e-3")) == 2
     assert "belongs to another fine-tuning run (learning_rate: 0.001 -> 0.002)" in capsys.readouterr().err
     assert main(_argv(data, tiny_init, cut, "--learning-rate", "2e-3", "--overwrite", "--epochs", "1")) == 0
+    assert _steps(cut) == list(range(1, 11))
+
+
+def test_sighup_saves_like_sigterm_and_the_rerun_resumes(tiny_init, tmp_path, capsys):  # noqa: F811
+    """A dropped SSH session (SIGHUP) used to kill a fine-tune at once: no save, its lock left behind."""
+    data, cut = _synthetic_glue(tmp_path / "glue"), tmp_path / "cut"
+    watcher = _sigterm_once_training(cut, sig=signal.SIGHUP)
+    assert main(_argv(data, tiny_init, cut, "--epochs", "1")) == 0
+    watcher.join()
+    assert "stopped by a signal at step" in capsys.readouterr().out and not (cut / "LOCK").exists()
+    stopped_at = max(_steps(cut))
+    assert main(_argv(data, tiny_init, cut, "--epochs", "1")) == 0
+    assert f"resumed from {cut}/train_state/{stopped_at} (step {stopped_at} of 10)" in capsys.readouterr().out
     assert _steps(cut) == list(range(1, 11))
 
 
@@ -174,3 +187,42 @@ def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
     assert said == [f"{root}: removed the earlier run's outputs (--overwrite)"]
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
         "notes.txt", "run.json", "tensorboard", "tensorboard/mine", "tensorboard/mine/events.out.tfevents.1.host"]
+
+
+def test_overwrite_removes_a_linked_output_not_what_it_points_to(tmp_path):
+    """A `tensorboard/` linked elsewhere lost the user's event file outside the workdir to --overwrite; a linked
+    `train_state/` crashed it with a traceback. The links go, what they point to stays; so at a run's end."""
+    from bertjax.checkpoint import StepCheckpointer
+    from bertjax.finetune.run_record import claim
+
+    root, outside = tmp_path / "run", tmp_path / "outside"
+    (outside / "board").mkdir(parents=True)
+    (outside / "board" / "events.out.tfevents.1.host").write_text("the user's events")
+    (outside / "state" / "1").mkdir(parents=True)
+    (outside / "state" / "1" / "weights").write_text("the user's state")
+    assert claim(str(root), {"lr": 1}, overwrite=False, log=print) == "new"
+    (root / "tensorboard").symlink_to(outside / "board")
+    (root / "train_state").symlink_to(outside / "state")
+    (root / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert claim(str(root), {"lr": 2}, overwrite=True, log=print) == "new"
+    assert sorted(p.name for p in root.iterdir()) == ["run.json"]  # the links themselves gone
+    assert (outside / "board" / "events.out.tfevents.1.host").read_text() == "the user's events"
+    assert (outside / "state" / "1" / "weights").read_text() == "the user's state"
+    # A finished fine-tune deletes its train_state: through a link, only the link.
+    (root / "train_state").symlink_to(outside / "state")
+    StepCheckpointer(str(root / "train_state"), keep=1).remove()
+    assert not os.path.lexists(root / "train_state")
+    assert (outside / "state" / "1" / "weights").read_text() == "the user's state"
+
+
+def test_a_rerun_on_another_spelling_of_the_workdir_is_the_same_run(tmp_path, capsys):
+    """`x/../w` and `w/` are one workdir: run.json records it resolved, so the rerun is not refused as another run
+    (it was: `workdir: '.../x/../w' -> '.../w/'`). The runs stop at their missing data, after the claim."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "w").mkdir()  # existed before: kept when the run fails
+    data = tmp_path / "no-glue"
+    for spelling in (f"{tmp_path}/x/../w", f"{tmp_path}/w/"):
+        assert main(_argv(data, "no-init", spelling)) == 2
+        assert "belongs to another" not in capsys.readouterr().err
+        (tmp_path / "w" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # it ran a step: a run to keep
+    assert json.loads((tmp_path / "w" / "run.json").read_text())["workdir"] == str(tmp_path / "w")

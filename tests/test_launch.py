@@ -4,14 +4,16 @@ syntax. No network."""
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from bertjax.cli import main as bertjax_main
 from tests import stall_watch
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, process_running
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 pytest.importorskip("google.cloud.tpu_v2alpha1", reason="launch tpu needs google-cloud-tpu (the test extras)")
@@ -154,3 +156,82 @@ def test_launch_local_shares_the_cpu_peak_among_the_hosts_devices_and_shows_no_g
         assert float(line.split()[2]) == pytest.approx(peak / 8, rel=1e-9), line
         assert line.endswith("shared by the 8 CPU devices of this host"), line
     assert "Gloo" not in done.stdout + done.stderr, done.stdout
+
+
+# A worker stand-in: says it started (its pid in a file), then waits; a stop signal it handles is written down and
+# ends it (exit 0, as a job that saved), one it ignores leaves it running until killed.
+STOPPABLE_WORKER = """import os, signal, sys, time
+index = int(sys.argv[sys.argv.index('--process-id') + 1])
+folder = sys.argv[1]
+def stop(signum, frame):
+    open(os.path.join(folder, f'signal.{index}'), 'w').write(signal.Signals(signum).name)
+    sys.exit(0)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN if 'ignore' in sys.argv else stop)
+open(os.path.join(folder, f'pid.{index}'), 'w').write(str(os.getpid()))
+time.sleep(60)  # bounded: an orphan (the bug) goes by itself
+"""
+
+
+def _launcher_of_stand_ins(tmp_path, *job, grace_s=30.0, babysat=False):
+    """A `launch local` of 2 stand-in workers (`babysat`: as --max-restarts 3 runs them), once both run: (the
+    launcher, the workers' pids)."""
+    script = tmp_path / "worker.py"
+    script.write_text(STOPPABLE_WORKER)
+    command, program = [str(tmp_path), *job], [sys.executable, str(script)]
+    code = (f"from bertjax.cloud.local import LocalProcesses\nfrom bertjax.cloud.babysitter import babysit\n"
+            f"with LocalProcesses(2, 1, program={program!r}, grace_s={grace_s}).stopping_on_signals() as workers:\n"
+            f"    sys.exit(babysit(workers, {command!r}, {str(tmp_path)!r}, 3))" if babysat else
+            f"from bertjax.cloud.local import launch\n"
+            f"sys.exit(launch({command!r}, 2, 1, program={program!r}, grace_s={grace_s}))")
+    launcher = subprocess.Popen([sys.executable, "-c", "import sys\n" + code], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    pid_files = [tmp_path / "pid.0", tmp_path / "pid.1"]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() and p.read_text() for p in pid_files):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.1)
+    return launcher, [int(p.read_text()) for p in pid_files]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_to_the_launcher_is_passed_on_and_the_workers_are_waited_for(tmp_path, sig):
+    """The launcher ended alone used to leave its workers running, orphaned, holding memory and the workdir lock."""
+    launcher, pids = _launcher_of_stand_ins(tmp_path)
+    launcher.send_signal(sig)
+    _, err = launcher.communicate(timeout=20)
+    assert launcher.returncode == 0, err  # the workers stopped as asked (exit 0), so does the launcher
+    assert [(tmp_path / f"signal.{i}").read_text() for i in (0, 1)] == [sig.name] * 2
+    assert not [pid for pid in pids if process_running(pid)]
+    assert f"bertjax launch: {sig.name}: passing it on to the workers" in err
+
+
+def test_a_babysat_job_stopped_by_a_signal_is_not_restarted(tmp_path):
+    """Its workers exit 0 after saving, which is no completion: the babysitter must not take it for a preemption."""
+    launcher, pids = _launcher_of_stand_ins(tmp_path, babysat=True)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 1, out + err
+    assert out.strip().splitlines()[-1] == ("babysitter: stopped by a signal before the job completed; not "
+                                            "restarting (run the same command to resume)")
+    assert "restart 1/" not in out and not [pid for pid in pids if process_running(pid)]
+
+
+def test_workers_that_do_not_stop_are_killed_after_the_grace(tmp_path):
+    launcher, pids = _launcher_of_stand_ins(tmp_path, "ignore", grace_s=2)
+    started = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGKILL and time.monotonic() - started < 15, err
+    assert not [pid for pid in pids if process_running(pid)]
+    assert "bertjax launch: 2 worker(s) still running 2s after SIGTERM; killing them" in err
+
+
+def test_workers_of_a_launcher_killed_outright_end_with_it(tmp_path):
+    launcher, pids = _launcher_of_stand_ins(tmp_path, "ignore")  # not even a SIGTERM would stop them
+    launcher.kill()
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while [pid for pid in pids if process_running(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if process_running(pid)]

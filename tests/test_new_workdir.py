@@ -54,3 +54,14 @@ def test_a_job_refused_on_a_new_workdir_leaves_the_holders_work_alone(tmp_path):
             refused.acquire()
     assert (workdir / "config.json").exists() and (workdir / LOCK_NAME).exists()
     holder.release()
+
+
+def test_a_pretrain_refused_after_writing_the_init_vocabulary_removes_the_workdir(tmp_path, minilm_dir, capsys):
+    """`--config init` writes the --init checkpoint's vocabulary into the workdir before the config is validated:
+    refused there (no data.input), it left the new workdir behind holding only that file."""
+    from tests.conftest import save_tiny_checkpoint
+
+    init = save_tiny_checkpoint(tmp_path / "ckpt", minilm_dir / "vocab.txt", seed=0)
+    assert main(["pretrain", "--config", "init", "--init", init, "--workdir", str(tmp_path / "run")]) == 2
+    assert "data.input is empty" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

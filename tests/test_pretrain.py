@@ -18,7 +18,7 @@ import pytest
 from bertjax.checkpoint import load_model
 from bertjax.data.demo_corpus import write_demo_corpus
 from tests import stall_watch
-from tests.conftest import REPO_ROOT, SUITE_CACHE_ON, xla_flags
+from tests.conftest import REPO_ROOT, SUITE_CACHE_ON, process_running, xla_flags
 
 # Checkpoints every EVERY steps (the newest 3 kept); signals come at step MIDDLE, a save step.
 STEPS, EVERY = 12, 3
@@ -274,14 +274,18 @@ def test_dry_run_warns_when_the_step_needs_more_memory_than_the_host(corpus, tmp
 # Packed: slow-marked, for the default suite's time (its uninterrupted reference is a run of its own; the unpacked
 # one is the module's): packed rows' input position resumes in a fresh process in test_data_pipeline.py, their
 # losses and gradients equal the unpacked ones' in test_packing.py.
-@pytest.mark.parametrize("packing", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, monkeypatch, capsys, packing):
+# SIGHUP: a dropped SSH session, which used to kill the job at once (no save, the lock left); slow-marked, for the
+# default suite's time: the same handler as SIGTERM's, and test_finetune_resume.py sends a fine-tune SIGHUP.
+@pytest.mark.parametrize("packing, sig", [(False, signal.SIGTERM),
+                                          pytest.param(False, signal.SIGHUP, marks=pytest.mark.slow),
+                                          pytest.param(True, signal.SIGTERM, marks=pytest.mark.slow)])
+def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, monkeypatch, capsys, packing, sig):
     uninterrupted = request.getfixturevalue("uninterrupted_packed" if packing else "uninterrupted")
     extra = PACKING if packing else ()
     workdir = tmp_path / "preempted"
-    code, output = _run_until(_argv(workdir, corpus, *extra), f"step {MIDDLE}/", signal.SIGTERM)
+    code, output = _run_until(_argv(workdir, corpus, *extra), f"step {MIDDLE}/", sig)
     assert code == 0, output[-3000:]
-    assert "preempted at step" in output
+    assert "preempted at step" in output and not (workdir / "LOCK").exists()
     stopped_at = int(output.split("preempted at step ")[1].split("/")[0])
     assert MIDDLE <= stopped_at < STEPS
     assert f"rerun the same command to resume from step {stopped_at}\n" in output, output[-3000:]
@@ -474,6 +478,36 @@ def test_two_processes_match_one_process():
     lines = [l for l in captured.getvalue().splitlines() if "LOSSES " in l]
     assert len(lines) == 1 and lines[0].startswith("[p0]")
     np.testing.assert_allclose(json.loads(lines[0].split("LOSSES ")[1]), expected, rtol=1e-6)
+
+
+# Slow: 2 processes' start and compile, 150 s on the loaded test machine; test_launch.py's stand-in workers hold the
+# launcher's side in the default suite, test_sigterm_then_resume_is_bit_exact[SIGHUP] the job's.
+@pytest.mark.slow
+def test_a_dropped_session_stops_launch_local_and_its_workers_save_and_free_the_workdir(corpus, tmp_path):
+    """SIGHUP (a dropped SSH session) to `launch local`: it used to end alone, its workers left running, orphaned
+    and holding the workdir's lock. Now both workers stop at one step boundary after a save and end with it."""
+    workdir = tmp_path / "launched"
+    documents = pathlib.Path(corpus[0]).read_text(encoding="utf-8").split("\n\n")
+    for half in (0, 1):  # a file per process
+        (tmp_path / f"part{half}.txt").write_text("\n\n".join(documents[half::2]), encoding="utf-8")
+    argv = _argv(workdir, (str(tmp_path / "part*.txt"), corpus[1]))
+    argv[argv.index(f"train.steps={STEPS}")] = "train.steps=1000"  # far from done when the signal comes
+    launcher = subprocess.Popen([*argv[:3], "launch", "local", "--processes", "2", "--devices-per-process", "1",
+                                 "--", *argv[3:]], env=_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in launcher.stdout:
+        output.append(line)
+        if _message(line.removeprefix("[p0] ")).startswith("step 2/"):
+            workers = [int(pid) for task in pathlib.Path(f"/proc/{launcher.pid}/task").iterdir()
+                       for pid in (task / "children").read_text().split()]
+            launcher.send_signal(signal.SIGHUP)
+            break
+    output += launcher.stdout.readlines()
+    assert launcher.wait(timeout=120) == 0, "".join(output[-40:])
+    assert len(workers) == 2 and not [pid for pid in workers if process_running(pid)]
+    stopped_at = int("".join(output).split("preempted at step ")[1].split("/")[0])
+    assert (workdir / "checkpoints" / str(stopped_at)).is_dir() and not (workdir / "LOCK").exists()
 
 
 @pytest.mark.slow

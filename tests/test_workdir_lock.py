@@ -119,3 +119,26 @@ def test_a_lock_that_is_a_directory_is_refused_naming_it(tmp_path):
         WorkdirLock(str(tmp_path), log=lambda m: None).acquire()
     assert str(caught.value) == (f"{tmp_path / LOCK_NAME} is a directory, not a lock file; remove it "
                                  f"(rm -r {tmp_path / LOCK_NAME}) and start the job again")
+
+
+# Slow: two pretrain runs in this process, 170 s on the loaded test machine; the fine-tune's record of the resolved
+# workdir is held in the default suite (test_finetune_resume.py).
+@pytest.mark.slow
+def test_two_spellings_of_one_workdir_are_one_run(corpus, tmp_path, minilm_dir, monkeypatch, capsys):  # noqa: F811
+    """`x/../w` and `w/` are one directory: a pretrain started on one resumes on the other (its --init vocabulary,
+    written into the workdir, was recorded in the first spelling and the resume refused as a changed data.vocab)."""
+    from tests.conftest import save_tiny_checkpoint
+
+    (tmp_path / "x").mkdir()
+    init = save_tiny_checkpoint(tmp_path / "ckpt", minilm_dir / "vocab.txt", seed=0)
+    spellings = [f"{tmp_path}/x/../w", f"{tmp_path}/w/"]
+    for spelling in spellings:
+        argv = _argv(spelling, corpus, "--init", init, "--max-steps-this-run", "1")
+        argv[argv.index("bert-tiny")] = "init"  # the --init checkpoint's model and vocabulary
+        at = argv.index(f"data.vocab={corpus[1]}")
+        del argv[at - 1:at + 1]
+        code, out, err = _in_process(argv, monkeypatch, capsys)
+        assert code == 0, out[-2000:] + err[-2000:]
+    assert f"resumed from {tmp_path}/w/checkpoints/1" in out
+    assert json.loads((tmp_path / "w" / "config.json").read_text())["data"]["vocab"] == \
+        f"{tmp_path}/w/init_vocab.txt"

@@ -21,7 +21,8 @@ USAGE_ERROR_EXIT = 2
 class Backend(Protocol):
     """Something that runs a `bertjax ...` command on all of a job's workers and reports how it ended:
     (kind, log tail), kind "exited" (every worker ended by itself), "preempted" (workers killed or gone),
-    "refused" (a worker exited with USAGE_ERROR_EXIT) or "failed" (a worker exited with another error)."""
+    "refused" (a worker exited with USAGE_ERROR_EXIT), "failed" (a worker exited with another error) or "stopped"
+    (the launcher itself was asked to stop, by a signal: the run is not restarted)."""
 
     def run(self, command: list[str]) -> tuple[str, str]: ...
 
@@ -56,6 +57,10 @@ def babysit(backend: Backend, command: list[str], workdir: str, max_restarts: in
         if is_completed(workdir):
             log(f"babysitter: job completed after {restarts} restart(s)")
             return 0
+        if kind == "stopped":
+            log("babysitter: stopped by a signal before the job completed; not restarting (run the same command "
+                "to resume)")
+            return 1
         if kind == "refused":
             log(f"babysitter: the job was refused for its input or configuration; not restarting. Last output:\n"
                 f"{log_tail}")

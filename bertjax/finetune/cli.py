@@ -368,8 +368,10 @@ def _owned_run(job):
         from bertjax.console import Console
         from bertjax.new_workdir import removed_if_failed_before_saving
         from bertjax.workdir_lock import WorkdirLock
+        from bertjax.workdir_paths import canonical
 
         _check_workdir(args)
+        args.workdir = canonical(args.workdir)  # one spelling: recorded in run.json, compared on a rerun
         console = Console()
         lock = WorkdirLock(args.workdir, log=console.line)
         with removed_if_failed_before_saving(args.workdir, lambda: _has_saved_state(args.workdir), lock):

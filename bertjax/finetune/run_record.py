@@ -15,6 +15,8 @@ import os
 
 from etils import epath
 
+from bertjax import workdir_paths
+
 RUN_RECORD = "run.json"
 TRAIN_STATE = "train_state"
 COMPLETED_METRICS = "metrics.json"
@@ -54,9 +56,13 @@ def input_fingerprints(paths) -> dict:
 
 
 def run_outputs(root: epath.Path) -> list[epath.Path]:
-    """What a bertjax run wrote in `root` (its record aside): nothing else there is removed by --overwrite."""
+    """What a bertjax run wrote in `root` (its record aside): nothing else there is removed by --overwrite. A
+    `tensorboard/` that is a symlink holding event files is itself the output: the link goes, what it points to
+    (outside the workdir) stays."""
     found = [root / name for name in RUN_OUTPUTS if name != RUN_RECORD and (root / name).exists()]
-    return found + (sorted((root / TENSORBOARD).glob(EVENT_FILES)) if (root / TENSORBOARD).is_dir() else [])
+    board = root / TENSORBOARD
+    events = sorted(board.glob(EVENT_FILES)) if board.is_dir() else []
+    return found + ([board] if events and os.path.islink(board) else events)
 
 
 def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
@@ -67,6 +73,8 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
     record = {k: v for k, v in json.loads(json.dumps(record)).items() if k not in FREE_KEYS}
     path = root / RUN_RECORD
     earlier = json.loads(path.read_text()) if path.exists() else None
+    if earlier is not None and isinstance(earlier.get("workdir"), str):  # recorded before workdirs were canonical
+        earlier["workdir"] = workdir_paths.canonical(earlier["workdir"])
     outputs = run_outputs(root)
     if earlier is not None and not outputs:
         earlier = None  # recorded, but it stopped before writing anything (bad input): nothing to keep
@@ -84,10 +92,7 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
         raise ValueError(f"{head} ({what}): pass --overwrite to replace it, or use another --workdir")
     if overwrite and (earlier is not None or mixed):
         for target in outputs + [path]:
-            if target.is_dir():
-                target.rmtree()
-            elif target.exists():
-                target.unlink()
+            workdir_paths.remove(target)
         log(f"{workdir}: removed the earlier run's outputs (--overwrite)")
         earlier = None
     root.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from etils import epath
 
-from bertjax import compile_cache, sharding
+from bertjax import compile_cache, sharding, workdir_paths
 from bertjax.checkpoint import (
     BEST,
     BEST_PARAMS,
@@ -415,8 +415,7 @@ def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_che
     params = jax.device_get(params)
     if bertjax_checkpoint:
         target = epath.Path(out_dir) / "checkpoint"
-        if target.exists():
-            target.rmtree()
+        workdir_paths.remove(target)
         head = {"architecture": architecture}
         if hf_config.get("id2label"):  # regression (STS-B) has none
             head["id2label"] = {str(i): label for i, label in hf_config["id2label"].items()}

@@ -89,6 +89,10 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 def _pretrain(args: argparse.Namespace) -> int:
     from bertjax.pretraining import config as pretrain_config
+    from bertjax.workdir_paths import canonical
+
+    # One spelling of the workdir in what the run records (config.json's init_vocab.txt, LOCK, messages).
+    args.workdir = canonical(args.workdir)
 
     # Validate what can be validated before touching devices, so a typo fails in a second.
     if not args.init:
@@ -96,15 +100,27 @@ def _pretrain(args: argparse.Namespace) -> int:
     elif args.config != pretrain_config.INIT_CONFIG:  # its data may come from the --init checkpoint: checked below
         pretrain_config.load_config(args.config, args.overrides, require_data=False)
     initialize_distributed(args)
-    if args.init:  # after distributed initialisation: reading an Orbax checkpoint starts JAX
-        config = _config_with_init(args)
-    from bertjax.pretraining import loop as pretrain
+    import jax
 
-    if args.dry_run:
-        print(pretrain.plan(config, args.workdir, init_from=args.init))
-        return 0
-    result = pretrain.run(config, args.workdir, init_from=args.init,
-                          max_steps_this_run=args.max_steps_this_run, allow_config_change=args.allow_config_change)
+    from bertjax.checkpoint import complete_steps
+    from bertjax.console import Console
+    from bertjax.new_workdir import removed_if_failed_before_saving
+    from bertjax.workdir_lock import WorkdirLock
+
+    # From the first file written (the --init checkpoint's vocabulary, before the config is validated) to the job's
+    # end: a workdir this command created and failed in before a checkpoint is removed. The lock (the job takes
+    # it in loop.run) tells whether another job holds the workdir meanwhile: then nothing is removed.
+    lock = WorkdirLock(args.workdir, log=Console().line) if jax.process_index() == 0 else None
+    with removed_if_failed_before_saving(args.workdir, lambda: bool(complete_steps(args.workdir)), lock):
+        if args.init:  # after distributed initialisation: reading an Orbax checkpoint starts JAX
+            config = _config_with_init(args)
+        from bertjax.pretraining import loop as pretrain
+
+        if args.dry_run:
+            print(pretrain.plan(config, args.workdir, init_from=args.init))
+            return 0
+        result = pretrain.run(config, args.workdir, init_from=args.init, max_steps_this_run=args.max_steps_this_run,
+                              allow_config_change=args.allow_config_change, lock=lock)
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
 
 

@@ -27,7 +27,6 @@ from bertjax.data.tokenizers import load_tokenizer
 from bertjax.host_memory import memory_warning
 from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.model import bert as model_lib
-from bertjax.new_workdir import removed_if_failed_before_saving
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
@@ -223,22 +222,22 @@ class RunResult:
     last_metrics: dict
 
 
-def run(config: PretrainConfig, workdir: str, *, init_from: str = "",
-        max_steps_this_run: int | None = None, allow_config_change: bool = False) -> RunResult:
+def run(config: PretrainConfig, workdir: str, *, init_from: str = "", max_steps_this_run: int | None = None,
+        allow_config_change: bool = False, lock: WorkdirLock | None) -> RunResult:
     """Trains until config.train.steps (resuming from the workdir's latest checkpoint), or until preempted.
     The run's goodput account (goodput.py) goes to WORKDIR/goodput/ as it runs, and to metrics.jsonl at its end.
-    The workdir is this job's alone while it runs (workdir_lock.py: another live job there is refused)."""
-    lock = WorkdirLock(workdir, log=Console().line) if jax.process_index() == 0 else None
-    with removed_if_failed_before_saving(workdir, lambda: bool(checkpoint_lib.complete_steps(workdir)), lock):
+    The workdir is this job's alone while it runs: `lock` (process 0's, None on the others; workdir_lock.py: another
+    live job there is refused) is held from before anything is written to the end. A workdir the caller created is
+    the caller's to remove on failure (new_workdir.py, in cli.py)."""
+    if lock is not None:
+        checkpoint_lib.check_writable(str(epath.Path(workdir) / "checkpoints"))  # a full disk: one line, first
+        lock.acquire()  # before anything else is written
+    try:
+        return _run(config, workdir, init_from=init_from, max_steps_this_run=max_steps_this_run,
+                    allow_config_change=allow_config_change)
+    finally:
         if lock is not None:
-            checkpoint_lib.check_writable(str(epath.Path(workdir) / "checkpoints"))  # a full disk: one line, first
-            lock.acquire()  # before anything else is written
-        try:
-            return _run(config, workdir, init_from=init_from, max_steps_this_run=max_steps_this_run,
-                        allow_config_change=allow_config_change)
-        finally:
-            if lock is not None:
-                lock.release()
+            lock.release()
 
 
 def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config_change: bool) -> tuple[_Run, object]:
