@@ -137,7 +137,8 @@ def small_disk(tmp_path):
                                            capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=False)
+    # Lazily: a file a failed test left open would keep it mounted (busy) after the session.
+    subprocess.run(["umount", "--lazy", str(mount_point)], check=False)
 
 
 def fill_disk(path: pathlib.Path, leave: int = 0) -> None:
