@@ -16,10 +16,15 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
-def cannot_write(what: str, error: BaseException) -> str:
-    """`cannot write WHAT: no space left on device` for a full disk (an OSError's ENOSPC, TensorFlow's and
-    TensorStore's RESOURCE_EXHAUSTED), else the error's first line."""
+def is_full_disk(error: BaseException) -> bool:
+    """An OSError's ENOSPC, TensorFlow's and TensorStore's RESOURCE_EXHAUSTED, or one of those wrapped in another
+    error's message (Beam's)."""
     text = str(error)
-    if "RESOURCE_EXHAUSTED" in text or "No space left" in text or getattr(error, "errno", None) == errno.ENOSPC:
+    return "RESOURCE_EXHAUSTED" in text or "No space left" in text or getattr(error, "errno", None) == errno.ENOSPC
+
+
+def cannot_write(what: str, error: BaseException) -> str:
+    """`cannot write WHAT: no space left on device` for a full disk, else with the error's first line."""
+    if is_full_disk(error):
         return f"cannot write {what}: no space left on device"
     return f"cannot write {what}: {first_line(error)}"

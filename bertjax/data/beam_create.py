@@ -47,7 +47,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from bertjax import quiet
+from bertjax import errors, quiet
 from bertjax.data import corpus, create, file_readers, tfrecord
 from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.data_config import PretrainingDataConfig
@@ -426,10 +426,12 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
             with quiet.native_lines_dropped(verbose):
                 result = pipeline.run()
                 result.wait_until_finish()
-        except BaseException:  # a failed job's spills and fragments, never read: removed (a killed one's stay)
+        except BaseException as error:  # a failed job's spills and fragments (never read) removed; a killed one's stay
             temp_dir = _temp_dir(out_dir, run_id)
             if tf.io.gfile.exists(temp_dir):
                 tf.io.gfile.rmtree(temp_dir)
+            if errors.is_full_disk(error):  # the worker's error arrives wrapped in the runner's, a traceback in it
+                raise errors.OutputWriteError(errors.cannot_write(f"shards to {out_dir}", error)) from None
             raise
         metadata = os.path.join(out_dir, tfrecord.shard_prefix() + tfrecord.METADATA_SUFFIX)
         summary = {}
