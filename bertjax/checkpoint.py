@@ -16,7 +16,6 @@ and a step directory without it is not finalised (not listed, not restored, remo
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import uuid
@@ -29,7 +28,7 @@ from flax import traverse_util
 from jax.experimental import multihost_utils
 
 from bertjax import workdir_paths
-from bertjax.errors import first_line
+from bertjax.errors import OutputWriteError, cannot_write, first_line
 from bertjax.model import bert as model_lib
 from bertjax.model.config import BertConfig
 from bertjax.options import option
@@ -324,7 +323,7 @@ class CheckpointConfig:
                              "last one included)")
 
 
-class CheckpointWriteError(ValueError):
+class CheckpointWriteError(OutputWriteError):
     """A checkpoint could not be written (a full or read-only disk, ...): the job stops; older steps stay good."""
 
     # The command line exits at once after its one-line message: Orbax's failed background saves would otherwise
@@ -333,12 +332,7 @@ class CheckpointWriteError(ValueError):
 
 
 def _write_error(directory, error: Exception) -> CheckpointWriteError:
-    text = str(error)
-    if "RESOURCE_EXHAUSTED" in text or "No space left" in text or getattr(error, "errno", None) == errno.ENOSPC:
-        reason = "no space left on device"
-    else:
-        reason = first_line(error)
-    return CheckpointWriteError(f"cannot write checkpoint to {directory}: {reason}")
+    return CheckpointWriteError(cannot_write(f"checkpoint to {directory}", error))
 
 
 def check_writable(directory: str) -> None:

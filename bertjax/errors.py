@@ -1,9 +1,30 @@
 """How a caught error is told in one line (the command line prints one line per failure, never a traceback)."""
 from __future__ import annotations
 
+import errno
+
+
+class OutputWriteError(ValueError):
+    """An output could not be written (a full or read-only disk, ...): one line, exit 2 (the machine's state, not a
+    bug, and not worth a retry); the writer has removed what it began."""
+
 
 def first_line(error: BaseException, limit: int = 300) -> str:
     """`TypeName: first line of the message` (Orbax, TensorStore and TensorFlow messages run to many lines)."""
     text = getattr(error, "message", None) or str(error)
     line = (text.strip().splitlines() or [""])[0][:limit]
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def is_full_disk(error: BaseException) -> bool:
+    """An OSError's ENOSPC, TensorFlow's and TensorStore's RESOURCE_EXHAUSTED, or one of those wrapped in another
+    error's message (Beam's)."""
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "No space left" in text or getattr(error, "errno", None) == errno.ENOSPC
+
+
+def cannot_write(what: str, error: BaseException) -> str:
+    """`cannot write WHAT: no space left on device` for a full disk, else with the error's first line."""
+    if is_full_disk(error):
+        return f"cannot write {what}: no space left on device"
+    return f"cannot write {what}: {first_line(error)}"

@@ -96,12 +96,21 @@ class LocalLockFile:
             raise ValueError(f"{self.path} is a directory, not a lock file; remove it (rm -r {self.path}) and "
                              "start the job again") from None
 
+    def _written_aside(self, data: bytes) -> epath.Path:
+        """`data` in a file of its own beside LOCK; none left where the write fails (a full disk)."""
+        temporary = self.path.parent / f".{LOCK_NAME}.{uuid.uuid4().hex}"
+        try:
+            temporary.write_bytes(data)
+        except OSError:
+            temporary.unlink(missing_ok=True)
+            raise
+        return temporary
+
     def write(self, data: bytes, generation: int) -> int | None:
         if generation == ABSENT:
             # Written whole under another name, then hard-linked as LOCK (which fails if LOCK exists): another
             # job never reads a just-created, still empty LOCK (taken for an unreadable one and replaced).
-            temporary = self.path.parent / f".{LOCK_NAME}.{uuid.uuid4().hex}"
-            temporary.write_bytes(data)
+            temporary = self._written_aside(data)
             try:
                 os.link(temporary, self.path)
             except FileExistsError:
@@ -116,9 +125,7 @@ class LocalLockFile:
             finally:
                 temporary.unlink(missing_ok=True)
             return LOCAL_GENERATION
-        temporary = self.path.parent / f".{LOCK_NAME}.{uuid.uuid4().hex}"
-        temporary.write_bytes(data)
-        os.replace(temporary, self.path)
+        os.replace(self._written_aside(data), self.path)
         return LOCAL_GENERATION
 
     def delete(self, generation: int) -> bool:
@@ -132,8 +139,11 @@ class LocalLockFile:
 class WorkdirLock:
     """The lock of one workdir, held by this process from `acquire()` to `release()`."""
 
-    def __init__(self, workdir: str, command: str | None = None, log=print):
-        self.path = epath.Path(workdir_paths.canonical(workdir)) / LOCK_NAME
+    def __init__(self, workdir: str, command: str | None = None, log=print, name: str = LOCK_NAME,
+                 flag: str = "--workdir"):
+        """name: the lock file's (one per writer of a shared directory); flag: the option that named `workdir`."""
+        self.path = epath.Path(workdir_paths.canonical(workdir)) / name
+        self.flag = flag
         self.store = GcsObject(str(self.path)) if str(self.path).startswith("gs://") else LocalLockFile(self.path)
         self.log = log
         now = time.time()
@@ -159,7 +169,7 @@ class WorkdirLock:
                 self.generation = self.store.write(self._text(), ABSENT)
             except OSError as error:  # a read-only disk or mount, someone else's directory: named, not a temp file
                 raise ValueError(f"{self.path.parent}: cannot write there ({error.strerror or error}); give a "
-                                 "writable --workdir") from None
+                                 f"writable {self.flag}") from None
             if self.generation is not None:
                 break
             found = self.store.read()
@@ -180,7 +190,7 @@ class WorkdirLock:
             same_host = holder.get("host") == socket.gethostname()
             if same_host or time.time() >= deadline:
                 raise WorkdirBusy(f"{self.path.parent} is in use by another job ({describe(holder)}); wait for it "
-                                  f"to end, stop it, or use another --workdir (a holder that died frees it: on "
+                                  f"to end, stop it, or use another {self.flag} (a holder that died frees it: on "
                                   f"its host at once, elsewhere {STALE_AFTER_S:.0f}s after its last heartbeat)")
             self.log(f"{self.path}: held by {describe(holder)}; waiting up to {deadline - time.time():.0f}s for "
                      "it to go stale")

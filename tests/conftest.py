@@ -42,6 +42,7 @@ os.environ.setdefault("GCS_RETRY_CONFIG_INIT_DELAY_TIME_US", "1000")
 os.environ.setdefault("GCS_RETRY_CONFIG_MAX_DELAY_TIME_US", "10000")
 
 import pathlib
+import subprocess
 
 # One persistent compilation cache for every test process and the subprocesses they start (they inherit the
 # environment): the suite compiles each program once, and a second run of it reads them all back. Under the clone
@@ -133,6 +134,30 @@ def shared_data() -> pathlib.Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MB tmpfs: a real file system that fills (root and mount(2) needed: skipped elsewhere)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mount_point)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mount_point
+    # Lazily: a file a failed test left open would keep it mounted (busy) after the session.
+    subprocess.run(["umount", "--lazy", str(mount_point)], check=False)
+
+
+def fill_disk(path: pathlib.Path, leave: int = 0) -> None:
+    """Writes `path` until the disk it is on has at most `leave` bytes free."""
+    with open(path, "wb") as f:
+        try:
+            while (free := os.statvfs(path).f_bavail * os.statvfs(path).f_frsize) > leave:
+                f.write(b"\0" * min(65536, free - leave))
+                f.flush()
+        except OSError:  # full
+            pass
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,9 @@ from bertjax.data.data_config import PretrainingDataConfig  # noqa: E402
 from bertjax.data.pipeline import make_pretraining_dataset  # noqa: E402
 from bertjax.data.tfrecord import find_shards  # noqa: E402
 from bertjax.data.tokenizers import load_tokenizer  # noqa: E402
+from bertjax.errors import OutputWriteError  # noqa: E402
+from bertjax.workdir_lock import WorkdirBusy, WorkdirLock  # noqa: E402
+from tests.conftest import fill_disk  # noqa: E402
 from tests.record_checks import check_nsp_balance, check_nsp_layout, check_static_masks  # noqa: E402
 from tests.test_data_tfrecord import ORIGINAL_SPEC, PRED, SEQ  # noqa: E402
 
@@ -247,6 +250,28 @@ def test_an_earlier_run_is_refused(two_workers, corpus, tmp_path, capsys):
                          str(copy), *FLAGS]) == 2
     assert "already holds 4 file(s) of an earlier `data create` run" in capsys.readouterr().err
     assert sorted(os.listdir(copy)) == sorted(os.listdir(out))
+
+
+def test_an_out_another_run_holds_is_refused_naming_it(corpus, tmp_path):
+    """Beam's run holds OUT/LOCK like the local one (its launching process, while the pipeline runs): into an --out
+    another live run holds it starts nothing and touches nothing."""
+    out = tmp_path / "out"
+    with WorkdirLock(str(out), command="bertjax data create --runner beam (the other run)", log=lambda _: None):
+        with pytest.raises(WorkdirBusy, match=rf"{out} is in use by another job \(pid {os.getpid()} on .*: bertjax "
+                                              r"data create --runner beam \(the other run\)\); .* another --out"):
+            beam_create.create_with_beam(_config(corpus), str(out), 2)
+        assert os.listdir(out) == ["LOCK"]
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(corpus, small_disk):
+    """A disk that fills while the workers write (spills, fragments, shards): one line naming the --out and
+    ENOSPC (the runner's error wraps the worker's, traceback and all), no beam-temp-* and no --out left."""
+    out = small_disk / "out"
+    fill_disk(small_disk / "filler", leave=300_000)
+    with pytest.raises(OutputWriteError) as raised:
+        beam_create.create_with_beam(_config(corpus), str(out), 3, log=lambda _: None)
+    assert str(raised.value) == f"cannot write shards to {out}: no space left on device"
+    assert sorted(os.listdir(small_disk)) == ["filler"]
 
 
 @pytest.mark.slow

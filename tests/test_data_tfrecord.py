@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import unicodedata
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from bertjax.data import tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.pipeline import make_pretraining_dataset, resolve_input
 from bertjax.data.tfrecord import ShardWriter, find_shards
+from bertjax.workdir_lock import WorkdirLock
+from tests.conftest import fill_disk
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, PRED = 64, 10
@@ -46,11 +49,14 @@ def corpus_slice(shared_data, tmp_path_factory) -> tuple[Path, str]:
     return path, str(shared_data / "bert" / "uncased_L-4_H-256_A-4" / "vocab.txt")
 
 
+def _create_argv(corpus: Path, vocab: str, out: Path, *extra: str) -> list[str]:
+    return ["data", "create", "--input", str(corpus), "--format", "wikitext", "--vocab", vocab, "--out", str(out),
+            "--max-seq-length", str(SEQ), "--max-predictions", str(PRED), "--dupe-factor", "2", "--shards", "3",
+            "--doc-buffer", "4", "--shuffle-buffer", "500", *extra]
+
+
 def _create(corpus: Path, vocab: str, out: Path, *extra: str) -> int:
-    return bertjax_main(["data", "create", "--input", str(corpus), "--format", "wikitext", "--vocab", vocab,
-                         "--out", str(out), "--max-seq-length", str(SEQ), "--max-predictions", str(PRED),
-                         "--dupe-factor", "2", "--shards", "3", "--doc-buffer", "4", "--shuffle-buffer", "500",
-                         *extra])
+    return bertjax_main(_create_argv(corpus, vocab, out, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +277,74 @@ def test_an_earlier_run_in_out_is_refused_or_replaced_and_readers_follow_the_met
         make_pretraining_dataset(config, 16)
 
 
+def test_two_runs_into_one_out_at_once_one_is_refused_naming_the_holder(created, corpus_slice, tmp_path):
+    """Two `data create` processes into one --out: both used to exit 0, each reporting its shards, and only one
+    run's shards remained. The first holds OUT/LOCK (it is stopped there by SIGSTOP, so that the two overlap
+    however loaded the machine), the second is refused in one line naming it, and the first, continued, writes
+    what a run alone writes (the module's run: same flags and seed, so the same bytes)."""
+    corpus, vocab = corpus_slice
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "bertjax.cli", *_create_argv(corpus, vocab, out)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "LOCK").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never held OUT/LOCK"
+            time.sleep(0.02)
+        first.send_signal(signal.SIGSTOP)
+        second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        first.send_signal(signal.SIGCONT)
+        _, first_err = first.communicate(timeout=300)
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-2000:]
+    assert re.fullmatch(rf"bertjax data: error: {re.escape(str(out))} is in use by another job \(pid {first.pid} "
+                        r"on .*\); wait for it to end, stop it, or use another --out .*",
+                        second.stderr.strip().splitlines()[-1]), second.stderr[-2000:]
+    assert first.returncode == 0, first_err[-2000:]
+    assert sorted(os.listdir(out)) == sorted(os.listdir(created))  # no LOCK left
+    assert _records(out) == _records(created)
+    assert len(find_shards([str(out)])) == 3  # the metadata lists them, sizes agree
+
+
+def test_the_lock_of_a_killed_run_does_not_block_the_next(corpus_slice, tmp_path, capsys):
+    """A run SIGKILLed while it holds --out leaves its LOCK; the next run takes it over, saying so."""
+    corpus, vocab = corpus_slice
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from bertjax.workdir_lock import WorkdirLock\n"
+                               "WorkdirLock(sys.argv[1]).acquire()\n"
+                               "print('held', flush=True)\n"
+                               "time.sleep(120)\n", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    assert (out / "LOCK").exists()
+    assert _create(corpus, vocab, out, "--shards", "1") == 0
+    assert f"{out / 'LOCK'}: taking over the lock of a job that is gone (pid {holder.pid} " in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["pretrain-00000-of-00001.tfrecord", "pretrain-metadata.json"]
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(corpus_slice, small_disk, capsys):
+    """A disk that fills while the shards are written (here ~100 KB free, for ~200 KB of shards), or is full
+    from the start: one line naming the directory and ENOSPC, no traceback, and no --out (the run made it)."""
+    corpus, vocab = corpus_slice
+    out = small_disk / "out"
+    fill_disk(small_disk / "filler", leave=100_000)
+    assert _create(corpus, vocab, out) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"bertjax data: error: cannot write shards to {out}: no space left on device"
+    assert sorted(os.listdir(small_disk)) == ["filler"]
+
+    fill_disk(small_disk / "filler2")
+    assert _create(corpus, vocab, out) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"bertjax data: error: {out}: cannot write there (No space left on device); give a writable --out"
+    assert sorted(os.listdir(small_disk)) == ["filler", "filler2"]
+
+
 def test_a_truncated_shard_or_shards_of_another_shape_are_named(created, tmp_path):
     import shutil
 
@@ -411,9 +485,10 @@ def test_pipelines_wrapper_runs_data_create(tmp_path, corpus_slice, capsys):
     assert len(find_shards([str(tmp_path / "out")])) == 2
 
 
-def test_workers_split_the_input_files_between_them(corpus_slice, tmp_path):
+def test_workers_split_the_input_files_between_them(corpus_slice, tmp_path, capsys):
     """--worker-index/--num-workers: each worker reads its own files and writes its own shards and metadata;
-    together they cover exactly what one worker over all files covers."""
+    together they cover exactly what one worker over all files covers. Workers write into one --out at once, each
+    holding a lock of its own: a worker's lock held (here by this process) refuses only a second run of it."""
     corpus, vocab = corpus_slice
     lines = corpus.read_text(encoding="utf-8").splitlines(keepends=True)
     inputs = tmp_path / "in"
@@ -421,9 +496,13 @@ def test_workers_split_the_input_files_between_them(corpus_slice, tmp_path):
     for part in range(4):
         (inputs / f"part-{part}.raw").write_text("".join(lines[part * 75:(part + 1) * 75]), encoding="utf-8")
     glob = str(inputs / "part-*.raw")
-    for worker in (0, 1):
-        assert _create(Path(glob), vocab, tmp_path / "split", "--worker-index", str(worker),
-                       "--num-workers", "2") == 0
+    worker = lambda index: _create(Path(glob), vocab, tmp_path / "split", "--worker-index", str(index),
+                                   "--num-workers", "2")
+    with WorkdirLock(str(tmp_path / "split"), name="LOCK-w00000", log=lambda _: None):
+        assert worker(0) == 2
+        assert f"{tmp_path / 'split'} is in use by another job (pid {os.getpid()} " in capsys.readouterr().err
+        assert worker(1) == 0
+    assert worker(0) == 0
     assert _create(Path(glob), vocab, tmp_path / "whole") == 0
 
     names = sorted(p.name for p in (tmp_path / "split").iterdir())

@@ -2,6 +2,7 @@
 path through the pretraining pipeline with whole-word masking."""
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -23,11 +24,24 @@ def texts(shared_data):
     return train, lines
 
 
+def _refused_over_its_own(argv: list[str], vocab, capsys) -> None:
+    """A second run into the --out of the first is refused before it trains, and the vocabulary stays as it was
+    (a model trained with it would no longer match a new one)."""
+    before = vocab.read_bytes()
+    capsys.readouterr()
+    assert bertjax_main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"bertjax vocab: error: {vocab} already exists: vocab train does not replace a vocabulary; remove it, or "
+        "choose another --out")
+    assert vocab.read_bytes() == before and "LOCK" not in os.listdir(vocab.parent)
+
+
 def test_wordpiece_vocab_train(texts, tmp_path, capsys):
     train, held_out = texts
     out = tmp_path / "wp"
-    assert bertjax_main(["vocab", "train", "--input", str(train), "--format", "wrapped", "--vocab-size", "1500",
-                         "--type", "wordpiece", "--out", str(out), "--max-sentences", "3000"]) == 0
+    argv = ["vocab", "train", "--input", str(train), "--format", "wrapped", "--vocab-size", "1500", "--type",
+            "wordpiece", "--out", str(out), "--max-sentences", "3000"]
+    assert bertjax_main(argv) == 0
     vocab = (out / "vocab.txt").read_text(encoding="utf-8").splitlines()
     # 3000 sentences of one play hold fewer frequent word pieces than asked: the closing line says so, and why.
     line = capsys.readouterr().out.strip().splitlines()[-1]
@@ -44,15 +58,19 @@ def test_wordpiece_vocab_train(texts, tmp_path, capsys):
     np.testing.assert_array_equal(ours["input_ids"], np.asarray(theirs["input_ids"]))
     ids = ours["input_ids"][ours["input_mask"] == 1]
     assert np.mean(ids == tok.unk_id) < 0.02  # the learned vocab covers unseen English text
+    assert sorted(os.listdir(out)) == ["vocab.txt"]
+    _refused_over_its_own(argv, out / "vocab.txt", capsys)
 
 
-def test_sentencepiece_vocab_train_and_whole_word_masking(texts, tmp_path):
+def test_sentencepiece_vocab_train_and_whole_word_masking(texts, tmp_path, capsys):
     spm = pytest.importorskip("sentencepiece")
     train, held_out = texts
     out = tmp_path / "sp"
-    assert bertjax_main(["vocab", "train", "--input", str(train), "--format", "wrapped", "--vocab-size", "1200",
-                         "--type", "sentencepiece", "--out", str(out)]) == 0
+    argv = ["vocab", "train", "--input", str(train), "--format", "wrapped", "--vocab-size", "1200", "--type",
+            "sentencepiece", "--out", str(out)]
+    assert bertjax_main(argv) == 0
     model = out / "spm.model"
+    _refused_over_its_own(argv, model, capsys)
     reference = spm.SentencePieceProcessor(model_file=str(model))
     assert [reference.id_to_piece(i) for i in range(5)] == RESERVED
     tok = SentencePieceTokenizer(str(model))

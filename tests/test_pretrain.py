@@ -18,7 +18,7 @@ import pytest
 from bertjax.checkpoint import load_model
 from bertjax.data.demo_corpus import write_demo_corpus
 from tests import stall_watch
-from tests.conftest import REPO_ROOT, SUITE_CACHE_ON, process_running, xla_flags
+from tests.conftest import REPO_ROOT, SUITE_CACHE_ON, fill_disk, process_running, xla_flags
 
 # Checkpoints every EVERY steps (the newest 3 kept); signals come at step MIDDLE, a save step.
 STEPS, EVERY = 12, 3
@@ -406,18 +406,6 @@ def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path, mo
     assert "model.bin: binary (NUL bytes in its first 64 KiB)" in err
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 3 MB tmpfs (root and mount(2) needed: skipped elsewhere)."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mount_point)],
-                                           capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=False)
-
-
 def test_a_full_disk_is_named_and_nothing_is_marked_complete(corpus, small_disk):
     """A disk that is full at the start is one line before any work; one that fills at the first save ends the
     job with the same line (Orbax's threads log their own tracebacks before it) and no COMPLETED marker."""
@@ -425,13 +413,7 @@ def test_a_full_disk_is_named_and_nothing_is_marked_complete(corpus, small_disk)
                                  "--set", "checkpoint.every=1")
     expected = "bertjax pretrain: error: cannot write checkpoint to {}: no space left on device"
 
-    with open(small_disk / "filler", "wb") as f:  # fill the disk
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
+    fill_disk(small_disk / "filler")
     full = subprocess.run(argv(small_disk / "full"), env=_env(devices=1), cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=600)
     assert full.returncode == 2 and "Traceback" not in full.stderr

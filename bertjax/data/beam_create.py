@@ -47,8 +47,9 @@ from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from bertjax import quiet
+from bertjax import errors, quiet
 from bertjax.data import corpus, create, file_readers, tfrecord
+from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.instances import Block, nsp_warning
 from bertjax.data.stages import tokenized_blocks
@@ -341,11 +342,15 @@ def _finish(_, stats: dict, shards: list, plan: dict, config: PretrainingDataCon
         tf.io.gfile.rmtree(temp_dir)
 
 
+def _temp_dir(out_dir: str, run_id: str) -> str:
+    return os.path.join(out_dir, f"beam-temp-{run_id}")
+
+
 def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], out_dir: str, num_shards: int, *,
                    base_stats: dict, earlier: list[str], start: float, runner: str, run_id: str,
                    input_formats: dict | None = None):
     """Adds the `data create` transforms to `pipeline` (see the module docstring)."""
-    temp_dir = os.path.join(out_dir, f"beam-temp-{run_id}")
+    temp_dir = _temp_dir(out_dir, run_id)
     read = (pipeline
             | "Files" >> beam.Create(list(enumerate(files)))
             | "SpreadFiles" >> beam.Reshuffle()  # one file per work item, on any worker
@@ -405,28 +410,36 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
         raise ValueError(f"--shards must be >= 1, got {num_shards}")
     config.require_input()
     options = beam_pipeline_options(runner, list(beam_options))
-    earlier = create.earlier_run_check(out_dir, overwrite)
     start = time.time()
     files = corpus.expand_inputs(config.inputs)
     formats = collections.Counter(file_readers.check_input_files(files, config))
     load_tokenizer(config.vocab, config.lower_case)  # a bad vocab fails here, not on every worker
-    tf.io.gfile.makedirs(out_dir)
-    _stale_temporary_directories(out_dir, overwrite, log)
-    base_stats = {"input_files": len(files), "empty_files": create.count_empty_files(files)}
-    pipeline = beam.Pipeline(options=options)
-    run_id = uuid.uuid4().hex  # tells this run's metadata from an earlier run's (--overwrite, nothing made)
-    build_pipeline(pipeline, config, files, out_dir, num_shards, base_stats=base_stats, earlier=earlier,
-                   start=start, runner=runner, run_id=run_id, input_formats=dict(sorted(formats.items())))
-    with quiet.native_lines_dropped(verbose):
-        result = pipeline.run()
-        result.wait_until_finish()
-    metadata = os.path.join(out_dir, tfrecord.shard_prefix() + tfrecord.METADATA_SUFFIX)
-    summary = {}
-    if tf.io.gfile.exists(metadata):
-        with tf.io.gfile.GFile(metadata) as f:
-            summary = json.load(f)
-    if summary.get("run_id") != run_id:
-        raise create.no_instances_error(config, out_dir)
+    with out_dir_lib.owned(out_dir, log):  # the --out of one run at a time (LOCK, held by this launching process)
+        earlier = create.earlier_run_check(out_dir, overwrite)
+        _stale_temporary_directories(out_dir, overwrite, log)
+        base_stats = {"input_files": len(files), "empty_files": create.count_empty_files(files)}
+        pipeline = beam.Pipeline(options=options)
+        run_id = uuid.uuid4().hex  # tells this run's metadata from an earlier run's (--overwrite, nothing made)
+        build_pipeline(pipeline, config, files, out_dir, num_shards, base_stats=base_stats, earlier=earlier,
+                       start=start, runner=runner, run_id=run_id, input_formats=dict(sorted(formats.items())))
+        try:
+            with quiet.native_lines_dropped(verbose):
+                result = pipeline.run()
+                result.wait_until_finish()
+        except BaseException as error:  # a failed job's spills and fragments (never read) removed; a killed one's stay
+            temp_dir = _temp_dir(out_dir, run_id)
+            if tf.io.gfile.exists(temp_dir):
+                tf.io.gfile.rmtree(temp_dir)
+            if errors.is_full_disk(error):  # the worker's error arrives wrapped in the runner's, a traceback in it
+                raise errors.OutputWriteError(errors.cannot_write(f"shards to {out_dir}", error)) from None
+            raise
+        metadata = os.path.join(out_dir, tfrecord.shard_prefix() + tfrecord.METADATA_SUFFIX)
+        summary = {}
+        if tf.io.gfile.exists(metadata):
+            with tf.io.gfile.GFile(metadata) as f:
+                summary = json.load(f)
+        if summary.get("run_id") != run_id:
+            raise create.no_instances_error(config, out_dir)
     counters = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]
     summary["beam_metrics"] = {c.key.metric.name: c.committed for c in counters}
     log(f"wrote {summary['examples']} examples to {len(summary['shards'])} shard(s) in {out_dir} with Beam's "

@@ -63,9 +63,11 @@ def _vocab_train(args: argparse.Namespace) -> int:
 
     _resolve_format(args)
 
+    console = Console()
     vocab = train_vocab(options.from_flags(CorpusConfig, args), args.out, args.vocab_size, args.type,
-                        lower_case=args.lower_case, max_sentences=args.max_sentences, min_count=args.min_count)
-    Console().line(f"wrote {vocab.path}: {vocab.size} tokens" + (
+                        lower_case=args.lower_case, max_sentences=args.max_sentences, min_count=args.min_count,
+                        log=console.line)
+    console.line(f"wrote {vocab.path}: {vocab.size} tokens" + (
         f" of the {args.vocab_size} asked: {vocab.short_because}" if vocab.short_because else ""))
     return 0
 

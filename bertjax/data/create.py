@@ -16,6 +16,7 @@ import time
 import tensorflow as tf
 
 from bertjax.data import corpus, file_readers, masking, tfrecord
+from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.instances import nsp_warning
 from bertjax.data.stages import (
@@ -147,6 +148,13 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
         raise ValueError("data create reads text corpora (input_kind='text')")
     config = config.replace(input_kind="text")
     config.require_input()
+    with out_dir_lib.owned(out_dir, log, out_dir_lib.lock_name(worker_index, num_workers)):
+        return _create(config, out_dir, num_shards, worker_index, num_workers, write_batch, overwrite, log)
+
+
+def _create(config: PretrainingDataConfig, out_dir: str, num_shards: int, worker_index: int, num_workers: int,
+            write_batch: int, overwrite: bool, log) -> dict:
+    """`create_pretraining_data` in the --out it holds."""
     earlier = earlier_run_check(out_dir, overwrite, worker_index, num_workers)
     start = time.time()
     files, share = (([], (0, 1)) if config.is_tfds else
@@ -164,8 +172,11 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     if config.is_records:
         stats["null_texts"] = file_readers.NULL_TEXTS.total() - nulls_before  # records skipped: no text
     if writer.counts.sum() == 0:
-        for path in writer.paths:
-            tf.io.gfile.remove(path)
+        out_dir_lib.remove_quietly(*writer.paths)
         raise no_instances_error(config, out_dir)
-    return finish_run(config, out_dir, prefix, writer.paths, writer.counts.tolist(), stats, start, earlier, log,
-                      input_formats=dict(sorted(formats.items())))
+    try:
+        return finish_run(config, out_dir, prefix, writer.paths, writer.counts.tolist(), stats, start, earlier, log,
+                          input_formats=dict(sorted(formats.items())))
+    except BaseException:  # no metadata: shards that none lists are this run's leftovers
+        out_dir_lib.remove_quietly(*writer.paths)
+        raise

@@ -10,6 +10,7 @@ Span masking adds span_left_positions / span_right_positions [max_predictions_pe
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,8 +21,10 @@ import numpy as np
 import tensorflow as tf
 
 from bertjax import jsonio
+from bertjax.errors import OutputWriteError, cannot_write
 from bertjax.data import schema
 from bertjax.data.corpus import expand_inputs, file_order
+from bertjax.data.out_dir import remove_quietly
 
 SHARD_SUFFIX = ".tfrecord"
 METADATA_SUFFIX = "-metadata.json"
@@ -84,10 +87,15 @@ def shard_prefix(worker_index: int = 0, num_workers: int = 1) -> str:
 def write_metadata(out_dir: str, prefix: str, summary: dict) -> str:
     """Writes `<prefix>-metadata.json` beside the shards (atomically: a temporary name, then a rename)."""
     path = os.path.join(out_dir, prefix + METADATA_SUFFIX)
-    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-        jsonio.dump(summary, f, indent=1, default=list)
-    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+    try:
+        with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+            jsonio.dump(summary, f, indent=1, default=list)
+        tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+    except (tf.errors.OpError, OSError) as error:
+        remove_quietly(path + ".tmp")
+        raise OutputWriteError(cannot_write(path, error)) from None
     return path
+
 
 
 def read_metadata(directory: str) -> list[tuple[str, dict]]:
@@ -111,37 +119,56 @@ def shard_paths(out_dir: str, num_shards: int, prefix: str = "pretrain") -> list
 class ShardWriter:
     """Round-robin writer of K TFRecord shards; each is written under a temporary name and renamed
     to its final name only after it was closed successfully, so a crash never leaves a truncated
-    file under a final name. Use as a context manager."""
+    file under a final name. A failed write (a full disk) is an OutputWriteError naming the shards' directory; its
+    temporaries are removed. Use as a context manager."""
 
     def __init__(self, out_dir: str, num_shards: int, prefix: str = "pretrain", compression: str | None = None):
         if num_shards < 1:
             raise ValueError(f"--shards must be >= 1, got {num_shards}")
-        tf.io.gfile.makedirs(out_dir)
+        self.out_dir = out_dir
         self.paths = shard_paths(out_dir, num_shards, prefix)
         token = uuid.uuid4().hex[:8]
         self._tmp = [f"{p}.tmp-{token}" for p in self.paths]
         options = tf.io.TFRecordOptions(compression_type=compression or "")
-        self._writers = [tf.io.TFRecordWriter(p, options) for p in self._tmp]
+        self._writers = []
+        with self._told():
+            tf.io.gfile.makedirs(out_dir)
+            for path in self._tmp:
+                self._writers.append(tf.io.TFRecordWriter(path, options))
         self.counts = np.zeros(num_shards, np.int64)
         self._next = 0
 
+    @contextlib.contextmanager
+    def _told(self):
+        """A write that fails: its temporaries removed, one OutputWriteError (TensorFlow's own is a traceback)."""
+        try:
+            yield
+        except (tf.errors.OpError, OSError) as error:
+            self.close(commit=False)
+            raise OutputWriteError(cannot_write(f"shards to {self.out_dir}", error)) from None
+
     def write(self, records: Iterable[bytes]):
         writers = self._writers
-        for record in records:
-            writers[self._next].write(record)
-            self.counts[self._next] += 1
-            self._next = (self._next + 1) % len(writers)
+        with self._told():
+            for record in records:
+                writers[self._next].write(record)
+                self.counts[self._next] += 1
+                self._next = (self._next + 1) % len(writers)
 
     def close(self, commit: bool = True):
-        for writer in self._writers:
-            writer.close()
         if commit:
-            for tmp, final in zip(self._tmp, self.paths):
-                tf.io.gfile.rename(tmp, final, overwrite=True)
-        else:
-            for tmp in self._tmp:
-                if tf.io.gfile.exists(tmp):
-                    tf.io.gfile.remove(tmp)
+            with self._told():
+                for writer in self._writers:
+                    writer.close()  # flushes: where a full disk shows
+                for tmp, final in zip(self._tmp, self.paths):
+                    tf.io.gfile.rename(tmp, final, overwrite=True)
+            return
+        for writer in self._writers:
+            try:
+                writer.close()
+            except tf.errors.OpError:  # what it could not flush is removed next
+                pass
+        remove_quietly(*self._tmp)
 
     def __enter__(self):
         return self

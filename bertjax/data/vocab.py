@@ -8,7 +8,9 @@ from typing import Iterator, NamedTuple
 import tensorflow as tf
 
 from bertjax.data import corpus
+from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.tokenizers import SPECIAL_TOKENS
+from bertjax.errors import OutputWriteError, cannot_write
 
 VOCAB_TYPES = ("sentencepiece", "wordpiece")
 # [PAD] first so that pad id 0 matches BERT's convention; the rest in the released vocab order.
@@ -66,26 +68,48 @@ def train_wordpiece(sentences: tf.data.Dataset, out_dir: str, vocab_size: int, *
         sentences.batch(1024).prefetch(2), vocab_size=vocab_size, reserved_tokens=RESERVED,
         bert_tokenizer_params={"lower_case": lower_case}, learn_params={"lower_thresh": min_count})
     path = os.path.join(out_dir, "vocab.txt")
-    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-        f.write("".join(token + "\n" for token in vocab))
-    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+    try:
+        with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+            f.write("".join(token + "\n" for token in vocab))
+        tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+    except (tf.errors.OpError, OSError) as error:
+        raise OutputWriteError(cannot_write(path, error)) from None
     return TrainedVocab(path, len(vocab), "" if len(vocab) >= vocab_size else
                         f"limited by --min-count {min_count}: the corpus has no more word pieces seen at least "
                         f"{min_count} times in the sentences read (a lower --min-count or a larger corpus gives "
                         f"more)")
 
 
+def written_files(out_dir: str, vocab_type: str) -> list[str]:
+    """The files `vocab train` writes to `out_dir` (the vocabulary last, under a temporary name first)."""
+    if vocab_type == "sentencepiece":
+        return [os.path.join(out_dir, "spm.vocab"), os.path.join(out_dir, "spm.model")]
+    return [os.path.join(out_dir, "vocab.txt.tmp"), os.path.join(out_dir, "vocab.txt")]
+
+
 def train_vocab(config: corpus.CorpusConfig, out_dir: str, vocab_size: int, vocab_type: str, *,
                 lower_case: bool | None = None, max_sentences: int | None = 5_000_000,
-                min_count: int = WORDPIECE_MIN_COUNT) -> TrainedVocab:
-    """Train a vocabulary of `vocab_type` (at most `vocab_size` tokens) on the corpus."""
+                min_count: int = WORDPIECE_MIN_COUNT, log=print) -> TrainedVocab:
+    """Train a vocabulary of `vocab_type` (at most `vocab_size` tokens) on the corpus, holding `out_dir`
+    (out_dir.py); an existing vocabulary there is refused, never replaced (one a model was trained with would no
+    longer match it), and a failed run removes what it wrote."""
     if vocab_type not in VOCAB_TYPES:
         raise ValueError(f"--type {vocab_type!r}: expected one of {', '.join(VOCAB_TYPES)}")
     if vocab_size <= len(RESERVED):
         raise ValueError(f"--vocab-size {vocab_size} leaves no room beside the {len(RESERVED)} special tokens")
-    sentences = corpus_sentences(config, max_sentences)
-    if vocab_type == "sentencepiece":
-        return train_sentencepiece((s.decode("utf-8") for s in sentences.as_numpy_iterator()), out_dir,
-                                   vocab_size, lower_case=bool(lower_case))
-    return train_wordpiece(sentences, out_dir, vocab_size, lower_case=True if lower_case is None else lower_case,
-                           min_count=min_count)
+    files = written_files(out_dir, vocab_type)
+    with out_dir_lib.owned(out_dir, log):
+        existing = [path for path in files if not path.endswith(".tmp") and tf.io.gfile.exists(path)]
+        if existing:
+            raise ValueError(f"{existing[-1]} already exists: vocab train does not replace a vocabulary; remove it, "
+                             "or choose another --out")
+        try:
+            sentences = corpus_sentences(config, max_sentences)
+            if vocab_type == "sentencepiece":
+                return train_sentencepiece((s.decode("utf-8") for s in sentences.as_numpy_iterator()), out_dir,
+                                           vocab_size, lower_case=bool(lower_case))
+            return train_wordpiece(sentences, out_dir, vocab_size,
+                                   lower_case=True if lower_case is None else lower_case, min_count=min_count)
+        except BaseException:
+            out_dir_lib.remove_quietly(*files)
+            raise
