@@ -248,3 +248,52 @@ def test_info_of_a_damaged_checkpoint_ends_on_its_line_every_time(tiny_checkpoin
         assert done.returncode == 2
         last = done.stderr.rstrip("\n").splitlines()[-1]
         assert last.startswith(f"bertjax info: error: {broken}: cannot read the checkpoint"), done.stderr[-2000:]
+
+
+def _with_config(source: Path, out: Path, config_file: str, **changes) -> str:
+    """A copy of the checkpoint directory `source` whose config (the JSON file `config_file` in it) says `changes`."""
+    import shutil
+
+    shutil.copytree(source, out)
+    values = json.loads((out / config_file).read_text())
+    (out / config_file).write_text(json.dumps({**values, **changes}))
+    return str(out)
+
+
+CONFIG_EDITS = [({"hidden_size": 16}, "hidden_size=16", "LayerNorm/bias has shape (32,) (the config gives (16,))"),
+                ({"vocab_size": 1000}, "vocab_size=1000",
+                 "word_embeddings/embedding has shape (30522, 32) (the config gives (1000, 32))")]
+
+
+@pytest.mark.parametrize("changes, said, tensor", CONFIG_EDITS)
+def test_a_checkpoint_config_that_disagrees_with_its_tensors_is_refused_naming_both(
+        tiny_checkpoint, shared_data, tmp_path, capsys, changes, said, tensor):
+    """An Orbax checkpoint's model_config edited to another size: info, export and a fine-tune's --init refuse,
+    naming the field and value and the tensor and its shape; nothing is written."""
+    edited = _with_config(Path(tiny_checkpoint), tmp_path / "edited", "model_config/metadata", **changes)
+    for argv in (["info", edited], ["export", edited, "--out", str(tmp_path / "hf")],
+                 ["finetune", "glue", "--task", "mrpc", "--data", str(shared_data / "glue"), "--init", edited,
+                  "--workdir", str(tmp_path / "w")]):
+        line = _error(capsys, argv)
+        assert f"error: {edited}: model_config says {said} but tensor bert/embeddings/" in line, line
+        assert line.endswith(tensor), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited"]
+
+
+@pytest.mark.parametrize("changes, said, tensor", [
+    ({"hidden_size": 16}, "hidden_size=16", "(30522, 32) (the config gives (30522, 16))"),
+    ({"vocab_size": 1000}, "vocab_size=1000", "(30522, 32) (the config gives (1000, 32))")])
+def test_an_hf_config_that_disagrees_with_its_tensors_is_refused_naming_both(
+        minilm_dir, shared_data, tmp_path, capsys, changes, said, tensor):
+    """The same for an HF directory's config.json: convert and a fine-tune's --init refuse."""
+    from tests.conftest import save_tiny_hf
+
+    source = save_tiny_hf(tmp_path / "source", minilm_dir / "vocab.txt", seed=0)
+    edited = _with_config(Path(source), tmp_path / "edited", "config.json", **changes)
+    for argv in (["convert", edited, "--from", "hf", "--out", str(tmp_path / "out")],
+                 ["finetune", "glue", "--task", "mrpc", "--data", str(shared_data / "glue"), "--init", edited,
+                  "--workdir", str(tmp_path / "w")]):
+        line = _error(capsys, argv)
+        assert line.endswith(f"error: {edited}: config.json says {said} but tensor "
+                             f"embeddings.word_embeddings.weight has shape {tensor}"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "source"]

@@ -91,7 +91,8 @@ def load_hf(directory: str):
     path = epath.Path(directory)
     config = BertConfig.from_json_file(str(path / "config.json"))
     tensors = normalize_keys(read_state_dict(directory))
-    params = convert.params_from_tensors(tensors, config, "hf", origin=directory, ignored=IGNORED_KEYS)
+    params = convert.params_from_tensors(tensors, config, "hf", origin=directory, config_name="config.json",
+                                         ignored=IGNORED_KEYS)
     vocab = read_vocab_file(str(path / "vocab.txt"))
     return params, config, vocab, hf_lower_case(directory)
 
