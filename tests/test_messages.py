@@ -297,3 +297,30 @@ def test_an_hf_config_that_disagrees_with_its_tensors_is_refused_naming_both(
         assert line.endswith(f"error: {edited}: config.json says {said} but tensor "
                              f"embeddings.word_embeddings.weight has shape {tensor}"), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "source"]
+
+
+def test_a_config_json_too_big_for_the_machine_is_one_line_before_anything_is_allocated(minilm_dir, shared_data,
+                                                                                        tmp_path, capsys):
+    """An HF config.json of absurd size: info and a fine-tune's --init refuse in one line naming the field and the
+    memory; `pretrain --config init` (a process) exits 2 in seconds with that line last, leaving no workdir."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import save_tiny_hf
+
+    source = save_tiny_hf(tmp_path / "source", minilm_dir / "vocab.txt", seed=0)
+    edited = _with_config(Path(source), tmp_path / "edited", "config.json", vocab_size=10**10)
+    said = "vocab_size=10000000000: the model's "
+    for argv in (["info", edited], ["finetune", "glue", "--task", "mrpc", "--data", str(shared_data / "glue"),
+                                    "--init", edited, "--workdir", str(tmp_path / "w")]):
+        line = _error(capsys, argv)
+        assert f"{edited}/config.json: invalid BertConfig: {said}" in line and "GiB of memory" in line, line
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "bertjax.cli", "pretrain", "--config", "init", "--init", edited,
+                           "--workdir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert time.monotonic() - started < 90  # imports on a loaded machine; an XLA compile would take minutes
+    last = done.stderr.rstrip("\n").splitlines()[-1]
+    assert last.startswith("bertjax pretrain: error: ") and said in last and "Traceback" not in done.stderr, last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "source"]
