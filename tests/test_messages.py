@@ -324,3 +324,33 @@ def test_a_config_json_too_big_for_the_machine_is_one_line_before_anything_is_al
     last = done.stderr.rstrip("\n").splitlines()[-1]
     assert last.startswith("bertjax pretrain: error: ") and said in last and "Traceback" not in done.stderr, last
     assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "source"]
+
+
+@pytest.mark.parametrize("escape", ["dot-dot", "absolute", "symlink"])
+def test_a_sharded_index_naming_a_file_outside_the_model_directory_is_refused(minilm_dir, tmp_path, capsys, escape):
+    """model.safetensors.index.json names the shard files; one outside the model directory (`..`, an absolute
+    path, a symlink out of it) is never read: one line naming the index and the entry. Inside, the shards read."""
+    from tests.conftest import save_tiny_hf
+
+    model = Path(save_tiny_hf(tmp_path / "model", minilm_dir / "vocab.txt", seed=0))
+    weights = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").unlink()
+    (model / "model-00001-of-00001.safetensors").write_bytes(weights)
+    (tmp_path / "outside.safetensors").write_bytes(weights)  # readable: only the check keeps it from being read
+    from safetensors.numpy import load
+
+    def index(entry):
+        (model / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {name: entry for name in load(weights)}}))
+
+    index("model-00001-of-00001.safetensors")
+    assert bertjax_main(["info", str(model)]) == 0
+    entry = {"dot-dot": "../outside.safetensors", "absolute": str(tmp_path / "outside.safetensors"),
+             "symlink": "linked.safetensors"}[escape]
+    if escape == "symlink":
+        (model / "linked.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    index(entry)
+    capsys.readouterr()
+    line = _error(capsys, ["info", str(model)])
+    assert line.endswith(f"error: {model}/model.safetensors.index.json: entry {entry!r} names a file outside the "
+                         f"model directory {model}; shards must be files in it"), line
