@@ -19,6 +19,8 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import sys
+import traceback as tb_lib
 import uuid
 
 import jax
@@ -400,6 +402,28 @@ class ResumeRefused(ValueError):
     fault, so `StepCheckpointer.restore_newest` lets it through instead of setting the step aside."""
 
 
+def _drop_late_read_completions() -> None:
+    """The completions of a failed restore's other reads are not printed as tracebacks.
+
+    Orbax runs a restore on an event loop of its own and closes it when the first read fails; TensorStore then
+    completes the reads still in flight by `loop.call_soon_threadsafe` on that closed loop and reports each
+    RuntimeError('Event loop is closed') as unraisable: a dozen tracebacks after the one line saying which step was
+    set aside. Only that error, raised there, is dropped (from now on in this process)."""
+    if getattr(sys.unraisablehook, "drops_late_read_completions", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        frames = [frame.f_code.co_name for frame, _ in tb_lib.walk_tb(unraisable.exc_traceback)]
+        if (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+                and "call_soon_threadsafe" in frames):
+            return
+        previous(unraisable)
+
+    hook.drops_late_read_completions = True
+    sys.unraisablehook = hook
+
+
 class StepCheckpointer:
     """An Orbax CheckpointManager over `directory/<step>`, each step a set of our items; what a training job's saves
     and resumes go through.
@@ -459,6 +483,7 @@ class StepCheckpointer:
         read is set aside with a one-line warning through `log`, and the one before it is tried; a ResumeRefused
         (the config, not the step, is at fault) passes through."""
         steps = self.steps()
+        _drop_late_read_completions()  # before: a failed restore's reads complete while it raises
         for step in reversed(steps):
             try:
                 return step, restore(step)
