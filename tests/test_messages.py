@@ -326,18 +326,21 @@ def test_a_config_json_too_big_for_the_machine_is_one_line_before_anything_is_al
     assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "source"]
 
 
-@pytest.mark.parametrize("escape", ["dot-dot", "absolute", "symlink"])
+@pytest.mark.parametrize("escape", ["dot-dot", "absolute", "symlink", "hub cache blob"])
 def test_a_sharded_index_naming_a_file_outside_the_model_directory_is_refused(minilm_dir, tmp_path, capsys, escape):
     """model.safetensors.index.json names the shard files; one outside the model directory (`..`, an absolute
-    path, a symlink out of it) is never read: one line naming the index and the entry. Inside, the shards read."""
+    path, a symlink out of it) is never read: one line naming the index and the entry. Inside, the shards read, and
+    so do the hub cache's links from a snapshot into its blobs."""
+    from safetensors.numpy import load
+
     from tests.conftest import save_tiny_hf
 
-    model = Path(save_tiny_hf(tmp_path / "model", minilm_dir / "vocab.txt", seed=0))
+    snapshots = tmp_path / "models--owner--tiny" / "snapshots"  # the hub cache's layout
+    model = Path(save_tiny_hf(snapshots / "rev", minilm_dir / "vocab.txt", seed=0))
     weights = (model / "model.safetensors").read_bytes()
     (model / "model.safetensors").unlink()
     (model / "model-00001-of-00001.safetensors").write_bytes(weights)
-    (tmp_path / "outside.safetensors").write_bytes(weights)  # readable: only the check keeps it from being read
-    from safetensors.numpy import load
+    (snapshots / "outside.safetensors").write_bytes(weights)  # readable: only the check keeps it from being read
 
     def index(entry):
         (model / "model.safetensors.index.json").write_text(json.dumps(
@@ -345,12 +348,19 @@ def test_a_sharded_index_naming_a_file_outside_the_model_directory_is_refused(mi
 
     index("model-00001-of-00001.safetensors")
     assert bertjax_main(["info", str(model)]) == 0
-    entry = {"dot-dot": "../outside.safetensors", "absolute": str(tmp_path / "outside.safetensors"),
-             "symlink": "linked.safetensors"}[escape]
+    entry = {"dot-dot": "../outside.safetensors", "absolute": str(snapshots / "outside.safetensors")}.get(
+        escape, "linked.safetensors")
     if escape == "symlink":
-        (model / "linked.safetensors").symlink_to(tmp_path / "outside.safetensors")
+        (model / "linked.safetensors").symlink_to(snapshots / "outside.safetensors")
+    if escape == "hub cache blob":
+        (tmp_path / "models--owner--tiny" / "blobs").mkdir()
+        (tmp_path / "models--owner--tiny" / "blobs" / "0123abcd").write_bytes(weights)
+        (model / "linked.safetensors").symlink_to("../../blobs/0123abcd")
     index(entry)
     capsys.readouterr()
+    if escape == "hub cache blob":
+        assert bertjax_main(["info", str(model)]) == 0
+        return
     line = _error(capsys, ["info", str(model)])
     assert line.endswith(f"error: {model}/model.safetensors.index.json: entry {entry!r} names a file outside the "
                          f"model directory {model}; shards must be files in it"), line
