@@ -15,9 +15,12 @@ and a step directory without it is not finalised (not listed, not restored, remo
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
+import traceback as tb_lib
 import uuid
 
 import jax
@@ -30,6 +33,7 @@ from jax.experimental import multihost_utils
 from bertjax import workdir_paths
 from bertjax.errors import OutputWriteError, cannot_write, first_line
 from bertjax.model import bert as model_lib
+from bertjax.model import shapes
 from bertjax.model.config import BertConfig
 from bertjax.options import option
 
@@ -175,24 +179,21 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
     """
     _require_checkpoint(directory)
     path = orbax_path(directory)
-    try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
-            json_items = [MODEL_CONFIG, VOCAB] + ([HEAD] if (path / HEAD).exists() else [])
-            metadata_only = checkpointer.restore(path, args=ocp.args.Composite(
-                **{name: ocp.args.JsonRestore() for name in json_items}))
-            if abstract_params is None:
-                # Restore as host numpy arrays on one device, whatever mesh wrote them.
-                tree = _stored_params(checkpointer, path)
-                abstract_params = jax.tree_util.tree_map(
-                    lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
-                                                   sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])),
-                    tree)
-            restored = checkpointer.restore(path, args=ocp.args.Composite(
-                **{PARAMS: ocp.args.StandardRestore(abstract_params)}))
-    except Exception as error:  # noqa: BLE001 - Orbax/TensorStore raise many types for a damaged directory
-        raise ValueError(f"{directory}: cannot read the checkpoint ({first_line(error)}); it is damaged or "
-                         f"incomplete") from None
+    with _reading(directory), ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
+        json_items = [MODEL_CONFIG, VOCAB] + ([HEAD] if (path / HEAD).exists() else [])
+        metadata_only = checkpointer.restore(path, args=ocp.args.Composite(
+            **{name: ocp.args.JsonRestore() for name in json_items}))
+        tree = _stored_params(checkpointer, path)
     config = BertConfig.from_dict(metadata_only[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
+    check_stored_config(tree, config, directory)  # before reading a tensor
+    if abstract_params is None:
+        # Restore as host numpy arrays on one device, whatever mesh wrote them.
+        abstract_params = jax.tree_util.tree_map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                           sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), tree)
+    with _reading(directory), ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
+        restored = checkpointer.restore(path, args=ocp.args.Composite(
+            **{PARAMS: ocp.args.StandardRestore(abstract_params)}))
     vocab = metadata_only[VOCAB]
     _check_vocab(config, vocab["tokens"], directory)
     params = model_lib.with_layout(model_lib.merge_head_axes(restored[PARAMS]), config, stacked=False)
@@ -200,10 +201,31 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
                            metadata_only.get(HEAD))
 
 
+@contextlib.contextmanager
+def _reading(directory):
+    """Any error reading the checkpoint at `directory` as one ValueError line naming it."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - Orbax/TensorStore raise many types for a damaged directory
+        raise ValueError(f"{directory}: cannot read the checkpoint ({first_line(error)}); it is damaged or "
+                         f"incomplete") from None
+
+
 def _stored_params(checkpointer, path):
     """The params' Orbax metadata tree (shapes, dtypes) of the checkpoint at `path`, nothing restored."""
     tree = checkpointer.metadata(path).item_metadata[PARAMS]
     return getattr(tree, "tree", tree)
+
+
+def check_stored_config(metadata, config: BertConfig, directory) -> None:
+    """Refuses a checkpoint whose `model_config` disagrees with its params' stored shapes (`metadata`: the params'
+    Orbax metadata tree), naming the field and the tensor (model.shapes)."""
+    leaves = jax.tree_util.tree_flatten_with_path(metadata, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    stored = {tuple(str(k.key) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+    try:
+        shapes.check_stored_shapes(stored, config, MODEL_CONFIG)
+    except ValueError as error:
+        raise ValueError(f"{directory}: {error}") from None
 
 
 def _has_split_head_kernels(metadata) -> bool:
@@ -249,6 +271,7 @@ def restore_train_state(step_dir: str, abstract_state):
         stored, wanted = model_lib.is_stacked(metadata), model_lib.is_stacked(abstract_state.params)
         split_heads = _has_split_head_kernels(metadata)
         config = load_config(step_dir)
+        check_stored_config(metadata, config, step_dir)
         target = abstract_state if stored == wanted else _abstract_layout(abstract_state, config, stored)
         if split_heads:
             target = _abstract_split_heads(target, config)
@@ -375,6 +398,28 @@ class ResumeRefused(ValueError):
     fault, so `StepCheckpointer.restore_newest` lets it through instead of setting the step aside."""
 
 
+def _drop_late_read_completions() -> None:
+    """The completions of a failed restore's other reads are not printed as tracebacks.
+
+    Orbax runs a restore on an event loop of its own and closes it when the first read fails; TensorStore then
+    completes the reads still in flight by `loop.call_soon_threadsafe` on that closed loop and reports each
+    RuntimeError('Event loop is closed') as unraisable: a dozen tracebacks after the one line saying which step was
+    set aside. Only that error, raised there, is dropped (from now on in this process)."""
+    if getattr(sys.unraisablehook, "drops_late_read_completions", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        frames = [frame.f_code.co_name for frame, _ in tb_lib.walk_tb(unraisable.exc_traceback)]
+        if (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+                and "call_soon_threadsafe" in frames):
+            return
+        previous(unraisable)
+
+    hook.drops_late_read_completions = True
+    sys.unraisablehook = hook
+
+
 class StepCheckpointer:
     """An Orbax CheckpointManager over `directory/<step>`, each step a set of our items; what a training job's saves
     and resumes go through.
@@ -434,6 +479,7 @@ class StepCheckpointer:
         read is set aside with a one-line warning through `log`, and the one before it is tried; a ResumeRefused
         (the config, not the step, is at fault) passes through."""
         steps = self.steps()
+        _drop_late_read_completions()  # before: a failed restore's reads complete while it raises
         for step in reversed(steps):
             try:
                 return step, restore(step)

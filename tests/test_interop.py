@@ -206,17 +206,24 @@ def test_checkpoint_errors_name_the_tensor(tiny_hf_pretraining, tmp_path):
 
     missing = dict(tensors)
     missing.pop("bert.encoder.layer.1.intermediate.dense.bias")
-    with pytest.raises(ValueError, match=r"missing tensor 'encoder.layer.1.intermediate.dense.bias' "
+    with pytest.raises(ValueError, match=r"/missing: tensor 'encoder.layer.1.intermediate.dense.bias' is missing "
                                          r"\(expected shape \(96,\)\)"):
         load_pretrained(variant("missing", missing))
     extra = dict(tensors, **{"bert.encoder.layer.9.output.dense.weight": np.zeros((3, 3), np.float32)})
-    with pytest.raises(ValueError, match=r"unexpected tensors .*encoder.layer.9.output.dense.weight \(3, 3\)"):
+    with pytest.raises(ValueError, match=r"config.json says num_hidden_layers=2 but the checkpoint holds tensor "
+                                         r"encoder.layer.9.output.dense.weight \(3, 3\)"):
         load_pretrained(variant("extra", extra))
     bad_shape = dict(tensors, **{"bert.encoder.layer.0.attention.self.key.weight": np.zeros((64, 32),
                                                                                              np.float32)})
-    with pytest.raises(ValueError, match=r"shape mismatch for tensor 'encoder.layer.0.attention.self.key.weight': "
-                                         r"checkpoint has \(64, 32\), the config expects \(64, 64\)"):
+    with pytest.raises(ValueError, match=r"config.json says hidden_size=64 but tensor "
+                                         r"encoder.layer.0.attention.self.key.weight has shape \(64, 32\) \(the "
+                                         r"config gives \(64, 64\)\)"):
         load_pretrained(variant("shape", bad_shape))
+    # A layer short: the config's layer count is named.
+    short = {k: v for k, v in tensors.items() if not k.startswith("bert.encoder.layer.1.")}
+    with pytest.raises(ValueError, match=r"config.json says num_hidden_layers=2 but tensor 'encoder.layer.1.\S+' is "
+                                         r"missing"):
+        load_pretrained(variant("short", short))
 
 
 def test_vocab_size_mismatch_is_an_error(tmp_path):

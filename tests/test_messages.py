@@ -247,3 +247,119 @@ def test_info_of_a_damaged_checkpoint_ends_on_its_line_every_time(tiny_checkpoin
         assert done.returncode == 2
         last = done.stderr.rstrip("\n").splitlines()[-1]
         assert last.startswith(f"bertjax info: error: {broken}: cannot read the checkpoint"), done.stderr[-2000:]
+
+
+def _with_config(source: Path, out: Path, config_file: str, **changes) -> str:
+    """A copy of the checkpoint directory `source` whose config (the JSON file `config_file` in it) says `changes`."""
+    import shutil
+
+    shutil.copytree(source, out)
+    values = json.loads((out / config_file).read_text())
+    (out / config_file).write_text(json.dumps({**values, **changes}))
+    return str(out)
+
+
+CONFIG_EDITS = [({"hidden_size": 16}, "hidden_size=16", "LayerNorm/bias has shape (32,) (the config gives (16,))"),
+                ({"vocab_size": 1000}, "vocab_size=1000",
+                 "word_embeddings/embedding has shape (30522, 32) (the config gives (1000, 32))")]
+
+
+@pytest.mark.parametrize("changes, said, tensor", CONFIG_EDITS)
+def test_a_checkpoint_config_that_disagrees_with_its_tensors_is_refused_naming_both(
+        tiny_checkpoint, shared_data, tmp_path, capsys, changes, said, tensor):
+    """An Orbax checkpoint's model_config edited to another size: info, export and a fine-tune's --init refuse,
+    naming the field and value and the tensor and its shape; nothing is written."""
+    edited = _with_config(Path(tiny_checkpoint), tmp_path / "edited", "model_config/metadata", **changes)
+    for argv in (["info", edited], ["export", edited, "--out", str(tmp_path / "hf")],
+                 ["finetune", "glue", "--task", "mrpc", "--data", str(shared_data / "glue"), "--init", edited,
+                  "--workdir", str(tmp_path / "w")]):
+        line = _error(capsys, argv)
+        assert f"error: {edited}: model_config says {said} but tensor bert/embeddings/" in line, line
+        assert line.endswith(tensor), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited"]
+
+
+@pytest.mark.parametrize("changes, said, tensor", [
+    ({"hidden_size": 16}, "hidden_size=16", "(30522, 32) (the config gives (30522, 16))"),
+    ({"vocab_size": 1000}, "vocab_size=1000", "(30522, 32) (the config gives (1000, 32))")])
+def test_an_hf_config_that_disagrees_with_its_tensors_is_refused_naming_both(
+        minilm_dir, shared_data, tmp_path, capsys, changes, said, tensor):
+    """The same for an HF directory's config.json: convert and a fine-tune's --init refuse."""
+    from tests.conftest import save_tiny_hf
+
+    source = save_tiny_hf(tmp_path / "source", minilm_dir / "vocab.txt", seed=0)
+    edited = _with_config(Path(source), tmp_path / "edited", "config.json", **changes)
+    for argv in (["convert", edited, "--from", "hf", "--out", str(tmp_path / "out")],
+                 ["finetune", "glue", "--task", "mrpc", "--data", str(shared_data / "glue"), "--init", edited,
+                  "--workdir", str(tmp_path / "w")]):
+        line = _error(capsys, argv)
+        assert line.endswith(f"error: {edited}: config.json says {said} but tensor "
+                             f"embeddings.word_embeddings.weight has shape {tensor}"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "source"]
+
+
+def test_a_config_json_too_big_for_the_machine_is_one_line_before_anything_is_allocated(minilm_dir, shared_data,
+                                                                                        tmp_path, capsys):
+    """An HF config.json of absurd size: info and a fine-tune's --init refuse in one line naming the field and the
+    memory; `pretrain --config init` (a process) exits 2 in seconds with that line last, leaving no workdir."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import save_tiny_hf
+
+    source = save_tiny_hf(tmp_path / "source", minilm_dir / "vocab.txt", seed=0)
+    edited = _with_config(Path(source), tmp_path / "edited", "config.json", vocab_size=10**10)
+    said = "vocab_size=10000000000: the model's "
+    for argv in (["info", edited], ["finetune", "glue", "--task", "mrpc", "--data", str(shared_data / "glue"),
+                                    "--init", edited, "--workdir", str(tmp_path / "w")]):
+        line = _error(capsys, argv)
+        assert f"{edited}/config.json: invalid BertConfig: {said}" in line and "GiB of memory" in line, line
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "bertjax.cli", "pretrain", "--config", "init", "--init", edited,
+                           "--workdir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert time.monotonic() - started < 90  # imports on a loaded machine; an XLA compile would take minutes
+    last = done.stderr.rstrip("\n").splitlines()[-1]
+    assert last.startswith("bertjax pretrain: error: ") and said in last and "Traceback" not in done.stderr, last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "source"]
+
+
+@pytest.mark.parametrize("escape", ["dot-dot", "absolute", "symlink", "hub cache blob"])
+def test_a_sharded_index_naming_a_file_outside_the_model_directory_is_refused(minilm_dir, tmp_path, capsys, escape):
+    """model.safetensors.index.json names the shard files; one outside the model directory (`..`, an absolute
+    path, a symlink out of it) is never read: one line naming the index and the entry. Inside, the shards read, and
+    so do the hub cache's links from a snapshot into its blobs."""
+    from safetensors.numpy import load
+
+    from tests.conftest import save_tiny_hf
+
+    snapshots = tmp_path / "models--owner--tiny" / "snapshots"  # the hub cache's layout
+    model = Path(save_tiny_hf(snapshots / "rev", minilm_dir / "vocab.txt", seed=0))
+    weights = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").unlink()
+    (model / "model-00001-of-00001.safetensors").write_bytes(weights)
+    (snapshots / "outside.safetensors").write_bytes(weights)  # readable: only the check keeps it from being read
+
+    def index(entry):
+        (model / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {name: entry for name in load(weights)}}))
+
+    index("model-00001-of-00001.safetensors")
+    assert bertjax_main(["info", str(model)]) == 0
+    entry = {"dot-dot": "../outside.safetensors", "absolute": str(snapshots / "outside.safetensors")}.get(
+        escape, "linked.safetensors")
+    if escape == "symlink":
+        (model / "linked.safetensors").symlink_to(snapshots / "outside.safetensors")
+    if escape == "hub cache blob":
+        (tmp_path / "models--owner--tiny" / "blobs").mkdir()
+        (tmp_path / "models--owner--tiny" / "blobs" / "0123abcd").write_bytes(weights)
+        (model / "linked.safetensors").symlink_to("../../blobs/0123abcd")
+    index(entry)
+    capsys.readouterr()
+    if escape == "hub cache blob":
+        assert bertjax_main(["info", str(model)]) == 0
+        return
+    line = _error(capsys, ["info", str(model)])
+    assert line.endswith(f"error: {model}/model.safetensors.index.json: entry {entry!r} names a file outside the "
+                         f"model directory {model}; shards must be files in it"), line

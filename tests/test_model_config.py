@@ -65,3 +65,41 @@ def test_bad_files(tmp_path):
         BertConfig.from_hf_dict({"model_type": "roberta"})
     with pytest.raises(ValueError, match=r"unknown BertConfig keys \['bogus'\]"):
         BertConfig.from_dict({"bogus": 1})
+
+
+@pytest.mark.parametrize("changes", [{}, {"num_hidden_layers": 3, "vocab_size": 97, "intermediate_size": 40},
+                                     {"hidden_size": 96, "num_attention_heads": 3, "max_position_embeddings": 33}])
+def test_param_count_is_the_models(changes):
+    """The closed-form count the memory check uses is the parameter count of the model Flax builds."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from bertjax.model import bert as model_lib
+
+    config = BertConfig.preset("tiny", **changes)
+    shapes = jax.eval_shape(lambda: model_lib.init_params(model_lib.BertForPreTraining(config), config,
+                                                          jax.random.key(0)))
+    assert config.param_count() == sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(nn.meta.unbox(shapes)))
+
+
+@pytest.mark.parametrize("changes, field", [({"hidden_size": 10**9}, "hidden_size=1000000000"),
+                                            ({"vocab_size": 10**10}, "vocab_size=10000000000"),
+                                            ({"vocab_size": 10**10, "num_hidden_layers": 10**7},
+                                             "num_hidden_layers=10000000")])
+def test_a_model_too_big_for_the_machine_is_refused_naming_the_field_and_the_memory(changes, field):
+    """Refused on construction, with the float32 params' size and the machine's memory (nothing allocated)."""
+    import os
+
+    import dataclasses
+
+    from bertjax.model.config import _param_count  # the count test_param_count_is_the_models holds to the model
+
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    count = _param_count({**{f.name: f.default for f in dataclasses.fields(BertConfig)}, **changes})
+    with pytest.raises(ValueError) as raised:
+        BertConfig(**changes)
+    message = str(raised.value)
+    assert message.startswith(f"invalid BertConfig: {field}: the model's {count:,} float32 parameters alone need "
+                              f"{4 * count / 2**30:,.1f} GiB, "), message
+    assert message.endswith(f"more than this machine's {memory / 2**30:,.1f} GiB of memory"), message

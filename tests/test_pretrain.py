@@ -366,16 +366,20 @@ def test_resume_with_a_changed_config_is_refused_or_allowed_by_name(uninterrupte
 
 def test_a_corrupt_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(uninterrupted, corpus, tmp_path,
                                                                                monkeypatch, capsys):
-    """A truncated params file in the newest step used to block resuming behind ~150 lines of traceback."""
+    """A truncated params file in the newest step used to block resuming behind ~150 lines of traceback. As a
+    process: the reads the failed restore left in flight, completed on Orbax's closed event loop, printed a dozen
+    'Event loop is closed' tracebacks after the warning (in most runs); the warning is all that is said now."""
     workdir = tmp_path / "corrupt"
     shutil.copytree(uninterrupted, workdir)
     newest, damaged = STEPS, MIDDLE + EVERY
     shutil.rmtree(workdir / "checkpoints" / str(newest))
     for path in (workdir / "checkpoints" / str(damaged) / "params").rglob("*"):
-        if path.is_file() and path.stat().st_size > 64:
+        if path.is_file() and path.stat().st_size > 64 and path.parent.name == "d":  # the arrays' data, not metadata
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     (workdir / "metrics.jsonl").write_text("")
-    output = _run_here(_argv(workdir, corpus), monkeypatch, capsys)
+    done = _run(_argv(workdir, corpus), keep=True)
+    assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr, done.stderr[-3000:]
+    output = done.stdout
     [warning] = [_message(line) for line in output.splitlines() if _message(line).startswith("warning: cannot restore")]
     assert f"checkpoints/{damaged}" in warning and f"checkpoints/{damaged}.corrupt" in warning
     assert "resumed from" in output and f"checkpoints/{MIDDLE}" in output

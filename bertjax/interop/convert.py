@@ -3,37 +3,21 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import flax.linen as nn
-import jax
 import numpy as np
 
 from bertjax.interop import names as names_lib
 from bertjax.model import bert as model_lib
+from bertjax.model import shapes as shapes_lib
 from bertjax.model.config import BertConfig
 
 
-def param_shapes(config: BertConfig, num_labels: int | None = None) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Shape of every param path of a BertForPreTraining with the SBO head (+ classifier / qa_outputs heads), from
-    the model."""
-    def shapes_of(module, heads_only: tuple[str, ...] = ()):
-        tree = jax.eval_shape(lambda: model_lib.init_params(module, config, jax.random.key(0)))
-        flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(tree))[0]
-        out = {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
-        return {p: s for p, s in out.items() if not heads_only or p[0] in heads_only}
-
-    shapes = shapes_of(model_lib.BertForPreTraining(config, span_boundary_objective=True))
-    shapes.update(shapes_of(model_lib.BertForQuestionAnswering(config), ("qa_outputs",)))
-    if num_labels is not None:
-        shapes.update(shapes_of(model_lib.BertForSequenceClassification(config, num_labels), ("classifier",)))
-    return shapes
-
-
 def params_from_tensors(tensors: Mapping[str, np.ndarray], config: BertConfig, source: str, origin: str,
-                        ignored: tuple[str, ...] = ()) -> dict:
+                        config_name: str, ignored: tuple[str, ...] = ()) -> dict:
     """Our nested float32 params from a flat tensor dict named the `source` way ("hf" or "tf").
 
     Only groups the checkpoint holds are converted (a BertModel dump has no MLM head). Within a held group a
-    missing tensor, and anywhere an unexpected tensor or a shape mismatch, is an error naming the tensor.
+    missing tensor, and anywhere an unexpected tensor or a shape mismatch, is an error naming the tensor; a shape
+    or layer count that `config` (read from `config_name`) does not give also names the config field.
     """
     table = names_lib.tensor_names(config.num_hidden_layers)
     key_of = (lambda n: n.hf) if source == "hf" else (lambda n: n.tf)
@@ -47,20 +31,29 @@ def params_from_tensors(tensors: Mapping[str, np.ndarray], config: BertConfig, s
         value = tensors.get(key_of(classifier))
         if value is not None:
             num_labels = int(value.shape[0] if (source == "hf" or classifier.tf_transposed) else value.shape[1])
-    shapes = param_shapes(config, num_labels)
+    shapes = shapes_lib.param_shapes(config, num_labels)
+    layers = f"{config_name} says num_hidden_layers={config.num_hidden_layers} but "
 
     params: dict = {}
     for name in table:
         if name.group not in held_groups:
             continue
         key = key_of(name)
+        expected = names_lib.expected_source_shape(name, shapes[name.path], source)
         if key not in tensors:
-            raise ValueError(f"{origin}: missing tensor {key!r} (expected shape "
-                             f"{names_lib.expected_source_shape(name, shapes[name.path], source)})")
-        try:
-            value = names_lib.from_source(name, np.asarray(tensors[key], np.float32), shapes[name.path], source)
-        except ValueError as error:
-            raise ValueError(f"{origin}: {error}") from None
+            # A whole layer missing: the config has more layers than the checkpoint.
+            whole_layer = name.path[1].startswith("layer_") and not any(
+                key_of(n) in tensors for n in table if n.path[1] == name.path[1])
+            said = layers if whole_layer else ""
+            raise ValueError(f"{origin}: {said}tensor {key!r} is missing (expected shape {expected})")
+        stored = tuple(np.shape(tensors[key]))
+        if stored != expected:
+            probe = shapes_lib.probe_shape(name.path)
+            field = shapes_lib.size_field(probe and names_lib.expected_source_shape(name, probe, source), stored,
+                                          expected)
+            raise ValueError(f"{origin}: "
+                             + shapes_lib.mismatch_message(config, config_name, key, stored, expected, field))
+        value = names_lib.from_source(name, np.asarray(tensors[key], np.float32), shapes[name.path], source)
         node = params
         for part in name.path[:-1]:
             node = node.setdefault(part, {})
@@ -68,6 +61,10 @@ def params_from_tensors(tensors: Mapping[str, np.ndarray], config: BertConfig, s
 
     used = {key_of(n) for n in table if n.group in held_groups}
     unexpected = sorted(k for k in tensors if k not in used and k not in ignored)
+    beyond = [k for k in unexpected if k.startswith(("encoder.layer.", "bert/encoder/layer_"))]
+    if beyond:
+        raise ValueError(f"{origin}: {layers}the checkpoint holds tensor {beyond[0]} "
+                         f"{tuple(np.shape(tensors[beyond[0]]))}")
     if unexpected:
         details = ", ".join(f"{k} {tuple(np.shape(tensors[k]))}" for k in unexpected[:10])
         raise ValueError(f"{origin}: unexpected tensors not part of a BERT model: {details}"

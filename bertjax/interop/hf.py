@@ -10,6 +10,7 @@ beside them (names.SBO_FILE).
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 import uuid
@@ -53,8 +54,8 @@ def read_state_dict(directory: str) -> dict[str, np.ndarray]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         tensors = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            tensors.update(_load_safetensors(path / shard))
+        for shard in sorted(set(_index_entries(index))):
+            tensors.update(_load_safetensors(_shard_path(path, index, shard)))
         return tensors
     if (path / "pytorch_model.bin").exists():
         try:
@@ -74,6 +75,36 @@ def read_state_dict(directory: str) -> dict[str, np.ndarray]:
                             "pytorch_model.bin")
 
 
+def _index_entries(index: epath.Path) -> list[str]:
+    """The shard file names a model.safetensors.index.json maps tensors to."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, TypeError, KeyError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: expected a JSON object whose \"weight_map\" maps tensor names to shard file "
+                         "names")
+    return list(weight_map.values())
+
+
+def _shard_path(directory: epath.Path, index: epath.Path, entry: str) -> epath.Path:
+    """The shard file an index entry names, which must be in the model directory: an absolute name, `..` or a
+    symlink out of it would read any file the user can read (a downloaded index is not trusted). The one link out
+    allowed is the hub cache's own, from `snapshots/<revision>/` into the repository's `blobs/`."""
+    outside = entry.startswith(("/", "\\")) or "://" in entry or ".." in entry.replace("\\", "/").split("/")
+    shard = directory / entry
+    if not outside and "://" not in str(directory):
+        root = os.path.realpath(directory)
+        roots = [root] + ([os.path.join(os.path.dirname(os.path.dirname(root)), "blobs")]
+                          if os.path.basename(os.path.dirname(root)) == "snapshots" else [])
+        target = os.path.realpath(shard)
+        outside = not any(os.path.commonpath([allowed, target]) == allowed for allowed in roots)
+    if outside:
+        raise ValueError(f"{index}: entry {entry!r} names a file outside the model directory {directory}; shards "
+                         "must be files in it")
+    return shard
+
+
 def normalize_keys(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """HF keys in the table's naming: no "bert." prefix on encoder keys; old gamma/beta LayerNorm names."""
     out = {}
@@ -91,7 +122,8 @@ def load_hf(directory: str):
     path = epath.Path(directory)
     config = BertConfig.from_json_file(str(path / "config.json"))
     tensors = normalize_keys(read_state_dict(directory))
-    params = convert.params_from_tensors(tensors, config, "hf", origin=directory, ignored=IGNORED_KEYS)
+    params = convert.params_from_tensors(tensors, config, "hf", origin=directory, config_name="config.json",
+                                         ignored=IGNORED_KEYS)
     vocab = read_vocab_file(str(path / "vocab.txt"))
     return params, config, vocab, hf_lower_case(directory)
 

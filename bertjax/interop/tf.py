@@ -36,7 +36,8 @@ def read_tf_checkpoint(prefix: str) -> dict[str, np.ndarray]:
 def load_tf(prefix: str, config_path: str):
     """(params, config) from an original TF checkpoint prefix and its bert_config.json."""
     config = BertConfig.from_json_file(config_path)
-    params = convert.params_from_tensors(read_tf_checkpoint(prefix), config, "tf", origin=prefix)
+    params = convert.params_from_tensors(read_tf_checkpoint(prefix), config, "tf", origin=prefix,
+                                         config_name=config_path)
     return params, config
 
 

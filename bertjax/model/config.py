@@ -1,17 +1,37 @@
 """BertConfig: the model hyperparameters, in Google's bert_config.json schema and HF's config.json.
 
 The same object travels with every checkpoint, so it is validated on construction: a bad config fails here
-with a message naming the field, not later as a shape error deep inside a compiled function.
+with a message naming the field, not later as a shape error deep inside a compiled function (or, for sizes whose
+params would not fit the machine's memory, a MemoryError or an XLA abort).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 from etils import epath
 
 from bertjax.options import option
+
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
+                "type_vocab_size")
+
+
+def _param_count(values: dict[str, int]) -> int:
+    """BertForPreTraining's parameters for the sizes in `values` (BertConfig fields)."""
+    h, i, layers = values["hidden_size"], values["intermediate_size"], values["num_hidden_layers"]
+    embeddings = (values["vocab_size"] + values["max_position_embeddings"] + values["type_vocab_size"]) * h + 2 * h
+    layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h  # q, k, v, out; intermediate; output; 2 LayerNorms
+    heads = (h * h + h) + (h * h + 3 * h + values["vocab_size"]) + (2 * h + 2)  # pooler; MLM transform, bias; NSP
+    return embeddings + layers * layer + heads
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
 
 # Keys of Google's bert_config.json; all of them are BertConfig fields under the same name.
 BERT_CONFIG_KEYS = (
@@ -74,6 +94,8 @@ class BertConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not problems:
+            problems += self._memory_problems()
         if not problems and self.hidden_size % self.num_attention_heads:
             problems.append(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                             f"{self.num_attention_heads}")
@@ -93,6 +115,23 @@ class BertConfig:
             problems.append(f"pad_token_id {self.pad_token_id} is outside the vocabulary of {self.vocab_size}")
         if problems:
             raise ValueError("invalid BertConfig: " + "; ".join(problems))
+
+    def param_count(self) -> int:
+        """The parameters of a BertForPreTraining of this config (closed form: nothing is built or allocated)."""
+        return _param_count(dataclasses.asdict(self))
+
+    def _memory_problems(self) -> list[str]:
+        """A size whose float32 params alone would not fit this machine's memory, named before anything is
+        allocated or compiled (an absurd config.json would otherwise end in MemoryError or an XLA abort)."""
+        values, memory = dataclasses.asdict(self), host_memory_bytes()
+        need = 4 * _param_count(values)
+        if need <= memory:
+            return []
+        # Named: the field that, at its default, shrinks the model most.
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        field = min(_SIZE_FIELDS, key=lambda name: _param_count({**values, name: min(values[name], defaults[name])}))
+        return [f"{field}={values[field]}: the model's {need // 4:,} float32 parameters alone need "
+                f"{need / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB of memory"]
 
     def check_length(self, length: int, flag: str) -> None:
         """Refuses sequences longer than the position table, before any data is read (`flag` names the option)."""

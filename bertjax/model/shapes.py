@@ -1,0 +1,107 @@
+"""The param shapes a BertConfig implies, and a checkpoint's stored tensor shapes checked against them.
+
+A checkpoint's config is metadata that can disagree with its tensors (edited by hand, copied from another model):
+every reader checks the tensors' shapes (Orbax metadata, safetensors or TF headers: nothing read) against the
+shapes the model builds from the config, and a mismatch names the config field and value and the tensor and shape.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import flax.linen as nn
+import jax
+
+from bertjax.model import bert as model_lib
+from bertjax.model.config import BertConfig
+
+# A config whose sizes are all different numbers: the shape the model builds from it tells which field sets each
+# dimension (hidden 39 = 3 heads of 13; the SBO head's first dense takes 3 * hidden).
+_PROBE = BertConfig(vocab_size=43, hidden_size=39, num_hidden_layers=7, num_attention_heads=3, intermediate_size=41,
+                    max_position_embeddings=47, type_vocab_size=5)
+_PROBE_LABELS = 11
+_FIELD_OF_SIZE = {43: "vocab_size", 39: "hidden_size", 117: "hidden_size", 13: "hidden_size", 7: "num_hidden_layers",
+                  3: "num_attention_heads", 41: "intermediate_size", 47: "max_position_embeddings",
+                  5: "type_vocab_size"}
+_LAYER = re.compile(r"^layer_\d+$")
+
+Path = tuple[str, ...]
+
+
+def param_shapes(config: BertConfig, num_labels: int | None = None) -> dict[Path, tuple[int, ...]]:
+    """Shape of every param path of a BertForPreTraining with the SBO head and the qa_outputs head (+ a classifier
+    of `num_labels`), in the layer layout `config.scan_layers` says (per layer, or stacked under `bert/layers`)."""
+    def shapes_of(module, heads_only: tuple[str, ...] = ()):
+        tree = jax.eval_shape(lambda: model_lib.init_params(module, config, jax.random.key(0)))
+        flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(tree))[0]
+        out = {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
+        return {p: s for p, s in out.items() if not heads_only or p[0] in heads_only}
+
+    shapes = shapes_of(model_lib.BertForPreTraining(config, span_boundary_objective=True))
+    shapes.update(shapes_of(model_lib.BertForQuestionAnswering(config), ("qa_outputs",)))
+    if num_labels is not None:
+        shapes.update(shapes_of(model_lib.BertForSequenceClassification(config, num_labels), ("classifier",)))
+    return shapes
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_shapes(stacked: bool) -> dict[Path, tuple[int, ...]]:
+    return param_shapes(_PROBE.replace(scan_layers=stacked), _PROBE_LABELS)
+
+
+def probe_shape(path: Path, stacked: bool = False) -> tuple[int, ...] | None:
+    """The shape of `path` in the probe config's model (any layer_N read as layer_0), for `size_field`."""
+    path = tuple("layer_0" if _LAYER.match(part) else part for part in path)
+    return _probe_shapes(stacked).get(path)
+
+
+def size_field(probe: tuple[int, ...] | None, stored: tuple[int, ...], expected: tuple[int, ...]) -> str | None:
+    """The config field that sets the first dimension where `stored` and `expected` differ (`probe`: the same
+    tensor's shape in the probe model, in the same layout), or None (a fixed size, or another rank)."""
+    if probe is None or not len(probe) == len(stored) == len(expected):
+        return None
+    for size, have, want in zip(probe, stored, expected):
+        if have != want:
+            return _FIELD_OF_SIZE.get(size)
+    return None
+
+
+def mismatch_message(config: BertConfig, config_name: str, tensor: str, stored: tuple[int, ...],
+                     expected: tuple[int, ...], field: str | None) -> str:
+    """`config_name says FIELD=VALUE but tensor T has shape S (the config gives E)`."""
+    if field is None:
+        return f"tensor {tensor} has shape {tuple(stored)} but {config_name} gives {tuple(expected)}"
+    return (f"{config_name} says {field}={getattr(config, field)} but tensor {tensor} has shape {tuple(stored)} "
+            f"(the config gives {tuple(expected)})")
+
+
+def check_stored_shapes(stored: dict[Path, tuple[int, ...]], config: BertConfig, config_name: str) -> None:
+    """Refuses tensors (`stored`: our param path -> shape, per layer or stacked) that the model of `config` would
+    not hold with that shape: a ValueError naming the config field and value and the tensor and its shape. Every
+    encoder tensor must be there; the pooler and heads may be absent (a classifier's label count is its own)."""
+    stacked = any(path[:2] == ("bert", model_lib.STACKED) for path in stored)
+    labels = stored.get(("classifier", "bias"))
+    expected = param_shapes(config.replace(scan_layers=stacked), labels[0] if labels else None)
+    for path, shape in stored.items():
+        name = "/".join(path)
+        if path not in expected:
+            if len(path) > 1 and _LAYER.match(path[1]):
+                raise ValueError(f"{config_name} says num_hidden_layers={config.num_hidden_layers} but the "
+                                 f"checkpoint holds tensor {name} {tuple(shape)}")
+            raise ValueError(f"tensor {name} {tuple(shape)} is not part of the model {config_name} describes")
+        want, probe = expected[path], probe_shape(path, stacked)
+        keys = [jax.tree_util.DictKey(part) for part in path]
+        if model_lib.is_split_head_kernel(keys, len(shape)):
+            # An older checkpoint's [H, heads, head_dim] attention kernel: compared in that layout.
+            want = model_lib.split_head_shape(keys, want, config)
+            probe = model_lib.split_head_shape(keys, probe, _PROBE)
+        if tuple(shape) != tuple(want):
+            raise ValueError(mismatch_message(config, config_name, name, tuple(shape), want,
+                                              size_field(probe, tuple(shape), want)))
+    held_layers = {path[1] for path in stored if len(path) > 1}
+    for path in expected:
+        if path[0] == "bert" and path[1] != "pooler" and path not in stored:
+            # A whole layer missing: the config has more layers than the checkpoint.
+            said = (f"{config_name} says num_hidden_layers={config.num_hidden_layers} but "
+                    if _LAYER.match(path[1]) and path[1] not in held_layers else "")
+            raise ValueError(f"{said}encoder tensor {'/'.join(path)} is missing from the checkpoint")
