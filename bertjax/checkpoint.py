@@ -399,7 +399,7 @@ class ResumeRefused(ValueError):
 
 
 def _drop_late_read_completions() -> None:
-    """The completions of a failed restore's other reads are not printed as tracebacks.
+    """The completions of a failed restore's other reads (or a failed save's writes) are not printed as tracebacks.
 
     Orbax runs a restore on an event loop of its own and closes it when the first read fails; TensorStore then
     completes the reads still in flight by `loop.call_soon_threadsafe` on that closed loop and reports each
@@ -420,6 +420,13 @@ def _drop_late_read_completions() -> None:
     sys.unraisablehook = hook
 
 
+def _orbax_failure_traceback(record: logging.LogRecord) -> bool:
+    """False for Orbax's own ERROR record of a failed save or restore (a traceback on stderr, from its threads): the
+    exception reaches the caller, which ends the job with it in one line (CheckpointWriteError) or sets the step
+    aside; anything else Orbax logs passes."""
+    return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
+
+
 class StepCheckpointer:
     """An Orbax CheckpointManager over `directory/<step>`, each step a set of our items; what a training job's saves
     and resumes go through.
@@ -431,6 +438,9 @@ class StepCheckpointer:
     """
 
     def __init__(self, directory, *, keep: int, keep_every: int | None = None, async_save: bool = False):
+        _drop_late_read_completions()  # a failed save (a full disk) leaves in-flight writes on a closed loop too
+        if _orbax_failure_traceback not in logging.getLogger("absl").filters:
+            logging.getLogger("absl").addFilter(_orbax_failure_traceback)
         self.directory = orbax_path(directory)
         check_writable(str(self.directory))
         manager_options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every,

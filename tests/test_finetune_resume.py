@@ -226,3 +226,22 @@ def test_a_rerun_on_another_spelling_of_the_workdir_is_the_same_run(tmp_path, ca
         assert "belongs to another" not in capsys.readouterr().err
         (tmp_path / "w" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # it ran a step: a run to keep
     assert json.loads((tmp_path / "w" / "run.json").read_text())["workdir"] == str(tmp_path / "w")
+
+
+def test_a_full_disk_ends_a_fine_tune_in_one_line(tiny_init, tmp_path, small_disk):  # noqa: F811
+    """A disk that fills at the first save: the save's line last, no traceback before it (Orbax's threads and
+    TensorStore's writes still in flight printed theirs), nothing taken for a finished run."""
+    import sys
+
+    from tests import stall_watch
+    from tests.conftest import REPO_ROOT, fill_disk
+
+    data, workdir = _synthetic_glue(tmp_path / "glue"), small_disk / "run"
+    fill_disk(small_disk / "filler", leave=400_000)  # room for the run's own small files, not for a save
+    argv = [sys.executable, "-m", "bertjax.cli",
+            *_argv(data, tiny_init, workdir, "--epochs", "1", "--save-every", "2")]
+    done = stall_watch.run(argv, cwd=REPO_ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("bertjax finetune: error: cannot write ") and last.endswith("no space left on device"), last
+    assert not (workdir / "metrics.json").exists()

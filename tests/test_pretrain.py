@@ -412,7 +412,8 @@ def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path, mo
 
 def test_a_full_disk_is_named_and_nothing_is_marked_complete(corpus, small_disk):
     """A disk that is full at the start is one line before any work; one that fills at the first save ends the
-    job with the same line (Orbax's threads log their own tracebacks before it) and no COMPLETED marker."""
+    job with the same line, no traceback before it (Orbax's threads logged theirs, and TensorStore's writes still in
+    flight reported a closed event loop, ~95 in all) and no COMPLETED marker."""
     argv = lambda workdir: _argv(workdir, corpus, "--set", "train.steps=3", "--set", "optimizer.warmup_steps=1",
                                  "--set", "checkpoint.every=1")
     expected = "bertjax pretrain: error: cannot write checkpoint to {}: no space left on device"
@@ -426,7 +427,7 @@ def test_a_full_disk_is_named_and_nothing_is_marked_complete(corpus, small_disk)
 
     fills = subprocess.run(argv(small_disk / "run"), env=_env(devices=1), cwd=REPO_ROOT, capture_output=True,
                            text=True, timeout=600)
-    assert fills.returncode == 2
+    assert fills.returncode == 2 and "Traceback" not in fills.stderr, fills.stderr[-3000:]
     assert fills.stderr.strip().splitlines()[-1] == expected.format(small_disk / "run" / "checkpoints")
     assert not (small_disk / "run" / "COMPLETED").exists()
 
