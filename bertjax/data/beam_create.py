@@ -48,7 +48,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertjax import quiet
-from bertjax.data import corpus, create, file_readers, tfrecord
+from bertjax.data import corpus, create, file_readers, format_detect, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.instances import Block, nsp_warning
 from bertjax.data.stages import tokenized_blocks
@@ -404,6 +404,7 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     if num_shards < 1:
         raise ValueError(f"--shards must be >= 1, got {num_shards}")
     config.require_input()
+    config = format_detect.resolve(config, log)
     options = beam_pipeline_options(runner, list(beam_options))
     earlier = create.earlier_run_check(out_dir, overwrite)
     start = time.time()

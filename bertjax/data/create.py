@@ -15,7 +15,7 @@ import time
 
 import tensorflow as tf
 
-from bertjax.data import corpus, file_readers, masking, tfrecord
+from bertjax.data import corpus, file_readers, format_detect, masking, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.instances import nsp_warning
 from bertjax.data.stages import (
@@ -147,6 +147,7 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
         raise ValueError("data create reads text corpora (input_kind='text')")
     config = config.replace(input_kind="text")
     config.require_input()
+    config = format_detect.resolve(config, log)
     earlier = earlier_run_check(out_dir, overwrite, worker_index, num_workers)
     start = time.time()
     files, share = (([], (0, 1)) if config.is_tfds else

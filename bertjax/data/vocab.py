@@ -7,7 +7,7 @@ from typing import Iterator, NamedTuple
 
 import tensorflow as tf
 
-from bertjax.data import corpus
+from bertjax.data import corpus, format_detect
 from bertjax.data.tokenizers import SPECIAL_TOKENS
 
 VOCAB_TYPES = ("sentencepiece", "wordpiece")
@@ -77,13 +77,14 @@ def train_wordpiece(sentences: tf.data.Dataset, out_dir: str, vocab_size: int, *
 
 def train_vocab(config: corpus.CorpusConfig, out_dir: str, vocab_size: int, vocab_type: str, *,
                 lower_case: bool | None = None, max_sentences: int | None = 5_000_000,
-                min_count: int = WORDPIECE_MIN_COUNT) -> TrainedVocab:
-    """Train a vocabulary of `vocab_type` (at most `vocab_size` tokens) on the corpus."""
+                min_count: int = WORDPIECE_MIN_COUNT, log=print) -> TrainedVocab:
+    """Train a vocabulary of `vocab_type` (at most `vocab_size` tokens) on the corpus (its format resolved first:
+    format_detect.resolve)."""
     if vocab_type not in VOCAB_TYPES:
         raise ValueError(f"--type {vocab_type!r}: expected one of {', '.join(VOCAB_TYPES)}")
     if vocab_size <= len(RESERVED):
         raise ValueError(f"--vocab-size {vocab_size} leaves no room beside the {len(RESERVED)} special tokens")
-    sentences = corpus_sentences(config, max_sentences)
+    sentences = corpus_sentences(format_detect.resolve(config, log), max_sentences)
     if vocab_type == "sentencepiece":
         return train_sentencepiece((s.decode("utf-8") for s in sentences.as_numpy_iterator()), out_dir,
                                    vocab_size, lower_case=bool(lower_case))
