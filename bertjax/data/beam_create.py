@@ -400,7 +400,7 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     dropped unless `verbose`."""
     if config.input_kind == "tfrecord" or config.is_tfds:
         raise ValueError("data create --runner beam reads corpus files (not tfds: or TFRecord input)")
-    config = config.replace(input_kind="text")
+    config = create.with_recorded_vocab(config.replace(input_kind="text"))
     if num_shards < 1:
         raise ValueError(f"--shards must be >= 1, got {num_shards}")
     config.require_input()
