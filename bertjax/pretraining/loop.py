@@ -20,7 +20,7 @@ from bertjax import checkpoint as checkpoint_lib
 from bertjax import compile_cache, sharding
 from bertjax.checkpoint import COMPLETION_MARKER, ResumeRefused
 from bertjax.console import Console, duration, metric_text
-from bertjax.data import input_source
+from bertjax.data import input_source, tfrecord
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
@@ -179,8 +179,9 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     validate(config, jax.device_count())
     mesh = config.mesh.build()
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
-    batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
-        source, config.train.batch_size, jax.process_index(), jax.process_count()))))
+    with tfrecord.damaged_records_named(source.files):
+        batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
+            source, config.train.batch_size, jax.process_index(), jax.process_count()))))
     if init_from or config.init_from:
         load_pretrained(init_from or config.init_from)  # readable, before any device time is spent
     compiled = compile_step(config, jax.devices(), len(tokenizer.vocab))
@@ -320,9 +321,9 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
                   lower_case=lower_case)
     evaluate = _Evaluator(job.eval_step, eval_batches, config.train.eval_every, mesh, config.train.nsp_loss, writer,
                           log, account)
-    return _Run(config=config, mesh=mesh, train_step=job.train_step, iterator=iterator, input_stats=input_stats,
-                account=account, cache_stats=cache_stats, console=console, writer=writer, clock=clock,
-                checkpointer=checkpointer, save=save, evaluate=evaluate), state
+    return _Run(config=config, mesh=mesh, train_step=job.train_step, iterator=iterator, input_files=source.files,
+                input_stats=input_stats, account=account, cache_stats=cache_stats, console=console, writer=writer,
+                clock=clock, checkpointer=checkpointer, save=save, evaluate=evaluate), state
 
 
 @dataclasses.dataclass
@@ -332,6 +333,7 @@ class _Run:
     mesh: object
     train_step: object
     iterator: object
+    input_files: tuple[str, ...]  # what the iterator reads (all processes')
     input_stats: collections.Counter  # the input pipeline's counters (this process's)
     account: goodput_lib.RunAccount
     cache_stats: compile_cache.CacheStats
@@ -355,7 +357,7 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
     account.mark("setup_s")
     account.snapshot(step, force=True)
     try:
-        with sharding.activate(run.mesh):
+        with sharding.activate(run.mesh), tfrecord.damaged_records_named(run.input_files):
             if step == 0:  # where learning starts from, for the eval curve
                 run.evaluate(step, state.params)
             while step < config.train.steps:
@@ -499,7 +501,8 @@ def _eval_batches(config: PretrainConfig, corpus_format: str, process_index: int
     `corpus_format`: as asked for (not as data.input resolved it): the eval input's own is detected."""
     source = input_source.resolve(config.eval_data().replace(corpus_format=corpus_format), "data.eval_input", log)
     dataset = pipeline_lib.make_pretraining_dataset(source, config.train.batch_size, process_index, process_count)
-    return [_numpy_batch(element) for element in dataset.take(config.train.eval_batches)]
+    with tfrecord.damaged_records_named(source.files):
+        return [_numpy_batch(element) for element in dataset.take(config.train.eval_batches)]
 
 
 class _Evaluator:
