@@ -1,5 +1,5 @@
-"""`data create` and `vocab train` without --format read JSON Lines and Parquet as such (detected from the
-extension or the bytes, and said), and refuse a --format the files contradict."""
+"""`data create`, `vocab train` and pretraining's input without a format read JSON Lines and Parquet as such
+(detected from the extension or the bytes by one function, and said), and refuse a format the files contradict."""
 from __future__ import annotations
 
 import json
