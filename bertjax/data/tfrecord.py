@@ -288,6 +288,8 @@ def damaged_record_index(path: str, offset: int) -> int | None:
             return None
         f.seek(position)
         header = f.read(_HEADER.size)
+        if len(header) < _HEADER.size:  # a cut header
+            return index
         length, length_crc = _HEADER.unpack(header)
         if _masked_crc(header[:8]) != length_crc:
             return index
