@@ -12,7 +12,7 @@ from bertjax.data.data_config import CorpusConfig
 
 
 def _read(files, **kwargs) -> list[dict]:
-    config = CorpusConfig(input=tuple(files), **kwargs)
+    config = CorpusConfig(input=tuple(files), **{"corpus_format": "sentences", **kwargs})
     return list(documents_from_files(files, config, cycle_length=1).as_numpy_iterator())
 
 

@@ -226,7 +226,7 @@ def test_a_hub_dataset_is_read_offline_from_the_hub_cache(corpus, tmp_path, monk
     expected = _documents(corpus["paths"]["wiki.parquet"], "parquet")
     assert CorpusConfig(input="hf:bertjax/wiki-sample").corpus_format == "parquet"
     for spec in ("hf:bertjax/wiki-sample", "hf:bertjax/wiki-sample:articles@validation"):
-        assert _documents(spec, "sentences") == expected
+        assert _documents(spec, "auto") == expected
     with pytest.raises(FileNotFoundError, match=r"hf:bertjax/absent: .*not in the hub cache.*hf download "
                                                 r"bertjax/absent --repo-type dataset"):
         expand_inputs(["hf:bertjax/absent"])

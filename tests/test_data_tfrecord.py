@@ -212,6 +212,25 @@ def test_the_input_is_resolved_once_into_what_the_job_reads(created, corpus_slic
     assert (text.config.input_kind, text.files) == ("text", (str(corpus),))
 
 
+def test_shards_made_with_a_relative_vocab_path_find_it_from_another_directory(corpus_slice, tmp_path, monkeypatch):
+    """`data create` run in one directory with `--vocab vocab.txt`; the shards read from another directory take that
+    vocabulary (the metadata records where it is, not the name as typed)."""
+    import shutil
+
+    from bertjax.data import input_source
+
+    corpus, vocab = corpus_slice
+    made_in, read_in = tmp_path / "a", tmp_path / "b"
+    made_in.mkdir(), read_in.mkdir()
+    shutil.copy(vocab, made_in / "vocab.txt")
+    monkeypatch.chdir(made_in)
+    assert bertjax_main(["data", "create", "--input", str(corpus), "--vocab", "vocab.txt", "--out", "records",
+                         "--max-seq-length", str(SEQ), "--max-predictions", str(PRED), "--dupe-factor", "1"]) == 0
+    monkeypatch.chdir(read_in)
+    source = input_source.resolve(PretrainingDataConfig(input=str(made_in / "records"), num_epochs=1))
+    assert source.config.vocab == str(made_in / "vocab.txt")
+
+
 def test_packed_records_read_back_by_a_packed_pipeline_only(created, corpus_slice, tmp_path):
     """`data create --pack`: the packed features (metadata says so), the same examples through the reader,
     the same instance count as the unpacked records, and a reader without packing refused."""

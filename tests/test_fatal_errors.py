@@ -172,6 +172,38 @@ def test_pretrain_from_a_cut_file_ends_with_its_line(corpus, tmp_path):
     assert not (tmp_path / "run" / "LOCK").exists()
 
 
+def test_pretrain_on_a_shard_with_a_damaged_record_names_the_shard_and_record(corpus, tmp_path):
+    """A byte flipped in the middle of one of three `data create` shards (its CRC no longer matches): the job ends
+    with one line naming that shard and the record (TensorFlow's own reader, read up to the damage, says which),
+    not TensorFlow's DataLossError traceback naming no file."""
+    import tensorflow as tf
+
+    from bertjax.cli import main
+
+    source = tmp_path / "wiki.txt"
+    source.write_bytes(corpus["plain"]["txt"])
+    records = tmp_path / "records"
+    assert main(["data", "create", "--input", str(source), "--format", "wikitext", "--vocab", corpus["vocab"],
+                 "--out", str(records), "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1",
+                 "--shards", "3"]) == 0
+    shard = sorted(records.glob("*.tfrecord"))[1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    intact = 0
+    with pytest.raises(tf.errors.DataLossError):
+        for _ in tf.data.TFRecordDataset(str(shard)):
+            intact += 1
+    argv = ["pretrain", "--config", "bert-tiny", "--workdir", str(tmp_path / "run"), "--set", f"data.input={records}",
+            "--set", "train.batch_size=8", "--set", "train.steps=1000", "--set", "checkpoint.every=1000"]
+    rc, err, _ = _job(argv, timeout=240)
+    assert rc == 2 and not any("Traceback" in line for line in err), err[-5:]
+    assert re.fullmatch(rf"bertjax pretrain: error: {re.escape(str(shard))}: record {intact} \(at byte \d+\) fails "
+                        r"its CRC check: the file is damaged; expected intact TFRecords \(make them again: `data "
+                        r"create --overwrite`\)", err[-1]), err[-3:]
+    assert not (tmp_path / "run" / "LOCK").exists()
+
+
 def test_a_workdir_that_cannot_be_made_is_one_line(tmp_path, capsys):
     """The machine's refusal (here a workdir below a regular file; a read-only disk the same way) is an OSError
     naming the path: one line, not a traceback."""

@@ -410,6 +410,28 @@ def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path, mo
     assert "model.bin: binary (NUL bytes in its first 64 KiB)" in err
 
 
+def test_a_json_lines_corpus_is_detected_and_its_text_trained_on(corpus, tmp_path, monkeypatch, capsys):
+    """data.input a .jsonl file, no data.corpus_format: the job says what it detected and trains on each record's
+    text as a document (the raw lines read as one sentences-layout document would make instances of `{"text": ...`);
+    the eval input, plain text, is detected as such on its own."""
+    train_path, vocab = corpus
+    documents = [d for d in pathlib.Path(train_path).read_text(encoding="utf-8").split("\n\n") if d.strip()]
+    jsonl = tmp_path / "demo.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents), encoding="utf-8")
+    eval_path = pathlib.Path(train_path).with_name("eval.txt")
+    workdir = tmp_path / "run"
+    output = _run_here(_argv(workdir, (str(jsonl), vocab), "--set", "train.steps=2", "--set", "optimizer.warmup_steps=1",
+                             "--set", "data.doc_buffer_size=1000", "--set", "checkpoint.every=1000",
+                             "--set", f"data.eval_input={eval_path}", "--set", "train.eval_every=2",
+                             "--set", "train.eval_batches=1"), monkeypatch, capsys)
+    assert (f"data.corpus_format=jsonl, detected: {jsonl}: JSON Lines (each line a JSON object), by its extension "
+            f"and bytes") in output, output
+    assert f"data.corpus_format=sentences, detected: {eval_path}: plain text, by its bytes" in output, output
+    assert json.loads((workdir / "config.json").read_text())["data"]["corpus_format"] == "jsonl"
+    trained = [r for r in _step_records(workdir) if "loss" in r]
+    assert trained[-1]["input_documents"] == len(documents)  # a document per record
+
+
 def test_a_full_disk_is_named_and_nothing_is_marked_complete(corpus, small_disk):
     """A disk that is full at the start is one line before any work; one that fills at the first save ends the
     job with the same line, no traceback before it (Orbax's threads logged theirs, and TensorStore's writes still in

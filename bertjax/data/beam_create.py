@@ -48,7 +48,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from bertjax import errors, quiet
-from bertjax.data import corpus, create, file_readers, tfrecord
+from bertjax.data import corpus, create, file_readers, format_detect, tfrecord
 from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.instances import Block, nsp_warning
@@ -405,10 +405,11 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     dropped unless `verbose`."""
     if config.input_kind == "tfrecord" or config.is_tfds:
         raise ValueError("data create --runner beam reads corpus files (not tfds: or TFRecord input)")
-    config = config.replace(input_kind="text")
+    config = create.with_recorded_vocab(config.replace(input_kind="text"))
     if num_shards < 1:
         raise ValueError(f"--shards must be >= 1, got {num_shards}")
     config.require_input()
+    config = format_detect.resolve(config, log)
     options = beam_pipeline_options(runner, list(beam_options))
     start = time.time()
     files = corpus.expand_inputs(config.inputs)

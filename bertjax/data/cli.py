@@ -7,7 +7,6 @@ command runs: `bertjax --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from bertjax import options
 from bertjax.console import Console
@@ -15,27 +14,15 @@ from bertjax.data.data_config import CorpusConfig, PretrainingDataConfig
 
 # Options of the streaming pipeline only; `data create` writes one static pass per dupe.
 _NOT_CREATE_FLAGS = ("input_kind", "masking", "num_epochs", "eval_input", "prefetch_batches")
-# --format left out: detected from the input files (format_detect).
-_DETECTED = {"corpus_format": None}
 
 
 def data_config_from_flags(args: argparse.Namespace) -> PretrainingDataConfig:
-    """The data config `data create` runs with (static masking: the original's TFRecords); --format left out
-    (and not detected) is the config's default."""
-    default = next(f.default for f in dataclasses.fields(PretrainingDataConfig) if f.name == "corpus_format")
-    return options.from_flags(PretrainingDataConfig, args, masking="static",
-                              corpus_format=args.corpus_format or default)
-
-
-def _resolve_format(args: argparse.Namespace) -> None:
-    """--format as given (checked against the files), or detected from them."""
-    from bertjax.data import format_detect
-
-    args.corpus_format = format_detect.resolve(args.input, args.corpus_format, Console().line)
+    """The data config `data create` runs with (static masking: the original's TFRecords); --format left out is
+    `auto`, detected by the job (format_detect.resolve)."""
+    return options.from_flags(PretrainingDataConfig, args, masking="static")
 
 
 def _create(args: argparse.Namespace) -> int:
-    _resolve_format(args)
     if args.runner == "beam":
         if args.num_workers != 1 or args.worker_index != 0:
             raise ValueError("--runner beam spreads the work over Beam's workers itself: drop --worker-index/"
@@ -61,8 +48,6 @@ def _create(args: argparse.Namespace) -> int:
 def _vocab_train(args: argparse.Namespace) -> int:
     from bertjax.data.vocab import train_vocab
 
-    _resolve_format(args)
-
     console = Console()
     vocab = train_vocab(options.from_flags(CorpusConfig, args), args.out, args.vocab_size, args.type,
                         lower_case=args.lower_case, max_sentences=args.max_sentences, min_count=args.min_count,
@@ -85,8 +70,7 @@ def register(subparsers) -> None:
     data = subparsers.add_parser("data", help="pretraining data jobs").add_subparsers(dest="data_command",
                                                                                        required=True)
     create = data.add_parser("create", help="text corpus -> masked TFRecord shards (original BERT format)")
-    options.add_flags(create, PretrainingDataConfig, exclude=_NOT_CREATE_FLAGS, required=("input", "vocab"),
-                      defaults=_DETECTED)
+    options.add_flags(create, PretrainingDataConfig, exclude=_NOT_CREATE_FLAGS, required=("input", "vocab"))
     create.add_argument("--out", required=True, help="output directory (gs:// works)")
     create.add_argument("--shards", type=int, default=1)
     create.add_argument("--worker-index", type=options.at_least(0), default=0,
@@ -106,7 +90,7 @@ def register(subparsers) -> None:
 
     vocab = subparsers.add_parser("vocab", help="vocabularies").add_subparsers(dest="vocab_command", required=True)
     train = vocab.add_parser("train", help="train a WordPiece or SentencePiece vocab with BERT's special tokens")
-    options.add_flags(train, CorpusConfig, required=("input",), defaults=_DETECTED)
+    options.add_flags(train, CorpusConfig, required=("input",))
     train.add_argument("--lower-case", action=argparse.BooleanOptionalAction, default=None,
                        help="default: true for WordPiece, false for SentencePiece")
     train.add_argument("--vocab-size", type=int, required=True,

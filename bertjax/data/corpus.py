@@ -263,6 +263,7 @@ def _file_lines(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
 def _file_documents(path: tf.Tensor, config: CorpusConfig, index=0, share=(0, 1)) -> tf.data.Dataset:
     """Documents of one file (documents never span files). `index`: the file's place in the sorted input;
     `share` (process index, process count): record formats read only this process's units of the file."""
+    file_readers.require_format(config)
     if config.is_records:
         return _record_documents(path, config, index, share)
     lines = _file_lines(path, config)

@@ -15,7 +15,7 @@ import time
 
 import tensorflow as tf
 
-from bertjax.data import corpus, file_readers, masking, tfrecord
+from bertjax.data import corpus, file_readers, format_detect, masking, tfrecord
 from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.instances import nsp_warning
@@ -103,6 +103,15 @@ def earlier_run_check(out_dir: str, overwrite: bool, worker_index: int = 0, num_
     return earlier
 
 
+def with_recorded_vocab(config: PretrainingDataConfig) -> PretrainingDataConfig:
+    """The config as its metadata records it: a local vocab path made absolute, so that shards read from any
+    working directory find their vocabulary (gs:// and other URLs are absolute already). Made by the driver, not
+    by a worker, whose working directory may be another."""
+    if not config.vocab or "://" in config.vocab:
+        return config
+    return config.replace(vocab=os.path.abspath(config.vocab))
+
+
 def no_instances_error(config: PretrainingDataConfig, out_dir: str) -> ValueError:
     return ValueError(f"no instances from {config.input!r}: the input has no document with text (nothing "
                       f"written to {out_dir})")
@@ -146,8 +155,9 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     """
     if config.input_kind == "tfrecord":
         raise ValueError("data create reads text corpora (input_kind='text')")
-    config = config.replace(input_kind="text")
+    config = with_recorded_vocab(config.replace(input_kind="text"))
     config.require_input()
+    config = format_detect.resolve(config, log)
     with out_dir_lib.owned(out_dir, log, out_dir_lib.lock_name(worker_index, num_workers)):
         return _create(config, out_dir, num_shards, worker_index, num_workers, write_batch, overwrite, log)
 

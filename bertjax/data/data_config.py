@@ -16,6 +16,8 @@ TEXT_FORMATS = ("sentences", "paragraphs", "wikitext", "wrapped")
 # Formats whose records are documents (one JSON object per line; a Parquet row or a `datasets` Arrow row).
 RECORD_FORMATS = ("jsonl", "parquet")
 FORMATS = TEXT_FORMATS + RECORD_FORMATS
+# The corpus format detected from the files (format_detect.resolve, before anything reads them).
+AUTO_FORMAT = "auto"
 MASKING_MODES = ("dynamic", "static")
 MASKING_SCHEMES = ("token", "span")
 # SpanBERT (Joshi et al. 2020, section 3.1): span lengths in words ~ Geometric(p=0.2) on 1..10 (renormalised, as
@@ -32,8 +34,9 @@ class CorpusConfig:
     input: str = option("", "comma-separated globs of corpus files (.gz/.zst/.bz2 read as such) or directories, "
                         "tfds:NAME[:SPLIT], hf:NAME[:CONFIG][@SPLIT] (a hub dataset's Parquet files), or "
                         "(input_kind=tfrecord) TFRecord files/directories", repeatable=True)
-    corpus_format: str = option("sentences", "sentences: one per line, blank line between documents (the original "
-                                "format) | paragraphs: one per line | wikitext | wrapped (hard-wrapped, e.g. "
+    corpus_format: str = option(AUTO_FORMAT, "auto: detected from the files and said (Parquet/Arrow, JSON Lines, "
+                                "else sentences) | sentences: one per line, blank line between documents (the "
+                                "original format) | paragraphs: one per line | wikitext | wrapped (hard-wrapped, e.g. "
                                 "Gutenberg) | jsonl: one JSON object per line, a document each | parquet: a row per "
                                 "document (also a `datasets.save_to_disk` directory; hf: inputs)", flags=("--format",))
     doc_boundary_regex: str | None = option(None, "paragraphs: a full-matching line starts a new document")
@@ -50,12 +53,13 @@ class CorpusConfig:
         # A list of patterns (a JSON/YAML config, repeated flags) is kept as one comma-separated string.
         if not isinstance(self.input, str):
             object.__setattr__(self, "input", ",".join(self.input))
-        if self.is_hf and self.corpus_format == "sentences":  # the default: a hub dataset is its Parquet files
+        if self.is_hf and self.corpus_format == AUTO_FORMAT:  # a hub dataset is its Parquet files
             object.__setattr__(self, "corpus_format", "parquet")
         if self.is_hf and self.corpus_format != "parquet":
             raise ValueError(f"hf: inputs are read as Parquet; corpus_format={self.corpus_format!r} does not apply")
-        if not self.is_tfds and self.corpus_format not in FORMATS:
-            raise ValueError(f"unknown corpus format {self.corpus_format!r}; expected one of {', '.join(FORMATS)}")
+        if not self.is_tfds and self.corpus_format not in (AUTO_FORMAT, *FORMATS):
+            raise ValueError(f"unknown corpus format {self.corpus_format!r}; expected one of {AUTO_FORMAT}, "
+                             f"{', '.join(FORMATS)}")
         if self.max_line_chars < 1:
             raise ValueError(f"max_line_chars must be >= 1, got {self.max_line_chars}")
 

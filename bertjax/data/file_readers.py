@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from bertjax import errors
-from bertjax.data.data_config import CorpusConfig
+from bertjax.data.data_config import AUTO_FORMAT, CorpusConfig
 
 _SNIFF_BYTES = 1 << 16
 # Compressions read as such: magic bytes and the extensions that name them.
@@ -166,12 +166,19 @@ def _text_problem(head: bytes) -> str | None:
     return None
 
 
+def require_format(config: CorpusConfig) -> None:
+    """Readers take a resolved corpus format: reading `auto` as some layout is the silent guess this refuses."""
+    if config.corpus_format == AUTO_FORMAT:
+        raise ValueError("corpus_format=auto reached a reader unresolved: resolve it first (format_detect.resolve)")
+
+
 def check_input_files(files: Sequence[str], config: CorpusConfig | None = None) -> list[str]:
     """Refuses files that the format cannot read, naming what they are (judged by their first 64 KiB, after
     decompression): a binary file or an archive would otherwise be read as a few lines of replacement characters,
     and a job would train on nothing. Parquet/Arrow files must be such and hold `text_field`. Returns each file's
     format as recorded in metadata (e.g. "jsonl+zstd", "parquet")."""
-    config = config or CorpusConfig()
+    config = config or CorpusConfig(corpus_format="sentences")
+    require_format(config)
     kinds = []
     for path in files:
         if config.corpus_format == "parquet":

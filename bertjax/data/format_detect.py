@@ -1,5 +1,7 @@
-"""Which corpus format input files are, where their extension or bytes say so without doubt: `data create` and
-`vocab train` use it when --format is left out, and refuse a --format the files contradict.
+"""Which corpus format input files are, where their extension or bytes say so without doubt. Every command that
+reads a corpus (`data create` local and Beam, `vocab train`, pretrain's data.input and data.eval_input) resolves its
+format through `resolve` before reading: a format left at `auto` is detected and said in one line, a format given
+is checked against the files.
 
 Parquet and Arrow files are told by their magic bytes (or .parquet / .arrow), JSON Lines by a first line that is a
 JSON object (or .jsonl / .ndjson / .json), both after decompression; any other UTF-8 text is the `sentences`
@@ -7,11 +9,13 @@ layout, the original format (the text layouts cannot be told apart by their byte
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from bertjax.data import file_readers
+from bertjax.data.data_config import AUTO_FORMAT, CorpusConfig
 
 TEXT_LAYOUTS = ("sentences", "paragraphs", "wikitext", "wrapped")
 _BY_EXTENSION = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "parquet"}
@@ -51,7 +55,7 @@ def by_bytes(path: str) -> str:
     return "text"
 
 
-def detect(files: Sequence[str]) -> tuple[str, str]:
+def detect(files: Sequence[str], key: str = "--format") -> tuple[str, str]:
     """(family, why) of input files: "parquet", "jsonl" or "text". Files that disagree, or a file whose bytes
     contradict its name, are an error naming them."""
     kinds = []
@@ -62,8 +66,8 @@ def detect(files: Sequence[str]) -> tuple[str, str]:
             continue
         seen = by_bytes(path)
         if named and named != seen:
-            raise ValueError(f"{path}: named as {named} but its bytes are {_what(seen)}: rename it, or give "
-                             f"--format")
+            raise ValueError(f"{path}: named as {named} but its bytes are {_what(seen)}: rename it, or set "
+                             f"{key}")
         kinds.append((path, seen, "its extension and bytes" if named else "its bytes"))
     first = kinds[0]
     other = next((k for k in kinds if k[1] != first[1]), None)
@@ -78,22 +82,31 @@ def _what(family: str) -> str:
     return {"parquet": "Parquet/Arrow", "jsonl": "JSON Lines (each line a JSON object)", "text": "plain text"}[family]
 
 
-def resolve(inputs: Sequence[str], given: str | None, log: Callable[[str], None]) -> str:
-    """The corpus format for `inputs`: `given` (checked against the files) or, without it, the detected one
-    (said in one line). hf: and tfds: inputs are left to their own rules."""
-    if any(i.startswith(("hf:", "tfds:")) for pattern in inputs for i in pattern.split(",")):
-        return given or "sentences"
+Config = TypeVar("Config", bound=CorpusConfig)
+
+
+def _setting(key: str, value: str) -> str:
+    return f"{key} {value}" if key.startswith("--") else f"{key}={value}"
+
+
+def resolve(config: Config, log: Callable[[str], None], key: str = "--format") -> Config:
+    """`config` with its corpus format resolved: `auto` becomes the detected format (said in one line naming the
+    file(s) and the format), a given one is checked against the files. `key` names the setting in what is said
+    (--format, data.corpus_format). hf: and tfds: inputs are left to their own rules."""
+    given, inputs = config.corpus_format, config.inputs
+    if any(i.startswith(("hf:", "tfds:")) for i in inputs):
+        return dataclasses.replace(config, corpus_format="sentences" if given == AUTO_FORMAT else given)
     from bertjax.data.corpus import expand_inputs  # imports TensorFlow
 
-    files = expand_inputs(inputs)
-    family, why = detect(files)
-    if given is None:
+    family, why = detect(expand_inputs(inputs), key)
+    if given == AUTO_FORMAT:
         chosen = "sentences" if family == "text" else family
-        log(f"--format {chosen}, detected: {why}" + (
-            " (paragraphs, wikitext and wrapped text need --format)" if family == "text" else ""))
-        return chosen
+        log(f"{_setting(key, chosen)}, detected: {why}" + (
+            f" (paragraphs, wikitext and wrapped text need {key})" if family == "text" else ""))
+        return dataclasses.replace(config, corpus_format=chosen)
     if _family(given) != family:
-        raise ValueError(f"--format {given} does not match the input: {why}; pass --format "
-                         f"{'sentences (or another text layout)' if family == 'text' else family}, or leave "
-                         f"--format out")
-    return given
+        wanted = "sentences (or another text layout)" if family == "text" else family
+        raise ValueError(f"{_setting(key, given)} does not match the input: {why}; "
+                         + (f"pass --format {wanted}, or leave --format out" if key.startswith("--") else
+                            f"set {key}={wanted}, or {AUTO_FORMAT}"))
+    return config

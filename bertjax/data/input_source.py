@@ -1,7 +1,8 @@
 """A pretraining input resolved once: what `data.input` (or `data.eval_input`) points at and how it is read.
 
 `resolve` decides the kind (the TFRecord shards of `data create`, or text: corpus files, hf:, tfds:), finds the
-files (a shard directory as its metadata lists it; an unfinished shard set refused, naming it), takes the shapes
+files (a shard directory as its metadata lists it; an unfinished shard set refused, naming it), resolves a corpus's
+format as `data create` and `vocab train` do (format_detect.resolve: detected and said, or checked), takes the shapes
 and vocabulary `data create` recorded in the shards' metadata, and checks the shards against the config. The job
 calls it once per input; the pipeline reads what it found.
 """
@@ -10,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Callable
 
 import tensorflow as tf
 
-from bertjax.data import corpus, tfrecord
+from bertjax.console import Console
+from bertjax.data import corpus, format_detect, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 
 # What `data create` metadata written before these keys existed means: unpacked, token-masked records.
@@ -29,11 +32,13 @@ class InputSource:
     files: tuple[str, ...]
 
 
-def resolve(config: PretrainingDataConfig, key: str = "data.input") -> InputSource:
+def resolve(config: PretrainingDataConfig, key: str = "data.input",
+            log: Callable[[str], None] | None = None) -> InputSource:
     """The input of `config` resolved: kind `auto` is TFRecords for `data create` output, else text; an explicit
     kind the files contradict, shards whose metadata disagree with the config, and an unfinished shard set are
-    errors naming `key` (data.input or data.eval_input) or the file. TFRecord input without data.vocab takes the
-    vocabulary `data create` recorded (when still readable)."""
+    errors naming `key` (data.input or data.eval_input) or the file. Text input's corpus format `auto` is detected
+    (said through `log`, default the console). TFRecord input without data.vocab takes the vocabulary `data create`
+    recorded (when still readable)."""
     config.require_input()
     found = tfrecord.detect_kind(config.inputs)
     kind = found if config.input_kind == "auto" else config.input_kind
@@ -43,6 +48,7 @@ def resolve(config: PretrainingDataConfig, key: str = "data.input") -> InputSour
     config = config.replace(input_kind=kind)
     if kind == "text":
         config.require_input()
+        config = format_detect.resolve(config, log or Console().line, "data.corpus_format")
         return InputSource(config, () if config.is_tfds else tuple(corpus.expand_inputs(config.inputs)))
     files = tfrecord.find_shards(config.inputs)
     metadata = [entry for directory in sorted({os.path.dirname(f) for f in files})

@@ -14,8 +14,9 @@ import contextlib
 import json
 import os
 import re
+import struct
 import uuid
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -280,3 +281,66 @@ def tfrecord_examples(files: Sequence[str], *, cycle_length: int = 8, order_seed
         lambda f: tf.data.TFRecordDataset(f, compression_type=compression or "", buffer_size=1 << 20),
         cycle_length=min(cycle_length, len(files)), block_length=16, num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True)
+
+
+# TensorFlow's record reader names the byte offset of a length (the record's start) or data (12 bytes on) that
+# fails its CRC, not the file.
+_CORRUPTED_AT = re.compile(r"corrupted record at (\d+)")
+_HEADER = struct.Struct("<QI")  # a record: length, masked CRC-32C of the length, data, masked CRC-32C of the data
+
+
+def _masked_crc(data: bytes) -> int:
+    import google_crc32c  # google-cloud-storage's dependency
+
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def damaged_record_index(path: str, offset: int) -> int | None:
+    """The index of the record of `path` whose length (at byte `offset`) or data (at `offset`) fail their CRC; None
+    if no record's length or data start there (the headers before it are walked, not the data) or it is intact."""
+    if tf.io.gfile.stat(path).length <= offset:
+        return None
+    with tf.io.gfile.GFile(path, "rb") as f:
+        position = index = 0
+        while position < offset - _HEADER.size:
+            f.seek(position)
+            header = f.read(_HEADER.size)
+            if len(header) < _HEADER.size:
+                return None
+            position += _HEADER.size + _HEADER.unpack(header)[0] + 4
+            index += 1
+        if position not in (offset - _HEADER.size, offset):
+            return None
+        f.seek(position)
+        header = f.read(_HEADER.size)
+        if len(header) < _HEADER.size:  # a cut header
+            return index
+        length, length_crc = _HEADER.unpack(header)
+        if _masked_crc(header[:8]) != length_crc:
+            return index
+        data = f.read(length + 4)
+        intact = len(data) == length + 4 and _masked_crc(data[:length]) == struct.unpack("<I", data[length:])[0]
+        return None if intact else index
+
+
+@contextlib.contextmanager
+def damaged_records_named(files: Sequence[str]) -> Iterator[None]:
+    """TensorFlow's DataLossError for a record of `files` that fails its CRC, raised as one line naming the file, the
+    record and its byte offset (ValueError)."""
+    try:
+        yield
+    except tf.errors.DataLossError as error:
+        found = _CORRUPTED_AT.search(str(error))
+        if not found:
+            raise
+        offset = int(found.group(1))
+        for path in files:
+            index = damaged_record_index(path, offset)
+            if index is not None:
+                raise ValueError(f"{path}: record {index} (at byte {offset}) fails its CRC check: the file is "
+                                 f"damaged; expected intact TFRecords (make them again: `data create --overwrite`)"
+                                 ) from None
+        shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+        raise ValueError(f"a record at byte {offset} of one of {len(files)} TFRecord file(s) ({shown}) fails its "
+                         f"CRC check: a file is damaged; expected intact TFRecords") from None

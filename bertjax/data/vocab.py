@@ -7,7 +7,7 @@ from typing import Iterator, NamedTuple
 
 import tensorflow as tf
 
-from bertjax.data import corpus
+from bertjax.data import corpus, format_detect
 from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.tokenizers import SPECIAL_TOKENS
 from bertjax.errors import OutputWriteError, cannot_write
@@ -90,9 +90,9 @@ def written_files(out_dir: str, vocab_type: str) -> list[str]:
 def train_vocab(config: corpus.CorpusConfig, out_dir: str, vocab_size: int, vocab_type: str, *,
                 lower_case: bool | None = None, max_sentences: int | None = 5_000_000,
                 min_count: int = WORDPIECE_MIN_COUNT, log=print) -> TrainedVocab:
-    """Train a vocabulary of `vocab_type` (at most `vocab_size` tokens) on the corpus, holding `out_dir`
-    (out_dir.py); an existing vocabulary there is refused, never replaced (one a model was trained with would no
-    longer match it), and a failed run removes what it wrote."""
+    """Train a vocabulary of `vocab_type` (at most `vocab_size` tokens) on the corpus (its format resolved first:
+    format_detect.resolve), holding `out_dir` (out_dir.py); an existing vocabulary there is refused, never replaced
+    (one a model was trained with would no longer match it), and a failed run removes what it wrote."""
     if vocab_type not in VOCAB_TYPES:
         raise ValueError(f"--type {vocab_type!r}: expected one of {', '.join(VOCAB_TYPES)}")
     if vocab_size <= len(RESERVED):
@@ -104,7 +104,7 @@ def train_vocab(config: corpus.CorpusConfig, out_dir: str, vocab_size: int, voca
             raise ValueError(f"{existing[-1]} already exists: vocab train does not replace a vocabulary; remove it, "
                              "or choose another --out")
         try:
-            sentences = corpus_sentences(config, max_sentences)
+            sentences = corpus_sentences(format_detect.resolve(config, log), max_sentences)
             if vocab_type == "sentencepiece":
                 return train_sentencepiece((s.decode("utf-8") for s in sentences.as_numpy_iterator()), out_dir,
                                            vocab_size, lower_case=bool(lower_case))

@@ -20,7 +20,7 @@ from bertjax import checkpoint as checkpoint_lib
 from bertjax import compile_cache, sharding
 from bertjax.checkpoint import COMPLETION_MARKER, ResumeRefused
 from bertjax.console import Console, duration, metric_text
-from bertjax.data import input_source
+from bertjax.data import input_source, tfrecord
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
@@ -39,10 +39,10 @@ from bertjax.pretraining.step import TooManyNonFiniteSteps
 from bertjax.workdir_lock import WorkdirLock
 
 
-def _resolved_input(data) -> input_source.InputSource:
+def _resolved_input(data, log) -> input_source.InputSource:
     """data.input resolved (input_source.resolve); a run needs a vocabulary (its size shapes the model, checkpoints
     carry it)."""
-    source = input_source.resolve(data)
+    source = input_source.resolve(data, log=log)
     if not source.config.vocab:
         raise ValueError(f"data.vocab is empty and the `data create` metadata of data.input={data.input!r} names no "
                          f"readable vocabulary: set data.vocab to the vocab the shards were made with")
@@ -173,13 +173,14 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     """`pretrain --dry-run`: everything a run checks before its first step, then the step compiled on this
     machine's devices, as lines for a person (nothing is written but the compilation cache's entries)."""
     compile_cache.enable(config.train.compilation_cache_dir)
-    source = _resolved_input(config.data)
+    source = _resolved_input(config.data, Console(enabled=jax.process_index() == 0).line)
     config = dataclasses.replace(config, data=source.config)
     validate(config, jax.device_count())
     mesh = config.mesh.build()
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
-    batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
-        source, config.train.batch_size, jax.process_index(), jax.process_count()))))
+    with tfrecord.damaged_records_named(source.files):
+        batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
+            source, config.train.batch_size, jax.process_index(), jax.process_count()))))
     if init_from or config.init_from:
         load_pretrained(init_from or config.init_from)  # readable, before any device time is spent
     compiled = compile_step(config, jax.devices(), len(tokenizer.vocab))
@@ -249,11 +250,13 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     # The input kind decided (and the vocab and shapes of `data create` shards found) once, before anything is
     # saved; validated after, as the shards may have set the shapes.
     requested = config.data
-    source = _resolved_input(config.data)
+    process_index, process_count = jax.process_index(), jax.process_count()
+    console = Console(enabled=process_index == 0)
+    log = console.line
+    source = _resolved_input(config.data, log)
     config = dataclasses.replace(config, data=source.config)
     validate(config, jax.device_count())
     init_from = init_from or config.init_from
-    process_index, process_count = jax.process_index(), jax.process_count()
     mesh = config.mesh.build()
     account.mark("startup_s")
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
@@ -264,8 +267,6 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     bert_config, shardings, abstract = job.bert_config, job.shardings, job.abstract_state
     seq_len = config.data.max_seq_length
 
-    console = Console(enabled=process_index == 0)
-    log = console.line
     from_shards = _shapes_taken(requested, config.data)
     if from_shards:
         log(f"from the shards' metadata: {from_shards}")
@@ -301,7 +302,8 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     if account.enabled:
         account.resumed_at(int(state.step), workdir)
 
-    eval_batches = _eval_batches(config, process_index, process_count) if config.train.eval_every else None
+    eval_batches = (_eval_batches(config, requested.corpus_format, process_index, process_count, log)
+                    if config.train.eval_every else None)
     writer = metrics_lib.MetricsWriter(workdir, config.train.steps, enabled=process_index == 0, console=console,
                                        start_step=int(state.step), wandb_project=config.train.wandb_project,
                                        run_config=config.to_dict())
@@ -318,9 +320,9 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
                   lower_case=lower_case)
     evaluate = _Evaluator(job.eval_step, eval_batches, config.train.eval_every, mesh, config.train.nsp_loss, writer,
                           log, account)
-    return _Run(config=config, mesh=mesh, train_step=job.train_step, iterator=iterator, input_stats=input_stats,
-                account=account, cache_stats=cache_stats, console=console, writer=writer, clock=clock,
-                checkpointer=checkpointer, save=save, evaluate=evaluate), state
+    return _Run(config=config, mesh=mesh, train_step=job.train_step, iterator=iterator, input_files=source.files,
+                input_stats=input_stats, account=account, cache_stats=cache_stats, console=console, writer=writer,
+                clock=clock, checkpointer=checkpointer, save=save, evaluate=evaluate), state
 
 
 @dataclasses.dataclass
@@ -330,6 +332,7 @@ class _Run:
     mesh: object
     train_step: object
     iterator: object
+    input_files: tuple[str, ...]  # what the iterator reads (all processes')
     input_stats: collections.Counter  # the input pipeline's counters (this process's)
     account: goodput_lib.RunAccount
     cache_stats: compile_cache.CacheStats
@@ -353,7 +356,7 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
     account.mark("setup_s")
     account.snapshot(step, force=True)
     try:
-        with sharding.activate(run.mesh):
+        with sharding.activate(run.mesh), tfrecord.damaged_records_named(run.input_files):
             if step == 0:  # where learning starts from, for the eval curve
                 run.evaluate(step, state.params)
             while step < config.train.steps:
@@ -491,11 +494,14 @@ def _warn_about_input(stats, reported, max_line_chars: int, nsp: bool, log):
                                 "nsp_warning": int(nsp_said or warning is not None)})
 
 
-def _eval_batches(config: PretrainConfig, process_index: int, process_count: int) -> list[dict]:
-    """A fixed held-out set: static masks from a fixed seed, so evals at different steps are comparable."""
-    dataset = pipeline_lib.make_pretraining_dataset(input_source.resolve(config.eval_data(), "data.eval_input"),
-                                                    config.train.batch_size, process_index, process_count)
-    return [_numpy_batch(element) for element in dataset.take(config.train.eval_batches)]
+def _eval_batches(config: PretrainConfig, corpus_format: str, process_index: int, process_count: int,
+                  log) -> list[dict]:
+    """A fixed held-out set: static masks from a fixed seed, so evals at different steps are comparable.
+    `corpus_format`: as asked for (not as data.input resolved it): the eval input's own is detected."""
+    source = input_source.resolve(config.eval_data().replace(corpus_format=corpus_format), "data.eval_input", log)
+    dataset = pipeline_lib.make_pretraining_dataset(source, config.train.batch_size, process_index, process_count)
+    with tfrecord.damaged_records_named(source.files):
+        return [_numpy_batch(element) for element in dataset.take(config.train.eval_batches)]
 
 
 class _Evaluator:
