@@ -9,9 +9,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-# A process blocked for ever (a tf.data iterator's destructor, a lock) uses no CPU; 30 s without a tick of CPU or a
+# A process blocked for ever (a tf.data iterator's destructor, a lock) uses no CPU; 90 s without a tick of CPU or a
 # byte of output is far longer than any pause a working job makes, even behind other processes on two cores.
-STALL_S = 30.0
+STALL_S = 90.0
 # A job that keeps working but never ends is also a failure; far past any test job's slowest run.
 CEILING_S = 1200.0
 _TICKS = os.sysconf("SC_CLK_TCK")
