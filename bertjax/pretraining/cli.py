@@ -104,7 +104,8 @@ def _pretrain(args: argparse.Namespace) -> int:
         print(pretrain.plan(config, args.workdir, init_from=args.init))
         return 0
     result = pretrain.run(config, args.workdir, init_from=args.init,
-                          max_steps_this_run=args.max_steps_this_run, allow_config_change=args.allow_config_change)
+                          max_steps_this_run=args.max_steps_this_run, allow_config_change=args.allow_config_change,
+                          command=args.argv)
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
 
 
