@@ -188,6 +188,7 @@ def _config_list(args: argparse.Namespace) -> int:
 
 def _config_show(args: argparse.Namespace) -> int:
     import json
+    import sys
 
     from bertjax.pretraining import config as pretrain_config
 
@@ -204,4 +205,6 @@ def _config_show(args: argparse.Namespace) -> int:
 
         vocab_size = len(load_tokenizer(config.data.vocab, config.data.lower_case).vocab)
     print(json.dumps(config.with_model_sizes(vocab_size).to_dict(), indent=2))
+    # Beside the JSON (which stays a --config): both warmup keys are in it, one of them unused.
+    print(f"note: {config.optimizer.warmup_note(config.train.steps)}", file=sys.stderr)
     return 0
