@@ -284,14 +284,16 @@ def restore_train_state(step_dir: str, abstract_state):
     return state
 
 
-def merge_params(initialised: dict, loaded: dict, *, source: str, encoder_only: bool) -> dict:
+def merge_params(initialised: dict, loaded: dict, *, source: str, encoder_only: bool, note=None) -> dict:
     """`initialised` (a fresh model's params) with the tensors `loaded` (a checkpoint's) holds at the same paths.
 
     Every encoder tensor (embeddings and layers) must be in the checkpoint, with the model's shape; a missing
     pooler or head stays initialised. Strict (`encoder_only=False`: pretraining from a checkpoint): a checkpoint
     tensor the model lacks, or of another shape, is an error. Encoder-only (fine-tuning a new head): tensors the
-    model lacks are ignored, and a head of another shape (another label count) stays initialised.
+    model lacks are ignored, and a head of another shape (another label count) stays initialised. Each tensor left
+    initialised is told to `note` (default: the log), as a line.
     """
+    note = note or log.info
     if model_lib.is_stacked(initialised):  # a scanned model (`load_model` hands out the per-layer layout)
         loaded = model_lib.stack_layers(loaded, stack=np.stack)
     flat = traverse_util.flatten_dict(initialised)
@@ -303,15 +305,14 @@ def merge_params(initialised: dict, loaded: dict, *, source: str, encoder_only: 
         if path not in flat_loaded:
             if is_encoder:
                 raise ValueError(f"{source}: encoder tensor {name} is missing from the checkpoint")
-            log.info("%s: %s is not in the checkpoint; freshly initialised", source, name)
+            note(f"{source}: {name} is not in the checkpoint; freshly initialised")
             merged[path] = value
             continue
         tensor = np.asarray(flat_loaded[path])
         if tensor.shape != value.shape:
             if is_encoder or not encoder_only:
                 raise ValueError(f"{source}: tensor {name} has shape {tensor.shape}, the model needs {value.shape}")
-            log.info("%s: head %s has shape %s, not %s; freshly initialised", source, name, tensor.shape,
-                     value.shape)
+            note(f"{source}: head {name} has shape {tensor.shape}, not {value.shape}; freshly initialised")
             merged[path] = value
             continue
         merged[path] = tensor.astype(value.dtype)

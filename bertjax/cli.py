@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before JAX starts: no probing for accelerators that are not there (libtpu installed on a CPU machine).
     platforms.use_cpu_where_no_accelerator(os.environ)
     args = build_parser().parse_args(argv)  # imports neither JAX nor TensorFlow
+    # The command as typed, for the records a job keeps of its run (run.json, metrics.jsonl) and the model card.
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command in FIXED_SHAPE_COMMANDS:
         # Before anything starts JAX's threads (see host_memory): ~9% faster CPU train steps. Only for jobs that
         # run one compiled shape over and over: with several shapes (fine-tuning's length buckets, eval,

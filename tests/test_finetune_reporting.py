@@ -75,6 +75,7 @@ def test_max_steps_ends_the_fine_tune_and_it_reports_what_it_trained(tiny_init, 
 
 
 def test_a_fine_tune_resumed_at_its_last_step_says_it_trained_nothing(tiny_init, tmp_path, capsys):  # noqa: F811
+    from bertjax.console import route_logging_to_console
     from bertjax.finetune import glue_data
     from bertjax.finetune.settings import TrainSettings
     from bertjax.finetune.trainer import Preempted, Trainer, classification_loss
@@ -94,12 +95,14 @@ def test_a_fine_tune_resumed_at_its_last_step_says_it_trained_nothing(tiny_init,
         os.kill(os.getpid(), signal.SIGTERM)
         return {}
 
+    route_logging_to_console()  # as the commands do: the checkpoint's log lines reach the console too
     with pytest.raises(Preempted, match="at step 3 of 3"):
         trainer().train(train, workdir=str(tmp_path / "w"), evaluate=stop_now)
-    capsys.readouterr()
+    assert "classifier/kernel is not in the checkpoint; freshly initialised" in capsys.readouterr().out
     info = trainer().train(train, workdir=str(tmp_path / "w"))
     out = capsys.readouterr().out
     assert "resumed from" in out and "(step 3 of 3)" in out
+    assert "freshly initialised" not in out, out  # the head is the resumed step's
     assert "nothing left to train: resumed at step 3 of 3" in out, out
     assert "nan" not in out.lower() and "trained 3 steps" not in out and not re.search(r"epoch \d", out), out
     assert info["history"] == [] and info["total_steps"] == 3

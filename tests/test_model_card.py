@@ -1,12 +1,20 @@
 """The model card from a run's records, read back by huggingface_hub: NER's overall scores only, the license and
-language of the base model's own card, the command line of run.json (no JAX: hand-written records)."""
+language of the base model's own card, the base model by its hub id, the command as typed, the data files with
+their hashes, the step the weights are; and the acceptance: the card's command, rerun, trains the same model."""
 from __future__ import annotations
 
+import hashlib
 import json
+import random
+import re
+import shlex
+import shutil
 
 import pytest
 
-from bertjax.interop.model_card import write_card
+from bertjax.cli import main as bertjax_main
+from bertjax.interop.model_card import base_model, write_card
+from tests.test_classify_job import _sentence, _write_csv, tiny_init  # noqa: F401 - the fixture
 
 
 def test_card_from_an_ner_run_inherits_the_base_license(tmp_path, minilm_dir):
@@ -19,22 +27,81 @@ def test_card_from_an_ner_run_inherits_the_base_license(tmp_path, minilm_dir):
     overall = {"precision": 0.9, "recall": 0.8, "f1": 0.847}
     (run_dir / "metrics.json").write_text(json.dumps({
         "metrics": {"valid": {"overall": overall, "PER": {"f1": 0.5}}}, "settings": {"learning_rate": 5e-5},
-        "init": str(minilm_dir)}))
-    (run_dir / "run.json").write_text(json.dumps({"job": "ner", "data": "conll/", "init": str(minilm_dir),
-                                                  "export_hf": True, "save_checkpoint": False}))
+        "init": str(minilm_dir), "steps_run": 30, "total_steps": 30}))
+    argv = ["finetune", "ner", "--data", "conll_2003/", "--init", str(minilm_dir), "--workdir", "run", "--export-hf"]
+    (run_dir / "run.json").write_text(json.dumps({
+        "job": "ner", "data": "conll_2003/", "init": str(minilm_dir), "export_hf": True, "save_checkpoint": False,
+        "argv": argv, f"input:{tmp_path}/conll_2003/train.txt": "46029 bytes, sha256 0123456789abcdef"}))
     card = hub.ModelCard.load(write_card(str(hf), str(run_dir)))
-    # all-MiniLM-L6-v2's own card says apache-2.0 and en.
+    # all-MiniLM-L6-v2's own card says apache-2.0 and en; the package that ships it is named by the model's hub id.
     assert (card.data.license, card.data.language) == ("apache-2.0", "en")
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert "Base model: sentence-transformers/all-MiniLM-L6-v2." in card.text and "site-packages" not in \
+        card.text.split("```bash")[0]
     assert card.data.pipeline_tag == "token-classification" and card.data.datasets == ["eriktks/conll2003"]
     assert {r.metric_name: r.metric_value for r in card.data.eval_results} == {
         f"valid overall {k}": v for k, v in overall.items()}
-    assert f"bertjax finetune ner --data conll/ --export-hf --init {minilm_dir}" in card.text
+    assert f"```bash\nbertjax {shlex.join(argv)}\n```" in card.text
+    assert "Weights: step 30 of 30, the last." in card.text
+    assert "| conll_2003/train.txt | 46,029 | 0123456789abcdef |" in card.text and "input:" not in card.text
     assert "Labels: O, B-PER, I-PER." in card.text and "hf upload" in card.text
 
 
 def test_card_of_an_exported_checkpoint_without_a_run(tmp_path):
     hub = pytest.importorskip("huggingface_hub")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "vocab_size": 10}))
-    card = hub.ModelCard.load(write_card(str(tmp_path), None, base="runs/p1"))
+    card = hub.ModelCard.load(write_card(str(tmp_path), None, source="runs/p1"))
     assert card.data.license == "other" and card.data.pipeline_tag == "fill-mask"
-    assert card.data.eval_results is None and "Base checkpoint: `runs/p1`." in card.text
+    # Nothing is known of its training: no base model (the checkpoint is not its own base), no command.
+    assert card.data.eval_results is None and "Base model" not in card.text and "## Training" not in card.text
+
+
+def test_the_base_model_is_its_hub_id_or_a_local_checkpoint(tmp_path, minilm_dir):
+    assert base_model(str(minilm_dir)) == ("sentence-transformers/all-MiniLM-L6-v2",) * 2  # a packaged checkpoint
+    assert base_model("google-bert/bert-base-uncased") == ("google-bert/bert-base-uncased",) * 2
+    snapshot = tmp_path / "hub" / "models--google-bert--bert-base-uncased" / "snapshots" / "86b5e09"
+    snapshot.mkdir(parents=True)
+    assert base_model(str(snapshot)) == ("google-bert/bert-base-uncased",) * 2  # huggingface_hub's cache
+    other_package = tmp_path / "lib" / "python3.11" / "site-packages" / "some_models" / "bert"
+    other_package.mkdir(parents=True)
+    assert base_model(str(other_package)) == ("local checkpoint", None)
+    assert base_model(str(tmp_path)) == (f"local checkpoint `{tmp_path}`", None)
+
+
+def test_the_cards_command_reruns_the_same_training(tiny_init, tmp_path, monkeypatch):  # noqa: F811
+    """A fine-tune typed with relative paths (file names with underscores) and --metric-for-best: its card gives
+    the command as typed, the step its best evaluation chose, and each data file with its size and SHA-256 as
+    hashlib computes them. The command, run in another directory holding those files, trains the same model."""
+    rng = random.Random(0)
+    words = {"no": "awful", "yes": "great"}
+    files = ("data/my_train.csv", "data/my_dev.csv")
+    first, second = tmp_path / "first", tmp_path / "second"
+    (first / "data").mkdir(parents=True)
+    for name, count in zip(files, (32, 16)):
+        _write_csv(first / name, ["text", "label"], [[_sentence(rng, words[label]), label] for label in
+                                                     ["no", "yes"] * (count // 2)])
+    argv = ["finetune", "classify", "--train", files[0], "--dev", files[1], "--init", tiny_init, "--workdir", "work",
+            "--max-seq-length", "16", "--batch-size", "8", "--epochs", "2", "--learning-rate", "5e-3", "--seed", "1",
+            "--eval-batch-size", "8", "--metric-for-best", "accuracy", "--export-hf"]
+    monkeypatch.chdir(first)
+    assert bertjax_main(argv) == 0
+    text = (first / "work" / "hf" / "README.md").read_text()
+    [command] = re.findall(r"```bash\nbertjax (.*)\n```", text)
+    assert shlex.split(command) == argv
+    result = json.loads((first / "work" / "metrics.json").read_text())
+    best = result["best"]
+    assert f"Weights: step {best['step']} of 8, the best evaluation by `accuracy` ({best['value']:.4f}; " in text
+    for name in files:
+        data = (first / name).read_bytes()
+        assert f"| {name} | {len(data):,} | {hashlib.sha256(data).hexdigest()[:16]} |" in text
+    assert "input:" not in text
+
+    (second / "data").mkdir(parents=True)
+    for name in files:
+        shutil.copy(first / name, second / name)
+    monkeypatch.chdir(second)
+    assert bertjax_main(shlex.split(command)) == 0
+    again = json.loads((second / "work" / "metrics.json").read_text())
+    assert (again["metrics"], again["best"]) == (result["metrics"], best)
+    assert (second / "work" / "hf" / "model.safetensors").read_bytes() == \
+        (first / "work" / "hf" / "model.safetensors").read_bytes()

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -213,6 +214,24 @@ def test_the_console_is_quiet_timestamped_and_ends_with_a_summary(uninterrupted_
     expected = json.loads(shown)
     assert written["train"] == expected["train"] and written["model"] == expected["model"]
     assert written["data"]["input_kind"] == "text"  # auto, decided when the run started
+
+
+def test_the_export_of_a_pretraining_run_carries_its_card(uninterrupted, corpus, tmp_path, capsys):
+    """`bertjax export WORKDIR`: the card holds the run's command as typed, its data as configured with each file's
+    size, the steps trained and the last metrics logged, and no base model (it is not its own base)."""
+    from bertjax import cli
+
+    assert cli.main(["export", str(uninterrupted), "--out", str(tmp_path / "hf")]) == 0
+    text = (tmp_path / "hf" / "README.md").read_text()
+    assert f"```bash\nbertjax {shlex.join(_argv(uninterrupted, corpus)[3:])}\n```" in text
+    assert "Base model: none (pretrained from scratch)." in text
+    assert f"Weights: step {STEPS} of train.steps={STEPS}." in text
+    train_path = corpus[0]
+    assert f"Data: data.input=`{train_path}`." in text
+    assert f"| {train_path} | {os.path.getsize(train_path):,} |" in text
+    last = [r for r in _step_records(uninterrupted) if "loss" in r][-1]
+    assert f"| train loss | {last['loss']:.4f} |" in text and f"| train mlm_accuracy | {last['mlm_accuracy']:.4f} |" \
+        in text
 
 
 def test_dry_run_compiles_and_plans_without_writing(corpus, tmp_path, monkeypatch, capsys):
@@ -467,6 +486,11 @@ def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp
     assert sorted(phase2) == [1, 2]
     # The first phase-2 step sees the phase-1 weights: far below a freshly initialised model's first loss.
     assert phase2[1] < fresh[1] - 0.5
+    # Its export's card names the --init checkpoint as its base, not itself.
+    from bertjax import cli
+
+    assert cli.main(["export", str(workdir), "--out", str(tmp_path / "hf")]) == 0
+    assert f"Base model: local checkpoint `{uninterrupted}`." in (tmp_path / "hf" / "README.md").read_text()
 
 
 def test_two_processes_match_one_process():

@@ -42,6 +42,10 @@ def test_config_show_prints_the_validated_effective_config(capsys):
     model = shown["model"]
     assert (model["num_hidden_layers"], model["hidden_size"], model["num_attention_heads"],
             model["intermediate_size"]) == (2, 128, 2, 512)
+    # The JSON holds both warmup keys; a note on stderr says which one sets the warmup.
+    assert cli.main(["config", "show", "bert-tiny"]) == 0
+    assert capsys.readouterr().err == ("note: optimizer.warmup_ratio=0.1 applies: 30 warmup steps of train.steps=300; "
+                                       "optimizer.warmup_steps=10000 is not used\n")
     assert cli.main(["config", "show", "bert-tiny", "--set", "train.batchsize=1"]) == 2
     assert "train.batchsize: unknown config key (did you mean train.batch_size?)" in capsys.readouterr().err
     assert cli.main(["config", "show", "bert-tiny", "--set", "train.steps=5", "--set",

@@ -29,6 +29,8 @@ TENSORBOARD, EVENT_FILES = "tensorboard", "events.out.tfevents.*"
 # Settings that change how a run is watched or saved, not what it computes: free to change on a rerun.
 FREE_KEYS = ("log_every", "save_every", "compilation_cache_dir", "eval_batch_size", "save_checkpoint", "export_hf",
              "overwrite", "verbose")
+# Recorded, not compared: the command as typed (for the model card); flags in another order are the same run.
+UNCOMPARED_KEYS = ("argv",)
 # The record's keys for the content of the files a run reads (`input:<path>`): a rerun on changed data is another run.
 INPUT_KEY = "input:"
 
@@ -81,7 +83,8 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
     mixed = earlier is None and bool(outputs)
     if earlier is not None and not any(k.startswith(INPUT_KEY) for k in earlier):  # recorded before inputs were
         record = {k: v for k, v in record.items() if not k.startswith(INPUT_KEY)}
-    changed = sorted(k for k in set(record) | set(earlier or {}) if (earlier or {}).get(k) != record.get(k)) \
+    changed = sorted(k for k in set(record) | set(earlier or {})
+                     if k not in UNCOMPARED_KEYS and (earlier or {}).get(k) != record.get(k)) \
         if earlier is not None else []
     if (changed or mixed) and not overwrite:
         what = (", ".join(f"{k}: {earlier.get(k)!r} -> {record.get(k)!r}" for k in changed) if changed else

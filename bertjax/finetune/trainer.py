@@ -139,7 +139,10 @@ class Trainer:
         # Outside the mesh: the dummy init batch of 1 row cannot be split over the data axis.
         boxed = init_params(module, config, self.init_key)
         self.param_shardings = sharding.param_shardings(boxed, self.mesh)
-        params = merge_params(nn.meta.unbox(boxed), pretrained_params, source=source, encoder_only=True)
+        # Told when training starts, and only if it does not resume: a resumed run's head is its saved step's.
+        self.init_notes = []
+        params = merge_params(nn.meta.unbox(boxed), pretrained_params, source=source, encoder_only=True,
+                              note=self.init_notes.append)
         self.params = jax.device_put(params, self.param_shardings)
         self.batch_sharding = sharding.batch_sharding(self.mesh)
         self._predict = jax.jit(self._predict_fn)
@@ -249,6 +252,9 @@ class Trainer:
             if resumed is not None:
                 params, opt_state, step_index = resumed
                 console.line(f"resumed from {states.directory}/{step_index} (step {step_index} of {total_steps})")
+            else:
+                for line in self.init_notes:
+                    console.line(line)
             writer = MetricsWriter(workdir or "", total_steps, enabled=workdir is not None, console=console,
                                    start_step=step_index)
             history, resumed_at, stopped_early = [], step_index, False

@@ -62,7 +62,7 @@ def _export(args: argparse.Namespace) -> int:
     from bertjax.checkpoint import resolve_checkpoint
     from bertjax.interop.hf import export_hf
     from bertjax.interop.load import load_pretrained
-    from bertjax.interop.model_card import write_card
+    from bertjax.interop.model_card import run_of, write_card
 
     if epath.Path(args.out).exists():
         raise ValueError(f"--out {args.out} already exists; choose a new directory")
@@ -73,10 +73,10 @@ def _export(args: argparse.Namespace) -> int:
     architecture = export_hf(loaded.params, loaded.config, loaded.vocab, args.out, lower_case=loaded.lower_case,
                              architecture=head.get("architecture"), id2label=id2label,
                              problem_type=head.get("problem_type"), squad=head.get("squad"))
-    # A fine-tune job's checkpoint sits in its workdir (<workdir>/checkpoint), beside the run's records.
-    run_dir = epath.Path(source).parent
-    card = write_card(args.out, str(run_dir) if (run_dir / "metrics.json").exists() else None,
-                      base=None if (run_dir / "metrics.json").exists() else source)
+    # A job's checkpoint sits in its workdir (a fine-tune's <workdir>/checkpoint, pretraining's
+    # <workdir>/checkpoints/<step>), beside the run's records.
+    run_dir, step = run_of(source)
+    card = write_card(args.out, run_dir, step=step, source=source)
     print(f"wrote {args.out} as {architecture} (from {source}), model card {card}")
     if "span_boundary" in loaded.params:
         from bertjax.interop.names import SBO_FILE
@@ -112,16 +112,12 @@ def _run_summary(run_dir: str) -> list[str]:
     import json
 
     from bertjax.checkpoint import COMPLETION_MARKER, complete_steps
+    from bertjax.interop.model_card import metric_records
 
     root = epath.Path(run_dir)
     if not (root / "metrics.jsonl").exists():
         return []
-    records = []
-    for line in (root / "metrics.jsonl").read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill mid-write
-            continue
+    records = metric_records(run_dir)
     steps = complete_steps(run_dir)
     total = json.loads((root / "config.json").read_text())["train"]["steps"] if (root / "config.json").exists() \
         else None

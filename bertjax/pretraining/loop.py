@@ -224,9 +224,10 @@ class RunResult:
 
 
 def run(config: PretrainConfig, workdir: str, *, init_from: str = "", max_steps_this_run: int | None = None,
-        allow_config_change: bool = False, lock: WorkdirLock | None) -> RunResult:
+        allow_config_change: bool = False, lock: WorkdirLock | None, command: list[str] | None = None) -> RunResult:
     """Trains until config.train.steps (resuming from the workdir's latest checkpoint), or until preempted.
-    The run's goodput account (goodput.py) goes to WORKDIR/goodput/ as it runs, and to metrics.jsonl at its end.
+    The run's goodput account (goodput.py) goes to WORKDIR/goodput/ as it runs, and to metrics.jsonl at its end;
+    `command` (the argv after `bertjax`) to metrics.jsonl at its start, for the export's model card.
     The workdir is this job's alone while it runs: `lock` (process 0's, None on the others; workdir_lock.py: another
     live job there is refused) is held from before anything is written to the end. A workdir the caller created is
     the caller's to remove on failure (new_workdir.py, in cli.py)."""
@@ -235,7 +236,7 @@ def run(config: PretrainConfig, workdir: str, *, init_from: str = "", max_steps_
         lock.acquire()  # before anything else is written
     try:
         return _run(config, workdir, init_from=init_from, max_steps_this_run=max_steps_this_run,
-                    allow_config_change=allow_config_change)
+                    allow_config_change=allow_config_change, command=command)
     finally:
         if lock is not None:
             lock.release()
@@ -345,11 +346,13 @@ class _Run:
 
 
 def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this_run: int | None,
-         allow_config_change: bool) -> RunResult:
+         allow_config_change: bool, command: list[str] | None) -> RunResult:
     """The loop: next batch, step, log, eval, save, until train.steps, a preemption or `max_steps_this_run`."""
     run, state = _start(config, workdir, init_from=init_from, allow_config_change=allow_config_change)
     config, account, writer, log = run.config, run.account, run.writer, run.console.line
     step = start_step = int(state.step)
+    if command is not None:
+        writer.write_event(step, "command", {"argv": command, "init": init_from or config.init_from})
     preemption = PreemptionFlag()
     nonfinite = _NonFiniteGuard(config.train.max_consecutive_nonfinite)
     status, last_metrics, reported_input = "completed", {}, collections.Counter()

@@ -139,6 +139,14 @@ class OptimizerConfig:
         """The warmup steps of a run of `num_train_steps`: warmup_ratio of them where set, else warmup_steps."""
         return int(round(self.warmup_ratio * num_train_steps)) if self.warmup_ratio else self.warmup_steps
 
+    def warmup_note(self, num_train_steps: int) -> str:
+        """Which of the two warmup keys sets the warmup of a run of `num_train_steps` (a config holds both)."""
+        if self.warmup_ratio:
+            return (f"optimizer.warmup_ratio={self.warmup_ratio:g} applies: {self.warmup_for(num_train_steps):,} "
+                    f"warmup steps of train.steps={num_train_steps:,}; optimizer.warmup_steps="
+                    f"{self.warmup_steps} is not used")
+        return f"optimizer.warmup_steps={self.warmup_steps} applies (optimizer.warmup_ratio is 0)"
+
 
 def make_optimizer(config: OptimizerConfig, num_train_steps: int) -> tuple[optax.GradientTransformation,
                                                                            optax.Schedule]:
