@@ -174,3 +174,23 @@ def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
     assert said == [f"{root}: removed the earlier run's outputs (--overwrite)"]
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
         "notes.txt", "run.json", "tensorboard", "tensorboard/mine", "tensorboard/mine/events.out.tfevents.1.host"]
+
+
+def test_a_resume_takes_new_evaluation_and_logging_settings_with_a_line_and_refuses_a_new_learning_rate(tmp_path):
+    """--eval-every, --metric-for-best, patience, --log-every and --save-every leave the weights trained so far as
+    they are: a resume takes them, says what changed, and records them; a changed learning rate is still refused."""
+    from bertjax.finetune.run_record import RUN_RECORD, claim
+
+    first = {"learning_rate": 1e-3, "eval_every": 25, "metric_for_best": "", "log_every": 50}
+    assert claim(str(tmp_path), first, overwrite=False, log=print) == "new"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 40, "loss": 1.0}\n')
+    said = []
+    second = {**first, "eval_every": 50, "metric_for_best": "f1"}
+    assert claim(str(tmp_path), second, overwrite=False, log=said.append) == "resume"
+    assert said == [f"{tmp_path}: resuming; changed since: --eval-every 25 -> 50, --metric-for-best '' -> f1 (the "
+                    "weights trained so far stay valid)"]
+    assert json.loads((tmp_path / RUN_RECORD).read_text()) == second  # the next resume compares with these
+    said.clear()
+    assert claim(str(tmp_path), second, overwrite=False, log=said.append) == "resume" and said == []
+    with pytest.raises(ValueError, match=r"belongs to another fine-tuning run \(learning_rate: 0.001 -> 0.002\)"):
+        claim(str(tmp_path), {**second, "learning_rate": 2e-3, "log_every": 5}, overwrite=False, log=said.append)

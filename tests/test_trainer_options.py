@@ -133,3 +133,52 @@ def test_bfloat16_accumulation_and_best_resume_bit_exactly(tmp_path, capsys, min
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     results = [json.loads((w / "metrics.json").read_text()) for w in (tmp_path / "whole", cut)]
     assert results[0]["best"] == results[1]["best"] and results[0]["metrics"] == results[1]["metrics"]
+
+
+def test_a_metric_for_best_the_job_lacks_is_refused_before_the_checkpoint_loads(tiny_init, tmp_path, capsys):
+    """`--metric-for-best f1` on a single-label classifier (it names accuracy, macro_f1, micro_f1, mcc): one line
+    listing the valid names, exit 2 within seconds, nothing compiled and no workdir left; likewise without --dev."""
+    import time
+
+    from bertjax.cli import main
+
+    rng = random.Random(2)
+    rows = [[_sentence(rng, "great" if i % 2 else "awful"), "pos" if i % 2 else "neg"] for i in range(32)]
+    train = _write_csv(tmp_path / "train.csv", ["text", "label"], rows)
+    work = tmp_path / "work"
+    argv = ["finetune", "classify", "--train", str(train), "--dev", str(train), "--init", tiny_init, "--workdir",
+            str(work), "--batch-size", "16", "--max-seq-length", "32", "--metric-for-best", "f1"]
+    started = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - started < 30  # imports on a loaded machine; before, it failed after the first eval
+    captured = capsys.readouterr()
+    assert ("error: --metric-for-best 'f1' is not among this job's dev metrics; expected one of accuracy, macro_f1, "
+            "mcc, micro_f1") in captured.err
+    assert "compiling" not in captured.out and "training:" not in captured.out and not work.exists()
+    without_dev = argv[:4] + argv[6:-1] + ["accuracy"]  # no --dev, a metric the classifier has
+    assert main(without_dev) == 2
+    assert "--metric-for-best accuracy: this run has no dev set to evaluate" in capsys.readouterr().err
+    assert not work.exists()
+
+
+def test_a_resume_that_adds_or_changes_the_metric_for_best_keeps_the_weights_and_tracks_it_anew(tmp_path):
+    """A train state saved without a best (or with one by another metric) restores its params and moments under a
+    --metric-for-best: the best is tracked again from the resumed step, with a line saying so."""
+    from bertjax.finetune.trainer import BestTracker, TrainStateSaver
+
+    params = {"w": jax.numpy.arange(6.0).reshape(2, 3)}
+    moments = {"m": jax.numpy.ones(3)}
+    TrainStateSaver(str(tmp_path / "plain")).save(4, params, moments)
+    by_f1 = BestTracker("f1", 0)
+    by_f1.update(4, {"f1": 0.5}, params)
+    TrainStateSaver(str(tmp_path / "by_f1")).save(4, params, moments, by_f1)
+    for run, metric, kept in (("plain", "accuracy", False), ("by_f1", "accuracy", False), ("by_f1", "f1", True)):
+        said, best = [], BestTracker(metric, 0)
+        zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, (params, moments))
+        restored = TrainStateSaver(str(tmp_path / run)).restore(*zeros, best, said.append)
+        np.testing.assert_array_equal(np.asarray(restored[0]["w"]), np.asarray(params["w"]))
+        np.testing.assert_array_equal(np.asarray(restored[1]["m"]), np.asarray(moments["m"]))
+        assert restored[2] == 4
+        assert (best.value, best.step) == ((0.5, 4) if kept else (None, None))
+        assert said == ([] if kept else [f"--metric-for-best {metric}: no best evaluation by it saved; tracked "
+                                         f"from step 4 on"])

@@ -80,6 +80,19 @@ class TrainSettings:
             raise ValueError("fine-tuning settings: " + "; ".join(problems))
 
 
+def check_metric_for_best(settings: TrainSettings, metric_names) -> None:
+    """--metric-for-best checked before the checkpoint loads: `metric_names` are what the job's evaluation returns
+    (derived from its metric function), None for a run without a dev set to evaluate."""
+    metric = settings.metric_for_best
+    if not metric:
+        return
+    if metric_names is None:
+        raise ValueError(f"--metric-for-best {metric}: this run has no dev set to evaluate")
+    if metric not in metric_names:
+        raise ValueError(f"--metric-for-best {metric!r} is not among this job's dev metrics; expected one of "
+                         f"{', '.join(sorted(metric_names))}")
+
+
 def greater_is_better(metric: str) -> bool:
     """Whether a higher value of `metric` is the better one (not for losses and errors)."""
     return not any(word in metric.lower() for word in ("loss", "mse", "error"))

@@ -72,12 +72,18 @@ class TrainStateSaver:
         items = {PARAMS: abstract(params), OPT_STATE: abstract(opt_state)}
         if best is not None:
             items.update({BEST_PARAMS: abstract(params), BEST: None})
-        found = self.checkpointer.restore_newest(lambda step: self.checkpointer.restore_items(step, items), log)
+
+        def read(step: int) -> dict:  # a run resumed with --metric-for-best added finds no best saved
+            saved_best = (epath.Path(self.checkpointer.step_dir(step)) / BEST).exists()
+            return self.checkpointer.restore_items(
+                step, items if saved_best else {k: v for k, v in items.items() if k not in (BEST, BEST_PARAMS)})
+
+        found = self.checkpointer.restore_newest(read, log)
         if found is None:
             return None
         step, restored = found
-        if best is not None:
-            best.load(restored[BEST], restored[BEST_PARAMS])
+        if best is not None and not best.load(restored.get(BEST), restored.get(BEST_PARAMS)):
+            log(f"--metric-for-best {best.metric}: no best evaluation by it saved; tracked from step {step} on")
         return restored[PARAMS], restored[OPT_STATE], step
 
 
@@ -108,11 +114,16 @@ class BestTracker:
         return bool(self.patience) and self.stale >= self.patience
 
     def state(self) -> dict:
-        return {"value": self.value, "step": self.step, "stale": self.stale}
+        return {"value": self.value, "step": self.step, "stale": self.stale, "metric": self.metric}
 
-    def load(self, state: dict, params) -> None:
+    def load(self, state: dict | None, params) -> bool:
+        """Takes a saved best back; False (nothing taken) when none was saved or it was by another metric (a
+        resume may change --metric-for-best). A save from before the metric was recorded is taken as by this one."""
+        if state is None or state.get("metric", self.metric) != self.metric:
+            return False
         self.value, self.step, self.stale = state["value"], state["step"], state["stale"]
         self.params = params if self.step is not None else None
+        return True
 
 
 class Trainer:
