@@ -147,3 +147,20 @@ def test_resume_sets_an_unreadable_step_aside_but_lets_a_refused_config_through(
     assert f"cannot restore {tmp_path}/steps/2 (" in warning and f"moved it to {tmp_path}/steps/2.corrupt" in warning
     assert checkpointer.steps() == [1] and (tmp_path / "steps" / "2.corrupt").is_dir()
     checkpointer.close()
+
+
+def test_progress_lines_come_every_tenth_of_a_run_or_30_seconds_whichever_is_first():
+    """The rule both training loops print by (pretraining between its metric lines, fine-tuning as metric lines):
+    log_every's steps and the last, and at least every tenth of the run and every every_s seconds."""
+    from bertjax.console import LineSchedule
+
+    short = LineSchedule(20, log_every=50)
+    assert [step for step in range(1, 21) if short.due(step)] == list(range(2, 21, 2))
+    long = LineSchedule(1000, log_every=50)
+    assert [step for step in range(1, 1001) if long.due(step)] == list(range(50, 1001, 50))
+    slow = LineSchedule(1000, log_every=50, every_s=1.0)
+    due = []
+    for step in range(1, 6):
+        time.sleep(1.1 if step == 3 else 0)  # step 3 comes 1.1 s after the start: a line, then none till 50
+        due.append(slow.due(step))
+    assert due == [False, False, True, False, False]

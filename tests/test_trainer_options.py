@@ -29,7 +29,7 @@ def _trainer(init: str, **settings):
     ckpt, tokenizer = load_init(init)
     config = ckpt.config.replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     trainer = Trainer(BertForSequenceClassification(config, 2), config, ckpt.params, classification_loss,
-                      TrainSettings(batch_size=16, epochs=1, seed=3, learning_rate=1e-3, **settings))
+                      TrainSettings(**{"batch_size": 16, "epochs": 1, "seed": 3, "learning_rate": 1e-3, **settings}))
     rng = random.Random(0)
     labels = np.array([i % 2 for i in range(48)], np.int32)
     encoded = tokenizer.encode([_sentence(rng, "great" if y else "awful") for y in labels], 32)
@@ -182,3 +182,53 @@ def test_a_resume_that_adds_or_changes_the_metric_for_best_keeps_the_weights_and
         assert (best.value, best.step) == ((0.5, 4) if kept else (None, None))
         assert said == ([] if kept else [f"--metric-for-best {metric}: no best evaluation by it saved; tracked "
                                          f"from step 4 on"])
+
+
+@pytest.fixture(scope="module")
+def short_run(tiny_init):
+    """A 20-step fine-tune (--log-every 50, the default) evaluated at steps 10 and 20, its output captured as a log
+    file takes it (not a terminal), with the programs each evaluation lowered (JAX's own compile events)."""
+    import contextlib
+    import io
+
+    from jax._src.dispatch import JAXPR_TO_MLIR_MODULE_EVENT
+
+    trainer, arrays = _trainer(tiny_init, epochs=7, max_steps=20, eval_every=10, eval_batch_size=8)
+    dev = {k: v[:40] for k, v in arrays.items()}  # 40 rows: 3 batches of 16 (the train batch: more than 8)
+    compiled, evaluations = [], []
+
+    def count(event: str, seconds: float, **_) -> None:
+        if event == JAXPR_TO_MLIR_MODULE_EVENT:
+            compiled[-1] += 1
+
+    def evaluate() -> dict:
+        compiled.append(0)
+        logits = trainer.predict(dev)
+        evaluations.append(compiled[-1])
+        return {"accuracy": float(np.mean(logits.argmax(-1) == dev["labels"]))}
+
+    out = io.StringIO()
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        with contextlib.redirect_stdout(out):
+            compiled.append(0)
+            trainer.train(arrays, evaluate=evaluate)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    return out.getvalue(), evaluations
+
+
+def test_a_short_run_written_to_a_log_says_where_it_is_every_tenth_of_its_steps(short_run):
+    out, _ = short_run
+    steps = [int(m) for m in __import__("re").findall(r"step (\d+)/20 epoch=", out)]
+    assert steps == list(range(2, 21, 2))  # before: only step 20 (log_every 50)
+
+
+def test_a_second_evaluation_compiles_nothing_and_each_eval_line_says_its_rows_and_seconds(short_run):
+    import re
+
+    out, evaluations = short_run
+    assert len(evaluations) == 2 and evaluations[0] > 0 and evaluations[1] == 0
+    assert re.search(r"predicting 40 rows \(3 batches of 16\)", out), out  # the train batch, not --eval-batch-size 8
+    lines = re.findall(r"eval at step (\d+): accuracy=\S+ \((\d+) rows, (\d+\.\d) s\)", out)
+    assert [(step, rows) for step, rows, _ in lines] == [("10", "40"), ("20", "40")], out

@@ -18,9 +18,10 @@ class TrainSettings:
     weight_decay: float = option(0.01, "AdamW decoupled weight decay (not on LayerNorm and biases)")
     max_grad_norm: float = option(1.0, "global gradient-norm clip (0: none)")
     seed: int = option(42, "head initialisation, dropout and example order")
-    eval_batch_size: int = option(64, "sequences per prediction step")
+    eval_batch_size: int = option(64, "sequences per prediction step (never fewer than --batch-size)")
     length_bucket: int = option(32, "pad each batch's length up to a multiple of this (fewer compiled shapes)")
-    log_every: int = option(50, "steps between progress lines")
+    log_every: int = option(50, "steps between metrics.jsonl records (the console also gets a line every tenth of "
+                            "the run and every 30 s)")
     max_consecutive_nonfinite: int = option(10, "this many non-finite gradients in a row stop the job (each one "
                                             "skips its update)")
     compilation_cache_dir: str = option("", "JAX's persistent compilation cache (local or gs://): '' = "
