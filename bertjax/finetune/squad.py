@@ -73,11 +73,12 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
         predict_file: str | None, save_checkpoint: bool = False, export_hf: bool = False) -> dict:
     if not train_file and not predict_file:
         raise ValueError("nothing to do: give --train and/or --predict")
-    if predict_file:  # read and checked before the checkpoint loads
+    if predict_file:  # the files read and checked before the checkpoint loads
         predict_data = first_questions(squad_data.load_squad_json(predict_file), train_settings.max_eval_examples)
         scored = any(qa.get("answers") or qa.get("is_impossible") for a in predict_data["data"]
                      for p in a["paragraphs"] for qa in p["qas"])
     if train_file:
+        data = squad_data.load_squad_json(train_file)
         check_metric_for_best(train_settings, metric_names(predict_data, squad.version_2)
                               if predict_file and scored else None)
     ckpt, tokenizer = load_init(init)
@@ -108,7 +109,6 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
         return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
 
     if train_file:
-        data = squad_data.load_squad_json(train_file)
         examples, feats = squad_data.featurize(data, tokenizer, ckpt.lower_case, True, squad.version_2,
                                                source=train_file, **featurize)
         log.info("train: %d questions -> %d windows", len(examples), len(feats))
