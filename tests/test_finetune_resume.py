@@ -2,6 +2,7 @@
 run's settings are refused unless --overwrite, and a finished run is not run again."""
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -57,8 +58,12 @@ def test_sigterm_then_rerun_ends_with_the_uninterrupted_weights(tiny_init, tmp_p
     stopped_at = max(_steps(cut))
     assert 1 <= stopped_at < 10  # mid-epoch 1
 
-    assert main(_argv(data, tiny_init, cut)) == 0  # the same command resumes
-    assert f"resumed from {cut}/train_state/{stopped_at} (step {stopped_at} of 30)" in capsys.readouterr().out
+    # The same command resumes; evaluating every 10 steps now leaves the weights trained so far as they are.
+    assert main(_argv(data, tiny_init, cut, "--eval-every", "10")) == 0
+    out = capsys.readouterr().out
+    assert f"{cut}: resuming; changed since: --eval-every 0 -> 10 (the weights trained so far stay valid)" in out
+    assert f"resumed from {cut}/train_state/{stopped_at} (step {stopped_at} of 30)" in out
+    assert re.findall(r"eval at step (\d+): accuracy=\S+ \(48 rows, \d+\.\d s\)", out) == ["10", "20", "30"], out
     whole, resumed = (load_model(str(w / "checkpoint")).params for w in (tmp_path / "whole", cut))
     assert jax.tree_util.tree_structure(whole) == jax.tree_util.tree_structure(resumed)
     for a, b in zip(jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(resumed)):
