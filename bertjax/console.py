@@ -80,6 +80,29 @@ class Console:
         return _Timed(self, what)
 
 
+class LineSchedule:
+    """When a run's progress line is due: every `log_every` steps and the last, and besides at least every tenth of
+    the run and every `every_s` seconds, whichever comes first, so that a short or a slow run written to a log (no
+    terminal, no bar) says where it is before its end."""
+
+    EVERY_S = 30.0
+
+    def __init__(self, total_steps: int, log_every: int, every_s: float | None = None):
+        self.total_steps, self.log_every = total_steps, log_every
+        self.tenth = max(1, total_steps // 10)
+        self.every_s = self.EVERY_S if every_s is None else every_s
+        self.last_line = time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` gets a line (call once per step: the clock restarts at each line)."""
+        now = time.perf_counter()
+        if (step % self.log_every == 0 or step % self.tenth == 0 or step == self.total_steps
+                or now - self.last_line >= self.every_s):
+            self.last_line = now
+            return True
+        return False
+
+
 class Progress:
     """A long piece of work counted in units (batches, folds): a line before, a bar on a terminal or else a line
     with the count and the ETA every `every_s` seconds, and a timed line after (`close`).

@@ -2,6 +2,7 @@
 run's settings are refused unless --overwrite, and a finished run is not run again."""
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -57,8 +58,12 @@ def test_sigterm_then_rerun_ends_with_the_uninterrupted_weights(tiny_init, tmp_p
     stopped_at = max(_steps(cut))
     assert 1 <= stopped_at < 10  # mid-epoch 1
 
-    assert main(_argv(data, tiny_init, cut)) == 0  # the same command resumes
-    assert f"resumed from {cut}/train_state/{stopped_at} (step {stopped_at} of 30)" in capsys.readouterr().out
+    # The same command resumes; evaluating every 10 steps now leaves the weights trained so far as they are.
+    assert main(_argv(data, tiny_init, cut, "--eval-every", "10")) == 0
+    out = capsys.readouterr().out
+    assert f"{cut}: resuming; changed since: --eval-every 0 -> 10 (the weights trained so far stay valid)" in out
+    assert f"resumed from {cut}/train_state/{stopped_at} (step {stopped_at} of 30)" in out
+    assert re.findall(r"eval at step (\d+): accuracy=\S+ \(48 rows, \d+\.\d s\)", out) == ["10", "20", "30"], out
     whole, resumed = (load_model(str(w / "checkpoint")).params for w in (tmp_path / "whole", cut))
     assert jax.tree_util.tree_structure(whole) == jax.tree_util.tree_structure(resumed)
     for a, b in zip(jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(resumed)):
@@ -245,3 +250,23 @@ def test_a_full_disk_ends_a_fine_tune_in_one_line(tiny_init, tmp_path, small_dis
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("bertjax finetune: error: cannot write ") and last.endswith("no space left on device"), last
     assert not (workdir / "metrics.json").exists()
+
+
+def test_a_resume_takes_new_evaluation_and_logging_settings_with_a_line_and_refuses_a_new_learning_rate(tmp_path):
+    """--eval-every, --metric-for-best, patience, --log-every and --save-every leave the weights trained so far as
+    they are: a resume takes them, says what changed, and records them; a changed learning rate is still refused."""
+    from bertjax.finetune.run_record import RUN_RECORD, claim
+
+    first = {"learning_rate": 1e-3, "eval_every": 25, "metric_for_best": "", "log_every": 50}
+    assert claim(str(tmp_path), first, overwrite=False, log=print) == "new"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 40, "loss": 1.0}\n')
+    said = []
+    second = {**first, "eval_every": 50, "metric_for_best": "f1"}
+    assert claim(str(tmp_path), second, overwrite=False, log=said.append) == "resume"
+    assert said == [f"{tmp_path}: resuming; changed since: --eval-every 25 -> 50, --metric-for-best '' -> f1 (the "
+                    "weights trained so far stay valid)"]
+    assert json.loads((tmp_path / RUN_RECORD).read_text()) == second  # the next resume compares with these
+    said.clear()
+    assert claim(str(tmp_path), second, overwrite=False, log=said.append) == "resume" and said == []
+    with pytest.raises(ValueError, match=r"belongs to another fine-tuning run \(learning_rate: 0.001 -> 0.002\)"):
+        claim(str(tmp_path), {**second, "learning_rate": 2e-3, "log_every": 5}, overwrite=False, log=said.append)

@@ -184,3 +184,20 @@ def test_reads_a_failed_restore_leaves_in_flight_complete_without_a_traceback(tm
     sys.unraisablehook(type("Unraisable", (), dict(exc_type=RuntimeError, exc_value=RuntimeError("other"),
                                                    exc_traceback=None))())
     assert [str(u.exc_value) for u in reported] == ["other"]  # anything else is still reported
+
+
+def test_progress_lines_come_every_tenth_of_a_run_or_30_seconds_whichever_is_first():
+    """The rule both training loops print by (pretraining between its metric lines, fine-tuning as metric lines):
+    log_every's steps and the last, and at least every tenth of the run and every every_s seconds."""
+    from bertjax.console import LineSchedule
+
+    short = LineSchedule(20, log_every=50)
+    assert [step for step in range(1, 21) if short.due(step)] == list(range(2, 21, 2))
+    long = LineSchedule(1000, log_every=50)
+    assert [step for step in range(1, 1001) if long.due(step)] == list(range(50, 1001, 50))
+    slow = LineSchedule(1000, log_every=50, every_s=1.0)
+    due = []
+    for step in range(1, 6):
+        time.sleep(1.1 if step == 3 else 0)  # step 3 comes 1.1 s after the start: a line, then none till 50
+        due.append(slow.due(step))
+    assert due == [False, False, True, False, False]

@@ -29,7 +29,7 @@ def _trainer(init: str, **settings):
     ckpt, tokenizer = load_init(init)
     config = ckpt.config.replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     trainer = Trainer(BertForSequenceClassification(config, 2), config, ckpt.params, classification_loss,
-                      TrainSettings(batch_size=16, epochs=1, seed=3, learning_rate=1e-3, **settings))
+                      TrainSettings(**{"batch_size": 16, "epochs": 1, "seed": 3, "learning_rate": 1e-3, **settings}))
     rng = random.Random(0)
     labels = np.array([i % 2 for i in range(48)], np.int32)
     encoded = tokenizer.encode([_sentence(rng, "great" if y else "awful") for y in labels], 32)
@@ -133,3 +133,102 @@ def test_bfloat16_accumulation_and_best_resume_bit_exactly(tmp_path, capsys, min
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     results = [json.loads((w / "metrics.json").read_text()) for w in (tmp_path / "whole", cut)]
     assert results[0]["best"] == results[1]["best"] and results[0]["metrics"] == results[1]["metrics"]
+
+
+def test_a_metric_for_best_the_job_lacks_is_refused_before_the_checkpoint_loads(tiny_init, tmp_path, capsys):
+    """`--metric-for-best f1` on a single-label classifier (it names accuracy, macro_f1, micro_f1, mcc): one line
+    listing the valid names, exit 2 within seconds, nothing compiled and no workdir left; likewise without --dev."""
+    import time
+
+    from bertjax.cli import main
+
+    rng = random.Random(2)
+    rows = [[_sentence(rng, "great" if i % 2 else "awful"), "pos" if i % 2 else "neg"] for i in range(32)]
+    train = _write_csv(tmp_path / "train.csv", ["text", "label"], rows)
+    work = tmp_path / "work"
+    argv = ["finetune", "classify", "--train", str(train), "--dev", str(train), "--init", tiny_init, "--workdir",
+            str(work), "--batch-size", "16", "--max-seq-length", "32", "--metric-for-best", "f1"]
+    started = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - started < 30  # imports on a loaded machine; before, it failed after the first eval
+    captured = capsys.readouterr()
+    assert ("error: --metric-for-best 'f1' is not among this job's dev metrics; expected one of accuracy, macro_f1, "
+            "mcc, micro_f1") in captured.err
+    assert "compiling" not in captured.out and "training:" not in captured.out and not work.exists()
+    without_dev = argv[:4] + argv[6:-1] + ["accuracy"]  # no --dev, a metric the classifier has
+    assert main(without_dev) == 2
+    assert "--metric-for-best accuracy: this run has no dev set to evaluate" in capsys.readouterr().err
+    assert not work.exists()
+
+
+def test_a_resume_that_adds_or_changes_the_metric_for_best_keeps_the_weights_and_tracks_it_anew(tmp_path):
+    """A train state saved without a best (or with one by another metric) restores its params and moments under a
+    --metric-for-best: the best is tracked again from the resumed step, with a line saying so."""
+    from bertjax.finetune.trainer import BestTracker, TrainStateSaver
+
+    params = {"w": jax.numpy.arange(6.0).reshape(2, 3)}
+    moments = {"m": jax.numpy.ones(3)}
+    TrainStateSaver(str(tmp_path / "plain")).save(4, params, moments)
+    by_f1 = BestTracker("f1", 0)
+    by_f1.update(4, {"f1": 0.5}, params)
+    TrainStateSaver(str(tmp_path / "by_f1")).save(4, params, moments, by_f1)
+    for run, metric, kept in (("plain", "accuracy", False), ("by_f1", "accuracy", False), ("by_f1", "f1", True)):
+        said, best = [], BestTracker(metric, 0)
+        zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, (params, moments))
+        restored = TrainStateSaver(str(tmp_path / run)).restore(*zeros, best, said.append)
+        np.testing.assert_array_equal(np.asarray(restored[0]["w"]), np.asarray(params["w"]))
+        np.testing.assert_array_equal(np.asarray(restored[1]["m"]), np.asarray(moments["m"]))
+        assert restored[2] == 4
+        assert (best.value, best.step) == ((0.5, 4) if kept else (None, None))
+        assert said == ([] if kept else [f"--metric-for-best {metric}: no best evaluation by it saved; tracked "
+                                         f"from step 4 on"])
+
+
+@pytest.fixture(scope="module")
+def short_run(tiny_init):
+    """A 20-step fine-tune (--log-every 50, the default) evaluated at steps 10 and 20, its output captured as a log
+    file takes it (not a terminal), with the programs each evaluation lowered (JAX's own compile events)."""
+    import contextlib
+    import io
+
+    from jax._src.dispatch import JAXPR_TO_MLIR_MODULE_EVENT
+
+    trainer, arrays = _trainer(tiny_init, epochs=7, max_steps=20, eval_every=10, eval_batch_size=8)
+    dev = {k: v[:40] for k, v in arrays.items()}  # 40 rows: 3 batches of 16 (the train batch: more than 8)
+    compiled, evaluations = [], []
+
+    def count(event: str, seconds: float, **_) -> None:
+        if event == JAXPR_TO_MLIR_MODULE_EVENT:
+            compiled[-1] += 1
+
+    def evaluate() -> dict:
+        compiled.append(0)
+        logits = trainer.predict(dev)
+        evaluations.append(compiled[-1])
+        return {"accuracy": float(np.mean(logits.argmax(-1) == dev["labels"]))}
+
+    out = io.StringIO()
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        with contextlib.redirect_stdout(out):
+            compiled.append(0)
+            trainer.train(arrays, evaluate=evaluate)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    return out.getvalue(), evaluations
+
+
+def test_a_short_run_written_to_a_log_says_where_it_is_every_tenth_of_its_steps(short_run):
+    out, _ = short_run
+    steps = [int(m) for m in __import__("re").findall(r"step (\d+)/20 epoch=", out)]
+    assert steps == list(range(2, 21, 2))  # before: only step 20 (log_every 50)
+
+
+def test_a_second_evaluation_compiles_nothing_and_each_eval_line_says_its_rows_and_seconds(short_run):
+    import re
+
+    out, evaluations = short_run
+    assert len(evaluations) == 2 and evaluations[0] > 0 and evaluations[1] == 0
+    assert re.search(r"predicting 40 rows \(3 batches of 16\)", out), out  # the train batch, not --eval-batch-size 8
+    lines = re.findall(r"eval at step (\d+): accuracy=\S+ \((\d+) rows, (\d+\.\d) s\)", out)
+    assert [(step, rows) for step, rows, _ in lines] == [("10", "40"), ("20", "40")], out

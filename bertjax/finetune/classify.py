@@ -20,7 +20,7 @@ from etils import epath
 from bertjax import jsonio
 from bertjax.console import Console, metric_text
 from bertjax.finetune import glue_data, label_metrics, table_data
-from bertjax.finetune.settings import TrainSettings
+from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss, write_fine_tuned
 from bertjax.interop.load import load_init
 from bertjax.model.bert import BertForSequenceClassification
@@ -50,6 +50,13 @@ def metrics_of(problem: str, logits: np.ndarray, labels: np.ndarray) -> dict[str
     if problem == "multi_label_classification":
         return label_metrics.multi_label(logits > 0, labels)
     return label_metrics.regression(logits[:, 0], labels)
+
+
+def metric_names(problem: str) -> list[str]:
+    """The names `metrics_of` gives for `problem`: its values on a two-row dummy prediction."""
+    logits = np.zeros((2, 1 if problem == "regression" else 2), np.float32)
+    labels = np.zeros((2, 2)) if problem == "multi_label_classification" else np.array([0, 1])
+    return list(metrics_of(problem, logits, labels))
 
 
 def majority_baseline(problem: str, train_labels: np.ndarray, dev_features: dict | None,
@@ -93,6 +100,7 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
     train_examples, names = table_data.read_split(train, spec)
     dev_examples = table_data.read_split(dev, spec, names)[0].head(settings.max_eval_examples) if dev else None
     test_examples = table_data.read_split(test, spec, names, with_labels=False)[0] if test else None
+    check_metric_for_best(settings, metric_names(problem) if dev else None)
     ckpt, tokenizer = load_init(init)
     ckpt.config.check_length(max_seq_length, "--max-seq-length")
     out = epath.Path(workdir)  # a local directory or gs://

@@ -19,7 +19,7 @@ import numpy as np
 from bertjax import jsonio
 from bertjax.console import Console, metric_text
 from bertjax.finetune import glue_data, glue_metrics
-from bertjax.finetune.settings import TrainSettings
+from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import (
     Trainer,
     classification_loss,
@@ -34,6 +34,18 @@ log = logging.getLogger(__name__)
 
 def predictions_from_logits(task: glue_data.GlueTask, logits: np.ndarray) -> np.ndarray:
     return logits[:, 0] if task.is_regression else np.argmax(logits, axis=-1)
+
+
+def flat(metrics: dict) -> dict:
+    """{split: {name: value}} as one dict; the names carry the split where a task has several (MNLI)."""
+    return {(f"{split}_{k}" if len(metrics) > 1 else k): v for split, values in metrics.items()
+            for k, v in values.items()}
+
+
+def metric_names(task: glue_data.GlueTask) -> list[str]:
+    """What the job's evaluation names (flat): the task's metric function on a two-row dummy prediction."""
+    return list(flat({split.name: glue_metrics.compute_metrics(task.name, np.array([0, 1]), np.array([0, 1]))
+                      for split in task.splits}))
 
 
 def majority_baseline(task: glue_data.GlueTask, features: dict) -> dict | None:
@@ -63,6 +75,7 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     """Fine-tune and evaluate one task, writing into `workdir`; returns the metrics.json content."""
     task = glue_data.get_task(task_name)
     splits = glue_data.load_task(task, data)
+    check_metric_for_best(settings, metric_names(task))
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     ckpt.config.check_length(max_seq_length, "--max-seq-length")
     out_dir = workdir
@@ -93,10 +106,6 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
         return metrics
 
     per_epoch = []
-
-    def flat(metrics: dict) -> dict:
-        return {(f"{split}_{k}" if len(metrics) > 1 else k): v for split, values in metrics.items()
-                for k, v in values.items()}
 
     def epoch_end(epoch: int, seconds: float) -> dict:
         per_epoch.append(evaluate())
@@ -145,6 +154,8 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
 
 def run_all(data: str, workdir: str, settings: TrainSettings, *, init: str, tasks=glue_data.TASKS, **kwargs) -> dict:
     """Every task in `tasks` whose data exists; summary.json / summary.md with the GLUE average."""
+    for name in tasks:  # every task's before the first trains (a refusal at the last would waste the others)
+        check_metric_for_best(settings, metric_names(glue_data.get_task(name)))
     loaded = load_init(init)
     rows = {}
     for name in tasks:

@@ -18,7 +18,7 @@ import numpy as np
 
 from bertjax import jsonio
 from bertjax.finetune import glue_metrics, swag_data
-from bertjax.finetune.settings import TrainSettings
+from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import Trainer, classification_loss, write_fine_tuned
 from bertjax.model.bert import BertForMultipleChoice
 
@@ -36,6 +36,10 @@ def write_predictions(path: str, examples: swag_data.ChoiceExamples, logits: np.
                             + [f"{s:.5f}" for s in row])
 
 
+def choice_metrics(logits: np.ndarray, labels) -> dict[str, float]:
+    return {"accuracy": glue_metrics.accuracy(np.argmax(logits, axis=-1), labels)}
+
+
 def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = None, loaded=None,
         max_seq_length: int = 128, save_checkpoint: bool = False, export_hf: bool = False) -> dict:
     """Fine-tune on <data>/train.csv, evaluate <data>/val.csv, predict <data>/test.csv if present."""
@@ -48,6 +52,7 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
     test_path = os.path.join(data, "test.csv")
     test = swag_data.head(swag_data.read_swag(test_path), settings.max_eval_examples) \
         if os.path.exists(test_path) and settings.predict_test else None
+    check_metric_for_best(settings, None if val.labels is None else list(choice_metrics(np.zeros((2, 2)), [0, 1])))
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     ckpt.config.check_length(max_seq_length, "--max-seq-length")
     os.makedirs(workdir, exist_ok=True)
@@ -59,7 +64,7 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
                 "val": swag_data.featurize(val, tokenizer, max_seq_length)}
 
     def evaluate() -> dict:
-        return {"accuracy": glue_metrics.accuracy(np.argmax(trainer.predict(features["val"]), axis=-1), val.labels)}
+        return choice_metrics(trainer.predict(features["val"]), val.labels)
 
     train_info = trainer.train(features["train"], workdir=workdir,
                                evaluate=evaluate if val.labels is not None else None)
@@ -68,7 +73,7 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
     write_predictions(os.path.join(workdir, "val_predictions.csv"), val, val_logits)
     metrics = {}
     if val.labels is not None:
-        metrics["accuracy"] = glue_metrics.accuracy(np.argmax(val_logits, axis=-1), val.labels)
+        metrics.update(choice_metrics(val_logits, val.labels))
     if test is not None:
         test_logits = trainer.predict(swag_data.featurize(test, tokenizer, max_seq_length))
         write_predictions(os.path.join(workdir, "test_predictions.csv"), test, test_logits)

@@ -15,7 +15,7 @@ import time
 
 from bertjax import jsonio
 from bertjax.finetune import ner_data, ner_metrics
-from bertjax.finetune.settings import NerSettings, TrainSettings
+from bertjax.finetune.settings import NerSettings, TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import (
     Trainer,
     token_classification_loss,
@@ -34,6 +34,8 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
     train = splits["train"]  # settings.max_train_examples subsets its windows in the Trainer
     eval_sentences = {split: splits[split].head(settings.max_eval_examples) for split in ("valid", "test")
                       if split in splits and (split != "test" or settings.predict_test)}
+    check_metric_for_best(settings, list(ner_metrics.entity_scores([["B-X"]], [["B-X"]])["overall"])
+                          if "valid" in eval_sentences else None)
     ckpt, tokenizer = loaded if loaded is not None else load_init(init)
     ckpt.config.check_length(ner.max_seq_length, "--max-seq-length")
     os.makedirs(workdir, exist_ok=True)

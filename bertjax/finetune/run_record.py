@@ -27,8 +27,10 @@ COMPLETED = (COMPLETED_METRICS, "summary.json")
 RUN_OUTPUTS = (RUN_RECORD, TRAIN_STATE, *COMPLETED, "metrics.jsonl")
 TENSORBOARD, EVENT_FILES = "tensorboard", "events.out.tfevents.*"
 # Settings that change how a run is watched or saved, not what it computes: free to change on a rerun.
-FREE_KEYS = ("log_every", "save_every", "compilation_cache_dir", "eval_batch_size", "save_checkpoint", "export_hf",
-             "overwrite", "verbose")
+FREE_KEYS = ("compilation_cache_dir", "eval_batch_size", "save_checkpoint", "export_hf", "overwrite", "verbose")
+# Settings that leave the weights trained so far as they are (when to log, save and evaluate, which evaluation is
+# kept): a resume takes their new values and says so in one line; the record keeps the newest.
+RESUMABLE_KEYS = ("metric_for_best", "eval_every", "early_stopping_patience", "log_every", "save_every")
 # Recorded, not compared: the command as typed (for the model card); flags in another order are the same run.
 UNCOMPARED_KEYS = ("argv",)
 # The record's keys for the content of the files a run reads (`input:<path>`): a rerun on changed data is another run.
@@ -86,6 +88,9 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
     changed = sorted(k for k in set(record) | set(earlier or {})
                      if k not in UNCOMPARED_KEYS and (earlier or {}).get(k) != record.get(k)) \
         if earlier is not None else []
+    # A resumable key the earlier record lacks (recorded since) is not a change.
+    resumable = [k for k in changed if k in RESUMABLE_KEYS and k in earlier]
+    changed = [k for k in changed if k not in RESUMABLE_KEYS]
     if (changed or mixed) and not overwrite:
         what = (", ".join(f"{k}: {earlier.get(k)!r} -> {record.get(k)!r}" for k in changed) if changed else
                 "it holds the outputs of a run that recorded no settings")
@@ -104,4 +109,15 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
         return "new"
     if any((root / name).exists() for name in COMPLETED):
         return "completed"
+    if resumable or earlier != record:  # the newest values, for the next resume to compare with
+        path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    if resumable:
+        log(f"{workdir}: resuming; changed since: " + ", ".join(
+            f"--{k.replace('_', '-')} {_shown(earlier[k])} -> {_shown(record.get(k))}" for k in resumable)
+            + " (the weights trained so far stay valid)")
     return "resume"
+
+
+def _shown(value) -> str:
+    """A setting's value as the user typed it ("" as '')."""
+    return repr(value) if value in ("", None) else str(value)

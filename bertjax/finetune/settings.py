@@ -18,9 +18,10 @@ class TrainSettings:
     weight_decay: float = option(0.01, "AdamW decoupled weight decay (not on LayerNorm and biases)")
     max_grad_norm: float = option(1.0, "global gradient-norm clip (0: none)")
     seed: int = option(42, "head initialisation, dropout and example order")
-    eval_batch_size: int = option(64, "sequences per prediction step")
+    eval_batch_size: int = option(64, "sequences per prediction step (never fewer than --batch-size)")
     length_bucket: int = option(32, "pad each batch's length up to a multiple of this (fewer compiled shapes)")
-    log_every: int = option(50, "steps between progress lines")
+    log_every: int = option(50, "steps between metrics.jsonl records (the console also gets a line every tenth of "
+                            "the run and every 30 s)")
     max_consecutive_nonfinite: int = option(10, "this many non-finite gradients in a row stop the job (each one "
                                             "skips its update)")
     compilation_cache_dir: str = option("", "JAX's persistent compilation cache (local or gs://): '' = "
@@ -78,6 +79,19 @@ class TrainSettings:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if problems:
             raise ValueError("fine-tuning settings: " + "; ".join(problems))
+
+
+def check_metric_for_best(settings: TrainSettings, metric_names) -> None:
+    """--metric-for-best checked before the checkpoint loads: `metric_names` are what the job's evaluation returns
+    (derived from its metric function), None for a run without a dev set to evaluate."""
+    metric = settings.metric_for_best
+    if not metric:
+        return
+    if metric_names is None:
+        raise ValueError(f"--metric-for-best {metric}: this run has no dev set to evaluate")
+    if metric not in metric_names:
+        raise ValueError(f"--metric-for-best {metric!r} is not among this job's dev metrics; expected one of "
+                         f"{', '.join(sorted(metric_names))}")
 
 
 def greater_is_better(metric: str) -> bool:

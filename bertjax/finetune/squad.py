@@ -13,7 +13,7 @@ import time
 
 from bertjax import jsonio
 from bertjax.finetune import squad_data, squad_metrics
-from bertjax.finetune.settings import SquadSettings, TrainSettings
+from bertjax.finetune.settings import SquadSettings, TrainSettings, check_metric_for_best
 from bertjax.finetune.squad_postprocess import predict_answers
 from bertjax.finetune.trainer import Trainer, span_loss, write_fine_tuned
 from bertjax.interop.load import load_init
@@ -33,6 +33,22 @@ def best_threshold(dataset: list, best_non_null: dict[str, str], null_odds: dict
     out = {}
     squad_metrics.find_all_best_thresh(out, best_non_null, exact_raw, f1_raw, null_odds, qid_to_has_ans)
     return out
+
+
+def score(data: dict, preds: dict, null_odds: dict, best_non_null: dict, version_2: bool) -> dict:
+    """The official metrics of `preds` on the dataset JSON `data` (v2.0: also the best threshold's)."""
+    version = "2.0" if version_2 else "1.1"
+    metrics = squad_metrics.evaluate(data, preds, null_odds if version_2 else None, version=version)
+    if version_2:
+        metrics.update(best_threshold(data["data"], best_non_null, null_odds))
+    return metrics
+
+
+def metric_names(data: dict, version_2: bool) -> list[str]:
+    """What the job's evaluation names: the numbers `score` gives for empty answers to `data`'s questions."""
+    empty = {qa["id"]: "" for article in data["data"] for p in article["paragraphs"] for qa in p["qas"]}
+    metrics = score(data, empty, dict.fromkeys(empty, 0.0), empty, version_2)
+    return [k for k, v in metrics.items() if isinstance(v, (int, float))]
 
 
 def first_questions(data: dict, n: int) -> dict:
@@ -57,6 +73,14 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
         predict_file: str | None, save_checkpoint: bool = False, export_hf: bool = False) -> dict:
     if not train_file and not predict_file:
         raise ValueError("nothing to do: give --train and/or --predict")
+    if predict_file:  # the files read and checked before the checkpoint loads
+        predict_data = first_questions(squad_data.load_squad_json(predict_file), train_settings.max_eval_examples)
+        scored = any(qa.get("answers") or qa.get("is_impossible") for a in predict_data["data"]
+                     for p in a["paragraphs"] for qa in p["qas"])
+    if train_file:
+        data = squad_data.load_squad_json(train_file)
+        check_metric_for_best(train_settings, metric_names(predict_data, squad.version_2)
+                              if predict_file and scored else None)
     ckpt, tokenizer = load_init(init)
     ckpt.config.check_length(squad.max_seq_length, "--max-seq-length")
     if not train_file and "qa_outputs" not in ckpt.params:
@@ -69,11 +93,8 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
     result: dict = {"settings": dataclasses.asdict(squad), "train_settings": dataclasses.asdict(train_settings),
                     "init": init}
     if predict_file:
-        predict_data = first_questions(squad_data.load_squad_json(predict_file), train_settings.max_eval_examples)
         predict_examples, predict_feats = squad_data.featurize(predict_data, tokenizer, ckpt.lower_case, False,
                                                                squad.version_2, source=predict_file, **featurize)
-        scored = any(qa.get("answers") or qa.get("is_impossible") for a in predict_data["data"]
-                     for p in a["paragraphs"] for qa in p["qas"])
 
     def predict() -> tuple:
         start_logits, end_logits = trainer.predict(predict_feats.arrays(), per_token=True)
@@ -82,19 +103,12 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
                                   squad.max_answer_length, squad.version_2, squad.null_score_diff_threshold)
         return answers, time.perf_counter() - started
 
-    def score(preds: dict, null_odds: dict, best_non_null: dict) -> dict:
-        version = "2.0" if squad.version_2 else "1.1"
-        metrics = squad_metrics.evaluate(predict_data, preds, null_odds if squad.version_2 else None, version=version)
-        if squad.version_2:
-            metrics.update(best_threshold(predict_data["data"], best_non_null, null_odds))
-        return metrics
-
     def evaluate() -> dict:
         (preds, _, null_odds, best_non_null), _ = predict()
-        return {k: float(v) for k, v in score(preds, null_odds, best_non_null).items() if isinstance(v, (int, float))}
+        metrics = score(predict_data, preds, null_odds, best_non_null, squad.version_2)
+        return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
 
     if train_file:
-        data = squad_data.load_squad_json(train_file)
         examples, feats = squad_data.featurize(data, tokenizer, ckpt.lower_case, True, squad.version_2,
                                                source=train_file, **featurize)
         log.info("train: %d questions -> %d windows", len(examples), len(feats))
@@ -111,7 +125,8 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
         if squad.version_2:
             _write_json(os.path.join(workdir, "null_odds.json"), null_odds)
         if scored:
-            result["metrics"] = score(preds, null_odds, best_non_null)  # printed once, as JSON, by the command
+            # printed once, as JSON, by the command
+            result["metrics"] = score(predict_data, preds, null_odds, best_non_null, squad.version_2)
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
                      architecture="BertForQuestionAnswering", squad=dataclasses.asdict(squad))
     _write_json(os.path.join(workdir, "metrics.json"), result)

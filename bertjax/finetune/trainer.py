@@ -29,7 +29,7 @@ from bertjax.checkpoint import (
     orbax_path,
     save_model,
 )
-from bertjax.console import Console, Progress, duration, metric_text
+from bertjax.console import Console, LineSchedule, Progress, duration, metric_text
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
 from bertjax.interop.hf import export_hf
@@ -72,12 +72,18 @@ class TrainStateSaver:
         items = {PARAMS: abstract(params), OPT_STATE: abstract(opt_state)}
         if best is not None:
             items.update({BEST_PARAMS: abstract(params), BEST: None})
-        found = self.checkpointer.restore_newest(lambda step: self.checkpointer.restore_items(step, items), log)
+
+        def read(step: int) -> dict:  # a run resumed with --metric-for-best added finds no best saved
+            saved_best = (epath.Path(self.checkpointer.step_dir(step)) / BEST).exists()
+            return self.checkpointer.restore_items(
+                step, items if saved_best else {k: v for k, v in items.items() if k not in (BEST, BEST_PARAMS)})
+
+        found = self.checkpointer.restore_newest(read, log)
         if found is None:
             return None
         step, restored = found
-        if best is not None:
-            best.load(restored[BEST], restored[BEST_PARAMS])
+        if best is not None and not best.load(restored.get(BEST), restored.get(BEST_PARAMS)):
+            log(f"--metric-for-best {best.metric}: no best evaluation by it saved; tracked from step {step} on")
         return restored[PARAMS], restored[OPT_STATE], step
 
 
@@ -108,11 +114,16 @@ class BestTracker:
         return bool(self.patience) and self.stale >= self.patience
 
     def state(self) -> dict:
-        return {"value": self.value, "step": self.step, "stale": self.stale}
+        return {"value": self.value, "step": self.step, "stale": self.stale, "metric": self.metric}
 
-    def load(self, state: dict, params) -> None:
+    def load(self, state: dict | None, params) -> bool:
+        """Takes a saved best back; False (nothing taken) when none was saved or it was by another metric (a
+        resume may change --metric-for-best). A save from before the metric was recorded is taken as by this one."""
+        if state is None or state.get("metric", self.metric) != self.metric:
+            return False
         self.value, self.step, self.stale = state["value"], state["step"], state["stale"]
         self.params = params if self.step is not None else None
+        return True
 
 
 class Trainer:
@@ -128,6 +139,9 @@ class Trainer:
         compile_cache.enable(settings.compilation_cache_dir, key="compilation_cache_dir")
         self.mesh = mesh or sharding.make_mesh()
         n_data = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        # Prediction holds no gradients or optimizer state: a batch that trains fits, so it never predicts smaller.
+        self.eval_batch_size = max(settings.eval_batch_size, settings.batch_size)
+        self.predicted_rows = 0  # counted for the evaluation lines
         for name, rows in (("batch_size", settings.batch_size // settings.grad_accum_steps),
                            ("eval_batch_size", settings.eval_batch_size)):
             if rows % n_data:
@@ -261,6 +275,7 @@ class Trainer:
             nonfinite_total, nonfinite_run = 0, 0
             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
             console.start_progress(total_steps, initial=step_index)
+            lines = LineSchedule(total_steps, s.log_every)
             preemption = PreemptionFlag()
             try:
                 for epoch in range(math.ceil(epochs)):
@@ -300,16 +315,18 @@ class Trainer:
                                     f"{nonfinite_run} consecutive steps had a non-finite gradient (up to step "
                                     f"{step_index}); stopping without saving. Lower the learning rate, or check the "
                                     f"training data for non-finite values.")
-                        if step_index % s.log_every == 0 or step_index == total_steps:
+                        logged = step_index % s.log_every == 0 or step_index == total_steps
+                        if lines.due(step_index):  # metrics.jsonl every log_every; the console more often
                             seconds = max(time.perf_counter() - interval_start, 1e-9)
                             values = {"loss": float(np.mean(jax.device_get(interval_losses))) if interval_losses
                                       else float("nan"),
                                       "learning_rate": float(schedule(step_index - 1)),
                                       "epoch": step_index / steps_per_epoch,  # fractional: where in the data
                                       "examples_per_s": interval_steps * s.batch_size / seconds}
-                            writer.write(step_index, values)
                             writer.console(step_index, values,
                                            keys=("epoch", "loss", "learning_rate", "examples_per_s"))
+                        if logged:
+                            writer.write(step_index, values)
                             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
                         # --metric-for-best without --eval-every: an evaluation at each epoch's last step (before
                         # a save of that step, so that a resumed run has it too).
@@ -317,9 +334,9 @@ class Trainer:
                                          not s.eval_every and (step_index % steps_per_epoch == 0
                                                                or step_index == total_steps)):
                             self.params = params
-                            evaluated = evaluate()
+                            evaluated, cost = self._timed(evaluate)
                             writer.write(step_index, evaluated, prefix="eval_")
-                            console.line(f"eval at step {step_index}: {metric_text(evaluated)}")
+                            console.line(f"eval at step {step_index}: {metric_text(evaluated)} {cost}")
                             if best is not None and best.update(step_index, evaluated, params):
                                 console.line(f"best {best.metric} so far: {best.value:.4f} (step {step_index})")
                             stopped_early = best is not None and best.should_stop and step_index < total_steps
@@ -349,10 +366,10 @@ class Trainer:
                                  + (f"{mean_loss:.4f}" if mean_loss is not None else "n/a (no finite step)")
                                  + f", {duration(seconds)}")
                     if epoch_end is not None:
-                        evaluated = epoch_end(epoch + 1, seconds)
+                        evaluated, cost = self._timed(lambda: epoch_end(epoch + 1, seconds))
                         if evaluated:
                             writer.write(step_index, evaluated, prefix="eval_")
-                            console.line(f"eval after epoch {epoch + 1}: {metric_text(evaluated)}")
+                            console.line(f"eval after epoch {epoch + 1}: {metric_text(evaluated)} {cost}")
                     if stopped_early:
                         break
             finally:
@@ -383,6 +400,12 @@ class Trainer:
                 "stopped_early": stopped_early,
                 **({"best": {"metric": best.metric, **best.state()}} if best is not None else {})}
 
+    def _timed(self, evaluate: Callable[[], dict | None]) -> tuple[dict | None, str]:
+        """evaluate()'s metrics and what they cost, "(400 rows, 3.2 s)": the rows it predicted, its wall time."""
+        rows, started = self.predicted_rows, time.perf_counter()
+        evaluated = evaluate()
+        return evaluated, f"({self.predicted_rows - rows:,} rows, {time.perf_counter() - started:.1f} s)"
+
     # ------------------------------------------------------------------------------------------- inference
 
     def _predict_fn(self, params, batch):
@@ -396,7 +419,8 @@ class Trainer:
         max_len = arrays["input_ids"].shape[1]
         inputs = {k: arrays[k] for k in INPUT_KEYS}
         outputs = []
-        batch_size = self.settings.eval_batch_size
+        batch_size = self.eval_batch_size
+        self.predicted_rows += n
         progress = Progress(f"predicting {n:,} rows", math.ceil(n / batch_size), detail=f" of {batch_size}")
         with sharding.activate(self.mesh):
             for batch, real in self._batches(inputs, np.arange(n), batch_size):

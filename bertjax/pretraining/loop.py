@@ -19,7 +19,7 @@ from flax import traverse_util
 from bertjax import checkpoint as checkpoint_lib
 from bertjax import compile_cache, sharding
 from bertjax.checkpoint import COMPLETION_MARKER, ResumeRefused
-from bertjax.console import Console, duration, metric_text
+from bertjax.console import Console, LineSchedule, duration, metric_text
 from bertjax.data import input_source, tfrecord
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
@@ -362,6 +362,7 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
         with sharding.activate(run.mesh), tfrecord.damaged_records_named(run.input_files):
             if step == 0:  # where learning starts from, for the eval curve
                 run.evaluate(step, state.params)
+            lines = LineSchedule(config.train.steps, config.train.log_every)
             while step < config.train.steps:
                 with account.charged_to("input_wait_s"):
                     batch = sharding.global_batch(_numpy_batch(next(run.iterator)), run.mesh)
@@ -370,6 +371,7 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
                 step += 1
                 nonfinite.check(step, step_metrics)
                 run.clock.after_step(step, step_metrics)
+                line_due = lines.due(step)
                 if step % config.train.log_every == 0 or step == config.train.steps:
                     last_metrics = {**_step_values(step_metrics), **run.clock.interval(),
                                     **_input_metrics(run.input_stats)}
@@ -378,6 +380,8 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
                     reported_input = _warn_about_input(run.input_stats, reported_input, config.data.max_line_chars,
                                                        config.data.next_sentence_prediction, log)
                     account.snapshot(step)
+                elif line_due:  # where the run is, between metric lines (no device read)
+                    writer.console(step, {})
                 run.evaluate(step, state.params)  # when due, as the save
                 run.save(step, state)
                 if preemption.agreed(step):

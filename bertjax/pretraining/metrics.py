@@ -294,7 +294,8 @@ class MetricsWriter:
         else:
             rate = (time.time() - self.start_time) / (step - self.start_step)
             eta = duration(rate * (self.total_steps - step))
-        self.console_out.line(f"step {step}/{self.total_steps} {metric_text(values, keys)} eta {eta}")
+        self.console_out.line(" ".join(filter(None, (f"step {step}/{self.total_steps}", metric_text(values, keys),
+                                                     f"eta {eta}"))))
 
     def close(self) -> None:
         if self.enabled:
