@@ -156,6 +156,16 @@ def test_the_price_of_each_kernel_on_a_hand_written_module():
     assert [(c.kind, c.group_size, c.is_async) for c in priced.collectives] == [
         ("all-reduce", 4, True), ("all-reduce", 4, True), ("all-gather", 4, False)]
     assert priced.by_op_name["bert/layer_N/add"] == pytest.approx(4 * add, rel=1e-9)
+    # Where the time goes by category, and the bytes moved outside matmuls by kernel (layers and loop trips merged).
+    coverage = priced.coverage
+    assert coverage["matmul_seconds"] == pytest.approx(matmul + attention - 2 * launch, rel=1e-9)
+    assert coverage["launch_seconds"] == pytest.approx(8 * launch, rel=1e-9)
+    assert coverage["non_matmul_bytes"] == 4 * 3 * 1024 + (1024 + 4 + 1024) + 2 * 4096
+    assert coverage["non_matmul_seconds"] == pytest.approx(coverage["non_matmul_bytes"] / bandwidth, rel=1e-9)
+    assert coverage["top_non_matmul"] == [
+        {"kernel": "loop_add_fusion", "op_name": "bert/layer_N/add", "bytes": 4 * 3 * 1024},
+        {"kernel": "out", "op_name": "(no op_name)", "bytes": 2 * 4096},
+        {"kernel": "loop_dus_fusion", "op_name": "update", "bytes": 1024 + 4 + 1024}]
 
 
 @pytest.fixture(scope="module")
