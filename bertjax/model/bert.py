@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from bertjax.model.attention import dot_product_attention
 from bertjax.model.config import BertConfig
 from bertjax.model.dropout import Dropout
+from bertjax.model.gelu import gelu
 
 # TF BERT's truncated_normal_initializer(stddev=initializer_range): a normal of std `stddev` cut at +-2 std, whose
 # own std is 0.8796 * stddev (0.0176 for 0.02). jax's truncated_normal takes the same untruncated `stddev`; scaling
@@ -42,10 +43,10 @@ def _ones(names):
 def activation(name: str):
     """The activation function named by `hidden_act`, with HF's meanings."""
     return {
-        "gelu": functools.partial(jax.nn.gelu, approximate=False),
-        "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
-        "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
-        "gelu_fast": functools.partial(jax.nn.gelu, approximate=True),
+        "gelu": functools.partial(gelu, approximate=False),
+        "gelu_new": functools.partial(gelu, approximate=True),
+        "gelu_pytorch_tanh": functools.partial(gelu, approximate=True),
+        "gelu_fast": functools.partial(gelu, approximate=True),
         "relu": jax.nn.relu,
         "tanh": jnp.tanh,
         "silu": jax.nn.silu,
