@@ -180,3 +180,27 @@ def test_fresh_kernels_are_tf_berts_truncated_normal():
     assert kernel.std() == pytest.approx(model_lib._TRUNCATED_STD * config.initializer_range, rel=0.02)
     assert np.abs(kernel).max() <= 2 * config.initializer_range
     assert np.all(np.asarray(params["classifier"]["bias"]) == 0)
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_gelu_keeps_only_its_input_for_the_backward_and_its_gradient_is_the_analytic_one(approximate):
+    """The GELU's forward is jax.nn.gelu's bits; the backward saves x alone (jax.nn.gelu differentiated as written
+    saved its intermediates too: on GPU three [B, L, 3072] tensors a layer) and its gradient equals the analytic
+    derivative evaluated in float64."""
+    from jax._src.ad_checkpoint import saved_residuals
+    from scipy.special import erf
+    x = jnp.linspace(-6.0, 6.0, 2001, dtype=jnp.float32)
+    gelu = model_lib.activation("gelu_new" if approximate else "gelu")
+    np.testing.assert_array_equal(gelu(x), jax.nn.gelu(x, approximate=approximate))
+    residuals = [r for r, _ in saved_residuals(lambda v: gelu(v).sum(), x) if r.shape]
+    assert [(r.shape, r.dtype) for r in residuals] == [(x.shape, x.dtype)]
+    x64 = np.asarray(x, np.float64)
+    if approximate:
+        c = np.sqrt(2 / np.pi)
+        t = np.tanh(c * (x64 + 0.044715 * x64 ** 3))
+        expected = 0.5 * (1 + t) + 0.5 * x64 * (1 - t * t) * c * (1 + 3 * 0.044715 * x64 ** 2)
+    else:
+        expected = 0.5 * (1 + erf(x64 / np.sqrt(2))) + x64 * np.exp(-x64 ** 2 / 2) / np.sqrt(2 * np.pi)
+    grad = jax.grad(lambda v: gelu(v).sum())(x)
+    # The absolute floor: float32's 1 - tanh^2 cancels to 0 in the tails (x < -4.4), where the true slope is ~1e-6.
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())

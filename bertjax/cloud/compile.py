@@ -277,6 +277,11 @@ def _describe_gpu_estimate(result: dict) -> list[str]:
              f"{kernels.get('memory-bound', 0)} memory-bound, launches included) + {communication['exposed'] * 1e3:.1f}"
              f" ms of communication not hidden (of {communication['total'] * 1e3:.1f} ms over NVLink) = "
              f"{result['estimated_step_seconds'] * 1e3:.1f} ms/step, {100 * result['estimated_mfu']:.1f}% MFU"]
+    lines.append(f"  matmuls {coverage['matmul_seconds'] * 1e3:.1f} ms; outside matmuls "
+                 f"{coverage['non_matmul_bytes'] / 1e9:.2f} GB moved, {coverage['non_matmul_seconds'] * 1e3:.1f} ms; "
+                 f"launches {coverage['launch_seconds'] * 1e3:.1f} ms; the memory-bound kernels moving most:")
+    lines += [f"  {entry['bytes'] / 1e9:7.3f} GB  {entry['kernel']}  {entry['op_name']}"
+              for entry in coverage["top_non_matmul"]]
     for kind, entry in result["collectives"].items():
         dtypes = ", ".join(f"{dtype} {size / 2**20:.1f} MiB" for dtype, size in entry["bytes_by_dtype"].items())
         lines.append(f"  {kind}: {entry['count']} per step ({entry['async']} async), {dtypes} per GPU; "

@@ -40,6 +40,7 @@ HBM_EFFICIENCY = 0.65
 # Per kernel launch: a small kernel's floor (2.1 us for 6 KB on the H200) plus the gap to the next one on the
 # stream (63 ms a step against 61 ms of kernels over ~1,470 launches: ~1.4 us).
 LAUNCH_SECONDS = 3.0e-6
+TOP_NON_MATMUL = 15   # the memory-bound kernels reported by bytes moved
 _MATMUL_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$fp8")
 _CONTRACTING = re.compile(r'lhs_contracting_dim(?:ension)?s["=:]*\{?\[?([\d",\s]*)')
 _SLICING = ("slice", "dynamic-slice", "gather")
@@ -58,6 +59,10 @@ def price_program(hlo_text: str, *, peak_flops: float, hbm_bytes_per_second: flo
     num_partitions = int(partitions[1]) if partitions else 1
     by_op_name, kinds = collections.Counter(), collections.Counter()
     matmul_flops, collectives, unknown_trip_counts = [0], [], []
+    # Per category: seconds of launches (each kernel's LAUNCH_SECONDS apart), and the memory-bound kernels' bytes
+    # by (kernel name, op_name group): what "fewer passes over memory" is measured by.
+    category_seconds = collections.Counter()
+    non_matmul = collections.Counter()
 
     def kernel_seconds(instruction: _Instruction, types: dict, times: int) -> float:
         """Of `times` launches."""
@@ -65,6 +70,11 @@ def price_program(hlo_text: str, *, peak_flops: float, hbm_bytes_per_second: flo
                                       hbm_bytes_per_second=hbm_bytes_per_second)
         matmul_flops[0] += flops * times
         kinds["matmul" if flops else "memory-bound"] += times
+        category_seconds["matmul" if flops else "memory-bound"] += (seconds - LAUNCH_SECONDS) * times
+        category_seconds["launches"] += LAUNCH_SECONDS * times
+        if not flops:
+            moved = _bytes_moved(instruction, types, computations) * times
+            non_matmul[(re.sub(r"\.\d+$", "", instruction.name), op_name_group(instruction.op_name))] += moved
         return seconds * times
 
     def walk(name: str, times: int) -> tuple[float, float]:
@@ -124,7 +134,11 @@ def price_program(hlo_text: str, *, peak_flops: float, hbm_bytes_per_second: flo
     return StepEstimate(
         compute + exposed, 0, compute, dict(by_op_name.most_common()),
         {"kernels": dict(kinds), "matmul_flops": matmul_flops[0], "unknown_trip_counts": unknown_trip_counts,
-         "collectives_priced": link_bytes_per_second is not None},
+         "collectives_priced": link_bytes_per_second is not None,
+         "matmul_seconds": category_seconds["matmul"], "non_matmul_seconds": category_seconds["memory-bound"],
+         "launch_seconds": category_seconds["launches"], "non_matmul_bytes": sum(non_matmul.values()),
+         "top_non_matmul": [{"kernel": kernel, "op_name": op_name, "bytes": moved}
+                            for (kernel, op_name), moved in non_matmul.most_common(TOP_NON_MATMUL)]},
         compute_seconds=compute, communication_seconds=sum(c.seconds * c.times for c in collectives),
         exposed_communication_seconds=exposed, collectives=collectives)
 
