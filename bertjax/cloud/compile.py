@@ -243,13 +243,7 @@ def describe(result: dict) -> str:
             f"+ {communication['exposed'] * 1e3:.1f} ms of communication not hidden (of "
             f"{communication['total'] * 1e3:.1f} ms at the ICI ring bandwidth) = "
             f"{result['estimated_step_seconds'] * 1e3:.1f} ms/step, {100 * result['estimated_mfu']:.1f}% MFU")
-        for kind, entry in result["collectives"].items():
-            dtypes = ", ".join(f"{dtype} {size / 2**20:.1f} MiB" for dtype, size in entry["bytes_by_dtype"].items())
-            lines.append(f"  {kind}: {entry['count']} per step ({entry['async']} async), {dtypes} per chip; "
-                         f"{entry['seconds'] * 1e3:.2f} ms, {entry['exposed_seconds'] * 1e3:.2f} ms not hidden")
-        lines.append("  where the estimated time goes (op_name, layers merged):")
-        lines += [f"  {100 * share:5.1f}%  {seconds * 1e3:8.3f} ms  {name}"
-                  for name, seconds, share in result["estimate_breakdown"]]
+        lines += _collectives_and_breakdown(result, per="chip", priced="estimated")
         unestimated = ", ".join(f"{name} x{count}" for name, count in list(coverage["without_estimate"].items())[:6])
         unestimated += ", ..." if len(coverage["without_estimate"]) > 6 else ""
         lines.append(f"  coverage: {coverage['instructions_estimated']} instructions estimated by XLA"
@@ -268,6 +262,19 @@ def describe(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _collectives_and_breakdown(result: dict, *, per: str, priced: str) -> list[str]:
+    """The report's lines for each collective (count, bytes per `per` device, time, time not hidden) and for where
+    the `priced` time goes by op_name."""
+    lines = []
+    for kind, entry in result["collectives"].items():
+        dtypes = ", ".join(f"{dtype} {size / 2**20:.1f} MiB" for dtype, size in entry["bytes_by_dtype"].items())
+        lines.append(f"  {kind}: {entry['count']} per step ({entry['async']} async), {dtypes} per {per}; "
+                     f"{entry['seconds'] * 1e3:.2f} ms, {entry['exposed_seconds'] * 1e3:.2f} ms not hidden")
+    lines.append(f"  where the {priced} time goes (op_name, layers merged):")
+    return lines + [f"  {100 * share:5.1f}%  {seconds * 1e3:8.3f} ms  {name}"
+                    for name, seconds, share in result["estimate_breakdown"]]
+
+
 def _describe_gpu_estimate(result: dict) -> list[str]:
     """The lines of a GPU host's priced step (`gpu_estimate.py`)."""
     coverage, communication = result["estimate_coverage"], result["estimated_communication_seconds"]
@@ -282,13 +289,7 @@ def _describe_gpu_estimate(result: dict) -> list[str]:
                  f"launches {coverage['launch_seconds'] * 1e3:.1f} ms; the memory-bound kernels moving most:")
     lines += [f"  {entry['bytes'] / 1e9:7.3f} GB  {entry['kernel']}  {entry['op_name']}"
               for entry in coverage["top_non_matmul"]]
-    for kind, entry in result["collectives"].items():
-        dtypes = ", ".join(f"{dtype} {size / 2**20:.1f} MiB" for dtype, size in entry["bytes_by_dtype"].items())
-        lines.append(f"  {kind}: {entry['count']} per step ({entry['async']} async), {dtypes} per GPU; "
-                     f"{entry['seconds'] * 1e3:.2f} ms, {entry['exposed_seconds'] * 1e3:.2f} ms not hidden")
-    lines.append("  where the priced time goes (op_name, layers merged):")
-    lines += [f"  {100 * share:5.1f}%  {seconds * 1e3:8.3f} ms  {name}"
-              for name, seconds, share in result["estimate_breakdown"]]
+    lines += _collectives_and_breakdown(result, per="GPU", priced="priced")
     if coverage["unknown_trip_counts"]:
         lines.append(f"  loops counted once (trip count unknown): {', '.join(coverage['unknown_trip_counts'])}")
     return lines
