@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -97,6 +98,27 @@ def test_the_readme_path_runs_literally(path_run):
     assert reviews["labels"] == ["negative", "positive"] and reviews["num_train_examples"] == 40
     assert 0 <= reviews["metrics"]["dev"]["accuracy"] <= 1
     assert len((tmp_path / "runs/reviews-p1/dev_predictions.jsonl").read_text().splitlines()) == 12
+
+
+@pytest.mark.slow  # ~2 minutes here: MiniLM fine-tuned for 20 steps, two predictions, transformers on the export
+def test_the_quick_path_runs_offline_from_minilm_by_its_hub_id(tmp_path, minilm_dir):
+    """The README's quick path blocks, as written, in a directory with the checkout's examples, offline with an
+    empty hub cache: `--init sentence-transformers/all-MiniLM-L6-v2` is the installed package's copy."""
+    shutil.copytree(REPO_ROOT / "examples", tmp_path / "examples")
+    bin_dir = pathlib.Path(sys.executable).parent
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=SUITE_COMPILE_FLAGS, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    for block in readme_blocks("the-quick-path"):
+        _run_block(block, tmp_path, env)
+    result = _strict((tmp_path / "runs/reviews/metrics.json").read_text())
+    assert result["labels"] == ["negative", "positive"] and result["num_train_examples"] == 40
+    assert result["metrics"]["dev"]["accuracy"] > result["majority_baseline"]["metrics"]["dev"]["accuracy"]
+    rows = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert [row["where"].rsplit(":", 1)[1] for row in rows] == ["2", "3", "4"]
+    assert {row["label"] for row in rows} <= {"negative", "positive"}
+    card = (tmp_path / "runs/reviews/hf/README.md").read_text()
+    assert "\nbase_model: sentence-transformers/all-MiniLM-L6-v2\n" in card  # the card and --init agree
+    assert not (tmp_path / "hub").exists()  # nothing fetched
 
 
 @pytest.mark.slow  # ~4 minutes here beside the path's 3
