@@ -63,6 +63,13 @@ platforms.use_cpu_where_no_accelerator(os.environ)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+# What a user reads: the first page, and the reference it links (every command, option and format).
+USER_DOCS = ("README.md", "docs/usage.md")
+
+
+def user_docs_text() -> str:
+    """README.md and docs/usage.md, one after the other."""
+    return "\n".join((REPO_ROOT / name).read_text(encoding="utf-8") for name in USER_DOCS)
 
 
 def process_running(pid: int) -> bool:

@@ -4,7 +4,7 @@ import re
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = ("architecture.md", "performance.md", "reliability.md", "reference.md")
+DOCS = ("usage.md", "architecture.md", "performance.md", "reliability.md", "reference.md")
 
 
 def test_the_readme_links_every_doc_and_each_exists():
@@ -12,6 +12,15 @@ def test_the_readme_links_every_doc_and_each_exists():
     for name in DOCS:
         assert f"(docs/{name})" in readme, f"README.md does not link docs/{name}"
         assert (ROOT / "docs" / name).is_file(), f"docs/{name} is linked but missing"
+
+
+def test_the_readme_stays_a_first_page_with_two_set_up_commands():
+    """A newcomer's page: the two fresh-machine commands and the quick paths; the reference is docs/usage.md."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = readme.count("\n")
+    assert lines <= 200, f"README.md has {lines} lines: move reference text to docs/usage.md"
+    fresh = readme.split("## Fresh machine", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert [line.split("#")[0].strip() for line in fresh.splitlines()] == ["make demo", "make test"]
 
 
 def referenced_tests(text: str) -> list[tuple[str, str]]:

