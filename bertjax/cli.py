@@ -9,6 +9,7 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
 import traceback
 
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         quiet.start_tensorflow(verbose=args.verbose)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        if argv is not None:
+            raise
+        ended_by_a_closed_pipe()  # pragma: no cover - the process ends there
     except Exception as error:  # noqa: BLE001 - every job-ending error is told as one line
         line = job_error_line(error)
         if line is None and argv is not None:  # a bug, in-process (tests): raised as it is
@@ -140,6 +145,15 @@ def job_error_line(error: BaseException) -> str | None:
     if found and type(error).__module__.split(".")[0] == "tensorflow":
         return found.group(1)
     return None
+
+
+def ended_by_a_closed_pipe() -> None:
+    """Ends the process as a Unix tool ends when the reader of its stdout has gone (`bertjax info X | head -1`): by
+    SIGPIPE, the shell's status 141, quietly (Python ignores SIGPIPE and raises BrokenPipeError instead, whose
+    traceback, and a second one at exit when stdout is flushed, would follow)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
 
 
 def end_process(line: str, code: int) -> None:

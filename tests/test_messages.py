@@ -363,3 +363,21 @@ def test_a_sharded_index_naming_a_file_outside_the_model_directory_is_refused(mi
     line = _error(capsys, ["info", str(model)])
     assert line.endswith(f"error: {model}/model.safetensors.index.json: entry {entry!r} names a file outside the "
                          f"model directory {model}; shards must be files in it"), line
+
+
+@pytest.mark.parametrize("argv", [["config", "show", "bert-base-phase1"], ["info", "TINY"]])
+def test_any_command_whose_reader_stopped_ends_quietly_as_unix_tools_do(argv, tiny_checkpoint, tmp_path):
+    """`bertjax info X | head -1`: the reader gone (closed before the command writes, so it is gone every time)
+    ends the command by SIGPIPE (the shell's status 141), without BrokenPipeError's traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    argv = [str(tiny_checkpoint) if a == "TINY" else a for a in argv]
+    with open(tmp_path / "stderr", "wb") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "bertjax.cli", *argv], stdout=subprocess.PIPE,
+                                   stderr=stderr)
+        process.stdout.close()
+        assert process.wait(timeout=300) == -signal.SIGPIPE
+    err = (tmp_path / "stderr").read_text()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]
