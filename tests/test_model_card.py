@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from bertjax.cli import main as bertjax_main
-from bertjax.interop.model_card import base_model, write_card
+from bertjax.interop.model_card import base_card, base_model, write_card
 from tests.test_classify_job import _sentence, _write_csv, tiny_init  # noqa: F401 - the fixture
 
 
@@ -66,6 +66,9 @@ def test_the_base_model_is_its_hub_id_or_a_local_checkpoint(tmp_path, minilm_dir
     other_package.mkdir(parents=True)
     assert base_model(str(other_package)) == ("local checkpoint", None)
     assert base_model(str(tmp_path)) == (f"local checkpoint `{tmp_path}`", None)
+    # The base's license comes from its own card, read where the hub id is installed (offline, nothing downloaded).
+    assert base_card("sentence-transformers/all-MiniLM-L6-v2")["license"] == "apache-2.0"
+    assert base_card("nobody/not-installed-or-cached") == {}
 
 
 def test_the_cards_command_reruns_the_same_training(tiny_init, tmp_path, monkeypatch):  # noqa: F811

@@ -23,7 +23,7 @@ import yaml
 from etils import epath
 
 from bertjax.finetune.run_record import INPUT_KEY
-from bertjax.interop.hub import PACKAGED_CHECKPOINTS, is_hub_id
+from bertjax.interop.hub import PACKAGED_CHECKPOINTS, is_hub_id, packaged_checkpoint
 
 CARD = "README.md"
 # The Hub's pipeline tag of each head, and the benchmark each fine-tune job trains on (the Hub's dataset id).
@@ -58,7 +58,10 @@ class RunFacts:
 
 
 def base_card(path: str | None) -> dict:
-    """The front matter of the README.md in the HF directory `path`, else {}."""
+    """The front matter of the README.md in the HF directory `path` (a hub id: the package that ships it, or the hub
+    cache's copy; never downloaded), else {}."""
+    if path and is_hub_id(path):
+        path = packaged_checkpoint(path) or _cached_card_dir(path)
     if not path:
         return {}
     card = epath.Path(path) / CARD
@@ -73,6 +76,16 @@ def base_card(path: str | None) -> dict:
     except yaml.YAMLError:
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _cached_card_dir(hub_id: str) -> str | None:
+    """The hub cache's snapshot directory holding `hub_id`'s README.md, or None (nothing is downloaded)."""
+    try:
+        import huggingface_hub
+    except ImportError:
+        return None
+    found = huggingface_hub.try_to_load_from_cache(hub_id, CARD)
+    return os.path.dirname(found) if isinstance(found, str) else None
 
 
 def base_model(init: str) -> tuple[str, str | None]:
