@@ -196,7 +196,7 @@ def test_pretrain_on_a_shard_with_a_damaged_record_names_the_shard_and_record(co
             intact += 1
     argv = ["pretrain", "--config", "bert-tiny", "--workdir", str(tmp_path / "run"), "--set", f"data.input={records}",
             "--set", "train.batch_size=8", "--set", "train.steps=1000", "--set", "checkpoint.every=1000"]
-    rc, err, _ = _job(argv, timeout=240)
+    rc, err, _ = _job(argv)
     assert rc == 2 and not any("Traceback" in line for line in err), err[-5:]
     assert re.fullmatch(rf"bertjax pretrain: error: {re.escape(str(shard))}: record {intact} \(at byte \d+\) fails "
                         r"its CRC check: the file is damaged; expected intact TFRecords \(make them again: `data "
