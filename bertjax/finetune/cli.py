@@ -210,7 +210,9 @@ def _predict(args: argparse.Namespace) -> int:
             lines = _predicted_lines(args)
         finally:
             sys.stdout = real_stdout
-        write_to_stdout(lines)
+        # A reader that stopped (`| head -1`): BrokenPipeError, which `bertjax` ends by SIGPIPE (cli.main).
+        sys.stdout.writelines(lines)
+        sys.stdout.flush()
         return 0
     check_output(args.output, [args.input, args.model])
     lines = _predicted_lines(args)
@@ -239,20 +241,6 @@ def check_output(output: str, inputs: list[str]) -> None:
         if os.path.exists(output) and os.path.samefile(output, source):  # a link or another spelling of it too
             raise ValueError(f"--output {output} is the input {source}; writing it would replace the input, give "
                              "another file")
-
-
-def write_to_stdout(lines: list[str]) -> None:
-    """`lines` on stdout. A reader that stopped reading (`| head -1`) ends the command as it ends Unix tools, by
-    SIGPIPE: quietly, with the shell's status 141 (Python would raise BrokenPipeError and print its traceback)."""
-    import signal
-    import sys
-
-    previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    try:
-        sys.stdout.writelines(lines)
-        sys.stdout.flush()
-    finally:
-        signal.signal(signal.SIGPIPE, previous)
 
 
 def _predicted_lines(args: argparse.Namespace) -> list[str]:
