@@ -439,7 +439,9 @@ class StepCheckpointer:
     """
 
     def __init__(self, directory, *, keep: int, keep_every: int | None = None, async_save: bool = False):
-        _drop_late_read_completions()  # a failed save (a full disk) leaves in-flight writes on a closed loop too
+        # A failed save or restore is told once, by the caller: not also by Orbax's threads and TensorStore's
+        # completions on a closed loop.
+        _drop_late_read_completions()
         if _orbax_failure_traceback not in logging.getLogger("absl").filters:
             logging.getLogger("absl").addFilter(_orbax_failure_traceback)
         self.directory = orbax_path(directory)
@@ -490,7 +492,6 @@ class StepCheckpointer:
         read is set aside with a one-line warning through `log`, and the one before it is tried; a ResumeRefused
         (the config, not the step, is at fault) passes through."""
         steps = self.steps()
-        _drop_late_read_completions()  # before: a failed restore's reads complete while it raises
         for step in reversed(steps):
             try:
                 return step, restore(step)
