@@ -16,6 +16,7 @@ import optax
 from bertjax import sharding
 from bertjax.model import bert as model_lib
 from bertjax.pretraining import update_sharding as update_sharding_lib
+from bertjax.pretraining import xla_options
 from bertjax.pretraining.state import TrainState
 from bertjax.sharding import target_platform
 
@@ -226,7 +227,7 @@ def compile_steps(*, model, optimizer, schedule, grad_accum_steps: int, nsp_loss
                           grad_accum_steps=grad_accum_steps, nsp_loss=nsp_loss, update_sharding=update_sharding),
         in_shardings=(state_shardings_tree, batch_sharding),
         out_shardings=(state_shardings_tree, sharding.replicated(mesh)),
-        donate_argnums=(0,))
+        donate_argnums=(0,), compiler_options=xla_options.compiler_options(mesh))
     evaluate = jax.jit(functools.partial(eval_sums, model=model),
                        in_shardings=(state_shardings_tree.params, batch_sharding),
                        out_shardings=sharding.replicated(mesh))
