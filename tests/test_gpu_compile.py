@@ -168,6 +168,22 @@ def test_the_price_of_each_kernel_on_a_hand_written_module():
         {"kernel": "loop_dus_fusion", "op_name": "update", "bytes": 1024 + 4 + 1024}]
 
 
+def test_a_kernel_with_several_results_is_priced_for_each_but_its_scratch():
+    """A Pallas kernel's dk, dv or lse beside its first result are written to HBM as much as the first is; a
+    custom call's s8 workspace (cuBLAS, cuDNN) is scratch, not traffic."""
+    hlo = """HloModule step
+
+ENTRY %main (q: bf16[64,64]) -> bf16[64,64] {
+  %q = bf16[64,64]{1,0} parameter(0)
+  %kernel = (bf16[64,64]{1,0}, f32[64]{0}, s8[1024]{0}) custom-call(%q), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/attention/pallas_call"}
+  ROOT %gte = bf16[64,64]{1,0} get-tuple-element(%kernel), index=0
+}
+"""
+    priced = gpu_estimate.price_program(hlo, peak_flops=1e12, hbm_bytes_per_second=1e12, link_bytes_per_second=1e9)
+    assert priced.coverage["top_non_matmul"] == [
+        {"kernel": "kernel", "op_name": "attention/pallas_call", "bytes": 64 * 64 * 2 + 64 * 64 * 2 + 64 * 4}]
+
+
 @pytest.fixture(scope="module")
 def real_h200_program() -> str:
     path = SHARED_GPU / "step_seq128_after_optimizations.hlo.gz"

@@ -199,6 +199,15 @@ def _written_type(instruction: _Instruction) -> str:
     return instruction.result_type
 
 
+def _written_bytes(instruction: _Instruction) -> int:
+    """Bytes a kernel writes: every result of a custom call but its s8/u8 scratch (a Pallas kernel's dk, dv and
+    lse count beside its first result; cuBLAS's and cuDNN's workspace does not)."""
+    if instruction.opcode == "custom-call" and instruction.result_type.startswith("("):
+        return sum(array_bytes(element) for element in _tuple_elements(instruction.result_type)
+                   if not re.match(r"[su]8\[", element))
+    return array_bytes(instruction.result_type)
+
+
 def _bytes_moved(instruction: _Instruction, types: dict, computations: dict) -> int:
     """Operands read + results written, by their shapes; a fused operand only sliced counts its slices' bytes, an
     in-place dynamic-update-slice root its update's."""
@@ -213,7 +222,7 @@ def _bytes_moved(instruction: _Instruction, types: dict, computations: dict) -> 
     for inner in body:
         for operand in inner.operands:
             users[operand].append(inner)
-    written = array_bytes(_written_type(instruction))
+    written = _written_bytes(instruction)
     updated_in_place = set()
     root = next((i for i in body if i.line.lstrip().startswith("ROOT")), None)
     if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) >= 2:
