@@ -14,7 +14,8 @@ attention in the style of jax.experimental.pallas.ops.gpu.attention:
   and 1/keep_prob is applied once per row at the end; writes o and lse = m + log(l) [B, H, S] float32;
 - backward (jax.custom_vjp), a program per (example, head, block): dk/dv of its key block over every query block,
   then dq of its query block over every key block (`dropout_attention.probs_and_dscores`: the probabilities and
-  the mask recomputed from lse and the hash, nothing [S, S] stored); D = rowsum(dO * O) by XLA beforehand.
+  the mask recomputed from lse and the hash, nothing [S, S] stored), D = rowsum(dO * O) per query block from
+  O's and dO's rows as the loops load them (O re-read once per held block: cheaper than XLA's own pass over both).
 
 q/k/v are read, and o, dq, dk, dv written, in the model's [B, S, heads, head_dim] (the projections' [B, S, H * D]
 reshaped, no transpose): a block is `block` rows of one head, 2 * head_dim bytes each (bf16) at a stride of
@@ -127,10 +128,10 @@ def _fwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
     lse_ref[...] = m + jnp.log(l)
 
 
-def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_ref, lse_ref, di_ref, do_ref, dq_ref,
-                dk_ref, dv_ref, dq_sum_ref, dk_sum_ref, dv_sum_ref, *, scale, block, threshold):
-    """lse_ref, di_ref: lse - log(1/keep_prob) and D * keep_prob (`probs_and_dscores`), [S] of this head;
-    d*_sum_ref: the held block's d* summed over its rows [D] (float32; the biases' gradients, summed by XLA)."""
+def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_ref, lse_ref, o_ref, do_ref, dq_ref,
+                dk_ref, dv_ref, dq_sum_ref, dk_sum_ref, dv_sum_ref, *, scale, block, threshold, keep_prob):
+    """lse_ref: the forward's lse [S] of this head; d*_sum_ref: the held block's d* summed over its rows [D]
+    (float32; the biases' gradients, summed by XLA)."""
     head_dim = q_ref.shape[1]
     start = pl.program_id(2) * block
     held = pl.ds(start, block)
@@ -138,11 +139,18 @@ def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
     steps = q_ref.shape[0] // block
     bq, bk, bv = _bias_rows(bq_ref, bk_ref, bv_ref)
 
-    def recompute(queries, keys, q, k, v, do):
-        """P*Z and dS of the block (queries, keys) [block, block]."""
+    def statistics(queries, do):
+        """lse - log(1/keep_prob) and D * keep_prob of the query block [block, 1] (`probs_and_dscores`'), with
+        D = rowsum(dO * O) from the block's rows of O (the sum of dP * P with the mask: O holds the dropped
+        probabilities): a row's work, not an XLA pass over dO and O."""
+        di = jnp.sum(do.astype(jnp.float32) * o_ref[queries, :].astype(jnp.float32), axis=1) * keep_prob
+        return (lse_ref[queries] + math.log(keep_prob))[:, None], di[:, None]
+
+    def recompute(queries, keys, q, k, v, do, stats):
+        """P*Z and dS of the block (queries, keys) [block, block]; `stats`: the queries' `statistics`."""
         s = _masked_scores(q, k, seg_ref[queries], seg_ref[keys], scale)
         keep = stream.keep(_positions(queries.start, block)[:, None], _positions(keys.start, block)[None, :])
-        return probs_and_dscores(s, lse_ref[queries][:, None], di_ref[queries][:, None], dot(do, v, NT), keep)
+        return probs_and_dscores(s, *stats, dot(do, v, NT), keep)
 
     # dk, dv of the held key block over every query block: dV = (P*Z)^T dO, dK = dS^T Q * scale.
     k, v = _biased(k_ref[held, :], bk), _biased(v_ref[held, :], bv)
@@ -151,7 +159,7 @@ def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
         dk, dv = carry
         queries = pl.ds(qb * block, block)
         q, do = _biased(q_ref[queries, :], bq), do_ref[queries, :]
-        pz, ds = recompute(queries, held, q, k, v, do)
+        pz, ds = recompute(queries, held, q, k, v, do, statistics(queries, do))
         return dk + dot(ds.astype(q.dtype), q, TN), dv + dot(pz.astype(do.dtype), do, TN)
 
     zeros = jnp.zeros((block, head_dim), jnp.float32)
@@ -164,11 +172,12 @@ def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
 
     # dq of the held query block over every key block: dQ = dS K * scale.
     q, do = _biased(q_ref[held, :], bq), do_ref[held, :]
+    held_stats = statistics(held, do)
 
     def dq_body(kb, dq):
         keys = pl.ds(kb * block, block)
         k = _biased(k_ref[keys, :], bk)
-        _, ds = recompute(held, keys, q, k, _biased(v_ref[keys, :], bv), do)
+        _, ds = recompute(held, keys, q, k, _biased(v_ref[keys, :], bv), do, held_stats)
         return dq + dot(ds.astype(k.dtype), k, NN)
 
     dq = lax.fori_loop(0, steps, dq_body, zeros) * scale
@@ -214,22 +223,17 @@ def _backward(q, k, v, biases, segment_ids, scalars, o, lse, do, rate, block, in
     """(dq, dk, dv, their per-block sums [B, H, S / block, D] float32 each)."""
     batch, length, heads, head_dim = q.shape
     rows, whole, bias, segments, stats, _, block_sum = _specs(length, block, head_dim)
-    keep_prob = 1.0 - rate
-    # D = rowsum(dO * O) (= sum_j dP_ij P_ij with the mask: O holds the dropped probabilities), and both statistics
-    # adjusted for 1/keep_prob once per row here, not per pair in the kernel (`probs_and_dscores`).
-    di = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), o.astype(jnp.float32)) * keep_prob
-    lse_kept = lse + math.log(keep_prob)
     sum_shape = jax.ShapeDtypeStruct((batch, heads, length // block, head_dim), jnp.float32)
     return pl.pallas_call(
         functools.partial(_bwd_kernel, scale=1.0 / math.sqrt(head_dim), block=block,
-                          threshold=None if rate == 0.0 else keep_threshold(rate)),
+                          threshold=None if rate == 0.0 else keep_threshold(rate), keep_prob=1.0 - rate),
         grid=(batch, heads, length // block),
-        in_specs=[_SCALARS, whole, whole, whole, bias, bias, bias, segments, stats, stats, whole],
+        in_specs=[_SCALARS, whole, whole, whole, bias, bias, bias, segments, stats, whole, whole],
         out_specs=[rows, rows, rows, block_sum, block_sum, block_sum],
         out_shape=[*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)), sum_shape, sum_shape, sum_shape],
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret, name="flash_dropout_gpu_bwd",
-    )(scalars, q, k, v, *biases, segment_ids, lse_kept, di, do)
+    )(scalars, q, k, v, *biases, segment_ids, lse, o, do)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
