@@ -22,8 +22,8 @@ reshaped, no transpose): a block is `block` rows of one head, 2 * head_dim bytes
 2 * H * D. Padding and packing arrive as segment ids [B, S] (0 = padding: padding attends to padding, so every row
 has a key). The projections' biases [H, D] are added to q/k/v blocks as the kernels load them (in XLA the add is a
 pass of its own over q/k/v: the projections' matmuls do not take it as an epilogue), and the backward writes each
-held block's dq/dk/dv summed over its rows in float32, [B, H, S / block, D], which XLA adds up into the biases'
-gradients (a reduction over 1/block of the data instead of one over dq/dk/dv).
+held block's dq/dk/dv summed over its rows in float32, rows 0-2 of a [4, D] tile of [B, H, S / block * 4, D] (one
+array, so that XLA adds them up into the biases' gradients in one reduction, over 1/block of dq/dk/dv's data).
 
 Triton wants power-of-two block shapes; the length must be a multiple of the blocks (`dot_product_attention` pads
 it to 128). Off GPU (`interpret=True`) the same kernels run in Pallas' interpreter: the tests on CPU.
@@ -129,9 +129,9 @@ def _fwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
 
 
 def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_ref, lse_ref, o_ref, do_ref, dq_ref,
-                dk_ref, dv_ref, dq_sum_ref, dk_sum_ref, dv_sum_ref, *, scale, block, threshold, keep_prob):
-    """lse_ref: the forward's lse [S] of this head; d*_sum_ref: the held block's d* summed over its rows [D]
-    (float32; the biases' gradients, summed by XLA)."""
+                dk_ref, dv_ref, sums_ref, *, scale, block, threshold, keep_prob):
+    """lse_ref: the forward's lse [S] of this head; sums_ref [4, D]: the held block's dq, dk, dv summed over its
+    rows, and zeros (float32; the biases' gradients, summed by XLA)."""
     head_dim = q_ref.shape[1]
     start = pl.program_id(2) * block
     held = pl.ds(start, block)
@@ -167,8 +167,7 @@ def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
     dk = dk * scale
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
-    dk_sum_ref[...] = jnp.sum(dk, axis=0)
-    dv_sum_ref[...] = jnp.sum(dv, axis=0)
+    key_sums = jnp.sum(dk, axis=0), jnp.sum(dv, axis=0)   # [D] each: what stays live through the dq loop
 
     # dq of the held query block over every key block: dQ = dS K * scale.
     q, do = _biased(q_ref[held, :], bq), do_ref[held, :]
@@ -182,21 +181,24 @@ def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
 
     dq = lax.fori_loop(0, steps, dq_body, zeros) * scale
     dq_ref[...] = dq.astype(dq_ref.dtype)
-    dq_sum_ref[...] = jnp.sum(dq, axis=0)
+    # Rows selected by an iota (Triton has no concatenate); 4 rows: its blocks' sizes are powers of two.
+    row = lax.broadcasted_iota(jnp.int32, sums_ref.shape, 0)
+    sums = [jnp.broadcast_to(x[None, :], sums_ref.shape) for x in (jnp.sum(dq, axis=0), *key_sums)]
+    sums_ref[...] = jnp.where(row == 0, sums[0], jnp.where(row == 1, sums[1], jnp.where(row == 2, sums[2], 0.0)))
 
 
 def _specs(length, block, head_dim):
     """BlockSpecs over grid (example, head, block): a `block` of rows of one head of [B, S, H, D]; the head's whole
     [S, D] (the loops' operands: each loop loads its own blocks); the head's bias [D] of [H, D]; the example's
     segment ids [S]; a head's [S] statistics of [B, H, S]; the block's rows of them; the block's [D] of
-    [B, H, S / block, D] (the backward's per-block sums)."""
+    [B, H, S / block * 4, D] (the backward's per-block sums)."""
     rows = pl.BlockSpec((None, block, None, head_dim), lambda b, h, i: (b, i, h, 0))
     whole = pl.BlockSpec((None, length, None, head_dim), lambda b, h, i: (b, 0, h, 0))
     bias = pl.BlockSpec((None, head_dim), lambda b, h, i: (h, 0))
     segments = pl.BlockSpec((None, length), lambda b, h, i: (b, 0))
     stats = pl.BlockSpec((None, None, length), lambda b, h, i: (b, h, 0))
     stat_rows = pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i))
-    block_sum = pl.BlockSpec((None, None, None, head_dim), lambda b, h, i: (b, h, i, 0))
+    block_sum = pl.BlockSpec((None, None, 4, head_dim), lambda b, h, i: (b, h, i, 0))
     return rows, whole, bias, segments, stats, stat_rows, block_sum
 
 
@@ -220,20 +222,21 @@ def _forward(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, inte
 
 
 def _backward(q, k, v, biases, segment_ids, scalars, o, lse, do, rate, block, interpret):
-    """(dq, dk, dv, their per-block sums [B, H, S / block, D] float32 each)."""
+    """(dq, dk, dv, their per-block sums [B, H, S / block, 3, D] float32)."""
     batch, length, heads, head_dim = q.shape
     rows, whole, bias, segments, stats, _, block_sum = _specs(length, block, head_dim)
-    sum_shape = jax.ShapeDtypeStruct((batch, heads, length // block, head_dim), jnp.float32)
-    return pl.pallas_call(
+    sum_shape = jax.ShapeDtypeStruct((batch, heads, length // block * 4, head_dim), jnp.float32)
+    dq, dk, dv, sums = pl.pallas_call(
         functools.partial(_bwd_kernel, scale=1.0 / math.sqrt(head_dim), block=block,
                           threshold=None if rate == 0.0 else keep_threshold(rate), keep_prob=1.0 - rate),
         grid=(batch, heads, length // block),
         in_specs=[_SCALARS, whole, whole, whole, bias, bias, bias, segments, stats, whole, whole],
-        out_specs=[rows, rows, rows, block_sum, block_sum, block_sum],
-        out_shape=[*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)), sum_shape, sum_shape, sum_shape],
+        out_specs=[rows, rows, rows, block_sum],
+        out_shape=[*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)), sum_shape],
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret, name="flash_dropout_gpu_bwd",
     )(scalars, q, k, v, *biases, segment_ids, lse, o, do)
+    return dq, dk, dv, sums.reshape(batch, heads, length // block, 4, head_dim)[:, :, :, :3]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
@@ -249,8 +252,9 @@ def _attention_fwd(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k
 
 def _attention_bwd(rate, block_q, block_k, block_bwd, interpret, residuals, do):
     q, k, v, biases, rows, segment_ids, scalars, o, lse = residuals
-    dq, dk, dv, *sums = _backward(q, k, v, rows, segment_ids, scalars, o, lse, do, rate, block_bwd, interpret)
-    bias_grads = tuple(s.sum(axis=(0, 2)).astype(b.dtype) for s, b in zip(sums, biases))
+    dq, dk, dv, sums = _backward(q, k, v, rows, segment_ids, scalars, o, lse, do, rate, block_bwd, interpret)
+    sums = sums.sum(axis=(0, 2))
+    bias_grads = tuple(sums[:, j].astype(b.dtype) for j, b in enumerate(biases))
     return dq, dk, dv, bias_grads, None, None
 
 
