@@ -284,6 +284,8 @@ def _flash_dropout_gpu_attention(query, key, value, segment_ids, seed, *, dropou
     # SMs), of 128 from 256 tokens (the keys and values are re-read once per query block); keys streamed in 64s and
     # the backward in 64 x 64 blocks (its loops hold q, k, v, dO and two accumulators). Not yet timed on a GPU.
     block_q = 64 if query.shape[1] == KERNEL_BLOCK else 128
+    # The kernels add the biases to the pad rows too: those are keys of padding queries only (segment id 0), whose
+    # outputs are ignorable; their cotangents (0 in the model) are what reach the biases' gradients from there.
     out = flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
                                        block_q=block_q, block_k=64, block_bwd=64, batch_offset=batch_offset,
                                        head_offset=head_offset, biases=biases,

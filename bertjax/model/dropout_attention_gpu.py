@@ -15,7 +15,7 @@ attention in the style of jax.experimental.pallas.ops.gpu.attention:
 - backward (jax.custom_vjp), a program per (example, head, block): dk/dv of its key block over every query block,
   then dq of its query block over every key block (`dropout_attention.probs_and_dscores`: the probabilities and
   the mask recomputed from lse and the hash, nothing [S, S] stored), D = rowsum(dO * O) per query block from
-  O's and dO's rows as the loops load them (O re-read once per held block: cheaper than XLA's own pass over both).
+  O's and dO's rows as the loops load them (O re-read once per held block: priced below XLA's own pass over both).
 
 q/k/v are read, and o, dq, dk, dv written, in the model's [B, S, heads, head_dim] (the projections' [B, S, H * D]
 reshaped, no transpose): a block is `block` rows of one head, 2 * head_dim bytes each (bf16) at a stride of
