@@ -378,12 +378,13 @@ def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, le
 
 @pytest.mark.parametrize("backend, heads, head_dim", [
     ("flash_dropout_tpu", 2, 16), ("flash_dropout_tpu", 4, 64),   # one head per shard; a pair of 64 per shard
-    ("flash_dropout_gpu", 2, 16),                                 # the GPU kernel, interpreted (biases XLA's)
+    ("flash_dropout_gpu", 2, 16),                                 # the GPU kernel, interpreted ([H, D] biases)
 ])
 def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays(backend, heads, head_dim):
     """On a mesh the backend runs the kernel per shard (shard_map: batch over data, heads over tensor); each shard
     hashes its global batch and head indices, so the output is the unsharded one; the q/k/v biases' gradients,
-    summed per shard in the TPU kernels, are the unsharded ones too."""
+    summed per shard in the kernels (the GPU kernel's [heads, head_dim] ones replicated over the batch's shards),
+    are the unsharded ones too."""
     from bertjax import sharding
 
     batch, length, rate = 2, 128, 0.1

@@ -23,17 +23,35 @@ def _assert_close(actual, expected, rtol, scale=None):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
 
 
-def _kernel_and_reference(q, k, v, segment_ids, rate, seed, **blocks):
-    """(out, grads) of the interpreted kernel and of the float32 reference with `dropout_keep_mask`'s mask, on the
-    same inputs (the reference's in float32); padding rows are left out of the loss (ignorable outputs)."""
+def _biases(heads, head_dim, seed=5):
+    """(q, k, v) projection biases [heads, head_dim] float32 (the model's parameters' dtype)."""
+    return tuple(jnp.asarray(np.random.default_rng(seed).normal(size=(3, heads, head_dim)), jnp.float32))
+
+
+def _kernel_and_reference(q, k, v, biases, segment_ids, rate, seed, **blocks):
+    """(out, grads of q, k, v and the biases) of the interpreted kernel given the (q, k, v) `biases`, and of the
+    float32 reference on q + bq, k + bk, v + bv with `dropout_keep_mask`'s mask, on the same inputs (the
+    reference's in float32); padding rows are left out of the loss (ignorable outputs)."""
     batch, length, heads, _ = q.shape
     weights = (segment_ids != 0).astype(jnp.float32)[:, :, None, None]
-    kernel = lambda q, k, v: dg.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=rate, seed=seed,
-                                                             interpret=True, **blocks).astype(jnp.float32)
+    kernel = lambda q, k, v, b: dg.flash_attention_with_dropout(
+        q, k, v, segment_ids, dropout_rate=rate, seed=seed, biases=b, interpret=True, **blocks).astype(jnp.float32)
     mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate) if rate else None
-    reference = lambda q, k, v: _reference(q, k, v, segment_ids, mask, rate)
+    reference = lambda q, k, v, b: _reference(q + b[0], k + b[1], v + b[2], segment_ids, mask, rate)
     as32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    return _value_and_grads(kernel, weights, q, k, v), _value_and_grads(reference, weights, *as32)
+    return (_value_and_grads(kernel, weights, q, k, v, biases),
+            _value_and_grads(reference, weights, *as32, biases))
+
+
+def _assert_gradients_close(grads, expected_grads, rtol):
+    """q/k/v gradients each on its own scale; the biases' on the value bias's (the key bias's is ~0 in both:
+    softmax ignores a shift of a row's logits)."""
+    for grad, expected_grad in zip(grads[:3], expected_grads[:3]):
+        _assert_close(grad, expected_grad, rtol=rtol)
+    bias_scale = np.abs(np.asarray(expected_grads[3][2])).max()
+    for grad, expected_grad in zip(grads[3], expected_grads[3]):
+        assert grad.shape == expected_grad.shape and grad.dtype == jnp.float32
+        _assert_close(grad, expected_grad, rtol=rtol, scale=bias_scale)
 
 
 @pytest.mark.parametrize("length, heads, head_dim, layout, blocks", [
@@ -44,29 +62,32 @@ def _kernel_and_reference(q, k, v, segment_ids, rate, seed, **blocks):
 def test_forward_and_gradients_equal_the_reference_with_the_tpu_kernels_mask(length, heads, head_dim, layout,
                                                                             blocks):
     q, k, v = _inputs(2, length, heads, head_dim)
+    biases = _biases(heads, head_dim)
     segment_ids = _segments(2, length, layout)
-    (out, grads), (expected, expected_grads) = _kernel_and_reference(q, k, v, segment_ids, 0.1, 2024, **blocks)
+    (out, grads), (expected, expected_grads) = _kernel_and_reference(q, k, v, biases, segment_ids, 0.1, 2024,
+                                                                     **blocks)
     valid = np.asarray(segment_ids) != 0
     _assert_close(np.asarray(out)[valid], np.asarray(expected)[valid], rtol=1e-5)
-    for grad, expected_grad in zip(grads, expected_grads):
-        _assert_close(grad, expected_grad, rtol=1e-5)
-    # The mask mattered: without dropout the output is another.
-    no_dropout = _reference(q, k, v, segment_ids, None, 0.0)
-    assert np.abs(np.asarray(out - no_dropout)[valid]).max() > 1e-2
+    _assert_gradients_close(grads, expected_grads, rtol=1e-5)
+    # The mask and the biases mattered: without either the output is another.
+    for other in (_reference(q + biases[0], k + biases[1], v + biases[2], segment_ids, None, 0.0),
+                  _reference(q, k, v, segment_ids, da.dropout_keep_mask(2024, 2, heads, length, length, 0.1), 0.1)):
+        assert np.abs(np.asarray(out - other)[valid]).max() > 1e-2
 
 
 def test_bfloat16_forward_and_gradients_are_the_float32_references_within_bfloat16_precision():
-    """BERT's heads of 64 in bf16 (the GPU's dtype): output and q/k/v gradients within bf16 rounding of the float32
-    reference on the same (bf16-valued) inputs with the same mask; rate 0 is the plain attention."""
+    """BERT's heads of 64 in bf16 (the GPU's dtype) with float32 biases (the parameters'): output and q/k/v/bias
+    gradients within bf16 rounding of the float32 reference on the same (bf16-valued) inputs with the same mask;
+    rate 0 is the plain attention."""
     q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(2, 128, 2, 64, seed=1))
+    biases = _biases(2, 64, seed=6)
     segment_ids = _segments(2, 128, "packing")
     valid = np.asarray(segment_ids) != 0
     for rate in (0.1, 0.0):
-        (out, grads), (expected, expected_grads) = _kernel_and_reference(q, k, v, segment_ids, rate, 9)
+        (out, grads), (expected, expected_grads) = _kernel_and_reference(q, k, v, biases, segment_ids, rate, 9)
         assert grads[0].dtype == jnp.bfloat16
         _assert_close(np.asarray(out)[valid], np.asarray(expected)[valid], rtol=2e-2)
-        for grad, expected_grad in zip(grads, expected_grads):
-            _assert_close(grad, expected_grad, rtol=3e-2)
+        _assert_gradients_close(grads, expected_grads, rtol=3e-2)
 
 
 def test_the_kernel_applies_exactly_the_tpu_kernels_mask():
@@ -90,7 +111,7 @@ def test_the_kernel_applies_exactly_the_tpu_kernels_mask():
 
 def test_the_entry_point_pads_to_its_blocks_and_equals_the_reference_with_its_mask():
     """`dot_product_attention(backend="flash_dropout_gpu")` at 250 tokens (padded to 256: query blocks of 128), with
-    the projections' biases (added before the kernel): output and gradients of q/k/v and the biases equal the
+    the projections' biases (added by the kernel): output and gradients of q/k/v and the biases equal the
     reference's with the kernel's mask (the key bias's is ~0 in both, softmax ignoring a shift of a row's logits:
     compared on the value bias's scale); deterministic (eval), the plain attention."""
     batch, length, heads, head_dim, rate = 2, 250, 2, 16, 0.1

@@ -76,7 +76,7 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
     """Attention output [batch, length, heads, head_dim] in the dtype of `query`.
 
     `biases`: optional (query, key, value) biases [heads, head_dim] (the projections'), added to query/key/value in
-    their dtype first; the fused dropout kernel adds them itself and sums their gradients in its own kernels.
+    their dtype first; the fused dropout kernels add them themselves and sum their gradients in their own kernels.
 
     The Pallas TPU backends run off-TPU (tests on CPU) inside `jax.experimental.pallas.tpu
     .force_tpu_interpret_mode()`, which must enclose the tracing of the backward pass too; the GPU kernel runs
@@ -84,7 +84,7 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
     """
     dropout_active = not deterministic and dropout_rate > 0.0
     backend = resolve_backend(backend, dropout_active, length=query.shape[1])
-    if biases is not None and backend != "flash_dropout_tpu":
+    if biases is not None and backend not in FUSED_DROPOUT_BACKENDS.values():
         query, key, value = (x + b.astype(x.dtype) for x, b in zip((query, key, value), biases))
     if backend == "reference":
         return reference_attention(query, key, value, input_mask, packing_ids, dropout_rate=dropout_rate,
@@ -101,7 +101,7 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
         seed = seed_from_rng(dropout_rng) if rate > 0.0 else jnp.uint32(0)
         if backend == "flash_dropout_gpu":
             return per_device_shard(functools.partial(_flash_dropout_gpu_attention, dropout_rate=rate), query, key,
-                                    value, segment_ids, seed)
+                                    value, segment_ids, seed, biases=biases)
         if biases is not None:   # per example, split with the batch and heads
             biases = tuple(jnp.broadcast_to(b, (query.shape[0], *b.shape)) for b in biases)
         return per_device_shard(functools.partial(_flash_dropout_attention, dropout_rate=rate), query, key, value,
@@ -117,8 +117,9 @@ def per_device_shard(kernel, query, key, value, segment_ids, *replicated, biases
     shard of a multi-device mesh: XLA cannot partition a Mosaic (Pallas TPU) kernel, so the batch is split over
     the activation_batch axes and the heads over activation_heads by the logical-axis rules in force, and each
     device runs the kernel on its part; the offsets say where that part starts in the whole batch and heads.
-    `biases` (optional, [batch, heads, head_dim] each) are split like the batch and heads and passed on as
-    `biases=` (only where given)."""
+    `biases` (optional, [batch, heads, head_dim] or [heads, head_dim] each) are split like the batch and heads
+    and passed on as `biases=` (only where given); [heads, head_dim] ones are replicated over the batch's devices
+    (their gradients summed over them by shard_map's transpose)."""
     if biases is not None:
         kernel = _passing_biases(kernel, len(replicated))
         replicated = (*replicated, *biases)
@@ -129,7 +130,7 @@ def per_device_shard(kernel, query, key, value, segment_ids, *replicated, biases
     ids = nn.logical_to_mesh_axes(("activation_batch", "activation_length"))
     specs = (PartitionSpec(),) * (len(replicated) - (0 if biases is None else 3))
     if biases is not None:
-        specs += (PartitionSpec(qkv[0], qkv[2], qkv[3]),) * 3
+        specs += tuple(PartitionSpec(*(qkv[0],)[:b.ndim - 2], qkv[2], qkv[3]) for b in biases)
     heads_axes = qkv[2]
     # Over the axes not already manual (inside the train step's shard_map over data: fsdp and tensor, even of
     # size 1: a Mosaic call anywhere an axis is automatic is refused).
@@ -274,7 +275,8 @@ def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_ra
                                         head_offset=head_offset, biases=biases)
 
 
-def _flash_dropout_gpu_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset):
+def _flash_dropout_gpu_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset,
+                                 biases=None):
     from bertjax.model.dropout_attention_gpu import flash_attention_with_dropout
 
     query, key, value, segment_ids, length = _pad_to_block(query, key, value, segment_ids)
@@ -282,7 +284,10 @@ def _flash_dropout_gpu_attention(query, key, value, segment_ids, seed, *, dropou
     # SMs), of 128 from 256 tokens (the keys and values are re-read once per query block); keys streamed in 64s and
     # the backward in 64 x 64 blocks (its loops hold q, k, v, dO and two accumulators). Not yet timed on a GPU.
     block_q = 64 if query.shape[1] == KERNEL_BLOCK else 128
+    # The kernels add the biases to the pad rows too: those are keys of padding queries only (segment id 0), whose
+    # outputs are ignorable; their cotangents (0 in the model) are what reach the biases' gradients from there.
     out = flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
                                        block_q=block_q, block_k=64, block_bwd=64, batch_offset=batch_offset,
-                                       head_offset=head_offset, interpret=target_platform() != "gpu")
+                                       head_offset=head_offset, biases=biases,
+                                       interpret=target_platform() != "gpu")
     return out[:, :length]

@@ -14,13 +14,16 @@ attention in the style of jax.experimental.pallas.ops.gpu.attention:
   and 1/keep_prob is applied once per row at the end; writes o and lse = m + log(l) [B, H, S] float32;
 - backward (jax.custom_vjp), a program per (example, head, block): dk/dv of its key block over every query block,
   then dq of its query block over every key block (`dropout_attention.probs_and_dscores`: the probabilities and
-  the mask recomputed from lse and the hash, nothing [S, S] stored); D = rowsum(dO * O) by XLA beforehand.
+  the mask recomputed from lse and the hash, nothing [S, S] stored), D = rowsum(dO * O) per query block from
+  O's and dO's rows as the loops load them (O re-read once per held block: priced below XLA's own pass over both).
 
 q/k/v are read, and o, dq, dk, dv written, in the model's [B, S, heads, head_dim] (the projections' [B, S, H * D]
 reshaped, no transpose): a block is `block` rows of one head, 2 * head_dim bytes each (bf16) at a stride of
 2 * H * D. Padding and packing arrive as segment ids [B, S] (0 = padding: padding attends to padding, so every row
-has a key). The projections' biases are added by XLA before the kernel (an elementwise add it can fuse into the
-projections' output; not timed against adding them in-kernel as the TPU kernel does).
+has a key). The projections' biases [H, D] are added to q/k/v blocks as the kernels load them (in XLA the add is a
+pass of its own over q/k/v: the projections' matmuls do not take it as an epilogue), and the backward writes each
+held block's dq/dk/dv summed over its rows in float32, rows 0-2 of a [4, D] tile of [B, H, S / block * 4, D] (one
+array, so that XLA adds them up into the biases' gradients in one reduction, over 1/block of dq/dk/dv's data).
 
 Triton wants power-of-two block shapes; the length must be a multiple of the blocks (`dot_product_attention` pads
 it to 128). Off GPU (`interpret=True`) the same kernels run in Pallas' interpreter: the tests on CPU.
@@ -78,23 +81,36 @@ class _Stream:
         return keep_at(*hash_terms(rows, cols, self.mult, self.add), self.threshold)
 
 
+def _biased(x, bias):
+    """A q/k/v block [rows, D] plus its bias row `bias` [D] (float32), in the block's dtype: the bits of XLA's
+    x + bias.astype(x.dtype) (computed in float32 and rounded)."""
+    return (x.astype(jnp.float32) + bias[None, :]).astype(x.dtype)
+
+
+def _bias_rows(*bias_refs):
+    """The biases' [D] blocks in float32: loaded once per program, added to every block the loops load."""
+    return tuple(ref[...].astype(jnp.float32) for ref in bias_refs)
+
+
 def _masked_scores(q, k, q_seg, k_seg, scale):
     """Logits q k^T * scale [bq, bk] in float32, MASK_VALUE where the segments differ (the reference's mask)."""
     return jnp.where(q_seg[:, None] == k_seg[None, :], dot(q, k, NT) * scale, MASK_VALUE)
 
 
-def _fwd_kernel(scalars_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, block_k, threshold, inv_keep):
+def _fwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_ref, o_ref, lse_ref, *, scale, block_k,
+                threshold, inv_keep):
     block_q, head_dim = q_ref.shape
     q_start = pl.program_id(2) * block_q
     stream = _Stream(scalars_ref, threshold)
-    q = q_ref[...]
+    bq, bk, bv = _bias_rows(bq_ref, bk_ref, bv_ref)
+    q = _biased(q_ref[...], bq)
     q_seg = seg_ref[pl.ds(q_start, block_q)]
     rows = _positions(q_start, block_q)[:, None]
 
     def body(kb, carry):
         acc, m_prev, l_prev = carry
         keys = pl.ds(kb * block_k, block_k)
-        s = _masked_scores(q, k_ref[keys, :], q_seg, seg_ref[keys], scale)
+        s = _masked_scores(q, _biased(k_ref[keys, :], bk), q_seg, seg_ref[keys], scale)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])          # undropped: the softmax statistics see every key
         alpha = jnp.exp(m_prev - m_new)
@@ -102,7 +118,7 @@ def _fwd_kernel(scalars_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, sc
         keep = stream.keep(rows, _positions(kb * block_k, block_k)[None, :])
         if keep is not None:
             p = jnp.where(keep, p, 0.0)
-        v = v_ref[keys, :]
+        v = _biased(v_ref[keys, :], bv)
         return acc * alpha[:, None] + dot(p.astype(v.dtype), v, NN), m_new, l_new
 
     init = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -112,113 +128,134 @@ def _fwd_kernel(scalars_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, sc
     lse_ref[...] = m + jnp.log(l)
 
 
-def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, seg_ref, lse_ref, di_ref, do_ref, dq_ref, dk_ref, dv_ref, *,
-                scale, block, threshold):
-    """lse_ref, di_ref: lse - log(1/keep_prob) and D * keep_prob (`probs_and_dscores`), [S] of this head."""
+def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_ref, lse_ref, o_ref, do_ref, dq_ref,
+                dk_ref, dv_ref, sums_ref, *, scale, block, threshold, keep_prob):
+    """lse_ref: the forward's lse [S] of this head; sums_ref [4, D]: the held block's dq, dk, dv summed over its
+    rows, and zeros (float32; the biases' gradients, summed by XLA)."""
     head_dim = q_ref.shape[1]
     start = pl.program_id(2) * block
     held = pl.ds(start, block)
     stream = _Stream(scalars_ref, threshold)
     steps = q_ref.shape[0] // block
+    bq, bk, bv = _bias_rows(bq_ref, bk_ref, bv_ref)
 
-    def recompute(queries, keys, q, k, v, do):
-        """P*Z and dS of the block (queries, keys) [block, block]."""
+    def statistics(queries, do):
+        """lse - log(1/keep_prob) and D * keep_prob of the query block [block, 1] (`probs_and_dscores`'), with
+        D = rowsum(dO * O) from the block's rows of O (the sum of dP * P with the mask: O holds the dropped
+        probabilities): a row's work, not an XLA pass over dO and O."""
+        di = jnp.sum(do.astype(jnp.float32) * o_ref[queries, :].astype(jnp.float32), axis=1) * keep_prob
+        return (lse_ref[queries] + math.log(keep_prob))[:, None], di[:, None]
+
+    def recompute(queries, keys, q, k, v, do, stats):
+        """P*Z and dS of the block (queries, keys) [block, block]; `stats`: the queries' `statistics`."""
         s = _masked_scores(q, k, seg_ref[queries], seg_ref[keys], scale)
         keep = stream.keep(_positions(queries.start, block)[:, None], _positions(keys.start, block)[None, :])
-        return probs_and_dscores(s, lse_ref[queries][:, None], di_ref[queries][:, None], dot(do, v, NT), keep)
+        return probs_and_dscores(s, *stats, dot(do, v, NT), keep)
 
     # dk, dv of the held key block over every query block: dV = (P*Z)^T dO, dK = dS^T Q * scale.
-    k, v = k_ref[held, :], v_ref[held, :]
+    k, v = _biased(k_ref[held, :], bk), _biased(v_ref[held, :], bv)
 
     def dkv_body(qb, carry):
         dk, dv = carry
         queries = pl.ds(qb * block, block)
-        q, do = q_ref[queries, :], do_ref[queries, :]
-        pz, ds = recompute(queries, held, q, k, v, do)
+        q, do = _biased(q_ref[queries, :], bq), do_ref[queries, :]
+        pz, ds = recompute(queries, held, q, k, v, do, statistics(queries, do))
         return dk + dot(ds.astype(q.dtype), q, TN), dv + dot(pz.astype(do.dtype), do, TN)
 
     zeros = jnp.zeros((block, head_dim), jnp.float32)
     dk, dv = lax.fori_loop(0, steps, dkv_body, (zeros, zeros))
-    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dk = dk * scale
+    dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
+    key_sums = jnp.sum(dk, axis=0), jnp.sum(dv, axis=0)   # [D] each: what stays live through the dq loop
 
     # dq of the held query block over every key block: dQ = dS K * scale.
-    q, do = q_ref[held, :], do_ref[held, :]
+    q, do = _biased(q_ref[held, :], bq), do_ref[held, :]
+    held_stats = statistics(held, do)
 
     def dq_body(kb, dq):
         keys = pl.ds(kb * block, block)
-        k = k_ref[keys, :]
-        _, ds = recompute(held, keys, q, k, v_ref[keys, :], do)
+        k = _biased(k_ref[keys, :], bk)
+        _, ds = recompute(held, keys, q, k, _biased(v_ref[keys, :], bv), do, held_stats)
         return dq + dot(ds.astype(k.dtype), k, NN)
 
-    dq = lax.fori_loop(0, steps, dq_body, zeros)
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dq = lax.fori_loop(0, steps, dq_body, zeros) * scale
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    # Rows selected by an iota (Triton has no concatenate); 4 rows: its blocks' sizes are powers of two.
+    row = lax.broadcasted_iota(jnp.int32, sums_ref.shape, 0)
+    sums = [jnp.broadcast_to(x[None, :], sums_ref.shape) for x in (jnp.sum(dq, axis=0), *key_sums)]
+    sums_ref[...] = jnp.where(row == 0, sums[0], jnp.where(row == 1, sums[1], jnp.where(row == 2, sums[2], 0.0)))
 
 
 def _specs(length, block, head_dim):
     """BlockSpecs over grid (example, head, block): a `block` of rows of one head of [B, S, H, D]; the head's whole
-    [S, D] (the loops' operands: each loop loads its own blocks); the example's segment ids [S]; a head's [S]
-    statistics of [B, H, S]; the block's rows of them."""
+    [S, D] (the loops' operands: each loop loads its own blocks); the head's bias [D] of [H, D]; the example's
+    segment ids [S]; a head's [S] statistics of [B, H, S]; the block's rows of them; the block's [D] of
+    [B, H, S / block * 4, D] (the backward's per-block sums)."""
     rows = pl.BlockSpec((None, block, None, head_dim), lambda b, h, i: (b, i, h, 0))
     whole = pl.BlockSpec((None, length, None, head_dim), lambda b, h, i: (b, 0, h, 0))
+    bias = pl.BlockSpec((None, head_dim), lambda b, h, i: (h, 0))
     segments = pl.BlockSpec((None, length), lambda b, h, i: (b, 0))
     stats = pl.BlockSpec((None, None, length), lambda b, h, i: (b, h, 0))
     stat_rows = pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i))
-    return rows, whole, segments, stats, stat_rows
+    block_sum = pl.BlockSpec((None, None, 4, head_dim), lambda b, h, i: (b, h, i, 0))
+    return rows, whole, bias, segments, stats, stat_rows, block_sum
 
 
 _SCALARS = pl.BlockSpec((4,), lambda b, h, i: (0,))   # (seed, batch offset, head offset, 0): 4, a power of two
 
 
-def _forward(q, k, v, segment_ids, scalars, rate, block_q, block_k, interpret):
+def _forward(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, interpret):
     batch, length, heads, head_dim = q.shape
-    rows, whole, segments, _, stat_rows = _specs(length, block_q, head_dim)
+    rows, whole, bias, segments, _, stat_rows, _ = _specs(length, block_q, head_dim)
     threshold, inv_keep = (None, 1.0) if rate == 0.0 else (keep_threshold(rate), 1.0 / (1.0 - rate))
     return pl.pallas_call(
         functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(head_dim), block_k=block_k, threshold=threshold,
                           inv_keep=inv_keep),
         grid=(batch, heads, length // block_q),
-        in_specs=[_SCALARS, rows, whole, whole, segments], out_specs=[rows, stat_rows],
+        in_specs=[_SCALARS, rows, whole, whole, bias, bias, bias, segments], out_specs=[rows, stat_rows],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret, name="flash_dropout_gpu_fwd",
-    )(scalars, q, k, v, segment_ids)
+    )(scalars, q, k, v, *biases, segment_ids)
 
 
-def _backward(q, k, v, segment_ids, scalars, o, lse, do, rate, block, interpret):
+def _backward(q, k, v, biases, segment_ids, scalars, o, lse, do, rate, block, interpret):
+    """(dq, dk, dv, their per-block sums [B, H, S / block, 3, D] float32)."""
     batch, length, heads, head_dim = q.shape
-    rows, whole, segments, stats, _ = _specs(length, block, head_dim)
-    keep_prob = 1.0 - rate
-    # D = rowsum(dO * O) (= sum_j dP_ij P_ij with the mask: O holds the dropped probabilities), and both statistics
-    # adjusted for 1/keep_prob once per row here, not per pair in the kernel (`probs_and_dscores`).
-    di = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), o.astype(jnp.float32)) * keep_prob
-    lse_kept = lse + math.log(keep_prob)
-    return pl.pallas_call(
+    rows, whole, bias, segments, stats, _, block_sum = _specs(length, block, head_dim)
+    sum_shape = jax.ShapeDtypeStruct((batch, heads, length // block * 4, head_dim), jnp.float32)
+    dq, dk, dv, sums = pl.pallas_call(
         functools.partial(_bwd_kernel, scale=1.0 / math.sqrt(head_dim), block=block,
-                          threshold=None if rate == 0.0 else keep_threshold(rate)),
+                          threshold=None if rate == 0.0 else keep_threshold(rate), keep_prob=1.0 - rate),
         grid=(batch, heads, length // block),
-        in_specs=[_SCALARS, whole, whole, whole, segments, stats, stats, whole], out_specs=[rows, rows, rows],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)],
+        in_specs=[_SCALARS, whole, whole, whole, bias, bias, bias, segments, stats, whole, whole],
+        out_specs=[rows, rows, rows, block_sum],
+        out_shape=[*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)), sum_shape],
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret, name="flash_dropout_gpu_bwd",
-    )(scalars, q, k, v, segment_ids, lse_kept, di, do)
+    )(scalars, q, k, v, *biases, segment_ids, lse, o, do)
+    return dq, dk, dv, sums.reshape(batch, heads, length // block, 4, head_dim)[:, :, :, :3]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _attention(q, k, v, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret):
-    return _forward(q, k, v, segment_ids, scalars, rate, block_q, block_k, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _attention(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret):
+    return _attention_fwd(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret)[0]
 
 
-def _attention_fwd(q, k, v, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret):
-    o, lse = _forward(q, k, v, segment_ids, scalars, rate, block_q, block_k, interpret)
-    return o, (q, k, v, segment_ids, scalars, o, lse)
+def _attention_fwd(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret):
+    rows = tuple(b.astype(q.dtype) for b in biases)   # the reference's x + b.astype(x.dtype)
+    o, lse = _forward(q, k, v, rows, segment_ids, scalars, rate, block_q, block_k, interpret)
+    return o, (q, k, v, biases, rows, segment_ids, scalars, o, lse)
 
 
 def _attention_bwd(rate, block_q, block_k, block_bwd, interpret, residuals, do):
-    q, k, v, segment_ids, scalars, o, lse = residuals
-    dq, dk, dv = _backward(q, k, v, segment_ids, scalars, o, lse, do, rate, block_bwd, interpret)
-    return dq, dk, dv, None, None
+    q, k, v, biases, rows, segment_ids, scalars, o, lse = residuals
+    dq, dk, dv, sums = _backward(q, k, v, rows, segment_ids, scalars, o, lse, do, rate, block_bwd, interpret)
+    sums = sums.sum(axis=(0, 2))
+    bias_grads = tuple(sums[:, j].astype(b.dtype) for j, b in enumerate(biases))
+    return dq, dk, dv, bias_grads, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -226,7 +263,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate: float, seed, block_q: int = 64,
                                  block_k: int = 64, block_bwd: int = 64, batch_offset=0, head_offset=0,
-                                 interpret: bool = False):
+                                 biases=None, interpret: bool = False):
     """dropout(softmax(q k^T / sqrt(d) + mask)) v, fused for GPU; q/k/v [batch, length, heads, head_dim].
 
     segment_ids [batch, length] int: 0 = padding; a query attends to the keys with its id. dropout_rate: static,
@@ -235,19 +272,23 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     block_q/block_k: the forward's held query block and streamed key block; block_bwd: the backward's (held and
     streamed alike); powers of two dividing the length. batch_offset/head_offset (int or traced int32): the global
     index of this call's first example and head (a shard inside a shard_map), so the mask is the global arrays'.
+    biases: optional (q, k, v) biases [heads, head_dim] (the projections'), added to query, key and value in their
+    dtype inside the kernels; their gradients are the backward kernel's per-block sums of dq/dk/dv added up.
     interpret: run in Pallas' interpreter (off GPU). Output in query's dtype; softmax statistics in float32.
     """
     dropout_rate = float(dropout_rate)
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-    length, head_dim = query.shape[1], query.shape[3]
+    length, heads, head_dim = query.shape[1:]
     if length > MAX_LENGTH:
         raise ValueError(f"lengths up to {MAX_LENGTH} are supported, got {length}")
     for name, size in (("block_q", block_q), ("block_k", block_k), ("block_bwd", block_bwd), ("head_dim", head_dim)):
         if size & (size - 1) or (name != "head_dim" and length % size):
             raise ValueError(f"{name}={size} must be a power of two" + ("" if name == "head_dim" else
                                                                         f" dividing the length {length}"))
+    if biases is None:
+        biases = (jnp.zeros((heads, head_dim), query.dtype),) * 3
     scalars = jnp.concatenate([seed_word(seed), jnp.asarray(batch_offset, jnp.int32).reshape(1),
                                jnp.asarray(head_offset, jnp.int32).reshape(1), jnp.zeros(1, jnp.int32)])
-    return _attention(query, key, value, segment_ids.astype(jnp.int32), scalars, dropout_rate, block_q, block_k,
-                      block_bwd, interpret)
+    return _attention(query, key, value, tuple(biases), segment_ids.astype(jnp.int32), scalars, dropout_rate,
+                      block_q, block_k, block_bwd, interpret)
