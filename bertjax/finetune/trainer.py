@@ -7,6 +7,7 @@ weighted mean), so every step has one of at most max_len / bucket shapes and not
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable
 
@@ -18,7 +19,7 @@ import numpy as np
 import optax
 from etils import epath
 
-from bertjax import compile_cache, sharding, workdir_paths
+from bertjax import compile_cache, host_memory, sharding, workdir_paths
 from bertjax.checkpoint import (
     BEST,
     BEST_PARAMS,
@@ -154,6 +155,7 @@ class Trainer:
         self.module, self.config, self.settings, self.loss_fn = module, config, settings, loss_fn
         # Before the steps compile: a rerun (another seed, a restarted job) reads them back.
         compile_cache.enable(settings.compilation_cache_dir, key="compilation_cache_dir")
+        host_memory.release_freed_memory_after_compiles(os.environ)
         self.mesh = mesh or sharding.make_mesh()
         n_data = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         # Prediction holds no gradients or optimizer state: a batch that trains fits, so it never predicts smaller.
