@@ -57,3 +57,16 @@ def use_cpu_where_no_accelerator(environ: MutableMapping[str, str]) -> bool:
         return False
     environ["JAX_PLATFORMS"] = "cpu"
     return True
+
+
+def skip_accelerator_plugins(environ: Mapping[str, str]) -> bool:
+    """Where JAX may only use the CPU (JAX_PLATFORMS=cpu), JAX's start-up does not load the accelerator plugins
+    that are installed: JAX imports every one anyway (the CUDA plugin maps its CUDA libraries, +560 MiB of
+    resident memory, ~0.1 CPU-s) and then leaves it unused. Call before JAX's first device query; True if skipped.
+    Not for `bertjax compile`, which compiles for GPUs through the CUDA plugin on a CPU machine."""
+    if environ.get("JAX_PLATFORMS", "").strip().lower() != "cpu":
+        return False
+    from jax._src import xla_bridge  # jax is pinned: its discovery runs once, behind this flag
+
+    xla_bridge._plugins_registered = True
+    return True

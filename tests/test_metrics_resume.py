@@ -1,6 +1,7 @@
 """metrics.jsonl and TensorBoard after a kill and a resume: one run's steps, in order, strict JSONL."""
 import json
 
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.plugin_event_accumulator import (
     EventAccumulator,
@@ -85,3 +86,28 @@ def test_metrics_also_go_to_weights_and_biases(tmp_path, monkeypatch):
     rows = _wandb_history(run_file)
     assert [(r["_step"], {k: v for k, v in r.items() if not k.startswith("_")}) for r in rows] == [
         (1, {"loss": 2.5}), (2, {"eval_loss": 2.0, "goodput/wall_s": 10.0})]
+
+
+def test_scalars_read_back_as_tensorflows_summary_writer_writes_them(tmp_path):
+    """bertjax's TensorFlow-free event file against tf.summary's (through flax's writer): TensorBoard reads the same
+    tags, steps, values and plugin from both."""
+    from flax.metrics import tensorboard
+
+    from bertjax.tensorboard_events import ScalarWriter
+
+    def read(logdir):
+        events = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+        events.Reload()
+        tags = sorted(events.Tags()["tensors"])
+        return {tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto)), e.tensor_proto.dtype)
+                      for e in events.Tensors(tag)] for tag in tags}, \
+            {tag: events.SummaryMetadata(tag).plugin_data.plugin_name for tag in tags}
+
+    for name, writer in (("ours", ScalarWriter(str(tmp_path / "ours"))),
+                         ("tf", tensorboard.SummaryWriter(str(tmp_path / "tf")))):
+        for step in range(1, 4):
+            writer.scalar("loss", 1.0 / step, step)
+            writer.scalar("eval/accuracy", 0.25 * step, step)
+        writer.close()
+    ours, tf = read(tmp_path / "ours"), read(tmp_path / "tf")
+    assert ours == tf and ours[0]["loss"][2][:2] == (3, float(np.float32(1 / 3)))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax.data.tokenizers import SentencePieceTokenizer, WordPieceTokenizer
+from bertjax.data.host_tokenizer import HostWordPieceTokenizer
+from bertjax.data.tokenizers import SentencePieceTokenizer, WordPieceTokenizer, read_vocab
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
@@ -52,10 +53,17 @@ def _glue_dev_sentences() -> tuple[list[str], list[tuple[str, str]]]:
     return singles, pairs
 
 
-@pytest.fixture(scope="module")
-def minilm():
+def _wordpiece(kind: str, vocab: Path):
+    """The in-graph WordPiece ("tensorflow") or the host one ("host", what fine-tuning and predict use)."""
+    if kind == "tensorflow":
+        return WordPieceTokenizer(str(vocab))
+    return HostWordPieceTokenizer(read_vocab(str(vocab)), source=str(vocab))
+
+
+@pytest.fixture(scope="module", params=["tensorflow", "host"])
+def minilm(request):
     vocab = _minilm_vocab()
-    return WordPieceTokenizer(str(vocab)), _hf_tokenizer(vocab)
+    return _wordpiece(request.param, vocab), _hf_tokenizer(vocab)
 
 
 def _assert_same_encoding(ours: dict, theirs: dict):
@@ -108,6 +116,8 @@ def test_special_ids_match_vocab(minilm):
 
 def test_tokenize_runs_inside_tf_data(minilm):
     tok, _ = minilm
+    if not isinstance(tok, WordPieceTokenizer):
+        pytest.skip("the host tokenizer is not for tf.data graphs")
     texts = ["The sailors rode the breeze.", "unflinchingly bleak and desperate", "A man is playing guitar."]
     ds = tf.data.Dataset.from_tensor_slices(texts).batch(2).map(tok.tokenize)
     from_graph = [row for batch in ds for row in batch.to_list()]
@@ -115,11 +125,12 @@ def test_tokenize_runs_inside_tf_data(minilm):
     assert tok.tokenize(texts).dtype == tf.int32
 
 
-def test_real_bert_uncased_vocab_matches_hf():
+@pytest.mark.parametrize("kind", ["tensorflow", "host"])
+def test_real_bert_uncased_vocab_matches_hf(kind):
     vocab = SHARED_DATA / "bert" / "uncased_L-4_H-256_A-4" / "vocab.txt"
     if not vocab.exists():
         pytest.skip(f"BERT vocab not found at {vocab}")
-    tok, hf = WordPieceTokenizer(str(vocab)), _hf_tokenizer(vocab)
+    tok, hf = _wordpiece(kind, vocab), _hf_tokenizer(vocab)
     singles, _ = _glue_dev_sentences()
     subset = singles[::7]
     _assert_same_encoding(tok.encode(subset, max_len=160), hf(subset, max_length=160, padding="max_length"))

@@ -110,6 +110,7 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
     num_labels = 1 if names is None else len(names)
     trainer = Trainer(BertForSequenceClassification(ckpt.config, num_labels), ckpt.config, ckpt.params,
                       LOSSES[problem], settings, source=init)
+    ckpt.params = {}  # the Trainer holds its own copy: the checkpoint's host copy would double them in memory
     featurize = lambda examples: glue_data.featurize(examples, tokenizer, max_seq_length)  # noqa: E731
     train_features = featurize(train_examples)
     dev_features = featurize(dev_examples) if dev_examples is not None else None

@@ -139,7 +139,7 @@ def word_spans(tokenizer, sentences: list[str], kept_tokens: np.ndarray) -> tupl
     `kept_tokens` [N]: how many word pieces of each sentence were kept (without [CLS]/[SEP]).
     """
     words = [s.split() for s in sentences]
-    counts = np.diff(tokenizer.tokenize([w for ws in words for w in ws]).row_splits.numpy()) \
+    counts = np.diff(tokenizer.pieces([w for ws in words for w in ws])[1]) \
         if any(words) else np.zeros(0, np.int64)
     word_offsets = np.concatenate([[0], np.cumsum([len(ws) for ws in words])]).astype(np.int64)
     spans = np.full((len(counts), 2), -1, np.int32)

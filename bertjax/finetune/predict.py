@@ -126,8 +126,7 @@ class Predictor:
     def _entities(self, texts: list[str]) -> list[dict]:
         words = [[(m.start(), m.end()) for m in _WORD.finditer(text)] for text in texts]
         flat = [text[s:e] for text, spans in zip(texts, words) for s, e in spans]
-        ragged = self.tokenizer.tokenize(flat if flat else [""])
-        splits, pieces = ragged.row_splits.numpy(), ragged.flat_values.numpy()
+        pieces, splits = self.tokenizer.pieces(flat if flat else [""])
         ids = np.full((len(texts), self.max_seq_length), self.tokenizer.pad_id, np.int32)
         mask = np.zeros_like(ids)
         first, word_index = [], 0  # per text: (word's character span, position of its first piece)

@@ -247,15 +247,6 @@ def align_pieces(word: str, pieces: list[str], lower_case: bool, unk: str = "[UN
     return extended
 
 
-def _to_lists(ragged) -> list[list[int]]:
-    """Token ids per input text from a tf.RaggedTensor of any rank (or nested lists)."""
-    if hasattr(ragged, "merge_dims"):
-        if ragged.ragged_rank > 1 or len(ragged.shape) > 2:
-            ragged = ragged.merge_dims(1, -1)
-        return ragged.to_list()
-    return [list(np.asarray(x).reshape(-1)) for x in ragged]
-
-
 @dataclasses.dataclass
 class ContextTokens:
     ids: list[int]
@@ -267,7 +258,7 @@ def tokenize_contexts(contexts: list[str], tokenizer, lower_case: bool) -> tuple
     words could not be aligned char by char (their pieces get the whole word's span)."""
     words_per_context = [whitespace_words(c) for c in contexts]
     flat = [c[a:b] for c, spans in zip(contexts, words_per_context) for a, b in spans]
-    piece_ids = _to_lists(tokenizer.tokenize(flat)) if flat else []
+    piece_ids = tokenizer.token_lists(flat) if flat else []
     vocab = tokenizer.vocab
     out, k, unaligned = [], 0, 0
     for context, spans in zip(contexts, words_per_context):
@@ -317,7 +308,7 @@ def convert_examples_to_features(examples: list[SquadExample], contexts: list[Co
                                  max_seq_length: int = 384, doc_stride: int = 128, max_query_length: int = 64,
                                  is_training: bool = False) -> SquadFeatures:
     """Windows of [CLS] query [SEP] context-part [SEP], padded to max_seq_length."""
-    queries = _to_lists(tokenizer.tokenize([ex.question for ex in examples])) if examples else []
+    queries = tokenizer.token_lists([ex.question for ex in examples]) if examples else []
     rows = {k: [] for k in ("input_ids", "segment_ids", "start", "end", "example", "offsets", "max_context")}
     cls_id, sep_id = tokenizer.cls_id, tokenizer.sep_id
     for example_index, ex in enumerate(examples):

@@ -7,17 +7,19 @@ weighted mean), so every step has one of at most max_len / bucket shapes and not
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from etils import epath
 
-from bertjax import compile_cache, sharding, workdir_paths
+from bertjax import compile_cache, host_memory, sharding, workdir_paths
 from bertjax.checkpoint import (
     BEST,
     BEST_PARAMS,
@@ -126,6 +128,22 @@ class BestTracker:
         return True
 
 
+def fresh_params(params: dict, module: nn.Module, config, key) -> dict:
+    """`params` with each leaf still abstract (a jax.ShapeDtypeStruct: what merge_params left initialised) given the
+    value of the module's init with `key`, bit for bit: one jitted init whose other tensors XLA drops."""
+    flat = traverse_util.flatten_dict(params)
+    missing = [path for path, leaf in flat.items() if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if not missing:
+        return params
+
+    def initialised(init_key):
+        values = traverse_util.flatten_dict(nn.meta.unbox(init_params(module, config, init_key)))
+        return {"/".join(path): values[path] for path in missing}
+
+    values = jax.jit(initialised)(key)
+    return traverse_util.unflatten_dict({**flat, **{path: values["/".join(path)] for path in missing}})
+
+
 class Trainer:
     """Holds a model, its params on a mesh, and jitted train / predict steps for one loss."""
 
@@ -137,6 +155,7 @@ class Trainer:
         self.module, self.config, self.settings, self.loss_fn = module, config, settings, loss_fn
         # Before the steps compile: a rerun (another seed, a restarted job) reads them back.
         compile_cache.enable(settings.compilation_cache_dir, key="compilation_cache_dir")
+        host_memory.release_freed_memory_after_compiles(os.environ)
         self.mesh = mesh or sharding.make_mesh()
         n_data = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         # Prediction holds no gradients or optimizer state: a batch that trains fits, so it never predicts smaller.
@@ -151,12 +170,15 @@ class Trainer:
         key = jax.random.PRNGKey(settings.seed)
         self.init_key, self.dropout_key = jax.random.split(key)
         # Outside the mesh: the dummy init batch of 1 row cannot be split over the data axis.
-        boxed = init_params(module, config, self.init_key)
+        # Shapes only: the checkpoint's tensors replace the encoder's, and a whole init run op by op took ~6 CPU-s
+        # (a compile per op) to be thrown away. What stays initialised (a new head) is computed by fresh_params.
+        boxed = jax.eval_shape(lambda key: init_params(module, config, key), self.init_key)
         self.param_shardings = sharding.param_shardings(boxed, self.mesh)
         # Told when training starts, and only if it does not resume: a resumed run's head is its saved step's.
         self.init_notes = []
         params = merge_params(nn.meta.unbox(boxed), pretrained_params, source=source, encoder_only=True,
                               note=self.init_notes.append)
+        params = fresh_params(params, module, config, self.init_key)
         self.params = jax.device_put(params, self.param_shardings)
         self.batch_sharding = sharding.batch_sharding(self.mesh)
         self._predict = jax.jit(self._predict_fn)

@@ -12,7 +12,7 @@ from bertjax.checkpoint import (
     resolve_checkpoint,
 )
 from bertjax.console import Console
-from bertjax.data.tokenizers import WordPieceTokenizer
+from bertjax.data.host_tokenizer import HostWordPieceTokenizer
 from bertjax.interop.hf import hf_head, hf_lower_case, load_hf
 from bertjax.interop.hub import local_model_path
 from bertjax.interop.tf import load_tf
@@ -93,8 +93,8 @@ def _tf_lower_case(prefix: str) -> bool:
     return "cased" not in epath.Path(prefix).parent.name.replace("uncased", "")
 
 
-def load_init(src: str) -> tuple[ModelCheckpoint, WordPieceTokenizer]:
+def load_init(src: str) -> tuple[ModelCheckpoint, HostWordPieceTokenizer]:
     """A checkpoint to start a job from (any format `load_pretrained` reads) and the WordPiece tokenizer of its own
-    vocabulary."""
+    vocabulary (on the host: fine-tuning tokenises its data once, before it trains)."""
     checkpoint = load_pretrained(src)
-    return checkpoint, WordPieceTokenizer(checkpoint.vocab, lower_case=checkpoint.lower_case, source=src)
+    return checkpoint, HostWordPieceTokenizer(checkpoint.vocab, lower_case=checkpoint.lower_case, source=src)

@@ -222,9 +222,9 @@ class MetricsWriter:
         directory.mkdir(parents=True, exist_ok=True)
         if start_step is not None:
             self._continue_from(start_step)
-        from flax.metrics import tensorboard
+        from bertjax.tensorboard_events import ScalarWriter
 
-        self.tensorboard = tensorboard.SummaryWriter(str(self.tensorboard_dir))
+        self.tensorboard = ScalarWriter(str(self.tensorboard_dir))
         self.wandb = _wandb_run(wandb_project, directory, run_config) if wandb_project else None
 
     def _continue_from(self, step: int) -> None:
