@@ -204,3 +204,50 @@ def test_gelu_keeps_only_its_input_for_the_backward_and_its_gradient_is_the_anal
     grad = jax.grad(lambda v: gelu(v).sum())(x)
     # The absolute floor: float32's 1 - tanh^2 cancels to 0 in the tails (x < -4.4), where the true slope is ~1e-6.
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+def test_gelu_with_bias_keeps_the_matmul_output_and_bias_and_matches_autodiff(approximate, dtype, tol):
+    """gelu(h + b) with the bias inside the custom_vjp: jax.nn.gelu's bits forward; residuals h and b (not h + b);
+    the gradients of h and b those of the GELU before it (`gelu`, on h + b; bias summed over rows) and, in float32,
+    of jax.nn.gelu(h + b) differentiated as written (in bfloat16 that one's own rounding is the larger error)."""
+    from jax._src.ad_checkpoint import saved_residuals
+    from bertjax.model.gelu import gelu, gelu_with_bias
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.normal(0, 2, (4, 6, 32)), dtype)
+    bias = jnp.asarray(rng.normal(0, 1, 32), dtype)
+    weights = jnp.asarray(rng.normal(0, 1, (4, 6, 32)), dtype)
+    ours = lambda h, b: gelu_with_bias(h, b, approximate)
+    plain = lambda h, b: jax.nn.gelu(h + b, approximate=approximate)
+    before = lambda h, b: gelu(h + b, approximate)
+    np.testing.assert_array_equal(ours(h, bias), plain(h, bias))
+    residuals = [(r.shape, r.dtype) for r, _ in saved_residuals(lambda h, b: ours(h, b).sum(), h, bias) if r.shape]
+    assert sorted(residuals) == sorted([(h.shape, h.dtype), (bias.shape, bias.dtype)])
+    loss = lambda f: lambda h, b: jnp.sum((f(h, b) * weights).astype(jnp.float32))
+    got = jax.grad(loss(ours), argnums=(0, 1))(h, bias)
+    references = [before] + ([plain] if dtype == jnp.float32 else [])
+    for g, w in ((g, w) for f in references for g, w in zip(got, jax.grad(loss(f), argnums=(0, 1))(h, bias))):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        scale = float(np.abs(np.asarray(w, np.float32)).max())
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol,
+                                   atol=tol * scale)
+
+
+def test_intermediate_is_dense_then_activation_with_the_same_params():
+    """The feed-forward's first Dense with its activation (bias inside the GELU) equals nn.Dense then the GELU on
+    the params nn.Dense names and shapes (`intermediate/kernel` [H, I], `intermediate/bias` [I]), gradients too."""
+    config = BertConfig.preset("tiny", vocab_size=96, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                               max_position_embeddings=32, hidden_act="gelu")
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 5, 64)), jnp.float32)
+    module = model_lib.Intermediate(config)
+    params = nn.meta.unbox(module.init(jax.random.key(0), x)["params"])
+    assert {k: v.shape for k, v in params.items()} == {"kernel": (64, 128), "bias": (128,)}
+    params["bias"] = jnp.asarray(np.random.default_rng(3).normal(size=128), jnp.float32)
+    dense = nn.Dense(128, param_dtype=jnp.float32)
+    reference = lambda p: jnp.sum(jax.nn.gelu(dense.apply({"params": p}, x), approximate=False) ** 2)
+    ours = lambda p: jnp.sum(module.apply({"params": p}, x) ** 2)
+    np.testing.assert_allclose(ours(params), reference(params), rtol=1e-6)
+    got, want = jax.grad(ours)(params), jax.grad(reference)(params)
+    for name in ("kernel", "bias"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6 * np.abs(want[name]).max())

@@ -229,3 +229,32 @@ def test_update_sharded_over_data_gives_the_replicated_updates(mesh_shape, accum
     moved = replicated.params["bert"]["layers"]["intermediate"]["kernel"]
     start = initial.params["bert"]["layers"]["intermediate"]["kernel"]
     assert not np.allclose(np.asarray(moved), np.asarray(start))
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+def test_token_nll_and_its_gradient_equal_log_softmax_differentiated_as_written(dtype, tol):
+    """The MLM cross-entropy's own backward (softmax - onehot, one pass over the logits) against jax.nn.log_softmax
+    and take_along_axis differentiated by autodiff: the same nll and hits, the same gradient (logits given in the
+    compute dtype plus a float32 bias, as the MLM head makes them)."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(0, 3, (4, 5, 97)), dtype)
+    bias = jnp.asarray(rng.normal(0, 1, 97), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 97, (4, 5)), jnp.int32)
+    weights = jnp.asarray(rng.random((4, 5)), jnp.float32)
+
+    def reference(logits, bias):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32) + bias, axis=-1)
+        return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0], logp.argmax(-1) == labels
+
+    ours = lambda logits, bias: train_step._token_nll(logits.astype(jnp.float32) + bias, labels)
+    (nll, hit), (want_nll, want_hit) = ours(logits, bias), reference(logits, bias)
+    np.testing.assert_array_equal(nll, want_nll)
+    np.testing.assert_array_equal(hit, want_hit)
+    loss = lambda f: lambda logits, bias: jnp.sum(f(logits, bias)[0] * weights)
+    got = jax.grad(loss(ours), argnums=(0, 1))(logits, bias)
+    want = jax.grad(loss(reference), argnums=(0, 1))(logits, bias)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        scale = float(np.abs(np.asarray(w, np.float32)).max())
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol,
+                                   atol=tol * scale)

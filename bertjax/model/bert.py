@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from bertjax.model.attention import dot_product_attention
 from bertjax.model.config import BertConfig
 from bertjax.model.dropout import Dropout
-from bertjax.model.gelu import gelu
+from bertjax.model.gelu import gelu, gelu_with_bias
 from bertjax.sharding import target_platform
 
 # TF BERT's truncated_normal_initializer(stddev=initializer_range): a normal of std `stddev` cut at +-2 std, whose
@@ -53,6 +53,15 @@ def activation(name: str):
         "silu": jax.nn.silu,
         "swish": jax.nn.silu,
     }[name]
+
+
+def activation_with_bias(name: str):
+    """`activation(name)(h + bias)` as f(h, bias): the GELUs take the bias into their own backward
+    (`gelu_with_bias`), so the sum h + bias is not kept for it."""
+    approximate = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}.get(name)
+    if approximate is None:
+        return lambda h, bias: activation(name)(h + bias)
+    return functools.partial(gelu_with_bias, approximate=approximate)
 
 
 def _dtype(config: BertConfig):
@@ -206,6 +215,23 @@ class AttentionBlock(nn.Module):
         return LayerNorm(c, name="output_LayerNorm")(out + hidden)
 
 
+class Intermediate(nn.Module):
+    """The feed-forward block's first Dense and its activation: act(x W + b), params `kernel` [H, I] and `bias`
+    [I] as nn.Dense names them. The bias is added inside the activation (`activation_with_bias`)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        kernel = self.param("kernel", _kernel_init(c, ("embed", "mlp")), (x.shape[-1], c.intermediate_size),
+                            jnp.float32)
+        bias = self.param("bias", _zeros(("mlp",)), (c.intermediate_size,), jnp.float32)
+        dtype = _dtype(c)
+        h = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())))
+        return activation_with_bias(c.hidden_act)(h, bias.astype(dtype))
+
+
 class Layer(nn.Module):
     """One encoder layer (HF: BertLayer): attention block, then the feed-forward block."""
 
@@ -215,10 +241,7 @@ class Layer(nn.Module):
     def __call__(self, hidden, input_mask, packing_ids, deterministic: bool):
         c = self.config
         hidden = AttentionBlock(c, name="attention")(hidden, input_mask, packing_ids, deterministic)
-        inner = nn.Dense(c.intermediate_size, dtype=_dtype(c), param_dtype=jnp.float32,
-                         kernel_init=_kernel_init(c, ("embed", "mlp")), bias_init=_zeros(("mlp",)),
-                         name="intermediate")(hidden)
-        inner = activation(c.hidden_act)(inner)
+        inner = Intermediate(c, name="intermediate")(hidden)
         inner = _constrain(inner, ("activation_batch", "activation_length", "activation_mlp"))
         out = nn.Dense(c.hidden_size, dtype=_dtype(c), param_dtype=jnp.float32,
                        kernel_init=_kernel_init(c, ("mlp", "embed")), bias_init=_zeros(("embed",)),

@@ -53,3 +53,40 @@ def _backward(approximate, x, g):
 
 
 _gelu_saving_input.defvjp(_forward, _backward)
+
+
+def gelu_with_bias(h, bias, approximate: bool):
+    """`gelu(h + bias)` for a matmul's output h and its bias (broadcast over the last axis): `jax.nn.gelu`'s bits.
+
+    Off TPU the backward keeps h (in memory anyway, the matmul wrote it) and the bias, not their sum: the forward
+    fusion then writes gelu(h + b) alone where it wrote h + b as well (BERT-base's feed-forward on an H200: one
+    [B, L, 3072] tensor a layer). The backward recomputes h + b (the same bits) and returns the bias's gradient,
+    summed in its dtype as autodiff's transposed broadcast sums it."""
+    if target_platform() == "tpu":
+        return jax.nn.gelu(h + bias, approximate=approximate)
+    return _gelu_with_bias(h, bias, approximate)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gelu_with_bias(h, bias, approximate: bool):
+    return jax.nn.gelu(h + bias, approximate=approximate)
+
+
+def _forward_with_bias(h, bias, approximate):
+    return _gelu_with_bias(h, bias, approximate), (h, bias)
+
+
+def _backward_with_bias(approximate, residuals, g):
+    # The barrier keeps XLA from merging this h + bias with the forward's (CSE), which would make the forward
+    # write the sum for the backward again.
+    h, bias = jax.lax.optimization_barrier(residuals)
+    x = h + bias
+    dx = (g.astype(jnp.float32) * gelu_derivative(x, approximate)).astype(x.dtype)
+    # Summed in dx's dtype as autodiff transposes the broadcast (jnp.sum would round through float32), so XLA
+    # fuses the sum into the kernel that writes dx.
+    summed = tuple(range(dx.ndim - bias.ndim))
+    dbias = jax.lax.reduce(dx, jnp.zeros((), dx.dtype), jax.lax.add, summed)
+    return dx.astype(h.dtype), dbias.astype(bias.dtype)
+
+
+_gelu_with_bias.defvjp(_forward_with_bias, _backward_with_bias)

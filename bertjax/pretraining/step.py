@@ -26,9 +26,52 @@ class TooManyNonFiniteSteps(RuntimeError):
 
 
 def _token_nll(logits, labels):
-    """(negative log-likelihood of `labels`, whether the argmax is the label), float32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0], logp.argmax(-1) == labels
+    """(negative log-likelihood of `labels`, whether the argmax is the label), float32.
+
+    Off TPU through `_nll_and_hit`, whose backward writes the logits' gradient in one pass: differentiated as
+    written, the label's pick became a scatter-add into a zeroed float32 [tokens, vocab] array and log_softmax's
+    backward read it again (BERT-base's MLM head on an H200: ~3.8 GB a step). XLA:TPU keeps autodiff's."""
+    if target_platform() == "tpu":
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0], logp.argmax(-1) == labels
+    return _nll_and_hit(logits, labels)
+
+
+def _log_softmax_parts(logits):
+    """(max, logits - max, log of the sum of their exps) in float32, as jax.nn.log_softmax computes them:
+    log_softmax = (logits - max) - log_sum."""
+    x = logits.astype(jnp.float32)
+    top = x.max(-1, keepdims=True)
+    shifted = x - top
+    return top, shifted, jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+
+
+def _nll_and_hit_forward(logits, labels):
+    # The residuals are the logits themselves (the matmul's output, in memory anyway; XLA adds the bias again
+    # where they are read) and two floats a token: no [tokens, vocab] array is written for the backward.
+    top, shifted, log_sum = _log_softmax_parts(logits)
+    nll = -(jnp.take_along_axis(shifted, labels[..., None], axis=-1) - log_sum)[..., 0]
+    hit = (shifted - log_sum).argmax(-1) == labels
+    return (nll, hit), (logits, labels, top, log_sum)
+
+
+@jax.custom_vjp
+def _nll_and_hit(logits, labels):
+    """`_token_nll`'s values, by jax.nn.log_softmax's operations; its backward is `_nll_and_hit_backward`."""
+    return _nll_and_hit_forward(logits, labels)[0]
+
+
+def _nll_and_hit_backward(residuals, cotangents):
+    """d nll / d logits = softmax - onehot(label), times the nll's cotangent: one elementwise pass over the logits
+    (the one-hot an iota compare, not a scatter)."""
+    logits, labels, top, log_sum = residuals
+    g = cotangents[0]
+    softmax = jnp.exp((logits.astype(jnp.float32) - top) - log_sum)
+    onehot = jnp.arange(logits.shape[-1]) == labels[..., None]
+    return (g[..., None] * (softmax - onehot)).astype(logits.dtype), None
+
+
+_nll_and_hit.defvjp(_nll_and_hit_forward, _nll_and_hit_backward)
 
 
 def pretraining_sums(outputs: dict, batch: dict) -> dict:
