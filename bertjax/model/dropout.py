@@ -97,6 +97,22 @@ def keep_mask(rng, rate: float, shape) -> jax.Array:
     return _kept_halves(words, rate)[:size].reshape(shape)
 
 
+def keep_mask_fused(rng, rate: float, shape) -> jax.Array:
+    """`keep_mask(rng, rate, shape)`'s bits, each half compared where it is used, nothing materialised: for a
+    consumer that XLA:GPU fuses with the hash (a custom gradient recomputing the mask in its backward pass)."""
+    shape = tuple(shape)
+    threshold = keep_threshold(rate)
+    if len(shape) < 2 or shape[-1] % 2 or threshold == _LEVELS:
+        return keep_mask(rng, rate, shape)
+    words = hash_words(rng, shape[:-1] + (shape[-1] // 2,))
+    return jnp.concatenate([below(words << 16, threshold << 16), below(words, threshold << 16)], axis=-1)
+
+
+def keep_scale(rate: float) -> float:
+    """What kept values are multiplied by: 2^16 / keep_threshold(rate), the inverse of the keep probability."""
+    return _LEVELS / keep_threshold(rate)
+
+
 def dropout(x, rate: float, rng) -> jax.Array:
     """Inverted dropout of `x` (kept values scaled by 2^16 / threshold), in the dtype of `x`.
 
@@ -104,8 +120,7 @@ def dropout(x, rate: float, rng) -> jax.Array:
     on every kept activation.
     """
     keep = keep_mask(rng, rate, x.shape)
-    scale = _LEVELS / keep_threshold(rate)
-    scaled = (x.astype(jnp.float32) * scale).astype(x.dtype)
+    scaled = (x.astype(jnp.float32) * keep_scale(rate)).astype(x.dtype)
     return jnp.where(keep, scaled, jnp.zeros((), x.dtype))
 
 
@@ -119,3 +134,10 @@ class Dropout(nn.Module):
         if deterministic or self.rate == 0.0:
             return x
         return dropout(x, self.rate, self.make_rng("dropout"))
+
+    def key(self, deterministic: bool):
+        """The key `__call__` would draw its mask from (None where it would not drop), for a caller that applies
+        the mask itself (`layer_norm.residual_layer_norm`): the same bits as calling this module."""
+        if deterministic or self.rate == 0.0:
+            return None
+        return self.make_rng("dropout")

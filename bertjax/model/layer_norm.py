@@ -1,0 +1,118 @@
+"""LayerNorm, and the post-LN encoder's `LayerNorm(dropout(x) + residual)` as one function with its own gradient.
+
+Both are computed in float32 over the last axis, output in the compute dtype. XLA:TPU gets the composition as
+written (its program is left as it was). Off TPU, `LayerNorm(x, residual, dropout_rng)` is a `jax.custom_vjp`
+whose backward keeps only the sum s = dropout(x) + residual (compute dtype) and each row's mean and 1 / std
+(float32), and recomputes the dropout mask from its key (`dropout.keep_mask_fused`) rather than reading one:
+differentiated as written, XLA:GPU stored the mask, the float32 normalised rows and more between the passes
+(docs/performance.md). The values are those of the composition: the same mask bits, the same roundings (dropout
+and the sum in the compute dtype, then float32), and the backward is LayerNorm's analytic gradient:
+    xhat = (s - mean) * rstd,  g = dy * scale
+    ds = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dy * xhat),  dbias = sum_rows(dy)
+    dresidual = ds,  dx = where(keep, ds / keep_probability, 0)
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bertjax.model import dropout as dropout_lib
+from bertjax.model.config import BertConfig
+from bertjax.sharding import target_platform
+
+
+def _as_rows(x):
+    return x.astype(jnp.float32).reshape(-1, x.shape[-1])
+
+
+def _normalise(s, scale, bias, eps: float):
+    """LayerNorm of the rows of float32 `s` [N, H]: (y, mean, rstd)."""
+    mean = s.mean(-1, keepdims=True)
+    variance = jnp.square(s - mean).mean(-1, keepdims=True)
+    rstd = jax.lax.rsqrt(variance + eps)
+    return (s - mean) * rstd * scale + bias, mean, rstd
+
+
+def layer_norm(x, scale, bias, eps: float, dtype):
+    """LayerNorm of `x` over its last axis in float32, output in `dtype`."""
+    shape = x.shape
+    if target_platform() == "tpu":
+        y, _, _ = _normalise(x.astype(jnp.float32), scale, bias, eps)
+    else:
+        # Over rows of a 2-D array XLA:GPU reduces scale's and bias's gradients over one axis, in the
+        # normalisation's own fusions; over [B, L, H] it transposed them first (BERT-base on an H200, priced:
+        # 47.9 -> 47.1 ms, 131 kernels fewer). XLA:TPU keeps [B, L, H] (see model/gelu.py; docs/performance.md).
+        y, _, _ = _normalise(_as_rows(x), scale, bias, eps)
+    return y.astype(dtype).reshape(shape)
+
+
+def _dropout_sum(x, residual, rng, rate: float):
+    """dropout(x) + residual in their own dtype, as the composition rounds it; the mask drawn where it is used."""
+    if rng is not None:
+        keep = dropout_lib.keep_mask_fused(rng, rate, x.shape)
+        x = jnp.where(keep, (x.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(x.dtype),
+                      jnp.zeros((), x.dtype))
+    return x + residual
+
+
+def residual_layer_norm(x, residual, scale, bias, eps: float, dtype, rate: float = 0.0, rng=None):
+    """LayerNorm(dropout(x) + residual) over the last axis (dropout skipped when `rng` is None); x and residual
+    of one dtype (the sum's, whose gradient both get)."""
+    if x.dtype != residual.dtype:
+        raise ValueError(f"x ({x.dtype}) and residual ({residual.dtype}) must have one dtype")
+    if target_platform() == "tpu":
+        if rng is not None:
+            x = dropout_lib.dropout(x, rate, rng)
+        return layer_norm(x + residual, scale, bias, eps, dtype)
+    return _fused(eps, jnp.dtype(dtype), rate, x, residual, scale, bias, rng)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused(eps, dtype, rate, x, residual, scale, bias, rng):
+    return _fused_forward(eps, dtype, rate, x, residual, scale, bias, rng)[0]
+
+
+def _fused_forward(eps, dtype, rate, x, residual, scale, bias, rng):
+    s = _dropout_sum(x, residual, rng, rate)
+    y, mean, rstd = _normalise(_as_rows(s), scale, bias, eps)
+    return y.astype(dtype).reshape(s.shape), (s, mean, rstd, scale, rng)
+
+
+def _fused_backward(eps, dtype, rate, saved, dy):
+    s, mean, rstd, scale, rng = saved
+    xhat = (_as_rows(s) - mean) * rstd
+    dy = _as_rows(dy)
+    g = dy * scale
+    ds = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    ds = ds.astype(s.dtype).reshape(s.shape)  # the sum's gradient, rounded to its dtype as autodiff does
+    dx = ds
+    if rng is not None:
+        keep = dropout_lib.keep_mask_fused(rng, rate, s.shape)
+        dx = jnp.where(keep, (ds.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(ds.dtype),
+                       jnp.zeros((), ds.dtype))
+    return dx, ds, (dy * xhat).sum(0), dy.sum(0), None
+
+
+_fused.defvjp(_fused_forward, _fused_backward)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis (params `scale`, `bias`). Called as `LayerNorm(x)`, or as
+    `LayerNorm(x, residual, dropout_rng, dropout_rate)` for LayerNorm(dropout(x) + residual)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, residual=None, dropout_rng=None, dropout_rate: float = 0.0):
+        features = x.shape[-1]
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
+                           (features,), jnp.float32)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+                          (features,), jnp.float32)
+        eps, dtype = self.config.layer_norm_eps, jnp.dtype(self.config.dtype)
+        if residual is None:
+            return layer_norm(x, scale, bias, eps, dtype)
+        return residual_layer_norm(x, residual, scale, bias, eps, dtype, dropout_rate, dropout_rng)
