@@ -52,12 +52,18 @@ def hash_words(rng, shape, batch_leading: bool = True) -> jax.Array:
 
     `batch_leading`: the leading axis is the batch (inside a shard_map over the batch, its global rows are numbered).
     """
+    indices = [jax.lax.broadcasted_iota(jnp.int32, shape, axis) for axis in range(len(shape))]
+    return _words_at(rng, shape, indices, batch_leading)
+
+
+def _words_at(rng, shape, indices, batch_leading: bool) -> jax.Array:
+    """The words of a grid of `shape` at the per-axis `indices` (int32 arrays of one shape, one per axis)."""
     seeds = jax.lax.bitcast_convert_type(jax.random.bits(rng, (2,), jnp.uint32), jnp.int32)
     mult = fmix32(seeds[0] ^ jnp.int32(GOLDEN)) | 1
     add = fmix32(seeds[1] ^ jnp.int32(C_HEAD))
-    number = jnp.zeros(shape, jnp.int32)
-    for axis, size in enumerate(shape):  # the flat word number, wrapping past 2^32 words
-        number = number * jnp.int32(size) + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    number = jnp.zeros(indices[0].shape, jnp.int32)
+    for axis, (size, index) in enumerate(zip(shape, indices)):  # the flat word number, wrapping past 2^32 words
+        number = number * jnp.int32(size) + index
         if axis == 0 and batch_leading:
             number = number + manual_batch_offset(size)
     return fmix32(fmix32(number * mult + add))
@@ -98,14 +104,19 @@ def keep_mask(rng, rate: float, shape) -> jax.Array:
 
 
 def keep_mask_fused(rng, rate: float, shape) -> jax.Array:
-    """`keep_mask(rng, rate, shape)`'s bits, each half compared where it is used, nothing materialised: for a
-    consumer that XLA:GPU fuses with the hash (a custom gradient recomputing the mask in its backward pass)."""
+    """`keep_mask(rng, rate, shape)`'s bits, each element hashing its own word (a word is hashed twice) and nothing
+    concatenated or materialised: an elementwise function of the position that XLA:GPU fuses into the consumer (a
+    concatenation of the two halves it wrote to memory, a byte an element)."""
     shape = tuple(shape)
     threshold = keep_threshold(rate)
     if len(shape) < 2 or shape[-1] % 2 or threshold == _LEVELS:
         return keep_mask(rng, rate, shape)
-    words = hash_words(rng, shape[:-1] + (shape[-1] // 2,))
-    return jnp.concatenate([below(words << 16, threshold << 16), below(words, threshold << 16)], axis=-1)
+    half = shape[-1] // 2
+    column = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+    high = column >= half
+    indices = [jax.lax.broadcasted_iota(jnp.int32, shape, axis) for axis in range(len(shape) - 1)]
+    words = _words_at(rng, shape[:-1] + (half,), indices + [jnp.where(high, column - half, column)], True)
+    return jnp.where(high, below(words, threshold << 16), below(words << 16, threshold << 16))
 
 
 def keep_scale(rate: float) -> float:

@@ -78,6 +78,9 @@ def _fused(eps, dtype, rate, x, residual, scale, bias, rng):
 def _fused_forward(eps, dtype, rate, x, residual, scale, bias, rng):
     s = _dropout_sum(x, residual, rng, rate)
     y, mean, rstd = _normalise(_as_rows(s), scale, bias, eps)
+    # Kept as computed: XLA:GPU otherwise recomputes the mean from s inside the backward's (dy * xhat) kernel,
+    # which then cannot be fused into scale's gradient reduction and writes that product in float32.
+    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
     return y.astype(dtype).reshape(s.shape), (s, mean, rstd, scale, rng)
 
 
@@ -90,7 +93,9 @@ def _fused_backward(eps, dtype, rate, saved, dy):
     ds = ds.astype(s.dtype).reshape(s.shape)  # the sum's gradient, rounded to its dtype as autodiff does
     dx = ds
     if rng is not None:
-        keep = dropout_lib.keep_mask_fused(rng, rate, s.shape)
+        # The key through a barrier: the mask is then no common subexpression of the forward's, which XLA would
+        # store (a byte an element written and read back) rather than hash again here.
+        keep = dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(rng), rate, s.shape)
         dx = jnp.where(keep, (ds.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(ds.dtype),
                        jnp.zeros((), ds.dtype))
     return dx, ds, (dy * xhat).sum(0), dy.sum(0), None
