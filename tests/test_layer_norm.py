@@ -64,11 +64,23 @@ def test_dropped_elements_get_no_gradient_and_kept_ones_are_scaled():
     np.testing.assert_allclose(np.asarray(dx)[keep], np.asarray(dresidual)[keep] * 65536 / 58982, rtol=1e-6)
 
 
-def test_fused_mask_is_keep_mask():
-    for shape in [(2, 5, 64), (4, 6), (3, 7)]:
+@pytest.mark.parametrize("rate", [RATE, 0.5, 0.0])
+def test_fused_mask_is_keep_mask(rate):
+    for shape in [(2, 5, 64), (4, 6)]:
         rng = jax.random.PRNGKey(11)
-        np.testing.assert_array_equal(np.asarray(dropout_lib.keep_mask_fused(rng, RATE, shape)),
-                                      np.asarray(dropout_lib.keep_mask(rng, RATE, shape)))
+        np.testing.assert_array_equal(
+            np.asarray(dropout_lib.keep_mask_fused(dropout_lib.word_seeds(rng), rate, shape)),
+            np.asarray(dropout_lib.keep_mask(rng, rate, shape)))
+
+
+def test_shapes_the_fused_mask_cannot_draw_take_the_composition():
+    x, residual, scale, bias, cotangent = _inputs(jnp.float32, shape=(4, 7))
+    rng = jax.random.PRNGKey(2)
+    got = _value_and_grads(lambda *a: ln.residual_layer_norm(*a, EPS, jnp.float32, RATE, rng),
+                           x, residual, scale, bias, cotangent)
+    want = _value_and_grads(lambda *a: _composition(*a, rng, jnp.float32), x, residual, scale, bias, cotangent)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
 def test_gradient_of_an_affine_layer_norm_is_the_hand_derivation():

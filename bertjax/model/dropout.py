@@ -53,14 +53,24 @@ def hash_words(rng, shape, batch_leading: bool = True) -> jax.Array:
     `batch_leading`: the leading axis is the batch (inside a shard_map over the batch, its global rows are numbered).
     """
     indices = [jax.lax.broadcasted_iota(jnp.int32, shape, axis) for axis in range(len(shape))]
-    return _words_at(rng, shape, indices, batch_leading)
+    return _words_at(_mult_add(rng), shape, indices, batch_leading)
 
 
-def _words_at(rng, shape, indices, batch_leading: bool) -> jax.Array:
-    """The words of a grid of `shape` at the per-axis `indices` (int32 arrays of one shape, one per axis)."""
+def _mult_add(rng):
+    """The hash's (mult, add) from the key, two int32 scalars."""
     seeds = jax.lax.bitcast_convert_type(jax.random.bits(rng, (2,), jnp.uint32), jnp.int32)
-    mult = fmix32(seeds[0] ^ jnp.int32(GOLDEN)) | 1
-    add = fmix32(seeds[1] ^ jnp.int32(C_HEAD))
+    return fmix32(seeds[0] ^ jnp.int32(GOLDEN)) | 1, fmix32(seeds[1] ^ jnp.int32(C_HEAD))
+
+
+def word_seeds(rng) -> jax.Array:
+    """int32 [2]: the hash's (mult, add) from the key, what `keep_mask_fused` draws from."""
+    return jnp.stack(_mult_add(rng))
+
+
+def _words_at(seeds, shape, indices, batch_leading: bool) -> jax.Array:
+    """The words of a grid of `shape` at the per-axis `indices` (int32 arrays of one shape, one per axis);
+    `seeds`: (mult, add)."""
+    mult, add = seeds[0], seeds[1]
     number = jnp.zeros(indices[0].shape, jnp.int32)
     for axis, (size, index) in enumerate(zip(shape, indices)):  # the flat word number, wrapping past 2^32 words
         number = number * jnp.int32(size) + index
@@ -103,19 +113,26 @@ def keep_mask(rng, rate: float, shape) -> jax.Array:
     return _kept_halves(words, rate)[:size].reshape(shape)
 
 
-def keep_mask_fused(rng, rate: float, shape) -> jax.Array:
-    """`keep_mask(rng, rate, shape)`'s bits, each element hashing its own word (a word is hashed twice) and nothing
-    concatenated or materialised: an elementwise function of the position that XLA:GPU fuses into the consumer (a
-    concatenation of the two halves it wrote to memory, a byte an element)."""
+def fusable_shape(shape) -> bool:
+    """Whether `keep_mask_fused` draws masks of `shape`: two axes or more, the last even."""
+    return len(shape) >= 2 and shape[-1] % 2 == 0
+
+
+def keep_mask_fused(seeds, rate: float, shape) -> jax.Array:
+    """`keep_mask(rng, rate, shape)`'s bits from `word_seeds(rng)`, each element hashing its own word (a word is
+    hashed twice) and nothing concatenated or materialised: an elementwise function of the position that XLA:GPU
+    fuses into the consumer (a concatenation of the two halves it wrote to memory, a byte an element)."""
     shape = tuple(shape)
+    if not fusable_shape(shape):
+        raise ValueError(f"keep_mask_fused draws masks of two axes or more, the last even; got {shape}")
     threshold = keep_threshold(rate)
-    if len(shape) < 2 or shape[-1] % 2 or threshold == _LEVELS:
-        return keep_mask(rng, rate, shape)
+    if threshold == _LEVELS:
+        return jnp.ones(shape, bool)
     half = shape[-1] // 2
     column = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
     high = column >= half
     indices = [jax.lax.broadcasted_iota(jnp.int32, shape, axis) for axis in range(len(shape) - 1)]
-    words = _words_at(rng, shape[:-1] + (half,), indices + [jnp.where(high, column - half, column)], True)
+    words = _words_at(seeds, shape[:-1] + (half,), indices + [jnp.where(high, column - half, column)], True)
     return jnp.where(high, below(words, threshold << 16), below(words << 16, threshold << 16))
 
 

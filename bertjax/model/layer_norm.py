@@ -3,9 +3,9 @@
 Both are computed in float32 over the last axis, output in the compute dtype. XLA:TPU gets the composition as
 written (its program is left as it was). Off TPU, `LayerNorm(x, residual, dropout_rng)` is a `jax.custom_vjp`
 whose backward keeps only the sum s = dropout(x) + residual (compute dtype) and each row's mean and 1 / std
-(float32), and recomputes the dropout mask from its key (`dropout.keep_mask_fused`) rather than reading one:
-differentiated as written, XLA:GPU stored the mask, the float32 normalised rows and more between the passes
-(docs/performance.md). The values are those of the composition: the same mask bits, the same roundings (dropout
+(float32), and recomputes the dropout mask from its seeds (`dropout.keep_mask_fused`), hashed in place:
+differentiated as written, XLA:GPU wrote the sum's gradient for the dropout's backward to read back, and scale's
+gradient product dy * xhat in float32 before reducing it (BERT-base on an H200: docs/performance.md). The values are those of the composition: the same mask bits, the same roundings (dropout
 and the sum in the compute dtype, then float32), and the backward is LayerNorm's analytic gradient:
     xhat = (s - mean) * rstd,  g = dy * scale
     ds = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dy * xhat),  dbias = sum_rows(dy)
@@ -49,10 +49,10 @@ def layer_norm(x, scale, bias, eps: float, dtype):
     return y.astype(dtype).reshape(shape)
 
 
-def _dropout_sum(x, residual, rng, rate: float):
+def _dropout_sum(x, residual, seeds, rate: float):
     """dropout(x) + residual in their own dtype, as the composition rounds it; the mask drawn where it is used."""
-    if rng is not None:
-        keep = dropout_lib.keep_mask_fused(rng, rate, x.shape)
+    if seeds is not None:
+        keep = dropout_lib.keep_mask_fused(seeds, rate, x.shape)
         x = jnp.where(keep, (x.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(x.dtype),
                       jnp.zeros((), x.dtype))
     return x + residual
@@ -63,39 +63,40 @@ def residual_layer_norm(x, residual, scale, bias, eps: float, dtype, rate: float
     of one dtype (the sum's, whose gradient both get)."""
     if x.dtype != residual.dtype:
         raise ValueError(f"x ({x.dtype}) and residual ({residual.dtype}) must have one dtype")
-    if target_platform() == "tpu":
+    if target_platform() == "tpu" or not dropout_lib.fusable_shape(x.shape):
         if rng is not None:
             x = dropout_lib.dropout(x, rate, rng)
         return layer_norm(x + residual, scale, bias, eps, dtype)
-    return _fused(eps, jnp.dtype(dtype), rate, x, residual, scale, bias, rng)
+    seeds = None if rng is None else dropout_lib.word_seeds(rng)
+    return _fused(eps, jnp.dtype(dtype), rate, x, residual, scale, bias, seeds)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused(eps, dtype, rate, x, residual, scale, bias, rng):
-    return _fused_forward(eps, dtype, rate, x, residual, scale, bias, rng)[0]
+def _fused(eps, dtype, rate, x, residual, scale, bias, seeds):
+    return _fused_forward(eps, dtype, rate, x, residual, scale, bias, seeds)[0]
 
 
-def _fused_forward(eps, dtype, rate, x, residual, scale, bias, rng):
-    s = _dropout_sum(x, residual, rng, rate)
+def _fused_forward(eps, dtype, rate, x, residual, scale, bias, seeds):
+    s = _dropout_sum(x, residual, seeds, rate)
     y, mean, rstd = _normalise(_as_rows(s), scale, bias, eps)
-    # Kept as computed: XLA:GPU otherwise recomputes the mean from s inside the backward's (dy * xhat) kernel,
-    # which then cannot be fused into scale's gradient reduction and writes that product in float32.
-    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
-    return y.astype(dtype).reshape(s.shape), (s, mean, rstd, scale, rng)
+    return y.astype(dtype).reshape(s.shape), (s, mean, rstd, scale, seeds)
 
 
 def _fused_backward(eps, dtype, rate, saved, dy):
-    s, mean, rstd, scale, rng = saved
+    s, mean, rstd, scale, seeds = saved
+    # Read as kept: XLA:GPU otherwise recomputes the mean from s inside the (dy * xhat) kernel, which then cannot
+    # be fused into scale's gradient reduction and writes that product in float32.
+    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
     xhat = (_as_rows(s) - mean) * rstd
     dy = _as_rows(dy)
     g = dy * scale
     ds = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
     ds = ds.astype(s.dtype).reshape(s.shape)  # the sum's gradient, rounded to its dtype as autodiff does
     dx = ds
-    if rng is not None:
-        # The key through a barrier: the mask is then no common subexpression of the forward's, which XLA would
+    if seeds is not None:
+        # The seeds through a barrier: the mask is then no common subexpression of the forward's, which XLA would
         # store (a byte an element written and read back) rather than hash again here.
-        keep = dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(rng), rate, s.shape)
+        keep = dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(seeds), rate, s.shape)
         dx = jnp.where(keep, (ds.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(ds.dtype),
                        jnp.zeros((), ds.dtype))
     return dx, ds, (dy * xhat).sum(0), dy.sum(0), None
