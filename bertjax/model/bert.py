@@ -20,7 +20,7 @@ from bertjax.model.attention import dot_product_attention
 from bertjax.model.config import BertConfig
 from bertjax.model.dropout import Dropout
 from bertjax.model.gelu import gelu, gelu_with_bias
-from bertjax.sharding import target_platform
+from bertjax.model.layer_norm import LayerNorm
 
 # TF BERT's truncated_normal_initializer(stddev=initializer_range): a normal of std `stddev` cut at +-2 std, whose
 # own std is 0.8796 * stddev (0.0176 for 0.02). jax's truncated_normal takes the same untruncated `stddev`; scaling
@@ -35,10 +35,6 @@ def _kernel_init(config: BertConfig, names: tuple[str | None, ...]):
 
 def _zeros(names):
     return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
-
-
-def _ones(names):
-    return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
 
 
 def activation(name: str):
@@ -71,29 +67,6 @@ def _dtype(config: BertConfig):
 def _constrain(x, names):
     """Sharding hint for activations; a no-op outside a mesh with logical axis rules."""
     return nn.with_logical_constraint(x, names)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm over the last axis, computed in float32; output in the compute dtype."""
-
-    config: BertConfig
-
-    @nn.compact
-    def __call__(self, x):
-        features = x.shape[-1]
-        scale = self.param("scale", _ones(("embed",)), (features,), jnp.float32)
-        bias = self.param("bias", _zeros(("embed",)), (features,), jnp.float32)
-        shape = x.shape
-        x = x.astype(jnp.float32)
-        if target_platform() != "tpu":
-            # Over rows of a 2-D array XLA:GPU reduces scale's and bias's gradients over one axis, in the
-            # normalisation's own fusions; over [B, L, H] it transposed them first (BERT-base on an H200, priced:
-            # 47.9 -> 47.1 ms, 131 kernels fewer). XLA:TPU keeps [B, L, H] (see model/gelu.py; docs/performance.md).
-            x = x.reshape(-1, features)
-        mean = x.mean(-1, keepdims=True)
-        variance = jnp.square(x - mean).mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(variance + self.config.layer_norm_eps) * scale + bias
-        return y.astype(_dtype(self.config)).reshape(shape)
 
 
 def small_table_lookup(table, ids):
@@ -211,8 +184,9 @@ class AttentionBlock(nn.Module):
         c = self.config
         context = SelfAttention(c, name="self")(hidden, input_mask, packing_ids, deterministic)
         out = HeadProjection(c, to_heads=False, name="output_dense")(context)
-        out = Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
-        return LayerNorm(c, name="output_LayerNorm")(out + hidden)
+        # Dropout_0 draws the key (as when it dropped itself); the LayerNorm applies the mask.
+        rng = Dropout(c.hidden_dropout_prob).key(deterministic)
+        return LayerNorm(c, name="output_LayerNorm")(out, hidden, rng, c.hidden_dropout_prob)
 
 
 class Intermediate(nn.Module):
@@ -246,8 +220,8 @@ class Layer(nn.Module):
         out = nn.Dense(c.hidden_size, dtype=_dtype(c), param_dtype=jnp.float32,
                        kernel_init=_kernel_init(c, ("mlp", "embed")), bias_init=_zeros(("embed",)),
                        name="output")(inner)
-        out = Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
-        out = LayerNorm(c, name="output_LayerNorm")(out + hidden)
+        rng = Dropout(c.hidden_dropout_prob).key(deterministic)
+        out = LayerNorm(c, name="output_LayerNorm")(out, hidden, rng, c.hidden_dropout_prob)
         return _constrain(out, ("activation_batch", "activation_length", "activation_embed"))
 
 

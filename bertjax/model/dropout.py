@@ -52,12 +52,28 @@ def hash_words(rng, shape, batch_leading: bool = True) -> jax.Array:
 
     `batch_leading`: the leading axis is the batch (inside a shard_map over the batch, its global rows are numbered).
     """
+    indices = [jax.lax.broadcasted_iota(jnp.int32, shape, axis) for axis in range(len(shape))]
+    return _words_at(_mult_add(rng), shape, indices, batch_leading)
+
+
+def _mult_add(rng):
+    """The hash's (mult, add) from the key, two int32 scalars."""
     seeds = jax.lax.bitcast_convert_type(jax.random.bits(rng, (2,), jnp.uint32), jnp.int32)
-    mult = fmix32(seeds[0] ^ jnp.int32(GOLDEN)) | 1
-    add = fmix32(seeds[1] ^ jnp.int32(C_HEAD))
-    number = jnp.zeros(shape, jnp.int32)
-    for axis, size in enumerate(shape):  # the flat word number, wrapping past 2^32 words
-        number = number * jnp.int32(size) + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    return fmix32(seeds[0] ^ jnp.int32(GOLDEN)) | 1, fmix32(seeds[1] ^ jnp.int32(C_HEAD))
+
+
+def word_seeds(rng) -> jax.Array:
+    """int32 [2]: the hash's (mult, add) from the key, what `keep_mask_fused` draws from."""
+    return jnp.stack(_mult_add(rng))
+
+
+def _words_at(seeds, shape, indices, batch_leading: bool) -> jax.Array:
+    """The words of a grid of `shape` at the per-axis `indices` (int32 arrays of one shape, one per axis);
+    `seeds`: (mult, add)."""
+    mult, add = seeds[0], seeds[1]
+    number = jnp.zeros(indices[0].shape, jnp.int32)
+    for axis, (size, index) in enumerate(zip(shape, indices)):  # the flat word number, wrapping past 2^32 words
+        number = number * jnp.int32(size) + index
         if axis == 0 and batch_leading:
             number = number + manual_batch_offset(size)
     return fmix32(fmix32(number * mult + add))
@@ -97,6 +113,34 @@ def keep_mask(rng, rate: float, shape) -> jax.Array:
     return _kept_halves(words, rate)[:size].reshape(shape)
 
 
+def fusable_shape(shape) -> bool:
+    """Whether `keep_mask_fused` draws masks of `shape`: two axes or more, the last even."""
+    return len(shape) >= 2 and shape[-1] % 2 == 0
+
+
+def keep_mask_fused(seeds, rate: float, shape) -> jax.Array:
+    """`keep_mask(rng, rate, shape)`'s bits from `word_seeds(rng)`, each element hashing its own word (a word is
+    hashed twice) and nothing concatenated or materialised: an elementwise function of the position that XLA:GPU
+    fuses into the consumer (a concatenation of the two halves it wrote to memory, a byte an element)."""
+    shape = tuple(shape)
+    if not fusable_shape(shape):
+        raise ValueError(f"keep_mask_fused draws masks of two axes or more, the last even; got {shape}")
+    threshold = keep_threshold(rate)
+    if threshold == _LEVELS:
+        return jnp.ones(shape, bool)
+    half = shape[-1] // 2
+    column = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+    high = column >= half
+    indices = [jax.lax.broadcasted_iota(jnp.int32, shape, axis) for axis in range(len(shape) - 1)]
+    words = _words_at(seeds, shape[:-1] + (half,), indices + [jnp.where(high, column - half, column)], True)
+    return jnp.where(high, below(words, threshold << 16), below(words << 16, threshold << 16))
+
+
+def keep_scale(rate: float) -> float:
+    """What kept values are multiplied by: 2^16 / keep_threshold(rate), the inverse of the keep probability."""
+    return _LEVELS / keep_threshold(rate)
+
+
 def dropout(x, rate: float, rng) -> jax.Array:
     """Inverted dropout of `x` (kept values scaled by 2^16 / threshold), in the dtype of `x`.
 
@@ -104,8 +148,7 @@ def dropout(x, rate: float, rng) -> jax.Array:
     on every kept activation.
     """
     keep = keep_mask(rng, rate, x.shape)
-    scale = _LEVELS / keep_threshold(rate)
-    scaled = (x.astype(jnp.float32) * scale).astype(x.dtype)
+    scaled = (x.astype(jnp.float32) * keep_scale(rate)).astype(x.dtype)
     return jnp.where(keep, scaled, jnp.zeros((), x.dtype))
 
 
@@ -119,3 +162,10 @@ class Dropout(nn.Module):
         if deterministic or self.rate == 0.0:
             return x
         return dropout(x, self.rate, self.make_rng("dropout"))
+
+    def key(self, deterministic: bool):
+        """The key `__call__` would draw its mask from (None where it would not drop), for a caller that applies
+        the mask itself (`layer_norm.residual_layer_norm`): the same bits as calling this module."""
+        if deterministic or self.rate == 0.0:
+            return None
+        return self.make_rng("dropout")

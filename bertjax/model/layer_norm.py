@@ -1,0 +1,124 @@
+"""LayerNorm, and the post-LN encoder's `LayerNorm(dropout(x) + residual)` as one function with its own gradient.
+
+Both are computed in float32 over the last axis, output in the compute dtype. XLA:TPU gets the composition as
+written (its program is left as it was). Off TPU, `LayerNorm(x, residual, dropout_rng)` is a `jax.custom_vjp`
+whose backward keeps only the sum s = dropout(x) + residual (compute dtype) and each row's mean and 1 / std
+(float32), and recomputes the dropout mask from its seeds (`dropout.keep_mask_fused`), hashed in place:
+differentiated as written, XLA:GPU wrote the sum's gradient for the dropout's backward to read back, and scale's
+gradient product dy * xhat in float32 before reducing it (BERT-base on an H200: docs/performance.md). The values are those of the composition: the same mask bits, the same roundings (dropout
+and the sum in the compute dtype, then float32), and the backward is LayerNorm's analytic gradient:
+    xhat = (s - mean) * rstd,  g = dy * scale
+    ds = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dy * xhat),  dbias = sum_rows(dy)
+    dresidual = ds,  dx = where(keep, ds / keep_probability, 0)
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bertjax.model import dropout as dropout_lib
+from bertjax.model.config import BertConfig
+from bertjax.sharding import target_platform
+
+
+def _as_rows(x):
+    return x.astype(jnp.float32).reshape(-1, x.shape[-1])
+
+
+def _normalise(s, scale, bias, eps: float):
+    """LayerNorm of the rows of float32 `s` [N, H]: (y, mean, rstd)."""
+    mean = s.mean(-1, keepdims=True)
+    variance = jnp.square(s - mean).mean(-1, keepdims=True)
+    rstd = jax.lax.rsqrt(variance + eps)
+    return (s - mean) * rstd * scale + bias, mean, rstd
+
+
+def layer_norm(x, scale, bias, eps: float, dtype):
+    """LayerNorm of `x` over its last axis in float32, output in `dtype`."""
+    shape = x.shape
+    if target_platform() == "tpu":
+        y, _, _ = _normalise(x.astype(jnp.float32), scale, bias, eps)
+    else:
+        # Over rows of a 2-D array XLA:GPU reduces scale's and bias's gradients over one axis, in the
+        # normalisation's own fusions; over [B, L, H] it transposed them first (BERT-base on an H200, priced:
+        # 47.9 -> 47.1 ms, 131 kernels fewer). XLA:TPU keeps [B, L, H] (see model/gelu.py; docs/performance.md).
+        y, _, _ = _normalise(_as_rows(x), scale, bias, eps)
+    return y.astype(dtype).reshape(shape)
+
+
+def _dropout_sum(x, residual, seeds, rate: float):
+    """dropout(x) + residual in their own dtype, as the composition rounds it; the mask drawn where it is used."""
+    if seeds is not None:
+        keep = dropout_lib.keep_mask_fused(seeds, rate, x.shape)
+        x = jnp.where(keep, (x.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(x.dtype),
+                      jnp.zeros((), x.dtype))
+    return x + residual
+
+
+def residual_layer_norm(x, residual, scale, bias, eps: float, dtype, rate: float = 0.0, rng=None):
+    """LayerNorm(dropout(x) + residual) over the last axis (dropout skipped when `rng` is None); x and residual
+    of one dtype (the sum's, whose gradient both get)."""
+    if x.dtype != residual.dtype:
+        raise ValueError(f"x ({x.dtype}) and residual ({residual.dtype}) must have one dtype")
+    if target_platform() == "tpu" or not dropout_lib.fusable_shape(x.shape):
+        if rng is not None:
+            x = dropout_lib.dropout(x, rate, rng)
+        return layer_norm(x + residual, scale, bias, eps, dtype)
+    seeds = None if rng is None else dropout_lib.word_seeds(rng)
+    return _fused(eps, jnp.dtype(dtype), rate, x, residual, scale, bias, seeds)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused(eps, dtype, rate, x, residual, scale, bias, seeds):
+    return _fused_forward(eps, dtype, rate, x, residual, scale, bias, seeds)[0]
+
+
+def _fused_forward(eps, dtype, rate, x, residual, scale, bias, seeds):
+    s = _dropout_sum(x, residual, seeds, rate)
+    y, mean, rstd = _normalise(_as_rows(s), scale, bias, eps)
+    return y.astype(dtype).reshape(s.shape), (s, mean, rstd, scale, seeds)
+
+
+def _fused_backward(eps, dtype, rate, saved, dy):
+    s, mean, rstd, scale, seeds = saved
+    # Read as kept: XLA:GPU otherwise recomputes the mean from s inside the (dy * xhat) kernel, which then cannot
+    # be fused into scale's gradient reduction and writes that product in float32.
+    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
+    xhat = (_as_rows(s) - mean) * rstd
+    dy = _as_rows(dy)
+    g = dy * scale
+    ds = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    ds = ds.astype(s.dtype).reshape(s.shape)  # the sum's gradient, rounded to its dtype as autodiff does
+    dx = ds
+    if seeds is not None:
+        # The seeds through a barrier: the mask is then no common subexpression of the forward's, which XLA would
+        # store (a byte an element written and read back) rather than hash again here.
+        keep = dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(seeds), rate, s.shape)
+        dx = jnp.where(keep, (ds.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(ds.dtype),
+                       jnp.zeros((), ds.dtype))
+    return dx, ds, (dy * xhat).sum(0), dy.sum(0), None
+
+
+_fused.defvjp(_fused_forward, _fused_backward)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis (params `scale`, `bias`). Called as `LayerNorm(x)`, or as
+    `LayerNorm(x, residual, dropout_rng, dropout_rate)` for LayerNorm(dropout(x) + residual)."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, residual=None, dropout_rng=None, dropout_rate: float = 0.0):
+        features = x.shape[-1]
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
+                           (features,), jnp.float32)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+                          (features,), jnp.float32)
+        eps, dtype = self.config.layer_norm_eps, jnp.dtype(self.config.dtype)
+        if residual is None:
+            return layer_norm(x, scale, bias, eps, dtype)
+        return residual_layer_norm(x, residual, scale, bias, eps, dtype, dropout_rate, dropout_rng)
