@@ -44,13 +44,14 @@ def run_make(target: str, demo_dir, timeout: float) -> str:
 
 @pytest.fixture(scope="module")
 def demo_vocab(tmp_path_factory):
-    """(eval.txt's documents as lists of sentences, train.txt's text, a tokenizer of the demo vocabulary)."""
+    """(eval.txt's documents as lists of sentences, train.txt's text, a tokenizer of the demo vocabulary, the
+    target's output)."""
     transformers = pytest.importorskip("transformers")
     demo = tmp_path_factory.mktemp("demo")
-    run_make("demo-vocab", demo, timeout=900)
+    out = run_make("demo-vocab", demo, timeout=900)
     documents = [d.splitlines() for d in (demo / "corpus" / "eval.txt").read_text(encoding="utf-8").split("\n\n")]
     tokenizer = transformers.BertTokenizerFast(vocab=str(demo / "vocab" / "vocab.txt"), do_lower_case=True)
-    return documents, (demo / "corpus" / "train.txt").read_text(encoding="utf-8"), tokenizer
+    return documents, (demo / "corpus" / "train.txt").read_text(encoding="utf-8"), tokenizer, out
 
 
 def whole_token_words(sentence: str, tokenizer) -> list[str]:
@@ -72,20 +73,27 @@ def by_the_rule(documents: list[list[str]], tokenizer) -> list[str]:
 
 
 def test_held_out_sentences_are_the_rules_choice(demo_vocab):
-    documents, _, tokenizer = demo_vocab
+    documents, _, tokenizer, _ = demo_vocab
     assert held_out() == by_the_rule(documents, tokenizer)
 
 
 def test_each_held_out_word_is_one_token_seen_in_the_training_topics(demo_vocab):
     """fill_mask.py compares one token: a word the vocabulary splits (`assign ##ed`) could never be guessed; and a
     word the training topics never hold could not be learned."""
-    documents, train, tokenizer = demo_vocab
+    documents, train, tokenizer, _ = demo_vocab
     held_out_text = "\n".join(s for sentences in documents for s in sentences)
     for sentence in held_out():
         [word] = MASKED.findall(sentence)
         assert MASKED.sub(r"\1", sentence) in held_out_text.splitlines()  # a sentence of the held-out topics
         assert tokenizer.tokenize(word) == [word.lower()], word
         assert len(re.findall(rf"\b{word}\b", train, re.IGNORECASE)) >= 10, word
+
+
+def test_vocabulary_says_why_it_is_smaller_than_asked(demo_vocab):
+    """The Makefile comment's account: the corpus holds fewer pieces seen 10 times than --vocab-size asks."""
+    _, _, tokenizer, out = demo_vocab
+    assert f"vocab.txt: {len(tokenizer.vocab)} tokens of the 4000 asked: limited by --min-count 10" in out, out
+    assert 700 < len(tokenizer.vocab) < 1000
 
 
 def test_rule_reads_words_as_the_vocabulary_does(tmp_path):
