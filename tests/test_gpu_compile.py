@@ -280,14 +280,14 @@ def test_bert_base_compiled_for_an_h200_without_one_prices_within_20_percent_of_
 def test_bert_base_for_an_h200_moves_fewer_bytes_outside_matmuls():
     """The priced seq-128 step as the job compiles it (flash_dropout_gpu, the exact GELU): 50.2 ms, 75.5 GB moved
     outside matmuls at 1368772; with the GELU keeping only its input and LayerNorm over rows, 47.1 ms, 66.8 GB; with
-    the q/k/v biases and D inside the attention kernels, the GELU taking its bias and the MLM loss's own backward,
-    less (docs/performance.md). ESTIMATES."""
+    the q/k/v biases and D inside the attention kernels, the GELU taking its bias, the MLM loss's own backward and
+    residual + dropout + LayerNorm as one gradient, 41.8 ms, 51.1 GB (docs/performance.md). ESTIMATES."""
     topology = aot.parse_target("h200")
     config = load_config("bert-base-phase1", ["model.hidden_act=gelu"], require_data=False)
     result = aot.compile_for_topology(config, topology)
     coverage = result["estimate_coverage"]
-    assert coverage["non_matmul_bytes"] < 62e9
-    assert result["estimated_step_seconds"] < 0.0455 and result["estimated_mfu"] > 0.40
+    assert coverage["non_matmul_bytes"] < 53e9
+    assert result["estimated_step_seconds"] < 0.043 and result["estimated_mfu"] > 0.42
     # The GELU's forward reads the matmul's output and writes its own: not the intermediates its backward used
     # to read, nor the bias's sum.
     gelu = [e["bytes"] for e in coverage["top_non_matmul"] if e["op_name"].endswith("layer_N/intermediate/mul")
