@@ -14,19 +14,14 @@ import numpy as np
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
-from bertjax.data.token_layout import SPECIAL_TOKENS, Tokenizer, _special_ids, check_unique
+from bertjax.data.token_layout import SPECIAL_TOKENS, Tokenizer
 
 
 class HostWordPieceTokenizer(Tokenizer):
     """BERT WordPiece over a vocabulary given as its tokens (id = position), e.g. a checkpoint's."""
 
     def __init__(self, vocab: Sequence[str], lower_case: bool = True, source: str | None = None):
-        self.source, self.vocab = source or "the given token list", list(vocab)
-        check_unique(self.vocab, self.source)
-        ids = _special_ids(self.vocab, self.source)
-        self.pad_id, self.unk_id, self.cls_id = ids["pad"], ids["unk"], ids["cls"]
-        self.sep_id, self.mask_id = ids["sep"], ids["mask"]
-        self.lower_case = lower_case
+        self._take_vocabulary(vocab, source or "the given token list", lower_case)
         self._tokenizer = RustTokenizer(models.WordPiece(
             {token: i for i, token in enumerate(self.vocab)}, unk_token=SPECIAL_TOKENS["unk"],
             max_input_chars_per_word=100))

@@ -49,6 +49,16 @@ class Tokenizer:
     mask_id: int | None  # None: a vocabulary without [MASK] (fine for features and fine-tuning)
     source: str
 
+    def _take_vocabulary(self, vocab: Sequence[str], source: str, lower_case: bool) -> None:
+        """Holds `vocab` (id = position; a token listed twice refused), where it came from (for messages), the
+        special tokens' ids and the casing."""
+        self.source, self.vocab = source, list(vocab)
+        check_unique(self.vocab, self.source)
+        ids = _special_ids(self.vocab, self.source)
+        self.pad_id, self.unk_id, self.cls_id = ids["pad"], ids["unk"], ids["cls"]
+        self.sep_id, self.mask_id = ids["sep"], ids["mask"]
+        self.lower_case = lower_case
+
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)

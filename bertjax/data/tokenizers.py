@@ -80,14 +80,9 @@ class WordPieceTokenizer(_Tokenizer):
                  source: str | None = None):
         """vocab: a vocab.txt path, or the tokens themselves (id = position), e.g. a checkpoint's vocabulary."""
         if isinstance(vocab, str):
-            self.source, self.vocab = vocab, read_vocab(vocab)
+            self._take_vocabulary(read_vocab(vocab), vocab, lower_case)
         else:
-            self.source, self.vocab = source or "the given token list", list(vocab)
-        check_unique(self.vocab, self.source)
-        ids = _special_ids(self.vocab, self.source)
-        self.pad_id, self.unk_id, self.cls_id = ids["pad"], ids["unk"], ids["cls"]
-        self.sep_id, self.mask_id = ids["sep"], ids["mask"]
-        self.lower_case = lower_case
+            self._take_vocabulary(vocab, source or "the given token list", lower_case)
         # Normalisation is ours (see _bert_normalize); the fast tokenizer only splits and does WordPiece.
         self._tokenizer = tf_text.FastBertTokenizer(
             vocab=self.vocab, suffix_indicator="##", max_bytes_per_word=max_bytes_per_word,
