@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def command_path(args: argparse.Namespace) -> str:
-    """"finetune classify" for a command with a job, else the command ("predict")."""
-    return " ".join(filter(None, (args.command, getattr(args, "job", None))))
+    """"finetune classify" for a command with a job, else the command ("predict"). `launch` keeps the job's argv
+    in `command` (a list): no name of its own here."""
+    return " ".join(part for part in (args.command, getattr(args, "job", None)) if isinstance(part, str))
 
 
 def job_error_line(error: BaseException) -> str | None:

@@ -6,6 +6,7 @@ fine-tune on a table file otherwise never needs.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -38,7 +39,9 @@ class ScalarWriter:
         directory = epath.Path(logdir)
         directory.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.v2"
-        self._file = (directory / name).open("wb")
+        # A local path's open() is the file; a gs:// one's (etils) a context manager giving it: entered alike.
+        self._open = contextlib.ExitStack()
+        self._file = self._open.enter_context((directory / name).open("wb"))
         self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
         self._metadata = scalar_metadata.create_summary_metadata(display_name=None, description=None)
 
@@ -54,4 +57,4 @@ class ScalarWriter:
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        self._open.close()
