@@ -153,8 +153,9 @@ def _lowered_for_a_gpu(function, *args):
         return jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _triton_calls(text):
-    return sum("custom_call @__gpu$xla.gpu.triton" in line for line in text.splitlines())
+def _triton_calls(text, name="flash_dropout_gpu"):
+    """The Triton kernels named `name`... in the text (the attention's; the LayerNorms are Triton kernels too)."""
+    return sum("custom_call @__gpu$xla.gpu.triton" in line and f'name = "{name}' in line for line in text.splitlines())
 
 
 @pytest.mark.parametrize("length", [128, 512])

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import dropout as dropout_lib
+from bertjax.model import layer_norm_gpu
 from bertjax.model.config import BertConfig
 from bertjax.sharding import target_platform
 
@@ -39,7 +40,10 @@ def _normalise(s, scale, bias, eps: float):
 def layer_norm(x, scale, bias, eps: float, dtype):
     """LayerNorm of `x` over its last axis in float32, output in `dtype`."""
     shape = x.shape
-    if target_platform() == "tpu":
+    platform = target_platform()
+    if platform == "gpu" and (y := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype)) is not None:
+        return y
+    if platform == "tpu":
         y, _, _ = _normalise(x.astype(jnp.float32), scale, bias, eps)
     else:
         # Over rows of a 2-D array XLA:GPU reduces scale's and bias's gradients over one axis, in the
@@ -68,6 +72,10 @@ def residual_layer_norm(x, residual, scale, bias, eps: float, dtype, rate: float
             x = dropout_lib.dropout(x, rate, rng)
         return layer_norm(x + residual, scale, bias, eps, dtype)
     seeds = None if rng is None else dropout_lib.word_seeds(rng)
+    if target_platform() == "gpu":
+        y = layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype, residual, rate, seeds)
+        if y is not None:
+            return y
     return _fused(eps, jnp.dtype(dtype), rate, x, residual, scale, bias, seeds)
 
 

@@ -1,0 +1,132 @@
+"""The Pallas GPU LayerNorm kernels (bertjax.model.layer_norm_gpu), run in Pallas' interpreter on CPU against the
+XLA custom_vjp they replace on GPUs (`layer_norm._fused`, `layer_norm.layer_norm`), its mask
+(`dropout.keep_mask_fused`) element for element; sharded over a CPU mesh; and the model's LayerNorms lowered for a
+GPU through Triton (no GPU needed)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bertjax import sharding
+from bertjax.model import dropout as dropout_lib
+from bertjax.model import layer_norm as ln
+from bertjax.model import layer_norm_gpu as lg
+from bertjax.model.bert import BertModel
+from bertjax.model.config import BertConfig
+from tests.test_dropout_attention_gpu import _lowered_for_a_gpu
+
+EPS, RATE = 1e-12, 0.1
+# 21 rows (not a multiple of the kernels' 8-row blocks, nor of the backward's 64) of 48 columns (held as 64).
+SHAPE = (3, 7, 48)
+
+
+def _inputs(dtype, shape=SHAPE):
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    x = (2.0 * jax.random.normal(keys[0], shape) + 0.5).astype(dtype)
+    residual = jax.random.normal(keys[1], shape).astype(dtype)
+    scale = 1.0 + 0.3 * jax.random.normal(keys[2], shape[-1:])
+    bias = 0.1 * jax.random.normal(keys[3], shape[-1:])
+    cotangent = jax.random.normal(keys[4], shape).astype(dtype)
+    return x, residual, scale, bias, cotangent
+
+
+def _value_and_grads(fn, cotangent, *args):
+    y, pullback = jax.vjp(fn, *args)
+    return (y,) + pullback(cotangent)
+
+
+def _assert_close(got, want, rtol, names=("y", "dx", "dresidual", "dscale", "dbias")):
+    """Each of (y, gradients...) equal within rtol of its largest magnitude, in its dtype."""
+    for name, g, w in zip(names, got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * np.abs(w).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("with_dropout", [True, False])
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
+def test_kernels_equal_the_xla_custom_vjp(with_dropout, dtype, rtol):
+    """Values and gradients of LayerNorm(dropout(x) + residual) against `layer_norm._fused` (what CPUs run): float32
+    to reduction order, bfloat16 to a rounding (the sums are the same bits; the statistics add in another order)."""
+    x, residual, scale, bias, cotangent = _inputs(dtype)
+    seeds = dropout_lib.word_seeds(jax.random.PRNGKey(7)) if with_dropout else None
+    kernel = lambda x, r, s, b: lg.layer_norm(x, s, b, EPS, dtype, r, RATE, seeds, interpret=True)
+    xla = lambda x, r, s, b: ln._fused(EPS, jnp.dtype(dtype), RATE, x, r, s, b, seeds)
+    _assert_close(_value_and_grads(kernel, cotangent, x, residual, scale, bias),
+                  _value_and_grads(xla, cotangent, x, residual, scale, bias), rtol)
+
+
+def test_the_mask_is_keep_mask_fused_element_for_element_and_for_a_shards_rows():
+    """The forward's sum s is `_dropout_sum`'s, bit for bit (the same mask, the same roundings); dx is 0 exactly
+    where keep_mask_fused drops (ds is nowhere 0 here); a shard given its first global row draws the global mask's
+    rows (the last two examples of three: rows from 7); rate 0 with a key drops nothing."""
+    x, residual, scale, bias, cotangent = _inputs(jnp.bfloat16)
+    seeds = dropout_lib.word_seeds(jax.random.PRNGKey(3))
+    keep = np.asarray(dropout_lib.keep_mask_fused(seeds, RATE, SHAPE))
+    assert 0 < (~keep).sum() < keep.size / 4
+    _, (s, *_) = lg._layer_norm_forward(EPS, jnp.dtype(jnp.bfloat16), RATE, True, True, True, x, residual, scale,
+                                        bias, jnp.concatenate([seeds, jnp.zeros(2, jnp.int32)]))
+    np.testing.assert_array_equal(np.asarray(s, np.float32),
+                                  np.asarray(ln._dropout_sum(x, residual, seeds, RATE), np.float32))
+    grads = lambda x, r, row_offset, rate=RATE: _value_and_grads(
+        lambda x, r: lg.layer_norm(x, scale, bias, EPS, jnp.bfloat16, r, rate, seeds, row_offset, interpret=True),
+        cotangent[-x.shape[0]:], x, r)
+    _, dx, ds = grads(x, residual, 0)
+    assert np.all(np.asarray(ds) != 0)
+    np.testing.assert_array_equal(np.asarray(dx) != 0, keep)
+    _, shard_dx, _ = grads(x[1:], residual[1:], row_offset=SHAPE[1])
+    np.testing.assert_array_equal(np.asarray(shard_dx) != 0, keep[1:])
+    _, all_kept, ds = grads(x, residual, 0, rate=0.0)
+    np.testing.assert_array_equal(np.asarray(all_kept), np.asarray(ds))
+
+
+def test_plain_layer_norm_equals_xlas():
+    """No residual, no dropout (the embeddings' LayerNorm: float32 in, bfloat16 out): values and gradients of the
+    kernels against `layer_norm.layer_norm`'s XLA path."""
+    x, _, scale, bias, cotangent = _inputs(jnp.float32)
+    cotangent = cotangent.astype(jnp.bfloat16)
+    kernel = lambda x, s, b: lg.layer_norm(x, s, b, EPS, jnp.bfloat16, interpret=True)
+    xla = lambda x, s, b: ln.layer_norm(x, s, b, EPS, jnp.bfloat16)
+    got, want = (_value_and_grads(f, cotangent, x, scale, bias) for f in (kernel, xla))
+    _assert_close((got[0],), (want[0],), rtol=1e-2)
+    _assert_close(got[1:], want[1:], rtol=2e-6, names=("dx", "dscale", "dbias"))   # float32
+
+
+def test_sharded_over_a_mesh_each_device_draws_the_global_masks_rows():
+    """`per_device_layer_norm` on a data=2 x tensor=2 CPU mesh (the batch split over data, the kernels per device
+    in a shard_map): values and gradients those of the XLA custom_vjp over the whole batch, scale's and bias's
+    gradients summed over the devices, dropped elements where keep_mask_fused drops them."""
+    shape = (4, 3, 16)
+    x, residual, scale, bias, cotangent = _inputs(jnp.float32, shape)
+    seeds = dropout_lib.word_seeds(jax.random.PRNGKey(5))
+    mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
+    kernel = lambda x, r, s, b: lg.per_device_layer_norm(x, s, b, EPS, jnp.float32, r, RATE, seeds)
+    with sharding.activate(mesh):
+        got = jax.jit(lambda *a: _value_and_grads(kernel, cotangent, *a))(x, residual, scale, bias)
+    want = _value_and_grads(lambda x, r, s, b: ln._fused(EPS, jnp.dtype(jnp.float32), RATE, x, r, s, b, seeds),
+                            cotangent, x, residual, scale, bias)
+    _assert_close(got, want, rtol=2e-6)
+    np.testing.assert_array_equal(np.asarray(got[1]) != 0, np.asarray(dropout_lib.keep_mask_fused(seeds, RATE,
+                                                                                                  shape)))
+
+
+def test_bert_on_a_gpu_runs_its_layer_norms_in_the_triton_kernels():
+    """The model's gradients (2 layers, bf16, dropout) traced for a GPU mesh and lowered for CUDA on this CPU: the
+    embeddings' LayerNorm and each layer's two residual ones are a forward and a backward Triton kernel each."""
+    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=128, dtype="bfloat16")
+    model = BertModel(config, add_pooler=False)
+    ids = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), *(jnp.zeros((2, 128), jnp.int32),) * 3))["params"]
+
+    def gradients(params, input_ids, input_mask):
+        def loss(params):
+            out = model.apply({"params": params}, input_ids, input_mask, jnp.zeros_like(input_ids),
+                              deterministic=False, rngs={"dropout": jax.random.key(1)})[0]
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.grad(loss)(params)
+
+    names = re.findall(r'name = "(layer_norm_gpu_\w+)"', _lowered_for_a_gpu(gradients, params, ids, ids))
+    assert sorted(names) == ["layer_norm_gpu_bwd"] * 5 + ["layer_norm_gpu_fwd"] * 5
