@@ -82,13 +82,18 @@ def test_the_mask_is_keep_mask_fused_element_for_element_and_for_a_shards_rows()
     np.testing.assert_array_equal(np.asarray(all_kept), np.asarray(ds))
 
 
-def test_plain_layer_norm_equals_xlas():
-    """No residual, no dropout (the embeddings' LayerNorm: float32 in, bfloat16 out): values and gradients of the
-    kernels against `layer_norm.layer_norm`'s XLA path."""
-    x, _, scale, bias, cotangent = _inputs(jnp.float32)
+@pytest.mark.parametrize("with_dropout", [False, True])
+def test_plain_layer_norm_equals_xlas(with_dropout):
+    """No residual (the embeddings' LayerNorm: float32 in, bfloat16 out): values and gradients of the kernels against
+    `layer_norm.layer_norm`'s XLA path; with dropout (the forward then keeps the dropped x for the backward) against
+    the custom_vjp with a residual of zeros."""
+    x, residual, scale, bias, cotangent = _inputs(jnp.float32)
     cotangent = cotangent.astype(jnp.bfloat16)
-    kernel = lambda x, s, b: lg.layer_norm(x, s, b, EPS, jnp.bfloat16, interpret=True)
+    seeds = dropout_lib.word_seeds(jax.random.PRNGKey(2)) if with_dropout else None
+    kernel = lambda x, s, b: lg.layer_norm(x, s, b, EPS, jnp.bfloat16, rate=RATE, seeds=seeds, interpret=True)
     xla = lambda x, s, b: ln.layer_norm(x, s, b, EPS, jnp.bfloat16)
+    if with_dropout:
+        xla = lambda x, s, b: ln._fused(EPS, jnp.dtype(jnp.bfloat16), RATE, x, jnp.zeros_like(x), s, b, seeds)
     got, want = (_value_and_grads(f, cotangent, x, scale, bias) for f in (kernel, xla))
     _assert_close((got[0],), (want[0],), rtol=1e-2)
     _assert_close(got[1:], want[1:], rtol=2e-6, names=("dx", "dscale", "dbias"))   # float32

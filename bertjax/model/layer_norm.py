@@ -10,6 +10,8 @@ and the sum in the compute dtype, then float32), and the backward is LayerNorm's
     xhat = (s - mean) * rstd,  g = dy * scale
     ds = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dy * xhat),  dbias = sum_rows(dy)
     dresidual = ds,  dx = where(keep, ds / keep_probability, 0)
+On a GPU (the target platform) both LayerNorms are `layer_norm_gpu`'s Pallas kernels instead, one forward and one
+backward with these values, per device on a mesh; this custom_vjp is what CPUs run.
 """
 from __future__ import annotations
 

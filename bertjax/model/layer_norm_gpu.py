@@ -80,13 +80,14 @@ def _dropped(x, keep, rate: float):
 
 def _forward_kernel(scalars_ref, x_ref, residual_ref, scale_ref, bias_ref, *out_refs, n_rows, width, padded, eps,
                     rate, threshold):
-    s_ref, y_ref, mean_ref, rstd_ref = out_refs if residual_ref is not None else (None, *out_refs)
+    s_ref, y_ref, mean_ref, rstd_ref = out_refs if len(out_refs) == 4 else (None, *out_refs)
     block = _Block(pl.program_id(0) * ROWS, n_rows, width, padded)
     s = block.load(x_ref, x_ref.dtype)
     if threshold is not None:
         s = _dropped(s, block.keep(scalars_ref, threshold), rate)
     if residual_ref is not None:
         s = s + block.load(residual_ref, residual_ref.dtype)
+    if s_ref is not None:
         block.store(s_ref, s)
     s = s.astype(jnp.float32)
     mean = jnp.sum(s, axis=1, keepdims=True) / width          # the padding columns load as 0
@@ -154,14 +155,16 @@ def _layer_norm_forward(eps, dtype, rate, dropout, has_residual, interpret, x, r
     geometry = _geometry(x)
     flat = jax.ShapeDtypeStruct((x.size,), x.dtype)
     stats = jax.ShapeDtypeStruct((geometry["n_rows"],), jnp.float32)
-    out_shapes = ([flat] if residual is not None else []) + [jax.ShapeDtypeStruct((x.size,), dtype), stats, stats]
-    kernel = functools.partial(_forward_kernel, eps=eps, rate=rate, threshold=_threshold(rate, dropout), **geometry)
+    threshold = _threshold(rate, dropout)
+    keeps_sum = residual is not None or threshold is not None   # else the backward reads x as the sum
+    out_shapes = ([flat] if keeps_sum else []) + [jax.ShapeDtypeStruct((x.size,), dtype), stats, stats]
+    kernel = functools.partial(_forward_kernel, eps=eps, rate=rate, threshold=threshold, **geometry)
     if residual is None:   # a None ref in the residual's place
         kernel = functools.partial(lambda k, scalars, x, *rest: k(scalars, x, None, *rest), kernel)
     operands = [a.reshape(-1) for a in (x, residual) if a is not None]
     outs = _call(kernel, pl.cdiv(geometry["n_rows"], ROWS), out_shapes, interpret, "layer_norm_gpu_fwd", scalars,
                  *operands, scale, bias)
-    s = outs[0].reshape(x.shape) if residual is not None else x
+    s = outs[0].reshape(x.shape) if keeps_sum else x
     y, mean, rstd = outs[-3:]
     return y.reshape(x.shape), (s, mean, rstd, scale, scalars)
 
@@ -174,8 +177,7 @@ def _layer_norm_backward(eps, dtype, rate, dropout, has_residual, interpret, sav
     programs = pl.cdiv(geometry["n_rows"], ROWS * BACKWARD_STEPS)
     sums = jax.ShapeDtypeStruct((programs * 2 * geometry["width"],), jnp.float32)
     out_shapes = [flat] + ([flat] if threshold is not None else []) + [sums]
-    kernel = functools.partial(_backward_kernel, rate=rate, threshold=threshold,
-                               **{k: v for k, v in geometry.items()})
+    kernel = functools.partial(_backward_kernel, rate=rate, threshold=threshold, **geometry)
     outs = _call(kernel, programs, out_shapes, interpret, "layer_norm_gpu_bwd", scalars, dy.reshape(-1),
                  s.reshape(-1), mean, rstd, scale)
     ds = outs[0].reshape(s.shape)
