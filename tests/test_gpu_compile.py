@@ -281,13 +281,20 @@ def test_bert_base_for_an_h200_moves_fewer_bytes_outside_matmuls():
     """The priced seq-128 step as the job compiles it (flash_dropout_gpu, the exact GELU): 50.2 ms, 75.5 GB moved
     outside matmuls at 1368772; with the GELU keeping only its input and LayerNorm over rows, 47.1 ms, 66.8 GB; with
     the q/k/v biases and D inside the attention kernels, the GELU taking its bias, the MLM loss's own backward and
-    residual + dropout + LayerNorm as one gradient, 41.8 ms, 51.1 GB (docs/performance.md). ESTIMATES."""
+    residual + dropout + LayerNorm as one gradient, 41.8 ms, 51.1 GB; with the LayerNorms as Pallas kernels, 39.8 ms,
+    45.4%, 46.1 GB (docs/performance.md). ESTIMATES."""
     topology = aot.parse_target("h200")
     config = load_config("bert-base-phase1", ["model.hidden_act=gelu"], require_data=False)
     result = aot.compile_for_topology(config, topology)
     coverage = result["estimate_coverage"]
-    assert coverage["non_matmul_bytes"] < 53e9
-    assert result["estimated_step_seconds"] < 0.043 and result["estimated_mfu"] > 0.42
+    assert coverage["non_matmul_bytes"] < 48e9
+    assert result["estimated_step_seconds"] < 0.0405 and result["estimated_mfu"] > 0.445
+    # Each layer's LayerNorms are a forward and a backward Pallas kernel, each moving four [B*L, H] bf16 arrays
+    # (x, residual in, s, y out; dy, s in, ds, dx out), and no XLA fusion of their own.
+    layer_norms = [e for e in coverage["top_non_matmul"]
+                   if "/layer_N/" in e["op_name"] and "LayerNorm/" in e["op_name"]]
+    assert layer_norms and all("/layer_norm_gpu_" in e["op_name"] for e in layer_norms)
+    assert max(e["bytes"] for e in layer_norms) < 12 * 4.2 * 256 * 128 * 768 * 2
     # The GELU's forward reads the matmul's output and writes its own: not the intermediates its backward used
     # to read, nor the bias's sum.
     gelu = [e["bytes"] for e in coverage["top_non_matmul"] if e["op_name"].endswith("layer_N/intermediate/mul")
