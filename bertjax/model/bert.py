@@ -15,12 +15,14 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
 
 from bertjax.model.attention import dot_product_attention
 from bertjax.model.config import BertConfig
 from bertjax.model.dropout import Dropout
 from bertjax.model.gelu import gelu, gelu_with_bias
 from bertjax.model.layer_norm import LayerNorm
+from bertjax.sharding import target_platform
 
 # TF BERT's truncated_normal_initializer(stddev=initializer_range): a normal of std `stddev` cut at +-2 std, whose
 # own std is 0.8796 * stddev (0.0176 for 0.02). jax's truncated_normal takes the same untruncated `stddev`; scaling
@@ -154,6 +156,35 @@ class HeadProjection(nn.Module):
         return (y, bias) if self.defer_bias else y + bias.astype(dtype)
 
 
+def bias_to_layer_norm() -> bool:
+    """Whether a Dense before a residual LayerNorm hands its bias to it: on a GPU, whose LayerNorm kernels add it
+    as they load x and sum its gradient (XLA adding it was a pass over memory of its own); elsewhere the Dense adds
+    it (the CPU and TPU programs as they were)."""
+    return target_platform() == "gpu"
+
+
+class DenseBeforeLayerNorm(nn.Module):
+    """nn.Dense(features): its params (`kernel` [in, features], `bias` [features]), their init and logical axes
+    (`names`: the kernel's), its values; with `defer_bias` it returns (x W, bias) for the LayerNorm to add."""
+
+    config: BertConfig
+    features: int
+    names: tuple[str | None, str | None]
+    defer_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", _kernel_init(self.config, self.names), (x.shape[-1], self.features),
+                            jnp.float32)
+        bias = self.param("bias", _zeros(self.names[-1:]), (self.features,), jnp.float32)
+        # nn.Dense's operations, in its order (the programs of the Dense that adds its bias unchanged)
+        x, cast_kernel, cast_bias = promote_dtype(x, kernel, bias, dtype=_dtype(self.config))
+        y = jax.lax.dot_general(x, cast_kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.defer_bias:
+            return y, bias
+        return y + jnp.reshape(cast_bias, (1,) * (y.ndim - 1) + (-1,))
+
+
 class SelfAttention(nn.Module):
     config: BertConfig
 
@@ -174,6 +205,11 @@ class SelfAttention(nn.Module):
         return context
 
 
+def _with_bias(out):
+    """A Dense's (x W, bias) as it deferred its bias, or (x W + b, None)."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
 class AttentionBlock(nn.Module):
     """Self-attention, output projection, dropout, residual, LayerNorm (HF: BertAttention)."""
 
@@ -183,10 +219,11 @@ class AttentionBlock(nn.Module):
     def __call__(self, hidden, input_mask, packing_ids, deterministic: bool):
         c = self.config
         context = SelfAttention(c, name="self")(hidden, input_mask, packing_ids, deterministic)
-        out = HeadProjection(c, to_heads=False, name="output_dense")(context)
+        out, out_bias = _with_bias(HeadProjection(c, to_heads=False, defer_bias=bias_to_layer_norm(),
+                                                  name="output_dense")(context))
         # Dropout_0 draws the key (as when it dropped itself); the LayerNorm applies the mask.
         rng = Dropout(c.hidden_dropout_prob).key(deterministic)
-        return LayerNorm(c, name="output_LayerNorm")(out, hidden, rng, c.hidden_dropout_prob)
+        return LayerNorm(c, name="output_LayerNorm")(out, hidden, rng, c.hidden_dropout_prob, out_bias)
 
 
 class Intermediate(nn.Module):
@@ -217,11 +254,10 @@ class Layer(nn.Module):
         hidden = AttentionBlock(c, name="attention")(hidden, input_mask, packing_ids, deterministic)
         inner = Intermediate(c, name="intermediate")(hidden)
         inner = _constrain(inner, ("activation_batch", "activation_length", "activation_mlp"))
-        out = nn.Dense(c.hidden_size, dtype=_dtype(c), param_dtype=jnp.float32,
-                       kernel_init=_kernel_init(c, ("mlp", "embed")), bias_init=_zeros(("embed",)),
-                       name="output")(inner)
+        out, out_bias = _with_bias(DenseBeforeLayerNorm(c, c.hidden_size, ("mlp", "embed"),
+                                                        defer_bias=bias_to_layer_norm(), name="output")(inner))
         rng = Dropout(c.hidden_dropout_prob).key(deterministic)
-        out = LayerNorm(c, name="output_LayerNorm")(out, hidden, rng, c.hidden_dropout_prob)
+        out = LayerNorm(c, name="output_LayerNorm")(out, hidden, rng, c.hidden_dropout_prob, out_bias)
         return _constrain(out, ("activation_batch", "activation_length", "activation_embed"))
 
 

@@ -64,20 +64,25 @@ def _dropout_sum(x, residual, seeds, rate: float):
     return x + residual
 
 
-def residual_layer_norm(x, residual, scale, bias, eps: float, dtype, rate: float = 0.0, rng=None):
-    """LayerNorm(dropout(x) + residual) over the last axis (dropout skipped when `rng` is None); x and residual
-    of one dtype (the sum's, whose gradient both get)."""
+def residual_layer_norm(x, residual, scale, bias, eps: float, dtype, rate: float = 0.0, rng=None, x_bias=None):
+    """LayerNorm(dropout(x + x_bias) + residual) over the last axis (dropout skipped when `rng` is None, x_bias
+    when None: the bias of the Dense whose output x is, added in x's dtype); x and residual of one dtype (the
+    sum's, whose gradient both get)."""
     if x.dtype != residual.dtype:
         raise ValueError(f"x ({x.dtype}) and residual ({residual.dtype}) must have one dtype")
-    if target_platform() == "tpu" or not dropout_lib.fusable_shape(x.shape):
+    fusable = dropout_lib.fusable_shape(x.shape)
+    if target_platform() == "gpu" and fusable:
+        seeds = None if rng is None else dropout_lib.word_seeds(rng)
+        y = layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype, residual, rate, seeds, x_bias)
+        if y is not None:
+            return y
+    if x_bias is not None:
+        x = x + x_bias.astype(x.dtype)
+    if target_platform() == "tpu" or not fusable:
         if rng is not None:
             x = dropout_lib.dropout(x, rate, rng)
         return layer_norm(x + residual, scale, bias, eps, dtype)
     seeds = None if rng is None else dropout_lib.word_seeds(rng)
-    if target_platform() == "gpu":
-        y = layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype, residual, rate, seeds)
-        if y is not None:
-            return y
     return _fused(eps, jnp.dtype(dtype), rate, x, residual, scale, bias, seeds)
 
 
@@ -117,12 +122,12 @@ _fused.defvjp(_fused_forward, _fused_backward)
 
 class LayerNorm(nn.Module):
     """LayerNorm over the last axis (params `scale`, `bias`). Called as `LayerNorm(x)`, or as
-    `LayerNorm(x, residual, dropout_rng, dropout_rate)` for LayerNorm(dropout(x) + residual)."""
+    `LayerNorm(x, residual, dropout_rng, dropout_rate, x_bias)` for LayerNorm(dropout(x + x_bias) + residual)."""
 
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x, residual=None, dropout_rng=None, dropout_rate: float = 0.0):
+    def __call__(self, x, residual=None, dropout_rng=None, dropout_rate: float = 0.0, x_bias=None):
         features = x.shape[-1]
         scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
                            (features,), jnp.float32)
@@ -131,4 +136,4 @@ class LayerNorm(nn.Module):
         eps, dtype = self.config.layer_norm_eps, jnp.dtype(self.config.dtype)
         if residual is None:
             return layer_norm(x, scale, bias, eps, dtype)
-        return residual_layer_norm(x, residual, scale, bias, eps, dtype, dropout_rate, dropout_rng)
+        return residual_layer_norm(x, residual, scale, bias, eps, dtype, dropout_rate, dropout_rng, x_bias)

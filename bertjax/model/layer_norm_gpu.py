@@ -63,12 +63,17 @@ class _Block:
     def row_stat(self, ref):
         return plgpu.load(ref.at[self.row], mask=self.row_ok, other=0.0)[:, None]
 
-    def keep(self, scalars_ref, threshold: int):
-        """`keep_mask_fused`'s bits at the block's global positions; scalars: (mult, add, first global row, 0)."""
+    def load_row(self, ref):
+        """A [width] operand (scale, a bias) as a [1, padded] row of float32, 0 past the width."""
+        return plgpu.load(ref.at[self.column], mask=self.column_ok, other=0.0).astype(jnp.float32)[None, :]
+
+    def keep(self, seeds_ref, offset_ref, threshold: int):
+        """`keep_mask_fused`'s bits at the block's global positions; seeds (mult, add); offset: the first global
+        row of this call's rows."""
         half = self.width // 2
         high = self.column >= half
-        number = (scalars_ref[2] + self.row)[:, None] * half + jnp.where(high, self.column - half, self.column)
-        words = fmix32(fmix32(number * scalars_ref[0] + scalars_ref[1]))
+        number = (offset_ref[0] + self.row)[:, None] * half + jnp.where(high, self.column - half, self.column)
+        words = fmix32(fmix32(number * seeds_ref[0] + seeds_ref[1]))
         return jnp.where(high[None, :], below(words, threshold << 16), below(words << 16, threshold << 16))
 
 
@@ -78,13 +83,15 @@ def _dropped(x, keep, rate: float):
     return jnp.where(keep, scaled, jnp.zeros((), x.dtype))
 
 
-def _forward_kernel(scalars_ref, x_ref, residual_ref, scale_ref, bias_ref, *out_refs, n_rows, width, padded, eps,
-                    rate, threshold):
+def _forward_kernel(seeds_ref, offset_ref, x_ref, x_bias_ref, residual_ref, scale_ref, bias_ref, *out_refs, n_rows,
+                    width, padded, eps, rate, threshold):
     s_ref, y_ref, mean_ref, rstd_ref = out_refs if len(out_refs) == 4 else (None, *out_refs)
     block = _Block(pl.program_id(0) * ROWS, n_rows, width, padded)
     s = block.load(x_ref, x_ref.dtype)
+    if x_bias_ref is not None:   # the Dense's output x + b, rounded to x's dtype as the Dense rounds it
+        s = s + block.load_row(x_bias_ref).astype(s.dtype)
     if threshold is not None:
-        s = _dropped(s, block.keep(scalars_ref, threshold), rate)
+        s = _dropped(s, block.keep(seeds_ref, offset_ref, threshold), rate)
     if residual_ref is not None:
         s = s + block.load(residual_ref, residual_ref.dtype)
     if s_ref is not None:
@@ -93,18 +100,16 @@ def _forward_kernel(scalars_ref, x_ref, residual_ref, scale_ref, bias_ref, *out_
     mean = jnp.sum(s, axis=1, keepdims=True) / width          # the padding columns load as 0
     centred = jnp.where(block.column_ok[None, :], s - mean, 0.0)
     rstd = lax.rsqrt(jnp.sum(centred * centred, axis=1, keepdims=True) / width + eps)
-    scale = plgpu.load(scale_ref.at[block.column], mask=block.column_ok, other=0.0)
-    bias = plgpu.load(bias_ref.at[block.column], mask=block.column_ok, other=0.0)
-    block.store(y_ref, centred * rstd * scale[None, :] + bias[None, :])
+    block.store(y_ref, centred * rstd * block.load_row(scale_ref) + block.load_row(bias_ref))
     plgpu.store(mean_ref.at[block.row], mean[:, 0], mask=block.row_ok)
     plgpu.store(rstd_ref.at[block.row], rstd[:, 0], mask=block.row_ok)
 
 
-def _backward_kernel(scalars_ref, dy_ref, s_ref, mean_ref, rstd_ref, scale_ref, ds_ref, *out_refs, n_rows, width,
-                     padded, rate, threshold):
+def _backward_kernel(seeds_ref, offset_ref, dy_ref, s_ref, mean_ref, rstd_ref, scale_ref, ds_ref, *out_refs, n_rows,
+                     width, padded, rate, threshold, n_sums):
     dx_ref, sums_ref = out_refs if threshold is not None else (None, *out_refs)
     column = jnp.arange(padded, dtype=jnp.int32)
-    scale = plgpu.load(scale_ref.at[column], mask=column < width, other=0.0)[None, :]
+    scale = _Block(0, n_rows, width, padded).load_row(scale_ref)
     first_row = pl.program_id(0) * BACKWARD_STEPS * ROWS   # read here: the interpreter has no program id in a loop
 
     def body(step, sums):
@@ -117,15 +122,16 @@ def _backward_kernel(scalars_ref, dy_ref, s_ref, mean_ref, rstd_ref, scale_ref, 
                      - xhat * (jnp.sum(g * xhat, axis=1, keepdims=True) / width))
         ds = ds.astype(ds_ref.dtype)   # the sum's gradient, rounded to its dtype as autodiff does
         block.store(ds_ref, ds)
+        dx = ds
         if threshold is not None:
-            block.store(dx_ref, _dropped(ds, block.keep(scalars_ref, threshold), rate))
-        return sums[0] + jnp.sum(dy * xhat, axis=0), sums[1] + jnp.sum(dy, axis=0)
+            dx = _dropped(ds, block.keep(seeds_ref, offset_ref, threshold), rate)
+            block.store(dx_ref, dx)
+        column_sums = (dy * xhat, dy, dx.astype(jnp.float32))[:n_sums]   # the third: the x bias's gradient
+        return tuple(total + jnp.sum(part, axis=0) for total, part in zip(sums, column_sums))
 
-    zeros = jnp.zeros((padded,), jnp.float32)
-    dscale, dbias = lax.fori_loop(0, BACKWARD_STEPS, body, (zeros, zeros))
-    at = pl.program_id(0) * 2 * width + column
-    plgpu.store(sums_ref.at[at], dscale, mask=column < width)
-    plgpu.store(sums_ref.at[at + width], dbias, mask=column < width)
+    totals = lax.fori_loop(0, BACKWARD_STEPS, body, (jnp.zeros((padded,), jnp.float32),) * n_sums)
+    for i, total in enumerate(totals):
+        plgpu.store(sums_ref.at[(pl.program_id(0) * n_sums + i) * width + column], total, mask=column < width)
 
 
 def _threshold(rate: float, dropout: bool):
@@ -139,6 +145,15 @@ def _call(kernel, grid, out_shapes, interpret, name, *args):
                           compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1))(*args)
 
 
+def _without(kernel, present):
+    """`kernel` called with None in the places of the absent inputs (`present`: a flag per input); a Pallas call
+    takes arrays only."""
+    def call(*refs):
+        refs = iter(refs)
+        return kernel(*(next(refs) if given else None for given in present), *refs)
+    return call
+
+
 def _geometry(x):
     n_rows, width = x.size // x.shape[-1], x.shape[-1]
     if x.size >= 2**31:
@@ -147,52 +162,56 @@ def _geometry(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _layer_norm(eps, dtype, rate, dropout, has_residual, interpret, x, residual, scale, bias, scalars):
-    return _layer_norm_forward(eps, dtype, rate, dropout, has_residual, interpret, x, residual, scale, bias, scalars)[0]
+def _layer_norm(eps, dtype, rate, dropout, present, interpret, x, x_bias, residual, scale, bias, seeds, offset):
+    return _layer_norm_forward(eps, dtype, rate, dropout, present, interpret, x, x_bias, residual, scale, bias, seeds,
+                               offset)[0]
 
 
-def _layer_norm_forward(eps, dtype, rate, dropout, has_residual, interpret, x, residual, scale, bias, scalars):
+def _layer_norm_forward(eps, dtype, rate, dropout, present, interpret, x, x_bias, residual, scale, bias, seeds,
+                        offset):
+    """`present`: whether (x_bias, residual) are given (static: the backward returns None for the absent)."""
     geometry = _geometry(x)
     flat = jax.ShapeDtypeStruct((x.size,), x.dtype)
     stats = jax.ShapeDtypeStruct((geometry["n_rows"],), jnp.float32)
     threshold = _threshold(rate, dropout)
-    keeps_sum = residual is not None or threshold is not None   # else the backward reads x as the sum
+    keeps_sum = any(present) or threshold is not None   # else the backward reads x as the sum
     out_shapes = ([flat] if keeps_sum else []) + [jax.ShapeDtypeStruct((x.size,), dtype), stats, stats]
     kernel = functools.partial(_forward_kernel, eps=eps, rate=rate, threshold=threshold, **geometry)
-    if residual is None:   # a None ref in the residual's place
-        kernel = functools.partial(lambda k, scalars, x, *rest: k(scalars, x, None, *rest), kernel)
-    operands = [a.reshape(-1) for a in (x, residual) if a is not None]
-    outs = _call(kernel, pl.cdiv(geometry["n_rows"], ROWS), out_shapes, interpret, "layer_norm_gpu_fwd", scalars,
-                 *operands, scale, bias)
+    inputs = (seeds, offset, x.reshape(-1), x_bias, None if residual is None else residual.reshape(-1), scale, bias)
+    outs = _call(_without(kernel, [a is not None for a in inputs]), pl.cdiv(geometry["n_rows"], ROWS), out_shapes,
+                 interpret, "layer_norm_gpu_fwd", *(a for a in inputs if a is not None))
     s = outs[0].reshape(x.shape) if keeps_sum else x
     y, mean, rstd = outs[-3:]
-    return y.reshape(x.shape), (s, mean, rstd, scale, scalars)
+    return y.reshape(x.shape), (s, mean, rstd, scale, seeds, offset)
 
 
-def _layer_norm_backward(eps, dtype, rate, dropout, has_residual, interpret, saved, dy):
-    s, mean, rstd, scale, scalars = saved
+def _layer_norm_backward(eps, dtype, rate, dropout, present, interpret, saved, dy):
+    s, mean, rstd, scale, seeds, offset = saved
+    has_x_bias, has_residual = present
     geometry = _geometry(s)
     threshold = _threshold(rate, dropout)
     flat = jax.ShapeDtypeStruct((s.size,), s.dtype)
     programs = pl.cdiv(geometry["n_rows"], ROWS * BACKWARD_STEPS)
-    sums = jax.ShapeDtypeStruct((programs * 2 * geometry["width"],), jnp.float32)
+    n_sums = 3 if has_x_bias else 2
+    sums = jax.ShapeDtypeStruct((programs * n_sums * geometry["width"],), jnp.float32)
     out_shapes = [flat] + ([flat] if threshold is not None else []) + [sums]
-    kernel = functools.partial(_backward_kernel, rate=rate, threshold=threshold, **geometry)
-    outs = _call(kernel, programs, out_shapes, interpret, "layer_norm_gpu_bwd", scalars, dy.reshape(-1),
+    kernel = functools.partial(_backward_kernel, rate=rate, threshold=threshold, n_sums=n_sums, **geometry)
+    outs = _call(kernel, programs, out_shapes, interpret, "layer_norm_gpu_bwd", seeds, offset, dy.reshape(-1),
                  s.reshape(-1), mean, rstd, scale)
     ds = outs[0].reshape(s.shape)
     dx = outs[1].reshape(s.shape) if threshold is not None else ds
-    sums = outs[-1].reshape(programs, 2, geometry["width"]).sum(0)
-    return dx, ds if has_residual else None, sums[0], sums[1], None
+    sums = outs[-1].reshape(programs, n_sums, geometry["width"]).sum(0)
+    return (dx, sums[2] if has_x_bias else None, ds if has_residual else None, sums[0], sums[1], None, None)
 
 
 _layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
 
 
 def layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate: float = 0.0, seeds=None, row_offset=0,
-               interpret: bool = False):
-    """LayerNorm(dropout(x) + residual) over the last axis, float32 statistics, output in `dtype`; without a
-    residual LayerNorm(x); dropout with `seeds` (`dropout.word_seeds(rng)`; None: none) at `rate`, the mask of
+               interpret: bool = False, x_bias=None):
+    """LayerNorm(dropout(x + x_bias) + residual) over the last axis, float32 statistics, output in `dtype`; without
+    a residual LayerNorm(dropout(x + x_bias)); x_bias (float32 [width], the Dense's bias before it; None: none)
+    added in x's dtype; dropout with `seeds` (`dropout.word_seeds(rng)`; None: none) at `rate`, the mask of
     `keep_mask_fused(seeds, rate, x.shape)` for rows numbered from `row_offset` (a shard's first global row).
     x and residual of one dtype (the sum's; both get its gradient); dropout needs an even width."""
     if residual is not None and residual.dtype != x.dtype:
@@ -200,40 +219,40 @@ def layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate: float = 0
     dropout = seeds is not None
     if dropout and not dropout_lib.fusable_shape(x.shape):
         raise ValueError(f"dropout in the GPU LayerNorm needs two axes or more, the last even; got {x.shape}")
-    scalars = jnp.concatenate([jnp.zeros(2, jnp.int32) if seeds is None else seeds.astype(jnp.int32),
-                               jnp.asarray(row_offset, jnp.int32).reshape(1), jnp.zeros(1, jnp.int32)])
-    return _layer_norm(float(eps), jnp.dtype(dtype), float(rate), dropout, residual is not None, interpret, x,
-                       residual, scale.astype(jnp.float32), bias.astype(jnp.float32), scalars)
+    # Seeds and row offset as operands of their own, not packed into one array: packing them took an XLA kernel
+    # of its own per call.
+    seeds = jnp.zeros(2, jnp.int32) if seeds is None else seeds.astype(jnp.int32)
+    offset = jnp.asarray(row_offset, jnp.int32).reshape(1)
+    x_bias = None if x_bias is None else x_bias.astype(jnp.float32)
+    return _layer_norm(float(eps), jnp.dtype(dtype), float(rate), dropout, (x_bias is not None, residual is not None),
+                       interpret, x, x_bias, residual, scale.astype(jnp.float32), bias.astype(jnp.float32), seeds,
+                       offset)
 
 
-def per_device_layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate: float = 0.0, seeds=None):
+def per_device_layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate: float = 0.0, seeds=None,
+                          x_bias=None):
     """`layer_norm` run on each device's rows of a multi-device mesh, as `attention.per_device_shard` runs the
     attention kernel (XLA cannot partition a Pallas call): the leading axis split over the activation_batch axes,
     the others whole; each shard's mask rows numbered from its first global row. None where the leading axis does
     not split evenly over those axes (the caller keeps XLA's LayerNorm)."""
     rows_per_example = x.size // (x.shape[0] * x.shape[-1])
 
-    def call(x, residual, scale, bias, seeds):
+    def call(x, residual, scale, bias, seeds, x_bias):
         return layer_norm(x, scale, bias, eps, dtype, residual, rate, seeds,
                           row_offset=manual_batch_offset(x.shape[0]) * rows_per_example,
-                          interpret=target_platform() != "gpu")
+                          interpret=target_platform() != "gpu", x_bias=x_bias)
 
+    arrays = (x, residual, scale, bias, seeds, x_bias)
     mesh = jax.sharding.get_abstract_mesh()
     free = () if mesh.empty else tuple(name for name in mesh.axis_names if name not in mesh.manual_axes)
     if mesh.empty or mesh.size == 1 or not free:
-        return call(x, residual, scale, bias, seeds)
+        return call(*arrays)
     batch_axes = nn.logical_to_mesh_axes(("activation_batch",))[0]
     names = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
     if x.shape[0] % math.prod(mesh.shape[name] for name in names):
         return None
     rows = PartitionSpec(batch_axes, *(None,) * (x.ndim - 1))
-    arrays = (x, residual, scale, bias, seeds)
     present = [a is not None for a in arrays]
-    specs = (rows, rows, PartitionSpec(), PartitionSpec(), PartitionSpec())
-
-    def local(*given):   # shard_map takes arrays only: the absent residual or seeds put back as None
-        given = iter(given)
-        return call(*(next(given) if p else None for p in present))
-
-    return jax.shard_map(local, in_specs=tuple(s for s, p in zip(specs, present) if p), out_specs=rows,
-                         axis_names=set(free), check_vma=False)(*(a for a in arrays if a is not None))
+    specs = (rows, rows) + (PartitionSpec(),) * 4
+    return jax.shard_map(_without(call, present), in_specs=tuple(s for s, p in zip(specs, present) if p),
+                         out_specs=rows, axis_names=set(free), check_vma=False)(*(a for a in arrays if a is not None))
