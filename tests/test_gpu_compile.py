@@ -282,13 +282,14 @@ def test_bert_base_for_an_h200_moves_fewer_bytes_outside_matmuls():
     outside matmuls at 1368772; with the GELU keeping only its input and LayerNorm over rows, 47.1 ms, 66.8 GB; with
     the q/k/v biases and D inside the attention kernels, the GELU taking its bias, the MLM loss's own backward and
     residual + dropout + LayerNorm as one gradient, 41.8 ms, 51.1 GB; with the LayerNorms as Pallas kernels, 39.8 ms,
-    45.4%, 46.1 GB (docs/performance.md). ESTIMATES."""
+    45.4%, 46.1 GB; with the Dense biases before them added in those kernels, 38.6 ms, 46.9%, 42.5 GB
+    (docs/performance.md). ESTIMATES."""
     topology = aot.parse_target("h200")
     config = load_config("bert-base-phase1", ["model.hidden_act=gelu"], require_data=False)
     result = aot.compile_for_topology(config, topology)
     coverage = result["estimate_coverage"]
-    assert coverage["non_matmul_bytes"] < 48e9
-    assert result["estimated_step_seconds"] < 0.0405 and result["estimated_mfu"] > 0.445
+    assert coverage["non_matmul_bytes"] < 44e9
+    assert result["estimated_step_seconds"] < 0.0392 and result["estimated_mfu"] > 0.46
     # Each layer's LayerNorms are a forward and a backward Pallas kernel, each moving four [B*L, H] bf16 arrays
     # (x, residual in, s, y out; dy, s in, ds, dx out), and no XLA fusion of their own.
     layer_norms = [e for e in coverage["top_non_matmul"]
@@ -300,5 +301,7 @@ def test_bert_base_for_an_h200_moves_fewer_bytes_outside_matmuls():
     gelu = [e["bytes"] for e in coverage["top_non_matmul"] if e["op_name"].endswith("layer_N/intermediate/mul")
             and "transpose(" not in e["op_name"]]
     assert gelu and max(gelu) < 12 * 2.1 * 256 * 128 * 3072 * 2
-    # The q/k/v biases are added inside the attention kernels: no XLA pass of its own over q/k/v for them.
-    assert not any(e["op_name"].endswith("attention/self/add") for e in coverage["top_non_matmul"])
+    # The q/k/v biases are added inside the attention kernels, the Dense biases before the LayerNorms inside theirs:
+    # no XLA pass of its own for them.
+    assert not any(e["op_name"].endswith(("attention/self/add", "attention/output_dense/add", "layer_N/output/add"))
+                   for e in coverage["top_non_matmul"])

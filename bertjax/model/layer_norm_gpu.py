@@ -1,18 +1,20 @@
-"""LayerNorm(dropout(x) + residual) and plain LayerNorm as Pallas GPU kernels (Triton lowering): one forward
-kernel, one backward kernel, with the values of `layer_norm._fused_forward` / `_fused_backward`.
+"""LayerNorm(dropout(x + b) + residual) and plain LayerNorm as Pallas GPU kernels (Triton lowering): one forward
+kernel, one backward kernel, with the values of `layer_norm._fused_forward` / `_fused_backward`. b, optional, is the
+bias of the Dense whose output x is (`bert.DenseBeforeLayerNorm`): added here, it is no XLA pass of its own.
 
-- forward, a program per ROWS rows: reads x (and the residual), writes the sum s = dropout(x) + residual (compute
-  dtype; kept for the backward, not written without a residual: s is x), y, and each row's mean and 1 / std
-  (float32);
+- forward, a program per ROWS rows: reads x (and the residual), writes the sum s = dropout(x + b) + residual
+  (compute dtype; kept for the backward, not written without a residual, bias or dropout: s is x), y, and each
+  row's mean and 1 / std (float32);
 - backward, a program per ROWS * BACKWARD_STEPS rows (a loop over blocks of ROWS): reads dy, s, mean and 1 / std,
   writes ds (the residual's gradient) and, with dropout, dx = where(keep, ds / keep_prob, 0) (without dropout dx is
   ds, not written twice); and per program the column sums of dy * xhat and dy in float32 (scale's and bias's
-  gradients, added up by XLA over an array 1 / (ROWS * BACKWARD_STEPS) of dy's rows).
+  gradients), with b those of dx too (b's), added up by XLA over an array 1 / (ROWS * BACKWARD_STEPS) of dy's rows.
 
 The keep mask is `dropout.keep_mask_fused`'s, bit for bit: element (row, c) of the rows [N, H] hashes the word
 numbered global_row * H / 2 + (c mod H / 2) (`dropout.hash_words`), its low 16 bits for c < H / 2, its high ones
-otherwise; global_row = this call's first row (a shard's, `manual_batch_offset`) + the row. Roundings as the
-composition's: dropout and the sum in the compute dtype, statistics and the normalisation in float32.
+otherwise; global_row = this call's first row (a shard's, `manual_batch_offset`) + the row, an operand of its own
+beside the seeds (mult, add). Roundings as the composition's: x + b (b rounded to x's dtype), dropout and the sum
+in the compute dtype, statistics and the normalisation in float32.
 
 Triton wants power-of-two shapes: a row is held as its width rounded up to a power of two (768 -> 1024), the
 columns past the width masked in every load and store (not read, not written), as are the rows past the last.
@@ -219,8 +221,6 @@ def layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate: float = 0
     dropout = seeds is not None
     if dropout and not dropout_lib.fusable_shape(x.shape):
         raise ValueError(f"dropout in the GPU LayerNorm needs two axes or more, the last even; got {x.shape}")
-    # Seeds and row offset as operands of their own, not packed into one array: packing them took an XLA kernel
-    # of its own per call.
     seeds = jnp.zeros(2, jnp.int32) if seeds is None else seeds.astype(jnp.int32)
     offset = jnp.asarray(row_offset, jnp.int32).reshape(1)
     x_bias = None if x_bias is None else x_bias.astype(jnp.float32)
