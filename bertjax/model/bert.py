@@ -126,7 +126,8 @@ class HeadProjection(nn.Module):
     `to_heads`: [B, L, H] -> [B, L, heads, head_dim] with kernel [H, heads * head_dim], bias [heads, head_dim];
     otherwise [B, L, heads, head_dim] -> [B, L, H] with kernel [heads * head_dim, H]. The merged axis is the
     logical "heads" axis (heads split over the tensor axis in whole heads while it divides them).
-    `defer_bias`: return (x W, bias) for the caller to add the bias (attention adds q/k/v's itself).
+    `defer_bias`: return (x W, bias) for the caller to add the bias (attention adds q/k/v's itself, the GPU
+    LayerNorm the output's).
     """
 
     config: BertConfig
