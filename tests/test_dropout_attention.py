@@ -11,43 +11,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from bertjax.model import dropout_attention as da
 from bertjax.model.attention import dot_product_attention, reference_attention
-
-
-def _inputs(batch, length, heads, head_dim, seed=0):
-    rng = np.random.default_rng(seed)
-    return tuple(jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(3))
-
-
-def _segments(batch, length, layout):
-    """Segment ids: 0 = padding; equal nonzero ids attend to each other."""
-    ids = np.ones((batch, length), np.int32)
-    if layout == "padding":
-        ids[0, length * 3 // 4:] = 0
-        ids[-1, 5:] = 0                       # (in a batch of 1 this overrides the first: 5 real tokens)
-    elif layout == "packing":
-        ids[:, length // 3:] = 2
-        ids[:, length * 2 // 3:] = 3
-        ids[-1, length - 9:] = 0              # padding after the packed sequences
-    return jnp.asarray(ids)
-
-
-def _reference(q, k, v, segment_ids, keep_mask, rate):
-    """reference_attention with an explicit keep mask (None: no dropout); segment ids as its masks (0 = padding).
-    A padding query sees no key there (the kernel's sees the padding): those rows are left out of comparisons."""
-    segment_ids = jnp.asarray(segment_ids)
-    return reference_attention(q, k, v, (segment_ids != 0).astype(jnp.int32), segment_ids, dropout_rate=rate,
-                               deterministic=keep_mask is None, keep_mask=keep_mask)
+from tests.kernel_references import _inputs, _reference, _segments, _value_and_grads
 
 
 def _loss(attention, weights):
     return lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v)) * weights)
-
-
-def _value_and_grads(attention, weights, *args):
-    """attention(*args) and the gradients of `_loss`'s sum(sin(out) * weights) with respect to each of args, from
-    one forward run (jax.vjp: the interpreted kernels' forward runs once, not once more inside jax.grad)."""
-    out, pullback = jax.vjp(attention, *args)
-    return out, pullback(jnp.cos(out) * weights)
 
 
 def _kernel_and_reference(q, k, v, segment_ids, rate, seed, **blocks):

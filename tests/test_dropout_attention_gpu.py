@@ -11,7 +11,8 @@ from bertjax.model import dropout_attention_gpu as dg
 from bertjax.model.attention import dot_product_attention, reference_attention
 from bertjax.model.bert import BertModel
 from bertjax.model.config import BertConfig
-from tests.test_dropout_attention import _inputs, _reference, _segments, _value_and_grads
+from tests.kernel_references import _biases, _inputs, _reference, _segments, _value_and_grads
+from tests.kernel_references import attention_kernel_and_reference as _kernel_and_reference
 
 
 def _assert_close(actual, expected, rtol, scale=None):
@@ -21,26 +22,6 @@ def _assert_close(actual, expected, rtol, scale=None):
     assert np.isfinite(actual).all()
     scale = np.abs(expected).max() if scale is None else scale
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
-
-
-def _biases(heads, head_dim, seed=5):
-    """(q, k, v) projection biases [heads, head_dim] float32 (the model's parameters' dtype)."""
-    return tuple(jnp.asarray(np.random.default_rng(seed).normal(size=(3, heads, head_dim)), jnp.float32))
-
-
-def _kernel_and_reference(q, k, v, biases, segment_ids, rate, seed, **blocks):
-    """(out, grads of q, k, v and the biases) of the interpreted kernel given the (q, k, v) `biases`, and of the
-    float32 reference on q + bq, k + bk, v + bv with `dropout_keep_mask`'s mask, on the same inputs (the
-    reference's in float32); padding rows are left out of the loss (ignorable outputs)."""
-    batch, length, heads, _ = q.shape
-    weights = (segment_ids != 0).astype(jnp.float32)[:, :, None, None]
-    kernel = lambda q, k, v, b: dg.flash_attention_with_dropout(
-        q, k, v, segment_ids, dropout_rate=rate, seed=seed, biases=b, interpret=True, **blocks).astype(jnp.float32)
-    mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate) if rate else None
-    reference = lambda q, k, v, b: _reference(q + b[0], k + b[1], v + b[2], segment_ids, mask, rate)
-    as32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    return (_value_and_grads(kernel, weights, q, k, v, biases),
-            _value_and_grads(reference, weights, *as32, biases))
 
 
 def _assert_gradients_close(grads, expected_grads, rtol):

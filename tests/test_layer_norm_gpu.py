@@ -17,26 +17,17 @@ from bertjax.model import layer_norm as ln
 from bertjax.model import layer_norm_gpu as lg
 from bertjax.model.bert import BertModel, DenseBeforeLayerNorm
 from bertjax.model.config import BertConfig
+from tests.kernel_references import LAYER_NORM_EPS, LAYER_NORM_RATE, layer_norm_inputs, layer_norm_kernel_and_reference
+from tests.kernel_references import layer_norm_value_and_grads as _value_and_grads
 from tests.test_dropout_attention_gpu import _lowered_for_a_gpu
 
-EPS, RATE = 1e-12, 0.1
+EPS, RATE = LAYER_NORM_EPS, LAYER_NORM_RATE
 # 21 rows (not a multiple of the kernels' 8-row blocks, nor of the backward's 64) of 48 columns (held as 64).
 SHAPE = (3, 7, 48)
 
 
 def _inputs(dtype, shape=SHAPE):
-    keys = jax.random.split(jax.random.PRNGKey(0), 5)
-    x = (2.0 * jax.random.normal(keys[0], shape) + 0.5).astype(dtype)
-    residual = jax.random.normal(keys[1], shape).astype(dtype)
-    scale = 1.0 + 0.3 * jax.random.normal(keys[2], shape[-1:])
-    bias = 0.1 * jax.random.normal(keys[3], shape[-1:])
-    cotangent = jax.random.normal(keys[4], shape).astype(dtype)
-    return x, residual, scale, bias, cotangent
-
-
-def _value_and_grads(fn, cotangent, *args):
-    y, pullback = jax.vjp(fn, *args)
-    return (y,) + pullback(cotangent)
+    return layer_norm_inputs(dtype, shape)
 
 
 def _assert_close(got, want, rtol, names=("y", "dx", "dresidual", "dscale", "dbias")):
@@ -54,10 +45,7 @@ def test_kernels_equal_the_xla_custom_vjp(with_dropout, dtype, rtol):
     to reduction order, bfloat16 to a rounding (the sums are the same bits; the statistics add in another order)."""
     x, residual, scale, bias, cotangent = _inputs(dtype)
     seeds = dropout_lib.word_seeds(jax.random.PRNGKey(7)) if with_dropout else None
-    kernel = lambda x, r, s, b: lg.layer_norm(x, s, b, EPS, dtype, r, RATE, seeds, interpret=True)
-    xla = lambda x, r, s, b: ln._fused(EPS, jnp.dtype(dtype), RATE, x, r, s, b, seeds)
-    _assert_close(_value_and_grads(kernel, cotangent, x, residual, scale, bias),
-                  _value_and_grads(xla, cotangent, x, residual, scale, bias), rtol)
+    _assert_close(*layer_norm_kernel_and_reference(x, residual, scale, bias, cotangent, dtype, seeds), rtol)
 
 
 @pytest.mark.parametrize("with_dropout", [True, False])
@@ -69,9 +57,7 @@ def test_the_dense_bias_added_in_the_kernels_equals_the_composition(with_dropout
     x, residual, scale, bias, cotangent = _inputs(dtype)
     x_bias = 0.5 * jax.random.normal(jax.random.PRNGKey(9), SHAPE[-1:])
     seeds = dropout_lib.word_seeds(jax.random.PRNGKey(7)) if with_dropout else None
-    kernel = lambda x, xb, r, s, b: lg.layer_norm(x, s, b, EPS, dtype, r, RATE, seeds, interpret=True, x_bias=xb)
-    xla = lambda x, xb, r, s, b: ln._fused(EPS, jnp.dtype(dtype), RATE, x + xb.astype(dtype), r, s, b, seeds)
-    got, want = (_value_and_grads(f, cotangent, x, x_bias, residual, scale, bias) for f in (kernel, xla))
+    got, want = layer_norm_kernel_and_reference(x, residual, scale, bias, cotangent, dtype, seeds, x_bias)
     # autodiff sums b's gradient in x's dtype; the kernel adds the same rounded dx in float32
     assert want[2].dtype == jnp.float32
     _assert_close(got, want, rtol, names=("y", "dx", "dx_bias", "dresidual", "dscale", "dbias"))

@@ -275,15 +275,20 @@ def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_ra
                                         head_offset=head_offset, biases=biases)
 
 
+def gpu_query_block(padded_length: int) -> int:
+    """The GPU kernel's held query block at a padded length: 64 at 128 tokens (twice the programs: 6,144 for
+    BERT-base's batch of 256 on an H100's 132 SMs), 128 from 256 tokens (the keys and values are re-read once per
+    query block); keys are streamed in 64s and the backward runs in 64 x 64 blocks (its loops hold q, k, v, dO and
+    two accumulators). Not yet timed on a GPU."""
+    return 64 if padded_length == KERNEL_BLOCK else 128
+
+
 def _flash_dropout_gpu_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset,
                                  biases=None):
     from bertjax.model.dropout_attention_gpu import flash_attention_with_dropout
 
     query, key, value, segment_ids, length = _pad_to_block(query, key, value, segment_ids)
-    # Query blocks of 64 at 128 tokens (twice the programs: 6,144 for BERT-base's batch of 256 on an H100's 132
-    # SMs), of 128 from 256 tokens (the keys and values are re-read once per query block); keys streamed in 64s and
-    # the backward in 64 x 64 blocks (its loops hold q, k, v, dO and two accumulators). Not yet timed on a GPU.
-    block_q = 64 if query.shape[1] == KERNEL_BLOCK else 128
+    block_q = gpu_query_block(query.shape[1])
     # The kernels add the biases to the pad rows too: those are keys of padding queries only (segment id 0), whose
     # outputs are ignorable; their cotangents (0 in the model) are what reach the biases' gradients from there.
     out = flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
