@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# The whole GPU check in one run on a bare GPU machine (at most ~8 minutes): the BERT-base MLM+NSP AdamW step in
+# The whole GPU check in one run on a bare GPU machine (at most ~8 minutes). First, before any timing, the Pallas GPU
+# kernels (attention with dropout, the LayerNorms) compiled for the card and checked against XLA on it at BERT-base
+# shapes, forward and gradients (bench/gpu_kernels.py: 10 cases of a few small compiles each, expected well under a
+# minute; kernels.txt): if a case fails the script stops there with its lines and times nothing, the timing of a
+# wrong program being no figure. Then the BERT-base MLM+NSP AdamW step in
 # bf16 with BERT's dropout 0.1/0.1 at seq 128 batch 256 and seq 512 batch 32, bertjax beside transformers + torch
 # eager and transformers + torch.compile (bench/train_step.py, the sides taking turns), then a profile of bertjax's
 # seq-128 step and its top kernels (bench/profile_top.py).
@@ -23,6 +27,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import jax, torch, transformers; print('jax', jax.__version__, jax.devices()[0].device_kind, \
 '| torch', torch.__version__, '| transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 date -u +%FT%TZ | tee -a "$out/gpu.txt"
+if ! python3 bench/gpu_kernels.py 2>&1 | grep -v -e "^WARNING" -e "^W0000" | tee "$out/kernels.txt"; then
+  echo "gpu_check: the Pallas kernels differ from XLA on this card (above; $out/kernels.txt): nothing timed" >&2
+  exit 1
+fi
 common=(--dtype bfloat16 --lengths '' --repeats 3 --steps-per-turn 5 --torch-peers eager,compile)
 python3 bench/train_step.py --batch 256 --seq 128 "${common[@]}" --trace "$out/trace128" 2>&1 \
   | grep -v -e "^WARNING" -e "^W0000" | tee "$out/seq128.txt"
