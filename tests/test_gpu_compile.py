@@ -222,6 +222,39 @@ def test_without_the_cuda_plugin_a_gpu_host_is_one_line_naming_the_extra(tmp_pat
     assert "bertjax[gpu]" in last and "Traceback" not in done.stderr
 
 
+@needs_cuda_plugin
+def test_for_a_gpu_the_mlm_loss_reads_the_logits_once_forward_and_once_backward():
+    """The MLM cross-entropy and its gradient, compiled deviceless for an H200: its forward is one variadic
+    reduction over the logits (max, first argmax, online sum of exps, the label's logit), its backward one
+    elementwise pass (reduced as written, the forward read them four times). Layout: [512, vocab] bf16 logits
+    plus the float32 output bias, as the MLM head makes them."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from bertjax.cloud.estimate import _FREE, parse_hlo  # noqa: PLC0415
+    from bertjax.pretraining import step  # noqa: PLC0415
+
+    mesh = jax.sharding.Mesh(np.array(aot.compile_only_devices(aot.parse_target("h200"))[:1]), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def loss(logits, bias, labels):
+        nll, hit = step._token_nll(logits.astype(jnp.float32) + bias, labels)
+        return jnp.sum(nll), jnp.sum(hit)
+
+    shapes = [jax.ShapeDtypeStruct(shape, dtype, sharding=replicated) for shape, dtype in
+              (((512, 30522), jnp.bfloat16), ((30522,), jnp.float32), ((512,), jnp.int32))]
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)).trace(*shapes).lower() \
+            .compile().as_text()
+    computations, entry = parse_hlo(text)
+    logits = next(i.name for i in computations[entry] if i.opcode == "parameter" and i.result_type.startswith(
+        "bf16[512,30522]"))
+    readers = [i for i in computations[entry] if logits in i.operands and i.opcode not in _FREE]
+    assert len(readers) == 2, [(i.name, i.op_name) for i in readers]
+    assert sum("transpose(" in i.op_name for i in readers) == 1
+
+
 @pytest.mark.slow  # a deviceless XLA:GPU compile of its own (~1 min here)
 @needs_cuda_plugin
 def test_eight_gpus_split_the_update_and_price_the_gradient_reduction_on_nvlink():

@@ -258,3 +258,72 @@ def test_token_nll_and_its_gradient_equal_log_softmax_differentiated_as_written(
         scale = float(np.abs(np.asarray(w, np.float32)).max())
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol,
                                    atol=tol * scale)
+
+
+def _one_pass(logits, labels):
+    """The GPU's forward (one variadic reduction), run here on the CPU."""
+    return train_step._nll_and_hit(True, logits, labels)
+
+
+def test_one_pass_nll_and_gradient_equal_log_softmax_within_float32_rounding():
+    """The online-softmax reduction against jax.nn.log_softmax (and autodiff's gradient) over BERT's vocabulary,
+    logits in the compute dtype plus a float32 bias as the MLM head makes them, and against float64."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(0, 4, (3, 7, 30522)), jnp.bfloat16)
+    bias = jnp.asarray(rng.normal(0, 1, 30522), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 30522, (3, 7)), jnp.int32).at[0, :3].set(jnp.argmax(
+        logits[0, :3].astype(jnp.float32) + bias, -1))   # some hits
+
+    def reference(logits, bias):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32) + bias, axis=-1)
+        return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0], logp.argmax(-1) == labels
+
+    ours = lambda logits, bias: _one_pass(logits.astype(jnp.float32) + bias, labels)
+    (nll, hit), (want_nll, want_hit) = jax.jit(ours)(logits, bias), reference(logits, bias)
+    x64 = np.asarray(logits, np.float64) + np.asarray(bias, np.float64)
+    top = x64.max(-1)
+    exact = top + np.log(np.exp(x64 - top[..., None]).sum(-1)) - np.take_along_axis(
+        x64, np.asarray(labels)[..., None], -1)[..., 0]
+    # A 30522-term float32 sum, summed serially here (XLA:CPU), in a tree on a GPU: a few ulps of log_sum.
+    for want in (want_nll, exact):
+        np.testing.assert_allclose(nll, want, rtol=2e-6, atol=2e-6 * np.abs(exact).max())
+    np.testing.assert_array_equal(hit, want_hit)
+    assert np.asarray(hit)[0, :3].all()
+    weights = jnp.asarray(rng.random((3, 7)), jnp.float32)
+    loss = lambda f: lambda logits, bias: jnp.sum(f(logits, bias)[0] * weights)
+    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(logits, bias)
+    want = jax.grad(loss(reference), argnums=(0, 1))(logits, bias)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        scale = float(np.abs(np.asarray(w, np.float32)).max())
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2,
+                                   atol=1e-2 * scale)
+
+
+def test_one_pass_by_hand_in_float64_ties_and_non_finite_rows():
+    """softmax(log [1, 2, 3, 4]) = [.1, .2, .3, .4]: nll = -log p(label) and its gradient p - onehot, worked in
+    float64 by hand, and a row shifted by 1e4 (exp of the unshifted row would overflow) against float64 on the same
+    float32 inputs; tied maxima hit only at
+    argmax's first index; a NaN logit makes its row's nll NaN (the step then skips its update), no other row's."""
+    row = np.log([1.0, 2.0, 3.0, 4.0])
+    logits = jnp.asarray(np.stack([row, row, row + 1e4 - 2]), jnp.float32)
+    labels = jnp.asarray([3, 0, 2], jnp.int32)
+    nll, hit = _one_pass(logits, labels)
+    probabilities = np.array([0.1, 0.2, 0.3, 0.4])
+    shifted = np.asarray(logits[2], np.float64)
+    shifted_probabilities = np.exp(shifted - shifted.max()) / np.exp(shifted - shifted.max()).sum()
+    np.testing.assert_allclose(nll, -np.log([0.4, 0.1, shifted_probabilities[2]]), rtol=2e-6)
+    np.testing.assert_array_equal(hit, [True, False, False])
+    grad = jax.grad(lambda x: jnp.sum(_one_pass(x, labels)[0]))(logits)
+    want = np.stack([probabilities, probabilities, shifted_probabilities]) - np.eye(4)[[3, 0, 2]]
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+    tied = jnp.asarray([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]] * 4 + [[0.0] * 6], jnp.float32)
+    tied_labels = jnp.asarray([1, 3, 4, 0, 0], jnp.int32)
+    _, tied_hit = _one_pass(tied, tied_labels)
+    np.testing.assert_array_equal(tied_hit, [True, False, False, False, True])
+    np.testing.assert_array_equal(tied_hit, tied.argmax(-1) == tied_labels)
+
+    poisoned = logits.at[1, 2].set(jnp.nan)
+    nll = np.asarray(_one_pass(poisoned, labels)[0])
+    assert np.isnan(nll[1]) and np.isfinite(nll[[0, 2]]).all()

@@ -31,37 +31,64 @@ def _token_nll(logits, labels):
     Off TPU through `_nll_and_hit`, whose backward writes the logits' gradient in one pass: differentiated as
     written, the label's pick became a scatter-add into a zeroed float32 [tokens, vocab] array and log_softmax's
     backward read it again (BERT-base's MLM head on an H200: ~3.8 GB a step). XLA:TPU keeps autodiff's."""
-    if target_platform() == "tpu":
+    platform = target_platform()
+    if platform == "tpu":
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0], logp.argmax(-1) == labels
-    return _nll_and_hit(logits, labels)
+    return _nll_and_hit(platform == "gpu", logits, labels)
 
 
-def _log_softmax_parts(logits):
-    """(max, logits - max, log of the sum of their exps) in float32, as jax.nn.log_softmax computes them:
-    log_softmax = (logits - max) - log_sum."""
+def _online_softmax_combine(a, b):
+    """Two partial reductions of a row, each (max, first index of the max, sum of exp(x - max), label's logit),
+    as one: the smaller max's sum rescaled by exp(its max - the max) (online softmax). Associative and
+    commutative, as lax.reduce needs; an empty part (-inf, ...) adds nothing."""
+    (max_a, index_a, sum_a, label_a), (max_b, index_b, sum_b, label_b) = a, b
+    a_first = (max_a > max_b) | ((max_a == max_b) & (index_a < index_b))
+    a_larger = max_a >= max_b
+    top = jnp.maximum(max_a, max_b)
+    low_max, low_sum = jnp.where(a_larger, max_b, max_a), jnp.where(a_larger, sum_b, sum_a)
+    rescaled = jnp.where(low_max == -jnp.inf, 0.0, low_sum * jnp.exp(low_max - top))
+    return (top, jnp.where(a_first, index_a, index_b), jnp.where(a_larger, sum_a, sum_b) + rescaled,
+            label_a + label_b)
+
+
+def _log_softmax_parts(logits, labels, one_pass: bool):
+    """(max, log of the sum of exp(logits - max), the label's logit, the first index of the max) of each row, in
+    float32: log_softmax = (logits - max) - log_sum, as jax.nn.log_softmax computes it.
+
+    `one_pass` (GPU): one variadic reduction (online softmax), its sum rounded in another order (float32 ulps).
+    Reduced as written (max, exp(x - max) summed, argmax, the label picked), XLA:GPU read BERT-base's [5120,
+    30522] MLM logits four times (1.26 GB a step on an H200). XLA:CPU runs a variadic reduction as one serial
+    loop (slower, and its sum rounds worse), so the CPU keeps the separate reductions."""
     x = logits.astype(jnp.float32)
-    top = x.max(-1, keepdims=True)
-    shifted = x - top
-    return top, shifted, jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+    column = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    if not one_pass:
+        top = x.max(-1)
+        log_sum = jnp.log(jnp.sum(jnp.exp(x - top[..., None]), axis=-1))
+        return top, log_sum, jnp.take_along_axis(x, labels[..., None], axis=-1)[..., 0], x.argmax(-1)
+    label_logit = jnp.where(column == labels[..., None], x, 0.0)  # its row's one nonzero term: the sum is exact
+    init = (jnp.float32(-jnp.inf), jnp.int32(x.shape[-1]), jnp.float32(0.0), jnp.float32(0.0))
+    top, first_max, total, label_logit = jax.lax.reduce((x, column, jnp.ones_like(x), label_logit), init,
+                                                        _online_softmax_combine, (x.ndim - 1,))
+    return top, jnp.log(total), label_logit, first_max
 
 
-def _nll_and_hit_forward(logits, labels):
+def _nll_and_hit_forward(one_pass, logits, labels):
     # The residuals are the logits themselves (the matmul's output, in memory anyway; XLA adds the bias again
     # where they are read) and two floats a token: no [tokens, vocab] array is written for the backward.
-    top, shifted, log_sum = _log_softmax_parts(logits)
-    nll = -(jnp.take_along_axis(shifted, labels[..., None], axis=-1) - log_sum)[..., 0]
-    hit = (shifted - log_sum).argmax(-1) == labels
-    return (nll, hit), (logits, labels, top, log_sum)
+    top, log_sum, label_logit, first_max = _log_softmax_parts(logits, labels, one_pass)
+    nll = -((label_logit - top) - log_sum)
+    return (nll, first_max == labels), (logits, labels, top[..., None], log_sum[..., None])
 
 
-@jax.custom_vjp
-def _nll_and_hit(logits, labels):
-    """`_token_nll`'s values, by jax.nn.log_softmax's operations; its backward is `_nll_and_hit_backward`."""
-    return _nll_and_hit_forward(logits, labels)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _nll_and_hit(one_pass, logits, labels):
+    """`_token_nll`'s values: the nll as jax.nn.log_softmax's (`_log_softmax_parts`), the hit argmax(logits) ==
+    label (ties: the first index); its backward is `_nll_and_hit_backward`."""
+    return _nll_and_hit_forward(one_pass, logits, labels)[0]
 
 
-def _nll_and_hit_backward(residuals, cotangents):
+def _nll_and_hit_backward(one_pass, residuals, cotangents):
     """d nll / d logits = softmax - onehot(label), times the nll's cotangent: one elementwise pass over the logits
     (the one-hot an iota compare, not a scatter)."""
     logits, labels, top, log_sum = residuals
