@@ -22,6 +22,7 @@ from bertjax.model.config import BertConfig
 from bertjax.model.dropout import Dropout
 from bertjax.model.gelu import gelu, gelu_with_bias
 from bertjax.model.layer_norm import LayerNorm
+from bertjax.model.norm_dropout import norm_then_dropout
 from bertjax.sharding import target_platform
 
 # TF BERT's truncated_normal_initializer(stddev=initializer_range): a normal of std `stddev` cut at +-2 std, whose
@@ -82,6 +83,67 @@ def small_table_lookup(table, ids):
     return jnp.sum(jnp.where(hits[..., None], table.astype(jnp.float32), 0.0), axis=-2)
 
 
+def summed_embeddings(word, positions, types, input_ids, segment_ids):
+    """word[input_ids] + positions + types[segment_ids] in float32 (positions [1, L, H] or per row [B, L, H]).
+
+    Off TPU, with positions [1, L, H], through `_summed_embeddings`, whose backward reduces the positions' and the
+    token types' gradients over the batch in one pass: differentiated as written, XLA:GPU transposed the sum's
+    float32 gradient to [H, B, L] for the token types' reduction and read it again for the positions' (BERT-base
+    on an H200: ~0.4 GB a step)."""
+    if target_platform() == "tpu" or positions.shape[0] != 1:
+        return _summed(word, positions, types, input_ids, segment_ids)
+    return _summed_embeddings(word, positions[0], types, input_ids, segment_ids)
+
+
+def _summed(word, positions, types, input_ids, segment_ids):
+    # Rows gathered from the float32 table, not from a bf16 copy of all of it: exact (as HF under autocast), and
+    # XLA:TPU no longer converts the whole 30k-row table for the lookup (2-layer BERT-base, 16 sequences per
+    # v5e chip: -11% of the step's estimated cycles).
+    return (jnp.take(word, input_ids, axis=0) + positions.astype(jnp.float32)
+            + small_table_lookup(types, segment_ids))
+
+
+@jax.custom_vjp
+def _summed_embeddings(word, positions, types, input_ids, segment_ids):
+    return _summed(word, positions, types, input_ids, segment_ids)
+
+
+def _summed_embeddings_forward(word, positions, types, input_ids, segment_ids):
+    # The table itself (a param, in memory anyway) for its shape: a zeros residual would be written here.
+    return _summed(word, positions, types, input_ids, segment_ids), (word, types, input_ids, segment_ids)
+
+
+def _summed_embeddings_backward(saved, dx):
+    word, types, input_ids, segment_ids = saved
+    rows = dx.reshape(-1, dx.shape[-1]).astype(word.dtype)
+    dword = jnp.zeros(word.shape, word.dtype).at[input_ids.reshape(-1)].add(rows)   # autodiff's scatter-add
+    # Sums over the batch only (its leading axis): the positions' directly, each token type's at each position
+    # (then over positions); sibling reductions of one input, which XLA:GPU fuses into one pass.
+    dpositions = dx.reshape(dx.shape[0], -1).sum(0).reshape(dx.shape[1:])
+    segment_rows = segment_ids.reshape(-1, 1)
+    dtypes = jnp.stack([jnp.where(segment_rows == t, rows, 0.0).sum(0) for t in range(types.shape[0])])
+    return dword, dpositions, dtypes.astype(types.dtype), None, None
+
+
+_summed_embeddings.defvjp(_summed_embeddings_forward, _summed_embeddings_backward)
+
+
+class NormThenDropout(nn.Module):
+    """LayerNorm (params `scale` and `bias`, as `LayerNorm`'s) then hidden dropout, as one function with its own
+    gradient off TPU (`model/norm_dropout.py`): the embeddings' tail."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, dropout_rng):
+        c = self.config
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
+                           (x.shape[-1],), jnp.float32)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+                          (x.shape[-1],), jnp.float32)
+        return norm_then_dropout(x, scale, bias, c.layer_norm_eps, _dtype(c), c.hidden_dropout_prob, dropout_rng)
+
+
 class Embeddings(nn.Module):
     config: BertConfig
 
@@ -96,8 +158,8 @@ class Embeddings(nn.Module):
         self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size,
                                               embedding_init=init((None, "embed")), param_dtype=jnp.float32,
                                               dtype=_dtype(c))
-        self.LayerNorm = LayerNorm(c)
-        self.dropout = Dropout(c.hidden_dropout_prob)
+        self.LayerNorm = NormThenDropout(c)
+        self.dropout = Dropout(c.hidden_dropout_prob)  # draws the key (as when it dropped itself)
 
     def __call__(self, input_ids, segment_ids, position_ids, deterministic: bool):
         # Summed in float32, as the reference implementations do, before the LayerNorm.
@@ -106,14 +168,9 @@ class Embeddings(nn.Module):
             positions = self.position_embeddings.embedding[None, : input_ids.shape[-1]]
         else:
             positions = self.position_embeddings(position_ids)
-        # Rows gathered from the float32 table, not from a bf16 copy of all of it: exact (as HF under autocast), and
-        # XLA:TPU no longer converts the whole 30k-row table for the lookup (2-layer BERT-base, 16 sequences per
-        # v5e chip: -11% of the step's estimated cycles).
-        x = (jnp.take(self.word_embeddings.embedding, input_ids, axis=0)
-             + positions.astype(jnp.float32)
-             + small_table_lookup(self.token_type_embeddings.embedding, segment_ids))
-        x = self.LayerNorm(x)
-        return self.dropout(x, deterministic=deterministic)
+        x = summed_embeddings(self.word_embeddings.embedding, positions, self.token_type_embeddings.embedding,
+                              input_ids, segment_ids)
+        return self.LayerNorm(x, self.dropout.key(deterministic))
 
     def attend(self, x):
         """Logits against the word embeddings (the tied MLM decoder)."""

@@ -1,0 +1,80 @@
+"""dropout(LayerNorm(x)), the embeddings' tail, as one function with its own gradient off TPU.
+
+Its values are those of `layer_norm.layer_norm` then `dropout.dropout` (the same mask bits and roundings); XLA:TPU
+gets that composition as written (its program is left as it was). Off TPU the backward keeps x (float32), each
+row's mean and 1 / std and the dropout's seeds, and hashes the mask again where it is used
+(`dropout.keep_mask_fused`): differentiated as written, XLA:GPU stored the mask (a byte an element, hashed and
+concatenated in passes of their own) and wrote scale's gradient product dz * xhat in float32 before reducing it
+(BERT-base on an H200: docs/performance.md). With z the LayerNorm's output (compute dtype):
+    dz = where(keep, dy / keep_probability, 0),  xhat = (x - mean) * rstd,  g = dz * scale
+    dx = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dz * xhat),  dbias = sum_rows(dz)
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from bertjax.model import dropout as dropout_lib
+from bertjax.model.layer_norm import layer_norm
+from bertjax.sharding import target_platform
+
+
+def norm_then_dropout(x, scale, bias, eps: float, dtype, rate: float = 0.0, rng=None):
+    """dropout(LayerNorm(x)) over the last axis, LayerNorm in float32, output in `dtype` (dropout skipped when
+    `rng` is None)."""
+    if target_platform() == "tpu" or not dropout_lib.fusable_shape(x.shape):
+        y = layer_norm(x, scale, bias, eps, dtype)
+        return y if rng is None else dropout_lib.dropout(y, rate, rng)
+    seeds = None if rng is None else dropout_lib.word_seeds(rng)
+    return _fused(eps, jnp.dtype(dtype), rate, x, scale, bias, seeds)
+
+
+def _rows(x):
+    return x.astype(jnp.float32).reshape(-1, x.shape[-1])
+
+
+def _dropped(z, keep, rate: float):
+    """Inverted dropout's value (and its gradient's) in z's dtype, scaled in float32 as `dropout.dropout`."""
+    return jnp.where(keep, (z.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(z.dtype),
+                     jnp.zeros((), z.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused(eps, dtype, rate, x, scale, bias, seeds):
+    return _fused_forward(eps, dtype, rate, x, scale, bias, seeds)[0]
+
+
+def _statistics(s, eps: float):
+    """Each row's mean and 1 / std, as `layer_norm.layer_norm` computes them."""
+    mean = s.mean(-1, keepdims=True)
+    return mean, jax.lax.rsqrt(jnp.square(s - mean).mean(-1, keepdims=True) + eps)
+
+
+def _fused_forward(eps, dtype, rate, x, scale, bias, seeds):
+    s = _rows(x)
+    mean, rstd = _statistics(s, eps)
+    z = ((s - mean) * rstd * scale + bias).astype(dtype).reshape(x.shape)
+    if seeds is not None:
+        z = _dropped(z, dropout_lib.keep_mask_fused(seeds, rate, x.shape), rate)
+    return z, (x, mean, rstd, scale, seeds)
+
+
+def _fused_backward(eps, dtype, rate, saved, dy):
+    x, mean, rstd, scale, seeds = saved
+    # As layer_norm.py's backward: the statistics read as kept (computed again here, a pass more over x, priced
+    # worse), held behind a barrier (not recomputed inside the dz * xhat kernel, which then could not fuse into
+    # scale's gradient reduction); the seeds through a barrier (the mask hashed again here, not stored by the
+    # forward as a common subexpression).
+    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
+    if seeds is not None:
+        dy = _dropped(dy, dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(seeds), rate, x.shape), rate)
+    dz = _rows(dy)
+    xhat = (_rows(x) - mean) * rstd
+    g = dz * scale
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx.astype(x.dtype).reshape(x.shape), (dz * xhat).sum(0), dz.sum(0), None
+
+
+_fused.defvjp(_fused_forward, _fused_backward)
