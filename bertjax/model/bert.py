@@ -87,9 +87,9 @@ def summed_embeddings(word, positions, types, input_ids, segment_ids):
     """word[input_ids] + positions + types[segment_ids] in float32 (positions [1, L, H] or per row [B, L, H]).
 
     Off TPU, with positions [1, L, H], through `_summed_embeddings`, whose backward reduces the positions' and the
-    token types' gradients over the batch in one pass: differentiated as written, XLA:GPU transposed the sum's
-    float32 gradient to [H, B, L] for the token types' reduction and read it again for the positions' (BERT-base
-    on an H200: ~0.4 GB a step)."""
+    token types' gradients over the major axis of the sum's gradient: differentiated as written, XLA:GPU
+    transposed it to [H, B, L] for the token types' reduction (BERT-base on an H200: 0.2 GB a step, and a pass
+    more; docs/performance.md)."""
     if target_platform() == "tpu" or positions.shape[0] != 1:
         return _summed(word, positions, types, input_ids, segment_ids)
     return _summed_embeddings(word, positions[0], types, input_ids, segment_ids)
@@ -117,8 +117,8 @@ def _summed_embeddings_backward(saved, dx):
     word, types, input_ids, segment_ids = saved
     rows = dx.reshape(-1, dx.shape[-1]).astype(word.dtype)
     dword = jnp.zeros(word.shape, word.dtype).at[input_ids.reshape(-1)].add(rows)   # autodiff's scatter-add
-    # Sums over the batch only (its leading axis): the positions' directly, each token type's at each position
-    # (then over positions); sibling reductions of one input, which XLA:GPU fuses into one pass.
+    # Reductions over the major axis only: the positions' over the batch ([B, L * H] rows), each token type's
+    # over all rows ([B * L, H]).
     dpositions = dx.reshape(dx.shape[0], -1).sum(0).reshape(dx.shape[1:])
     segment_rows = segment_ids.reshape(-1, 1)
     dtypes = jnp.stack([jnp.where(segment_rows == t, rows, 0.0).sum(0) for t in range(types.shape[0])])
