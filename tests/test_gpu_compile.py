@@ -13,6 +13,7 @@ import pytest
 
 from bertjax.cloud import compile as aot
 from bertjax.cloud import gpu_estimate, gpus
+from bertjax.cloud.estimate import _FREE, parse_hlo
 from bertjax.pretraining import metrics
 from bertjax.pretraining.config import load_config
 
@@ -232,7 +233,6 @@ def test_for_a_gpu_the_mlm_loss_reads_the_logits_once_forward_and_once_backward(
     import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from bertjax.cloud.estimate import _FREE, parse_hlo  # noqa: PLC0415
     from bertjax.pretraining import step  # noqa: PLC0415
 
     mesh = jax.sharding.Mesh(np.array(aot.compile_only_devices(aot.parse_target("h200"))[:1]), ("data",))
@@ -253,6 +253,44 @@ def test_for_a_gpu_the_mlm_loss_reads_the_logits_once_forward_and_once_backward(
     readers = [i for i in computations[entry] if logits in i.operands and i.opcode not in _FREE]
     assert len(readers) == 2, [(i.name, i.op_name) for i in readers]
     assert sum("transpose(" in i.op_name for i in readers) == 1
+
+
+@needs_cuda_plugin
+def test_for_a_gpu_the_embeddings_gradient_neither_stores_the_dropout_mask_nor_transposes():
+    """BERT-base's embeddings (32 sequences of 128) and their gradients, compiled deviceless for an H200: the
+    dropout mask is hashed again in the backward, not stored (no boolean or byte array of the activations' size),
+    and the positions' and token types' gradients are reduced without a transpose kernel (differentiated as
+    written, XLA:GPU stored the mask and transposed the sum's gradient to [H, B, L])."""
+    import flax.linen as nn  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from bertjax.model import bert  # noqa: PLC0415
+
+    config = load_config("bert-base-phase1", [], require_data=False).bert_config(30522)
+    embeddings = bert.Embeddings(config)
+    mesh = jax.sharding.Mesh(np.array(aot.compile_only_devices(aot.parse_target("h200"))[:1]), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    ids = jax.ShapeDtypeStruct((32, 128), jnp.int32, sharding=replicated)
+
+    def pullback(params, input_ids, segment_ids, cotangent):
+        apply = lambda p: embeddings.apply({"params": p}, input_ids, segment_ids, None, False,
+                                           rngs={"dropout": jax.random.key(0)})
+        return jax.vjp(apply, params)[1](cotangent)[0]
+
+    with jax.set_mesh(mesh):
+        params = jax.eval_shape(lambda: embeddings.init(jax.random.key(0), jnp.zeros((2, 128), jnp.int32),
+                                                        jnp.zeros((2, 128), jnp.int32), None, True))["params"]
+        params = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=replicated),
+                                        nn.unbox(params))
+        cotangent = jax.ShapeDtypeStruct((32, 128, 768), jnp.bfloat16, sharding=replicated)
+        text = jax.jit(pullback).trace(params, ids, ids, cotangent).lower().compile().as_text()
+    computations, entry = parse_hlo(text)
+    kernels = [i for i in computations[entry] if i.opcode not in _FREE]
+    assert not [i.name for i in kernels if "transpose" in i.name]
+    masks = [i.name for i in kernels for t in ("pred[32,128,768]", "u8[32,128,384]") if t in i.result_type]
+    assert not masks
 
 
 @pytest.mark.slow  # a deviceless XLA:GPU compile of its own (~1 min here)
