@@ -224,7 +224,7 @@ def test_without_the_cuda_plugin_a_gpu_host_is_one_line_naming_the_extra(tmp_pat
 
 
 @needs_cuda_plugin
-def test_for_a_gpu_the_mlm_loss_reads_the_logits_once_forward_and_once_backward():
+def test_for_a_gpu_the_mlm_loss_reads_the_logits_once_forward_and_once_backward(no_cache_writes):
     """The MLM cross-entropy and its gradient, compiled deviceless for an H200: its forward is one variadic
     reduction over the logits (max, first argmax, online sum of exps, the label's logit), its backward one
     elementwise pass (reduced as written, the forward read them four times). Layout: [512, vocab] bf16 logits
@@ -256,7 +256,7 @@ def test_for_a_gpu_the_mlm_loss_reads_the_logits_once_forward_and_once_backward(
 
 
 @needs_cuda_plugin
-def test_for_a_gpu_the_embeddings_gradient_neither_stores_the_dropout_mask_nor_transposes():
+def test_for_a_gpu_the_embeddings_gradient_neither_stores_the_dropout_mask_nor_transposes(no_cache_writes):
     """BERT-base's embeddings (32 sequences of 128) and their gradients, compiled deviceless for an H200: the
     dropout mask is hashed again in the backward, not stored (no boolean or byte array of the activations' size),
     and the positions' and token types' gradients are reduced without a transpose kernel (differentiated as

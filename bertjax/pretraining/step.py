@@ -61,11 +61,11 @@ def _log_softmax_parts(logits, labels, one_pass: bool):
     30522] MLM logits four times (1.26 GB a step on an H200). XLA:CPU runs a variadic reduction as one serial
     loop (slower, and its sum rounds worse), so the CPU keeps the separate reductions."""
     x = logits.astype(jnp.float32)
-    column = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     if not one_pass:
         top = x.max(-1)
         log_sum = jnp.log(jnp.sum(jnp.exp(x - top[..., None]), axis=-1))
         return top, log_sum, jnp.take_along_axis(x, labels[..., None], axis=-1)[..., 0], x.argmax(-1)
+    column = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     label_logit = jnp.where(column == labels[..., None], x, 0.0)  # its row's one nonzero term: the sum is exact
     init = (jnp.float32(-jnp.inf), jnp.int32(x.shape[-1]), jnp.float32(0.0), jnp.float32(0.0))
     top, first_max, total, label_logit = jax.lax.reduce((x, column, jnp.ones_like(x), label_logit), init,
