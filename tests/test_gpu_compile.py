@@ -354,13 +354,14 @@ def test_bert_base_for_an_h200_moves_fewer_bytes_outside_matmuls():
     the q/k/v biases and D inside the attention kernels, the GELU taking its bias, the MLM loss's own backward and
     residual + dropout + LayerNorm as one gradient, 41.8 ms, 51.1 GB; with the LayerNorms as Pallas kernels, 39.8 ms,
     45.4%, 46.1 GB; with the Dense biases before them added in those kernels, 38.6 ms, 46.9%, 42.5 GB
-    (docs/performance.md); with the MLM loss's forward in one pass and the embeddings' own gradients, MERGED. ESTIMATES."""
+    (docs/performance.md); with the MLM loss's forward in one pass and the embeddings' own gradients, 38.2 ms,
+    47.3%, 41.5 GB. ESTIMATES."""
     topology = aot.parse_target("h200")
     config = load_config("bert-base-phase1", ["model.hidden_act=gelu"], require_data=False)
     result = aot.compile_for_topology(config, topology)
     coverage = result["estimate_coverage"]
-    assert coverage["non_matmul_bytes"] < 44e9
-    assert result["estimated_step_seconds"] < 0.0392 and result["estimated_mfu"] > 0.46
+    assert coverage["non_matmul_bytes"] < 43e9
+    assert result["estimated_step_seconds"] < 0.0388 and result["estimated_mfu"] > 0.465
     # Each layer's LayerNorms are a forward and a backward Pallas kernel, each moving four [B*L, H] bf16 arrays
     # (x, residual in, s, y out; dy, s in, ds, dx out), and no XLA fusion of their own.
     layer_norms = [e for e in coverage["top_non_matmul"]
