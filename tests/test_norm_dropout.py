@@ -60,6 +60,23 @@ def test_dropped_elements_pass_no_gradient_back():
     assert np.asarray(dx).any()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_gpu_paths_dropout_is_dropouts_bits_and_gradient(dtype):
+    """On GPU the embeddings' dropout follows the LayerNorm kernels as `_rehashed_dropout`: the values of
+    `dropout.dropout` with the same key, bit for bit, and its gradient the same mask and scale."""
+    x, _, _, cotangent_key = _inputs()
+    y, rng = x.astype(dtype), jax.random.PRNGKey(5)
+    cotangent = jax.random.normal(cotangent_key, x.shape).astype(dtype)
+    got, got_pullback = jax.vjp(
+        jax.jit(lambda y: norm_dropout._rehashed_dropout(RATE, y, dropout_lib.word_seeds(rng))), y)
+    want, want_pullback = jax.vjp(jax.jit(lambda y: dropout_lib.dropout(y, RATE, rng)), y)
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.asarray(want == 0).mean() > 0.05   # a visible mask
+    np.testing.assert_array_equal(np.asarray(got_pullback(cotangent)[0], np.float32),
+                                  np.asarray(want_pullback(cotangent)[0], np.float32))
+
+
 def test_summed_embeddings_and_their_gradients_equal_autodiff_of_the_sum():
     """The embeddings' sum off TPU (one pass over the batch for the positions' and token types' gradients)
     against autodiff of word[ids] + positions + types[segment ids]: the same values, the same gradients (the
