@@ -68,7 +68,7 @@ def attention_kernel_and_reference(q, k, v, biases, segment_ids, rate, seed, int
             _value_and_grads(reference, weights, *as32, biases))
 
 
-def layer_norm_inputs(dtype, shape):
+def layer_norm_inputs(dtype, shape=(3, 8, 64)):
     """(x, residual, scale, bias, cotangent): x in `dtype` off centre, scale near 1 and bias float32 [width]."""
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
     x = (2.0 * jax.random.normal(keys[0], shape) + 0.5).astype(dtype)

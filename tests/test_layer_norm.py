@@ -6,6 +6,7 @@ import pytest
 
 from bertjax.model import dropout as dropout_lib
 from bertjax.model import layer_norm as ln
+from tests.kernel_references import layer_norm_inputs
 
 EPS = 1e-12
 RATE = 0.1
@@ -21,16 +22,6 @@ def _composition(x, residual, scale, bias, rng, dtype):
     return ((s - mean) * jax.lax.rsqrt(variance + EPS) * scale + bias).astype(dtype)
 
 
-def _inputs(dtype, shape=(3, 8, 64)):
-    keys = jax.random.split(jax.random.PRNGKey(0), 5)
-    x = (2.0 * jax.random.normal(keys[0], shape) + 0.5).astype(dtype)
-    residual = jax.random.normal(keys[1], shape).astype(dtype)
-    scale = 1.0 + 0.3 * jax.random.normal(keys[2], shape[-1:])
-    bias = 0.1 * jax.random.normal(keys[3], shape[-1:])
-    cotangent = jax.random.normal(keys[4], shape).astype(dtype)
-    return x, residual, scale, bias, cotangent
-
-
 def _value_and_grads(fn, x, residual, scale, bias, cotangent):
     y, pullback = jax.vjp(fn, x, residual, scale, bias)
     return (y,) + pullback(cotangent)
@@ -39,7 +30,7 @@ def _value_and_grads(fn, x, residual, scale, bias, cotangent):
 @pytest.mark.parametrize("with_dropout", [True, False])
 @pytest.mark.parametrize("dtype, rtol, atol", [(jnp.float32, 1e-5, 1e-5), (jnp.bfloat16, 2e-2, 2e-2)])
 def test_values_and_gradients_match_autodiff_of_the_composition(with_dropout, dtype, rtol, atol):
-    x, residual, scale, bias, cotangent = _inputs(dtype)
+    x, residual, scale, bias, cotangent = layer_norm_inputs(dtype)
     rng = jax.random.PRNGKey(7) if with_dropout else None
     fused = jax.jit(lambda *a: ln.residual_layer_norm(*a, EPS, dtype, RATE, rng))
     plain = jax.jit(lambda *a: _composition(*a, rng, dtype))
@@ -54,7 +45,7 @@ def test_values_and_gradients_match_autodiff_of_the_composition(with_dropout, dt
 
 
 def test_dropped_elements_get_no_gradient_and_kept_ones_are_scaled():
-    x, residual, scale, bias, cotangent = _inputs(jnp.float32)
+    x, residual, scale, bias, cotangent = layer_norm_inputs(jnp.float32)
     rng = jax.random.PRNGKey(3)
     _, dx, dresidual, _, _ = _value_and_grads(lambda *a: ln.residual_layer_norm(*a, EPS, jnp.float32, RATE, rng),
                                               x, residual, scale, bias, cotangent)
@@ -74,7 +65,7 @@ def test_fused_mask_is_keep_mask(rate):
 
 
 def test_shapes_the_fused_mask_cannot_draw_take_the_composition():
-    x, residual, scale, bias, cotangent = _inputs(jnp.float32, shape=(4, 7))
+    x, residual, scale, bias, cotangent = layer_norm_inputs(jnp.float32, shape=(4, 7))
     rng = jax.random.PRNGKey(2)
     got = _value_and_grads(lambda *a: ln.residual_layer_norm(*a, EPS, jnp.float32, RATE, rng),
                            x, residual, scale, bias, cotangent)
@@ -101,6 +92,6 @@ def test_gradient_of_an_affine_layer_norm_is_the_hand_derivation():
 
 
 def test_mixed_dtypes_are_refused():
-    x, residual, scale, bias, _ = _inputs(jnp.float32)
+    x, residual, scale, bias, _ = layer_norm_inputs(jnp.float32)
     with pytest.raises(ValueError, match="one dtype"):
         ln.residual_layer_norm(x.astype(jnp.bfloat16), residual, scale, bias, EPS, jnp.float32)
