@@ -147,7 +147,12 @@ def dropout(x, rate: float, rng) -> jax.Array:
     The scaling is done in float32 and rounded once: a bfloat16 scale factor would itself be off by ~0.2%, a bias
     on every kept activation.
     """
-    keep = keep_mask(rng, rate, x.shape)
+    return apply_keep_mask(x, keep_mask(rng, rate, x.shape), rate)
+
+
+def apply_keep_mask(x, keep, rate: float) -> jax.Array:
+    """where(keep, x / keep probability, 0) in x's dtype, the scaling in float32 rounded once (dropout's values,
+    and its gradient's)."""
     scaled = (x.astype(jnp.float32) * keep_scale(rate)).astype(x.dtype)
     return jnp.where(keep, scaled, jnp.zeros((), x.dtype))
 

@@ -27,11 +27,11 @@ from bertjax.model.config import BertConfig
 from bertjax.sharding import target_platform
 
 
-def _as_rows(x):
+def as_rows(x):
     return x.astype(jnp.float32).reshape(-1, x.shape[-1])
 
 
-def _normalise(s, scale, bias, eps: float):
+def normalise_rows(s, scale, bias, eps: float):
     """LayerNorm of the rows of float32 `s` [N, H]: (y, mean, rstd)."""
     mean = s.mean(-1, keepdims=True)
     variance = jnp.square(s - mean).mean(-1, keepdims=True)
@@ -46,21 +46,19 @@ def layer_norm(x, scale, bias, eps: float, dtype):
     if platform == "gpu" and (y := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype)) is not None:
         return y
     if platform == "tpu":
-        y, _, _ = _normalise(x.astype(jnp.float32), scale, bias, eps)
+        y, _, _ = normalise_rows(x.astype(jnp.float32), scale, bias, eps)
     else:
         # Over rows of a 2-D array XLA:GPU reduces scale's and bias's gradients over one axis, in the
         # normalisation's own fusions; over [B, L, H] it transposed them first (BERT-base on an H200, priced:
         # 47.9 -> 47.1 ms, 131 kernels fewer). XLA:TPU keeps [B, L, H] (see model/gelu.py; docs/performance.md).
-        y, _, _ = _normalise(_as_rows(x), scale, bias, eps)
+        y, _, _ = normalise_rows(as_rows(x), scale, bias, eps)
     return y.astype(dtype).reshape(shape)
 
 
 def _dropout_sum(x, residual, seeds, rate: float):
     """dropout(x) + residual in their own dtype, as the composition rounds it; the mask drawn where it is used."""
     if seeds is not None:
-        keep = dropout_lib.keep_mask_fused(seeds, rate, x.shape)
-        x = jnp.where(keep, (x.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(x.dtype),
-                      jnp.zeros((), x.dtype))
+        x = dropout_lib.apply_keep_mask(x, dropout_lib.keep_mask_fused(seeds, rate, x.shape), rate)
     return x + residual
 
 
@@ -93,28 +91,33 @@ def _fused(eps, dtype, rate, x, residual, scale, bias, seeds):
 
 def _fused_forward(eps, dtype, rate, x, residual, scale, bias, seeds):
     s = _dropout_sum(x, residual, seeds, rate)
-    y, mean, rstd = _normalise(_as_rows(s), scale, bias, eps)
+    y, mean, rstd = normalise_rows(as_rows(s), scale, bias, eps)
     return y.astype(dtype).reshape(s.shape), (s, mean, rstd, scale, seeds)
+
+
+def normalise_backward(dy, s, mean, rstd, scale):
+    """LayerNorm's analytic gradient over float32 rows [N, H] (dy, its input s, each row's mean and 1 / std):
+    (ds, scale's gradient, bias's gradient)."""
+    # Read as kept: XLA:GPU otherwise recomputes the mean from s inside the (dy * xhat) kernel, which then cannot
+    # be fused into scale's gradient reduction and writes that product in float32.
+    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
+    xhat = (s - mean) * rstd
+    g = dy * scale
+    ds = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    return ds, (dy * xhat).sum(0), dy.sum(0)
 
 
 def _fused_backward(eps, dtype, rate, saved, dy):
     s, mean, rstd, scale, seeds = saved
-    # Read as kept: XLA:GPU otherwise recomputes the mean from s inside the (dy * xhat) kernel, which then cannot
-    # be fused into scale's gradient reduction and writes that product in float32.
-    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
-    xhat = (_as_rows(s) - mean) * rstd
-    dy = _as_rows(dy)
-    g = dy * scale
-    ds = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    ds, dscale, dbias = normalise_backward(as_rows(dy), as_rows(s), mean, rstd, scale)
     ds = ds.astype(s.dtype).reshape(s.shape)  # the sum's gradient, rounded to its dtype as autodiff does
     dx = ds
     if seeds is not None:
         # The seeds through a barrier: the mask is then no common subexpression of the forward's, which XLA would
         # store (a byte an element written and read back) rather than hash again here.
-        keep = dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(seeds), rate, s.shape)
-        dx = jnp.where(keep, (ds.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(ds.dtype),
-                       jnp.zeros((), ds.dtype))
-    return dx, ds, (dy * xhat).sum(0), dy.sum(0), None
+        dx = dropout_lib.apply_keep_mask(
+            ds, dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(seeds), rate, s.shape), rate)
+    return dx, ds, dscale, dbias, None
 
 
 _fused.defvjp(_fused_forward, _fused_backward)

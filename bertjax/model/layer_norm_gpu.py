@@ -79,12 +79,6 @@ class _Block:
         return jnp.where(high[None, :], below(words, threshold << 16), below(words << 16, threshold << 16))
 
 
-def _dropped(x, keep, rate: float):
-    """where(keep, x / keep_prob, 0) in x's dtype (the scaling in float32, rounded once: `dropout.dropout`'s)."""
-    scaled = (x.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(x.dtype)
-    return jnp.where(keep, scaled, jnp.zeros((), x.dtype))
-
-
 def _forward_kernel(seeds_ref, offset_ref, x_ref, x_bias_ref, residual_ref, scale_ref, bias_ref, *out_refs, n_rows,
                     width, padded, eps, rate, threshold):
     s_ref, y_ref, mean_ref, rstd_ref = out_refs if len(out_refs) == 4 else (None, *out_refs)
@@ -93,7 +87,7 @@ def _forward_kernel(seeds_ref, offset_ref, x_ref, x_bias_ref, residual_ref, scal
     if x_bias_ref is not None:   # the Dense's output x + b, rounded to x's dtype as the Dense rounds it
         s = s + block.load_row(x_bias_ref).astype(s.dtype)
     if threshold is not None:
-        s = _dropped(s, block.keep(seeds_ref, offset_ref, threshold), rate)
+        s = dropout_lib.apply_keep_mask(s, block.keep(seeds_ref, offset_ref, threshold), rate)
     if residual_ref is not None:
         s = s + block.load(residual_ref, residual_ref.dtype)
     if s_ref is not None:
@@ -126,7 +120,7 @@ def _backward_kernel(seeds_ref, offset_ref, dy_ref, s_ref, mean_ref, rstd_ref, s
         block.store(ds_ref, ds)
         dx = ds
         if threshold is not None:
-            dx = _dropped(ds, block.keep(seeds_ref, offset_ref, threshold), rate)
+            dx = dropout_lib.apply_keep_mask(ds, block.keep(seeds_ref, offset_ref, threshold), rate)
             block.store(dx_ref, dx)
         column_sums = (dy * xhat, dy, dx.astype(jnp.float32))[:n_sums]   # the third: the x bias's gradient
         return tuple(total + jnp.sum(part, axis=0) for total, part in zip(sums, column_sums))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import dropout as dropout_lib
-from bertjax.model.layer_norm import layer_norm
+from bertjax.model.layer_norm import as_rows, layer_norm, normalise_backward, normalise_rows
 from bertjax.sharding import target_platform
 
 
@@ -36,50 +36,29 @@ def norm_then_dropout(x, scale, bias, eps: float, dtype, rate: float = 0.0, rng=
     return _fused(eps, jnp.dtype(dtype), rate, x, scale, bias, seeds)
 
 
-def _rows(x):
-    return x.astype(jnp.float32).reshape(-1, x.shape[-1])
-
-
-def _dropped(z, keep, rate: float):
-    """Inverted dropout's value (and its gradient's) in z's dtype, scaled in float32 as `dropout.dropout`."""
-    return jnp.where(keep, (z.astype(jnp.float32) * dropout_lib.keep_scale(rate)).astype(z.dtype),
-                     jnp.zeros((), z.dtype))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _fused(eps, dtype, rate, x, scale, bias, seeds):
     return _fused_forward(eps, dtype, rate, x, scale, bias, seeds)[0]
 
 
-def _statistics(s, eps: float):
-    """Each row's mean and 1 / std, as `layer_norm.layer_norm` computes them."""
-    mean = s.mean(-1, keepdims=True)
-    return mean, jax.lax.rsqrt(jnp.square(s - mean).mean(-1, keepdims=True) + eps)
-
-
 def _fused_forward(eps, dtype, rate, x, scale, bias, seeds):
-    s = _rows(x)
-    mean, rstd = _statistics(s, eps)
-    z = ((s - mean) * rstd * scale + bias).astype(dtype).reshape(x.shape)
+    z, mean, rstd = normalise_rows(as_rows(x), scale, bias, eps)
+    z = z.astype(dtype).reshape(x.shape)
     if seeds is not None:
-        z = _dropped(z, dropout_lib.keep_mask_fused(seeds, rate, x.shape), rate)
+        z = dropout_lib.apply_keep_mask(z, dropout_lib.keep_mask_fused(seeds, rate, x.shape), rate)
     return z, (x, mean, rstd, scale, seeds)
 
 
 def _fused_backward(eps, dtype, rate, saved, dy):
     x, mean, rstd, scale, seeds = saved
     # As layer_norm.py's backward: the statistics read as kept (computed again here, a pass more over x, priced
-    # worse), held behind a barrier (not recomputed inside the dz * xhat kernel, which then could not fuse into
-    # scale's gradient reduction); the seeds through a barrier (the mask hashed again here, not stored by the
-    # forward as a common subexpression).
-    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
+    # worse); the seeds through a barrier (the mask hashed again here, not stored by the forward as a common
+    # subexpression).
     if seeds is not None:
-        dy = _dropped(dy, dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(seeds), rate, x.shape), rate)
-    dz = _rows(dy)
-    xhat = (_rows(x) - mean) * rstd
-    g = dz * scale
-    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
-    return dx.astype(x.dtype).reshape(x.shape), (dz * xhat).sum(0), dz.sum(0), None
+        dy = dropout_lib.apply_keep_mask(
+            dy, dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(seeds), rate, x.shape), rate)
+    dx, dscale, dbias = normalise_backward(as_rows(dy), as_rows(x), mean, rstd, scale)
+    return dx.astype(x.dtype).reshape(x.shape), dscale, dbias, None
 
 
 _fused.defvjp(_fused_forward, _fused_backward)
@@ -88,7 +67,7 @@ _fused.defvjp(_fused_forward, _fused_backward)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rehashed_dropout(rate, y, seeds):
     """`dropout.dropout`'s values from the seeds; the backward hashes the mask again rather than reading it stored."""
-    return _dropped(y, dropout_lib.keep_mask_fused(seeds, rate, y.shape), rate)
+    return dropout_lib.apply_keep_mask(y, dropout_lib.keep_mask_fused(seeds, rate, y.shape), rate)
 
 
 def _rehashed_dropout_forward(rate, y, seeds):
@@ -97,7 +76,8 @@ def _rehashed_dropout_forward(rate, y, seeds):
 
 def _rehashed_dropout_backward(rate, seeds, dy):
     # The seeds through a barrier: otherwise the forward's mask is a common subexpression XLA stores.
-    return _dropped(dy, dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(seeds), rate, dy.shape), rate), None
+    keep = dropout_lib.keep_mask_fused(jax.lax.optimization_barrier(seeds), rate, dy.shape)
+    return dropout_lib.apply_keep_mask(dy, keep, rate), None
 
 
 _rehashed_dropout.defvjp(_rehashed_dropout_forward, _rehashed_dropout_backward)
