@@ -549,6 +549,8 @@ def test_input_kind_is_detected_and_a_wrong_one_names_the_key(created, corpus_sl
     assert tfrecord.detect_kind([str(corpus)]) == "text"
     (tmp_path / "empty.txt").write_text("")
     assert not tfrecord.is_tfrecord_file(str(tmp_path / "empty.txt"))
+    assert not tfrecord.is_tfrecord_file(str(corpus))
+    assert tfrecord.is_tfrecord_file(sorted(map(str, created.glob("*.tfrecord")))[0])
     # Shards without data.vocab: the vocabulary `data create` recorded in the metadata.
     resolved = resolve_input(PretrainingDataConfig(input=(str(created),), max_seq_length=SEQ,
                                                    max_predictions_per_seq=PRED))
