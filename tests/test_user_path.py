@@ -138,10 +138,30 @@ def test_the_cpu_peak_is_measured_once_per_machine(tmp_path):
 
     first, where = cached_matmul_peak(jax.devices()[0], jnp.float32, cache_dir=str(tmp_path))
     assert first > 1e9 and "measured now" in where
-    again, where = cached_matmul_peak(jax.devices()[0], jnp.float32, cache_dir=str(tmp_path))
+    again, where = cached_matmul_peak(jax.devices()[0], jnp.float32, cache_dir=str(tmp_path), recheck=False)
     assert again == first and f"cached in {tmp_path}" in where
     [entry] = json.loads((tmp_path / "matmul_peak.json").read_text()).values()
     assert entry["flops"] == first
+
+
+def test_a_cpu_peak_cached_on_a_busy_machine_is_raised(tmp_path):
+    """A peak measured under load (here 1 MFLOP/s) gave MFU above 1: a start measures again and keeps the higher
+    figure, saying so; a figure that is not beaten stays."""
+    import jax
+    import jax.numpy as jnp
+
+    from bertjax.pretraining.metrics import cached_matmul_peak
+
+    cached_matmul_peak(jax.devices()[0], jnp.float32, cache_dir=str(tmp_path))  # the cache file and its key
+    cache_file = tmp_path / "matmul_peak.json"
+    [(key, entry)] = json.loads(cache_file.read_text()).items()
+    cache_file.write_text(json.dumps({key: {"flops": 1e6, "measured": "2026-01-01"}}))
+    raised, where = cached_matmul_peak(jax.devices()[0], jnp.float32, cache_dir=str(tmp_path))
+    assert raised > 1e9 and "above the cached 1e-06 (measured 2026-01-01 on a busier machine)" in where
+    assert json.loads(cache_file.read_text())[key]["flops"] == raised
+    cache_file.write_text(json.dumps({key: {"flops": 1e15, "measured": "2026-01-02"}}))
+    assert cached_matmul_peak(jax.devices()[0], jnp.float32, cache_dir=str(tmp_path)) == (
+        1e15, f"cpu matmul peak measured 2026-01-02, cached in {cache_file}")
 
 
 def _readme_commands() -> list[list[str]]:
