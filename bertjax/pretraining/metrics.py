@@ -117,13 +117,13 @@ def cached_matmul_peak(device, dtype, cache_dir: str | None = None, recheck: boo
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
-    now = ""
+    replaced = ""  # what a higher measurement replaced, for the source line
     if key in cache:
         cached = float(cache[key]["flops"])
         peak = measure_matmul_peak(dtype) if recheck else 0.0
         if peak <= RAISE_CACHED_PEAK * cached:
             return cached, f"cpu matmul peak measured {cache[key]['measured']}, cached in {path}"
-        now = f" above the cached {cached / 1e12:.3g} (measured {cache[key]['measured']} on a busier machine)"
+        replaced = f" above the cached {cached / 1e12:.3g} (measured {cache[key]['measured']} on a busier machine)"
     else:
         peak = measure_matmul_peak(dtype, repeats=20)
     cache[key] = {"flops": peak, "measured": time.strftime("%Y-%m-%d")}
@@ -135,7 +135,7 @@ def cached_matmul_peak(device, dtype, cache_dir: str | None = None, recheck: boo
         where = f"cached in {path}"
     except OSError as error:
         where = f"not cached: {error}"
-    return peak, f"cpu matmul peak measured now{now}, {where}"
+    return peak, f"cpu matmul peak measured now{replaced}, {where}"
 
 
 def _cpu_model() -> str:
