@@ -2,8 +2,9 @@
 
 Items:
 - `params`: the float32 param tree (Orbax StandardSave: sharded tensorstore arrays, restorable onto any mesh);
-- `model_config`: the BertConfig as JSON;
-- `vocab`: {"tokens": [...], "lower_case": bool}, so a checkpoint is self-contained (no separate vocab.txt);
+- `model_config`: the model's config as JSON (BertConfig's; ModernBertConfig's with its `model_type`);
+- `vocab`: {"tokens": [...], "lower_case": bool} and, for a model with an HF tokenizer.json (ModernBERT's BPE),
+  "tokenizer": {"json": its text, "special": its special tokens}, so a checkpoint is self-contained;
 - `head` (fine-tune jobs only): {"architecture": the HF class, "id2label": {"0": label, ...}}, so that
   `bertjax export` writes the job's own class and labels later (multiple choice is not inferable from tensors).
 The pretraining trainer writes these same items (plus optimizer and data state) in each step directory, so every
@@ -33,8 +34,8 @@ from jax.experimental import multihost_utils
 from bertjax import workdir_paths
 from bertjax.errors import OutputWriteError, cannot_write, first_line
 from bertjax.model import bert as model_lib
-from bertjax.model import shapes
-from bertjax.model.config import BertConfig
+from bertjax.model import family, shapes
+from bertjax.model.family import ModelConfig
 from bertjax.options import option
 
 # Written into a pretraining workdir by process 0 once the run's last checkpoint is finalised: the job is done
@@ -73,9 +74,12 @@ def _restore_args(items: dict) -> ocp.args.Composite:
                                  ocp.args.StandardRestore(target) for name, target in items.items()})
 
 
-def _model_items(params, config: BertConfig, vocab: list[str], lower_case: bool) -> dict:
-    return {PARAMS: params, MODEL_CONFIG: config.to_dict(),
-            VOCAB: {"tokens": list(vocab), "lower_case": bool(lower_case)}}
+def _model_items(params, config: ModelConfig, vocab: list[str], lower_case: bool,
+                 tokenizer: dict | None = None) -> dict:
+    vocab_item = {"tokens": list(vocab), "lower_case": bool(lower_case)}
+    if tokenizer is not None:
+        vocab_item["tokenizer"] = tokenizer
+    return {PARAMS: params, MODEL_CONFIG: config.to_dict(), VOCAB: vocab_item}
 
 
 def _train_state_items(abstract_state) -> dict:
@@ -90,10 +94,11 @@ def _train_state_from(restored, abstract_state):
 @dataclasses.dataclass
 class ModelCheckpoint:
     params: dict
-    config: BertConfig
+    config: ModelConfig
     vocab: list[str]
     lower_case: bool
     head: dict | None = None  # a fine-tuned head's {"architecture", "id2label"}, where known
+    tokenizer: dict | None = None  # an HF tokenizer.json's spec (data/json_tokenizer.py); None: WordPiece on `vocab`
 
 
 def read_vocab_file(path: str) -> list[str]:
@@ -111,7 +116,9 @@ def write_vocab_file(tokens: list[str], path: str) -> None:
     epath.Path(path).write_text("".join(t + "\n" for t in tokens), encoding="utf-8")
 
 
-def _check_vocab(config: BertConfig, tokens: list[str], origin: str) -> None:
+def _check_vocab(config: ModelConfig, tokens: list[str], origin: str, tokenizer: dict | None = None) -> None:
+    if tokenizer is not None and len(tokens) <= config.vocab_size:
+        return  # a tokenizer.json's ids need rows; the table may have more (HF pads it, ModernBERT to 50,368)
     if len(tokens) != config.vocab_size:
         raise ValueError(f"vocab mismatch in {origin}: the vocabulary has {len(tokens)} tokens but "
                          f"config.vocab_size is {config.vocab_size}")
@@ -123,12 +130,12 @@ def orbax_path(directory) -> epath.Path:
     return epath.Path(directory) if "://" in str(directory) else epath.Path(directory).absolute()
 
 
-def save_model(directory: str, params, config: BertConfig, vocab: list[str], lower_case: bool = True,
-               head: dict | None = None) -> None:
-    """Writes params + config + vocab (+ a fine-tuned `head`'s description) as one composite checkpoint at
-    `directory`."""
-    _check_vocab(config, vocab, directory)
-    items = _model_items(params, config, vocab, lower_case)
+def save_model(directory: str, params, config: ModelConfig, vocab: list[str], lower_case: bool = True,
+               head: dict | None = None, tokenizer: dict | None = None) -> None:
+    """Writes params + config + vocab (+ a fine-tuned `head`'s description, a tokenizer.json's spec) as one
+    composite checkpoint at `directory`."""
+    _check_vocab(config, vocab, directory, tokenizer)
+    items = _model_items(params, config, vocab, lower_case, tokenizer)
     if head is not None:
         items[HEAD] = head
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
@@ -140,13 +147,13 @@ def is_model_checkpoint(directory: str) -> bool:
     return path.is_dir() and (path / MODEL_CONFIG).exists() and (path / PARAMS).exists()
 
 
-def load_config(directory: str) -> BertConfig:
-    """The BertConfig of a checkpoint, without reading its tensors."""
+def load_config(directory: str) -> ModelConfig:
+    """The model config of a checkpoint, without reading its tensors."""
     _require_checkpoint(directory)
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         restored = checkpointer.restore(orbax_path(directory),
                                         args=ocp.args.Composite(**{MODEL_CONFIG: ocp.args.JsonRestore()}))
-    return BertConfig.from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
+    return family.config_from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
 
 
 def load_description(directory: str) -> ModelCheckpoint:
@@ -155,9 +162,10 @@ def load_description(directory: str) -> ModelCheckpoint:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         restored = checkpointer.restore(orbax_path(directory), args=ocp.args.Composite(
             **{name: ocp.args.JsonRestore() for name in (MODEL_CONFIG, VOCAB)}))
-    config = BertConfig.from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
+    config = family.config_from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
     vocab = restored[VOCAB]
-    return ModelCheckpoint(None, config.replace(scan_layers=False), vocab["tokens"], vocab["lower_case"])
+    return ModelCheckpoint(None, config.replace(scan_layers=False), vocab["tokens"], vocab["lower_case"],
+                           tokenizer=vocab.get("tokenizer"))
 
 
 def load_job_config(directory: str) -> dict | None:
@@ -184,7 +192,7 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
         metadata_only = checkpointer.restore(path, args=ocp.args.Composite(
             **{name: ocp.args.JsonRestore() for name in json_items}))
         tree = _stored_params(checkpointer, path)
-    config = BertConfig.from_dict(metadata_only[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
+    config = family.config_from_dict(metadata_only[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
     check_stored_config(tree, config, directory)  # before reading a tensor
     if abstract_params is None:
         # Restore as host numpy arrays on one device, whatever mesh wrote them.
@@ -195,10 +203,10 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
         restored = checkpointer.restore(path, args=ocp.args.Composite(
             **{PARAMS: ocp.args.StandardRestore(abstract_params)}))
     vocab = metadata_only[VOCAB]
-    _check_vocab(config, vocab["tokens"], directory)
+    _check_vocab(config, vocab["tokens"], directory, vocab.get("tokenizer"))
     params = model_lib.with_layout(model_lib.merge_head_axes(restored[PARAMS]), config, stacked=False)
     return ModelCheckpoint(params, config.replace(scan_layers=False), vocab["tokens"], vocab["lower_case"],
-                           metadata_only.get(HEAD))
+                           metadata_only.get(HEAD), vocab.get("tokenizer"))
 
 
 @contextlib.contextmanager
@@ -217,7 +225,7 @@ def _stored_params(checkpointer, path):
     return getattr(tree, "tree", tree)
 
 
-def check_stored_config(metadata, config: BertConfig, directory) -> None:
+def check_stored_config(metadata, config: ModelConfig, directory) -> None:
     """Refuses a checkpoint whose `model_config` disagrees with its params' stored shapes (`metadata`: the params'
     Orbax metadata tree), naming the field and the tensor (model.shapes)."""
     leaves = jax.tree_util.tree_flatten_with_path(metadata, is_leaf=lambda x: hasattr(x, "shape"))[0]
@@ -233,7 +241,7 @@ def _has_split_head_kernels(metadata) -> bool:
     return any(model_lib.is_split_head_kernel(path, len(leaf.shape)) for path, leaf in leaves)
 
 
-def _abstract_layout(abstract, config: BertConfig, stacked: bool):
+def _abstract_layout(abstract, config: ModelConfig, stacked: bool):
     """Abstract arrays (with NamedShardings) in the other layer layout: a stacked leaf's layer axis is replicated."""
     def sharding(leaf, spec):
         return jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec(*spec))
@@ -249,7 +257,7 @@ def _abstract_layout(abstract, config: BertConfig, stacked: bool):
     return model_lib.with_layout(abstract, config, stacked, stack=stack, take=take)
 
 
-def _abstract_split_heads(abstract, config: BertConfig):
+def _abstract_split_heads(abstract, config: ModelConfig):
     """Abstract arrays with the attention kernels in the split-head shapes of an older checkpoint (replicated)."""
     def split(path, leaf):
         shape = model_lib.split_head_shape(path, leaf.shape, config)
@@ -563,8 +571,8 @@ class TrainCheckpointer(StepCheckpointer):
     def input_state_dir(self, step: int) -> str:
         return str(self.workdir / "input_state" / str(step))
 
-    def save(self, step: int, state, *, config: BertConfig, vocab: list[str], lower_case: bool, job_config: dict,
-             save_input_state, force: bool = False) -> bool:
+    def save(self, step: int, state, *, config: ModelConfig, vocab: list[str], lower_case: bool, job_config: dict,
+             save_input_state, force: bool = False, tokenizer: dict | None = None) -> bool:
         """Saves (asynchronously) if the step is due or `force`; `save_input_state(dir)` writes this process's
         pipeline position first."""
         if not (force or step % self.every == 0):
@@ -573,7 +581,7 @@ class TrainCheckpointer(StepCheckpointer):
             save_input_state(self.input_state_dir(step))
         except Exception as error:  # noqa: BLE001 - storage errors come as many types
             raise _write_error(self.directory, error) from None
-        saved = self.save_items(step, {**_model_items(state.params, config, vocab, lower_case),
+        saved = self.save_items(step, {**_model_items(state.params, config, vocab, lower_case, tokenizer),
                                        **_train_state_items(state), JOB_CONFIG: job_config})
         self._remove_stale_input_states()
         return saved

@@ -82,6 +82,12 @@ class Tokenizer:
         ids, splits = self.pieces(texts)
         return [ids[start:end].tolist() for start, end in zip(splits[:-1], splits[1:])]
 
+    def word_lists(self, words: Sequence[str], after_space: Sequence[bool]) -> list[list[int]]:
+        """The ids of each word as it reads in running text (after a space where `after_space` says so). BERT's
+        tokenizers split on whitespace first, so a word's pieces are the word's alone; a tokenizer.json's
+        (json_tokenizer.py) mark a word's start."""
+        return self.token_lists(words)
+
     def encode(self, texts: Sequence[str], max_len: int = 128,
                text_pairs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """[CLS] A [SEP] (B [SEP]) padded to max_len; int32 input_ids / input_mask / segment_ids [N, max_len].

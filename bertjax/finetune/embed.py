@@ -1,7 +1,8 @@
-"""Features from a BERT checkpoint: chosen hidden layers, pooled per sentence or kept per token.
+"""Features from a BERT or ModernBERT checkpoint: chosen hidden layers, pooled per sentence or kept per token.
 
 Layers are numbered as transformers' `output_hidden_states`: 0 is the embeddings' output (after their
-LayerNorm), i the output of encoder layer i, num_hidden_layers the last. A `--layers` spec is one of
+LayerNorm), i the output of encoder layer i, num_hidden_layers the last (ModernBERT's after its final norm, as
+transformers gives it). A `--layers` spec is one of
 `last`, `second-to-last`, `sum-last-4` (sum of the last four hidden states), `concat-last-4` (the last four
 concatenated, deepest last) or a comma list of indices `N[,M...]` (negative ones count from the end, -1 = last),
 concatenated in the order given. Pooling: `cls` (the [CLS] position), `mean` (mean over the real tokens,
@@ -18,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax.checkpoint import ModelCheckpoint
-from bertjax.data.tokenizers import WordPieceTokenizer
-from bertjax.model.bert import BertModel
+from bertjax.model import family
 
 POOLINGS = ("cls", "mean", "none")
 NAMED_LAYERS = ("last", "second-to-last", "sum-last-4", "concat-last-4")
@@ -63,7 +63,7 @@ def parse_layers(spec: str, num_layers: int) -> LayerSelection:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "selection", "pooling"))
-def _features(params, input_ids, input_mask, segment_ids, *, model: BertModel, selection: LayerSelection,
+def _features(params, input_ids, input_mask, segment_ids, *, model, selection: LayerSelection,
               pooling: str):
     _, state = model.apply({"params": params}, input_ids, input_mask, segment_ids, mutable=["intermediates"])
     states = state["intermediates"]["hidden_states"]
@@ -93,7 +93,7 @@ def encoded_features(checkpoint: ModelCheckpoint, arrays: dict[str, np.ndarray],
     selection = parse_layers(layers, config.num_hidden_layers)
     n, max_len = arrays["input_ids"].shape
     config.check_length(max_len, "--max-len")
-    model = BertModel(config, add_pooler=False)
+    model = family.encoder(config)
     params = {k: v for k, v in checkpoint.params["bert"].items() if k != "pooler"}
     lengths = arrays["input_mask"].sum(axis=1)
     outputs = []
@@ -115,7 +115,14 @@ def encoded_features(checkpoint: ModelCheckpoint, arrays: dict[str, np.ndarray],
     return np.concatenate(outputs)
 
 
-def _tokenizer(checkpoint: ModelCheckpoint) -> WordPieceTokenizer:
+def _tokenizer(checkpoint: ModelCheckpoint):
+    """The checkpoint's tokenizer: its tokenizer.json on the host, else WordPiece in-graph on its vocab."""
+    if checkpoint.tokenizer is not None:
+        from bertjax.data.json_tokenizer import HostJsonTokenizer
+
+        return HostJsonTokenizer.from_spec(checkpoint.tokenizer, "the checkpoint's tokenizer.json")
+    from bertjax.data.tokenizers import WordPieceTokenizer
+
     return WordPieceTokenizer(checkpoint.vocab, lower_case=checkpoint.lower_case, source="the checkpoint")
 
 
@@ -139,7 +146,9 @@ def word_spans(tokenizer, sentences: list[str], kept_tokens: np.ndarray) -> tupl
     `kept_tokens` [N]: how many word pieces of each sentence were kept (without [CLS]/[SEP]).
     """
     words = [s.split() for s in sentences]
-    counts = np.diff(tokenizer.pieces([w for ws in words for w in ws])[1]) \
+    flat = [w for ws in words for w in ws]
+    after_space = [i > 0 for ws in words for i in range(len(ws))]
+    counts = np.array([len(ids) for ids in tokenizer.word_lists(flat, after_space)], np.int64) \
         if any(words) else np.zeros(0, np.int64)
     word_offsets = np.concatenate([[0], np.cumsum([len(ws) for ws in words])]).astype(np.int64)
     spans = np.full((len(counts), 2), -1, np.int32)

@@ -53,7 +53,8 @@ def _convert(args: argparse.Namespace) -> int:
                                     ".../bert_model.ckpt)")
         loaded = load_pretrained(args.src, config_path=args.config, vocab_path=args.vocab)
         loaded.lower_case = not args.cased
-    save_model(args.out, loaded.params, loaded.config, loaded.vocab, loaded.lower_case, head=loaded.head)
+    save_model(args.out, loaded.params, loaded.config, loaded.vocab, loaded.lower_case, head=loaded.head,
+               tokenizer=loaded.tokenizer)
     print(f"wrote {args.out}: {_count(loaded.params):,} parameters, modules {sorted(loaded.params)}")
     return 0
 
@@ -72,7 +73,8 @@ def _export(args: argparse.Namespace) -> int:
     id2label = {int(i): label for i, label in head["id2label"].items()} if "id2label" in head else None
     architecture = export_hf(loaded.params, loaded.config, loaded.vocab, args.out, lower_case=loaded.lower_case,
                              architecture=head.get("architecture"), id2label=id2label,
-                             problem_type=head.get("problem_type"), squad=head.get("squad"))
+                             problem_type=head.get("problem_type"), squad=head.get("squad"),
+                             tokenizer=loaded.tokenizer)
     # A job's checkpoint sits in its workdir (a fine-tune's <workdir>/checkpoint, pretraining's
     # <workdir>/checkpoints/<step>), beside the run's records.
     run_dir, step = run_of(source)
@@ -98,12 +100,22 @@ def _info(args: argparse.Namespace) -> int:
         print(line)
     for key, value in loaded.config.to_dict().items():
         print(f"  {key}: {value}")
-    print(f"vocabulary: {len(loaded.vocab)} tokens, lower_case={loaded.lower_case}")
+    if loaded.tokenizer is not None:
+        print(f"tokenizer: its tokenizer.json ({_tokenizer_model(loaded.tokenizer)}), {len(loaded.vocab)} tokens")
+    else:
+        print(f"vocabulary: {len(loaded.vocab)} tokens (WordPiece), lower_case={loaded.lower_case}")
     print("parameters by module:")
     for module, count in parameter_counts(loaded.params).items():
         print(f"  {module:<32} {count:>14,}")
     print(f"  {'total':<32} {_count(loaded.params):>14,}")
     return 0
+
+
+def _tokenizer_model(spec: dict) -> str:
+    """The model kind a tokenizer.json names ("BPE", "WordPiece", "Unigram"...)."""
+    import json
+
+    return str(json.loads(spec["json"]).get("model", {}).get("type", "unknown model"))
 
 
 def _run_summary(run_dir: str) -> list[str]:

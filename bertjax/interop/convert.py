@@ -7,11 +7,15 @@ import numpy as np
 
 from bertjax.interop import names as names_lib
 from bertjax.model import bert as model_lib
+from bertjax.model import family
 from bertjax.model import shapes as shapes_lib
-from bertjax.model.config import BertConfig
+from bertjax.model.family import ModelConfig
+
+# The first layer of each HF layout, which a layer beyond the config's count starts with.
+_LAYER_PREFIXES = ("encoder.layer.", "bert/encoder/layer_", "model.layers.")
 
 
-def params_from_tensors(tensors: Mapping[str, np.ndarray], config: BertConfig, source: str, origin: str,
+def params_from_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, source: str, origin: str,
                         config_name: str, ignored: tuple[str, ...] = ()) -> dict:
     """Our nested float32 params from a flat tensor dict named the `source` way ("hf" or "tf").
 
@@ -19,12 +23,13 @@ def params_from_tensors(tensors: Mapping[str, np.ndarray], config: BertConfig, s
     missing tensor, and anywhere an unexpected tensor or a shape mismatch, is an error naming the tensor; a shape
     or layer count that `config` (read from `config_name`) does not give also names the config field.
     """
-    table = names_lib.tensor_names(config.num_hidden_layers)
+    table = names_lib.tensor_names_for(config)
     key_of = (lambda n: n.hf) if source == "hf" else (lambda n: n.tf)
     held_groups = {n.group for n in table if key_of(n) in tensors}
     if "encoder" not in held_groups:
-        raise ValueError(f"{origin}: no BERT encoder tensors found (looked for e.g. "
-                         f"{key_of(table[0])!r}); is this a BERT checkpoint?")
+        kind = "ModernBERT" if family.is_modernbert(config) else "BERT"
+        raise ValueError(f"{origin}: no {kind} encoder tensors found (looked for e.g. "
+                         f"{key_of(table[0])!r}); is this a {kind} checkpoint?")
     num_labels = None
     if "classifier" in held_groups:
         classifier = next(n for n in table if n.group == "classifier" and n.hf_is_linear)
@@ -48,9 +53,9 @@ def params_from_tensors(tensors: Mapping[str, np.ndarray], config: BertConfig, s
             raise ValueError(f"{origin}: {said}tensor {key!r} is missing (expected shape {expected})")
         stored = tuple(np.shape(tensors[key]))
         if stored != expected:
-            probe = shapes_lib.probe_shape(name.path)
+            probe = shapes_lib.probe_shape(name.path, config=config)
             field = shapes_lib.size_field(probe and names_lib.expected_source_shape(name, probe, source), stored,
-                                          expected)
+                                          expected, config)
             raise ValueError(f"{origin}: "
                              + shapes_lib.mismatch_message(config, config_name, key, stored, expected, field))
         value = names_lib.from_source(name, np.asarray(tensors[key], np.float32), shapes[name.path], source)
@@ -61,22 +66,29 @@ def params_from_tensors(tensors: Mapping[str, np.ndarray], config: BertConfig, s
 
     used = {key_of(n) for n in table if n.group in held_groups}
     unexpected = sorted(k for k in tensors if k not in used and k not in ignored)
-    beyond = [k for k in unexpected if k.startswith(("encoder.layer.", "bert/encoder/layer_"))]
+    beyond = [k for k in unexpected if k.startswith(_LAYER_PREFIXES)]
     if beyond:
         raise ValueError(f"{origin}: {layers}the checkpoint holds tensor {beyond[0]} "
                          f"{tuple(np.shape(tensors[beyond[0]]))}")
     if unexpected:
         details = ", ".join(f"{k} {tuple(np.shape(tensors[k]))}" for k in unexpected[:10])
-        raise ValueError(f"{origin}: unexpected tensors not part of a BERT model: {details}"
+        kind = "ModernBERT" if family.is_modernbert(config) else "BERT"
+        raise ValueError(f"{origin}: unexpected tensors not part of a {kind} model: {details}"
                          + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""))
+    if family.is_modernbert(config):
+        # HF's layer 0 has no attention norm; ours holds an unused one (one param tree for every layer).
+        layer_0 = params["bert"]["layer_0"]
+        layer_0["attn_norm"] = {"scale": np.ones(shapes[("bert", "layer_0", "attn_norm", "scale")], np.float32)}
+        if config.norm_bias:
+            layer_0["attn_norm"]["bias"] = np.zeros_like(layer_0["attn_norm"]["scale"])
     return params
 
 
-def tensors_from_params(params: Mapping, config: BertConfig, target: str) -> dict[str, np.ndarray]:
+def tensors_from_params(params: Mapping, config: ModelConfig, target: str) -> dict[str, np.ndarray]:
     """Flat tensor dict named the `target` way ("hf" or "tf") for every param the tree holds (either layer
     layout: stacked layers are named per layer)."""
     params = model_lib.with_layout(params, config, stacked=False)
-    table = names_lib.tensor_names(config.num_hidden_layers)
+    table = names_lib.tensor_names_for(config)
     convert = names_lib.to_hf if target == "hf" else names_lib.to_tf
     out = {}
     for name in table:
@@ -99,7 +111,8 @@ def held_groups(params: Mapping) -> set[str]:
     if "pooler" in params.get("bert", {}):
         groups.add("pooler")
     for top, group in (("predictions", "mlm"), ("seq_relationship", "nsp"), ("classifier", "classifier"),
-                       ("qa_outputs", "qa_outputs"), ("span_boundary", names_lib.SBO_GROUP)):
+                       ("qa_outputs", "qa_outputs"), ("span_boundary", names_lib.SBO_GROUP), ("head", "head"),
+                       ("decoder_bias", "mlm"), ("decoder", "mlm")):
         if top in params:
             groups.add(group)
     return groups

@@ -1,11 +1,19 @@
-"""HuggingFace BERT directories (config.json + safetensors/pytorch_model.bin + vocab) <-> bertjax params.
+"""HuggingFace BERT and ModernBERT directories (config.json + safetensors/pytorch_model.bin + tokenizer files) <->
+bertjax params.
 
 Import accepts BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification,
 BertForMultipleChoice (read as a one-output classifier head), BertForTokenClassification and BertForQuestionAnswering
-dumps (the classifiers hold `classifier.*`; the token classifier has no pooler). Export writes safetensors in the
-PyTorch key layout (transformers v5 has no Flax models), loadable by `transformers.<Architecture>.from_pretrained`
-and `AutoTokenizer.from_pretrained`. A SpanBERT SBO head, which HF BERT has no place for, goes to its own file
-beside them (names.SBO_FILE).
+dumps (the classifiers hold `classifier.*`; the token classifier has no pooler), and ModernBERT's ModernBertModel,
+ModernBertForMaskedLM and task models (by config.json's model_type). Export writes safetensors in the PyTorch key
+layout (transformers v5 has no Flax models), loadable by `transformers.<Architecture>.from_pretrained` and
+`AutoTokenizer.from_pretrained`. A SpanBERT SBO head, which HF BERT has no place for, goes to its own file beside
+them (names.SBO_FILE).
+
+A fine-tuned head's architecture is held by BERT's class name ("BertForSequenceClassification": the task); the
+class written to config.json is the checkpoint's family's (`family.hf_architecture`).
+
+Tokenizers: a directory with vocab.txt is WordPiece (BERT's); one with only tokenizer.json (ModernBERT's BPE) keeps
+that file, which every job then tokenises with and every export writes back.
 """
 from __future__ import annotations
 
@@ -21,15 +29,19 @@ from etils import epath
 from safetensors.numpy import load, load_file, save
 
 from bertjax.checkpoint import read_vocab_file
+from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec, special_tokens_from_config
 from bertjax.interop import convert
 from bertjax.interop import names as names_lib
-from bertjax.model.config import BertConfig
+from bertjax.model import family
+from bertjax.model.family import ModelConfig
 
 # Buffers and tied copies that HF writes but that carry no weights of their own.
 IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",
                 "cls.predictions.decoder.bias")
 # Keys under the "bert." prefix in task models; the heads ("cls.", "classifier.", "qa_outputs.") are not.
 _HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
+# ModernBERT: the encoder's keys, "model."-prefixed in task models and bare in a ModernBertModel.
+_MODERNBERT_ENCODER_PREFIXES = ("embeddings.", "layers.", "final_norm.")
 
 
 def _load_safetensors(path) -> dict[str, np.ndarray]:
@@ -105,8 +117,12 @@ def _shard_path(directory: epath.Path, index: epath.Path, entry: str) -> epath.P
     return shard
 
 
-def normalize_keys(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF keys in the table's naming: no "bert." prefix on encoder keys; old gamma/beta LayerNorm names."""
+def normalize_keys(state: Mapping[str, np.ndarray], config: ModelConfig | None = None) -> dict[str, np.ndarray]:
+    """HF keys in the table's naming: BERT's without the "bert." prefix on encoder keys and old gamma/beta LayerNorm
+    names; ModernBERT's encoder keys with the task models' "model." prefix."""
+    if config is not None and family.is_modernbert(config):
+        return {("model." + key if key.startswith(_MODERNBERT_ENCODER_PREFIXES) else key): value
+                for key, value in state.items()}
     out = {}
     for key, value in state.items():
         if key.startswith("bert."):
@@ -118,14 +134,40 @@ def normalize_keys(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def load_hf(directory: str):
-    """(params, config, vocab tokens, lower_case) from an HF BERT directory."""
+    """(params, config, vocab tokens, lower_case, tokenizer spec or None) from an HF BERT or ModernBERT directory."""
     path = epath.Path(directory)
-    config = BertConfig.from_json_file(str(path / "config.json"))
-    tensors = normalize_keys(read_state_dict(directory))
+    config = family.config_from_json_file(str(path / "config.json"))
+    tensors = normalize_keys(read_state_dict(directory), config)
+    ignored = IGNORED_KEYS
+    if family.is_modernbert(config):
+        ignored = ("decoder.weight",) if config.tie_word_embeddings else ()
     params = convert.params_from_tensors(tensors, config, "hf", origin=directory, config_name="config.json",
-                                         ignored=IGNORED_KEYS)
-    vocab = read_vocab_file(str(path / "vocab.txt"))
-    return params, config, vocab, hf_lower_case(directory)
+                                         ignored=ignored)
+    vocab, lower_case, spec = read_tokenizer(directory)
+    return params, config, vocab, lower_case, spec
+
+
+def read_tokenizer(directory: str) -> tuple[list[str], bool, dict | None]:
+    """An HF directory's tokenizer: (tokens by id, lower_case, None) from vocab.txt (WordPiece), else (tokens by
+    id, False, spec) from tokenizer.json with the special tokens its tokenizer_config.json names."""
+    path = epath.Path(directory)
+    if not (path / "vocab.txt").exists() and not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{directory} holds no tokenizer: neither vocab.txt (WordPiece) nor tokenizer.json")
+    if (path / "vocab.txt").exists():
+        return read_vocab_file(str(path / "vocab.txt")), hf_lower_case(directory), None
+    spec = read_spec(path / "tokenizer.json", _json_or_empty(path / "tokenizer_config.json"),
+                     _json_or_empty(path / "special_tokens_map.json"))
+    return HostJsonTokenizer.from_spec(spec, str(path / "tokenizer.json")).vocab, False, spec
+
+
+def _json_or_empty(path: epath.Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    return values if isinstance(values, dict) else {}
 
 
 def hf_lower_case(directory: str) -> bool:
@@ -143,10 +185,10 @@ FINE_TUNED_HEADS = ("BertForSequenceClassification", "BertForTokenClassification
 
 
 def hf_head(directory: str) -> dict | None:
-    """A fine-tuned HF directory's head: {"architecture"} plus its "id2label" where the class has labels (None for
-    an encoder or a pretraining model)."""
+    """A fine-tuned HF directory's head: {"architecture"} (by BERT's class name, whatever the family) plus its
+    "id2label" where the class has labels (None for an encoder or a pretraining model)."""
     config = json.loads((epath.Path(directory) / "config.json").read_text())
-    architecture = (config.get("architectures") or [None])[0]
+    architecture = family.task_architecture((config.get("architectures") or [None])[0])
     if architecture not in FINE_TUNED_HEADS:
         return None
     head = {"architecture": architecture}
@@ -160,7 +202,11 @@ def hf_head(directory: str) -> dict | None:
 
 
 def _architecture(params: Mapping) -> str:
+    """The task a param tree's heads make it (BERT's class names; a ModernBERT classifier's kind is not in its
+    tensors: a sequence classifier)."""
     groups = convert.held_groups(params)
+    if "head" in groups:
+        return "BertForSequenceClassification" if "classifier" in groups else "BertForMaskedLM"
     if "classifier" in groups:
         # HF's token classifier has no pooler; its sequence classifier always has one.
         return "BertForSequenceClassification" if "pooler" in groups else "BertForTokenClassification"
@@ -173,15 +219,20 @@ def _architecture(params: Mapping) -> str:
     return "BertModel"
 
 
-def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: str, lower_case: bool = True,
+def export_hf(params: Mapping, config: ModelConfig, vocab: list[str], out_dir: str, lower_case: bool = True,
               architecture: str | None = None, id2label: dict[int, str] | None = None,
-              problem_type: str | None = None, squad: dict | None = None) -> str:
-    """Writes an HF directory for `params`; returns the architecture written (inferred from the heads held).
-    `problem_type` (a sequence classifier's; default regression for one output, else single-label) tells
-    transformers' pipeline which activation the scores take (multi-label: sigmoid). `squad`: a span model's SQuAD
-    settings (version, windows, decoding), kept in config.json as `squad_settings` (transformers ignores the key)
-    so that `bertjax predict` on the export decodes as the run did."""
-    architecture = architecture or _architecture(params)
+              problem_type: str | None = None, squad: dict | None = None, tokenizer: dict | None = None) -> str:
+    """Writes an HF directory for `params`; returns the architecture written (inferred from the heads held; given
+    by BERT's class name, written as the family's). `problem_type` (a sequence classifier's; default regression for
+    one output, else single-label) tells transformers' pipeline which activation the scores take (multi-label:
+    sigmoid). `squad`: a span model's SQuAD settings (version, windows, decoding), kept in config.json as
+    `squad_settings` (transformers ignores the key) so that `bertjax predict` on the export decodes as the run did.
+    `tokenizer`: a tokenizer.json spec (json_tokenizer.py), written instead of vocab.txt."""
+    task = family.task_architecture(architecture) if architecture else _architecture(params)
+    architecture = family.hf_architecture(config, task)
+    if family.is_modernbert(config):
+        return _export_modernbert(params, config, vocab, out_dir, lower_case, task, architecture, id2label,
+                                  problem_type, squad, tokenizer)
     tensors = convert.tensors_from_params(params, config, "hf")
     # Not part of any HF BERT architecture: kept out of model.safetensors (no unexpected keys on load).
     sbo = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("span_boundary.")]}
@@ -191,19 +242,64 @@ def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: st
         # HF ties these to the embeddings / bias on load; writing them keeps older transformers happy too.
         tensors["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"]
         tensors["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"]
+    extra = _head_config(params, architecture, id2label, problem_type, squad)
+    files = _hf_files(tensors, sbo, config.to_hf_dict(architecture, **extra), vocab, lower_case,
+                      config.max_position_embeddings)
+    _write_directory(files, out_dir)
+    return architecture
+
+
+def _head_config(params: Mapping, task: str, id2label, problem_type, squad) -> dict:
+    """config.json's keys for a fine-tuned head: labels, problem type, SQuAD settings."""
     extra = {}
-    if "classifier" in params and architecture != "BertForMultipleChoice":  # its one output is not a label
+    if "classifier" in params and task != "BertForMultipleChoice":  # its one output is not a label
         num_labels = int(np.shape(params["classifier"]["bias"])[0])
         labels = id2label or {i: f"LABEL_{i}" for i in range(num_labels)}
         extra = dict(num_labels=num_labels, id2label={str(i): l for i, l in labels.items()},
                      label2id={l: i for i, l in labels.items()})
-        if architecture == "BertForSequenceClassification":
+        if task == "BertForSequenceClassification":
             extra["problem_type"] = problem_type or (
                 "regression" if num_labels == 1 else "single_label_classification")
-    if squad and architecture == "BertForQuestionAnswering":
+    if squad and task == "BertForQuestionAnswering":
         extra[SQUAD_KEY] = dict(squad)
-    files = _hf_files(tensors, sbo, config.to_hf_dict(architecture, **extra), vocab, lower_case,
-                      config.max_position_embeddings)
+    return extra
+
+
+def _export_modernbert(params, config, vocab, out_dir, lower_case, task, architecture, id2label, problem_type,
+                       squad, tokenizer) -> str:
+    """A ModernBERT HF directory: the encoder under "model." (bare for ModernBertModel), the prediction head, the
+    decoder's bias (its weight tied, not written), a classifier; the tokenizer.json it was trained with."""
+    tensors = convert.tensors_from_params(params, config, "hf")
+    if architecture == "ModernBertModel":
+        tensors = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    elif task == "BertForMaskedLM":
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("classifier.")}
+    extra = _head_config(params, task, id2label, problem_type, squad)
+    if task == "BertForQuestionAnswering":
+        extra.update(num_labels=2)  # HF's QA model's classifier has num_labels outputs: start and end
+    hf_config = config.to_hf_dict(architecture, **extra)
+    if tokenizer is None:
+        files = _hf_files(tensors, {}, hf_config, vocab, lower_case, config.max_position_embeddings,
+                          model_input_names=["input_ids", "attention_mask"])
+    else:
+        files = _json_tokenizer_files(tensors, hf_config, tokenizer, config.max_position_embeddings)
+    _write_directory(files, out_dir)
+    return architecture
+
+
+def _json_tokenizer_files(tensors: dict, hf_config: dict, tokenizer: dict, max_positions: int) -> list:
+    """An HF directory's files with a tokenizer.json (PreTrainedTokenizerFast) and no token types, config.json
+    last."""
+    special = {f"{name}_token": token for name, token in tokenizer["special"].items()}
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_positions,
+                        "model_input_names": ["input_ids", "attention_mask"], "clean_up_tokenization_spaces": False}
+    return [("model.safetensors", tensors), ("tokenizer.json", tokenizer["json"]),
+            ("tokenizer_config.json", json.dumps(tokenizer_config, indent=2)),
+            ("special_tokens_map.json", json.dumps(special, indent=2)),
+            ("config.json", json.dumps(hf_config, indent=2))]
+
+
+def _write_directory(files: list, out_dir: str) -> None:
     out = epath.Path(out_dir)
     if str(out).startswith("gs://") or out.exists():
         _write_files(files, out)  # in place, config.json last: unfinished, it is no model transformers loads
@@ -215,15 +311,16 @@ def export_hf(params: Mapping, config: BertConfig, vocab: list[str], out_dir: st
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-    return architecture
 
 
 def _hf_files(tensors: dict, sbo: dict, hf_config: dict, vocab: list[str], lower_case: bool,
-              max_positions: int) -> list[tuple[str, object]]:
+              max_positions: int, model_input_names: list[str] | None = None) -> list[tuple[str, object]]:
     """(file name, what to write) of an HF directory, config.json last (what makes it a model to transformers)."""
     tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lower_case,
                         "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
                         "mask_token": "[MASK]", "model_max_length": max_positions}
+    if model_input_names:
+        tokenizer_config["model_input_names"] = model_input_names
     special = {k: tokenizer_config[k] for k in ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")}
     files = [("model.safetensors", tensors)] + ([(names_lib.SBO_FILE, sbo)] if sbo else [])
     return files + [("vocab.txt", "".join(t + "\n" for t in vocab)),

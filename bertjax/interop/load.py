@@ -13,9 +13,12 @@ from bertjax.checkpoint import (
 )
 from bertjax.console import Console
 from bertjax.data.host_tokenizer import HostWordPieceTokenizer
-from bertjax.interop.hf import hf_head, hf_lower_case, load_hf
+from bertjax.data.json_tokenizer import HostJsonTokenizer
+from bertjax.data.token_layout import Tokenizer
+from bertjax.interop.hf import hf_head, load_hf, read_tokenizer
 from bertjax.interop.hub import local_model_path
 from bertjax.interop.tf import load_tf
+from bertjax.model import family
 from bertjax.model.config import BertConfig
 
 
@@ -45,9 +48,10 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
     if kind == "bertjax":
         return load_model(src)
     if kind == "hf":
-        params, config, vocab, lower_case = load_hf(src)
-        check_vocab_fits(len(vocab), embedding_rows(params), f"{src}/vocab.txt", src)
-        return ModelCheckpoint(params, config, vocab, lower_case, hf_head(src))
+        params, config, vocab, lower_case, spec = load_hf(src)
+        check_vocab_fits(len(vocab), embedding_rows(params), f"{src}/{'tokenizer.json' if spec else 'vocab.txt'}",
+                         src, quiet=spec is not None)
+        return ModelCheckpoint(params, config, vocab, lower_case, hf_head(src), spec)
     folder = epath.Path(src).parent
     params, config = load_tf(src, config_path or str(folder / "bert_config.json"))
     vocab_file = vocab_path or str(folder / "vocab.txt")
@@ -57,19 +61,23 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
 
 
 def embedding_rows(params: dict) -> int:
-    """The rows of a model's word-embedding table."""
-    return params["bert"]["embeddings"]["word_embeddings"]["embedding"].shape[0]
+    """The rows of a model's word-embedding table (BERT's word embeddings, ModernBERT's token embeddings)."""
+    embeddings = params["bert"]["embeddings"]
+    if "tok_embeddings" in embeddings:
+        return embeddings["tok_embeddings"].shape[0]
+    return embeddings["word_embeddings"]["embedding"].shape[0]
 
 
-def check_vocab_fits(vocab_size: int, rows: int, vocab_file: str, weights: str) -> None:
+def check_vocab_fits(vocab_size: int, rows: int, vocab_file: str, weights: str, quiet: bool = False) -> None:
     """The vocabulary's ids must all have a word-embedding row (`rows` of them): more tokens than rows is an error
     (those ids would read outside the table: NaN features, NaN losses); fewer is legal (HF pads tables) and said
-    once. The one check of every job that pairs a vocabulary with a model (fine-tune, embed, pretrain)."""
+    once (`quiet`: not said, for a tokenizer.json, whose padded tables are the rule). The one check of every job
+    that pairs a vocabulary with a model (fine-tune, embed, pretrain)."""
     if vocab_size > rows:
         raise ValueError(f"{vocab_file} has {vocab_size} tokens but the word embeddings of {weights} have {rows} "
                          f"rows: ids {rows}..{vocab_size - 1} have no embedding; use the vocab the checkpoint was "
                          f"trained with")
-    if vocab_size < rows:
+    if vocab_size < rows and not quiet:
         Console().line(f"note: {vocab_file} has {vocab_size} tokens, the word embeddings of {weights} {rows} rows: "
                        f"the last {rows - vocab_size} rows are never used")
 
@@ -82,8 +90,9 @@ def describe_pretrained(src: str) -> ModelCheckpoint:
         return load_description(src)
     folder = epath.Path(src) if kind == "hf" else epath.Path(src).parent
     if kind == "hf":
-        return ModelCheckpoint(None, BertConfig.from_json_file(str(folder / "config.json")),
-                               read_vocab_file(str(folder / "vocab.txt")), hf_lower_case(src), hf_head(src))
+        vocab, lower_case, spec = read_tokenizer(src)
+        return ModelCheckpoint(None, family.config_from_json_file(str(folder / "config.json")), vocab, lower_case,
+                               hf_head(src), spec)
     return ModelCheckpoint(None, BertConfig.from_json_file(str(folder / "bert_config.json")),
                            read_vocab_file(str(folder / "vocab.txt")), _tf_lower_case(src))
 
@@ -93,8 +102,15 @@ def _tf_lower_case(prefix: str) -> bool:
     return "cased" not in epath.Path(prefix).parent.name.replace("uncased", "")
 
 
-def load_init(src: str) -> tuple[ModelCheckpoint, HostWordPieceTokenizer]:
-    """A checkpoint to start a job from (any format `load_pretrained` reads) and the WordPiece tokenizer of its own
-    vocabulary (on the host: fine-tuning tokenises its data once, before it trains)."""
+def load_init(src: str) -> tuple[ModelCheckpoint, Tokenizer]:
+    """A checkpoint to start a job from (any format `load_pretrained` reads) and its own tokenizer (on the host:
+    fine-tuning tokenises its data once, before it trains)."""
     checkpoint = load_pretrained(src)
-    return checkpoint, HostWordPieceTokenizer(checkpoint.vocab, lower_case=checkpoint.lower_case, source=src)
+    return checkpoint, checkpoint_tokenizer(checkpoint, src)
+
+
+def checkpoint_tokenizer(checkpoint: ModelCheckpoint, source: str) -> Tokenizer:
+    """A checkpoint's own tokenizer on the host: its tokenizer.json where it has one, else WordPiece on its vocab."""
+    if checkpoint.tokenizer is not None:
+        return HostJsonTokenizer.from_spec(checkpoint.tokenizer, source)
+    return HostWordPieceTokenizer(checkpoint.vocab, lower_case=checkpoint.lower_case, source=source)

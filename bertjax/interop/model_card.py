@@ -211,7 +211,9 @@ def card_text(hf_config: dict, facts: RunFacts | None = None, *, name: str = "mo
     elif facts.init:
         base, hub_id = base_model(facts.init)
     architecture = (hf_config.get("architectures") or ["BertModel"])[0]
-    pipeline_tag = PIPELINE_TAGS.get(architecture, "feature-extraction")
+    # By the task (BERT's class name) whatever the family: ModernBertForMaskedLM is a fill-mask model too.
+    task = "Bert" + architecture[len("ModernBert"):] if architecture.startswith("ModernBert") else architecture
+    pipeline_tag = PIPELINE_TAGS.get(task, "feature-extraction")
     front = {"license": inherited.get("license", "other")}
     if "language" in inherited:
         front["language"] = inherited["language"]
@@ -219,7 +221,7 @@ def card_text(hf_config: dict, facts: RunFacts | None = None, *, name: str = "mo
     if hub_id:
         front["base_model"] = hub_id
     front["pipeline_tag"] = pipeline_tag
-    front["tags"] = ["bertjax", "bert", pipeline_tag] + ([facts.job] if facts.job else [])
+    front["tags"] = ["bertjax", hf_config.get("model_type", "bert"), pipeline_tag] + ([facts.job] if facts.job else [])
     if facts.job in DATASETS:
         front["datasets"] = [DATASETS[facts.job]]
     if facts.metrics:

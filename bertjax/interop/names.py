@@ -16,7 +16,7 @@ import numpy as np
 # Groups of tensors that a checkpoint may or may not hold (a BertModel dump has no MLM/NSP heads, a
 # BertForMaskedLM has no pooler and no NSP head, a fine-tuned model has a classifier or qa_outputs). The
 # sequence and token classifiers share the `classifier` tensors ([num_labels, H] in HF); only the sequence one has a pooler.
-GROUPS = ("encoder", "pooler", "mlm", "nsp", "classifier", "qa_outputs", "sbo")
+GROUPS = ("encoder", "pooler", "mlm", "nsp", "classifier", "qa_outputs", "sbo", "head")
 # SpanBERT's span boundary objective head has no HF BERT counterpart: the HF export writes it to this file beside
 # model.safetensors (PyTorch layout, the "hf" names of the table), so transformers loads the BERT model without
 # unexpected keys.
@@ -115,11 +115,67 @@ def tensor_names(num_layers: int) -> list[TensorName]:
     return names
 
 
+# ---- ModernBERT (HF's ModernBertForMaskedLM and task models; no TF counterpart) ---------------------------------
+# HF's task models hold the encoder under "model."; the prediction head ("head.") sits under every task, the MLM
+# decoder's weight is the token embeddings (tied) and its bias "decoder.bias". Ours: the encoder under `bert` (as
+# BERT's), Wqkv's kernel [H, 3, H] and Wi's [H, 2, I] (HF: [3H, H], [2I, H]; the same numbers, row-major).
+MODERNBERT_HEAD_GROUPS = ("head", "mlm", "classifier")
+
+
+def modernbert_tensor_names(config) -> list[TensorName]:
+    """Every tensor of a ModernBertForMaskedLM of `config` plus the task models' classifier (optional biases as
+    the config has them). Layer 0's attention norm, which HF does not have, is not listed."""
+    names = []
+
+    def add(path, hf, kind, group="encoder"):
+        names.append(TensorName(path, hf, None, kind, group))
+
+    def norm(path, hf, group="encoder"):
+        add(path + ("scale",), hf + ".weight", "vector", group)
+        if config.norm_bias:
+            add(path + ("bias",), hf + ".bias", "vector", group)
+
+    def linear(path, hf, bias: bool, group="encoder"):
+        add(path + ("kernel",), hf + ".weight", "kernel", group)
+        if bias:
+            add(path + ("bias",), hf + ".bias", "vector", group)
+
+    add(("bert", "embeddings", "tok_embeddings"), "model.embeddings.tok_embeddings.weight", "embedding")
+    norm(("bert", "embeddings", "norm"), "model.embeddings.norm")
+    for i in range(config.num_hidden_layers):
+        ours, hf = ("bert", f"layer_{i}"), f"model.layers.{i}"
+        if i:
+            norm(ours + ("attn_norm",), f"{hf}.attn_norm")
+        linear(ours + ("attn", "Wqkv"), f"{hf}.attn.Wqkv", config.attention_bias)
+        linear(ours + ("attn", "Wo"), f"{hf}.attn.Wo", config.attention_bias)
+        norm(ours + ("mlp_norm",), f"{hf}.mlp_norm")
+        linear(ours + ("mlp", "Wi"), f"{hf}.mlp.Wi", config.mlp_bias)
+        linear(ours + ("mlp", "Wo"), f"{hf}.mlp.Wo", config.mlp_bias)
+    norm(("bert", "final_norm"), "model.final_norm")
+    linear(("head", "dense"), "head.dense", config.classifier_bias, group="head")
+    norm(("head", "norm"), "head.norm", group="head")
+    if not config.tie_word_embeddings:
+        add(("decoder", "kernel"), "decoder.weight", "kernel", "mlm")
+    if config.decoder_bias:
+        add(("decoder_bias",), "decoder.bias", "vector", "mlm")
+    linear(("classifier",), "classifier", True, group="classifier")
+    return names
+
+
+def tensor_names_for(config) -> list[TensorName]:
+    """The table of `config`'s family (a BertConfig or a ModernBertConfig)."""
+    if getattr(config, "model_type", "bert") == "modernbert":
+        return modernbert_tensor_names(config)
+    return tensor_names(config.num_hidden_layers)
+
+
 # ---- layout conversions -------------------------------------------------------------------------------------
 
 def to_flat_inout(name: TensorName, ours: np.ndarray) -> np.ndarray:
     """Our tensor in the unsplit layout of TF (kernels [in, out], biases 1-D)."""
-    return ours.reshape(-1) if name.kind == "vector" else ours
+    if name.kind == "vector":
+        return ours.reshape(-1)
+    return ours.reshape(ours.shape[0], -1) if name.kind == "kernel" else ours
 
 
 def to_hf(name: TensorName, ours: np.ndarray) -> np.ndarray:

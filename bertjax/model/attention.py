@@ -4,6 +4,8 @@ All backends take query/key/value as [batch, length, heads, head_dim] and the sa
 - `input_mask` [batch, length]: 1 for real tokens, 0 for padding (keys that are padding are never attended);
 - `packing_ids` [batch, length] (optional): ids of the sequences packed into one row; a token attends only to
   tokens with the same id. (Not BERT's token-type "segment_ids", which only select an embedding.)
+- `window` (optional, an int): a sliding window, a query attends only to keys at most `window` positions away
+  (ModernBERT's local layers, HF's inclusive `sliding_window`); with packing, positions inside a row.
 A query row whose keys are all masked (a padding position) gives a finite, ignorable output, never NaN.
 
 Backends:
@@ -56,10 +58,25 @@ FUSED_DROPOUT_MIN_LENGTH = 128
 FUSED_DROPOUT_BACKENDS = {"tpu": "flash_dropout_tpu", "gpu": "flash_dropout_gpu"}
 
 
-def resolve_backend(backend: str, dropout_active: bool, platform: str | None = None, length: int = 0) -> str:
+# The backends that take a sliding window (as part of the mask they build).
+WINDOW_BACKENDS = ("reference", "dot_product")
+
+
+def resolve_backend(backend: str, dropout_active: bool, platform: str | None = None, length: int = 0,
+                    windowed: bool = False) -> str:
     """The concrete backend for `backend` on the target platform (`auto` picks by platform and, with attention
-    dropout, by the sequence length)."""
+    dropout, by the sequence length; with a sliding window, among the backends that take one)."""
     platform = platform or target_platform()
+    if windowed:
+        if backend == "auto":
+            return "dot_product" if platform == "gpu" and not dropout_active else "reference"
+        if backend not in WINDOW_BACKENDS:
+            raise ValueError(f"attention backend {backend!r} has no sliding window; use attention_backend 'auto', "
+                             f"{' or '.join(repr(b) for b in WINDOW_BACKENDS)}")
+        if backend == "dot_product" and dropout_active:
+            raise ValueError("attention backend 'dot_product' has no attention dropout; set attention_dropout=0 "
+                             "or use attention_backend 'auto' or 'reference'")
+        return backend
     if backend == "auto":
         if dropout_active:
             fused = FUSED_DROPOUT_BACKENDS.get(platform)
@@ -72,7 +89,8 @@ def resolve_backend(backend: str, dropout_active: bool, platform: str | None = N
 
 
 def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, backend: str = "auto",
-                          dropout_rate: float = 0.0, dropout_rng=None, deterministic: bool = True, biases=None):
+                          dropout_rate: float = 0.0, dropout_rng=None, deterministic: bool = True, biases=None,
+                          window: int | None = None):
     """Attention output [batch, length, heads, head_dim] in the dtype of `query`.
 
     `biases`: optional (query, key, value) biases [heads, head_dim] (the projections'), added to query/key/value in
@@ -83,14 +101,14 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
     interpreted wherever the target platform is not a GPU.
     """
     dropout_active = not deterministic and dropout_rate > 0.0
-    backend = resolve_backend(backend, dropout_active, length=query.shape[1])
+    backend = resolve_backend(backend, dropout_active, length=query.shape[1], windowed=window is not None)
     if biases is not None and backend not in FUSED_DROPOUT_BACKENDS.values():
         query, key, value = (x + b.astype(x.dtype) for x, b in zip((query, key, value), biases))
     if backend == "reference":
         return reference_attention(query, key, value, input_mask, packing_ids, dropout_rate=dropout_rate,
-                                   dropout_rng=dropout_rng, deterministic=deterministic)
+                                   dropout_rng=dropout_rng, deterministic=deterministic, window=window)
     if backend in ("dot_product", "cudnn"):
-        mask = attention_mask(input_mask, packing_ids)[:, None, :, :]
+        mask = attention_mask(input_mask, packing_ids, window)[:, None, :, :]
         return jax.nn.dot_product_attention(
             query, key, value, mask=mask, implementation="cudnn" if backend == "cudnn" else None)
     segment_ids = _kernel_segment_ids(input_mask, packing_ids)
@@ -155,17 +173,21 @@ def _passing_biases(kernel, num_replicated):
     return call
 
 
-def attention_mask(input_mask, packing_ids=None):
-    """Boolean [batch, q_len, kv_len]: True where a query may attend to a key."""
+def attention_mask(input_mask, packing_ids=None, window: int | None = None):
+    """Boolean [batch, q_len, kv_len]: True where a query may attend to a key (a real key, of the query's packed
+    sequence, within `window` positions of it)."""
     mask = jnp.broadcast_to(input_mask[:, None, :].astype(bool),
                             (input_mask.shape[0], input_mask.shape[1], input_mask.shape[1]))
     if packing_ids is not None:
         mask = mask & (packing_ids[:, :, None] == packing_ids[:, None, :])
+    if window is not None:
+        positions = np.arange(input_mask.shape[1])
+        mask = mask & jnp.asarray(np.abs(positions[:, None] - positions[None, :]) <= window)[None]
     return mask
 
 
 def reference_attention(query, key, value, input_mask, packing_ids=None, *, dropout_rate: float = 0.0,
-                        dropout_rng=None, deterministic: bool = True, keep_mask=None):
+                        dropout_rng=None, deterministic: bool = True, keep_mask=None, window: int | None = None):
     """softmax(q k^T / sqrt(d) + mask) v with float32 logits/softmax, as BERT defines it.
 
     `keep_mask` (bool [batch, heads, q_len, kv_len], with dropout active): use this dropout mask (kept
@@ -175,7 +197,7 @@ def reference_attention(query, key, value, input_mask, packing_ids=None, *, drop
     head_dim = query.shape[-1]
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
     logits = logits / np.sqrt(head_dim).astype(np.float32)
-    mask = attention_mask(input_mask, packing_ids)[:, None, :, :]
+    mask = attention_mask(input_mask, packing_ids, window)[:, None, :, :]
     # A large finite negative (not -inf), so that a fully masked row softmaxes to uniform instead of NaN.
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)

@@ -1,4 +1,4 @@
-"""The param shapes a BertConfig implies, and a checkpoint's stored tensor shapes checked against them.
+"""The param shapes a config (BERT's or ModernBERT's) implies, and a checkpoint's stored shapes checked against them.
 
 A checkpoint's config is metadata that can disagree with its tensors (edited by hand, copied from another model):
 every reader checks the tensors' shapes (Orbax metadata, safetensors or TF headers: nothing read) against the
@@ -13,7 +13,10 @@ import flax.linen as nn
 import jax
 
 from bertjax.model import bert as model_lib
+from bertjax.model import family
+from bertjax.model import modernbert
 from bertjax.model.config import BertConfig
+from bertjax.model.modernbert_config import ModernBertConfig
 
 # A config whose sizes are all different numbers: the shape the model builds from it tells which field sets each
 # dimension (hidden 39 = 3 heads of 13; the SBO head's first dense takes 3 * hidden).
@@ -23,46 +26,76 @@ _PROBE_LABELS = 11
 _FIELD_OF_SIZE = {43: "vocab_size", 39: "hidden_size", 117: "hidden_size", 13: "hidden_size", 7: "num_hidden_layers",
                   3: "num_attention_heads", 41: "intermediate_size", 47: "max_position_embeddings",
                   5: "type_vocab_size"}
+# ModernBERT's probe: its head size must be even (rotary embeddings), 3 and 2 are fixed axes of Wqkv and Wi.
+_MODERNBERT_PROBE = ModernBertConfig(vocab_size=43, hidden_size=42, num_hidden_layers=7, num_attention_heads=3,
+                                     intermediate_size=41, max_position_embeddings=47, pad_token_id=0)
+_MODERNBERT_FIELD_OF_SIZE = {43: "vocab_size", 42: "hidden_size", 7: "num_hidden_layers", 41: "intermediate_size"}
 _LAYER = re.compile(r"^layer_\d+$")
 
 Path = tuple[str, ...]
 
 
-def param_shapes(config: BertConfig, num_labels: int | None = None) -> dict[Path, tuple[int, ...]]:
-    """Shape of every param path of a BertForPreTraining with the SBO head and the qa_outputs head (+ a classifier
-    of `num_labels`), in the layer layout `config.scan_layers` says (per layer, or stacked under `bert/layers`)."""
-    def shapes_of(module, heads_only: tuple[str, ...] = ()):
-        tree = jax.eval_shape(lambda: model_lib.init_params(module, config, jax.random.key(0)))
-        flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(tree))[0]
-        out = {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
-        return {p: s for p, s in out.items() if not heads_only or p[0] in heads_only}
+def _shapes_of(module, config, heads_only: tuple[str, ...] = ()) -> dict[Path, tuple[int, ...]]:
+    tree = jax.eval_shape(lambda: family.init_params(module, config, jax.random.key(0)))
+    flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(tree))[0]
+    out = {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
+    return {p: s for p, s in out.items() if not heads_only or p[0] in heads_only}
 
-    shapes = shapes_of(model_lib.BertForPreTraining(config, span_boundary_objective=True))
-    shapes.update(shapes_of(model_lib.BertForQuestionAnswering(config), ("qa_outputs",)))
+
+def param_shapes(config, num_labels: int | None = None) -> dict[Path, tuple[int, ...]]:
+    """Shape of every param path of the config's family's largest model (BERT: BertForPreTraining with the SBO head
+    and the qa_outputs head; ModernBERT: ModernBertForMaskedLM), + a classifier of `num_labels`, in the layer
+    layout `config.scan_layers` says (per layer, or stacked under `bert/layers`)."""
+    if family.is_modernbert(config):
+        shapes = _shapes_of(modernbert.ModernBertForMaskedLM(config.replace(scan_layers=False)), config)
+        if num_labels is not None:
+            shapes.update(_shapes_of(modernbert.ModernBertForSequenceClassification(
+                config.replace(scan_layers=False), num_labels), config, ("classifier",)))
+        return _stacked_shapes(shapes, config.num_hidden_layers) if config.scan_layers else shapes
+    shapes = _shapes_of(model_lib.BertForPreTraining(config, span_boundary_objective=True), config)
+    shapes.update(_shapes_of(model_lib.BertForQuestionAnswering(config), config, ("qa_outputs",)))
     if num_labels is not None:
-        shapes.update(shapes_of(model_lib.BertForSequenceClassification(config, num_labels), ("classifier",)))
+        shapes.update(_shapes_of(model_lib.BertForSequenceClassification(config, num_labels), config,
+                                 ("classifier",)))
     return shapes
 
 
+def _stacked_shapes(shapes: dict[Path, tuple[int, ...]], layers: int) -> dict[Path, tuple[int, ...]]:
+    """Per-layer shapes as the stacked layout holds them: `bert/layers/...` with the layer axis first."""
+    out = {}
+    for path, shape in shapes.items():
+        if len(path) > 1 and path[0] == "bert" and _LAYER.match(path[1]):
+            if path[1] == "layer_0":
+                out[("bert", model_lib.STACKED) + path[2:]] = (layers, *shape)
+        else:
+            out[path] = shape
+    return out
+
+
 @functools.lru_cache(maxsize=None)
-def _probe_shapes(stacked: bool) -> dict[Path, tuple[int, ...]]:
-    return param_shapes(_PROBE.replace(scan_layers=stacked), _PROBE_LABELS)
+def _probe_shapes(stacked: bool, modern: bool) -> dict[Path, tuple[int, ...]]:
+    probe = _MODERNBERT_PROBE if modern else _PROBE
+    return param_shapes(probe.replace(scan_layers=stacked), _PROBE_LABELS)
 
 
-def probe_shape(path: Path, stacked: bool = False) -> tuple[int, ...] | None:
-    """The shape of `path` in the probe config's model (any layer_N read as layer_0), for `size_field`."""
+def probe_shape(path: Path, stacked: bool = False, config=None) -> tuple[int, ...] | None:
+    """The shape of `path` in the probe model of `config`'s family (default BERT; any layer_N read as layer_0),
+    for `size_field`."""
     path = tuple("layer_0" if _LAYER.match(part) else part for part in path)
-    return _probe_shapes(stacked).get(path)
+    return _probe_shapes(stacked, config is not None and family.is_modernbert(config)).get(path)
 
 
-def size_field(probe: tuple[int, ...] | None, stored: tuple[int, ...], expected: tuple[int, ...]) -> str | None:
+def size_field(probe: tuple[int, ...] | None, stored: tuple[int, ...], expected: tuple[int, ...],
+               config=None) -> str | None:
     """The config field that sets the first dimension where `stored` and `expected` differ (`probe`: the same
-    tensor's shape in the probe model, in the same layout), or None (a fixed size, or another rank)."""
+    tensor's shape in the probe model of `config`'s family, in the same layout), or None (a fixed size, or another
+    rank)."""
     if probe is None or not len(probe) == len(stored) == len(expected):
         return None
+    fields = _MODERNBERT_FIELD_OF_SIZE if config is not None and family.is_modernbert(config) else _FIELD_OF_SIZE
     for size, have, want in zip(probe, stored, expected):
         if have != want:
-            return _FIELD_OF_SIZE.get(size)
+            return fields.get(size)
     return None
 
 
@@ -89,7 +122,7 @@ def check_stored_shapes(stored: dict[Path, tuple[int, ...]], config: BertConfig,
                 raise ValueError(f"{config_name} says num_hidden_layers={config.num_hidden_layers} but the "
                                  f"checkpoint holds tensor {name} {tuple(shape)}")
             raise ValueError(f"tensor {name} {tuple(shape)} is not part of the model {config_name} describes")
-        want, probe = expected[path], probe_shape(path, stacked)
+        want, probe = expected[path], probe_shape(path, stacked, config)
         keys = [jax.tree_util.DictKey(part) for part in path]
         if model_lib.is_split_head_kernel(keys, len(shape)):
             # An older checkpoint's [H, heads, head_dim] attention kernel: compared in that layout.
@@ -97,7 +130,7 @@ def check_stored_shapes(stored: dict[Path, tuple[int, ...]], config: BertConfig,
             probe = model_lib.split_head_shape(keys, probe, _PROBE)
         if tuple(shape) != tuple(want):
             raise ValueError(mismatch_message(config, config_name, name, tuple(shape), want,
-                                              size_field(probe, tuple(shape), want)))
+                                              size_field(probe, tuple(shape), want, config)))
     held_layers = {path[1] for path in stored if len(path) > 1}
     for path in expected:
         if path[0] == "bert" and path[1] != "pooler" and path not in stored:

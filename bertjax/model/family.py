@@ -1,0 +1,112 @@
+"""The two encoder families behind one set of functions: BERT (`bert.py`, BertConfig) and ModernBERT
+(`modernbert.py`, ModernBertConfig). Which config a dict or an HF config.json describes (by `model_type`), and each
+task's module for a config; every job, reader and writer asks here instead of naming a family's classes.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Union
+
+from etils import epath
+
+from bertjax.model import bert, modernbert
+from bertjax.model.config import BertConfig
+from bertjax.model.modernbert_config import MODEL_TYPE as MODERNBERT
+from bertjax.model.modernbert_config import ModernBertConfig
+
+ModelConfig = Union[BertConfig, ModernBertConfig]
+MODEL_TYPES = ("bert", MODERNBERT)
+
+
+def is_modernbert(config: ModelConfig) -> bool:
+    return isinstance(config, ModernBertConfig)
+
+
+def config_from_dict(values: dict[str, Any], source: str = "config") -> ModelConfig:
+    """A checkpoint's own config JSON: ModernBERT's carries `model_type`, BERT's (older ones too) does not."""
+    if values.get("model_type", "bert") == MODERNBERT:
+        return ModernBertConfig.from_dict(values, source=source)
+    return BertConfig.from_dict({k: v for k, v in values.items() if k != "model_type"}, source=source)
+
+
+def config_from_hf_dict(values: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """An HF config.json's dict, by its model_type ("bert" or "modernbert"; others refused naming them)."""
+    model_type = values.get("model_type", "bert")
+    if model_type == MODERNBERT:
+        return ModernBertConfig.from_hf_dict(values, source=source)
+    if model_type != "bert":
+        raise ValueError(f"{source}: model_type {model_type!r} is neither 'bert' nor 'modernbert'")
+    return BertConfig.from_hf_dict(values, source=source)
+
+
+def config_from_json_file(path: str) -> ModelConfig:
+    """Google's bert_config.json, an HF config.json (BERT or ModernBERT), or bertjax's own config.json."""
+    file = epath.Path(path)
+    if file.exists():
+        try:
+            values = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            values = None
+        if isinstance(values, dict) and values.get("model_type") == MODERNBERT:
+            if "architectures" in values or "rope_parameters" in values or "global_rope_theta" in values:
+                return ModernBertConfig.from_hf_dict(values, source=path)
+            return ModernBertConfig.from_dict(values, source=path)
+    return BertConfig.from_json_file(path)
+
+
+# ---- each task's module -------------------------------------------------------------------------------------------
+
+def encoder(config: ModelConfig):
+    """The bare encoder, returning (sequence [B, L, H], None): no pooler."""
+    return modernbert.ModernBertModel(config) if is_modernbert(config) else bert.BertModel(config, add_pooler=False)
+
+
+def sequence_classifier(config: ModelConfig, num_labels: int):
+    if is_modernbert(config):
+        return modernbert.ModernBertForSequenceClassification(config, num_labels)
+    return bert.BertForSequenceClassification(config, num_labels)
+
+
+def token_classifier(config: ModelConfig, num_labels: int):
+    if is_modernbert(config):
+        return modernbert.ModernBertForTokenClassification(config, num_labels)
+    return bert.BertForTokenClassification(config, num_labels)
+
+
+def question_answering(config: ModelConfig):
+    if is_modernbert(config):
+        return modernbert.ModernBertForQuestionAnswering(config)
+    return bert.BertForQuestionAnswering(config)
+
+
+def multiple_choice(config: ModelConfig):
+    if is_modernbert(config):
+        return modernbert.ModernBertForMultipleChoice(config)
+    return bert.BertForMultipleChoice(config)
+
+
+def init_params(module, config: ModelConfig, rng, length: int = 8, num_masked: int = 2):
+    """Initial (boxed, logically partitioned) params of any module of either family."""
+    if is_modernbert(config):
+        return modernbert.init_params(module, config, rng, length, num_masked)
+    return bert.init_params(module, config, rng, length, num_masked)
+
+
+# ---- HF class names ----------------------------------------------------------------------------------------------
+# bertjax names a fine-tuned head's task by BERT's class ("BertForSequenceClassification"), whatever the family; the
+# class written to (or read from) an HF config.json is the family's.
+
+def task_architecture(architecture: str | None) -> str | None:
+    """An HF class name as the task it is, by BERT's class name ("ModernBertForTokenClassification" ->
+    "BertForTokenClassification"); BERT's names and None unchanged."""
+    if architecture and architecture.startswith("ModernBert"):
+        return "Bert" + architecture[len("ModernBert"):]
+    return architecture
+
+
+def hf_architecture(config: ModelConfig, task: str) -> str:
+    """The family's HF class for a task named by BERT's class (ModernBERT has no NSP: pretraining is its
+    ModernBertForMaskedLM)."""
+    if not is_modernbert(config):
+        return task
+    return "ModernBertForMaskedLM" if task in ("BertForPreTraining", "BertForMaskedLM") else "Modern" + task

@@ -1,0 +1,344 @@
+"""ModernBERT in Flax (linen), as transformers' ModernBertModel and its task models compute it.
+
+Pre-norm layers without biases (by default): x + Wo(attn(norm(x))), then x + Wo(act(x Wi_in) * x Wi_gate) (GeGLU);
+rotary positions (a theta for global layers, another for sliding-window ones); attention over the whole row in
+global layers and over a window of local_attention // 2 tokens each side in the others; a final norm. Heads: HF's
+prediction head (dense, activation, norm) under every task, the MLM decoder tied to the token embeddings.
+
+The same call convention and parts as `bert.py`'s modules: `apply({"params": p}, input_ids, input_mask,
+segment_ids, ..., deterministic=True)` (segment ids are ignored: ModernBERT has no token types); packed rows take
+`packing_ids` and `position_ids` (RoPE restarts at each packed sequence; attention keeps to it and to the window);
+attention through `attention.dot_product_attention`, LayerNorm through `layer_norm.layer_norm`, dropout
+through `dropout.Dropout`, logical axis names as BERT's, `remat` as BERT's. The encoder's params live under `bert`
+(as BERT's do) so that every tool that reads a param tree by its layers (stacking, weight decay, sharding) reads
+both families; each layer holds an attention norm, layer 0's unused (HF's is an Identity), so that all layers have
+one tree: stacked, sliced, scanned alike. Import fills it with ones; export leaves it out.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bertjax.model import rope
+from bertjax.model.attention import dot_product_attention
+from bertjax.model.bert import activation, gather_positions, init_params as _init_params
+from bertjax.model.dropout import Dropout
+from bertjax.model.layer_norm import layer_norm
+from bertjax.model.modernbert_config import ModernBertConfig
+
+_BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
+
+
+def _init(config: ModernBertConfig, std: float, names):
+    """HF's ModernBERT init: a normal of std `std` cut at +-initializer_cutoff_factor std."""
+    cutoff = config.initializer_cutoff_factor
+    init = nn.initializers.truncated_normal(stddev=std, lower=-cutoff, upper=cutoff)
+    return nn.with_logical_partitioning(init, names)
+
+
+def _zeros(names):
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
+
+
+def _out_std(config: ModernBertConfig) -> float:
+    """The std of the projections back to the residual stream (HF's "out")."""
+    return config.initializer_range / (2.0 * config.num_hidden_layers) ** 0.5
+
+
+def _constrain(x, names):
+    return nn.with_logical_constraint(x, names)
+
+
+class Norm(nn.Module):
+    """LayerNorm over the last axis, its bias only with `norm_bias` (params `scale`, `bias`); float32 inside."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
+                           (x.shape[-1],), jnp.float32)
+        bias = (self.param("bias", _zeros(("embed",)), (x.shape[-1],), jnp.float32) if c.norm_bias
+                else jnp.zeros((x.shape[-1],), jnp.float32))
+        return layer_norm(x, scale, bias, c.norm_eps, jnp.dtype(c.dtype))
+
+
+class Projection(nn.Module):
+    """x W (+ b): a kernel [in, *out_shape] (HF's Linear weight [prod(out_shape), in], transposed), optional bias."""
+
+    config: ModernBertConfig
+    out_shape: tuple[int, ...]
+    names: tuple[str | None, ...]  # the kernel's logical axes
+    std: float
+    use_bias: bool
+
+    @nn.compact
+    def __call__(self, x):
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        kernel = self.param("kernel", _init(c, self.std, self.names), (x.shape[-1], *self.out_shape), jnp.float32)
+        y = jnp.einsum("...i,i" + "jkl"[:len(self.out_shape)] + "->..." + "jkl"[:len(self.out_shape)],
+                       x.astype(dtype), kernel.astype(dtype))
+        if self.use_bias:
+            y = y + self.param("bias", _zeros(self.names[1:]), self.out_shape, jnp.float32).astype(dtype)
+        return y
+
+
+class Embeddings(nn.Module):
+    """Token embeddings (no positions, no token types), norm, dropout."""
+
+    config: ModernBertConfig
+
+    def setup(self):
+        c = self.config
+        self.tok_embeddings = self.param("tok_embeddings", _init(c, c.initializer_range, ("vocab", "embed")),
+                                         (c.vocab_size, c.hidden_size), jnp.float32)
+        self.norm = Norm(c)
+        self.drop = Dropout(c.embedding_dropout)
+
+    def __call__(self, input_ids, deterministic: bool):
+        x = jnp.take(self.tok_embeddings, input_ids, axis=0)
+        return self.drop(self.norm(x), deterministic=deterministic)
+
+    def attend(self, x):
+        """Logits against the token embeddings (the tied decoder), float32."""
+        return jnp.einsum("...h,vh->...v", x.astype(jnp.float32), self.tok_embeddings)
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection, rotary positions on q and k, attention (windowed in sliding layers), output
+    projection and its dropout (HF's `out_drop`, at attention_dropout)."""
+
+    config: ModernBertConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, input_mask, packing_ids, rotary, deterministic: bool):
+        c = self.config
+        heads, head_dim = c.num_attention_heads, c.head_dim
+        qkv = Projection(c, (3, c.hidden_size), ("embed", None, "heads"), c.initializer_range, c.attention_bias,
+                         name="Wqkv")(x)
+        split = lambda i: qkv[:, :, i].reshape(x.shape[:2] + (heads, head_dim))  # noqa: E731
+        query, key, value = split(0), split(1), split(2)
+        query, key = rope.apply_rotary(query, *rotary), rope.apply_rotary(key, *rotary)
+        query, key, value = (_constrain(t, ("activation_batch", "activation_length", "activation_heads",
+                                            "activation_kv")) for t in (query, key, value))
+        dropout_active = not deterministic and c.attention_dropout > 0
+        context = dot_product_attention(
+            query, key, value, input_mask, packing_ids, backend=c.attention_backend,
+            dropout_rate=c.attention_dropout, dropout_rng=self.make_rng("dropout") if dropout_active else None,
+            deterministic=deterministic, window=None if c.is_global(self.layer) else c.window)
+        context = context.reshape(x.shape[:2] + (c.hidden_size,))
+        out = Projection(c, (c.hidden_size,), ("heads", "embed"), _out_std(c), c.attention_bias, name="Wo")(context)
+        return Dropout(c.attention_dropout, name="out_drop")(out, deterministic=deterministic)
+
+
+class GatedMLP(nn.Module):
+    """Wo(drop(act(x Wi_input) * x Wi_gate)): HF's Wi [2 * intermediate, H] held as a kernel [H, 2, intermediate]."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        c = self.config
+        both = Projection(c, (2, c.intermediate_size), ("embed", None, "mlp"), c.initializer_range, c.mlp_bias,
+                          name="Wi")(x)
+        inner = activation(c.hidden_activation)(both[..., 0, :]) * both[..., 1, :]
+        inner = _constrain(inner, ("activation_batch", "activation_length", "activation_mlp"))
+        inner = Dropout(c.mlp_dropout, name="drop")(inner, deterministic=deterministic)
+        return Projection(c, (c.hidden_size,), ("mlp", "embed"), _out_std(c), c.mlp_bias, name="Wo")(inner)
+
+
+class Layer(nn.Module):
+    """One pre-norm encoder layer (HF: ModernBertEncoderLayer); layer 0 skips its attention norm."""
+
+    config: ModernBertConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, hidden, input_mask, packing_ids, rotary, deterministic: bool):
+        c = self.config
+        normed = Norm(c, name="attn_norm")(hidden)
+        if self.layer == 0:   # HF's layer 0 has no attention norm (its input is the embeddings' norm)
+            normed = hidden
+        hidden = hidden + Attention(c, self.layer, name="attn")(normed, input_mask, packing_ids, rotary,
+                                                                  deterministic)
+        hidden = hidden + GatedMLP(c, name="mlp")(Norm(c, name="mlp_norm")(hidden), deterministic)
+        return _constrain(hidden, _BATCH_LENGTH_EMBED)
+
+
+_REMAT_POLICIES = {"dots": jax.checkpoint_policies.checkpoint_dots,
+                   "full": jax.checkpoint_policies.nothing_saveable}
+
+
+def _layer_class(config: ModernBertConfig):
+    if config.remat == "none":
+        return Layer
+    # `deterministic` (argument 5, counting the module) is a Python bool that dropout branches on.
+    return nn.remat(Layer, policy=_REMAT_POLICIES[config.remat], static_argnums=(5,))
+
+
+class ModernBertModel(nn.Module):
+    """Embeddings, layers, final norm: (sequence_output [B, L, H], None) as BertModel returns (no pooler).
+
+    Hidden states are sown into "intermediates" as `hidden_states`, num_hidden_layers + 1 of them as transformers'
+    `output_hidden_states` gives them: the embeddings' output, each layer's, the last one after the final norm."""
+
+    config: ModernBertConfig
+
+    def setup(self):
+        c = self.config
+        if c.scan_layers:
+            raise ValueError("scan_layers is not supported for ModernBERT yet: its layers differ (global and "
+                             "sliding-window attention); set model.scan_layers=false")
+        self.embeddings = Embeddings(c)
+        layer = _layer_class(c)
+        self.layers = [layer(c, i, name=f"layer_{i}") for i in range(c.num_hidden_layers)]
+        self.final_norm = Norm(c)
+
+    def __call__(self, input_ids, input_mask, segment_ids=None, *, packing_ids=None, position_ids=None,
+                 deterministic: bool = True):
+        c = self.config
+        if position_ids is None:
+            position_ids = jnp.arange(input_ids.shape[-1], dtype=jnp.int32)[None]
+        rotary = {theta: rope.cos_sin(position_ids, c.head_dim, theta)
+                  for theta in {c.rope_theta(i) for i in range(c.num_hidden_layers)}}
+        hidden = _constrain(self.embeddings(input_ids, deterministic), _BATCH_LENGTH_EMBED)
+        self.sow("intermediates", "hidden_states", hidden)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, input_mask, packing_ids, rotary[c.rope_theta(i)], deterministic)
+            if i < c.num_hidden_layers - 1:
+                self.sow("intermediates", "hidden_states", hidden)
+        hidden = self.final_norm(hidden)
+        self.sow("intermediates", "hidden_states", hidden)
+        return hidden, None
+
+    def attend(self, x):
+        return self.embeddings.attend(x)
+
+
+class PredictionHead(nn.Module):
+    """HF's ModernBertPredictionHead: norm(act(dense(x))), the head under every task model."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        x = Projection(c, (c.hidden_size,), ("embed", "embed_out"), _out_std(c), c.classifier_bias, name="dense")(x)
+        return Norm(c, name="norm")(activation(c.classifier_activation)(x))
+
+
+def _classifier(config: ModernBertConfig, outputs: int) -> nn.Dense:
+    """A task's output layer (HF: `classifier`, a Linear with its bias), float32 logits; built inside a task
+    model's compact call, so its params are the model's `classifier/{kernel, bias}`."""
+    return nn.Dense(outputs, dtype=jnp.float32, param_dtype=jnp.float32,
+                    kernel_init=_init(config, config.hidden_size ** -0.5, ("embed", None)), bias_init=_zeros((None,)),
+                    name="classifier")
+
+
+class ModernBertForMaskedLM(nn.Module):
+    """The encoder, the prediction head and the decoder (tied to the token embeddings unless
+    tie_word_embeddings=False), scored only at `masked_lm_positions` [B, P] when given (pretraining), else at every
+    token. Returns {"mlm_logits": [B, P or L, vocab]} float32."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, input_ids, input_mask, segment_ids=None, masked_lm_positions=None, *, packing_ids=None,
+                 position_ids=None, deterministic: bool = True, **unused):
+        c = self.config
+        encoder = ModernBertModel(c, name="bert")
+        sequence, _ = encoder(input_ids, input_mask, packing_ids=packing_ids, position_ids=position_ids,
+                              deterministic=deterministic)
+        if masked_lm_positions is not None:
+            sequence = gather_positions(sequence, masked_lm_positions)
+        x = PredictionHead(c, name="head")(sequence)
+        if c.tie_word_embeddings:
+            logits = encoder.attend(x)
+        else:
+            logits = Projection(c, (c.vocab_size,), ("embed", "vocab"), _out_std(c), False,
+                                name="decoder")(x).astype(jnp.float32)
+        if c.decoder_bias:
+            logits = logits + self.param("decoder_bias", _zeros(("vocab",)), (c.vocab_size,), jnp.float32)
+        return {"mlm_logits": logits}
+
+
+def pool(sequence, input_mask, how: str):
+    """[B, H] from [B, L, H]: the first real token ("cls"; right padding: position 0) or the mean over real
+    tokens ("mean"), as HF's task models pool."""
+    if how == "cls":
+        first = jnp.argmax(input_mask, axis=-1)
+        return jnp.take_along_axis(sequence, first[:, None, None], axis=1)[:, 0]
+    weights = input_mask.astype(jnp.float32)[..., None]
+    return (sequence.astype(jnp.float32) * weights).sum(1) / weights.sum(1)
+
+
+class ModernBertForSequenceClassification(nn.Module):
+    """Pooled (classifier_pooling) -> head -> dropout -> classifier(num_labels); num_labels=1 is regression."""
+
+    config: ModernBertConfig
+    num_labels: int
+
+    @nn.compact
+    def __call__(self, input_ids, input_mask, segment_ids=None, *, deterministic: bool = True):
+        c = self.config
+        sequence, _ = ModernBertModel(c, name="bert")(input_ids, input_mask, deterministic=deterministic)
+        pooled = PredictionHead(c, name="head")(pool(sequence, input_mask, c.classifier_pooling))
+        pooled = Dropout(c.classifier_dropout)(pooled, deterministic=deterministic)
+        return _classifier(c, self.num_labels)(pooled.astype(jnp.float32))
+
+
+class ModernBertForMultipleChoice(nn.Module):
+    """Each choice a row; pooled -> head -> dropout -> classifier(1). [B, choices, L] -> logits [B, choices]."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, input_ids, input_mask, segment_ids=None, *, deterministic: bool = True):
+        c = self.config
+        leading, length = input_ids.shape[:-1], input_ids.shape[-1]
+        ids, mask = input_ids.reshape(-1, length), input_mask.reshape(-1, length)
+        sequence, _ = ModernBertModel(c, name="bert")(ids, mask, deterministic=deterministic)
+        pooled = PredictionHead(c, name="head")(pool(sequence, mask, c.classifier_pooling))
+        pooled = Dropout(c.classifier_dropout)(pooled, deterministic=deterministic)
+        return _classifier(c, 1)(pooled.astype(jnp.float32)).reshape(leading)
+
+
+class ModernBertForTokenClassification(nn.Module):
+    """Every token -> head -> dropout -> classifier(num_labels): [B, L, num_labels] float32."""
+
+    config: ModernBertConfig
+    num_labels: int
+
+    @nn.compact
+    def __call__(self, input_ids, input_mask, segment_ids=None, *, deterministic: bool = True):
+        c = self.config
+        sequence, _ = ModernBertModel(c, name="bert")(input_ids, input_mask, deterministic=deterministic)
+        sequence = Dropout(c.classifier_dropout)(PredictionHead(c, name="head")(sequence),
+                                                 deterministic=deterministic)
+        return _classifier(c, self.num_labels)(sequence.astype(jnp.float32))
+
+
+class ModernBertForQuestionAnswering(nn.Module):
+    """Every token -> head -> dropout -> classifier(2): (start_logits, end_logits), each [B, L] float32."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, input_ids, input_mask, segment_ids=None, *, deterministic: bool = True):
+        c = self.config
+        sequence, _ = ModernBertModel(c, name="bert")(input_ids, input_mask, deterministic=deterministic)
+        sequence = Dropout(c.classifier_dropout)(PredictionHead(c, name="head")(sequence),
+                                                 deterministic=deterministic)
+        logits = _classifier(c, 2)(sequence.astype(jnp.float32))
+        return logits[..., 0], logits[..., 1]
+
+
+def init_params(module: nn.Module, config: ModernBertConfig, rng, length: int = 8, num_masked: int = 2):
+    """Initial (boxed, logically partitioned) params of any ModernBERT module, from dummy inputs."""
+    if isinstance(module, ModernBertForMaskedLM):
+        ids = jnp.zeros((1, length), jnp.int32)
+        return module.init(rng, ids, jnp.ones_like(ids), ids, jnp.zeros((1, num_masked), jnp.int32))["params"]
+    return _init_params(module, config, rng, length, num_masked)

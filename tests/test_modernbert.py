@@ -1,0 +1,222 @@
+"""ModernBERT, the second encoder family: equal to transformers' ModernBertModel and task models for the same weights
+(padded batches with sentences longer than the window, packed rows), its config read in both of HF's spellings, and
+HF -> bertjax -> HF bit-exact with the tokenizer.json carried through."""
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+from bertjax.cli import main as cli
+from bertjax.checkpoint import save_model
+from bertjax.interop.load import checkpoint_tokenizer, load_pretrained
+from bertjax.model import family, modernbert
+from bertjax.model.modernbert_config import FULL, SLIDING, ModernBertConfig
+from tests import modernbert_fixture
+
+# Held out from the BPE's training text (examples/), each longer than the window of 8.
+HELD_OUT = ["The orchestra tuned their instruments while the audience slowly found their seats.",
+            "Rain fell on the harbour all night, and by morning the boats were gone.",
+            "She wrote three letters.",
+            "A compiler turns source code into a program that the machine can run."]
+
+
+def relative_error(ours, theirs, where=None) -> float:
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    if where is not None:
+        ours, theirs = ours[where], theirs[where]
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return modernbert_fixture.bpe_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def masked_lm_dir(tmp_path_factory):
+    """ModernBERT's defaults: no biases, tied decoder with a bias, cls pooling."""
+    return modernbert_fixture.write_masked_lm(tmp_path_factory.mktemp("modernbert") / "hf")
+
+
+@pytest.fixture(scope="module")
+def every_option(tokenizer):
+    """The other side of every switch: norm, attention, MLP and head biases, an untied decoder without a bias,
+    mean pooling, another activation, and a layer pattern given as layer_types."""
+    config = modernbert_fixture.hf_config(
+        tokenizer, norm_bias=True, attention_bias=True, mlp_bias=True, classifier_bias=True, decoder_bias=False,
+        tie_word_embeddings=False, classifier_pooling="mean", hidden_activation="gelu_pytorch_tanh",
+        classifier_activation="silu", layer_types=[FULL, SLIDING, FULL, SLIDING], norm_eps=1e-6)
+    torch.manual_seed(1)
+    return modernbert_fixture.perturbed(transformers.ModernBertForMaskedLM(config), seed=1)
+
+
+def _batch(tokenizer, texts):
+    encoded = tokenizer(texts, padding=True, return_tensors="np")
+    ids, mask = encoded["input_ids"].astype(np.int32), encoded["attention_mask"].astype(np.int32)
+    assert ids.shape[1] > 2 * 8, "the sentences must be longer than the window"
+    return ids, mask
+
+
+def _ours_from(reference, tokenizer, tmp_path):
+    reference.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return load_pretrained(str(tmp_path))
+
+
+def test_hidden_states_and_logits_equal_transformers_on_padded_sentences_longer_than_the_window(
+        masked_lm_dir, tokenizer):
+    reference = transformers.ModernBertForMaskedLM.from_pretrained(masked_lm_dir).eval()
+    loaded = load_pretrained(str(masked_lm_dir))
+    ids, mask = _batch(tokenizer, HELD_OUT)
+    with torch.no_grad():
+        out = reference(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask),
+                        output_hidden_states=True)
+    logits, state = modernbert.ModernBertForMaskedLM(loaded.config).apply(
+        {"params": loaded.params}, ids, mask, mutable=["intermediates"])
+    hidden = state["intermediates"]["bert"]["hidden_states"]
+    assert len(hidden) == len(out.hidden_states) == loaded.config.num_hidden_layers + 1
+    real = mask.astype(bool)
+    for i, (ours, theirs) in enumerate(zip(hidden, out.hidden_states)):
+        assert relative_error(ours, theirs.numpy(), real) < 1e-5, f"hidden state {i}"
+    assert relative_error(logits["mlm_logits"], out.logits.numpy(), real) < 1e-5
+
+
+def test_every_config_switch_equals_transformers(every_option, tokenizer, tmp_path):
+    loaded = _ours_from(every_option, tokenizer, tmp_path)
+    config = loaded.config
+    assert (config.norm_bias, config.attention_bias, config.mlp_bias, config.classifier_bias) == (True,) * 4
+    assert (config.decoder_bias, config.tie_word_embeddings, config.norm_eps) == (False, False, 1e-6)
+    assert config.layer_types == (FULL, SLIDING, FULL, SLIDING)
+    ids, mask = _batch(tokenizer, HELD_OUT)
+    with torch.no_grad():
+        out = every_option(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask))
+    logits = modernbert.ModernBertForMaskedLM(config).apply({"params": loaded.params}, ids, mask)["mlm_logits"]
+    assert relative_error(logits, out.logits.numpy(), mask.astype(bool)) < 1e-5
+
+
+def test_packed_rows_restart_positions_and_keep_to_their_sequence_and_window(masked_lm_dir, tokenizer):
+    """Two sentences packed into one row with padding after them: each one's hidden states are those transformers
+    gives it alone (RoPE positions restart; attention keeps to its own sequence and to the window)."""
+    reference = transformers.ModernBertModel.from_pretrained(masked_lm_dir).eval()
+    loaded = load_pretrained(str(masked_lm_dir))
+    first, second = (tokenizer(text)["input_ids"] for text in HELD_OUT[:2])
+    length = len(first) + len(second) + 5
+    ids = np.full((1, length), tokenizer.pad_token_id, np.int32)
+    ids[0, :len(first)], ids[0, len(first):len(first) + len(second)] = first, second
+    mask = (np.arange(length) < len(first) + len(second)).astype(np.int32)[None]
+    packing = np.where(np.arange(length) < len(first), 0, 1).astype(np.int32)[None]
+    positions = np.concatenate([np.arange(len(first)), np.arange(length - len(first))]).astype(np.int32)[None]
+    ours, _ = family.encoder(loaded.config).apply({"params": loaded.params["bert"]}, ids, mask,
+                                                  packing_ids=packing, position_ids=positions)
+    for start, tokens in ((0, first), (len(first), second)):
+        with torch.no_grad():
+            alone = reference(input_ids=torch.tensor([tokens])).last_hidden_state.numpy()[0]
+        assert relative_error(np.asarray(ours)[0, start:start + len(tokens)], alone) < 1e-5
+
+
+@pytest.mark.parametrize("task", ["SequenceClassification", "TokenClassification", "QuestionAnswering",
+                                  "MultipleChoice"])
+def test_task_heads_equal_transformers_and_export_back_bit_exact(task, tokenizer, tmp_path):
+    config = modernbert_fixture.hf_config(tokenizer, num_labels=2 if task == "QuestionAnswering" else 3,
+                                          classifier_pooling="mean" if task == "MultipleChoice" else "cls")
+    torch.manual_seed(2)
+    reference = modernbert_fixture.perturbed(getattr(transformers, f"ModernBertFor{task}")(config), seed=2)
+    reference.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    loaded = load_pretrained(str(tmp_path / "src"))
+    assert loaded.head["architecture"] == f"BertFor{task}"
+    ids, mask = _batch(tokenizer, HELD_OUT)
+    real = mask.astype(bool)
+    if task == "MultipleChoice":
+        ids, mask = ids.reshape(2, 2, -1), mask.reshape(2, 2, -1)
+    with torch.no_grad():
+        out = reference(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask))
+    module = {"SequenceClassification": lambda: family.sequence_classifier(loaded.config, 3),
+              "TokenClassification": lambda: family.token_classifier(loaded.config, 3),
+              "QuestionAnswering": lambda: family.question_answering(loaded.config),
+              "MultipleChoice": lambda: family.multiple_choice(loaded.config)}[task]()
+    ours = module.apply({"params": loaded.params}, ids, mask)
+    if task == "QuestionAnswering":
+        assert relative_error(ours[0], out.start_logits.numpy(), real) < 1e-5
+        assert relative_error(ours[1], out.end_logits.numpy(), real) < 1e-5
+    elif task == "TokenClassification":
+        assert relative_error(ours, out.logits.numpy(), real) < 1e-5
+    else:
+        assert relative_error(ours, out.logits.numpy()) < 1e-5
+    save_model(str(tmp_path / "ckpt"), loaded.params, loaded.config, loaded.vocab, head=loaded.head,
+               tokenizer=loaded.tokenizer)
+    assert cli(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf/config.json").read_text())["architectures"] == [f"ModernBertFor{task}"]
+    reloaded = getattr(transformers, f"ModernBertFor{task}").from_pretrained(tmp_path / "hf")
+    for (name, a), (_, b) in zip(reference.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_convert_and_export_are_bit_exact_and_the_export_fills_masks_in_transformers(masked_lm_dir, tmp_path):
+    assert cli(["convert", "--from", "hf", str(masked_lm_dir), "--out", str(tmp_path / "ckpt")]) == 0
+    assert cli(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    source, exported = load_file(str(masked_lm_dir / "model.safetensors")), load_file(str(tmp_path / "hf/model.safetensors"))
+    assert set(exported) == set(source) - {"decoder.weight"}  # tied to the token embeddings: not written, as HF
+    for key, value in exported.items():
+        assert value.dtype == source[key].dtype and np.array_equal(value, source[key]), key
+    assert (tmp_path / "hf/tokenizer.json").read_text() == (masked_lm_dir / "tokenizer.json").read_text()
+    hf_config = json.loads((tmp_path / "hf/config.json").read_text())
+    assert hf_config["architectures"] == ["ModernBertForMaskedLM"] and hf_config["model_type"] == "modernbert"
+    assert "ModernBertForMaskedLM" in (tmp_path / "hf/README.md").read_text()
+    fill = transformers.pipeline("fill-mask", model=str(tmp_path / "hf"))
+    reference = transformers.pipeline("fill-mask", model=str(masked_lm_dir))
+    sentence = "The boats were [MASK] by morning."
+    assert [r["token"] for r in fill(sentence)] == [r["token"] for r in reference(sentence)]
+
+
+def test_embed_equals_transformers_modernbertmodel_on_held_out_sentences(masked_lm_dir, tmp_path):
+    (tmp_path / "held_out.txt").write_text("\n".join(HELD_OUT) + "\n")
+    assert cli(["embed", "--checkpoint", str(masked_lm_dir), "--input", str(tmp_path / "held_out.txt"),
+                "--output", str(tmp_path / "vectors.npy"), "--pooling", "mean"]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(masked_lm_dir)
+    reference = transformers.ModernBertModel.from_pretrained(masked_lm_dir).eval()
+    encoded = tokenizer(HELD_OUT, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = reference(**encoded).last_hidden_state
+    weights = encoded["attention_mask"][..., None].float()
+    expected = ((hidden * weights).sum(1) / weights.sum(1)).numpy()
+    assert relative_error(np.load(tmp_path / "vectors.npy"), expected) < 1e-4
+
+
+def test_the_checkpoints_tokenizer_gives_transformers_ids(masked_lm_dir):
+    loaded = load_pretrained(str(masked_lm_dir))
+    ours = checkpoint_tokenizer(loaded, str(masked_lm_dir))
+    theirs = transformers.AutoTokenizer.from_pretrained(masked_lm_dir)
+    encoded = ours.encode(HELD_OUT, max_len=40, text_pairs=HELD_OUT[::-1])
+    expected = theirs(HELD_OUT, HELD_OUT[::-1], padding="max_length", max_length=40, truncation="longest_first")
+    np.testing.assert_array_equal(encoded["input_ids"], expected["input_ids"])
+    np.testing.assert_array_equal(encoded["input_mask"], expected["attention_mask"])
+    words = HELD_OUT[0].split()
+    pieces = ours.word_lists(words, [i > 0 for i in range(len(words))])
+    assert sum(pieces, []) == theirs(HELD_OUT[0], add_special_tokens=False)["input_ids"]
+
+
+def test_config_reads_both_of_hfs_spellings_and_refuses_what_it_cannot_compute():
+    old = {"model_type": "modernbert", "num_hidden_layers": 5, "global_attn_every_n_layers": 2,
+           "global_rope_theta": 5000.0, "local_rope_theta": 20.0, "hidden_size": 32, "num_attention_heads": 4,
+           "intermediate_size": 40, "vocab_size": 100, "pad_token_id": 0}
+    config = family.config_from_hf_dict(old)
+    assert config.layer_types == (FULL, SLIDING, FULL, SLIDING, FULL)
+    assert (config.global_rope_theta, config.local_rope_theta) == (5000.0, 20.0)
+    written = config.to_hf_dict()
+    assert written["rope_parameters"][SLIDING]["rope_theta"] == 20.0
+    assert family.config_from_hf_dict(written) == config
+    hf = transformers.ModernBertConfig.from_dict(written)
+    assert hf.layer_types == list(config.layer_types) and hf.sliding_window == config.window
+    assert ModernBertConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        family.config_from_hf_dict({**old, "rope_parameters": {FULL: {"rope_type": "yarn", "rope_theta": 1.0}}})
+    with pytest.raises(ValueError, match="neither 'bert' nor 'modernbert'"):
+        family.config_from_hf_dict({"model_type": "roberta"})
+    with pytest.raises(ValueError, match="layer_types has 2 entries for num_hidden_layers 5"):
+        family.config_from_hf_dict({**old, "layer_types": [FULL, SLIDING]})
+    with pytest.raises(ValueError, match="head size 7 .* is odd"):
+        ModernBertConfig(hidden_size=28, num_attention_heads=4, vocab_size=100, pad_token_id=0)
