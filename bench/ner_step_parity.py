@@ -1,5 +1,6 @@
 """Deterministic step parity of the NER training recipe: our Trainer's model, loss and optimizer vs the PyTorch loop
-of bench/ner_parity.py (transformers.BertForTokenClassification + torch AdamW + get_linear_schedule_with_warmup),
+of bench/ner_parity.py (transformers' BertForTokenClassification, or ModernBertForTokenClassification for a
+ModernBERT --init, + torch AdamW + get_linear_schedule_with_warmup),
 dropout off on both sides, the same batches (rows of our featurization, in the same order), the same start
 weights (the HF checkpoint for the encoder; our seed's classifier head copied into torch).
 
@@ -38,11 +39,11 @@ def ours_steps(features, init, settings, batches, total_steps, num_labels):
 
     from bertjax.finetune.trainer import Trainer, token_classification_loss
     from bertjax.interop.load import load_init
-    from bertjax.model.bert import BertForTokenClassification
+    from bertjax.model import family
     from bertjax.pretraining.optim import OptimizerConfig, make_optimizer
 
     ckpt, _ = load_init(init)
-    trainer = Trainer(BertForTokenClassification(ckpt.config, num_labels), ckpt.config, ckpt.params,
+    trainer = Trainer(family.token_classifier(ckpt.config, num_labels), ckpt.config, ckpt.params,
                       token_classification_loss, settings, source=init)
     head = jax.device_get(trainer.params["classifier"])
     warmup = int(settings.warmup_proportion * total_steps)
@@ -79,7 +80,8 @@ def torch_steps(features, init, learning_rate, batches, total_steps, labels, hea
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.BertForTokenClassification.from_pretrained(init, num_labels=len(labels))
+    model = transformers.AutoModelForTokenClassification.from_pretrained(init, num_labels=len(labels))
+    token_types = model.config.model_type == "bert"  # ModernBERT has none
     with torch.no_grad():
         model.classifier.weight.copy_(torch.from_numpy(np.asarray(head["kernel"]).T.copy()))
         model.classifier.bias.copy_(torch.from_numpy(np.asarray(head["bias"]).copy()))
@@ -94,8 +96,9 @@ def torch_steps(features, init, learning_rate, batches, total_steps, labels, hea
     for idx in batches:
         length = int(a["input_mask"][idx].sum(1).max())
         inputs = {"input_ids": torch.tensor(a["input_ids"][idx, :length], dtype=torch.long),
-                  "attention_mask": torch.tensor(a["input_mask"][idx, :length], dtype=torch.long),
-                  "token_type_ids": torch.tensor(a["segment_ids"][idx, :length], dtype=torch.long)}
+                  "attention_mask": torch.tensor(a["input_mask"][idx, :length], dtype=torch.long)}
+        if token_types:
+            inputs["token_type_ids"] = torch.tensor(a["segment_ids"][idx, :length], dtype=torch.long)
         lab = a["label_ids"][idx, :length].astype(np.int64)
         inputs["labels"] = torch.tensor(np.where(lab < 0, -100, lab))
         lr = optimizer.param_groups[0]["lr"]
@@ -110,9 +113,12 @@ def torch_steps(features, init, learning_rate, batches, total_steps, labels, hea
 
 
 def bench_alignment(sentences, init, features, max_seq_length):
-    """Do the bench's BertTokenizerFast ids and first-sub-token label positions equal our featurization's?"""
+    """Do the bench's BertTokenizerFast ids and first-sub-token label positions equal our featurization's? (None
+    for a tokenizer.json model: transformers' split-into-words BPE tokenises each word without its space.)"""
     import transformers
 
+    if not os.path.exists(os.path.join(init, "vocab.txt")):
+        return None
     tok = transformers.BertTokenizerFast(vocab=os.path.join(init, "vocab.txt"), do_lower_case=True)
     enc = tok(sentences.words, is_split_into_words=True, truncation=True, max_length=max_seq_length)
     differ = 0

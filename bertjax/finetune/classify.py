@@ -23,7 +23,7 @@ from bertjax.finetune import glue_data, label_metrics, table_data
 from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss, write_fine_tuned
 from bertjax.interop.load import load_init
-from bertjax.model.bert import BertForSequenceClassification
+from bertjax.model import family
 
 
 def multi_label_loss(logits, batch):
@@ -108,7 +108,7 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
     started = time.perf_counter()
 
     num_labels = 1 if names is None else len(names)
-    trainer = Trainer(BertForSequenceClassification(ckpt.config, num_labels), ckpt.config, ckpt.params,
+    trainer = Trainer(family.sequence_classifier(ckpt.config, num_labels), ckpt.config, ckpt.params,
                       LOSSES[problem], settings, source=init)
     ckpt.params = {}  # the Trainer holds its own copy: the checkpoint's host copy would double them in memory
     featurize = lambda examples: glue_data.featurize(examples, tokenizer, max_seq_length)  # noqa: E731

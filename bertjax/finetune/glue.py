@@ -27,7 +27,7 @@ from bertjax.finetune.trainer import (
     write_fine_tuned,
 )
 from bertjax.interop.load import load_init
-from bertjax.model.bert import BertForSequenceClassification
+from bertjax.model import family
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
     os.makedirs(out_dir, exist_ok=True)
     started = time.perf_counter()
 
-    module = BertForSequenceClassification(ckpt.config, task.num_labels)
+    module = family.sequence_classifier(ckpt.config, task.num_labels)
     loss = regression_loss if task.is_regression else classification_loss
     trainer = Trainer(module, ckpt.config, ckpt.params, loss, settings, source=init or "checkpoint")
     features = {name: glue_data.featurize(ex, tokenizer, max_seq_length) for name, ex in splits.items()}

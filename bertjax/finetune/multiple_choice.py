@@ -20,7 +20,7 @@ from bertjax import jsonio
 from bertjax.finetune import glue_metrics, swag_data
 from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import Trainer, classification_loss, write_fine_tuned
-from bertjax.model.bert import BertForMultipleChoice
+from bertjax.model import family
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
     os.makedirs(workdir, exist_ok=True)
     started = time.perf_counter()
 
-    trainer = Trainer(BertForMultipleChoice(ckpt.config), ckpt.config, ckpt.params, classification_loss, settings,
+    trainer = Trainer(family.multiple_choice(ckpt.config), ckpt.config, ckpt.params, classification_loss, settings,
                       source=init or "checkpoint")
     features = {"train": swag_data.featurize(train, tokenizer, max_seq_length),
                 "val": swag_data.featurize(val, tokenizer, max_seq_length)}

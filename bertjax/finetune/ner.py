@@ -22,7 +22,7 @@ from bertjax.finetune.trainer import (
     write_fine_tuned,
 )
 from bertjax.interop.load import load_init
-from bertjax.model.bert import BertForTokenClassification
+from bertjax.model import family
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
     window = dict(max_seq_length=ner.max_seq_length, doc_stride=ner.doc_stride)
     train_features = ner_data.featurize(train, tokenizer, labels, **window)
     log.info("train: %d sentences -> %d windows, %d labels", len(train), len(train_features), len(labels))
-    trainer = Trainer(BertForTokenClassification(ckpt.config, len(labels)), ckpt.config, ckpt.params,
+    trainer = Trainer(family.token_classifier(ckpt.config, len(labels)), ckpt.config, ckpt.params,
                       token_classification_loss, settings, source=init)
     eval_features = {split: ner_data.featurize(sentences, tokenizer, None, **window)
                      for split, sentences in eval_sentences.items()}

@@ -113,7 +113,8 @@ def word_pieces(sentences: Sentences, tokenizer) -> list[list[list[int]]]:
     """WordPiece ids of every word (one batched tokenizer call); a word that tokenizes to nothing (only
     characters the tokenizer drops) becomes [UNK], so that every word has a first sub-token to label."""
     flat = [w for sent in sentences.words for w in sent]
-    ids = tokenizer.token_lists(flat) if flat else []
+    after_space = [i > 0 for sent in sentences.words for i in range(len(sent))]
+    ids = tokenizer.word_lists(flat, after_space) if flat else []
     out, k = [], 0
     for sent in sentences.words:
         out.append([[int(t) for t in ids[k + i]] or [tokenizer.unk_id] for i in range(len(sent))])

@@ -28,11 +28,12 @@ from bertjax.finetune.settings import SquadSettings, TrainSettings
 from bertjax.finetune.squad_postprocess import answer_spans
 from bertjax.finetune.trainer import Trainer
 from bertjax.interop.load import describe_pretrained, load_init
-from bertjax.model.bert import BertForQuestionAnswering, BertForSequenceClassification, BertForTokenClassification
+from bertjax.model import family
 
-HEADS = {"BertForSequenceClassification": BertForSequenceClassification,
-         "BertForTokenClassification": BertForTokenClassification,
-         "BertForQuestionAnswering": BertForQuestionAnswering}
+# A fine-tuned head's task (by BERT's class name, either family) -> its module for (config, num_labels).
+HEADS = {"BertForSequenceClassification": family.sequence_classifier,
+         "BertForTokenClassification": family.token_classifier,
+         "BertForQuestionAnswering": lambda config, num_labels: family.question_answering(config)}
 SPANS = "BertForQuestionAnswering"
 _WORD = re.compile(r"\w+|[^\w\s]")
 
@@ -76,13 +77,14 @@ class Predictor:
         head = ckpt.head or {}
         self.architecture = head.get("architecture")
         self.spans = self.architecture == SPANS
-        if self.architecture not in HEADS or ("qa_outputs" if self.spans else "classifier") not in ckpt.params:
+        # BERT's span head is `qa_outputs`, ModernBERT's `classifier` (HF's names).
+        if self.architecture not in HEADS or not {"qa_outputs", "classifier"} & set(ckpt.params):
             raise ValueError(f"{model}: no fine-tuned classifier, token classifier or span head (architecture "
                              f"{self.architecture!r}); `bertjax predict` needs a model a fine-tune job wrote")
         if self.spans:
             self.squad = squad_settings(model, head, **squad, max_seq_length=max_seq_length)
             max_seq_length, self.lower_case = self.squad.max_seq_length, ckpt.lower_case
-            module = BertForQuestionAnswering(ckpt.config)
+            module = family.question_answering(ckpt.config)
         else:
             max_seq_length = max_seq_length or 128
             num_labels = int(np.shape(ckpt.params["classifier"]["bias"])[0])
@@ -126,7 +128,10 @@ class Predictor:
     def _entities(self, texts: list[str]) -> list[dict]:
         words = [[(m.start(), m.end()) for m in _WORD.finditer(text)] for text in texts]
         flat = [text[s:e] for text, spans in zip(texts, words) for s, e in spans]
-        pieces, splits = self.tokenizer.pieces(flat if flat else [""])
+        after_space = [s > 0 and text[s - 1].isspace() for text, spans in zip(texts, words) for s, _ in spans]
+        lists = self.tokenizer.word_lists(flat, after_space) if flat else [[]]
+        splits = np.concatenate([[0], np.cumsum([len(ids) for ids in lists])]).astype(np.int64)
+        pieces = np.asarray([i for ids in lists for i in ids], np.int32)
         ids = np.full((len(texts), self.max_seq_length), self.tokenizer.pad_id, np.int32)
         mask = np.zeros_like(ids)
         first, word_index = [], 0  # per text: (word's character span, position of its first piece)

@@ -17,7 +17,7 @@ from bertjax.finetune.settings import SquadSettings, TrainSettings, check_metric
 from bertjax.finetune.squad_postprocess import predict_answers
 from bertjax.finetune.trainer import Trainer, span_loss, write_fine_tuned
 from bertjax.interop.load import load_init
-from bertjax.model.bert import BertForQuestionAnswering
+from bertjax.model import family
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
     if not train_file and "qa_outputs" not in ckpt.params:
         raise ValueError(f"{init} has no span head (qa_outputs); give --train to fine-tune one")
     os.makedirs(workdir, exist_ok=True)
-    trainer = Trainer(BertForQuestionAnswering(ckpt.config), ckpt.config, ckpt.params, span_loss, train_settings,
+    trainer = Trainer(family.question_answering(ckpt.config), ckpt.config, ckpt.params, span_loss, train_settings,
                       source=init)
     featurize = dict(max_seq_length=squad.max_seq_length, doc_stride=squad.doc_stride,
                      max_query_length=squad.max_query_length)

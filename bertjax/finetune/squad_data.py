@@ -258,6 +258,9 @@ def tokenize_contexts(contexts: list[str], tokenizer, lower_case: bool) -> tuple
     words could not be aligned char by char (their pieces get the whole word's span)."""
     words_per_context = [whitespace_words(c) for c in contexts]
     flat = [c[a:b] for c, spans in zip(contexts, words_per_context) for a, b in spans]
+    if hasattr(tokenizer, "words_with_offsets"):  # a tokenizer.json: its pieces of running text, its own offsets
+        after_space = [a > 0 for spans in words_per_context for a, _ in spans]
+        return _tokenize_with_offsets(words_per_context, tokenizer.words_with_offsets(flat, after_space)), 0
     piece_ids = tokenizer.token_lists(flat) if flat else []
     vocab = tokenizer.vocab
     out, k, unaligned = [], 0, 0
@@ -274,6 +277,20 @@ def tokenize_contexts(contexts: list[str], tokenizer, lower_case: bool) -> tuple
             offsets.extend((a + s, a + e) for s, e in aligned)
         out.append(ContextTokens(ids, offsets))
     return out, unaligned
+
+
+def _tokenize_with_offsets(words_per_context, pieces) -> list[ContextTokens]:
+    """ContextTokens from each word's (ids, spans in the word), the words' spans in their context given."""
+    out, k = [], 0
+    for spans in words_per_context:
+        ids, offsets = [], []
+        for a, _ in spans:
+            word_ids, word_spans = pieces[k]
+            k += 1
+            ids.extend(word_ids)
+            offsets.extend((a + s, a + e) for s, e in word_spans)
+        out.append(ContextTokens(ids, offsets))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- windowing

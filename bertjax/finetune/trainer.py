@@ -35,7 +35,7 @@ from bertjax.console import Console, LineSchedule, Progress, duration, metric_te
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
 from bertjax.interop.hf import export_hf
-from bertjax.model.bert import init_params
+from bertjax.model.family import init_params
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining.metrics import MetricsWriter
 from bertjax.pretraining.optim import OptimizerConfig, make_optimizer
@@ -475,10 +475,10 @@ def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_che
             head["problem_type"] = hf_config["problem_type"]
         if hf_config.get("squad"):  # a span model's SQuAD settings: how `bertjax predict` decodes it
             head["squad"] = hf_config["squad"]
-        save_model(str(target), params, init.config, init.vocab, init.lower_case, head=head)
+        save_model(str(target), params, init.config, init.vocab, init.lower_case, head=head, tokenizer=init.tokenizer)
     if hf:
         export_hf(params, init.config, init.vocab, str(epath.Path(out_dir) / "hf"), lower_case=init.lower_case,
-                  architecture=architecture, **hf_config)
+                  architecture=architecture, tokenizer=init.tokenizer, **hf_config)
 
 
 # ------------------------------------------------------------------------------------------------- losses
