@@ -2,12 +2,13 @@
 gcloud commands, the scripts run on the workers, and the backend the babysitter drives.
 
 One slice per job: a queued resource with one node (`--node-id`) of the accelerator type. On every worker the
-backend installs the wheel built from this checkout (configs included) and starts the same `bertjax ...` command
-with `--distributed` *detached* (setsid + nohup, output to ~/bertjax-job/job.log, exit code to
-~/bertjax-job/exit), so no SSH session carries the job: the launcher can drop, be killed or be re-attached with
-`bertjax launch watch`. It follows worker 0's log live and polls the slice's state and the workers' exit codes;
-a slice that is no longer ACTIVE (or a worker whose job vanished without an exit code) is a preemption: the
-queued resource is deleted and re-created, and the job resumes from its workdir (gs://) checkpoints.
+backend installs the wheel built from this checkout (configs included) into ~/bertjax-venv, a CPython 3.11 that uv
+brings whatever the image's python3 is, and starts the same `bertjax ...` command with `--distributed` *detached*
+(setsid + nohup, output to ~/bertjax-job/job.log, exit code to ~/bertjax-job/exit), so no SSH session carries the
+job: the launcher can drop, be killed or be re-attached with `bertjax launch watch`. It follows worker 0's log live
+and polls the slice's state and the workers' exit codes; a slice that is no longer ACTIVE (or a worker whose job
+vanished without an exit code) is a preemption: the queued resource is deleted and re-created, and the job resumes
+from its workdir (gs://) checkpoints.
 """
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ PROVISIONING = ("on-demand", "spot", "reserved")
 # Node metadata that records the job in its slice, so `launch watch` can re-create and restart it.
 COMMAND_KEY, WHEEL_KEY = "bertjax-command", "bertjax-wheel"
 JOB_DIR = "bertjax-job"  # on every worker, relative to the SSH user's home
+# The workers' Python. Google's "TPU software versions" page (cloud.google.com/tpu/docs/runtimes) says a runtime
+# version is the software pre-installed on the TPU VM, "the Ubuntu operating system, Docker, and other software",
+# and names the JAX ones above; it names no Python. tpu-ubuntu2204-base is Ubuntu 22.04, whose python3 is 3.10; the
+# page does not say which Ubuntu the v2-alpha-* images are. The wheel (requires-python >=3.11) and jax 0.7+ refuse
+# 3.10, so the set-up does not depend on the image's interpreter: uv (pinned) installs a managed CPython (a
+# python-build-standalone build) and makes ~/VENV from it, the wheel goes there, and the job runs that environment's
+# bertjax. The image's python3 only fetches uv from PyPI with its pip (else uv's standalone installer from GitHub).
+WORKER_PYTHON = "3.11"  # the minor version the pinned dependencies are verified on (pyproject.toml)
+UV_VERSION = "0.13.9"
+VENV = "bertjax-venv"  # on every worker, relative to the SSH user's home
+UV_DIR = ".bertjax-uv"  # uv itself, the same
+VENV_COMPLETE = ".bertjax-complete"  # in VENV once `uv venv` completed: an environment without it is made again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,20 +128,59 @@ def gcloud_ssh(spec: SliceSpec, remote_command: str, worker: str = "all") -> lis
             "--command", remote_command]
 
 
+def worker_setup(wheel_name: str) -> str:
+    """The script that readies a worker for the job: uv UV_VERSION (in ~/UV_DIR), a uv-managed CPython WORKER_PYTHON
+    and ~/VENV made from it, the wheel with libtpu installed there. Idempotent: a rerun (a failed job restarted on
+    the same slice, `launch watch`) re-uses uv and the environment and installs the wheel again; what a cut-short run
+    left half-made (uv's folder before its move, an environment without VENV_COMPLETE) is removed and made again."""
+    major, minor = WORKER_PYTHON.split(".")
+    return f"""set -eu
+uv="$HOME/{UV_DIR}/bin/uv" venv="$HOME/{VENV}"
+case "$("$uv" --version 2>/dev/null)" in
+"uv {UV_VERSION}" | "uv {UV_VERSION} "*) ;;
+*) rm -rf "$HOME/{UV_DIR}" "$HOME/{UV_DIR}.tmp"
+   if ! python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \\
+       --target "$HOME/{UV_DIR}.tmp" uv=={UV_VERSION}; then
+     echo "bertjax worker set-up: pip did not install uv; trying the uv installer from GitHub" >&2
+     rm -rf "$HOME/{UV_DIR}.tmp"
+     curl -LsSf https://astral.sh/uv/{UV_VERSION}/install.sh | env UV_UNMANAGED_INSTALL="$HOME/{UV_DIR}.tmp/bin" sh
+   fi
+   "$HOME/{UV_DIR}.tmp/bin/uv" --version > /dev/null
+   mv "$HOME/{UV_DIR}.tmp" "$HOME/{UV_DIR}";;
+esac
+if [ -f "$venv/{VENV_COMPLETE}" ] && \\
+    "$venv/bin/python" -c "import sys; sys.exit(sys.version_info[:2] != ({major}, {minor}))" 2>/dev/null; then
+  echo "bertjax worker set-up: re-using ~/{VENV}"
+else
+  rm -rf "$venv"
+  "$uv" venv --quiet --python {WORKER_PYTHON} --managed-python "$venv"
+  touch "$venv/{VENV_COMPLETE}"
+fi
+"$uv" pip install --quiet --python "$venv/bin/python" --reinstall-package bertjax "./{wheel_name}[tpu]"
+echo "bertjax worker set-up: $("$venv/bin/python" -V) (uv-managed) in ~/{VENV}, bertjax installed"
+""".rstrip("\n")
+
+
+def worker_python(runtime_version: str) -> str:
+    """Which Python the workers run, and where it comes from (`launch tpu --dry-run`, the launcher's log)."""
+    return (f"CPython {WORKER_PYTHON} installed by uv {UV_VERSION} (a python-build-standalone build) in ~/{VENV} on "
+            f"every worker, whatever python3 the {runtime_version} image has (tpu-ubuntu2204-base, Ubuntu 22.04: 3.10; "
+            f"the wheel needs >=3.11); the job runs ~/{VENV}/bin/bertjax")
+
+
 def worker_commands(wheel_name: str, command: list[str]) -> tuple[str, str]:
-    """(install, start) shell commands for every worker: this checkout's wheel with libtpu, then the job started
-    detached. setsid gives the job a session of its own (no controlling terminal, its own process group): the SSH
+    """(install, start) shell commands for every worker: worker_setup's script, then the job started detached from
+    ~/VENV. setsid gives the job a session of its own (no controlling terminal, its own process group): the SSH
     session's hangup never reaches it, and a restart kills the previous job's whole group; nohup also ignores
     SIGHUP. The job's output goes to JOB_DIR/job.log, its exit code to JOB_DIR/exit when it ends by itself."""
-    install = f'pip install --quiet --upgrade "./{wheel_name}[tpu]"'
-    job = (f"echo $$ > {JOB_DIR}/pid; {shlex.join(['bertjax', *command, '--distributed'])}; "
+    job = (f'echo $$ > {JOB_DIR}/pid; "$HOME/{VENV}/bin/bertjax" {shlex.join([*command, "--distributed"])}; '
            f"echo $? > {JOB_DIR}/exit.tmp; mv {JOB_DIR}/exit.tmp {JOB_DIR}/exit")
     start = (f'mkdir -p {JOB_DIR} && if [ -f {JOB_DIR}/pid ]; then kill -9 -- -"$(cat {JOB_DIR}/pid)" '
              f"2>/dev/null; fi; rm -f {JOB_DIR}/pid {JOB_DIR}/exit; "
              f"if [ -f {JOB_DIR}/job.log ]; then mv {JOB_DIR}/job.log {JOB_DIR}/job.log.previous; fi; "
-             f'PATH="$HOME/.local/bin:$PATH" setsid nohup bash -c {shlex.quote(job)} > {JOB_DIR}/job.log 2>&1 '
+             f'PATH="$HOME/{VENV}/bin:$PATH" setsid nohup bash -c {shlex.quote(job)} > {JOB_DIR}/job.log 2>&1 '
              f"< /dev/null & for i in $(seq 100); do [ -f {JOB_DIR}/pid ] && break; sleep 0.1; done")
-    return install, start
+    return worker_setup(wheel_name), start
 
 
 # One line per worker: "bertjax-job exit N" (ended by itself), "running", "lost" (its processes are gone without
@@ -155,6 +207,7 @@ def dry_run(spec: SliceSpec, wheel_path: str, command: list[str]) -> str:
             "# gcloud equivalent: create (the request also records the job in the node's metadata, for `launch "
             "watch`), copy the wheel, install, start the job detached on all workers, follow worker 0's log, poll "
             "the workers' exit codes (and the slice's state), delete once done\n"
+            f"# the workers' Python: {worker_python(spec.runtime_version)}\n"
             + "\n".join(shlex.join(step) for step in steps) + "\n")
 
 
@@ -238,7 +291,8 @@ class CloudTpuBackend:
         else:
             install, start = worker_commands(os.path.basename(self.wheel_path), command)
             if not self._installed:
-                self.log(f"launch tpu: installing {os.path.basename(self.wheel_path)} on every worker")
+                self.log(f"launch tpu: installing {os.path.basename(self.wheel_path)} on every worker, into "
+                         f"~/{VENV}: CPython {WORKER_PYTHON} by uv {UV_VERSION}, whatever the image's python3")
                 for step in (gcloud_copy(self.spec, self.wheel_path), gcloud_ssh(self.spec, install)):
                     result = self._gcloud(step, check=False)
                     if result.returncode:

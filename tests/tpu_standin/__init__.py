@@ -9,6 +9,24 @@ import stat
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+UV_STANDIN = """#!{python}
+import os, pathlib, shutil, sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("uv {version} (stand-in)")
+elif args[0] == "venv":
+    venv = pathlib.Path(args[-1])
+    (venv / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, venv / "bin" / "python")
+elif args[:2] == ["pip", "install"]:
+    wheel = next(arg for arg in args if arg.startswith("./")).split("[")[0]
+    if not os.path.isfile(wheel):
+        sys.exit(f"uv: {{wheel}}: no such file")
+    pathlib.Path("installed-wheel").write_text(wheel + "\\n")
+    shutil.copy("{bertjax}", pathlib.Path(args[args.index("--python") + 1]).parent / "bertjax")
+else:
+    sys.exit(f"stand-in uv: unsupported {{args}}")
+"""
 
 
 def _script(path: pathlib.Path, text: str) -> None:
@@ -22,6 +40,7 @@ def standin(root: pathlib.Path, workers: int = 2, plans=(), devices_per_worker: 
     """Starts the API stand-in; yields (server, env): env points a launcher at it (gcloud on PATH, the API
     endpoint, the workers' root). The workers' `bertjax` is this checkout's, or toy_job.py with toy_job=True.
     Stops it, killing whatever jobs its workers still run."""
+    from bertjax.cloud.tpu import UV_VERSION
     from tests.conftest import xla_flags
     from tests.tpu_standin.api import TpuStandIn
 
@@ -30,11 +49,17 @@ def standin(root: pathlib.Path, workers: int = 2, plans=(), devices_per_worker: 
     bin_dir.mkdir(exist_ok=True)
     worker_bin.mkdir(exist_ok=True)
     _script(bin_dir / "gcloud", f'#!/bin/sh\nexec {sys.executable} {REPO}/tests/tpu_standin/gcloud.py "$@"\n')
-    # pip: checks the copied wheel is there and records it (the job runs this checkout, not the wheel's copy).
-    _script(worker_bin / "pip", '#!/bin/sh\nfor a in "$@"; do case "$a" in ./*) w="${a%%\\[*}";; esac; done\n'
-            '[ -f "$w" ] || { echo "pip: $w: no such file" >&2; exit 1; }\necho "$w" > installed-wheel\n')
+    # The worker set-up's tools (tpu.worker_setup; its real run: tests/test_tpu_worker_setup.py): the image's python3
+    # installs a stand-in uv with `-m pip install --target DIR uv==V` (anything else runs this interpreter); that uv
+    # makes a venv whose python is this interpreter, and its `pip install ./WHEEL[tpu]` checks the copied wheel is
+    # there, records it and puts the stand-in `bertjax` in the venv (the job runs this checkout, not the wheel's copy).
     program = f"{REPO}/tests/tpu_standin/toy_job.py" if toy_job else "-m bertjax.cli"
     _script(worker_bin / "bertjax", f'#!/bin/sh\nexec {sys.executable} {program} "$@"\n')
+    _script(worker_bin / "uv-standin", UV_STANDIN.format(python=sys.executable, version=UV_VERSION,
+                                                          bertjax=worker_bin / "bertjax"))
+    _script(worker_bin / "python3", f'#!/bin/sh\ncase "$*" in *"-m pip install "*" --target "*) ;; *) exec '
+            f'{sys.executable} "$@";; esac\nt=; p=; for a in "$@"; do [ "$p" = --target ] && t="$a"; p="$a"; done\n'
+            f'mkdir -p "$t/bin" && cp {worker_bin / "uv-standin"} "$t/bin/uv"\n')
     cache = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
     (root / "config.json").write_text(json.dumps({"worker_bin": str(worker_bin), "repo": str(REPO),
                                                   "xla_flags": xla_flags(devices_per_worker), "cache": cache}))

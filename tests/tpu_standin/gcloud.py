@@ -4,10 +4,10 @@ Workers are directories `$TPU_STANDIN_ROOT/<NAME>/worker-<i>/` (their home); the
 `$TPU_STANDIN_ROOT/<NAME>/state` says ACTIVE (written by the API stand-in). `ssh` runs the command with bash in
 every chosen worker's home, each in a session of its own, with the environment a TPU VM's metadata would give:
 which worker it is and where the coordinator is (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID;
-one free port per ssh call), CPU devices, and `pip` / `bertjax` from the stand-in's worker bin (pip checks the
-wheel was copied and records it; `bertjax` runs this checkout). As sshd does when a connection drops, the
-commands' process groups get SIGHUP when this process is told to stop, when its caller dies, or when the node
-stops being ACTIVE (then it exits 255, as ssh does on a lost connection).
+one free port per ssh call), CPU devices, and the stand-in's worker bin first on PATH (its python3 and uv make the
+set-up's venv and check the wheel was copied; the venv's `bertjax` runs this checkout). As sshd does when a
+connection drops, the commands' process groups get SIGHUP when this process is told to stop, when its caller dies,
+or when the node stops being ACTIVE (then it exits 255, as ssh does on a lost connection).
 """
 from __future__ import annotations
 
