@@ -55,7 +55,10 @@ def _convert(args: argparse.Namespace) -> int:
         loaded.lower_case = not args.cased
     save_model(args.out, loaded.params, loaded.config, loaded.vocab, loaded.lower_case, head=loaded.head,
                tokenizer=loaded.tokenizer)
-    print(f"wrote {args.out}: {_count(loaded.params):,} parameters, modules {sorted(loaded.params)}")
+    from bertjax.model.family import counted_params
+
+    counted = counted_params(loaded.params, loaded.config)
+    print(f"wrote {args.out}: {_count(counted):,} parameters, modules {sorted(loaded.params)}")
     return 0
 
 
@@ -104,10 +107,13 @@ def _info(args: argparse.Namespace) -> int:
         print(f"tokenizer: its tokenizer.json ({_tokenizer_model(loaded.tokenizer)}), {len(loaded.vocab)} tokens")
     else:
         print(f"vocabulary: {len(loaded.vocab)} tokens (WordPiece), lower_case={loaded.lower_case}")
+    from bertjax.model.family import counted_params
+
+    counted = counted_params(loaded.params, loaded.config)
     print("parameters by module:")
-    for module, count in parameter_counts(loaded.params).items():
+    for module, count in parameter_counts(counted).items():
         print(f"  {module:<32} {count:>14,}")
-    print(f"  {'total':<32} {_count(loaded.params):>14,}")
+    print(f"  {'total':<32} {_count(counted):>14,}")
     return 0
 
 

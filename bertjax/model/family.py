@@ -110,3 +110,12 @@ def hf_architecture(config: ModelConfig, task: str) -> str:
     if not is_modernbert(config):
         return task
     return "ModernBertForMaskedLM" if task in ("BertForPreTraining", "BertForMaskedLM") else "Modern" + task
+
+
+def counted_params(params: dict, config: ModelConfig) -> dict:
+    """`params` as transformers counts them: without ModernBERT's unused layer-0 attention norm (HF's Identity)."""
+    layer_0 = params.get("bert", {}).get("layer_0")
+    if not is_modernbert(config) or layer_0 is None or "attn_norm" not in layer_0:
+        return params
+    return {**params, "bert": {**params["bert"],
+                               "layer_0": {k: v for k, v in layer_0.items() if k != "attn_norm"}}}
