@@ -9,20 +9,37 @@ from bertjax.cli import build_parser
 from bertjax.data.cli import data_config_from_flags
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.finetune.settings import SquadSettings, TrainSettings
-from bertjax.model.config import BertConfig, ModelOptions
+from bertjax.model.config import BertConfig
+from bertjax.model.modernbert_config import ModernBertConfig
+from bertjax.model.model_options import ModelOptions
 from bertjax.pretraining import config as pretrain_config
 
 
 def test_job_keys_are_the_config_classes_fields():
     config = pretrain_config.default_config()
     assert set(config.data) == {f.name for f in dataclasses.fields(PretrainingDataConfig)}
-    # model.* = a preset plus every BertConfig field, with BertConfig's own defaults for those a preset leaves.
-    assert set(config.model) == {"preset"} | {f.name for f in dataclasses.fields(BertConfig)}
+    # model.* = a preset plus every BertConfig field, with BertConfig's own defaults for those a preset leaves, and
+    # ModernBERT's own fields under model.modernbert (its layer pattern as global_attn_every_n_layers).
+    assert set(config.model) == {"preset", "modernbert"} | {f.name for f in dataclasses.fields(BertConfig)}
     assert config.model.dtype == BertConfig.dtype and config.model.hidden_act == BertConfig.hidden_act
+    modern = {f.name for f in dataclasses.fields(ModernBertConfig)} - {f.name for f in dataclasses.fields(BertConfig)}
+    assert set(config.model.modernbert) == modern - {"layer_types", "bos_token_id", "eos_token_id", "cls_token_id",
+                                                     "sep_token_id"} | {"global_attn_every_n_layers"}
     built = pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", "model.num_hidden_layers=3"])
     assert built.bert_config(100) == BertConfig.preset("tiny", vocab_size=100, max_position_embeddings=128,
                                                        num_hidden_layers=3)
     assert isinstance(built.model, ModelOptions)
+    modern_built = pretrain_config.load_config("modernbert-tiny", ["data.input=x", "data.vocab=v",
+                                                                   "model.modernbert.global_attn_every_n_layers=2"])
+    assert modern_built.bert_config(100).layer_types == ("full_attention", "sliding_attention") * 2
+    with pytest.raises(ValueError, match=r"model.hidden_act \(ModernBERT's: model.modernbert.hidden_activation\) "
+                                         "belong to the other family"):
+        pretrain_config.load_config("modernbert-tiny", ["data.input=x", "data.vocab=v", "model.hidden_act=relu"])
+    with pytest.raises(ValueError, match="model.modernbert.norm_bias belong to the other family"):
+        pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", "model.modernbert.norm_bias=true"])
+    with pytest.raises(ValueError, match="train.nsp_loss=true: model.preset=modernbert-tiny"):
+        pretrain_config.load_config("modernbert-tiny", ["data.input=x", "data.vocab=v", "train.nsp_loss=true",
+                                                        "data.next_sentence_prediction=true"])
 
 
 def test_overrides_parse_to_the_declared_type_even_where_the_default_is_none():

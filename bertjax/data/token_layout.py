@@ -64,6 +64,11 @@ class Tokenizer:
         return len(self.vocab)
 
     @property
+    def special_token_ids(self) -> dict[str, int | None]:
+        """{"pad", "unk", "cls", "sep", "mask"} -> id (a model config records them: ModernBERT's)."""
+        return {"pad": self.pad_id, "unk": self.unk_id, "cls": self.cls_id, "sep": self.sep_id, "mask": self.mask_id}
+
+    @property
     def special_ids(self) -> np.ndarray:
         """Ids that are never masking candidates."""
         return np.array(sorted({self.pad_id, self.cls_id, self.sep_id}), np.int32)

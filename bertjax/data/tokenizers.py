@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import numpy as np
@@ -136,8 +137,52 @@ class SentencePieceTokenizer(_Tokenizer):
         return np.array([not t.startswith(self.WORD_START) and t not in specials for t in self.vocab], bool)
 
 
+class TokenizerJsonTokenizer(_Tokenizer):
+    """An HF tokenizer.json (e.g. ModernBERT's BPE) in tf.data graphs: HF's Rust `tokenizers` on the host through a
+    stateless `tf.numpy_function` (its pieces are json_tokenizer.HostJsonTokenizer's), so a pipeline that uses it
+    still saves and restores its position. The special tokens are those of a tokenizer_config.json beside the file,
+    else BERT's names. `lower_case` is the tokenizer's own business (its normaliser): not applied here."""
+
+    def __init__(self, path: str):
+        from bertjax.data.json_tokenizer import HostJsonTokenizer, special_tokens_from_config
+
+        if not tf.io.gfile.exists(path):
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        with tf.io.gfile.GFile(path, "rb") as f:
+            text = f.read().decode("utf-8")
+        beside = {}
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            other = path.rsplit("/", 1)[0] + "/" + name if "/" in path else name
+            if tf.io.gfile.exists(other):
+                with tf.io.gfile.GFile(other, "rb") as f:
+                    beside[name] = json.loads(f.read().decode("utf-8"))
+        special = special_tokens_from_config(beside.get("tokenizer_config.json", {}),
+                                             beside.get("special_tokens_map.json", {}))
+        self._host = HostJsonTokenizer(text, special, source=path)
+        self.spec, self.source, self.vocab, self.lower_case = self._host.spec, path, self._host.vocab, False
+        ids = self._host.special_token_ids
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (ids[k] for k in
+                                                                          ("pad", "unk", "cls", "sep", "mask"))
+
+    def _tokenize_normalized(self, texts):
+        def host(strings):
+            ids, splits = self._host.pieces([s.decode("utf-8", errors="replace") for s in strings.reshape(-1)])
+            return ids.astype(np.int32), splits.astype(np.int64)
+
+        ids, splits = tf.numpy_function(host, [texts], (tf.int32, tf.int64), stateful=False)
+        ids.set_shape([None])
+        splits.set_shape([None])
+        return tf.RaggedTensor.from_row_splits(ids, splits, validate=False)
+
+    def word_continuation_table(self) -> np.ndarray:
+        return self._host.word_continuation_table()
+
+
 def load_tokenizer(path: str, lower_case: bool | None = None) -> _Tokenizer:
-    """WordPiece for a vocab.txt, SentencePiece for a .model file (lower_case defaults: True / False)."""
+    """WordPiece for a vocab.txt, SentencePiece for a .model file (lower_case defaults: True / False), an HF
+    tokenizer.json for a .json file (its own normaliser)."""
     if path.endswith(".model"):
         return SentencePieceTokenizer(path, lower_case=bool(lower_case))
+    if path.endswith(".json"):
+        return TokenizerJsonTokenizer(path)
     return WordPieceTokenizer(path, lower_case=True if lower_case is None else lower_case)

@@ -13,7 +13,6 @@ from typing import Any
 
 from etils import epath
 
-from bertjax.options import option
 
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
                 "type_vocab_size")
@@ -222,37 +221,6 @@ class BertConfig:
         )
         values.update(extra)
         return values
-
-
-# The fields a preset sets (and vocab_size, which a job takes from its vocabulary).
-PRESET_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-
-
-def _model_option_fields() -> list:
-    fields = [("preset", str, option("base", f"model size: {' | '.join(PRESETS)}"))]
-    for field in dataclasses.fields(BertConfig):
-        if field.name in PRESET_FIELDS:
-            help_text = "0: the vocabulary's size" if field.name == "vocab_size" else "0: the preset's value"
-            fields.append((field.name, int, option(0, help_text)))
-        else:
-            fields.append((field.name, field.type, option(field.default)))
-    return fields
-
-
-# A pretraining job's `model.*` keys: a preset plus every BertConfig field, derived from BertConfig itself so that
-# no model option (or its default) is written twice. Size fields left at 0 come from the preset.
-ModelOptions = dataclasses.make_dataclass("ModelOptions", _model_option_fields(), frozen=True,
-                                          namespace={"__module__": __name__})
-
-
-def build_model_config(model: ModelOptions, vocab_size: int) -> BertConfig:
-    """The BertConfig of a job's `model.*` options, with `vocab_size` from its vocabulary unless set."""
-    if model.preset not in PRESETS:
-        raise ValueError(f"model.preset={model.preset!r}; expected one of {sorted(PRESETS)}")
-    values = {f.name: getattr(model, f.name) for f in dataclasses.fields(BertConfig)}
-    values = {k: v for k, v in values.items() if not (k in PRESET_FIELDS and v == 0)}
-    values.setdefault("vocab_size", vocab_size)
-    return BertConfig.preset(model.preset, **values)
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -119,3 +119,17 @@ def counted_params(params: dict, config: ModelConfig) -> dict:
         return params
     return {**params, "bert": {**params["bert"],
                                "layer_0": {k: v for k, v in layer_0.items() if k != "attn_norm"}}}
+
+
+def pretraining_model(config: ModelConfig, span_boundary_objective: bool = False):
+    """The module a pretraining job trains: BERT's MLM + NSP (+ SBO) model, ModernBERT's masked LM (MLM alone)."""
+    if is_modernbert(config):
+        if span_boundary_objective:
+            raise ValueError("ModernBERT has no span boundary objective head")
+        return modernbert.ModernBertForMaskedLM(config)
+    return bert.BertForPreTraining(config, span_boundary_objective=span_boundary_objective)
+
+
+def activation(config: ModelConfig) -> str:
+    """The feed-forward activation's name (BERT's hidden_act, ModernBERT's hidden_activation)."""
+    return config.hidden_activation if is_modernbert(config) else config.hidden_act

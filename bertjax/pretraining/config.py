@@ -20,13 +20,15 @@ import ml_collections
 from bertjax import options
 from bertjax.checkpoint import CheckpointConfig, ModelCheckpoint, ResumeRefused
 from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.model.config import (
-    BERT_CONFIG_KEYS,
+from bertjax.model.family import ModelConfig
+from bertjax.model.model_options import (
+    ALL_PRESETS,
     PRESET_FIELDS,
-    PRESETS,
-    BertConfig,
     ModelOptions,
     build_model_config,
+    is_modernbert_preset,
+    options_of,
+    preset_sizes,
 )
 from bertjax.options import option
 from bertjax.pretraining.optim import OptimizerConfig
@@ -82,9 +84,10 @@ class PretrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def bert_config(self, vocab_size: int) -> BertConfig:
-        """The BertConfig the job trains (`vocab_size`: its vocabulary's, unless model.vocab_size is set)."""
-        return build_model_config(self.model, vocab_size)
+    def bert_config(self, vocab_size: int, special_ids: dict | None = None) -> ModelConfig:
+        """The model config the job trains, BERT's or ModernBERT's by the preset (`vocab_size`: its vocabulary's,
+        unless model.vocab_size is set; `special_ids`: the vocabulary's [PAD]/[CLS]/[SEP] ids, ModernBERT's)."""
+        return build_model_config(self.model, vocab_size, special_ids)
 
     def with_model_sizes(self, vocab_size: int = 0) -> "PretrainConfig":
         """This config with the model sizes left at 0 written out: the preset's sizes and, when `vocab_size` is
@@ -147,8 +150,6 @@ def _config_values(name_or_path: str) -> ml_collections.ConfigDict:
 # its warmup as BERT's share (10k of 1M steps) so that a shorter train.steps needs no new warmup.
 INIT_CONFIG = "init"
 _INIT_WARMUP_RATIO = 0.01
-# The model keys a checkpoint defines (its architecture; compute settings such as dtype stay the job's).
-_CHECKPOINT_MODEL_KEYS = (*BERT_CONFIG_KEYS, "layer_norm_eps", "pad_token_id")
 # What `--config init` takes from an --init checkpoint a bertjax pretraining run saved: the shape of its batch (the
 # default recipe's 256 x 128 can be far more than the run was sized for: bert-tiny's is 32 x 128).
 INIT_RUN_KEYS = ("train.batch_size", "train.grad_accum_steps", "data.max_seq_length", "data.max_predictions_per_seq")
@@ -173,8 +174,10 @@ def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool
             raise ValueError("--config init takes the model of the --init checkpoint: give --init CHECKPOINT")
         values = default_config()
         values.lock()
-        for key in _CHECKPOINT_MODEL_KEYS:
-            options.apply_override(values, PretrainConfig, f"model.{key}={getattr(init.config, key)}")
+        for key, value in options_of(init.config).items():
+            options.apply_override(values, PretrainConfig, f"model.{key}={value}")
+        if is_modernbert_preset(values.model.preset):  # its objective: MLM alone
+            options.apply_override(values, PretrainConfig, "train.nsp_loss=false")
         for key, value in {"optimizer.warmup_ratio": _INIT_WARMUP_RATIO, **(init_run or {})}.items():
             options.apply_override(values, PretrainConfig, f"{key}={value}")
     else:
@@ -225,11 +228,11 @@ def _sizes_written_out(flat: dict, other: dict) -> dict:
     vocabulary's size) equals any."""
     flat = dict(flat)
     preset = flat.get("model.preset")
-    if preset in PRESETS:
-        sizes = BertConfig.preset(preset, vocab_size=1)
+    if preset in ALL_PRESETS:
+        sizes = preset_sizes(preset)
         for key in PRESET_FIELDS:
             if flat.get(f"model.{key}") == 0:
-                flat[f"model.{key}"] = getattr(sizes, key) if key != "vocab_size" else other.get(f"model.{key}")
+                flat[f"model.{key}"] = sizes[key] if key != "vocab_size" else other.get(f"model.{key}")
     return flat
 
 
@@ -261,8 +264,8 @@ def validate(config: PretrainConfig, num_devices: int | None = None, require_dat
     """Cross-field checks, run before any compile. With `num_devices`, also the mesh and batch split;
     `require_data=False` for a config that is only compiled, never run (no input needed)."""
     problems = []
-    if config.model.preset not in PRESETS:
-        problems.append(f"model.preset={config.model.preset!r}; expected one of {sorted(PRESETS)}")
+    if config.model.preset not in ALL_PRESETS:
+        problems.append(f"model.preset={config.model.preset!r}; expected one of {', '.join(ALL_PRESETS)}")
     else:
         try:  # the model's own checks (ranges, head split), before a vocabulary is read
             config.bert_config(config.model.vocab_size or 30522)
@@ -277,6 +280,11 @@ def validate(config: PretrainConfig, num_devices: int | None = None, require_dat
                         f"model.max_position_embeddings={max_positions}")
     if config.train.nsp_loss and not config.data.next_sentence_prediction:
         problems.append("train.nsp_loss=true needs data.next_sentence_prediction=true")
+    if is_modernbert_preset(config.model.preset):
+        for key in ("nsp_loss", "span_boundary_objective"):
+            if getattr(config.train, key):
+                problems.append(f"train.{key}=true: model.preset={config.model.preset} (ModernBERT) has no such "
+                                "head; its objective is MLM alone (set train.nsp_loss=false)")
     if config.train.span_boundary_objective and config.data.masking_scheme != "span":
         problems.append(f"train.span_boundary_objective=true needs data.masking_scheme=span (the SBO predicts the "
                         f"tokens of masked spans from their boundaries), got {config.data.masking_scheme!r}")

@@ -12,8 +12,8 @@ import numpy as np
 
 from bertjax import sharding
 from bertjax.data import schema
-from bertjax.model import bert as model_lib
-from bertjax.model.config import BertConfig
+from bertjax.model import family
+from bertjax.model.family import ModelConfig
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step
 from bertjax.pretraining.config import PretrainConfig
@@ -27,7 +27,7 @@ _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 class JobStep:
     """What a pretraining job computes on a mesh: its model, the state's layout and the jitted steps."""
 
-    bert_config: BertConfig
+    bert_config: ModelConfig  # BERT's or ModernBERT's
     rng: jax.Array
     state_args: dict          # model, config, optimizer, seq_len, num_masked: how the state is initialised
     shardings: object         # NamedShardings of every state leaf
@@ -37,12 +37,12 @@ class JobStep:
     update_sharded: bool = False   # params and moments split over data (`update_sharding.py`)
 
 
-def build_job_step(config: PretrainConfig, mesh, vocab_size: int) -> JobStep:
+def build_job_step(config: PretrainConfig, mesh, vocab_size: int, special_ids: dict | None = None) -> JobStep:
     """The model, state layout and steps of the job on `mesh`: what `run` trains with and `bertjax compile`
-    compiles for a TPU slice (one builder, so the two cannot drift apart)."""
-    bert_config = config.bert_config(vocab_size)
-    model = model_lib.BertForPreTraining(bert_config,
-                                         span_boundary_objective=config.train.span_boundary_objective)
+    compiles for a TPU slice (one builder, so the two cannot drift apart). `special_ids`: the vocabulary's
+    [PAD]/[CLS]/[SEP] ids (ModernBERT's config records them)."""
+    bert_config = config.bert_config(vocab_size, special_ids)
+    model = family.pretraining_model(bert_config, config.train.span_boundary_objective)
     optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
     state_args = dict(model=model, config=bert_config, optimizer=optimizer, seq_len=config.data.max_seq_length,
                       num_masked=config.data.max_predictions_per_seq)
@@ -92,11 +92,12 @@ def abstract_batch(config: PretrainConfig, mesh) -> dict:
             for name, shape in shapes.items()}
 
 
-def compile_step(config: PretrainConfig, devices: list, vocab_size: int) -> CompiledStep:
+def compile_step(config: PretrainConfig, devices: list, vocab_size: int,
+                 special_ids: dict | None = None) -> CompiledStep:
     """Compiles the job's train step for `devices` (this machine's, or a TPU slice's or GPU host's compile-only
     devices); never runs it."""
     mesh = config.mesh.build(devices)
-    job = build_job_step(config, mesh, vocab_size)
+    job = build_job_step(config, mesh, vocab_size, special_ids)
     with sharding.activate(mesh):
         lowered = job.train_step.lower(job.abstract_state, abstract_batch(config, mesh))
     try:

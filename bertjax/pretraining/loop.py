@@ -27,6 +27,7 @@ from bertjax.data.tokenizers import load_tokenizer
 from bertjax.host_memory import memory_warning
 from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.model import bert as model_lib
+from bertjax.model import family
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
@@ -67,12 +68,12 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, vo
     stands for its newest complete step."""
     source = checkpoint_lib.resolve_checkpoint(source)
     if not reset_schedule and (epath.Path(source) / checkpoint_lib.OPT_STATE).exists():
-        _warn_other_activation(checkpoint_lib.load_config(source).hidden_act, hidden_act, source, log)
+        _warn_other_activation(family.activation(checkpoint_lib.load_config(source)), hidden_act, source, log)
         state = checkpoint_lib.restore_train_state(source, abstract)
         log(f"continuing from {source} at step {int(state.step)} (optimizer state and schedule kept)")
         return state
     checkpoint = load_pretrained(source)
-    _warn_other_activation(checkpoint.config.hidden_act, hidden_act, source, log)
+    _warn_other_activation(family.activation(checkpoint.config), hidden_act, source, log)
     differing = sum(a != b for a, b in zip(vocab, checkpoint.vocab)) + abs(len(vocab) - len(checkpoint.vocab))
     if differing:  # same size (the shapes check that), other tokens: embedding rows now stand for other words
         shown = [f"{i}: {b!r} -> {a!r}" for i, (a, b) in enumerate(zip(vocab, checkpoint.vocab)) if a != b][:3]
@@ -183,10 +184,11 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
             source, config.train.batch_size, jax.process_index(), jax.process_count()))))
     if init_from or config.init_from:
         load_pretrained(init_from or config.init_from)  # readable, before any device time is spent
-    compiled = compile_step(config, jax.devices(), len(tokenizer.vocab))
-    bert_config = config.bert_config(len(tokenizer.vocab))
+    special = tokenizer.special_token_ids
+    compiled = compile_step(config, jax.devices(), len(tokenizer.vocab), special)
+    bert_config = config.bert_config(len(tokenizer.vocab), special)
     params = sum(np.size(x) for x in jax.tree_util.tree_leaves(
-        build_job_step(config, mesh, len(tokenizer.vocab)).abstract_state.params))
+        build_job_step(config, mesh, len(tokenizer.vocab), special).abstract_state.params))
     peak, peak_source = metrics_lib.device_peak_flops(dtype=bert_config.dtype)
     flops = config.train.batch_size * metrics_lib.train_flops_per_sequence(
         bert_config, config.data.max_seq_length, config.data.max_predictions_per_seq)
@@ -262,9 +264,9 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     account.mark("startup_s")
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     vocab, lower_case = list(tokenizer.vocab), tokenizer.lower_case
-    rows = config.bert_config(len(vocab)).vocab_size
+    rows = config.bert_config(len(vocab), tokenizer.special_token_ids).vocab_size
     check_vocab_fits(len(vocab), rows, config.data.vocab, f"the model (model.vocab_size={rows})")
-    job = build_job_step(config, mesh, len(vocab))
+    job = build_job_step(config, mesh, len(vocab), tokenizer.special_token_ids)
     bert_config, shardings, abstract = job.bert_config, job.shardings, job.abstract_state
     seq_len = config.data.max_seq_length
 
@@ -294,7 +296,7 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
         state = train_state.init_sharded_state(job.rng, shardings, mesh, **job.state_args)
         if init_from:
             state = _init_from(state, init_from, shardings, abstract, config.reset_schedule, vocab,
-                               bert_config.hidden_act, log)
+                               family.activation(bert_config), log)
     _check_inputs_unchanged(epath.Path(workdir) / INPUTS_RECORD, config.data, resumed is not None,
                             process_index == 0, log)
     jax.block_until_ready(state)  # restored or initialised, not only dispatched: the time is charged now
@@ -318,7 +320,7 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
                                    sbo=config.train.span_boundary_objective, run_start=run_start, account=account,
                                    writer=writer, console=console)
     save = _Saver(checkpointer, iterator, account, config=config, bert_config=bert_config, vocab=vocab,
-                  lower_case=lower_case)
+                  lower_case=lower_case, tokenizer=getattr(tokenizer, "spec", None))
     evaluate = _Evaluator(job.eval_step, eval_batches, config.train.eval_every, mesh, config.train.nsp_loss, writer,
                           log, account)
     return _Run(config=config, mesh=mesh, train_step=job.train_step, iterator=iterator, input_files=source.files,
@@ -450,9 +452,9 @@ class _Saver:
     process's input position) when the step is due or forced; its blocking part charged to checkpoint_s."""
 
     def __init__(self, checkpointer, iterator, account, *, config: PretrainConfig, bert_config, vocab: list[str],
-                 lower_case: bool):
+                 lower_case: bool, tokenizer: dict | None = None):
         self.checkpointer, self.iterator, self.account, self.config = checkpointer, iterator, account, config
-        self.model = dict(config=bert_config, vocab=vocab, lower_case=lower_case)
+        self.model = dict(config=bert_config, vocab=vocab, lower_case=lower_case, tokenizer=tokenizer)
 
     def __call__(self, step: int, state, force: bool = False) -> bool:
         with self.account.charged_to("checkpoint_s"):

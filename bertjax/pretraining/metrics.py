@@ -18,6 +18,7 @@ from etils import epath
 from bertjax import jsonio
 from bertjax.console import Console, duration, metric_text
 from bertjax.model.config import BertConfig
+from bertjax.model.modernbert_config import ModernBertConfig
 
 # The step metrics shown on the console (all of them go to metrics.jsonl and TensorBoard).
 CONSOLE_KEYS = ("loss", "mlm_loss", "sbo_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "padding_fraction",
@@ -49,12 +50,28 @@ def train_flops(config: BertConfig, seq_len: int, real_tokens: float, masked_tok
     packed and unpacked runs are compared on the work that trains the model.
     """
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    if isinstance(config, ModernBertConfig):
+        return _modernbert_train_flops(config, seq_len, real_tokens, masked_tokens)
     per_token = layers * (8 * h * h + 4 * h * inter + 4 * seq_len * h)
     per_masked = 2 * h * h + 2 * h * config.vocab_size
     if sbo:
         per_masked += 2 * 3 * h * h + 2 * h * h + 2 * h * config.vocab_size
     forward = real_tokens * per_token + masked_tokens * per_masked + instances * (2 * h * h + 2 * h * 2)
     return 3.0 * float(forward)
+
+
+def _modernbert_train_flops(config: ModernBertConfig, seq_len: int, real_tokens: float,
+                            masked_tokens: float) -> float:
+    """ModernBERT's train_flops: per layer and real token Wqkv and Wo 4*2*H^2, the GeGLU 3*2*H*I (Wi is 2I wide),
+    attention 2*2*S*H where S is the keys a token attends: the row in global layers, the window (local_attention
+    + 1, at most the row) in the others; per masked token the prediction head 2*H^2 and the decoder 2*H*V. A
+    kernel that computes the whole row and masks it does more, which is not the model's work."""
+    h, inter = config.hidden_size, config.intermediate_size
+    spans = [seq_len if config.is_global(i) else min(seq_len, config.local_attention + 1)
+             for i in range(config.num_hidden_layers)]
+    per_token = sum(8 * h * h + 6 * h * inter + 4 * span * h for span in spans)
+    per_masked = 2 * h * h + 2 * h * config.vocab_size
+    return 3.0 * float(real_tokens * per_token + masked_tokens * per_masked)
 
 
 def train_flops_per_sequence(config: BertConfig, seq_len: int, num_masked: int) -> float:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from bertjax import sharding
 from bertjax.model import bert as model_lib
-from bertjax.model.config import BertConfig
+from bertjax.model import family
+from bertjax.model.family import ModelConfig
 from bertjax.pretraining import update_sharding
 
 
@@ -30,13 +31,13 @@ class TrainState:
     nonfinite_consecutive: jax.Array  # int32: such steps in a row, up to now
 
 
-def init_state(rng, *, model, config: BertConfig, optimizer, seq_len: int, num_masked: int) -> TrainState:
+def init_state(rng, *, model, config: ModelConfig, optimizer, seq_len: int, num_masked: int) -> TrainState:
     """A fresh state with boxed (logically annotated) params and optimizer state."""
     params_rng, dropout_rng = jax.random.split(rng)
     # Held with the encoder's layers stacked whether the model runs them unrolled or scanned: the update then
     # runs on ~30 tensors instead of ~200 (on TPU each is its own kernels, priced at >= 1.2 us each).
     params = model_lib.stack_layers(
-        model_lib.init_params(model, config, params_rng, length=seq_len, num_masked=num_masked))
+        family.init_params(model, config, params_rng, length=seq_len, num_masked=num_masked))
     return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=optimizer.init(params),
                       rng=jax.random.key_data(dropout_rng), nonfinite_total=jnp.zeros([], jnp.int32),
                       nonfinite_consecutive=jnp.zeros([], jnp.int32))
@@ -77,7 +78,7 @@ def make_update_sharding(rng, *, model, config, optimizer, mesh, seq_len, num_ma
     """The weight-update sharding of this state on `mesh` (`update_sharding.py`)."""
     del optimizer  # the update's layout does not depend on it
     # The params as the model computes with them (per layer unless scanned), not as the state holds them.
-    abstract = jax.eval_shape(functools.partial(model_lib.init_params, model, config, length=seq_len,
+    abstract = jax.eval_shape(functools.partial(family.init_params, model, config, length=seq_len,
                                                 num_masked=num_masked), rng)
     return update_sharding.make(mesh, sharding.DEFAULT_RULES, sharding.param_shardings(abstract, mesh),
                                 nn.meta.unbox(abstract), config.dtype, reduce_in_float32)

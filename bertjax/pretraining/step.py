@@ -108,21 +108,22 @@ def pretraining_sums(outputs: dict, batch: dict) -> dict:
     labels = batch["masked_lm_ids"].astype(jnp.int32)
     weights = batch["masked_lm_weights"].astype(jnp.float32)
     mlm_nll, mlm_hit = _token_nll(outputs["mlm_logits"], labels)
-    # One NSP prediction per instance: per row unpacked, per filled slot of a packed row.
-    nsp_logp = jax.nn.log_softmax(outputs["nsp_logits"].astype(jnp.float32).reshape(-1, 2), axis=-1)
-    nsp_labels = batch["next_sentence_labels"].reshape(-1).astype(jnp.int32)
     nsp_weights = _nsp_weights(batch)
-    nsp_nll = -jnp.take_along_axis(nsp_logp, nsp_labels[:, None], axis=-1)[:, 0]
     sums = {
         "mlm_loss_sum": jnp.sum(mlm_nll * weights),
         "mlm_correct": jnp.sum(mlm_hit * weights),
         "mlm_weight": jnp.sum(weights),
-        "nsp_loss_sum": jnp.sum(nsp_nll * nsp_weights),
-        "nsp_correct": jnp.sum((nsp_logp.argmax(-1) == nsp_labels) * nsp_weights),
-        "nsp_count": jnp.sum(nsp_weights),
+        "nsp_count": jnp.sum(nsp_weights),  # the instances, NSP head or not (throughput, FLOPs)
         "real_tokens": jnp.sum(batch["input_mask"].astype(jnp.float32)),
         "positions": jnp.asarray(batch["input_mask"].size, jnp.float32),
     }
+    if "nsp_logits" in outputs:  # BERT's; ModernBERT's objective is MLM alone
+        # One NSP prediction per instance: per row unpacked, per filled slot of a packed row.
+        nsp_logp = jax.nn.log_softmax(outputs["nsp_logits"].astype(jnp.float32).reshape(-1, 2), axis=-1)
+        nsp_labels = batch["next_sentence_labels"].reshape(-1).astype(jnp.int32)
+        nsp_nll = -jnp.take_along_axis(nsp_logp, nsp_labels[:, None], axis=-1)[:, 0]
+        sums.update(nsp_loss_sum=jnp.sum(nsp_nll * nsp_weights),
+                    nsp_correct=jnp.sum((nsp_logp.argmax(-1) == nsp_labels) * nsp_weights))
     if "sbo_logits" in outputs:
         sbo_nll, sbo_hit = _token_nll(outputs["sbo_logits"], labels)
         sums.update(sbo_loss_sum=jnp.sum(sbo_nll * weights), sbo_correct=jnp.sum(sbo_hit * weights))

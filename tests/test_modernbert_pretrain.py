@@ -1,0 +1,96 @@
+"""ModernBERT pretrained from scratch (`--config modernbert-tiny`, the modern recipe: MLM alone at 30%, packing, no
+NSP) on a text corpus with an HF tokenizer.json as its vocabulary: stopped by SIGTERM and rerun, it ends with the
+bits of an uninterrupted run; its export is transformers' ModernBertForMaskedLM with the same logits as the
+checkpoint, and the tokenizer it trained with."""
+import json
+import signal
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from bertjax.checkpoint import load_model
+from bertjax.data.demo_corpus import write_demo_corpus
+from bertjax.model import family
+from tests import modernbert_fixture
+from tests.test_pretrain import _env, _losses, _run, _run_here, _run_until
+
+STEPS, EVERY = 8, 2
+MIDDLE = STEPS // 2
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    train_path, eval_path = write_demo_corpus(str(folder))
+    modernbert_fixture.bpe_tokenizer().save_pretrained(folder / "tokenizer")
+    return train_path, eval_path, str(folder / "tokenizer" / "tokenizer.json")
+
+
+def _argv(workdir, corpus, *extra):
+    train_path, eval_path, tokenizer = corpus
+    return [sys.executable, "-m", "bertjax.cli", "pretrain", "--config", "modernbert-tiny", "--workdir",
+            str(workdir), "--set", f"data.input={train_path}", "--set", f"data.vocab={tokenizer}",
+            "--set", "data.max_seq_length=64", "--set", "data.max_predictions_per_seq=19", "--set",
+            "data.doc_buffer_size=40", "--set", "data.shuffle_buffer=100", "--set", f"train.steps={STEPS}",
+            "--set", "train.batch_size=8", "--set", "train.log_every=1", "--set", f"checkpoint.every={EVERY}",
+            "--set", "optimizer.warmup_steps=2", "--set", "model.modernbert.attention_dropout=0.1",
+            "--set", "model.modernbert.mlp_dropout=0.1", *extra]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus):
+    workdir = tmp_path_factory.mktemp("modernbert") / "run"
+    output = _run(_argv(workdir, corpus, "--set", f"data.eval_input={corpus[1]}", "--set", "train.eval_every=4"))
+    assert f"completed at step {STEPS}/{STEPS}" in output, output[-3000:]
+    return workdir
+
+
+def test_the_modern_recipe_trains_masked_lm_alone_on_packed_rows(uninterrupted):
+    records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r and "event" not in r and "eval_loss" not in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert all(r["loss"] == r["mlm_loss"] and "nsp_loss" not in r for r in steps)  # MLM alone
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    config = json.loads((uninterrupted / "config.json").read_text())
+    assert (config["data"]["masked_lm_prob"], config["data"]["packing"]) == (0.3, True)
+    assert any("eval_mlm_accuracy" in r for r in records)
+    checkpoint = load_model(str(uninterrupted / "checkpoints" / str(STEPS)))
+    assert family.is_modernbert(checkpoint.config) and checkpoint.tokenizer is not None
+    assert checkpoint.config.local_attention == 32 and checkpoint.config.layer_types[:2] == (
+        "full_attention", "sliding_attention")
+
+
+def test_sigterm_then_resume_is_bit_exact(uninterrupted, corpus, tmp_path, monkeypatch, capsys):
+    workdir = tmp_path / "preempted"
+    extra = ("--set", f"data.eval_input={corpus[1]}", "--set", "train.eval_every=4")
+    code, output = _run_until(_argv(workdir, corpus, *extra), f"step {MIDDLE}/", signal.SIGTERM)
+    assert code == 0 and "preempted at step" in output, output[-3000:]
+    _run_here(_argv(workdir, corpus, *extra), monkeypatch, capsys)
+    expected, resumed = _losses(uninterrupted), _losses(workdir)
+    assert [resumed[s] for s in range(MIDDLE + 1, STEPS + 1)] == [expected[s] for s in range(MIDDLE + 1, STEPS + 1)]
+    import jax
+
+    ours = jax.tree_util.tree_leaves(load_model(str(workdir / "checkpoints" / str(STEPS))).params)
+    theirs = jax.tree_util.tree_leaves(load_model(str(uninterrupted / "checkpoints" / str(STEPS))).params)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(ours, theirs))
+
+
+def test_the_export_loads_as_automodelformaskedlm_with_the_checkpoints_logits(uninterrupted, corpus, tmp_path,
+                                                                             monkeypatch, capsys):
+    _run_here(["export", str(uninterrupted), "--out", str(tmp_path / "hf")], monkeypatch, capsys)
+    model = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model).__name__ == "ModernBertForMaskedLM"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf/tokenizer.json").read_text() == open(corpus[2]).read()
+    text = "Methods are functions that are called using the attribute notation, and their names are looked up."
+    encoded = tokenizer(text, return_tensors="np")
+    checkpoint = load_model(str(uninterrupted / "checkpoints" / str(STEPS)))
+    ours = family.pretraining_model(checkpoint.config).apply(
+        {"params": checkpoint.params}, encoded["input_ids"], encoded["attention_mask"])["mlm_logits"]
+    with torch.no_grad():
+        theirs = model(**tokenizer(text, return_tensors="pt")).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-4)
+    assert "ModernBertForMaskedLM" in (tmp_path / "hf/README.md").read_text()
