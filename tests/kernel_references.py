@@ -32,12 +32,12 @@ def _segments(batch, length, layout):
     return jnp.asarray(ids)
 
 
-def _reference(q, k, v, segment_ids, keep_mask, rate):
+def _reference(q, k, v, segment_ids, keep_mask, rate, window=None):
     """reference_attention with an explicit keep mask (None: no dropout); segment ids as its masks (0 = padding).
     A padding query sees no key there (the kernel's sees the padding): those rows are left out of comparisons."""
     segment_ids = jnp.asarray(segment_ids)
     return reference_attention(q, k, v, (segment_ids != 0).astype(jnp.int32), segment_ids, dropout_rate=rate,
-                               deterministic=keep_mask is None, keep_mask=keep_mask)
+                               deterministic=keep_mask is None, keep_mask=keep_mask, window=window)
 
 
 def _value_and_grads(attention, weights, *args):

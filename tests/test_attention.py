@@ -26,13 +26,15 @@ def inputs():
     return q, k, v, input_mask, packing_ids
 
 
-def _naive(q, k, v, input_mask, packing_ids):
+def _naive(q, k, v, input_mask, packing_ids, window=None):
     """Per-example, per-head numpy attention over the allowed keys only (an independent reference)."""
     q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
     out = np.zeros_like(q)
     for b in range(q.shape[0]):
         for i in range(q.shape[1]):
             allowed = (input_mask[b] == 1) & (packing_ids[b] == packing_ids[b, i])
+            if window is not None:
+                allowed &= np.abs(np.arange(q.shape[1]) - i) <= window
             if not input_mask[b, i] or not allowed.any():
                 continue
             for h in range(q.shape[2]):
@@ -42,35 +44,39 @@ def _naive(q, k, v, input_mask, packing_ids):
     return out
 
 
-def _loss(backend, input_mask, packing_ids):
+def _loss(backend, input_mask, packing_ids, window=None):
     weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]
 
     def loss(q, k, v):
-        out = dot_product_attention(q, k, v, input_mask, packing_ids, backend=backend)
+        out = dot_product_attention(q, k, v, input_mask, packing_ids, backend=backend, window=window)
         return jnp.sum(jnp.sin(out) * weights)
     return loss
 
 
-def test_reference_matches_naive_attention(inputs):
+@pytest.mark.parametrize("window", [None, 5])
+def test_reference_matches_naive_attention(inputs, window):
     q, k, v, input_mask, packing_ids = inputs
-    out = reference_attention(q, k, v, input_mask, packing_ids)
+    out = reference_attention(q, k, v, input_mask, packing_ids, window=window)
     valid = input_mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(out)[valid], _naive(q, k, v, input_mask, packing_ids)[valid],
+    np.testing.assert_allclose(np.asarray(out)[valid], _naive(q, k, v, input_mask, packing_ids, window)[valid],
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["dot_product", "pallas_tpu", "splash_tpu"])
-def test_backend_matches_reference_forward_and_gradient(inputs, backend):
+@pytest.mark.parametrize("backend, window", [("dot_product", None), ("pallas_tpu", None), ("splash_tpu", None),
+                                             ("dot_product", 5), ("splash_tpu", 5)])
+def test_backend_matches_reference_forward_and_gradient(inputs, backend, window):
+    """With a window (ModernBERT's local layers) as well: 5 tokens each side of rows of 40 with packing; splash
+    takes it as its block-sparse local mask."""
     if backend.endswith("_tpu") and jax.default_backend() == "gpu":
         pytest.skip("the Pallas TPU interpret mode runs on CPU (and TPU), not on a GPU backend")
     q, k, v, input_mask, packing_ids = inputs
     valid = input_mask.astype(bool)
     # The Pallas TPU kernels run on CPU in interpret mode; the context must cover the backward trace too.
     with pltpu.force_tpu_interpret_mode():
-        out = dot_product_attention(q, k, v, input_mask, packing_ids, backend=backend)
-        grads = jax.grad(_loss(backend, input_mask, packing_ids), argnums=(0, 1, 2))(q, k, v)
-    reference = reference_attention(q, k, v, input_mask, packing_ids)
-    reference_grads = jax.grad(_loss("reference", input_mask, packing_ids), argnums=(0, 1, 2))(q, k, v)
+        out = dot_product_attention(q, k, v, input_mask, packing_ids, backend=backend, window=window)
+        grads = jax.grad(_loss(backend, input_mask, packing_ids, window), argnums=(0, 1, 2))(q, k, v)
+    reference = reference_attention(q, k, v, input_mask, packing_ids, window=window)
+    reference_grads = jax.grad(_loss("reference", input_mask, packing_ids, window), argnums=(0, 1, 2))(q, k, v)
     assert np.isfinite(np.asarray(out)).all(), "a padded row produced NaN/inf"
     np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference)[valid], rtol=1e-5, atol=1e-5)
     for grad, expected in zip(grads, reference_grads):
@@ -138,6 +144,19 @@ def test_backend_selection():
     assert resolve_backend("flash_dropout_gpu", dropout_active=True) == "flash_dropout_gpu"
     with pytest.raises(ValueError, match="has no attention dropout"):
         resolve_backend("pallas_tpu", dropout_active=True)
+    # A window: the backends that take one (the dropout kernels do not).
+    assert resolve_backend("auto", dropout_active=False, platform="tpu", windowed=True) == "splash_tpu"
+    assert resolve_backend("auto", dropout_active=False, platform="gpu", windowed=True) == "dot_product"
+    assert resolve_backend("auto", dropout_active=True, platform="tpu", length=512, windowed=True) == \
+        "flash_dropout_tpu"
+    assert resolve_backend("auto", dropout_active=False, platform="tpu", length=1024, windowed=True) == \
+        "flash_dropout_tpu"
+    assert resolve_backend("auto", dropout_active=True, platform="gpu", length=512, windowed=True) == "reference"
+    assert resolve_backend("flash_dropout_tpu", dropout_active=True, windowed=True) == "flash_dropout_tpu"
+    with pytest.raises(ValueError, match="'flash_dropout_gpu' has no sliding window"):
+        resolve_backend("flash_dropout_gpu", dropout_active=True, windowed=True)
+    with pytest.raises(ValueError, match="'splash_tpu' has no attention dropout"):
+        resolve_backend("splash_tpu", dropout_active=True, windowed=True)
 
 
 @pytest.mark.usefixtures("no_cache_writes")

@@ -18,15 +18,15 @@ def _loss(attention, weights):
     return lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v)) * weights)
 
 
-def _kernel_and_reference(q, k, v, segment_ids, rate, seed, **blocks):
+def _kernel_and_reference(q, k, v, segment_ids, rate, seed, window=None, **blocks):
     """(out, grads) of the kernel and of the reference with the kernel's mask; rows of padding are left out of the
     loss (their outputs are ignorable: the kernel's padding rows also see the block padding)."""
     batch, length, heads, _ = q.shape
     weights = (segment_ids != 0).astype(jnp.float32)[:, :, None, None]
     kernel = lambda q, k, v: da.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=rate, seed=seed,
-                                                             **blocks)
+                                                             window=window, **blocks)
     mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate) if rate else None
-    reference = lambda q, k, v: _reference(q, k, v, segment_ids, mask, rate)
+    reference = lambda q, k, v: _reference(q, k, v, segment_ids, mask, rate, window)
     with pltpu.force_tpu_interpret_mode():
         kernel_result = _value_and_grads(kernel, weights, q, k, v)
     return kernel_result, _value_and_grads(reference, weights, q, k, v)
@@ -62,6 +62,27 @@ def test_forward_and_gradients_equal_the_reference_with_the_kernels_mask(length,
     out = kernel[0]
     no_dropout = _reference(q, k, v, segment_ids, None, 0.0)
     assert np.abs(np.asarray(out - no_dropout)).max() > 1e-2
+
+
+@pytest.mark.parametrize("length, heads, head_dim, layout, window, rate, blocks", [
+    # ModernBERT's heads of 64 in pairs; 3 x 3 blocks of 32 with a window of 20: blocks skipped, others cut in two
+    (96, 2, 64, "packing", 20, 0.1, {"block_q": 32, "block_k": 32}),
+    (120, 2, 16, "padding", 8, 0.0, {"block_q": 32, "block_k": 16}),   # held and streamed blocks of other sizes
+])
+def test_a_window_skips_the_blocks_outside_it_and_masks_the_rest(length, heads, head_dim, layout, window, rate,
+                                                                 blocks):
+    """A sliding window (ModernBERT's local layers): the kernel equals the windowed reference with its own mask,
+    forward and gradients, packed or padded, and fetches and computes only the blocks that meet the window."""
+    q, k, v = _inputs(1, length, heads, head_dim)
+    segment_ids = _segments(1, length, layout)
+    kernel, reference = _kernel_and_reference(q, k, v, segment_ids, rate, 7, window=window, **blocks)
+    _assert_close(kernel, reference, segment_ids)
+    full = _reference(q, k, v, segment_ids, None, 0.0)
+    assert np.abs(np.asarray(kernel[0] - full)).max() > 1e-2   # the window mattered
+    # Held block 1 of 32 (queries 32..63) meets the keys 12..83 within 20: streamed blocks 0..2 of 3 (block_k 32);
+    # with 4 blocks of 32 keys and held blocks of 32, the first meets 0..1 only.
+    assert da.window_span(1, 32, 32, 3, 20) == (0, 2) and da.window_span(0, 32, 32, 4, 20) == (0, 1)
+    assert da._pairs(1, 2, 128, 32, 32, 20) == 2 * (2 + 3 + 3 + 2) * 32 * 32
 
 
 @pytest.mark.parametrize("length, head_dim, layout, blocks", [

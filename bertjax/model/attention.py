@@ -15,14 +15,16 @@ Backends:
   the shapes/dtypes allow and to XLA otherwise.
 - "cudnn": the same call forcing the cuDNN implementation (GPU, bf16/fp16 only).
 - "pallas_tpu": the Pallas TPU flash-attention kernel (jax.experimental.pallas.ops.tpu.flash_attention).
-- "splash_tpu": the Pallas TPU splash-attention kernel (block-sparse; what MaxText uses on TPU).
+- "splash_tpu": the Pallas TPU splash-attention kernel (block-sparse; what MaxText uses on TPU); a window as its local
+  mask.
 - "flash_dropout_tpu": bertjax's own Pallas TPU flash attention with attention-probability dropout
   (`dropout_attention.py`): the keep mask is a hash of (seed, batch, head, query, key) recomputed in the
   backward, never stored. Its seed is a uint32 drawn from `dropout_rng`, so the same key gives the same mask.
 - "flash_dropout_gpu": the same on GPU, a Pallas kernel lowered through Triton (`dropout_attention_gpu.py`), with
   the TPU kernel's mask bit for bit; interpreted off GPU.
 - "auto": without attention dropout splash on TPU, dot_product on GPU, reference on CPU; with it the platform's
-  flash_dropout_* from FUSED_DROPOUT_MIN_LENGTH tokens and the reference otherwise. The platform is the one the
+  flash_dropout_* from FUSED_DROPOUT_MIN_LENGTH tokens and the reference otherwise (with a window, whose masks the
+  dropout kernels do not take: the reference). The platform is the one the
   program is compiled for (the active mesh's), not the machine tracing it, so `bertjax compile` on a CPU compiles
   what the TPU would run.
 The other fused backends have no attention-probability dropout; asking for one of them explicitly while attention
@@ -58,8 +60,10 @@ FUSED_DROPOUT_MIN_LENGTH = 128
 FUSED_DROPOUT_BACKENDS = {"tpu": "flash_dropout_tpu", "gpu": "flash_dropout_gpu"}
 
 
-# The backends that take a sliding window (as part of the mask they build).
-WINDOW_BACKENDS = ("reference", "dot_product")
+# The backends that take a sliding window: the reference and dot_product in the mask they build, splash as its
+# block-sparse local mask, our TPU kernel in its index maps and block mask (blocks outside every window are skipped,
+# not computed and masked).
+WINDOW_BACKENDS = ("reference", "dot_product", "splash_tpu", "flash_dropout_tpu")
 
 
 def resolve_backend(backend: str, dropout_active: bool, platform: str | None = None, length: int = 0,
@@ -69,12 +73,16 @@ def resolve_backend(backend: str, dropout_active: bool, platform: str | None = N
     platform = platform or target_platform()
     if windowed:
         if backend == "auto":
-            return "dot_product" if platform == "gpu" and not dropout_active else "reference"
+            if platform == "tpu" and length >= FUSED_DROPOUT_MIN_LENGTH:
+                return "flash_dropout_tpu"
+            if platform == "gpu" and not dropout_active:
+                return "dot_product"
+            return "reference" if dropout_active or platform != "tpu" else "splash_tpu"
         if backend not in WINDOW_BACKENDS:
             raise ValueError(f"attention backend {backend!r} has no sliding window; use attention_backend 'auto', "
                              f"{' or '.join(repr(b) for b in WINDOW_BACKENDS)}")
-        if backend == "dot_product" and dropout_active:
-            raise ValueError("attention backend 'dot_product' has no attention dropout; set attention_dropout=0 "
+        if backend in FUSED_BACKENDS and dropout_active:
+            raise ValueError(f"attention backend {backend!r} has no attention dropout; set attention_dropout=0 "
                              "or use attention_backend 'auto' or 'reference'")
         return backend
     if backend == "auto":
@@ -122,10 +130,11 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
                                     value, segment_ids, seed, biases=biases)
         if biases is not None:   # per example, split with the batch and heads
             biases = tuple(jnp.broadcast_to(b, (query.shape[0], *b.shape)) for b in biases)
-        return per_device_shard(functools.partial(_flash_dropout_attention, dropout_rate=rate), query, key, value,
-                                segment_ids, seed, biases=biases)
+        return per_device_shard(functools.partial(_flash_dropout_attention, dropout_rate=rate, window=window), query,
+                                key, value, segment_ids, seed, biases=biases)
     if backend in ("pallas_tpu", "splash_tpu"):
-        kernel = _pallas_flash_attention if backend == "pallas_tpu" else _splash_attention
+        kernel = _pallas_flash_attention if backend == "pallas_tpu" else functools.partial(_splash_attention,
+                                                                                           window=window)
         return per_device_shard(kernel, query, key, value, segment_ids)
     raise ValueError(f"unknown attention backend {backend!r}")
 
@@ -250,7 +259,7 @@ def _pallas_flash_attention(query, key, value, segment_ids, batch_offset, head_o
     return to_bhld(out)[:, :length]
 
 
-def _splash_attention(query, key, value, segment_ids, batch_offset, head_offset):
+def _splash_attention(query, key, value, segment_ids, batch_offset, head_offset, window: int | None = None):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -264,7 +273,12 @@ def _splash_attention(query, key, value, segment_ids, batch_offset, head_offset)
     block_sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                     block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                                     block_kv_dq=block)
-    mask = splash_mask.MultiHeadMask([splash_mask.FullMask((padded_length, padded_length)) for _ in range(heads)])
+    shape = (padded_length, padded_length)
+    # A window: keys at most `window` positions from the query, both sides (ModernBERT's local layers); the kernel
+    # skips the blocks outside it.
+    head_mask = (splash_mask.FullMask(shape) if window is None else
+                 splash_mask.LocalMask(shape, window_size=(window, window), offset=0))
+    mask = splash_mask.MultiHeadMask([head_mask for _ in range(heads)])
     kernel = splash.make_splash_mha(mask, block_sizes=block_sizes, head_shards=1, q_seq_shards=1)
     # Splash does not scale the logits; BERT divides them by sqrt(head_dim).
     query = query / jnp.asarray(np.sqrt(head_dim), query.dtype)
@@ -283,18 +297,19 @@ def _splash_attention(query, key, value, segment_ids, batch_offset, head_offset)
 
 
 def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset,
-                             biases=None):
+                             biases=None, window=None):
     from bertjax.model.dropout_attention import flash_attention_with_dropout
 
     # The kernel pads the length to its blocks itself (padding with segment id 0) and slices the output back. Its
     # held block (queries in the forward and dq kernels, keys in dk/dv) is the longest of 512, 256, 128 tokens that
     # divides the length padded to 128: the streamed blocks are re-read once per held block, so at seq 512 every
-    # operand moves once.
+    # operand moves once. With a window the held block is 128: a longer one meets more streamed blocks.
     padded = query.shape[1] + -query.shape[1] % KERNEL_BLOCK
-    held = next(block for block in (4 * KERNEL_BLOCK, 2 * KERNEL_BLOCK, KERNEL_BLOCK) if padded % block == 0)
+    held = KERNEL_BLOCK if window is not None else next(
+        block for block in (4 * KERNEL_BLOCK, 2 * KERNEL_BLOCK, KERNEL_BLOCK) if padded % block == 0)
     return flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
                                         block_q=held, block_k=KERNEL_BLOCK, batch_offset=batch_offset,
-                                        head_offset=head_offset, biases=biases)
+                                        head_offset=head_offset, biases=biases, window=window)
 
 
 def gpu_query_block(padded_length: int) -> int:

@@ -71,6 +71,8 @@ MASK_VALUE = float(jnp.finfo(jnp.float32).min)   # the reference's mask logit; e
 # and per-head lane selects on [block, 128] q/k/v/o blocks (for a pair of heads as many [block, 128] ops as the
 # one-head layout spends on its two heads' blocks of 64 lanes padded to 128).
 HASH_OPS_PER_ELEMENT, HASH_INIT_OPS_PER_ELEMENT = 11, 6
+# A window's mask per pair: two iotas, their offsets, the difference, its absolute value, the compare and the and.
+WINDOW_VPU_OPS = 7
 _FWD_VPU_OPS, _DQ_VPU_OPS, _DKV_VPU_OPS = 8, 8, 10
 
 
@@ -170,12 +172,26 @@ def _row_sum_tile(x, shape):
     return jnp.where(lax.broadcasted_iota(jnp.int32, shape, 0) == 0, total, 0.0)
 
 
-def _scores(a, b, a_seg, b_seg, scale):
-    """Masked logits a b^T * scale [rows of a, rows of b] in float32; a_seg (rows, 1), b_seg (1, cols)."""
+def _scores(a, b, a_seg, b_seg, scale, window=None, a_start=0, b_start=0):
+    """Masked logits a b^T * scale [rows of a, rows of b] in float32; a_seg (rows, 1), b_seg (1, cols). With a
+    `window`, also masked where the rows' and columns' positions (from a_start, b_start) are further apart."""
     s = dot(a, b, NT)
     if scale != 1.0:
         s = s * scale
-    return jnp.where(a_seg == b_seg, s, MASK_VALUE)
+    allowed = a_seg == b_seg
+    if window is not None:
+        shape = s.shape
+        distance = ((a_start + lax.broadcasted_iota(jnp.int32, shape, 0))
+                    - (b_start + lax.broadcasted_iota(jnp.int32, shape, 1)))
+        allowed = allowed & (jnp.abs(distance) <= window)
+    return jnp.where(allowed, s, MASK_VALUE)
+
+
+def _meets_window(held_start, held_block, streamed_start, streamed_block, window):
+    """Whether a held block and a streamed block (positions from their starts) have a pair within `window`: the
+    kernels compute only such blocks (the others' keys are all masked), and the index maps fetch no others."""
+    return ((streamed_start <= held_start + held_block - 1 + window)
+            & (streamed_start + streamed_block - 1 >= held_start - window))
 
 
 def _kernel_stream(seed_ref, batch_index, head_index):
@@ -242,7 +258,7 @@ def _biased(x_ref, bias_ref, factor=1.0):
 
 
 def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc,
-                l_sc, acc_sc, qseg_sc, q_sc, hash_sc, *, scale, prescale, threshold, inv_keep, head_dim):
+                l_sc, acc_sc, qseg_sc, q_sc, hash_sc, *, scale, prescale, threshold, inv_keep, head_dim, window):
     b, hb, qi, ki = (pl.program_id(i) for i in range(4))
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
     pack = lse_ref.shape[0]
@@ -259,24 +275,10 @@ def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref,
             if threshold is not None:
                 _init_block_hash(hash_sc, j, seed_ref, b, hb * pack + j)
 
-    k, v = _biased(k_ref, kb_ref), _biased(v_ref, vb_ref)
-    alphas, products = [], []
-    for j in range(pack):
-        s = _scores(q_sc[j], k, qseg_sc[...][:, :1], kseg_ref[...], scale)
-        m_prev, l_prev = m_sc[j][:, :1], l_sc[j][:, :1]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp(s - m_new)                       # undropped: the softmax statistics see every key
-        alpha = jnp.exp(m_prev - m_new)
-        l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        if threshold is not None:
-            keep = _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q, ki * block_k, threshold)
-            p = jnp.where(keep, p, 0.0)
-        alphas.append(alpha)
-        products.append(dot(p.astype(v.dtype), v, NN))
-        m_sc[j] = jnp.broadcast_to(m_new, m_sc.shape[1:])
-        l_sc[j] = jnp.broadcast_to(l_new, l_sc.shape[1:])
-    acc_sc[...] = (_by_head(alphas, acc_sc.shape, head_dim) * acc_sc[...]
-                   + _by_head(products, acc_sc.shape, head_dim))
+    @pl.when(True if window is None else _meets_window(qi * block_q, block_q, ki * block_k, block_k, window))
+    def _block():
+        _fwd_block(seed_ref, k_ref, v_ref, kb_ref, vb_ref, kseg_ref, m_sc, l_sc, acc_sc, qseg_sc, q_sc, hash_sc, b, hb,
+                   qi * block_q, ki * block_k, scale=scale, threshold=threshold, head_dim=head_dim, window=window)
 
     @pl.when(ki == pl.num_programs(3) - 1)
     def _finish():
@@ -284,6 +286,30 @@ def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref,
         o_ref[...] = (acc_sc[...] * _by_head(scales, acc_sc.shape, head_dim)).astype(o_ref.dtype)
         for j in range(pack):
             lse_ref[j] = _row(m_sc[j] + jnp.log(l_sc[j]))
+
+
+def _fwd_block(seed_ref, k_ref, v_ref, kb_ref, vb_ref, kseg_ref, m_sc, l_sc, acc_sc, qseg_sc, q_sc, hash_sc, b, hb,
+               q_start, k_start, *, scale, threshold, head_dim, window):
+    """One streamed key block of the forward: the running max, sum and output of the held queries updated."""
+    pack = m_sc.shape[0]
+    k, v = _biased(k_ref, kb_ref), _biased(v_ref, vb_ref)
+    alphas, products = [], []
+    for j in range(pack):
+        s = _scores(q_sc[j], k, qseg_sc[...][:, :1], kseg_ref[...], scale, window, q_start, k_start)
+        m_prev, l_prev = m_sc[j][:, :1], l_sc[j][:, :1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)                       # undropped: the softmax statistics see every key
+        alpha = jnp.exp(m_prev - m_new)
+        l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        if threshold is not None:
+            keep = _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, q_start, k_start, threshold)
+            p = jnp.where(keep, p, 0.0)
+        alphas.append(alpha)
+        products.append(dot(p.astype(v.dtype), v, NN))
+        m_sc[j] = jnp.broadcast_to(m_new, m_sc.shape[1:])
+        l_sc[j] = jnp.broadcast_to(l_new, l_sc.shape[1:])
+    acc_sc[...] = (_by_head(alphas, acc_sc.shape, head_dim) * acc_sc[...]
+                   + _by_head(products, acc_sc.shape, head_dim))
 
 
 def probs_and_dscores(s, lse_kept, di_kept, dp, keep):
@@ -299,7 +325,7 @@ def probs_and_dscores(s, lse_kept, di_kept, dp, keep):
 
 def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, kseg_ref, lse_ref, o_ref, do_ref,
                dq_ref, dqsum_ref, di_ref, dq_sc, qseg_sc, lse_sc, di_sc, q_sc, do_sc, hash_sc, *, scale, prescale,
-               dq_scale, threshold, inv_keep, head_dim):
+               dq_scale, threshold, inv_keep, head_dim, window):
     """Also computes D = rowsum(dO * O) per head from the held blocks, and writes it (lane-dense) for dk/dv."""
     b, hb, qi, ki = (pl.program_id(i) for i in range(4))
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
@@ -321,16 +347,18 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, 
             if threshold is not None:
                 _init_block_hash(hash_sc, j, seed_ref, b, hb * pack + j)
 
-    k, v = _biased(k_ref, kb_ref), _biased(v_ref, vb_ref)
-    products = []
-    for j in range(pack):
-        s = _scores(q_sc[j], k, qseg_sc[...][:, :1], kseg_ref[...], scale)
-        keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q,
-                                                          ki * block_k, threshold)
-        dp = dot(do_sc[j], v, NT)       # d(P*Z) = dO V^T
-        _, ds = probs_and_dscores(s, lse_sc[j][:, :1], di_sc[j][:, :1], dp, keep)
-        products.append(dot(ds.astype(k.dtype), k, NN))
-    dq_sc[...] += _by_head(products, dq_sc.shape, head_dim)
+    @pl.when(True if window is None else _meets_window(qi * block_q, block_q, ki * block_k, block_k, window))
+    def _block():
+        k, v = _biased(k_ref, kb_ref), _biased(v_ref, vb_ref)
+        products = []
+        for j in range(pack):
+            s = _scores(q_sc[j], k, qseg_sc[...][:, :1], kseg_ref[...], scale, window, qi * block_q, ki * block_k)
+            keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q,
+                                                              ki * block_k, threshold)
+            dp = dot(do_sc[j], v, NT)       # d(P*Z) = dO V^T
+            _, ds = probs_and_dscores(s, lse_sc[j][:, :1], di_sc[j][:, :1], dp, keep)
+            products.append(dot(ds.astype(k.dtype), k, NN))
+        dq_sc[...] += _by_head(products, dq_sc.shape, head_dim)
 
     @pl.when(ki == pl.num_programs(3) - 1)
     def _finish():
@@ -341,7 +369,7 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, 
 
 def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref,
                 dk_ref, dv_ref, dksum_ref, dvsum_ref, dk_sc, dv_sc, kseg_sc, k_sc, v_sc, hash_sc, *, scale, prescale,
-                threshold, inv_keep, head_dim):
+                threshold, inv_keep, head_dim, window):
     """Scores transposed: s^T = K Q^T [block_k, block_q], so dV = (P*Z)^T dO and dK = dS^T Q are plain matmuls and
     the per-query statistics and segment ids are lane rows."""
     b, hb, ki, qi = (pl.program_id(i) for i in range(4))   # key blocks outer, query blocks inner (reduced)
@@ -360,19 +388,21 @@ def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref,
             if threshold is not None:
                 _init_block_hash(hash_sc, j, seed_ref, b, hb * pack + j, transposed=True)
 
-    q, do = _biased(q_ref, qb_ref, prescale), do_ref[...]
-    dk_parts, dv_parts = [], []
-    for j in range(pack):
-        s_t = _scores(k_sc[j], q, kseg_sc[...][:, :1], qseg_ref[...], scale)
-        keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q,
-                                                          ki * block_k, threshold)
-        dp_t = dot(v_sc[j], do, NT)             # (dO V^T)^T = V dO^T
-        pz_t, ds_t = probs_and_dscores(s_t, lse_ref[j] - math.log(inv_keep), di_ref[j] * (1.0 / inv_keep), dp_t,
-                                       keep)
-        dv_parts.append(dot(pz_t.astype(do.dtype), do, NN))
-        dk_parts.append(dot(ds_t.astype(q.dtype), q, NN))
-    dv_sc[...] += _by_head(dv_parts, dv_sc.shape, head_dim)
-    dk_sc[...] += _by_head(dk_parts, dk_sc.shape, head_dim)
+    @pl.when(True if window is None else _meets_window(ki * block_k, block_k, qi * block_q, block_q, window))
+    def _block():
+        q, do = _biased(q_ref, qb_ref, prescale), do_ref[...]
+        dk_parts, dv_parts = [], []
+        for j in range(pack):
+            s_t = _scores(k_sc[j], q, kseg_sc[...][:, :1], qseg_ref[...], scale, window, ki * block_k, qi * block_q)
+            keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q,
+                                                              ki * block_k, threshold)
+            dp_t = dot(v_sc[j], do, NT)             # (dO V^T)^T = V dO^T
+            pz_t, ds_t = probs_and_dscores(s_t, lse_ref[j] - math.log(inv_keep), di_ref[j] * (1.0 / inv_keep),
+                                           dp_t, keep)
+            dv_parts.append(dot(pz_t.astype(do.dtype), do, NN))
+            dk_parts.append(dot(ds_t.astype(q.dtype), q, NN))
+        dv_sc[...] += _by_head(dv_parts, dv_sc.shape, head_dim)
+        dk_sc[...] += _by_head(dk_parts, dk_sc.shape, head_dim)
 
     @pl.when(qi == pl.num_programs(3) - 1)
     def _finish():
@@ -467,19 +497,56 @@ def _layout(heads: int, head_dim: int) -> _Layout:
     return _Layout(heads, head_dim, packed=2 * head_dim == LANES and heads % 2 == 0)
 
 
-def _specs(layout, block_q, block_k, q_axis: int, k_axis: int):
+def window_span(held: int, held_block: int, streamed_block: int, streamed_blocks: int, window: int):
+    """(first, last) streamed block a held block meets within `window` (`_meets_window`)."""
+    first = max(0, held * held_block - window) // streamed_block
+    last = (held * held_block + held_block - 1 + window) // streamed_block
+    return first, min(streamed_blocks - 1, last)
+
+
+def _streamed_index(window, held_block, streamed_block, streamed_blocks):
+    """grid -> the streamed block to fetch: grid axis 3, or with a `window` the nearest block the held one (grid
+    axis 2) meets: out of the window the same block index again, which Pallas does not copy again."""
+    if window is None:
+        return lambda g: g[3]
+
+    def index(g):
+        if isinstance(g[2], int):   # counted on the host (`_block_fetches`): plain ints, nothing staged
+            first, last = window_span(g[2], held_block, streamed_block, streamed_blocks, window)
+            return min(max(g[3], first), last)
+        first = jnp.maximum(g[2] * held_block - window, 0) // streamed_block
+        last = jnp.minimum((g[2] * held_block + held_block - 1 + window) // streamed_block, streamed_blocks - 1)
+        return jnp.clip(g[3], first, last)
+    return index
+
+
+def _specs(layout, block_q, block_k, q_axis: int, k_axis: int, window=None, length=None):
     """BlockSpecs indexed by grid (b, head block, *) with the query block index at grid axis `q_axis`, key at
-    `k_axis`; the per-query statistics hold the block's `pack` heads."""
+    `k_axis` (the held block's at 2, the streamed one's at 3); the per-query statistics hold the block's `pack`
+    heads. With a `window` the streamed blocks outside the held block's window are not fetched."""
+    held_block, streamed_block = (block_q, block_k) if q_axis == 2 else (block_k, block_q)
+    streamed = _streamed_index(window, held_block, streamed_block, (length or 0) // streamed_block)
+    q_index = (lambda g: g[2]) if q_axis == 2 else streamed
+    k_index = (lambda g: g[2]) if k_axis == 2 else streamed
     if layout.packed:
-        q_spec = pl.BlockSpec((None, block_q, LANES), lambda *g: (g[0], g[q_axis], g[1]))
-        k_spec = pl.BlockSpec((None, block_k, LANES), lambda *g: (g[0], g[k_axis], g[1]))
+        q_spec = pl.BlockSpec((None, block_q, LANES), lambda *g: (g[0], q_index(g), g[1]))
+        k_spec = pl.BlockSpec((None, block_k, LANES), lambda *g: (g[0], k_index(g), g[1]))
     else:
-        q_spec = pl.BlockSpec((None, None, block_q, layout.head_dim), lambda *g: (g[0], g[1], g[q_axis], 0))
-        k_spec = pl.BlockSpec((None, None, block_k, layout.head_dim), lambda *g: (g[0], g[1], g[k_axis], 0))
-    q_stat = pl.BlockSpec((None, layout.pack, 1, block_q), lambda *g: (g[0], g[1], 0, g[q_axis]))
-    qseg = pl.BlockSpec((None, 1, block_q), lambda *g: (g[0], 0, g[q_axis]))
-    kseg = pl.BlockSpec((None, 1, block_k), lambda *g: (g[0], 0, g[k_axis]))
+        q_spec = pl.BlockSpec((None, None, block_q, layout.head_dim), lambda *g: (g[0], g[1], q_index(g), 0))
+        k_spec = pl.BlockSpec((None, None, block_k, layout.head_dim), lambda *g: (g[0], g[1], k_index(g), 0))
+    q_stat = pl.BlockSpec((None, layout.pack, 1, block_q), lambda *g: (g[0], g[1], 0, q_index(g)))
+    qseg = pl.BlockSpec((None, 1, block_q), lambda *g: (g[0], 0, q_index(g)))
+    kseg = pl.BlockSpec((None, 1, block_k), lambda *g: (g[0], 0, k_index(g)))
     return q_spec, k_spec, q_stat, qseg, kseg
+
+
+def _pairs(batch, heads, length, block_q, block_k, window) -> int:
+    """The query-key pairs the kernels compute: all of them, or those of the blocks that meet within a window."""
+    if window is None:
+        return batch * heads * length * length
+    blocks = sum(last - first + 1 for first, last in
+                 (window_span(i, block_q, block_k, length // block_k, window) for i in range(length // block_q)))
+    return batch * heads * blocks * block_q * block_k
 
 
 def _sums(layout, batch, held_blocks):
@@ -524,20 +591,22 @@ def _column_scratch(block, dtype=jnp.float32):
     return pltpu.VMEM((block, LANES), dtype)
 
 
-def _forward(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale):
+def _forward(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale, window=None):
     """(o in q's layout, lse [B, H, 1, S] float32). q/k/v in `layout`, `biases` (q, k, v) its `_bias_rows`; the
     logits are (q + bias) (k + bias)^T / sqrt(D), the 1/sqrt(D) applied to the query if `prescale`, else to them."""
     batch, length, pack, width = q.shape[0], layout.length(q), layout.pack, layout.width
     scale, q_factor = _scales(layout, prescale)
     seg = segment_ids.reshape(batch, 1, length)
-    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(layout, block_q, block_k, q_axis=2, k_axis=3)
+    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(layout, block_q, block_k, q_axis=2, k_axis=3,
+                                                          window=window, length=length)
     bias_spec = _bias_spec(layout)
     kwargs = _kernel_args(rate)
-    cost = {"pairs": batch * layout.heads * length * length, "matmuls": 2, "width": width,
-            "vpu_ops": _FWD_VPU_OPS - (scale == 1.0),
+    cost = {"pairs": _pairs(batch, layout.heads, length, block_q, block_k, window), "matmuls": 2, "width": width,
+            "vpu_ops": _FWD_VPU_OPS - (scale == 1.0) + (0 if window is None else WINDOW_VPU_OPS),
             "threshold": kwargs["threshold"], "exps": 1}
     return _pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, prescale=q_factor, head_dim=layout.head_dim, **kwargs),
+        functools.partial(_fwd_kernel, scale=scale, prescale=q_factor, head_dim=layout.head_dim, window=window,
+                          **kwargs),
         "flash_dropout_fwd", (batch, layout.heads // pack, length // block_q, length // block_k),
         [q_spec, k_spec, k_spec, bias_spec, bias_spec, bias_spec, qseg_spec, kseg_spec], [q_spec, q_stat],
         [pltpu.VMEM((pack, block_q, LANES), jnp.float32), pltpu.VMEM((pack, block_q, LANES), jnp.float32),
@@ -547,7 +616,7 @@ def _forward(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout,
         cost, seed, q, k, v, *biases, seg, seg)
 
 
-def _backward(q, k, v, biases, segment_ids, seed, o, lse, do, rate, block_q, block_k, layout, prescale):
+def _backward(q, k, v, biases, segment_ids, seed, o, lse, do, rate, block_q, block_k, layout, prescale, window=None):
     """(dq, dk, dv, (dq, dk, dv summed over the sequence [B, H, D] float32: the gradients of the biases, from the
     kernels' own accumulators instead of an XLA reduction over the gradients)); arguments as `_forward`'s."""
     batch, length, pack, width = q.shape[0], layout.length(q), layout.pack, layout.width
@@ -556,14 +625,16 @@ def _backward(q, k, v, biases, segment_ids, seed, o, lse, do, rate, block_q, blo
     nq, nk = length // block_q, length // block_k
     grid = (batch, layout.heads // pack, nq, nk)
     seg = segment_ids.reshape(batch, 1, length)
-    kwargs = dict(_kernel_args(rate), head_dim=layout.head_dim, scale=scale, prescale=q_factor)
-    cost = {"pairs": batch * layout.heads * length * length, "width": width, "threshold": kwargs["threshold"],
-            "exps": 1}
+    kwargs = dict(_kernel_args(rate), head_dim=layout.head_dim, scale=scale, prescale=q_factor, window=window)
+    cost = {"pairs": _pairs(batch, layout.heads, length, block_q, block_k, window), "width": width,
+            "threshold": kwargs["threshold"], "exps": 1}
+    windowed = 0 if window is None else WINDOW_VPU_OPS
     sum_spec, sum_shape = _sums(layout, batch, nq)
     bias_spec = _bias_spec(layout)
     stats_shape = jax.ShapeDtypeStruct((batch, layout.heads, 1, length), jnp.float32)
 
-    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(layout, block_q, block_k, q_axis=2, k_axis=3)
+    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(layout, block_q, block_k, q_axis=2, k_axis=3,
+                                                          window=window, length=length)
     # dq: the chain rule of the logits' scale and of the query's prescale once per row, at the end.
     dq, dq_sum, di = _pallas_call(
         functools.partial(_dq_kernel, dq_scale=scale * q_factor, **kwargs), "flash_dropout_dq", grid,
@@ -574,12 +645,13 @@ def _backward(q, k, v, biases, segment_ids, seed, o, lse, do, rate, block_q, blo
          pltpu.VMEM((pack, block_q, width), q.dtype), pltpu.VMEM((pack, block_q, width), do.dtype),
          pltpu.VMEM((pack, block_q, block_k), jnp.int32)],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), sum_shape, stats_shape],
-        {**cost, "matmuls": 3, "vpu_ops": _DQ_VPU_OPS - unscaled},
+        {**cost, "matmuls": 3, "vpu_ops": _DQ_VPU_OPS - unscaled + windowed},
         seed, q, k, v, *biases, seg, seg, lse, o, do)
 
     # dk/dv holds a key block over streamed query blocks: the held block is block_q long here too (the streamed
     # operands are re-read once per held block), so the blocks swap roles.
-    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(layout, block_k, block_q, q_axis=3, k_axis=2)
+    q_spec, k_spec, q_stat, qseg_spec, kseg_spec = _specs(layout, block_k, block_q, q_axis=3, k_axis=2,
+                                                          window=window, length=length)
     dk, dv, dk_sum, dv_sum = _pallas_call(
         functools.partial(_dkv_kernel, **kwargs), "flash_dropout_dkv", grid,
         [q_spec, k_spec, k_spec, bias_spec, bias_spec, bias_spec, qseg_spec, kseg_spec, q_stat, q_stat, q_spec],
@@ -588,7 +660,7 @@ def _backward(q, k, v, biases, segment_ids, seed, o, lse, do, rate, block_q, blo
          _column_scratch(block_q, jnp.int32), pltpu.VMEM((pack, block_q, width), k.dtype),
          pltpu.VMEM((pack, block_q, width), v.dtype), pltpu.VMEM((pack, block_q, block_k), jnp.int32)],
         [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype), sum_shape, sum_shape],
-        {**cost, "matmuls": 4, "vpu_ops": _DKV_VPU_OPS - unscaled},
+        {**cost, "matmuls": 4, "vpu_ops": _DKV_VPU_OPS - unscaled + windowed},
         seed, q, k, v, *biases, seg, seg, lse, di, do)
     return dq, dk, dv, tuple(_summed(layout, x) for x in (dq_sum, dk_sum, dv_sum))
 
@@ -615,21 +687,21 @@ def _bias_rows(layout, biases, batch, dtype):
     return tuple(b.astype(dtype).reshape(shape) for b in biases)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _attention(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale):
-    return _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _attention(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale, window):
+    return _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale, window)[0]
 
 
-def _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale):
+def _attention_fwd(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout, prescale, window):
     rows = _bias_rows(layout, biases, q.shape[0], q.dtype)
-    o, lse = _forward(q, k, v, rows, segment_ids, seed, rate, block_q, block_k, layout, prescale)
+    o, lse = _forward(q, k, v, rows, segment_ids, seed, rate, block_q, block_k, layout, prescale, window)
     return o, (q, k, v, biases, rows, segment_ids, seed, o, lse)
 
 
-def _attention_bwd(rate, block_q, block_k, layout, prescale, residuals, do):
+def _attention_bwd(rate, block_q, block_k, layout, prescale, window, residuals, do):
     q, k, v, biases, rows, segment_ids, seed, o, lse = residuals
     dq, dk, dv, sums = _backward(q, k, v, rows, segment_ids, seed, o, lse, do, rate, block_q, block_k, layout,
-                                 prescale)
+                                 prescale, window)
     bias_grads = None if biases is None else tuple(s.astype(b.dtype) for s, b in zip(sums, biases))
     return dq, dk, dv, bias_grads, None, None
 
@@ -638,7 +710,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate: float, seed, block_q: int = 128,
-                                 block_k: int = 128, batch_offset=0, head_offset=0, biases=None):
+                                 block_k: int = 128, batch_offset=0, head_offset=0, biases=None,
+                                 window: int | None = None):
     """dropout(softmax(q k^T / sqrt(d) + mask)) v, fused; q/k/v [batch, length, heads, head_dim].
 
     segment_ids [batch, length] int32: 0 = padding; a query attends to the keys with its id (so padding attends to
@@ -653,6 +726,8 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     value in their dtype (the projections' biases) inside the kernels: their gradients are the kernels' dq/dk/dv
     summed over the sequence inside the kernels, where XLA's reduction of each [batch, length, heads, 64] gradient
     (64 lanes padded to 128) is priced at ~0.12 ms a layer on v5e at seq 512, batch 16.
+    window: a query attends only to keys at most this many positions away (ModernBERT's sliding-window layers); the
+    kernels skip the blocks outside it, neither fetching nor computing them.
     """
     dropout_rate = float(dropout_rate)
     if not 0.0 <= dropout_rate < 1.0:
@@ -684,5 +759,5 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     scalars = jnp.concatenate([seed_word(seed), jnp.asarray(batch_offset, jnp.int32).reshape(1),
                                jnp.asarray(head_offset, jnp.int32).reshape(1)])
     out = _attention(to_kernel(query), to_kernel(key), to_kernel(value), biases, segment_ids, scalars, dropout_rate,
-                     block_q, block_k, layout, prescale)
+                     block_q, block_k, layout, prescale, window)
     return from_kernel(out)[:, :length]

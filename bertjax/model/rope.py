@@ -24,14 +24,18 @@ def cos_sin(positions, head_dim: int, theta: float):
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+def rotate_half(x, head_dim: int):
+    """Each head's [a, b] as [-b, a], x [..., heads * head_dim] (the heads side by side, as the projections give
+    them: on TPU a reshape of its lanes, not a [.., heads, head_dim] array padded to 128 lanes)."""
+    halves = x.reshape(x.shape[:-1] + (x.shape[-1] // head_dim, 2, head_dim // 2))
+    rotated = jnp.stack([-halves[..., 1, :], halves[..., 0, :]], axis=-2)
+    return rotated.reshape(x.shape)
 
 
-def apply_rotary(x, cos, sin):
-    """x [batch, length, heads, head_dim] rotated by (cos, sin) [batch or 1, length, head_dim], in float32, cast
+def apply_rotary(x, cos, sin, head_dim: int):
+    """x [batch, length, heads * head_dim] rotated by (cos, sin) [batch or 1, length, head_dim], in float32, cast
     back to x's dtype."""
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    rotated = x.astype(jnp.float32) * cos + rotate_half(x.astype(jnp.float32)) * sin
-    return rotated.astype(x.dtype)
+    heads = x.shape[-1] // head_dim
+    cos, sin = jnp.tile(cos, heads), jnp.tile(sin, heads)
+    x32 = x.astype(jnp.float32)
+    return (x32 * cos + rotate_half(x32, head_dim) * sin).astype(x.dtype)
