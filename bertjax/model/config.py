@@ -13,7 +13,7 @@ from typing import Any
 
 from etils import epath
 
-from bertjax.options import option
+from bertjax.options import floats, ints, option
 
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
                 "type_vocab_size")
@@ -228,14 +228,23 @@ class BertConfig:
 PRESET_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
+# The ranges of the model's other numeric keys, checked as `--set model.KEY=VALUE` is parsed (BertConfig checks
+# them again, with the sizes, when the job builds it).
+_MODEL_RANGES = {"hidden_dropout_prob": floats(0, 1, high_open=True),
+                 "attention_probs_dropout_prob": floats(0, 1, high_open=True),
+                 "max_position_embeddings": ints(1), "type_vocab_size": ints(1),
+                 "initializer_range": floats(0, low_open=True), "layer_norm_eps": floats(0, low_open=True),
+                 "pad_token_id": ints(0)}
+
+
 def _model_option_fields() -> list:
     fields = [("preset", str, option("base", f"model size: {' | '.join(PRESETS)}"))]
     for field in dataclasses.fields(BertConfig):
         if field.name in PRESET_FIELDS:
             help_text = "0: the vocabulary's size" if field.name == "vocab_size" else "0: the preset's value"
-            fields.append((field.name, int, option(0, help_text)))
+            fields.append((field.name, int, option(0, help_text, valid=ints(0))))
         else:
-            fields.append((field.name, field.type, option(field.default)))
+            fields.append((field.name, field.type, option(field.default, valid=_MODEL_RANGES.get(field.name))))
     return fields
 
 
