@@ -432,7 +432,7 @@ def test_bad_lines_of_paragraphs_are_counted_once_each(tmp_path, corpus_slice):
     ("vocab", r"novocab\.txt has no \[MASK\] token"),
     ("max_pred", r"max_predictions_per_seq=5 is inconsistent with max_seq_length=128"),
     # Binary input used to be read as a few lines of replacement characters, without a word.
-    ("binary", r"lib\.so: binary \(NUL bytes in its first 64 KiB\)"),
+    ("binary", r"lib\.so: a NUL byte in line 1 \(binary data, not text\)"),
     # gzip, zstd and bzip2 are read; other archives are refused by name.
     ("xz", r"wiki\.txt\.xz: an xz archive, not text"),
     ("latin1", r"latin1\.txt: not UTF-8 text \(\d+ of the first \d+ characters are invalid\)"),

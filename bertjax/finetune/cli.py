@@ -111,7 +111,8 @@ def register(subparsers) -> None:
     embed = subparsers.add_parser(
         "embed", help="features of sentences (one per line): pooled vectors to .npy, or per-token vectors to .npz")
     embed.add_argument("--checkpoint", required=True, help=ANY_CHECKPOINT_HELP)
-    embed.add_argument("--input", required=True, help="text file, one sentence per line")
+    embed.add_argument("--input", required=True, help="text file, one sentence per line (.gz, .zst, .bz2 read "
+                                                      "decompressed)")
     embed.add_argument("--output", required=True,
                        help="cls/mean: .npy file for the float32 [sentences, D] matrix; none: .npz file of "
                             "per-token vectors and the word-to-token map (layout in bertjax/finetune/embed.py)")
@@ -164,14 +165,14 @@ def _embed(args: argparse.Namespace) -> int:
     import numpy as np
     from etils import epath
 
+    from bertjax.data.file_readers import read_text_bytes
     from bertjax.finetune.embed import embed_sentences, embed_tokens, nearest_neighbours
     from bertjax.interop.load import load_pretrained
 
     check_output(args.output, [args.input, args.checkpoint])
-    path = epath.Path(args.input)
-    if not path.exists():
+    if not epath.Path(args.input).exists():
         raise FileNotFoundError(f"--input {args.input} does not exist")
-    sentences, invalid = input_lines(path.read_bytes())
+    sentences, invalid = input_lines(read_text_bytes(args.input, expected="one sentence per line (UTF-8 text)"))
     if not any(sentence.strip() for sentence in sentences):
         raise ValueError(f"--input {args.input} holds no sentences (one per line expected)")
     blank = sum(not sentence.strip() for sentence in sentences)
@@ -248,6 +249,7 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
     """`bertjax predict`'s output lines for its --input (a table file, or stdin lines)."""
     import sys
 
+    from bertjax.data.file_readers import read_text_bytes
     from bertjax.finetune.predict import Predictor, answers_questions
 
     route_logging_to_console()
@@ -260,7 +262,7 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
         wheres, (questions, contexts) = _input_columns(args.input, [args.question_column, args.context_column])
         texts = None
     elif args.input == "-":
-        texts, invalid = input_lines(sys.stdin.buffer.read())
+        texts, invalid = input_lines(read_text_bytes("stdin", sys.stdin.buffer.read(), "one text a line (UTF-8)"))
         if invalid:
             raise ValueError(f"stdin: line {invalid[0]} is not valid UTF-8")
         if not texts:
@@ -268,6 +270,9 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
         if args.text_pair_column:
             raise ValueError("--text-pair-column needs an --input file with that column (stdin holds one text a line)")
         wheres, pairs = [f"stdin:{i + 1}" for i in range(len(texts))], None
+        for where, text in zip(wheres, texts):  # as a file's empty text is: not scored as if it were a text
+            if not text.strip():
+                raise ValueError(f"{where}: the line is blank; expected one text a line")
     else:
         wheres, (texts, *pairs) = _input_columns(
             args.input, [args.text_column] + ([args.text_pair_column] if args.text_pair_column else []))
@@ -282,12 +287,13 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
 def _input_columns(path: str, columns: list[str]) -> tuple[list[str], list[list[str]]]:
     """(where each row came from, each column's texts) of a table file; a missing column or a row without a text
     there is an error naming the file (and line) and the column."""
-    from bertjax.finetune.table_data import read_rows, text_value
+    from bertjax.finetune.table_data import non_blank_text, read_rows
 
     rows = read_rows(path, columns)
     if not rows:
         raise ValueError(f"--input {path} holds no rows")
-    return [where for where, _ in rows], [[text_value(where, row, column) for where, row in rows] for column in columns]
+    return [where for where, _ in rows], [[non_blank_text(where, row, column) for where, row in rows]
+                                          for column in columns]
 
 
 def input_lines(data: bytes) -> tuple[list[str], list[int]]:

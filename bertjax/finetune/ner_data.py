@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from bertjax.data import file_readers
 from bertjax.finetune.ner_metrics import OUTSIDE, split_tag
 from bertjax.finetune.squad_data import doc_spans, max_context_mask
 
@@ -45,21 +46,21 @@ def read_conll(path: str) -> Sentences:
             cur_words.clear()
             cur_tags.clear()
 
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            fields = line.split()
-            if not fields:
-                flush()
-                continue
-            if fields[0] == DOCSTART:
-                flush()
-                continue
-            if len(fields) < 2:
-                raise ValueError(f"{path}:{number}: expected 'word ... tag' (at least 2 space-separated columns), "
-                                 f"got {line.rstrip()!r}")
-            split_tag(fields[-1], f"{path}:{number}")
-            cur_words.append(fields[0])
-            cur_tags.append(fields[-1])
+    text = file_readers.read_text(path, "a CoNLL column file (UTF-8)")
+    for number, line in enumerate(text.split("\n"), 1):
+        fields = line.split()
+        if not fields:
+            flush()
+            continue
+        if fields[0] == DOCSTART:
+            flush()
+            continue
+        if len(fields) < 2:
+            raise ValueError(f"{path}:{number}: expected 'word ... tag' (at least 2 space-separated columns), "
+                             f"got {line.rstrip()!r}")
+        split_tag(fields[-1], f"{path}:{number}")
+        cur_words.append(fields[0])
+        cur_tags.append(fields[-1])
     flush()
     return Sentences(words, tags, path)
 

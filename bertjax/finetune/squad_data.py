@@ -16,6 +16,8 @@ import unicodedata
 
 import numpy as np
 
+from bertjax.data import file_readers
+
 log = logging.getLogger(__name__)
 
 
@@ -64,12 +66,12 @@ def load_squad_json(src: str) -> dict:
 
 
 def read_json(path: str):
-    """A JSON file; a parse error is a ValueError naming the file, line and column."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
+    """A JSON file (read by file_readers.read_text: compressed bytes decompressed, Parquet, binary and NUL bytes
+    refused); a parse error is a ValueError naming the file, line and column."""
+    try:
+        return json.loads(file_readers.read_text(path, "a JSON file (UTF-8)"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
 
 
 def _tfds_to_json(spec: str) -> dict:

@@ -12,7 +12,6 @@ regression (floats).
 """
 from __future__ import annotations
 
-import codecs
 import csv
 import dataclasses
 import io
@@ -23,6 +22,7 @@ import sys
 import numpy as np
 from etils import epath
 
+from bertjax.data import file_readers
 from bertjax.finetune.glue_data import Examples
 
 PROBLEMS = ("single_label_classification", "multi_label_classification", "regression")
@@ -44,8 +44,8 @@ class TableSpec:
 
 
 def file_format(path: str) -> str:
-    """csv | tsv | jsonl | parquet, from the file name's suffix."""
-    suffix = epath.Path(path).suffix.lower()
+    """csv | tsv | jsonl | parquet, from the file name's suffix (under a compression's: `train.csv.gz`)."""
+    suffix = epath.Path(file_readers.without_compression(path)).suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"{path}: unknown table format {suffix or '(no suffix)'!r}; expected one of "
                          f"{', '.join(FORMATS)}")
@@ -54,20 +54,18 @@ def file_format(path: str) -> str:
 
 def read_rows(path: str, columns: list[str]) -> list[tuple[str, dict]]:
     """(where, {column: value}) for every data row of `path`; `where` is `file:line` (`file: row N` for Parquet).
-    A column of `columns` the file lacks is an error naming the columns it has."""
+    A column of `columns` the file lacks is an error naming the columns it has. The text formats are read by
+    file_readers.read_text (compressed files decompressed; Parquet, binary and NUL bytes refused)."""
     kind = file_format(path)
     source = epath.Path(path)
     if not source.exists():
         raise FileNotFoundError(f"{path}: no such file")
     if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        with source.open("rb") as f:
-            parquet = pq.ParquetFile(f)
+        with file_readers.parquet_table(path) as parquet:
             _check_columns(path, parquet.schema_arrow.names, columns)
             values = parquet.read(columns=columns).to_pylist()
         return [(f"{path}: row {i + 1}", row) for i, row in enumerate(values)]
-    text = _decoded(path, source.read_bytes())
+    text = file_readers.read_text(path, f"a {kind.upper() if kind != 'jsonl' else 'JSON Lines'} file (UTF-8)")
     if kind == "jsonl":
         rows, seen = [], set()
         for number, line in enumerate(text.splitlines(), start=1):
@@ -110,18 +108,6 @@ def read_rows(path: str, columns: list[str]) -> list[tuple[str, dict]]:
     return rows
 
 
-def _decoded(path: str, data: bytes) -> str:
-    """The text of a UTF-8 file, without the byte-order mark Excel's "CSV UTF-8" starts with; an invalid byte is an
-    error naming its line."""
-    data = data.removeprefix(codecs.BOM_UTF8)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data[:error.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: byte 0x{data[error.start]:02x} is not UTF-8; save the file as UTF-8") \
-            from None
-
-
 def _named_once(where: str, pairs: list[tuple], columns: list[str]) -> dict:
     """`pairs` (name, value) as a dict; a column of `columns` named twice is an error (which one is meant?)."""
     names = [name for name, _ in pairs]
@@ -154,8 +140,8 @@ def text_value(where: str, row: dict, column: str) -> str:
     return value
 
 
-def _text(where: str, row: dict, column: str) -> str:
-    """A training or test row's text: text_value, not blank."""
+def non_blank_text(where: str, row: dict, column: str) -> str:
+    """A row's text as every command reads one (training, dev, test, predict's input): text_value, not blank."""
     value = text_value(where, row, column)
     if not value.strip():
         raise ValueError(f"{where}: column {column!r} is empty; expected the text")
@@ -206,8 +192,9 @@ def read_split(path: str, spec: TableSpec, labels: list[str] | None = None,
     if not rows:
         raise ValueError(f"{path}: no rows")
     wheres = [where for where, _ in rows]
-    text_a = [_text(where, row, spec.text_column) for where, row in rows]
-    text_b = [_text(where, row, spec.text_pair_column) for where, row in rows] if spec.text_pair_column else None
+    text_a = [non_blank_text(where, row, spec.text_column) for where, row in rows]
+    text_b = ([non_blank_text(where, row, spec.text_pair_column) for where, row in rows] if spec.text_pair_column
+              else None)
     if not with_labels:
         return Examples(wheres, text_a, text_b, None), labels
     raw = [row.get(spec.label_column) for _, row in rows]
