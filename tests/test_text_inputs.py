@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from bertjax.cli import build_parser, main, walk_commands
+from tests.conftest import save_tiny_classifier_hf
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -124,21 +125,7 @@ def _write(path: pathlib.Path, content: bytes) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory, minilm_dir) -> str:
     """A tiny sequence classifier as an HF export (predict reads its head's description before its input)."""
-    import flax.linen as nn
-    import jax
-
-    from bertjax.checkpoint import read_vocab_file
-    from bertjax.interop.hf import export_hf
-    from bertjax.model.bert import BertForSequenceClassification, init_params
-    from bertjax.model.config import BertConfig
-
-    vocab = read_vocab_file(str(minilm_dir / "vocab.txt"))
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128)
-    params = nn.meta.unbox(init_params(BertForSequenceClassification(config, 2), config, jax.random.PRNGKey(0)))
-    out = tmp_path_factory.mktemp("classifier") / "hf"
-    export_hf(params, config, vocab, str(out), id2label={0: "neg", 1: "pos"})
-    return str(out)
+    return save_tiny_classifier_hf(tmp_path_factory.mktemp("classifier") / "hf", minilm_dir / "vocab.txt")
 
 
 def _compress(kind: str, data: bytes) -> bytes:

@@ -152,6 +152,8 @@ def hf_head(directory: str) -> dict | None:
     head = {"architecture": architecture}
     if architecture in FINE_TUNED_HEADS[:2] and config.get("id2label"):
         head["id2label"] = {str(k): v for k, v in config["id2label"].items()}
+    if architecture in FINE_TUNED_HEADS[:2] and isinstance(config.get("num_labels"), int):
+        head["num_labels"] = config["num_labels"]  # checked against the classifier (load.check_head)
     if architecture == "BertForSequenceClassification" and config.get("problem_type"):
         head["problem_type"] = config["problem_type"]
     if architecture == "BertForQuestionAnswering" and config.get(SQUAD_KEY):
