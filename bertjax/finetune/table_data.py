@@ -155,11 +155,19 @@ def _label_names(spec: TableSpec, where: str, value) -> list[str]:
             return []
         items = value if isinstance(value, (list, tuple, np.ndarray)) else str(value).split(spec.label_separator)
         return [str(item).strip() for item in items if str(item).strip()]
+    if isinstance(value, (list, tuple, np.ndarray, dict)):  # str() would make "['0']" a class of its own
+        raise ValueError(f"{where}: column {spec.label_column!r} is {_shown(value)}, not one label; single-label "
+                         "classification takes one label a row (a list per row: --problem "
+                         "multi_label_classification)")
     if _missing(value):
         raise ValueError(f"{where}: column {spec.label_column!r} is empty; expected a label")
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # a Parquet/JSON 1.0 is the label "1"
     return [str(value)]
+
+
+def _shown(value) -> str:
+    return repr(value.tolist() if isinstance(value, np.ndarray) else value)[:80]
 
 
 def _regression_value(spec: TableSpec, where: str, value) -> float:
@@ -171,6 +179,32 @@ def _regression_value(spec: TableSpec, where: str, value) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{where}: column {spec.label_column!r} is {value!r}, not a finite number")
     return number
+
+
+def _label_key(name: str):
+    """What two spellings of one label share: the number they write ("1", "01", "1.0", " 1"), else the name less
+    surrounding spaces."""
+    try:
+        number = float(name)
+    except ValueError:
+        return name.strip()
+    return number if math.isfinite(number) else name.strip()
+
+
+def _same_label(a: str, b: str) -> bool:
+    return a != b and _label_key(a) == _label_key(b)
+
+
+def _check_one_spelling(spec: TableSpec, wheres: list[str], per_row: list[list[str]]) -> None:
+    """Two spellings of one label in a training file (" 1", "01", "1.0" and "1") would become classes of their own,
+    each with a share of the rows: refused, naming both and where each first appears."""
+    first: dict = {}  # label key -> (spelling, where)
+    for where, names in zip(wheres, per_row):
+        for name in names:
+            spelling, at = first.setdefault(_label_key(name), (name, where))
+            if spelling != name:
+                raise ValueError(f"{where}: column {spec.label_column!r}: label {name!r} is {spelling!r} ({at}) "
+                                 "written another way; write each label one way (they would be two classes)")
 
 
 def label_order(names) -> list[str]:
@@ -203,6 +237,7 @@ def read_split(path: str, spec: TableSpec, labels: list[str] | None = None,
         return Examples(wheres, text_a, text_b, values), None
     per_row = [_label_names(spec, where, v) for where, v in zip(wheres, raw)]
     if labels is None:
+        _check_one_spelling(spec, wheres, per_row)
         labels = label_order(name for names in per_row for name in names)
         if not labels:
             raise ValueError(f"{path}: column {spec.label_column!r} holds no labels")
@@ -213,8 +248,9 @@ def read_split(path: str, spec: TableSpec, labels: list[str] | None = None,
     for where, names in zip(wheres, per_row):
         for name in names:
             if name not in ids:
+                same = next((label for label in labels if _same_label(label, name)), None)
                 raise ValueError(f"{where}: column {spec.label_column!r}: label {name!r} is not among the training "
-                                 f"file's labels {labels}")
+                                 f"file's labels {labels}" + (f" (it writes this one {same!r})" if same else ""))
     if spec.problem == "multi_label_classification":
         matrix = np.zeros((len(rows), len(labels)), np.float32)
         for i, names in enumerate(per_row):
