@@ -114,7 +114,10 @@ def _pretrain(args: argparse.Namespace) -> int:
     with removed_if_failed_before_saving(args.workdir, lambda: bool(complete_steps(args.workdir)), lock):
         if args.init:  # after distributed initialisation: reading an Orbax checkpoint starts JAX
             config = _config_with_init(args)
+        from bertjax.data.input_source import check_set_keys
         from bertjax.pretraining import loop as pretrain
+
+        check_set_keys(config.data, {override.split("=", 1)[0].strip() for override in args.overrides})
 
         if args.dry_run:
             print(pretrain.plan(config, args.workdir, init_from=args.init))
