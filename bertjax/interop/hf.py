@@ -152,13 +152,17 @@ def hf_head(directory: str) -> dict | None:
     head = {"architecture": architecture}
     if architecture in FINE_TUNED_HEADS[:2] and config.get("id2label"):
         head["id2label"] = {str(k): v for k, v in config["id2label"].items()}
-    if architecture in FINE_TUNED_HEADS[:2] and isinstance(config.get("num_labels"), int):
-        head["num_labels"] = config["num_labels"]  # checked against the classifier (load.check_head)
     if architecture == "BertForSequenceClassification" and config.get("problem_type"):
         head["problem_type"] = config["problem_type"]
     if architecture == "BertForQuestionAnswering" and config.get(SQUAD_KEY):
         head["squad"] = config[SQUAD_KEY]
     return head
+
+
+def hf_num_labels(directory: str) -> int | None:
+    """config.json's num_labels, where it says one (transformers derives it from id2label and may leave it out)."""
+    value = json.loads((epath.Path(directory) / "config.json").read_text()).get("num_labels")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _architecture(params: Mapping) -> str:

@@ -13,7 +13,7 @@ from bertjax.checkpoint import (
 )
 from bertjax.console import Console
 from bertjax.data.host_tokenizer import HostWordPieceTokenizer
-from bertjax.interop.hf import hf_head, hf_lower_case, load_hf
+from bertjax.interop.hf import hf_head, hf_lower_case, hf_num_labels, load_hf
 from bertjax.interop.hub import local_model_path
 from bertjax.interop.tf import load_tf
 from bertjax.model.config import BertConfig
@@ -44,13 +44,13 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
     kind = detect_format(src)
     if kind == "bertjax":
         checkpoint = load_model(src)
-        check_head(checkpoint, f"{src} (its head item)")
+        check_head(checkpoint.head, checkpoint.params, f"{src} (its head item)")
         return checkpoint
     if kind == "hf":
         params, config, vocab, lower_case = load_hf(src)
         check_vocab_fits(len(vocab), embedding_rows(params), f"{src}/vocab.txt", src)
         checkpoint = ModelCheckpoint(params, config, vocab, lower_case, hf_head(src))
-        check_head(checkpoint, f"{src}/config.json")
+        check_head({**(checkpoint.head or {}), "num_labels": hf_num_labels(src)}, params, f"{src}/config.json")
         return checkpoint
     folder = epath.Path(src).parent
     params, config = load_tf(src, config_path or str(folder / "bert_config.json"))
@@ -64,15 +64,15 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
 _LABELLED_HEADS = ("BertForSequenceClassification", "BertForTokenClassification")
 
 
-def check_head(checkpoint: ModelCheckpoint, where: str) -> None:
-    """A classifier head that contradicts its description is refused, naming both (`where`: the description):
-    id2label or num_labels naming another number of labels than the classifier has outputs, a regression problem
-    on more than one output, a single-label one on fewer than two. Read as the description says, one of two logits
-    was reported as a score, and a label `LABEL_1` invented."""
-    head = checkpoint.head or {}
-    if head.get("architecture") not in _LABELLED_HEADS or "classifier" not in (checkpoint.params or {}):
+def check_head(head: dict | None, params: dict, where: str) -> None:
+    """A classifier head (`params`' classifier) that contradicts its description `head` is refused, naming both
+    (`where`: the description): id2label or num_labels naming another number of labels than the classifier has
+    outputs, a regression problem on more than one output, a single-label one on fewer than two. Read as the
+    description says, one of two logits was reported as a score, and a label `LABEL_1` invented."""
+    head = head or {}
+    if head.get("architecture") not in _LABELLED_HEADS or "classifier" not in params:
         return
-    outputs = int(checkpoint.params["classifier"]["bias"].shape[0])
+    outputs = int(params["classifier"]["bias"].shape[0])
     has = f"its classifier has {outputs} output{'s' if outputs != 1 else ''} (classifier bias [{outputs}])"
     problems = []
     id2label = head.get("id2label")
