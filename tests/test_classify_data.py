@@ -230,3 +230,21 @@ def test_a_list_in_a_single_label_column_is_refused_naming_the_row(tmp_path, kin
         table_data.read_split(str(path), TableSpec())
     if kind == "parquet":  # what the lists are for
         assert table_data.read_split(str(path), TableSpec(problem="multi_label_classification"))[1] == ["0", "1"]
+
+
+def test_a_table_named_for_another_format_than_its_bytes_is_told_as_what_it_is(tmp_path):
+    """The one reader's detection, both ways round: a CSV or a gzip named .parquet, Parquet named .csv; a .csv.gz
+    is a CSV, read decompressed."""
+    import gzip
+
+    csv_text = "text,label\na,0\nb,1\n"
+    (tmp_path / "csv.parquet").write_text(csv_text)
+    (tmp_path / "gz.parquet").write_bytes(gzip.compress(csv_text.encode()))
+    pq.write_table(pa.table({"text": ["a"], "label": ["0"]}), tmp_path / "parquet.csv")
+    (tmp_path / "train.csv.gz").write_bytes(gzip.compress(csv_text.encode()))
+    for name, said in (("csv.parquet", "text"), ("gz.parquet", "gzip-compressed")):
+        with pytest.raises(ValueError, match=rf"{name}: named as Parquet but its bytes are {said} \(no PAR1 magic\)"):
+            table_data.read_split(str(tmp_path / name), TableSpec())
+    with pytest.raises(ValueError, match=r"parquet.csv: a Parquet file, not text; expected a CSV file \(UTF-8\)"):
+        table_data.read_split(str(tmp_path / "parquet.csv"), TableSpec())
+    assert table_data.read_split(str(tmp_path / "train.csv.gz"), TableSpec())[1] == ["0", "1"]

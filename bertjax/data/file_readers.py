@@ -222,15 +222,14 @@ def parquet_table(path: str):
     context manager): its bytes checked first, so a CSV or a compressed file named .parquet is told as what it is."""
     import pyarrow.parquet as pq
 
-    raw = _open_raw(path)
-    head = raw.read(_SNIFF_BYTES)
+    with _open_raw(path) as f:
+        head = f.read(_SNIFF_BYTES)
     if not head.startswith(b"PAR1"):
-        raw.close()
         compression = next((name for name, (magic, _) in COMPRESSIONS.items() if head.startswith(magic)), "")
         seen = f"{compression}-compressed" if compression else (_text_problem(head) or "text")
         raise ValueError(f"{path}: named as Parquet but its bytes are {seen} (no PAR1 magic); rename it to what it is")
-    raw.seek(0)
-    return pq.ParquetFile(raw)
+    # A local path: pyarrow opens and closes the file itself (closing a ParquetFile leaves a file given to it open).
+    return pq.ParquetFile(path if "://" not in path else _open_raw(path))
 
 
 def without_compression(path: str) -> str:
