@@ -36,7 +36,7 @@ from bertjax.errors import OutputWriteError, cannot_write, first_line
 from bertjax.model import bert as model_lib
 from bertjax.model import family, shapes
 from bertjax.model.family import ModelConfig
-from bertjax.options import option
+from bertjax.options import ints, option, range_problems
 
 # Written into a pretraining workdir by process 0 once the run's last checkpoint is finalised: the job is done
 # (what the babysitter looks for before running the job again).
@@ -342,17 +342,16 @@ def _require_checkpoint(directory: str) -> None:
 class CheckpointConfig:
     """When a training job saves and what it keeps (a pretraining job's `checkpoint.*` keys)."""
 
-    every: int = option(1000, "steps between saves (and always at the end and on preemption)")
-    keep: int = option(3, "most recent checkpoints kept")
-    keep_every: int = option(0, "also keep every N-th step forever (0: none)")
+    every: int = option(1000, "steps between saves (and always at the end and on preemption)", valid=ints(1))
+    keep: int = option(3, "most recent checkpoints kept (0 would delete every one, the last included)",
+                        valid=ints(1))
+    keep_every: int = option(0, "also keep every N-th step forever (0: none)", valid=ints(0))
     async_save: bool = option(True, "write in the background while training goes on")
 
     def __post_init__(self):
-        if self.every < 1:
-            raise ValueError(f"checkpoint.every={self.every} must be >= 1")
-        if self.keep < 1:
-            raise ValueError(f"checkpoint.keep={self.keep} must be >= 1 (0 would delete every checkpoint, the "
-                             "last one included)")
+        problems = range_problems(self)
+        if problems:
+            raise ValueError("checkpoint: " + "; ".join(problems))
 
 
 class CheckpointWriteError(OutputWriteError):

@@ -6,6 +6,10 @@ and help text, validates itself in `__post_init__`, and builds the object it con
 - `apply_override`: `--set KEY=VALUE`, parsed to the field's declared type, unknown keys named;
 - `add_flags` / `from_flags`: argparse flags for commands that take the options one by one (`data create`,
   `finetune`), so a default is never restated in a parser.
+A numeric option declares its range (`valid=ints(1)`, `floats(0, 1)`); the range is checked wherever a value is
+parsed, naming what the user typed: a flag (the argparse `type` is the range), `--set KEY=VALUE`, a config file's key.
+Hand-written numeric flags take a range as their `type` too (`type=ints(1)`), so every number a command line accepts
+is checked at parsing, by this one mechanism (tests/test_options.py walks every parser and config class).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import ast
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
 from typing import Any, Iterable
@@ -21,12 +26,108 @@ from typing import Any, Iterable
 import ml_collections
 
 
+# The largest integer an option may hold unless it says otherwise: what a 32-bit counter (JAX's default integer, a
+# step, a seed) holds. `train.steps=10**20` passed validation and ended in an OverflowError hours of set-up later.
+INT_LIMIT = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric option may take: `kind` (int or float) from `low` to `high` (None: unbounded; an int is
+    also at most INT_LIMIT, a float always finite), each end included unless `*_open`. As an argparse `type` it
+    parses and checks a flag's text (argparse then names the flag)."""
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def problem(self, value) -> str | None:
+        """"must be >= 1" (what `value` breaks), or None for a value in range."""
+        if self.kind is float and not math.isfinite(value):
+            return "must be a finite number"
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if self.low is not None and self.high is not None and (below or above):
+            return f"must be in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}" \
+                   f"{')' if self.high_open else ']'}"
+        if below:
+            return f"must be {'>' if self.low_open else '>='} {_num(self.low)}"
+        if above:
+            return f"must be {'<' if self.high_open else '<='} {_num(self.high)}"
+        if self.kind is int and abs(value) > INT_LIMIT:
+            return f"must be <= {INT_LIMIT} (a 32-bit integer)" if value > 0 else f"must be >= {-INT_LIMIT}"
+        return None
+
+    def __call__(self, text: str):
+        """An argparse `type`: the flag's text parsed as `kind` and checked."""
+        try:
+            value = self.kind(text.replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {_a(self.kind.__name__)}, got {text!r}") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{problem}, got {text}")
+        return value
+
+    def __repr__(self) -> str:  # argparse names a type in its messages by repr
+        return self.kind.__name__
+
+
+def _num(value) -> str:
+    return f"{value:g}"
+
+
+def ints(low: int | None = None, high: int | None = None) -> Range:
+    """An integer option from `low` to `high`, both included (and at most INT_LIMIT)."""
+    return Range(int, low, high)
+
+
+def floats(low: float | None = None, high: float | None = None, *, low_open: bool = False,
+           high_open: bool = False) -> Range:
+    """A finite float option from `low` to `high` (ends included unless open: `floats(0, low_open=True)` is > 0)."""
+    return Range(float, low, high, low_open, high_open)
+
+
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: Iterable[str] = (),
-           repeatable: bool = False, default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with its help text, extra command-line spellings (e.g. an older flag name), and for a
-    list-like string option whether its flag may be repeated (the config class then joins the values)."""
+           repeatable: bool = False, default_factory: Any = dataclasses.MISSING, valid: Range | None = None) -> Any:
+    """A dataclass field with its help text, extra command-line spellings (e.g. an older flag name), for a
+    list-like string option whether its flag may be repeated (the config class then joins the values), and for a
+    numeric one its range (`valid`; every int and float option has one)."""
     return dataclasses.field(default=default, default_factory=default_factory,
-                             metadata={"help": help, "flags": tuple(flags), "repeatable": repeatable})
+                             metadata={"help": help, "flags": tuple(flags), "repeatable": repeatable,
+                                       "valid": valid})
+
+
+def field_range(cls: type, name: str) -> Range | None:
+    """The declared range of field `name` of `cls` (None for a non-numeric field)."""
+    return next((f.metadata.get("valid") for f in dataclasses.fields(cls) if f.name == name), None)
+
+
+def check_value(cls: type, name: str, value: Any, spelled: str) -> None:
+    """A value of field `name` outside its declared range is an error naming it as the user wrote it (`spelled`:
+    `--set train.steps=0`, `checkpoint.keep=0`)."""
+    problem = _problem(field_range(cls, name), value)
+    if problem:
+        raise ValueError(f"{spelled} {problem}")
+
+
+def range_problems(config: Any) -> list[str]:
+    """"name=value must be ..." for each field of the dataclass instance `config` outside its declared range: a
+    config class's `__post_init__` checks its ranges with this (the same ranges its flags and keys are parsed by)."""
+    problems = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        problem = _problem(field.metadata.get("valid"), value)
+        if problem:
+            problems.append(f"{field.name}={value} {problem}")
+    return problems
+
+
+def _problem(valid: Range | None, value) -> str | None:
+    """What a value breaks of its range (None for no range, a value in range, or None where None is allowed)."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return valid.problem(value) if valid is not None and is_number else None
 
 
 @functools.cache
@@ -114,6 +215,8 @@ def from_config_dict(cls: type, values: Any, prefix: str = "") -> Any:
             value = from_config_dict(hint, value, f"{prefix}{name}.")
         elif not _fits(hint, value):  # a config file's value of another type (`"steps": "ten"`), named by its key
             raise ValueError(f"{prefix}{name}={value!r}: expected {_a(hint.__name__)}")
+        else:
+            check_value(cls, name, value, f"{prefix}{name}={value}")
         kwargs[name] = value
     return cls(**kwargs)
 
@@ -145,6 +248,7 @@ def apply_override(config: ml_collections.ConfigDict, cls: type, override: str) 
     if hint is None or dataclasses.is_dataclass(hint):
         raise ValueError(f"--set {unknown_key(cls, key)}")
     value = parse_value(raw, hint, f"--set {key}")
+    check_value(node_cls, parts[-1], value, f"--set {key}={value}")
     with node.ignore_type():  # the declared type decides, not the type of the value a preset left there
         node[parts[-1]] = value
 
@@ -168,6 +272,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, exclude: Iterable[s
         # Once each: a field's extra spelling may be its own name's (--text-field twice in --help otherwise).
         spellings = list(dict.fromkeys([flag_name(field.name), *field.metadata.get("flags", ())]))
         help_text = field.metadata.get("help", "")
+        kind = field.metadata.get("valid") or kind  # a number's range parses and checks its flag
         # argparse %-formats help strings ("50%" would break); the default is shown by the help formatter.
         common = dict(dest=field.name, help=help_text.replace("%", "%%"))
         if kind is bool:
@@ -186,12 +291,3 @@ def from_flags(cls: type, args: argparse.Namespace, **fixed) -> Any:
     values.update(fixed)
     return cls(**values)
 
-
-def at_least(minimum: int):
-    """An argparse `type`: an integer >= `minimum` (a count of 0 would run nothing and exit 0)."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-    return parse

@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from bertjax.options import option
+from bertjax.options import ints, option, range_problems
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -90,11 +90,12 @@ def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1)
 class MeshConfig:
     """Mesh axis sizes (a pretraining job's `mesh.*` keys); -1 takes the remaining devices of a slice."""
 
-    data: int = option(-1, "data-parallel replicas within a slice")
-    fsdp: int = option(1, "parameter/optimizer-state shards (ZeRO-3 style), also data-parallel for the batch")
-    tensor: int = option(1, "tensor-parallel split of heads, MLP and vocabulary")
+    data: int = option(-1, "data-parallel replicas within a slice (-1: the devices left)", valid=ints(-1))
+    fsdp: int = option(1, "parameter/optimizer-state shards (ZeRO-3 style), also data-parallel for the batch",
+                       valid=ints(-1))
+    tensor: int = option(1, "tensor-parallel split of heads, MLP and vocabulary", valid=ints(-1))
     dcn_data: int = option(1, "slices (multi-slice TPU over the data-center network): the data axis spans them, "
-                           "data-parallel only, so only gradients cross the slower network")
+                           "data-parallel only, so only gradients cross the slower network", valid=ints(1))
     shard_optimizer: bool | None = option(None, "weight-update sharding (Xu et al. 2020): params and optimizer "
                                           "moments split over the data axis, gradients reduce-scattered, the "
                                           "update on 1/data of each tensor, params all-gathered in the compute "
@@ -103,8 +104,9 @@ class MeshConfig:
                                      "bytes) rather than in the compute dtype the backward produced them in")
 
     def __post_init__(self):
-        if self.dcn_data < 1:
-            raise ValueError(f"mesh.dcn_data={self.dcn_data} must be >= 1")
+        problems = range_problems(self)
+        if problems:
+            raise ValueError("mesh: " + "; ".join(problems))
 
     def shape(self, num_devices: int) -> tuple[int, int, int]:
         """(data over all slices, fsdp, tensor) for `num_devices` devices in all."""

@@ -213,6 +213,31 @@ def save_tiny_hf(path: pathlib.Path, vocab_path: pathlib.Path, seed: int) -> str
     return str(path)
 
 
+def save_tiny_classifier_hf(path: pathlib.Path, vocab_path: pathlib.Path, labels=("neg", "pos"), seed: int = 0,
+                           head: dict | None = None) -> str:
+    """The model of `save_tiny_hf` with a sequence-classification head of len(labels) outputs, as an HF export
+    (untrained: for commands that read a fine-tuned model). With `head`, a bertjax checkpoint with that head
+    description instead (Orbax, slower)."""
+    import flax.linen as nn
+    import jax
+
+    from bertjax.checkpoint import read_vocab_file, save_model
+    from bertjax.interop.hf import export_hf
+    from bertjax.model.bert import BertForSequenceClassification, init_params
+    from bertjax.model.config import BertConfig
+
+    vocab = read_vocab_file(str(vocab_path))
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    module = BertForSequenceClassification(config, len(labels))
+    params = nn.meta.unbox(init_params(module, config, jax.random.PRNGKey(seed)))
+    if head is not None:
+        save_model(str(path), params, config, vocab, head=head)
+    else:
+        export_hf(params, config, vocab, str(path), id2label=dict(enumerate(labels)))
+    return str(path)
+
+
 GCS_BUCKET = "bertjax-test"
 
 

@@ -181,3 +181,70 @@ def test_a_training_file_with_one_label_is_refused_for_single_label_classificati
     same = tmp_path / "same.csv"
     same.write_text("text,score\nx,1.5\ny,1.5\n")
     assert table_data.read_split(str(same), REGRESSION)[0].labels.tolist() == [1.5, 1.5]
+
+
+@pytest.mark.parametrize("other", [" 1", "01", "1.0", "1e0"])
+def test_one_label_written_two_ways_is_refused_naming_both(tmp_path, capsys, other):
+    """" 1", "01" and "1.0" beside "1" became classes of their own, each with a share of the rows."""
+    from bertjax.cli import main
+
+    path = tmp_path / "train.csv"
+    path.write_text(f"text,label\na,1\nb,0\nc,\"{other}\"\nd,0\n")
+    said = rf"^{path}:4: column 'label': label '{other}' is '1' \({path}:2\) written another way; write each label " \
+           r"one way \(they would be two classes\)$"
+    with pytest.raises(ValueError, match=said):
+        table_data.read_split(str(path), TableSpec())
+    # The command: one line, exit 2, before the checkpoint loads (there is none).
+    assert main(["finetune", "classify", "--train", str(path), "--init", "none", "--workdir",
+                 str(tmp_path / "w")]) == 2
+    assert "written another way" in capsys.readouterr().err.strip().splitlines()[-1]
+    # Multi-label, JSON Lines: the same rule for each name of a row's list.
+    multi = tmp_path / "multi.jsonl"
+    multi.write_text(json.dumps({"text": "a", "label": ["1", "2"]}) + "\n"
+                     + json.dumps({"text": "b", "label": [other.strip() if other != " 1" else "01"]}) + "\n")
+    with pytest.raises(ValueError, match=r"multi.jsonl:2: column 'label': label '.*' is '1' \(.*multi.jsonl:1\) "
+                                         r"written another way"):
+        table_data.read_split(str(multi), TableSpec(problem="multi_label_classification"))
+    # A dev file's other spelling: the training file's own is named.
+    dev = tmp_path / "dev.csv"
+    dev.write_text("text,label\nx,1.0\n")
+    with pytest.raises(ValueError, match=r"dev.csv:2: column 'label': label '1.0' is not among the training file's "
+                                         r"labels \['0', '1'\] \(it writes this one '1'\)"):
+        table_data.read_split(str(dev), TableSpec(), ["0", "1"])
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_a_list_in_a_single_label_column_is_refused_naming_the_row(tmp_path, kind):
+    """A Parquet list (or a JSON one) became the class name "['0']"."""
+    if kind == "parquet":
+        path = tmp_path / "train.parquet"
+        pq.write_table(pa.table({"text": ["a", "b"], "label": [["0"], ["1"]]}), path)
+        where = f"{path}: row 1"
+    else:
+        path = tmp_path / "train.jsonl"
+        path.write_text(json.dumps({"text": "a", "label": ["0"]}) + "\n" + json.dumps({"text": "b", "label": "1"}))
+        where = f"{path}:1"
+    with pytest.raises(ValueError, match=rf"^{where}: column 'label' is \['0'\], not one label; single-label "
+                                         r"classification takes one label a row \(a list per row: --problem "
+                                         r"multi_label_classification\)$"):
+        table_data.read_split(str(path), TableSpec())
+    if kind == "parquet":  # what the lists are for
+        assert table_data.read_split(str(path), TableSpec(problem="multi_label_classification"))[1] == ["0", "1"]
+
+
+def test_a_table_named_for_another_format_than_its_bytes_is_told_as_what_it_is(tmp_path):
+    """The one reader's detection, both ways round: a CSV or a gzip named .parquet, Parquet named .csv; a .csv.gz
+    is a CSV, read decompressed."""
+    import gzip
+
+    csv_text = "text,label\na,0\nb,1\n"
+    (tmp_path / "csv.parquet").write_text(csv_text)
+    (tmp_path / "gz.parquet").write_bytes(gzip.compress(csv_text.encode()))
+    pq.write_table(pa.table({"text": ["a"], "label": ["0"]}), tmp_path / "parquet.csv")
+    (tmp_path / "train.csv.gz").write_bytes(gzip.compress(csv_text.encode()))
+    for name, said in (("csv.parquet", "text"), ("gz.parquet", "gzip-compressed")):
+        with pytest.raises(ValueError, match=rf"{name}: named as Parquet but its bytes are {said} \(no PAR1 magic\)"):
+            table_data.read_split(str(tmp_path / name), TableSpec())
+    with pytest.raises(ValueError, match=r"parquet.csv: a Parquet file, not text; expected a CSV file \(UTF-8\)"):
+        table_data.read_split(str(tmp_path / "parquet.csv"), TableSpec())
+    assert table_data.read_split(str(tmp_path / "train.csv.gz"), TableSpec())[1] == ["0", "1"]

@@ -243,7 +243,7 @@ def test_bad_input_is_named_by_file_and_line(corpus, tmp_path):
         "a.txt.xz": (b"\xfd7zXZ\x00" + bytes(200), "wikitext", r"a\.txt\.xz: an xz archive, not text"),
         "b.zip": (b"PK\x03\x04" + bytes(200), "sentences", r"b\.zip: a zip archive, not text"),
         "c.txt.gz": (gzip.compress(bytes(range(256)) * 100), "wikitext",
-                     r"c\.txt\.gz: binary \(NUL bytes.*\(decompressed from gzip\)"),
+                     r"c\.txt\.gz: a NUL byte in line 1 \(binary data, not text\) \(decompressed from gzip\)"),
         "d.txt.gz": (text, "wikitext", r"d\.txt\.gz: named as gzip-compressed, but its bytes are not"),
         "e.parquet": (text, "parquet", r"e\.parquet: expected a Parquet file \(PAR1\), found text"),
     }

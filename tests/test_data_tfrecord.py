@@ -432,7 +432,7 @@ def test_bad_lines_of_paragraphs_are_counted_once_each(tmp_path, corpus_slice):
     ("vocab", r"novocab\.txt has no \[MASK\] token"),
     ("max_pred", r"max_predictions_per_seq=5 is inconsistent with max_seq_length=128"),
     # Binary input used to be read as a few lines of replacement characters, without a word.
-    ("binary", r"lib\.so: binary \(NUL bytes in its first 64 KiB\)"),
+    ("binary", r"lib\.so: a NUL byte in line 1 \(binary data, not text\)"),
     # gzip, zstd and bzip2 are read; other archives are refused by name.
     ("xz", r"wiki\.txt\.xz: an xz archive, not text"),
     ("latin1", r"latin1\.txt: not UTF-8 text \(\d+ of the first \d+ characters are invalid\)"),
@@ -558,3 +558,23 @@ def test_input_kind_is_detected_and_a_wrong_one_names_the_key(created, corpus_sl
     wrong = PretrainingDataConfig(input=(str(corpus),), input_kind="tfrecord", vocab=vocab)
     with pytest.raises(ValueError, match=r"data.eval_input=.* holds text files, but data.input_kind=tfrecord"):
         resolve_input(wrong, "data.eval_input")
+
+
+def test_a_shape_set_explicitly_is_never_replaced_by_the_shards(created, tmp_path, capsys):
+    """Shards hold 64-token instances: `--set data.max_seq_length=128` trained on 64 without a word (the shards
+    define their shapes). A shape the user sets is checked against the shards instead, and refused naming both; a
+    preset's 128 still gives way to the shards' 64 with its line, and a --set of the shards' own value passes."""
+    argv = ["pretrain", "--config", "bert-tiny", "--workdir", str(tmp_path / "run"), "--set",
+            f"data.input={created}", "--dry-run"]
+    assert bertjax_main([*argv, "--set", "data.max_seq_length=128", "--set", "data.packing=true"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"bertjax pretrain: error: data.max_seq_length=128, data.packing=True is set (--set), but the shards of "
+        f"data.input='{created}' hold max_seq_length={SEQ}, packing=False: shards define their shapes; drop the "
+        "--set to train on them as they are, or make shards of the shape you want (data create)")
+    assert not (tmp_path / "run").exists()
+    from bertjax.data.input_source import check_set_keys
+
+    config = PretrainingDataConfig(input=str(created), max_seq_length=128)
+    check_set_keys(config, {"data.input", "train.steps"})  # the preset's 128: the shards' 64 is taken, and said
+    check_set_keys(config.replace(max_seq_length=SEQ, max_predictions_per_seq=PRED),
+                   {"data.max_seq_length", "data.max_predictions_per_seq"})

@@ -83,7 +83,7 @@ def test_launch_local_refuses_counts_that_run_nothing(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bertjax_main(["launch", "local", flag, value, "--", "pretrain", "--config", "bert-tiny"])
     assert exit_info.value.code == 2
-    assert f"argument {flag}: must be at least {1 if flag != '--max-restarts' else 0}, got {value}" in \
+    assert f"argument {flag}: must be >= {1 if flag != '--max-restarts' else 0}, got {value}" in \
         capsys.readouterr().err
 
 
@@ -104,11 +104,11 @@ def test_launch_local_names_the_worker_that_was_killed(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["pretrain", "--config", "bert-tiny", "--workdir", "w", "--max-steps-this-run", "0"],
-     "argument --max-steps-this-run: must be at least 1, got 0"),
+     "argument --max-steps-this-run: must be >= 1, got 0"),
     (["pretrain", "--config", "bert-tiny", "--workdir", "w", "--max-steps-this-run", "-3"],
-     "argument --max-steps-this-run: must be at least 1, got -3"),
+     "argument --max-steps-this-run: must be >= 1, got -3"),
     (["data", "create", "--input", "x", "--vocab", "v", "--out", "o", "--num-workers", "0"],
-     "argument --num-workers: must be at least 1, got 0")])
+     "argument --num-workers: must be >= 1, got 0")])
 def test_counts_that_would_do_nothing_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bertjax_main(argv)

@@ -381,3 +381,51 @@ def test_any_command_whose_reader_stopped_ends_quietly_as_unix_tools_do(argv, ti
         assert process.wait(timeout=300) == -signal.SIGPIPE
     err = (tmp_path / "stderr").read_text()
     assert "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"problem_type": "regression"}, "problem_type regression (one output: a number)"),
+    ({"id2label": {"0": "neg"}, "label2id": {"neg": 0}}, "id2label of 1 label(s) (0: 'neg')"),
+    ({"num_labels": 3}, "num_labels 3"),
+    ({"id2label": {"0": "neg", "1": "pos", "2": "meh"}}, "id2label of 3 label(s) (0: 'neg', 1: 'pos', 2: 'meh')")])
+def test_a_head_that_contradicts_its_config_is_refused_naming_both(minilm_dir, tmp_path, capsys, monkeypatch,
+                                                                   changes, said):
+    """An export whose config.json describes another head than its classifier's two outputs: `predict` read one of
+    two logits as a regression score, or invented a label LABEL_1. It is refused, naming the description and the
+    classifier, by every command that loads it (predict, a fine-tune's --init, export); nothing is written."""
+    import io
+    import sys
+
+    from tests.conftest import save_tiny_classifier_hf
+
+    source = save_tiny_classifier_hf(tmp_path / "source", minilm_dir / "vocab.txt")
+    edited = _with_config(Path(source), tmp_path / "edited", "config.json", **changes)
+    (tmp_path / "train.csv").write_text("text,label\ngood,1\nbad,0\n")
+    for argv in (["predict", "--model", edited],
+                 ["finetune", "classify", "--train", str(tmp_path / "train.csv"), "--init", edited, "--workdir",
+                  str(tmp_path / "w")],
+                 ["convert", edited, "--from", "hf", "--out", str(tmp_path / "out")]):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a good film\n")))
+        line = _error(capsys, argv)
+        assert f"error: {edited}/config.json says {said}, but its classifier has 2 outputs (classifier bias [2])" \
+            in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "source", "train.csv"]
+
+
+def test_a_checkpoint_head_that_contradicts_its_classifier_is_refused_naming_both(minilm_dir, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """The same for a bertjax checkpoint's head item (what a fine-tune's --save-checkpoint writes)."""
+    import io
+    import sys
+
+    from tests.conftest import save_tiny_classifier_hf
+
+    checkpoint = save_tiny_classifier_hf(tmp_path / "ckpt", minilm_dir / "vocab.txt", head={
+        "architecture": "BertForSequenceClassification", "id2label": {"0": "neg", "1": "pos"},
+        "problem_type": "regression"})
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a good film\n")))
+    line = _error(capsys, ["predict", "--model", checkpoint])
+    assert line.endswith(f"error: {checkpoint} (its head item) says problem_type regression (one output: a number), "
+                         "but its classifier has 2 outputs (classifier bias [2]): read as described, its outputs "
+                         "would be reported as something they are not; export the model again, or correct the "
+                         "description"), line

@@ -119,3 +119,20 @@ def test_cli_finetune_ner_bad_file_is_one_line(tmp_path, capsys):
                str(tmp_path / "w")])
     assert rc == 2
     assert f"{tmp_path / 'train.txt'}:4: expected 'word ... tag'" in capsys.readouterr().err
+
+
+def test_a_dev_or_test_tag_of_a_type_never_trained_is_refused_naming_it_and_its_line(tmp_path, capsys):
+    """valid.txt's B-PERSON (train.txt spells the type PER) was scored as gold the model could never predict."""
+    from bertjax.cli import main
+
+    (tmp_path / "train.txt").write_text("EU NNP B-ORG\nsays VBZ O\n\nPeter NNP B-PER\n", encoding="utf-8")
+    (tmp_path / "valid.txt").write_text("EU NNP B-ORG\n\nPeter NNP B-PER\nBlack NNP I-PER\n", encoding="utf-8")
+    (tmp_path / "test.txt").write_text("says VBZ O\nAnn NNP B-PERSON\n", encoding="utf-8")
+    argv = ["finetune", "ner", "--data", str(tmp_path), "--init", str(tmp_path / "none"), "--workdir",
+            str(tmp_path / "w")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"{tmp_path / 'test.txt'}:2: tag 'B-PERSON': the entity type 'PERSON' is not in {tmp_path / 'train.txt'} "
+        "(its types: ORG, PER); the model could never predict it")
+    assert main([*argv, "--no-predict-test"]) == 2  # read and checked whether or not it is predicted
+    assert not (tmp_path / "w").exists()

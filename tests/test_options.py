@@ -1,6 +1,7 @@
 """Each option is defined once: the pretraining config keys, `--set` parsing and the `data create` / `finetune`
 flags all come from the config classes' fields."""
 import dataclasses
+import json
 
 import pytest
 
@@ -72,3 +73,76 @@ def test_finetune_flags_default_to_the_settings_with_each_jobs_recipe():
     args = build_parser().parse_args(["finetune", "glue", "--task", "rte", "--data", "d", "--init", "i",
                                       "--workdir", "w", "--warmup-proportion", "0.2"])
     assert options.from_flags(TrainSettings, args) == TrainSettings(warmup_proportion=0.2)
+
+
+# ---- ranges: every number a command line takes is checked as it is parsed, naming the flag or key -----------------
+
+def _config_classes():
+    """The config classes whose fields are options (flags, --set keys, config-file keys), nested ones included."""
+    from bertjax.finetune.settings import NerSettings
+    from bertjax.pretraining.config import PretrainConfig
+
+    found, todo = [], [PretrainConfig, TrainSettings, SquadSettings, NerSettings, PretrainingDataConfig]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo += [hint for hint in options._hints(cls).values() if dataclasses.is_dataclass(hint)]
+    return found
+
+
+def test_every_numeric_option_declares_its_range_and_every_numeric_flag_parses_by_one():
+    from bertjax.cli import walk_commands
+
+    unchecked = []
+    for cls in _config_classes():
+        for field in dataclasses.fields(cls):
+            kind, _ = options._base_type(options._hints(cls)[field.name])
+            if kind in (int, float) and not isinstance(field.metadata.get("valid"), options.Range):
+                unchecked.append(f"{cls.__name__}.{field.name}")
+    for path, parser in walk_commands(build_parser()):
+        for action in parser._actions:
+            number_default = isinstance(action.default, (int, float)) and not isinstance(action.default, bool)
+            if action.type in (int, float) or (number_default and not isinstance(action.type, options.Range)):
+                unchecked.append(f"bertjax {' '.join(path)} {action.option_strings[0]}")
+    assert not unchecked, f"numeric options without a declared range: {unchecked}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["embed", "--checkpoint", "c", "--input", "i.txt", "--output", "o.npy", "--batch-size", "-1"],
+     "argument --batch-size: must be >= 1, got -1"),
+    (["embed", "--checkpoint", "c", "--input", "i.txt", "--output", "o.npy", "--batch-size", "0"],
+     "argument --batch-size: must be >= 1, got 0"),
+    (["predict", "--model", "m", "--max-seq-length", "0"], "argument --max-seq-length: must be >= 3, got 0"),
+    (["finetune", "classify", "--train", "t.csv", "--init", "i", "--workdir", "w", "--seed", "-1"],
+     "argument --seed: must be >= 0, got -1"),
+    (["finetune", "features", "--task", "rte", "--data", "d", "--init", "i", "--workdir", "w", "--seed", "-1"],
+     "argument --seed: must be >= 0, got -1"),
+    (["finetune", "glue", "--task", "rte", "--data", "d", "--init", "i", "--workdir", "w", "--learning-rate", "inf"],
+     "argument --learning-rate: must be a finite number, got inf"),
+    (["data", "create", "--input", "x", "--vocab", "v", "--out", "o", "--masked-lm-prob", "1"],
+     "argument --masked-lm-prob: must be in (0, 1), got 1"),
+])
+def test_a_value_out_of_its_range_is_refused_at_parsing_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_key_out_of_its_range_is_refused_naming_it_in_set_and_in_a_config_file(tmp_path, capsys):
+    from bertjax.cli import main
+
+    # 10**20 steps passed validation and ended in an OverflowError after the set-up.
+    assert main(["config", "show", "bert-tiny", "--set", "train.steps=100000000000000000000"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "error: --set train.steps=100000000000000000000 must be <= 2147483647 (a 32-bit integer)")
+    with pytest.raises(ValueError, match=r"--set train.seed=-1 must be >= 0"):
+        pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v", "train.seed=-1"])
+    saved = json.loads(json.dumps(pretrain_config.load_config("bert-tiny", ["data.input=x", "data.vocab=v"])
+                                  .to_dict()))
+    saved["train"]["steps"] = 10**20
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"config.json: train.steps=100000000000000000000 must be <= 2147483647"):
+        pretrain_config.load_config(str(tmp_path / "config.json"))
+    # Constructed in Python, the class checks the same ranges.
+    with pytest.raises(ValueError, match=r"eval_batch_size=0 must be >= 1"):
+        TrainSettings(eval_batch_size=0)

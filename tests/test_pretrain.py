@@ -428,7 +428,7 @@ def test_damaged_input_is_reported_and_binary_input_refused(corpus, tmp_path, mo
     binary.write_bytes(bytes(range(256)) * 64)
     code, _, err = _in_process(_argv(tmp_path / "run2", (str(binary), vocab), *steps), monkeypatch, capsys)
     assert code == 2 and "Traceback" not in err
-    assert "model.bin: binary (NUL bytes in its first 64 KiB)" in err
+    assert "model.bin: a NUL byte in line 1 (binary data, not text)" in err
 
 
 def test_a_json_lines_corpus_is_detected_and_its_text_trained_on(corpus, tmp_path, monkeypatch, capsys):

@@ -31,7 +31,7 @@ def test_presets_load_and_overrides_apply():
     ("optimizer.learning_rate=-0.001", "learning_rate=-0.001 must be > 0"),
     ("optimizer.b2=1.0", "b2=1.0 must be in [0, 1)"),
     ("optimizer.weight_decay=-1", "weight_decay=-1.0 must be >= 0"),
-    ("model.hidden_dropout_prob=1.0", "hidden_dropout_prob must be in [0, 1)"),
+    ("model.hidden_dropout_prob=1.0", "--set model.hidden_dropout_prob=1.0 must be in [0, 1)"),
     ("optimizer.warmup_steps=2000000", "optimizer.warmup_steps=2000000 must be in [0, train.steps="),
     ("checkpoint.keep=0", "keep"),
 ])

@@ -198,3 +198,27 @@ def test_a_bad_answer_start_is_named_with_the_file_and_question():
                                          r"'answer_start': '12a'\}: expected a 'text' and an integer 'answer_start' "
                                          r"\(invalid literal for int\(\) with base 10: '12a'\)$"):
         read_examples(dataset, is_training=True, version_2=False, source="train-v1.1.json")
+
+
+def test_a_question_id_that_appears_twice_is_refused_naming_both_places(tmp_path, capsys):
+    """Two questions with one id were collapsed into one prediction (and one score): `finetune squad` and `eval
+    squad` refuse the file, naming the id and both places."""
+    from bertjax.cli import main
+
+    qa = {"id": "q1", "question": "who?", "answers": [{"text": "Ann", "answer_start": 0}]}
+    data = {"version": "1.1", "data": [
+        {"title": "a", "paragraphs": [{"context": "Ann went home.", "qas": [qa, {**qa, "id": "q2"}]}]},
+        {"title": "b", "paragraphs": [{"context": "Ann sat down.", "qas": [qa]}]}]}
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps(data))
+    said = (f"{path}: question id 'q1' appears twice (article 0, paragraph 0, question 0; article 1, paragraph 0, "
+            "question 0); each question needs its own id")
+    (tmp_path / "p.json").write_text(json.dumps({"q1": "Ann", "q2": "Ann"}))
+    for argv in (["finetune", "squad", "--version", "1.1", "--train", str(path), "--init", "none", "--workdir",
+                  str(tmp_path / "w")],
+                 ["finetune", "squad", "--version", "1.1", "--predict", str(path), "--init", "none", "--workdir",
+                  str(tmp_path / "w")],
+                 ["eval", "squad", "--data", str(path), "--predictions", str(tmp_path / "p.json")]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(said)
+    assert not (tmp_path / "w").exists()

@@ -17,6 +17,8 @@ import sys
 import tempfile
 import time
 
+from bertjax import options
+
 
 def register(subparsers) -> None:
     aot = subparsers.add_parser("compile", help="compile the pretraining step for a TPU slice or a GPU host on "
@@ -25,18 +27,20 @@ def register(subparsers) -> None:
     aot.add_argument("--topology", required=True, help="gcloud accelerator type (v5litepod-16, v4-32, v5p-16, "
                      "v6e-16) or topology (v5e:4x4, v4:2x2x4); or a GPU host: h100, h200, a100, or K cards on one "
                      "host such as h100x8 (needs the gpu extra)")
-    aot.add_argument("--num-slices", type=int, default=1, help="multi-slice: this many slices (mesh.dcn_data)")
+    aot.add_argument("--num-slices", type=options.ints(1), default=1,
+                     help="multi-slice: this many slices (mesh.dcn_data)")
     aot.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key (repeatable)")
-    aot.add_argument("--mfu", type=float, help="assume this model FLOPs utilisation for step time and hours "
-                     "instead of the estimate of the compiled step (default: the estimate)")
+    aot.add_argument("--mfu", type=options.floats(0, 1, low_open=True),
+                     help="assume this model FLOPs utilisation for step time and hours instead of the estimate of "
+                     "the compiled step (default: the estimate)")
     aot.add_argument("--dump-hlo", default="", metavar="FILE", help="write the compiled HLO text to FILE")
     aot.add_argument("--fit-batch", action="store_true", help="if the step does not fit, find the smallest "
                      "grad_accum_steps (largest per-chip microbatch) that does, by compiling")
-    aot.add_argument("--price-per-chip-hour", type=float, metavar="USD", help="the price of one chip-hour or "
-                     "GPU-hour (the "
-                     "region's on-demand, Spot or committed rate): the cost is the chip-hours at it, on one line "
-                     "and in --json as cost_usd (no price list is built in)")
+    aot.add_argument("--price-per-chip-hour", type=options.floats(0), metavar="USD",
+                     help="the price of one chip-hour or GPU-hour (the region's on-demand, Spot or committed rate): "
+                     "the cost is the chip-hours at it, on one line and in --json as cost_usd (no price list is "
+                     "built in)")
     aot.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     aot.set_defaults(func=_compile)
 
@@ -56,7 +60,8 @@ def register(subparsers) -> None:
     tpu.add_argument("--runtime-version", default="", help="TPU VM runtime (default: the generation's JAX one)")
     _add_job_flags(tpu, restarts="job restarts (after preemptions the slice is re-created)",
                    dry_run="print the request and the gcloud equivalents")
-    tpu.add_argument("--poll-seconds", type=float, default=30.0, help="how often the slice and the job are checked")
+    tpu.add_argument("--poll-seconds", type=options.floats(0, low_open=True), default=30.0,
+                     help="how often the slice and the job are checked")
     tpu.set_defaults(func=_launch_tpu)
 
     watch = launch.add_parser("watch", help="re-attach to a job started by `launch tpu` (from another terminal, or "
@@ -64,10 +69,11 @@ def register(subparsers) -> None:
     watch.add_argument("name", help="the queued resource (--name of `launch tpu`)")
     watch.add_argument("--zone", required=True)
     watch.add_argument("--project", required=True)
-    watch.add_argument("--max-restarts", type=int, default=10, help="job restarts from now on")
+    watch.add_argument("--max-restarts", type=options.ints(0), default=10, help="job restarts from now on")
     watch.add_argument("--wheel", help="the bertjax wheel to install after a re-creation (default: built from this "
                        "checkout)")
-    watch.add_argument("--poll-seconds", type=float, default=30.0, help="how often the slice and the job are checked")
+    watch.add_argument("--poll-seconds", type=options.floats(0, low_open=True), default=30.0,
+                       help="how often the slice and the job are checked")
     watch.set_defaults(func=_launch_watch)
 
     gke = launch.add_parser("gke", help="run the command on TPU slices of a GKE cluster with xpk (a JobSet, "
@@ -75,7 +81,7 @@ def register(subparsers) -> None:
     gke.add_argument("--cluster", required=True, help="the GKE cluster (with its TPU node pools, e.g. by xpk)")
     gke.add_argument("--name", required=True, help="the xpk workload name")
     gke.add_argument("--tpu-type", required=True, help="gcloud accelerator type of one slice, e.g. v5litepod-16")
-    gke.add_argument("--num-slices", type=int, default=1)
+    gke.add_argument("--num-slices", type=options.ints(1), default=1)
     gke.add_argument("--zone", required=True)
     gke.add_argument("--project", required=True)
     gke.add_argument("--base-docker-image", default="python:3.11-slim")
@@ -93,7 +99,7 @@ def register(subparsers) -> None:
 
 def _add_job_flags(parser: argparse.ArgumentParser, *, restarts: str, dry_run: str) -> None:
     """The flags every cloud launcher shares: restarts, the wheel, dry run, and the job's command after --."""
-    parser.add_argument("--max-restarts", type=int, default=10, help=restarts)
+    parser.add_argument("--max-restarts", type=options.ints(0), default=10, help=restarts)
     parser.add_argument("--wheel", help="the bertjax wheel to install (default: built from this checkout)")
     parser.add_argument("--dry-run", action="store_true", help=dry_run)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- pretrain --config ... --workdir gs://...")

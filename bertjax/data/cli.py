@@ -72,10 +72,10 @@ def register(subparsers) -> None:
     create = data.add_parser("create", help="text corpus -> masked TFRecord shards (original BERT format)")
     options.add_flags(create, PretrainingDataConfig, exclude=_NOT_CREATE_FLAGS, required=("input", "vocab"))
     create.add_argument("--out", required=True, help="output directory (gs:// works)")
-    create.add_argument("--shards", type=int, default=1)
-    create.add_argument("--worker-index", type=options.at_least(0), default=0,
+    create.add_argument("--shards", type=options.ints(1), default=1)
+    create.add_argument("--worker-index", type=options.ints(0), default=0,
                         help="this worker's share of the input files (0 .. --num-workers - 1)")
-    create.add_argument("--num-workers", type=options.at_least(1), default=1)
+    create.add_argument("--num-workers", type=options.ints(1), default=1)
     create.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run's shards in --out (removed once the new ones are complete)")
     create.add_argument("--runner", choices=("local", "beam"), default="local",
@@ -93,13 +93,13 @@ def register(subparsers) -> None:
     options.add_flags(train, CorpusConfig, required=("input",))
     train.add_argument("--lower-case", action=argparse.BooleanOptionalAction, default=None,
                        help="default: true for WordPiece, false for SentencePiece")
-    train.add_argument("--vocab-size", type=int, required=True,
+    train.add_argument("--vocab-size", type=options.ints(1), required=True,
                        help="the most tokens, the 5 special tokens included (BERT's English vocab: 30522); a small "
                        "corpus may give fewer, and the closing line says how many and why")
     train.add_argument("--type", choices=("sentencepiece", "wordpiece"), required=True)
     train.add_argument("--out", required=True)
-    train.add_argument("--max-sentences", type=int, default=5_000_000)
-    train.add_argument("--min-count", type=int, default=10,
+    train.add_argument("--max-sentences", type=options.ints(1), default=5_000_000)
+    train.add_argument("--min-count", type=options.ints(1), default=10,
                        help="wordpiece: keep only pieces seen at least this often (lower it on a small corpus for a "
                        "larger vocabulary)")
     train.set_defaults(func=_vocab_train)

@@ -164,6 +164,17 @@ def texts_to_documents(texts: tf.Tensor, max_line_chars: int) -> dict[str, tf.Te
             "truncated": per_record(clean["truncated"])}
 
 
+def _without_nul(lines: tf.Tensor, path: tf.Tensor) -> tf.Tensor:
+    """`lines` of the text file `path`, checked: a NUL byte anywhere is refused as it is in the first 64 KiB
+    (file_readers.check_input_files), by a CorpusError naming the file and line (file_readers.refuse_nul)."""
+    # Split at NUL, not a regex: RE2 reads UTF-8, and invalid bytes (counted, not refused) would match no class.
+    held = tf.size(tf.strings.split(tf.strings.reduce_join(lines), "\x00")) > 1
+    checked = tf.cond(held, lambda: tf.numpy_function(file_readers.refuse_nul, [path], tf.bool, stateful=False),
+                      lambda: tf.constant(True))
+    with tf.control_dependencies([checked]):
+        return tf.identity(lines)
+
+
 def _clean_lines(lines: tf.Tensor, max_chars: int) -> dict[str, tf.Tensor]:
     """Invalid UTF-8 -> U+FFFD and over-long lines cut, each counted per line."""
     valid = tf.strings.unicode_transcode(lines, "UTF-8", "UTF-8", errors="replace", replacement_char=0xFFFD)
@@ -267,7 +278,7 @@ def _file_documents(path: tf.Tensor, config: CorpusConfig, index=0, share=(0, 1)
     if config.is_records:
         return _record_documents(path, config, index, share)
     lines = _file_lines(path, config)
-    batches = lines.batch(config.line_batch).map(lambda b: _clean_lines(b, config.max_line_chars))
+    batches = lines.batch(config.line_batch).map(lambda b: _clean_lines(_without_nul(b, path), config.max_line_chars))
     if config.corpus_format in ("paragraphs", "wikitext"):
         batches = batches.map(lambda b: _paragraphs_to_sentence_lines(b, config))
     blank_run = config.wrapped_doc_blank_lines if config.corpus_format == "wrapped" else 1

@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 from bertjax.data import schema
-from bertjax.options import option
+from bertjax.options import floats, ints, option, range_problems
 
 TEXT_FORMATS = ("sentences", "paragraphs", "wikitext", "wrapped")
 # Formats whose records are documents (one JSON object per line; a Parquet row or a `datasets` Arrow row).
@@ -41,13 +41,14 @@ class CorpusConfig:
                                 "document (also a `datasets.save_to_disk` directory; hf: inputs)", flags=("--format",))
     doc_boundary_regex: str | None = option(None, "paragraphs: a full-matching line starts a new document")
     skip_regex: str | None = option(None, "paragraphs: full-matching lines are dropped")
-    max_line_chars: int = option(100_000, "longer lines are truncated (and counted)")
-    max_document_lines: int = option(100_000, "a document with more lines is cut (bounds memory)")
+    max_line_chars: int = option(100_000, "longer lines are truncated (and counted)", valid=ints(1))
+    max_document_lines: int = option(100_000, "a document with more lines is cut (bounds memory)", valid=ints(1))
     text_field: str = option("text", "jsonl, parquet, hf:, tfds: the field holding the document text",
                              flags=("--text-field",))
     tfds_data_dir: str | None = option(None, "tfds: the data directory of prepared datasets")
-    line_batch: int = option(1024, "lines processed per vectorised step")
-    wrapped_doc_blank_lines: int = option(3, "wrapped: this many blank lines end a document (Gutenberg: chapters)")
+    line_batch: int = option(1024, "lines processed per vectorised step", valid=ints(1))
+    wrapped_doc_blank_lines: int = option(3, "wrapped: this many blank lines end a document (Gutenberg: chapters)",
+                                          valid=ints(1))
 
     def __post_init__(self):
         # A list of patterns (a JSON/YAML config, repeated flags) is kept as one comma-separated string.
@@ -60,8 +61,9 @@ class CorpusConfig:
         if not self.is_tfds and self.corpus_format not in (AUTO_FORMAT, *FORMATS):
             raise ValueError(f"unknown corpus format {self.corpus_format!r}; expected one of {AUTO_FORMAT}, "
                              f"{', '.join(FORMATS)}")
-        if self.max_line_chars < 1:
-            raise ValueError(f"max_line_chars must be >= 1, got {self.max_line_chars}")
+        problems = range_problems(self)
+        if problems:  # the ranges of every field of the class (PretrainingDataConfig's too), checked once here
+            raise ValueError("; ".join(problems))
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -86,24 +88,27 @@ class CorpusConfig:
 class InstanceConfig:
     """Instance-shape parameters (names and defaults as in create_pretraining_data.py)."""
 
-    max_seq_length: int = option(128, "tokens per instance, [CLS] and [SEP]s included")
-    short_seq_prob: float = option(0.1, "probability of a shorter target length for a document's instances")
+    max_seq_length: int = option(128, "tokens per instance, [CLS] and [SEP]s included ([CLS] A [SEP] B [SEP]: "
+                                 "at least 5)", valid=ints(5))
+    short_seq_prob: float = option(0.1, "probability of a shorter target length for a document's instances",
+                                   valid=floats(0, 1))
     next_sentence_prediction: bool = option(True, "A/B pairs with 50% random next (false: RoBERTa-style "
                                             "full-sentence packing, no NSP labels)", flags=("--nsp",))
 
     def __post_init__(self):
-        if self.max_seq_length < 5:
-            raise ValueError(f"max_seq_length={self.max_seq_length} is too small: [CLS] A [SEP] B [SEP] needs >= 5")
-        if not 0.0 <= self.short_seq_prob <= 1.0:
-            raise ValueError(f"short_seq_prob={self.short_seq_prob} is not a probability")
+        problems = range_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 @dataclasses.dataclass(frozen=True)
 class MaskingConfig:
     """Masked-LM parameters (names and defaults as in create_pretraining_data.py)."""
 
-    masked_lm_prob: float = option(0.15, "fraction of tokens predicted")
-    max_predictions_per_seq: int = option(20, "most masked positions per instance", flags=("--max-predictions",))
+    masked_lm_prob: float = option(0.15, "fraction of tokens predicted",
+                                   valid=floats(0, 1, low_open=True, high_open=True))
+    max_predictions_per_seq: int = option(20, "most masked positions per instance", flags=("--max-predictions",),
+                                          valid=ints(1))
     whole_word_masking: bool = option(False, "mask all pieces of a word together")
     masking_scheme: str = option("token", "token: BERT's per-token (or whole-word) choice | span: SpanBERT's "
                                  "whole-word spans, geometric lengths (p=0.2, at most 10 words), 80/10/10 per span, "
@@ -113,10 +118,9 @@ class MaskingConfig:
         """Clear errors for values that cannot work with this sequence length."""
         if self.masking_scheme not in MASKING_SCHEMES:
             raise ValueError(f"masking_scheme={self.masking_scheme!r}; expected one of {', '.join(MASKING_SCHEMES)}")
-        if not 0.0 < self.masked_lm_prob < 1.0:
-            raise ValueError(f"masked_lm_prob={self.masked_lm_prob} must be in (0, 1)")
-        if self.max_predictions_per_seq < 1:
-            raise ValueError(f"max_predictions_per_seq={self.max_predictions_per_seq} must be >= 1")
+        problems = range_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.max_predictions_per_seq > max_seq_length - 3:
             raise ValueError(f"max_predictions_per_seq={self.max_predictions_per_seq} exceeds the "
                              f"{max_seq_length - 3} maskable tokens of max_seq_length={max_seq_length}")
@@ -147,18 +151,19 @@ class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
                                      "WordPiece, false for SentencePiece)")
     masking: str = option("dynamic", "dynamic: new masks every epoch (RoBERTa) | static: dupe_factor fixed copies "
                           "(the original)")
-    dupe_factor: int = option(10, "static masking: distinct (instances, masks) copies before repeating")
+    dupe_factor: int = option(10, "static masking: distinct (instances, masks) copies before repeating",
+                               valid=ints(1))
     doc_buffer_size: int = option(1000, "documents per instance-creation block (bounds memory; random-next "
-                                  "sentences come from the same block)", flags=("--doc-buffer",))
-    shuffle_buffer: int = option(10_000, "instances")
-    prefetch_batches: int = option(2, "batches prepared ahead of the train step (0: none)")
-    seed: int = option(12345, "seeds instances, masks and shuffles")
-    num_epochs: int | None = option(None, "passes over the input (None: repeat forever)")
-    file_cycle_length: int = option(4, "input files read in parallel")
+                                  "sentences come from the same block)", flags=("--doc-buffer",), valid=ints(1))
+    shuffle_buffer: int = option(10_000, "instances", valid=ints(1))
+    prefetch_batches: int = option(2, "batches prepared ahead of the train step (0: none)", valid=ints(0))
+    seed: int = option(12345, "seeds instances, masks and shuffles", valid=ints(0))
+    num_epochs: int | None = option(None, "passes over the input (None: repeat forever)", valid=ints(1))
+    file_cycle_length: int = option(4, "input files read in parallel", valid=ints(1))
     eval_input: str = option("", "held-out corpus for periodic MLM/NSP accuracy (pretraining; \"\" = none)")
     packing: bool = option(False, "pack several complete instances per row (best-fit decreasing over each "
                            "block's instances; attention stays inside an instance)", flags=("--pack",))
-    max_instances_per_row: int = option(4, "packing: most instances in one row (NSP slots per row)")
+    max_instances_per_row: int = option(4, "packing: most instances in one row (NSP slots per row)", valid=ints(1))
 
     def __post_init__(self):
         CorpusConfig.__post_init__(self)
@@ -168,10 +173,6 @@ class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
             raise ValueError(f"input_kind={self.input_kind!r}; expected one of {INPUT_KINDS}")
         if self.masking not in MASKING_MODES:
             raise ValueError(f"masking={self.masking!r}; expected one of {MASKING_MODES}")
-        for name in ("dupe_factor", "doc_buffer_size", "shuffle_buffer", "file_cycle_length",
-                     "max_instances_per_row"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.masking_scheme == "span":
             # SpanBERT trains on single contiguous segments without NSP: the FULL-SENTENCES instances of
             # next_sentence_prediction=false (segment ids all 0). They fill their rows, so packing has nothing to gain.

@@ -1,6 +1,9 @@
 """The Python side of reading corpus files: compression (by magic bytes and extension), the input check that
 refuses what a format cannot read, and the read units of record files and compressed text (a Parquet row group, or
-chunk k of lines or records) that corpus.py maps through stateless numpy_functions.
+chunk k of lines or records) that corpus.py maps through stateless numpy_functions. Also the one reader of the
+text inputs other commands read whole (`read_text`, `read_text_bytes`: embed's sentences, predict's and the
+fine-tunes' files, stdin), by the same detection and checks, so that no command reads a compressed, Parquet or
+binary file as lines of text.
 
 A unit is a pure function of (file, k). Sequential readers (a zstd stream positioned at chunk k) are kept open per
 process (`_READERS`), so reading a file chunk after chunk costs O(file); a restored position reopens the file and
@@ -9,6 +12,7 @@ skips to its chunk once. Bad input is an error naming the file, the line or row 
 from __future__ import annotations
 
 import bz2
+import codecs
 import collections
 import io
 import itertools
@@ -18,7 +22,6 @@ import zlib
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
-import tensorflow as tf
 
 from bertjax import errors
 from bertjax.data.data_config import AUTO_FORMAT, CorpusConfig
@@ -54,6 +57,8 @@ class _GFileRaw(io.RawIOBase):
     are read through this."""
 
     def __init__(self, path: str):
+        import tensorflow as tf  # only for gs:// and other schemes: predict and classify start without TensorFlow
+
         self._file = tf.io.gfile.GFile(path, "rb")
 
     def readable(self) -> bool:
@@ -156,14 +161,82 @@ def _text_problem(head: bytes) -> str | None:
     other = next((what for magic, what in _OTHER_MAGIC.items() if head.startswith(magic)), None)
     if other:
         return f"{other}, not text"
-    if b"\x00" in head:
-        return "binary (NUL bytes in its first 64 KiB)"
+    nul = nul_problem(head)
+    if nul:
+        return nul
     # A multi-byte character cut at the end of the sample is not an error.
     text = head.decode("utf-8", errors="replace")[:-1]
     invalid = text.count("\ufffd")
     if text and invalid > 0.05 * len(text):
         return f"not UTF-8 text ({invalid} of the first {len(text)} characters are invalid)"
     return None
+
+
+def nul_problem(data: bytes, first_line: int = 1) -> str | None:
+    """"a NUL byte in line N (...)" for text bytes holding one (line numbers from `first_line`), or None. A NUL is
+    refused wherever it is: in a file's first 64 KiB (the sniff), further on (read whole, or a corpus line as read)."""
+    at = data.find(b"\x00")
+    if at < 0:
+        return None
+    line = first_line + data.count(b"\n", 0, at)
+    return f"a NUL byte in line {line} (binary data, not text)"
+
+
+def read_text_bytes(path: str, data: bytes | None = None, expected: str = "UTF-8 text") -> bytes:
+    """The content of a text input a command reads whole (`data`: stdin's bytes, `path` naming it), decompressed by
+    its magic bytes as corpus files are (gzip, zstd, bzip2; an extension naming another compression is refused),
+    and refused, in one line naming it and `expected`, where a corpus file is: another format's bytes (Parquet,
+    Arrow, an archive), a NUL byte anywhere (named by its line), mostly invalid UTF-8 in the first 64 KiB."""
+    if data is None:
+        with _open_raw(path) as f:
+            data = f.read()
+    compression = compression_of(path, data[:4])
+    if compression:
+        try:
+            with io.BufferedReader(_Decompressed(io.BytesIO(data), compression)) as f:
+                data = f.read()
+        except (OSError, EOFError) as error:
+            raise ValueError(f"{path}: {compression}-compressed but cannot be decompressed ({error})") from None
+    problem = _text_problem(data[:_SNIFF_BYTES]) or nul_problem(data)
+    if problem:
+        where = f" (decompressed from {compression})" if compression else ""
+        raise ValueError(f"{path}: {problem}{where}; expected {expected}"
+                         + (" (.gz, .zst and .bz2 are decompressed)" if not compression else ""))
+    return data
+
+
+def read_text(path: str, expected: str = "UTF-8 text") -> str:
+    """`read_text_bytes(path)` decoded strictly: Excel's byte-order mark dropped, a byte that is not UTF-8 an error
+    naming its line."""
+    data = read_text_bytes(path, expected=expected).removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: byte 0x{data[error.start]:02x} is not UTF-8; save the file as UTF-8") \
+            from None
+
+
+def parquet_table(path: str):
+    """A Parquet file a command reads as a table (`finetune classify`, `predict`), as a pyarrow ParquetFile (a
+    context manager): its bytes checked first, so a CSV or a compressed file named .parquet is told as what it is."""
+    import pyarrow.parquet as pq
+
+    with _open_raw(path) as f:
+        head = f.read(_SNIFF_BYTES)
+    if not head.startswith(b"PAR1"):
+        compression = next((name for name, (magic, _) in COMPRESSIONS.items() if head.startswith(magic)), "")
+        seen = f"{compression}-compressed" if compression else (_text_problem(head) or "text")
+        raise ValueError(f"{path}: named as Parquet but its bytes are {seen} (no PAR1 magic); rename it to what it is")
+    # A local path: pyarrow opens and closes the file itself (closing a ParquetFile leaves a file given to it open).
+    return pq.ParquetFile(path if "://" not in path else _open_raw(path))
+
+
+def without_compression(path: str) -> str:
+    """`path` less a compression's extension (`train.csv.gz` -> `train.csv`): what the name says the content is."""
+    lower = path.lower()
+    end = next((end for _, ends in COMPRESSIONS.values() for end in ends if lower.endswith(end)), "")
+    return path[:len(path) - len(end)]
 
 
 def require_format(config: CorpusConfig) -> None:
@@ -266,9 +339,19 @@ def _lines_of(path: str) -> Iterator[bytes]:
     try:
         with open_decompressed(path) as f:
             for number, line in enumerate(f, 1):
+                if b"\x00" in line:
+                    raise CorpusError(f"{path}: {nul_problem(line, number)}; text corpora are read as UTF-8 lines")
                 yield line.rstrip(b"\n").rstrip(b"\r")
     except (EOFError, OSError) as error:  # a cut stream, damaged data (see _Decompressed), a failing disk
         raise CorpusError(f"{path}: {error}, after line {number}") from None
+
+
+def refuse_nul(path: bytes) -> bool:
+    """Called when a text file's lines, as tf.data read them, hold a NUL byte: a CorpusError naming the file and
+    the line (found by reading the file again, once; only this error path pays for it)."""
+    for _ in _lines_of(path.decode()):  # raises at the line
+        pass
+    raise CorpusError(f"{path.decode()}: a NUL byte (binary data, not text); text corpora are read as UTF-8 lines")
 
 
 def line_chunk(path: bytes, k, chunk_size) -> np.ndarray:

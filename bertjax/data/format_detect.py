@@ -1,7 +1,8 @@
 """Which corpus format input files are, where their extension or bytes say so without doubt. Every command that
 reads a corpus (`data create` local and Beam, `vocab train`, pretrain's data.input and data.eval_input) resolves its
 format through `resolve` before reading: a format left at `auto` is detected and said in one line, a format given
-is checked against the files.
+is checked against the files, and the files are checked for what the format cannot read
+(`file_readers.check_input_files`).
 
 Parquet and Arrow files are told by their magic bytes (or .parquet / .arrow), JSON Lines by a first line that is a
 JSON object (or .jsonl / .ndjson / .json), both after decompression; any other UTF-8 text is the `sentences`
@@ -98,15 +99,19 @@ def resolve(config: Config, log: Callable[[str], None], key: str = "--format") -
         return dataclasses.replace(config, corpus_format="sentences" if given == AUTO_FORMAT else given)
     from bertjax.data.corpus import expand_inputs  # imports TensorFlow
 
-    family, why = detect(expand_inputs(inputs), key)
+    files = expand_inputs(inputs)
+    family, why = detect(files, key)
     if given == AUTO_FORMAT:
         chosen = "sentences" if family == "text" else family
         log(f"{_setting(key, chosen)}, detected: {why}" + (
             f" (paragraphs, wikitext and wrapped text need {key})" if family == "text" else ""))
-        return dataclasses.replace(config, corpus_format=chosen)
-    if _family(given) != family:
+        config = dataclasses.replace(config, corpus_format=chosen)
+    elif _family(given) != family:
         wanted = "sentences (or another text layout)" if family == "text" else family
         raise ValueError(f"{_setting(key, given)} does not match the input: {why}; "
                          + (f"pass --format {wanted}, or leave --format out" if key.startswith("--") else
                             f"set {key}={wanted}, or {AUTO_FORMAT}"))
+    # What the format cannot read (a binary file, an archive, a NUL byte): refused here, for every command alike
+    # (`vocab train` trained on a zip archive that `data create` refused).
+    file_readers.check_input_files(files, config)
     return config

@@ -21,6 +21,9 @@ from bertjax.data.data_config import PretrainingDataConfig
 
 # What `data create` metadata written before these keys existed means: unpacked, token-masked records.
 _OLDER_FEATURE_SPEC = {"instances_per_row": None, "masking_scheme": "token"}
+# The data keys whose values TFRecord shards define (their metadata's, whatever the config says).
+SHARD_SHAPE_KEYS = ("max_seq_length", "max_predictions_per_seq", "packing", "max_instances_per_row",
+                    "masking_scheme", "next_sentence_prediction")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,23 @@ def resolve(config: PretrainingDataConfig, key: str = "data.input",
             config = config.replace(vocab=readable[0])
     _check_shapes(config, metadata)
     return InputSource(config, tuple(files))
+
+
+def check_set_keys(config: PretrainingDataConfig, set_keys, key: str = "data.input") -> None:
+    """Shards define their shapes (`_shapes_from_metadata`): a preset's data.max_seq_length gives way to theirs, and
+    the run says so. A value the user set (`set_keys`: the dotted keys of `--set`) is not replaced: shards of another
+    shape are refused, naming the key, both values and the way out (shards holding 64 tokens, 128 asked for)."""
+    asked = [name for name in SHARD_SHAPE_KEYS if f"data.{name}" in set_keys]
+    if not asked or not config.inputs or config.is_tfds or tfrecord.detect_kind(config.inputs) != "tfrecord":
+        return
+    taken = resolve(config, key, log=lambda line: None).config
+    differ = [name for name in asked if getattr(taken, name) != getattr(config, name)]
+    if differ:
+        said = ", ".join(f"data.{name}={getattr(config, name)}" for name in differ)
+        held = ", ".join(f"{name}={getattr(taken, name)}" for name in differ)
+        raise ValueError(f"{said} is set (--set), but the shards of {key}={config.input!r} hold {held}: shards "
+                         f"define their shapes; drop the --set to train on them as they are, or make shards of the "
+                         f"shape you want (data create)")
 
 
 def _shapes_from_metadata(config: PretrainingDataConfig, metadata: list[dict]) -> PretrainingDataConfig:

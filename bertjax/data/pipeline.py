@@ -16,7 +16,7 @@ import collections
 
 import tensorflow as tf
 
-from bertjax.data import corpus, file_readers, input_source, masking, tfrecord
+from bertjax.data import corpus, input_source, masking, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.input_source import InputSource
 from bertjax.data.stages import (
@@ -38,7 +38,6 @@ def _host_files(source: InputSource, process_index: int, process_count: int) -> 
         files = corpus.shard_files(files, process_index, process_count)
     else:
         files, share = corpus.files_for_process(files, config, process_index, process_count)
-        file_readers.check_input_files(files, config)
     # An endless pipeline over empty input would spin forever without yielding: refuse it up front.
     if all(tf.io.gfile.stat(f).length == 0 for f in files):
         raise ValueError(f"all {len(files)} input file(s) of process {process_index} are empty: {files[:3]}")

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     glue = jobs.add_parser("glue", help="fine-tune and evaluate GLUE tasks; writes dev metrics and submission TSVs")
     glue.add_argument("--task", required=True, choices=TASKS + ("all",))
     glue.add_argument("--data", required=True, help="GLUE directory (<Task>/train.tsv ...) or 'tfds[:DATA_DIR]'")
-    glue.add_argument("--max-seq-length", type=int, default=128)
+    glue.add_argument("--max-seq-length", type=options.ints(3), default=128)
     glue.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
     _add_train_args(glue, learning_rate=2e-5, batch_size=32, epochs=3.0)
     glue.set_defaults(func=_glue)
@@ -57,7 +57,7 @@ def register(subparsers) -> None:
                           help="multi-label: a list per row (JSON Lines, Parquet) or one string cut at "
                                "--label-separator; regression: numbers (Pearson/Spearman)")
     classify.add_argument("--label-separator", default=",", help="multi-label labels given as one string")
-    classify.add_argument("--max-seq-length", type=int, default=128)
+    classify.add_argument("--max-seq-length", type=options.ints(3), default=128)
     classify.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
     _add_train_args(classify, learning_rate=2e-5, batch_size=32, epochs=3.0)
     classify.set_defaults(func=_classify)
@@ -75,20 +75,21 @@ def register(subparsers) -> None:
     features.add_argument("--pooling", choices=("cls", "mean"), default="cls")
     features.add_argument("--classifier", choices=("logreg",), default="logreg",
                           help="logreg: LogisticRegressionCV (STS-B: RidgeCV)")
-    features.add_argument("--max-train-examples", type=int,
+    features.add_argument("--max-train-examples", type=options.ints(1),
                           help="fit on a seeded random subset of this many training examples (CPU budgets)")
-    features.add_argument("--max-eval-examples", type=int, default=0,
+    features.add_argument("--max-eval-examples", type=options.ints(0), default=0,
                           help="score the first N dev examples of each split (0: all), for quick runs")
-    features.add_argument("--max-seq-length", type=int, default=128)
-    features.add_argument("--batch-size", type=int, default=64, help="sequences per feature-extraction step")
-    features.add_argument("--cv-folds", type=int, default=5)
-    features.add_argument("--seed", type=int, default=42, help="training subset and CV folds")
+    features.add_argument("--max-seq-length", type=options.ints(3), default=128)
+    features.add_argument("--batch-size", type=options.ints(1), default=64,
+                          help="sequences per feature-extraction step")
+    features.add_argument("--cv-folds", type=options.ints(2), default=5)
+    features.add_argument("--seed", type=options.ints(0), default=42, help="training subset and CV folds")
     features.set_defaults(func=_features)
 
     choice = jobs.add_parser("multiple-choice", help="fine-tune on SWAG-layout CSVs (train.csv, val.csv, optional "
                                                      "test.csv); val accuracy and predictions")
     choice.add_argument("--data", required=True, help="directory with SWAG's train.csv and val.csv (test.csv optional)")
-    choice.add_argument("--max-seq-length", type=int, default=128)
+    choice.add_argument("--max-seq-length", type=options.ints(3), default=128)
     # The BERT paper's SWAG recipe: lr 2e-5, batch 16, 3 epochs.
     _add_train_args(choice, learning_rate=2e-5, batch_size=16, epochs=3.0)
     choice.set_defaults(func=_multiple_choice)
@@ -110,7 +111,8 @@ def register(subparsers) -> None:
     embed = subparsers.add_parser(
         "embed", help="features of sentences (one per line): pooled vectors to .npy, or per-token vectors to .npz")
     embed.add_argument("--checkpoint", required=True, help=ANY_CHECKPOINT_HELP)
-    embed.add_argument("--input", required=True, help="text file, one sentence per line")
+    embed.add_argument("--input", required=True, help="text file, one sentence per line (.gz, .zst, .bz2 read "
+                                                      "decompressed)")
     embed.add_argument("--output", required=True,
                        help="cls/mean: .npy file for the float32 [sentences, D] matrix; none: .npz file of "
                             "per-token vectors and the word-to-token map (layout in bertjax/finetune/embed.py)")
@@ -120,8 +122,8 @@ def register(subparsers) -> None:
                             "concatenated in the order given)")
     embed.add_argument("--pooling", choices=("cls", "mean", "none"), default="cls",
                        help="none: every token's vector with a map from whitespace words to token positions")
-    embed.add_argument("--max-len", type=int, default=128)
-    embed.add_argument("--batch-size", type=int, default=64)
+    embed.add_argument("--max-len", type=options.ints(3), default=128)
+    embed.add_argument("--batch-size", type=options.ints(1), default=64)
     embed.add_argument("--show-neighbours", action="store_true",
                        help="print each sentence's nearest neighbour by cosine similarity (cls/mean)")
     embed.set_defaults(func=_embed)
@@ -138,14 +140,14 @@ def register(subparsers) -> None:
     predict.add_argument("--text-pair-column", help="second text of a pair (sequence classification)")
     predict.add_argument("--question-column", default="question", help="a span model's question")
     predict.add_argument("--context-column", default="context", help="a span model's context (long ones: windows)")
-    predict.add_argument("--max-seq-length", type=int,
+    predict.add_argument("--max-seq-length", type=options.ints(3),
                          help="tokens per row (default 128; a span model: per window, as its SQuAD run, else 384)")
-    predict.add_argument("--doc-stride", type=int, help="a span model: tokens between window starts (default: as "
-                                                        "its SQuAD run, else 128)")
+    predict.add_argument("--doc-stride", type=options.ints(1),
+                         help="a span model: tokens between window starts (default: as its SQuAD run, else 128)")
     predict.add_argument("--squad-version", choices=("1.1", "2.0"),
                          help="a span model: 2.0 answers \"\" when no answer wins (default: as its SQuAD run "
                               "recorded, in its workdir or its export's config.json; else 1.1)")
-    predict.add_argument("--batch-size", type=int, default=64)
+    predict.add_argument("--batch-size", type=options.ints(1), default=64)
     predict.set_defaults(func=_predict)
 
     evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics")
@@ -154,7 +156,7 @@ def register(subparsers) -> None:
     squad_eval.add_argument("--data", required=True, help="dataset JSON (its 'version' picks v1.1 or v2.0)")
     squad_eval.add_argument("--predictions", required=True, help="predictions JSON {question id: answer text}")
     squad_eval.add_argument("--na-prob-file", help="v2.0: null odds / no-answer probabilities JSON")
-    squad_eval.add_argument("--na-prob-thresh", type=float, default=1.0)
+    squad_eval.add_argument("--na-prob-thresh", type=options.floats(), default=1.0)
     squad_eval.add_argument("--version", choices=("1.1", "2.0"), help="override the dataset's version")
     squad_eval.set_defaults(func=_eval_squad)
 
@@ -163,14 +165,14 @@ def _embed(args: argparse.Namespace) -> int:
     import numpy as np
     from etils import epath
 
+    from bertjax.data.file_readers import read_text_bytes
     from bertjax.finetune.embed import embed_sentences, embed_tokens, nearest_neighbours
     from bertjax.interop.load import load_pretrained
 
     check_output(args.output, [args.input, args.checkpoint])
-    path = epath.Path(args.input)
-    if not path.exists():
+    if not epath.Path(args.input).exists():
         raise FileNotFoundError(f"--input {args.input} does not exist")
-    sentences, invalid = input_lines(path.read_bytes())
+    sentences, invalid = input_lines(read_text_bytes(args.input, expected="one sentence per line (UTF-8 text)"))
     if not any(sentence.strip() for sentence in sentences):
         raise ValueError(f"--input {args.input} holds no sentences (one per line expected)")
     blank = sum(not sentence.strip() for sentence in sentences)
@@ -247,6 +249,7 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
     """`bertjax predict`'s output lines for its --input (a table file, or stdin lines)."""
     import sys
 
+    from bertjax.data.file_readers import read_text_bytes
     from bertjax.finetune.predict import Predictor, answers_questions
 
     route_logging_to_console()
@@ -259,7 +262,7 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
         wheres, (questions, contexts) = _input_columns(args.input, [args.question_column, args.context_column])
         texts = None
     elif args.input == "-":
-        texts, invalid = input_lines(sys.stdin.buffer.read())
+        texts, invalid = input_lines(read_text_bytes("stdin", sys.stdin.buffer.read(), "one text a line (UTF-8)"))
         if invalid:
             raise ValueError(f"stdin: line {invalid[0]} is not valid UTF-8")
         if not texts:
@@ -267,6 +270,9 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
         if args.text_pair_column:
             raise ValueError("--text-pair-column needs an --input file with that column (stdin holds one text a line)")
         wheres, pairs = [f"stdin:{i + 1}" for i in range(len(texts))], None
+        for where, text in zip(wheres, texts):  # as a file's empty text is: not scored as if it were a text
+            if not text.strip():
+                raise ValueError(f"{where}: the line is blank; expected one text a line")
     else:
         wheres, (texts, *pairs) = _input_columns(
             args.input, [args.text_column] + ([args.text_pair_column] if args.text_pair_column else []))
@@ -281,12 +287,13 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
 def _input_columns(path: str, columns: list[str]) -> tuple[list[str], list[list[str]]]:
     """(where each row came from, each column's texts) of a table file; a missing column or a row without a text
     there is an error naming the file (and line) and the column."""
-    from bertjax.finetune.table_data import read_rows, text_value
+    from bertjax.finetune.table_data import non_blank_text, read_rows
 
     rows = read_rows(path, columns)
     if not rows:
         raise ValueError(f"--input {path} holds no rows")
-    return [where for where, _ in rows], [[text_value(where, row, column) for where, row in rows] for column in columns]
+    return [where for where, _ in rows], [[non_blank_text(where, row, column) for where, row in rows]
+                                          for column in columns]
 
 
 def input_lines(data: bytes) -> tuple[list[str], list[int]]:

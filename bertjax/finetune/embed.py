@@ -89,6 +89,8 @@ def encoded_features(checkpoint: ModelCheckpoint, arrays: dict[str, np.ndarray],
     """
     if pooling not in POOLINGS:
         raise ValueError(f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}")
+    if batch_size < 1:  # range() would stop at 0 or yield nothing (a 0 x D matrix) below
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
     config = checkpoint.config
     selection = parse_layers(layers, config.num_hidden_layers)
     n, max_len = arrays["input_ids"].shape

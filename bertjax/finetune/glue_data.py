@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import logging
 import math
 import os
 import sys
 
 import numpy as np
+
+from bertjax.data import file_readers
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +132,12 @@ def get_task(name: str) -> GlueTask:
 
 
 def read_tsv_rows(path: str) -> list[tuple[int, list[str]]]:
-    """(1-based line number, fields) for every line; quoting off, BOM stripped (MRPC's header has one)."""
+    """(1-based line number, fields) for every line; quoting off, BOM stripped (MRPC's header has one). Read by
+    file_readers.read_text: compressed bytes decompressed, Parquet, binary and NUL bytes refused."""
     csv.field_size_limit(sys.maxsize)
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f, delimiter="\t", quotechar=None, quoting=csv.QUOTE_NONE)
-        return [(reader.line_num, row) for row in reader]
+    text = file_readers.read_text(path, "a GLUE TSV file (UTF-8)")
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t", quotechar=None, quoting=csv.QUOTE_NONE)
+    return [(reader.line_num, row) for row in reader]
 
 
 def _parse_label(task: GlueTask, raw: str, where: str):

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from bertjax.data import file_readers
 from bertjax.finetune.ner_metrics import OUTSIDE, split_tag
 from bertjax.finetune.squad_data import doc_spans, max_context_mask
 
@@ -25,43 +26,47 @@ class Sentences:
     words: list[list[str]]
     tags: list[list[str]]
     source: str = "<memory>"
+    lines: list[list[int]] | None = None  # each word's line in `source`, where read from a file
 
     def __len__(self) -> int:
         return len(self.words)
 
     def head(self, n: int) -> "Sentences":
-        return Sentences(self.words[:n], self.tags[:n], self.source) if n else self
+        return Sentences(self.words[:n], self.tags[:n], self.source, self.lines and self.lines[:n]) if n else self
 
 
 def read_conll(path: str) -> Sentences:
     """Sentences of a CoNLL column file: one token per line, first column the word, last column the tag, a blank
     line between sentences; `-DOCSTART-` lines (document boundaries) are dropped."""
-    words, tags, cur_words, cur_tags = [], [], [], []
+    words, tags, lines, cur_words, cur_tags, cur_lines = [], [], [], [], [], []
 
     def flush():
         if cur_words:
             words.append(list(cur_words))
             tags.append(list(cur_tags))
+            lines.append(list(cur_lines))
             cur_words.clear()
             cur_tags.clear()
+            cur_lines.clear()
 
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            fields = line.split()
-            if not fields:
-                flush()
-                continue
-            if fields[0] == DOCSTART:
-                flush()
-                continue
-            if len(fields) < 2:
-                raise ValueError(f"{path}:{number}: expected 'word ... tag' (at least 2 space-separated columns), "
-                                 f"got {line.rstrip()!r}")
-            split_tag(fields[-1], f"{path}:{number}")
-            cur_words.append(fields[0])
-            cur_tags.append(fields[-1])
+    text = file_readers.read_text(path, "a CoNLL column file (UTF-8)")
+    for number, line in enumerate(text.split("\n"), 1):
+        fields = line.split()
+        if not fields:
+            flush()
+            continue
+        if fields[0] == DOCSTART:
+            flush()
+            continue
+        if len(fields) < 2:
+            raise ValueError(f"{path}:{number}: expected 'word ... tag' (at least 2 space-separated columns), "
+                             f"got {line.rstrip()!r}")
+        split_tag(fields[-1], f"{path}:{number}")
+        cur_words.append(fields[0])
+        cur_tags.append(fields[-1])
+        cur_lines.append(number)
     flush()
-    return Sentences(words, tags, path)
+    return Sentences(words, tags, path, lines)
 
 
 def read_conll_dir(data: str) -> dict[str, Sentences]:
@@ -77,7 +82,24 @@ def read_conll_dir(data: str) -> dict[str, Sentences]:
         out[split] = read_conll(path)
         if not len(out[split]):
             raise ValueError(f"{path}: no sentences")
+    for split in ("valid", "test"):
+        if split in out:
+            check_types_trained(out[split], out["train"])
     return out
+
+
+def check_types_trained(sentences: Sentences, train: Sentences) -> None:
+    """An entity type of a dev or test file that the training file never has is refused, naming the tag and its
+    line: the model could never predict it (a misspelt type, or another tag set), and its score would hide that."""
+    trained = {split_tag(tag)[1] for sentence in train.tags for tag in sentence}
+    for i, sentence in enumerate(sentences.tags):
+        for j, tag in enumerate(sentence):
+            kind = split_tag(tag)[1]
+            if kind not in trained:
+                line = f":{sentences.lines[i][j]}" if sentences.lines else ""
+                raise ValueError(f"{sentences.source}{line}: tag {tag!r}: the entity type {kind!r} is not in "
+                                 f"{train.source} (its types: {', '.join(sorted(trained - {''})) or 'none'}); the "
+                                 "model could never predict it")
 
 
 def iob1_to_iob2(tags: list[str]) -> list[str]:

@@ -86,7 +86,7 @@ class Predictor:
             max_seq_length, self.lower_case = self.squad.max_seq_length, ckpt.lower_case
             module = family.question_answering(ckpt.config)
         else:
-            max_seq_length = max_seq_length or 128
+            max_seq_length = 128 if max_seq_length is None else max_seq_length
             num_labels = int(np.shape(ckpt.params["classifier"]["bias"])[0])
             self.id2label = [head.get("id2label", {}).get(str(i), f"LABEL_{i}") for i in range(num_labels)]
             self.problem = head.get("problem_type") or (

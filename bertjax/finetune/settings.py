@@ -4,79 +4,66 @@ from __future__ import annotations
 
 import dataclasses
 
-from bertjax.options import option
+from bertjax.options import floats, ints, option, range_problems
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
     """The training loop of every fine-tuning job (BERT paper's recipe; each job sets its own lr/batch/epochs)."""
 
-    learning_rate: float = option(2e-5, "peak learning rate (linear warmup, then linear decay to 0)")
-    batch_size: int = option(32, "sequences per step")
-    epochs: float = option(3.0, "passes over the training set (fractions allowed)")
-    warmup_proportion: float = option(0.1, "share of the steps spent warming up")
-    weight_decay: float = option(0.01, "AdamW decoupled weight decay (not on LayerNorm and biases)")
-    max_grad_norm: float = option(1.0, "global gradient-norm clip (0: none)")
-    seed: int = option(42, "head initialisation, dropout and example order")
-    eval_batch_size: int = option(64, "sequences per prediction step (never fewer than --batch-size)")
-    length_bucket: int = option(32, "pad each batch's length up to a multiple of this (fewer compiled shapes)")
+    learning_rate: float = option(2e-5, "peak learning rate (linear warmup, then linear decay to 0)",
+                                  valid=floats(0, low_open=True))
+    batch_size: int = option(32, "sequences per step", valid=ints(1))
+    epochs: float = option(3.0, "passes over the training set (fractions allowed)", valid=floats(0, low_open=True))
+    warmup_proportion: float = option(0.1, "share of the steps spent warming up", valid=floats(0, 1))
+    weight_decay: float = option(0.01, "AdamW decoupled weight decay (not on LayerNorm and biases)",
+                                 valid=floats(0))
+    max_grad_norm: float = option(1.0, "global gradient-norm clip (0: none)", valid=floats(0))
+    seed: int = option(42, "head initialisation, dropout and example order", valid=ints(0))
+    eval_batch_size: int = option(64, "sequences per prediction step (never fewer than --batch-size)",
+                                  valid=ints(1))
+    length_bucket: int = option(32, "pad each batch's length up to a multiple of this (fewer compiled shapes)",
+                                valid=ints(1))
     log_every: int = option(50, "steps between metrics.jsonl records (the console also gets a line every tenth of "
-                            "the run and every 30 s)")
+                            "the run and every 30 s)", valid=ints(1))
     max_consecutive_nonfinite: int = option(10, "this many non-finite gradients in a row stop the job (each one "
-                                            "skips its update)")
+                                            "skips its update)", valid=ints(1))
     compilation_cache_dir: str = option("", "JAX's persistent compilation cache (local or gs://): '' = "
                                         "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/bertjax/jax; 'off' = none")
-    max_steps: int = option(0, "stop after this many steps (0: the epochs decide); the schedule spans them")
+    max_steps: int = option(0, "stop after this many steps (0: the epochs decide); the schedule spans them",
+                            valid=ints(0))
     max_train_examples: int = option(0, "train on a seeded random subset of this many training rows (a SQuAD or "
-                                     "NER window counts as one; 0: all), for quick runs")
+                                     "NER window counts as one; 0: all), for quick runs", valid=ints(0))
     max_eval_examples: int = option(0, "evaluate and predict on the first N examples of each split (GLUE dev and "
                                     "test rows, SQuAD questions, NER sentences, multiple-choice rows; 0: all), for "
-                                    "quick runs")
+                                    "quick runs", valid=ints(0))
     predict_test: bool = option(True, "predict the test split(s) where the data has them (GLUE submission files, "
                                 "NER test.txt, SWAG test.csv); --no-predict-test skips them")
-    eval_every: int = option(0, "also record dev metrics every N steps (0: only at the end)")
+    eval_every: int = option(0, "also record dev metrics every N steps (0: only at the end)", valid=ints(0))
     dtype: str = option("float32", "compute dtype of the matmuls: float32 | bfloat16 (mixed precision: float32 "
                         "master weights and optimizer state; softmax, LayerNorm and losses in float32)")
     grad_accum_steps: int = option(1, "split each batch into this many micro-batches, their gradients summed into "
                                    "one update (the same update for 1/N of the activation memory; NER's token "
-                                   "mean is then per micro-batch)")
+                                   "mean is then per micro-batch)", valid=ints(1))
     metric_for_best: str = option("", "dev metric as the evaluation names it (e.g. accuracy, f1, macro_f1, "
                                   "pearson): the params of its best evaluation are kept and exported, not the "
                                   "last; evaluated every --eval-every steps, else after every epoch. Higher is "
                                   "better, except for names holding loss, mse or error")
     early_stopping_patience: int = option(0, "stop after this many evaluations in a row without a better "
-                                          "--metric-for-best (0: never)")
+                                          "--metric-for-best (0: never)", valid=ints(0))
     save_every: int = option(1000, "steps between saves of the training state in WORKDIR/train_state, the newest "
                              "two kept (a rerun of the same command resumes from the newest that reads, "
-                             "bit-exactly; SIGTERM saves too); 0: only on SIGTERM")
+                             "bit-exactly; SIGTERM saves too); 0: only on SIGTERM", valid=ints(0))
 
     def __post_init__(self):
-        problems = []
-        if not self.learning_rate > 0:
-            problems.append(f"learning_rate={self.learning_rate} must be > 0")
-        if not self.epochs > 0:
-            problems.append(f"epochs={self.epochs} must be > 0")
-        if not 0 <= self.warmup_proportion <= 1:
-            problems.append(f"warmup_proportion={self.warmup_proportion} must be in [0, 1]")
-        for name in ("weight_decay", "max_grad_norm"):
-            if not getattr(self, name) >= 0:
-                problems.append(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("save_every", "max_steps", "max_train_examples", "max_eval_examples", "eval_every"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name}={getattr(self, name)} must be >= 0")
+        problems = range_problems(self)
         if self.dtype not in ("float32", "bfloat16"):
             problems.append(f"dtype={self.dtype!r} must be float32 or bfloat16")
         if self.grad_accum_steps >= 1 and self.batch_size % self.grad_accum_steps:
             problems.append(f"batch_size={self.batch_size} is not divisible by grad_accum_steps="
                             f"{self.grad_accum_steps}")
-        if self.early_stopping_patience < 0:
-            problems.append(f"early_stopping_patience={self.early_stopping_patience} must be >= 0")
         if self.early_stopping_patience and not self.metric_for_best:
             problems.append("early_stopping_patience needs metric_for_best (the metric whose evaluations it counts)")
-        for name in ("batch_size", "eval_batch_size", "length_bucket", "log_every", "max_consecutive_nonfinite",
-                     "grad_accum_steps"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if problems:
             raise ValueError("fine-tuning settings: " + "; ".join(problems))
 
@@ -104,16 +91,20 @@ class SquadSettings:
     """SQuAD windowing and answer decoding (run_squad.py's flags and defaults)."""
 
     version: str = option("1.1", "1.1 | 2.0 (2.0 may predict no answer)")
-    max_seq_length: int = option(384, "tokens per window")
-    doc_stride: int = option(128, "tokens between window starts")
-    max_query_length: int = option(64, "question tokens kept")
-    n_best_size: int = option(20, "candidates per question in nbest_predictions.json")
-    max_answer_length: int = option(30, "longest answer in tokens")
-    null_score_diff_threshold: float = option(0.0, "2.0: predict no answer when null score - best > this")
+    max_seq_length: int = option(384, "tokens per window", valid=ints(5))
+    doc_stride: int = option(128, "tokens between window starts", valid=ints(1))
+    max_query_length: int = option(64, "question tokens kept", valid=ints(1))
+    n_best_size: int = option(20, "candidates per question in nbest_predictions.json", valid=ints(1))
+    max_answer_length: int = option(30, "longest answer in tokens", valid=ints(1))
+    null_score_diff_threshold: float = option(0.0, "2.0: predict no answer when null score - best > this",
+                                              valid=floats())
 
     def __post_init__(self):
         if self.version not in ("1.1", "2.0"):
             raise ValueError(f"SQuAD version {self.version!r}; expected 1.1 or 2.0")
+        problems = range_problems(self)
+        if problems:
+            raise ValueError("SQuAD settings: " + "; ".join(problems))
 
     @property
     def version_2(self) -> bool:
@@ -124,12 +115,14 @@ class SquadSettings:
 class NerSettings:
     """CoNLL-2003 NER windowing (the label sits on each word's first sub-token)."""
 
-    max_seq_length: int = option(128, "tokens per window, [CLS] and [SEP] included")
-    doc_stride: int = option(64, "sub-tokens between window starts when a sentence needs several windows")
+    max_seq_length: int = option(128, "tokens per window, [CLS] and [SEP] included", valid=ints(3))
+    doc_stride: int = option(64, "sub-tokens between window starts when a sentence needs several windows",
+                            valid=ints(1))
 
     def __post_init__(self):
-        if self.max_seq_length < 3:
-            raise ValueError(f"max_seq_length={self.max_seq_length} leaves no room for a token beside [CLS]/[SEP]")
+        problems = range_problems(self)
+        if problems:
+            raise ValueError("NER settings: " + "; ".join(problems))
         if not 1 <= self.doc_stride <= self.max_seq_length - 2:
             raise ValueError(f"doc_stride={self.doc_stride} must be in [1, max_seq_length - 2 = "
                              f"{self.max_seq_length - 2}]")

@@ -16,6 +16,8 @@ import unicodedata
 
 import numpy as np
 
+from bertjax.data import file_readers
+
 log = logging.getLogger(__name__)
 
 
@@ -60,16 +62,32 @@ def load_squad_json(src: str) -> dict:
     data = read_json(src)
     if not isinstance(data, dict) or "data" not in data:
         raise ValueError(f"{src}: not a SQuAD JSON file (no 'data' key)")
+    _check_ids_once(data, src)
     return data
 
 
+def _check_ids_once(data: dict, src: str) -> None:
+    """A question id that appears twice is refused, naming both places: predictions and scores are keyed by id, so
+    one of the two would silently stand for both."""
+    seen = {}
+    for a, article in enumerate(data["data"]):
+        for p, paragraph in enumerate(article.get("paragraphs", [])):
+            for q, qa in enumerate(paragraph.get("qas", [])):
+                where = f"article {a}, paragraph {p}, question {q}"
+                qid = qa.get("id") if isinstance(qa, dict) else None
+                if qid in seen:
+                    raise ValueError(f"{src}: question id {qid!r} appears twice ({seen[qid]}; {where}); each "
+                                     "question needs its own id")
+                seen[qid] = where
+
+
 def read_json(path: str):
-    """A JSON file; a parse error is a ValueError naming the file, line and column."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
+    """A JSON file (read by file_readers.read_text: compressed bytes decompressed, Parquet, binary and NUL bytes
+    refused); a parse error is a ValueError naming the file, line and column."""
+    try:
+        return json.loads(file_readers.read_text(path, "a JSON file (UTF-8)"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
 
 
 def _tfds_to_json(spec: str) -> dict:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import os
 
 import numpy as np
+
+from bertjax.data import file_readers
 
 NUM_CHOICES = 4
 ENDINGS = tuple(f"ending{i}" for i in range(NUM_CHOICES))
@@ -46,34 +49,33 @@ def read_swag(path: str) -> ChoiceExamples:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file (expected SWAG's train.csv / val.csv / test.csv)")
     ids, contexts, endings, labels = [], [], [], []
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            raise ValueError(f"{path}: empty file (expected a SWAG header line)")
-        missing = [c for c in REQUIRED_COLUMNS if c not in header]
-        if missing:
-            raise ValueError(f"{path}:1: header lacks the SWAG column(s) {missing}; expected "
-                             f"{','.join(('',) + REQUIRED_COLUMNS + ('label',))}")
-        col = {name: i for i, name in enumerate(header)}
-        has_labels = "label" in col
+    reader = csv.reader(io.StringIO(file_readers.read_text(path, "a SWAG CSV file (UTF-8)"), newline=""))
+    header = next(reader, None)
+    if header is None:
+        raise ValueError(f"{path}: empty file (expected a SWAG header line)")
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        raise ValueError(f"{path}:1: header lacks the SWAG column(s) {missing}; expected "
+                         f"{','.join(('',) + REQUIRED_COLUMNS + ('label',))}")
+    col = {name: i for i, name in enumerate(header)}
+    has_labels = "label" in col
+    start = reader.line_num + 1
+    for row in reader:
+        where = f"{path}:{start}"
         start = reader.line_num + 1
-        for row in reader:
-            where = f"{path}:{start}"
-            start = reader.line_num + 1
-            if not row:
-                continue
-            if len(row) != len(header):
-                raise ValueError(f"{where}: expected {len(header)} comma-separated fields as in the header, got "
-                                 f"{len(row)}")
-            ids.append(row[0] if header[0] == "" else str(len(ids)))
-            contexts.append(row[col["sent1"]])
-            endings.append([f"{row[col['sent2']]} {row[col[e]]}" for e in ENDINGS])
-            if has_labels:
-                raw = row[col["label"]].strip()
-                if raw not in {str(i) for i in range(NUM_CHOICES)}:
-                    raise ValueError(f"{where}: label {raw!r} is not one of 0..{NUM_CHOICES - 1}")
-                labels.append(int(raw))
+        if not row:
+            continue
+        if len(row) != len(header):
+            raise ValueError(f"{where}: expected {len(header)} comma-separated fields as in the header, got "
+                             f"{len(row)}")
+        ids.append(row[0] if header[0] == "" else str(len(ids)))
+        contexts.append(row[col["sent1"]])
+        endings.append([f"{row[col['sent2']]} {row[col[e]]}" for e in ENDINGS])
+        if has_labels:
+            raw = row[col["label"]].strip()
+            if raw not in {str(i) for i in range(NUM_CHOICES)}:
+                raise ValueError(f"{where}: label {raw!r} is not one of 0..{NUM_CHOICES - 1}")
+            labels.append(int(raw))
     if not ids:
         raise ValueError(f"{path}: no examples after the header")
     return ChoiceExamples(ids, contexts, endings, np.asarray(labels, np.int32) if has_labels else None)

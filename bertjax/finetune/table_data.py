@@ -12,7 +12,6 @@ regression (floats).
 """
 from __future__ import annotations
 
-import codecs
 import csv
 import dataclasses
 import io
@@ -23,6 +22,7 @@ import sys
 import numpy as np
 from etils import epath
 
+from bertjax.data import file_readers
 from bertjax.finetune.glue_data import Examples
 
 PROBLEMS = ("single_label_classification", "multi_label_classification", "regression")
@@ -44,8 +44,8 @@ class TableSpec:
 
 
 def file_format(path: str) -> str:
-    """csv | tsv | jsonl | parquet, from the file name's suffix."""
-    suffix = epath.Path(path).suffix.lower()
+    """csv | tsv | jsonl | parquet, from the file name's suffix (under a compression's: `train.csv.gz`)."""
+    suffix = epath.Path(file_readers.without_compression(path)).suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"{path}: unknown table format {suffix or '(no suffix)'!r}; expected one of "
                          f"{', '.join(FORMATS)}")
@@ -54,20 +54,18 @@ def file_format(path: str) -> str:
 
 def read_rows(path: str, columns: list[str]) -> list[tuple[str, dict]]:
     """(where, {column: value}) for every data row of `path`; `where` is `file:line` (`file: row N` for Parquet).
-    A column of `columns` the file lacks is an error naming the columns it has."""
+    A column of `columns` the file lacks is an error naming the columns it has. The text formats are read by
+    file_readers.read_text (compressed files decompressed; Parquet, binary and NUL bytes refused)."""
     kind = file_format(path)
     source = epath.Path(path)
     if not source.exists():
         raise FileNotFoundError(f"{path}: no such file")
     if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        with source.open("rb") as f:
-            parquet = pq.ParquetFile(f)
+        with file_readers.parquet_table(path) as parquet:
             _check_columns(path, parquet.schema_arrow.names, columns)
             values = parquet.read(columns=columns).to_pylist()
         return [(f"{path}: row {i + 1}", row) for i, row in enumerate(values)]
-    text = _decoded(path, source.read_bytes())
+    text = file_readers.read_text(path, f"a {kind.upper() if kind != 'jsonl' else 'JSON Lines'} file (UTF-8)")
     if kind == "jsonl":
         rows, seen = [], set()
         for number, line in enumerate(text.splitlines(), start=1):
@@ -110,18 +108,6 @@ def read_rows(path: str, columns: list[str]) -> list[tuple[str, dict]]:
     return rows
 
 
-def _decoded(path: str, data: bytes) -> str:
-    """The text of a UTF-8 file, without the byte-order mark Excel's "CSV UTF-8" starts with; an invalid byte is an
-    error naming its line."""
-    data = data.removeprefix(codecs.BOM_UTF8)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data[:error.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: byte 0x{data[error.start]:02x} is not UTF-8; save the file as UTF-8") \
-            from None
-
-
 def _named_once(where: str, pairs: list[tuple], columns: list[str]) -> dict:
     """`pairs` (name, value) as a dict; a column of `columns` named twice is an error (which one is meant?)."""
     names = [name for name, _ in pairs]
@@ -154,8 +140,8 @@ def text_value(where: str, row: dict, column: str) -> str:
     return value
 
 
-def _text(where: str, row: dict, column: str) -> str:
-    """A training or test row's text: text_value, not blank."""
+def non_blank_text(where: str, row: dict, column: str) -> str:
+    """A row's text as every command reads one (training, dev, test, predict's input): text_value, not blank."""
     value = text_value(where, row, column)
     if not value.strip():
         raise ValueError(f"{where}: column {column!r} is empty; expected the text")
@@ -169,11 +155,19 @@ def _label_names(spec: TableSpec, where: str, value) -> list[str]:
             return []
         items = value if isinstance(value, (list, tuple, np.ndarray)) else str(value).split(spec.label_separator)
         return [str(item).strip() for item in items if str(item).strip()]
+    if isinstance(value, (list, tuple, np.ndarray, dict)):  # str() would make "['0']" a class of its own
+        raise ValueError(f"{where}: column {spec.label_column!r} is {_shown(value)}, not one label; single-label "
+                         "classification takes one label a row (a list per row: --problem "
+                         "multi_label_classification)")
     if _missing(value):
         raise ValueError(f"{where}: column {spec.label_column!r} is empty; expected a label")
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # a Parquet/JSON 1.0 is the label "1"
     return [str(value)]
+
+
+def _shown(value) -> str:
+    return repr(value.tolist() if isinstance(value, np.ndarray) else value)[:80]
 
 
 def _regression_value(spec: TableSpec, where: str, value) -> float:
@@ -185,6 +179,32 @@ def _regression_value(spec: TableSpec, where: str, value) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{where}: column {spec.label_column!r} is {value!r}, not a finite number")
     return number
+
+
+def _label_key(name: str):
+    """What two spellings of one label share: the number they write ("1", "01", "1.0", " 1"), else the name less
+    surrounding spaces."""
+    try:
+        number = float(name)
+    except ValueError:
+        return name.strip()
+    return number if math.isfinite(number) else name.strip()
+
+
+def _same_label(a: str, b: str) -> bool:
+    return a != b and _label_key(a) == _label_key(b)
+
+
+def _check_one_spelling(spec: TableSpec, wheres: list[str], per_row: list[list[str]]) -> None:
+    """Two spellings of one label in a training file (" 1", "01", "1.0" and "1") would become classes of their own,
+    each with a share of the rows: refused, naming both and where each first appears."""
+    first: dict = {}  # label key -> (spelling, where)
+    for where, names in zip(wheres, per_row):
+        for name in names:
+            spelling, at = first.setdefault(_label_key(name), (name, where))
+            if spelling != name:
+                raise ValueError(f"{where}: column {spec.label_column!r}: label {name!r} is {spelling!r} ({at}) "
+                                 "written another way; write each label one way (they would be two classes)")
 
 
 def label_order(names) -> list[str]:
@@ -206,8 +226,9 @@ def read_split(path: str, spec: TableSpec, labels: list[str] | None = None,
     if not rows:
         raise ValueError(f"{path}: no rows")
     wheres = [where for where, _ in rows]
-    text_a = [_text(where, row, spec.text_column) for where, row in rows]
-    text_b = [_text(where, row, spec.text_pair_column) for where, row in rows] if spec.text_pair_column else None
+    text_a = [non_blank_text(where, row, spec.text_column) for where, row in rows]
+    text_b = ([non_blank_text(where, row, spec.text_pair_column) for where, row in rows] if spec.text_pair_column
+              else None)
     if not with_labels:
         return Examples(wheres, text_a, text_b, None), labels
     raw = [row.get(spec.label_column) for _, row in rows]
@@ -216,6 +237,7 @@ def read_split(path: str, spec: TableSpec, labels: list[str] | None = None,
         return Examples(wheres, text_a, text_b, values), None
     per_row = [_label_names(spec, where, v) for where, v in zip(wheres, raw)]
     if labels is None:
+        _check_one_spelling(spec, wheres, per_row)
         labels = label_order(name for names in per_row for name in names)
         if not labels:
             raise ValueError(f"{path}: column {spec.label_column!r} holds no labels")
@@ -226,8 +248,9 @@ def read_split(path: str, spec: TableSpec, labels: list[str] | None = None,
     for where, names in zip(wheres, per_row):
         for name in names:
             if name not in ids:
+                same = next((label for label in labels if _same_label(label, name)), None)
                 raise ValueError(f"{where}: column {spec.label_column!r}: label {name!r} is not among the training "
-                                 f"file's labels {labels}")
+                                 f"file's labels {labels}" + (f" (it writes this one {same!r})" if same else ""))
     if spec.problem == "multi_label_classification":
         matrix = np.zeros((len(rows), len(labels)), np.float32)
         for i, names in enumerate(per_row):

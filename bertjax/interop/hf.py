@@ -201,6 +201,12 @@ def hf_head(directory: str) -> dict | None:
     return head
 
 
+def hf_num_labels(directory: str) -> int | None:
+    """config.json's num_labels, where it says one (transformers derives it from id2label and may leave it out)."""
+    value = json.loads((epath.Path(directory) / "config.json").read_text()).get("num_labels")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _architecture(params: Mapping) -> str:
     """The task a param tree's heads make it (BERT's class names; a ModernBERT classifier's kind is not in its
     tensors: a sequence classifier)."""

@@ -15,7 +15,7 @@ from bertjax.console import Console
 from bertjax.data.host_tokenizer import HostWordPieceTokenizer
 from bertjax.data.json_tokenizer import HostJsonTokenizer
 from bertjax.data.token_layout import Tokenizer
-from bertjax.interop.hf import hf_head, load_hf, read_tokenizer
+from bertjax.interop.hf import hf_head, hf_num_labels, load_hf, read_tokenizer
 from bertjax.interop.hub import local_model_path
 from bertjax.interop.tf import load_tf
 from bertjax.model import family
@@ -46,18 +46,55 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
     src = resolve_checkpoint(local_model_path(src))
     kind = detect_format(src)
     if kind == "bertjax":
-        return load_model(src)
+        checkpoint = load_model(src)
+        check_head(checkpoint.head, checkpoint.params, f"{src} (its head item)")
+        return checkpoint
     if kind == "hf":
         params, config, vocab, lower_case, spec = load_hf(src)
         check_vocab_fits(len(vocab), embedding_rows(params), f"{src}/{'tokenizer.json' if spec else 'vocab.txt'}",
                          src, quiet=spec is not None)
-        return ModelCheckpoint(params, config, vocab, lower_case, hf_head(src), spec)
+        checkpoint = ModelCheckpoint(params, config, vocab, lower_case, hf_head(src), spec)
+        check_head({**(checkpoint.head or {}), "num_labels": hf_num_labels(src)}, params, f"{src}/config.json")
+        return checkpoint
     folder = epath.Path(src).parent
     params, config = load_tf(src, config_path or str(folder / "bert_config.json"))
     vocab_file = vocab_path or str(folder / "vocab.txt")
     vocab = read_vocab_file(vocab_file)
     check_vocab_fits(len(vocab), embedding_rows(params), vocab_file, src)
     return ModelCheckpoint(params, config, vocab, _tf_lower_case(src))
+
+
+# The heads whose outputs are labels (a multiple-choice head's one output scores a choice).
+_LABELLED_HEADS = ("BertForSequenceClassification", "BertForTokenClassification")
+
+
+def check_head(head: dict | None, params: dict, where: str) -> None:
+    """A classifier head (`params`' classifier) that contradicts its description `head` is refused, naming both
+    (`where`: the description): id2label or num_labels naming another number of labels than the classifier has
+    outputs, a regression problem on more than one output, a single-label one on fewer than two. Read as the
+    description says, one of two logits was reported as a score, and a label `LABEL_1` invented."""
+    head = head or {}
+    if head.get("architecture") not in _LABELLED_HEADS or "classifier" not in params:
+        return
+    outputs = int(params["classifier"]["bias"].shape[0])
+    has = f"its classifier has {outputs} output{'s' if outputs != 1 else ''} (classifier bias [{outputs}])"
+    problems = []
+    id2label = head.get("id2label")
+    if id2label is not None and sorted(id2label, key=str) != sorted(str(i) for i in range(outputs)):
+        shown = ", ".join(f"{k}: {v!r}" for k, v in list(id2label.items())[:4]) + (", ..." if len(id2label) > 4
+                                                                                   else "")
+        problems.append(f"id2label of {len(id2label)} label(s) ({shown})")
+    if head.get("num_labels") is not None and head["num_labels"] != outputs:
+        problems.append(f"num_labels {head['num_labels']}")
+    problem_type = head.get("problem_type")
+    if head["architecture"] == "BertForSequenceClassification" and problem_type:
+        if problem_type == "regression" and outputs != 1:
+            problems.append("problem_type regression (one output: a number)")
+        if problem_type == "single_label_classification" and outputs < 2:
+            problems.append("problem_type single_label_classification (two outputs or more)")
+    if problems:
+        raise ValueError(f"{where} says {', '.join(problems)}, but {has}: read as described, its outputs would be "
+                         "reported as something they are not; export the model again, or correct the description")
 
 
 def embedding_rows(params: dict) -> int:

@@ -12,7 +12,7 @@ import dataclasses
 
 from bertjax.model.config import PRESETS, BertConfig
 from bertjax.model.modernbert_config import ModernBertConfig, alternating_layer_types
-from bertjax.options import option
+from bertjax.options import floats, ints, option
 
 # name -> (layers, hidden, heads, intermediate, window): ModernBERT's released shapes, and a tiny one for tests and
 # the CPU demo (BERT-tiny's width; the window half the demo's 64-token rows).
@@ -27,6 +27,16 @@ PRESET_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
 # Shared by both families: sizes, positions and bertjax's compute settings.
 COMPUTE = ("dtype", "attention_backend", "scan_layers", "remat")  # bertjax's own, not a checkpoint's architecture
 SHARED_FIELDS = (*PRESET_FIELDS, "max_position_embeddings", "initializer_range", *COMPUTE)
+# The ranges of the model's numeric keys, checked as `--set model.KEY=VALUE` is parsed (the config classes check
+# them again, with the sizes, when the job builds the model).
+_PROBABILITY, _POSITIVE = floats(0, 1, high_open=True), floats(0, low_open=True)
+_MODEL_RANGES = {"hidden_dropout_prob": _PROBABILITY, "attention_probs_dropout_prob": _PROBABILITY,
+                 "max_position_embeddings": ints(1), "type_vocab_size": ints(1), "initializer_range": _POSITIVE,
+                 "layer_norm_eps": _POSITIVE, "pad_token_id": ints(0),
+                 # ModernBERT's
+                 "initializer_cutoff_factor": _POSITIVE, "norm_eps": _POSITIVE, "attention_dropout": _PROBABILITY,
+                 "global_rope_theta": _POSITIVE, "local_rope_theta": _POSITIVE, "local_attention": ints(0),
+                 "embedding_dropout": _PROBABILITY, "mlp_dropout": _PROBABILITY, "classifier_dropout": _PROBABILITY}
 # BERT's keys with a ModernBERT counterpart of another name (what a refusal points to).
 _MODERNBERT_NAME = {"hidden_act": "model.modernbert.hidden_activation", "layer_norm_eps": "model.modernbert.norm_eps",
                     "hidden_dropout_prob": "model.modernbert.embedding_dropout / mlp_dropout",
@@ -37,12 +47,12 @@ def _modernbert_option_fields() -> list:
     # Token ids come from the job's vocabulary; the layer pattern is given as HF's older, simpler key.
     skipped = {*SHARED_FIELDS, "pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id",
                "layer_types"}
-    fields = [(f.name, f.type, option(f.default)) if f.name != "local_attention" else
-              (f.name, int, option(0, "the whole window of sliding-window layers (HF's local_attention); 0: the "
-                                      "preset's"))
+    fields = [(f.name, f.type, option(f.default, valid=_MODEL_RANGES.get(f.name))) if f.name != "local_attention"
+              else (f.name, int, option(0, "the whole window of sliding-window layers (HF's local_attention); 0: "
+                                           "the preset's", valid=ints(0)))
               for f in dataclasses.fields(ModernBertConfig) if f.name not in skipped]
     fields.append(("global_attn_every_n_layers", int, option(3, "every n-th layer (from the first) attends "
-                                                                "globally, the others in the window")))
+                                                                "globally, the others in the window", valid=ints(1))))
     return fields
 
 
@@ -56,9 +66,9 @@ def _model_option_fields() -> list:
     for field in dataclasses.fields(BertConfig):
         if field.name in PRESET_FIELDS:
             help_text = "0: the vocabulary's size" if field.name == "vocab_size" else "0: the preset's value"
-            fields.append((field.name, int, option(0, help_text)))
+            fields.append((field.name, int, option(0, help_text, valid=ints(0))))
         else:
-            fields.append((field.name, field.type, option(field.default)))
+            fields.append((field.name, field.type, option(field.default, valid=_MODEL_RANGES.get(field.name))))
     fields.append(("modernbert", ModernBertOptions, option(default_factory=ModernBertOptions)))
     return fields
 
@@ -114,8 +124,6 @@ def build_model_config(model, vocab_size: int, special_ids: dict[str, int | None
         return BertConfig(**{**values, **sizes})
     options = dataclasses.asdict(model.modernbert)
     every = options.pop("global_attn_every_n_layers")
-    if every < 1:
-        raise ValueError(f"model.modernbert.global_attn_every_n_layers={every} must be >= 1")
     ids = special_ids or {}
     tokens = {"pad_token_id": ids.get("pad", 0) or 0}
     for key, name in (("cls_token_id", "cls"), ("sep_token_id", "sep"), ("bos_token_id", "cls"),

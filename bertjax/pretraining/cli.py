@@ -26,9 +26,9 @@ def register(subparsers) -> None:
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() with auto-detection (TPU pods, SLURM...)")
     parser.add_argument("--coordinator", help="host:port of process 0 (multi-process without auto-detection)")
-    parser.add_argument("--num-processes", type=int)
-    parser.add_argument("--process-id", type=int)
-    parser.add_argument("--max-steps-this-run", type=options.at_least(1),
+    parser.add_argument("--num-processes", type=options.ints(1))
+    parser.add_argument("--process-id", type=options.ints(0))
+    parser.add_argument("--max-steps-this-run", type=options.ints(1),
                         help="stop (with a checkpoint) after this many steps")
     parser.add_argument("--allow-config-change", action="store_true",
                         help="resume a run whose schedule/optimizer/batch/data settings were changed since it "
@@ -114,7 +114,10 @@ def _pretrain(args: argparse.Namespace) -> int:
     with removed_if_failed_before_saving(args.workdir, lambda: bool(complete_steps(args.workdir)), lock):
         if args.init:  # after distributed initialisation: reading an Orbax checkpoint starts JAX
             config = _config_with_init(args)
+        from bertjax.data.input_source import check_set_keys
         from bertjax.pretraining import loop as pretrain
+
+        check_set_keys(config.data, {override.split("=", 1)[0].strip() for override in args.overrides})
 
         if args.dry_run:
             print(pretrain.plan(config, args.workdir, init_from=args.init))

@@ -30,7 +30,7 @@ from bertjax.model.model_options import (
     options_of,
     preset_sizes,
 )
-from bertjax.options import option
+from bertjax.options import ints, option, range_problems
 from bertjax.pretraining.optim import OptimizerConfig
 from bertjax.sharding import MeshConfig
 
@@ -42,14 +42,16 @@ CONFIGS_DIR = pathlib.Path(str(importlib.resources.files("bertjax.configs")))
 class TrainConfig:
     """The loop and the step (`train.*` keys; google-research/bert run_pretraining.py's defaults)."""
 
-    steps: int = option(1_000_000, "optimizer updates in the whole run")
-    batch_size: int = option(256, "global batch, in sequences")
-    grad_accum_steps: int = option(1, "microbatches per step (each forward pass sees batch_size / this)")
-    seed: int = option(0, "parameter initialisation and dropout")
-    log_every: int = option(100, "steps between metric lines")
-    eval_every: int = option(0, "steps between evaluations on data.eval_input (0: none)")
-    eval_batches: int = option(10, "batches per evaluation")
-    max_consecutive_nonfinite: int = option(10, "this many non-finite gradients in a row stop the job")
+    steps: int = option(1_000_000, "optimizer updates in the whole run", valid=ints(1))
+    batch_size: int = option(256, "global batch, in sequences", valid=ints(1))
+    grad_accum_steps: int = option(1, "microbatches per step (each forward pass sees batch_size / this)",
+                                   valid=ints(1))
+    seed: int = option(0, "parameter initialisation and dropout", valid=ints(0))
+    log_every: int = option(100, "steps between metric lines", valid=ints(1))
+    eval_every: int = option(0, "steps between evaluations on data.eval_input (0: none)", valid=ints(0))
+    eval_batches: int = option(10, "batches per evaluation", valid=ints(1))
+    max_consecutive_nonfinite: int = option(10, "this many non-finite gradients in a row stop the job",
+                                            valid=ints(1))
     nsp_loss: bool = option(True, "add the NSP loss (needs data.next_sentence_prediction)")
     span_boundary_objective: bool = option(False, "add SpanBERT's span boundary objective head and loss (needs "
                                            "data.masking_scheme=span)")
@@ -60,9 +62,9 @@ class TrainConfig:
                                         "~/.cache/bertjax/jax; 'off' = none")
 
     def __post_init__(self):
-        for key in ("steps", "batch_size", "grad_accum_steps", "log_every"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"train.{key}={getattr(self, key)} must be >= 1")
+        problems = range_problems(self)
+        if problems:
+            raise ValueError("train: " + "; ".join(problems))
         if self.batch_size % self.grad_accum_steps:
             raise ValueError(f"train.batch_size={self.batch_size} is not divisible by "
                              f"train.grad_accum_steps={self.grad_accum_steps}")

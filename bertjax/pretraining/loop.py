@@ -52,9 +52,8 @@ def _resolved_input(data, log) -> input_source.InputSource:
 
 def _shapes_taken(requested, resolved) -> str:
     """`data.KEY=VALUE, ...` for the data shapes the shards' metadata set differently from the config."""
-    keys = ("max_seq_length", "max_predictions_per_seq", "packing", "max_instances_per_row", "masking_scheme",
-            "next_sentence_prediction")
-    return ", ".join(f"data.{k}={getattr(resolved, k)}" for k in keys if getattr(requested, k) != getattr(resolved, k))
+    return ", ".join(f"data.{k}={getattr(resolved, k)}" for k in input_source.SHARD_SHAPE_KEYS
+                     if getattr(requested, k) != getattr(resolved, k))
 
 
 def _numpy_batch(element) -> dict:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from bertjax.model import bert as model_lib
-from bertjax.options import option
+from bertjax.options import floats, ints, option, range_problems
 
 
 def linear_warmup_linear_decay(learning_rate: float, num_train_steps: int, warmup_steps: int) -> optax.Schedule:
@@ -100,16 +100,17 @@ class OptimizerConfig:
 
     name: str = option("adamw", "adamw (BERT) | lamb (You et al.: Adam direction and decoupled decay, scaled per "
                        "tensor by the trust ratio ||w|| / ||update||, as in large-batch recipes)")
-    learning_rate: float = option(1e-4, "peak learning rate")
-    warmup_steps: int = option(10_000, "linear warmup from 0")
+    learning_rate: float = option(1e-4, "peak learning rate", valid=floats(0, low_open=True))
+    warmup_steps: int = option(10_000, "linear warmup from 0", valid=ints(0))
     warmup_ratio: float = option(0.0, "the warmup as a share of the run's steps; > 0 replaces warmup_steps (so a "
-                                 "changed train.steps needs no new warmup)")
+                                 "changed train.steps needs no new warmup)", valid=floats(0, 1))
     decay: str = option("linear", "after warmup, to 0 at the last step: linear | cosine")
-    weight_decay: float = option(0.01, "decoupled, not applied to LayerNorm parameters and biases")
-    b1: float = option(0.9)
-    b2: float = option(0.999)
-    eps: float = option(1e-6)
-    clip_norm: float = option(1.0, "global gradient-norm clip (0: none)")
+    weight_decay: float = option(0.01, "decoupled, not applied to LayerNorm parameters and biases",
+                                 valid=floats(0))
+    b1: float = option(0.9, valid=floats(0, 1, high_open=True))
+    b2: float = option(0.999, valid=floats(0, 1, high_open=True))
+    eps: float = option(1e-6, valid=floats(0, low_open=True))
+    clip_norm: float = option(1.0, "global gradient-norm clip (0: none)", valid=floats(0))
     bias_correction: bool = option(True, "false: the original TF AdamWeightDecayOptimizer (no bias correction)")
 
     def __post_init__(self):
@@ -117,21 +118,7 @@ class OptimizerConfig:
             raise ValueError(f"unknown optimizer {self.name!r}; expected 'adamw' or 'lamb'")
         if self.decay not in SCHEDULES:
             raise ValueError(f"unknown decay {self.decay!r}; expected one of {sorted(SCHEDULES)}")
-        problems = []
-        if not self.learning_rate > 0:
-            problems.append(f"learning_rate={self.learning_rate} must be > 0")
-        if self.warmup_steps < 0:
-            problems.append(f"warmup_steps={self.warmup_steps} must be >= 0")
-        if not 0 <= self.warmup_ratio <= 1:
-            problems.append(f"warmup_ratio={self.warmup_ratio} must be in [0, 1]")
-        for name in ("weight_decay", "clip_norm"):
-            if not getattr(self, name) >= 0:
-                problems.append(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("b1", "b2"):
-            if not 0 <= getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be in [0, 1)")
-        if not self.eps > 0:
-            problems.append(f"eps={self.eps} must be > 0")
+        problems = range_problems(self)
         if problems:
             raise ValueError("optimizer: " + "; ".join(problems))
 
