@@ -7,6 +7,7 @@ rows restart them at each sequence, so a packed sequence sees the rotations it w
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,18 +25,30 @@ def cos_sin(positions, head_dim: int, theta: float):
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def _half_rotation(head_dim: int, dtype) -> np.ndarray:
+    """The [head_dim, head_dim] matrix R with [a, b] R = [-b, a]: a permutation with signs."""
+    half = head_dim // 2
+    rotation = np.zeros((head_dim, head_dim), np.float32)
+    rotation[np.arange(half) + half, np.arange(half)] = -1.0   # output j < half takes -b_j
+    rotation[np.arange(half), np.arange(half) + half] = 1.0    # output half + j takes a_j
+    return rotation.astype(dtype)
+
+
 def rotate_half(x, head_dim: int):
     """Each head's [a, b] as [-b, a], x [..., heads * head_dim] (the heads side by side, as the projections give
-    them: on TPU a reshape of its lanes, not a [.., heads, head_dim] array padded to 128 lanes)."""
-    halves = x.reshape(x.shape[:-1] + (x.shape[-1] // head_dim, 2, head_dim // 2))
-    rotated = jnp.stack([-halves[..., 1, :], halves[..., 0, :]], axis=-2)
-    return rotated.reshape(x.shape)
+    them), as a product with a signed permutation (each output one input, exactly): moving the halves by reshapes
+    or rolls made XLA:TPU copy q and k into other lanes, costing more than the layer's matmuls; a 64-deep product
+    per head is 1% of the layer's FLOPs (docs/performance.md)."""
+    heads = x.shape[-1] // head_dim
+    rotated = jnp.einsum("...hd,de->...he", x.reshape(x.shape[:-1] + (heads, head_dim)),
+                         jnp.asarray(_half_rotation(head_dim, x.dtype)), precision=jax.lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+    return rotated.reshape(x.shape).astype(x.dtype)
 
 
 def apply_rotary(x, cos, sin, head_dim: int):
-    """x [batch, length, heads * head_dim] rotated by (cos, sin) [batch or 1, length, head_dim], in float32, cast
-    back to x's dtype."""
+    """x [batch, length, heads * head_dim] rotated by (cos, sin) [batch or 1, length, head_dim], in x's dtype (HF
+    computes in float32 and rounds once: the same in a float32 model; in bfloat16 XLA keeps the sum in its fusion)."""
     heads = x.shape[-1] // head_dim
-    cos, sin = jnp.tile(cos, heads), jnp.tile(sin, heads)
-    x32 = x.astype(jnp.float32)
-    return (x32 * cos + rotate_half(x32, head_dim) * sin).astype(x.dtype)
+    cos, sin = (jnp.tile(t, heads).astype(x.dtype) for t in (cos, sin))
+    return x * cos + rotate_half(x, head_dim) * sin
