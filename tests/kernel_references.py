@@ -52,17 +52,17 @@ def _biases(heads, head_dim, seed=5):
     return tuple(jnp.asarray(np.random.default_rng(seed).normal(size=(3, heads, head_dim)), jnp.float32))
 
 
-def attention_kernel_and_reference(q, k, v, biases, segment_ids, rate, seed, interpret=True, **blocks):
+def attention_kernel_and_reference(q, k, v, biases, segment_ids, rate, seed, interpret=True, window=None, **blocks):
     """(out, grads of q, k, v and the biases) of the GPU attention kernel given the (q, k, v) `biases`, and of the
     float32 reference on q + bq, k + bk, v + bv with `dropout_keep_mask`'s mask, on the same inputs (the
-    reference's in float32); padding rows are left out of the loss (ignorable outputs)."""
+    reference's in float32); padding rows are left out of the loss (ignorable outputs). `window`: both sliding."""
     batch, length, heads, _ = q.shape
     weights = (segment_ids != 0).astype(jnp.float32)[:, :, None, None]
     kernel = lambda q, k, v, b: dg.flash_attention_with_dropout(
-        q, k, v, segment_ids, dropout_rate=rate, seed=seed, biases=b, interpret=interpret,
+        q, k, v, segment_ids, dropout_rate=rate, seed=seed, biases=b, interpret=interpret, window=window,
         **blocks).astype(jnp.float32)
     mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate) if rate else None
-    reference = lambda q, k, v, b: _reference(q + b[0], k + b[1], v + b[2], segment_ids, mask, rate)
+    reference = lambda q, k, v, b: _reference(q + b[0], k + b[1], v + b[2], segment_ids, mask, rate, window)
     as32 = [x.astype(jnp.float32) for x in (q, k, v)]
     return (_value_and_grads(kernel, weights, q, k, v, biases),
             _value_and_grads(reference, weights, *as32, biases))

@@ -151,10 +151,12 @@ def test_backend_selection():
         "flash_dropout_tpu"
     assert resolve_backend("auto", dropout_active=False, platform="tpu", length=1024, windowed=True) == \
         "flash_dropout_tpu"
-    assert resolve_backend("auto", dropout_active=True, platform="gpu", length=512, windowed=True) == "reference"
+    assert resolve_backend("auto", dropout_active=True, platform="gpu", length=512, windowed=True) == \
+        "flash_dropout_gpu"
+    assert resolve_backend("auto", dropout_active=True, platform="gpu", length=64, windowed=True) == "reference"
     assert resolve_backend("flash_dropout_tpu", dropout_active=True, windowed=True) == "flash_dropout_tpu"
-    with pytest.raises(ValueError, match="'flash_dropout_gpu' has no sliding window"):
-        resolve_backend("flash_dropout_gpu", dropout_active=True, windowed=True)
+    with pytest.raises(ValueError, match="'cudnn' has no sliding window"):
+        resolve_backend("cudnn", dropout_active=False, windowed=True)
     with pytest.raises(ValueError, match="'splash_tpu' has no attention dropout"):
         resolve_backend("splash_tpu", dropout_active=True, windowed=True)
 

@@ -56,6 +56,23 @@ def test_forward_and_gradients_equal_the_reference_with_the_tpu_kernels_mask(len
         assert np.abs(np.asarray(out - other)[valid]).max() > 1e-2
 
 
+@pytest.mark.parametrize("rate, blocks", [(0.1, {"block_q": 32, "block_k": 16, "block_bwd": 16}), (0.0, {})])
+def test_a_window_skips_the_blocks_outside_it_and_masks_the_rest(rate, blocks):
+    """A sliding window (ModernBERT's local layers, 20 tokens each side of 128): forward and gradients of the
+    windowed reference with the kernel's mask, packed rows and ModernBERT's heads of 64."""
+    q, k, v = _inputs(1, 128, 2, 64)
+    biases = _biases(2, 64)
+    segment_ids = _segments(1, 128, "packing")
+    (out, grads), (expected, expected_grads) = _kernel_and_reference(q, k, v, biases, segment_ids, rate, 11,
+                                                                     window=20, **blocks)
+    valid = np.asarray(segment_ids) != 0
+    _assert_close(np.asarray(out)[valid], np.asarray(expected)[valid], rtol=1e-5)
+    _assert_gradients_close(grads, expected_grads, rtol=1e-5)
+    full = _reference(q + biases[0], k + biases[1], v + biases[2], segment_ids, None, 0.0)
+    assert np.abs(np.asarray(out - full)[valid]).max() > 1e-2   # the window mattered
+    assert [int(x) for x in dg._window_blocks(64, 32, 16, 8, 20)] == [2, 8]   # keys 44..115: blocks 2..7
+
+
 def test_bfloat16_forward_and_gradients_are_the_float32_references_within_bfloat16_precision():
     """BERT's heads of 64 in bf16 (the GPU's dtype) with float32 biases (the parameters'): output and q/k/v/bias
     gradients within bf16 rounding of the float32 reference on the same (bf16-valued) inputs with the same mask;

@@ -63,7 +63,7 @@ FUSED_DROPOUT_BACKENDS = {"tpu": "flash_dropout_tpu", "gpu": "flash_dropout_gpu"
 # The backends that take a sliding window: the reference and dot_product in the mask they build, splash as its
 # block-sparse local mask, our TPU kernel in its index maps and block mask (blocks outside every window are skipped,
 # not computed and masked).
-WINDOW_BACKENDS = ("reference", "dot_product", "splash_tpu", "flash_dropout_tpu")
+WINDOW_BACKENDS = ("reference", "dot_product", "splash_tpu", "flash_dropout_tpu", "flash_dropout_gpu")
 
 
 def resolve_backend(backend: str, dropout_active: bool, platform: str | None = None, length: int = 0,
@@ -73,11 +73,11 @@ def resolve_backend(backend: str, dropout_active: bool, platform: str | None = N
     platform = platform or target_platform()
     if windowed:
         if backend == "auto":
-            if platform == "tpu" and length >= FUSED_DROPOUT_MIN_LENGTH:
-                return "flash_dropout_tpu"
-            if platform == "gpu" and not dropout_active:
-                return "dot_product"
-            return "reference" if dropout_active or platform != "tpu" else "splash_tpu"
+            if platform in FUSED_DROPOUT_BACKENDS and length >= FUSED_DROPOUT_MIN_LENGTH:
+                return FUSED_DROPOUT_BACKENDS[platform]
+            if dropout_active or platform == "cpu":
+                return "reference"
+            return {"tpu": "splash_tpu", "gpu": "dot_product"}.get(platform, "reference")
         if backend not in WINDOW_BACKENDS:
             raise ValueError(f"attention backend {backend!r} has no sliding window; use attention_backend 'auto', "
                              f"{' or '.join(repr(b) for b in WINDOW_BACKENDS)}")
@@ -126,8 +126,8 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
         rate = dropout_rate if dropout_active else 0.0
         seed = seed_from_rng(dropout_rng) if rate > 0.0 else jnp.uint32(0)
         if backend == "flash_dropout_gpu":
-            return per_device_shard(functools.partial(_flash_dropout_gpu_attention, dropout_rate=rate), query, key,
-                                    value, segment_ids, seed, biases=biases)
+            return per_device_shard(functools.partial(_flash_dropout_gpu_attention, dropout_rate=rate, window=window),
+                                    query, key, value, segment_ids, seed, biases=biases)
         if biases is not None:   # per example, split with the batch and heads
             biases = tuple(jnp.broadcast_to(b, (query.shape[0], *b.shape)) for b in biases)
         return per_device_shard(functools.partial(_flash_dropout_attention, dropout_rate=rate, window=window), query,
@@ -321,7 +321,7 @@ def gpu_query_block(padded_length: int) -> int:
 
 
 def _flash_dropout_gpu_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset,
-                                 biases=None):
+                                 biases=None, window=None):
     from bertjax.model.dropout_attention_gpu import flash_attention_with_dropout
 
     query, key, value, segment_ids, length = _pad_to_block(query, key, value, segment_ids)
@@ -331,5 +331,5 @@ def _flash_dropout_gpu_attention(query, key, value, segment_ids, seed, *, dropou
     out = flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
                                        block_q=block_q, block_k=64, block_bwd=64, batch_offset=batch_offset,
                                        head_offset=head_offset, biases=biases,
-                                       interpret=target_platform() != "gpu")
+                                       interpret=target_platform() != "gpu", window=window)
     return out[:, :length]

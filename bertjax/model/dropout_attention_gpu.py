@@ -92,13 +92,26 @@ def _bias_rows(*bias_refs):
     return tuple(ref[...].astype(jnp.float32) for ref in bias_refs)
 
 
-def _masked_scores(q, k, q_seg, k_seg, scale):
-    """Logits q k^T * scale [bq, bk] in float32, MASK_VALUE where the segments differ (the reference's mask)."""
-    return jnp.where(q_seg[:, None] == k_seg[None, :], dot(q, k, NT) * scale, MASK_VALUE)
+def _masked_scores(q, k, q_seg, k_seg, scale, rows=None, cols=None, window=None):
+    """Logits q k^T * scale [bq, bk] in float32, MASK_VALUE where the segments differ (the reference's mask) and,
+    with a `window`, where the query positions `rows` [bq, 1] and key positions `cols` [1, bk] are further apart."""
+    allowed = q_seg[:, None] == k_seg[None, :]
+    if window is not None:
+        allowed = allowed & (jnp.abs(rows - cols) <= window)
+    return jnp.where(allowed, dot(q, k, NT) * scale, MASK_VALUE)
+
+
+def _window_blocks(start, held, block, blocks, window):
+    """(first, end) of the loop over blocks of `block` rows that meet a held block [start, start + held) within
+    `window` (all `blocks` without one): the loops skip the others, neither loading nor computing them."""
+    if window is None:
+        return 0, blocks
+    first = jnp.maximum(start - window, 0) // block
+    return first, jnp.minimum((start + held - 1 + window) // block + 1, blocks)
 
 
 def _fwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_ref, o_ref, lse_ref, *, scale, block_k,
-                threshold, inv_keep):
+                threshold, inv_keep, window):
     block_q, head_dim = q_ref.shape
     q_start = pl.program_id(2) * block_q
     stream = _Stream(scalars_ref, threshold)
@@ -110,12 +123,13 @@ def _fwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
     def body(kb, carry):
         acc, m_prev, l_prev = carry
         keys = pl.ds(kb * block_k, block_k)
-        s = _masked_scores(q, _biased(k_ref[keys, :], bk), q_seg, seg_ref[keys], scale)
+        cols = _positions(kb * block_k, block_k)[None, :]
+        s = _masked_scores(q, _biased(k_ref[keys, :], bk), q_seg, seg_ref[keys], scale, rows, cols, window)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])          # undropped: the softmax statistics see every key
         alpha = jnp.exp(m_prev - m_new)
         l_new = alpha * l_prev + jnp.sum(p, axis=1)
-        keep = stream.keep(rows, _positions(kb * block_k, block_k)[None, :])
+        keep = stream.keep(rows, cols)
         if keep is not None:
             p = jnp.where(keep, p, 0.0)
         v = _biased(v_ref[keys, :], bv)
@@ -123,13 +137,14 @@ def _fwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
 
     init = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, k_ref.shape[0] // block_k, body, init)
+    acc, m, l = lax.fori_loop(*_window_blocks(q_start, block_q, block_k, k_ref.shape[0] // block_k, window), body,
+                              init)
     o_ref[...] = (acc * (inv_keep / l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
 
 def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_ref, lse_ref, o_ref, do_ref, dq_ref,
-                dk_ref, dv_ref, sums_ref, *, scale, block, threshold, keep_prob):
+                dk_ref, dv_ref, sums_ref, *, scale, block, threshold, keep_prob, window):
     """lse_ref: the forward's lse [S] of this head; sums_ref [4, D]: the held block's dq, dk, dv summed over its
     rows, and zeros (float32; the biases' gradients, summed by XLA)."""
     head_dim = q_ref.shape[1]
@@ -148,8 +163,9 @@ def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
 
     def recompute(queries, keys, q, k, v, do, stats):
         """P*Z and dS of the block (queries, keys) [block, block]; `stats`: the queries' `statistics`."""
-        s = _masked_scores(q, k, seg_ref[queries], seg_ref[keys], scale)
-        keep = stream.keep(_positions(queries.start, block)[:, None], _positions(keys.start, block)[None, :])
+        rows, cols = _positions(queries.start, block)[:, None], _positions(keys.start, block)[None, :]
+        s = _masked_scores(q, k, seg_ref[queries], seg_ref[keys], scale, rows, cols, window)
+        keep = stream.keep(rows, cols)
         return probs_and_dscores(s, *stats, dot(do, v, NT), keep)
 
     # dk, dv of the held key block over every query block: dV = (P*Z)^T dO, dK = dS^T Q * scale.
@@ -163,7 +179,7 @@ def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
         return dk + dot(ds.astype(q.dtype), q, TN), dv + dot(pz.astype(do.dtype), do, TN)
 
     zeros = jnp.zeros((block, head_dim), jnp.float32)
-    dk, dv = lax.fori_loop(0, steps, dkv_body, (zeros, zeros))
+    dk, dv = lax.fori_loop(*_window_blocks(start, block, block, steps, window), dkv_body, (zeros, zeros))
     dk = dk * scale
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -179,7 +195,7 @@ def _bwd_kernel(scalars_ref, q_ref, k_ref, v_ref, bq_ref, bk_ref, bv_ref, seg_re
         _, ds = recompute(held, keys, q, k, _biased(v_ref[keys, :], bv), do, held_stats)
         return dq + dot(ds.astype(k.dtype), k, NN)
 
-    dq = lax.fori_loop(0, steps, dq_body, zeros) * scale
+    dq = lax.fori_loop(*_window_blocks(start, block, block, steps, window), dq_body, zeros) * scale
     dq_ref[...] = dq.astype(dq_ref.dtype)
     # Rows selected by an iota (Triton has no concatenate); 4 rows: its blocks' sizes are powers of two.
     row = lax.broadcasted_iota(jnp.int32, sums_ref.shape, 0)
@@ -205,13 +221,13 @@ def _specs(length, block, head_dim):
 _SCALARS = pl.BlockSpec((4,), lambda b, h, i: (0,))   # (seed, batch offset, head offset, 0): 4, a power of two
 
 
-def _forward(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, interpret):
+def _forward(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, interpret, window=None):
     batch, length, heads, head_dim = q.shape
     rows, whole, bias, segments, _, stat_rows, _ = _specs(length, block_q, head_dim)
     threshold, inv_keep = (None, 1.0) if rate == 0.0 else (keep_threshold(rate), 1.0 / (1.0 - rate))
     return pl.pallas_call(
         functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(head_dim), block_k=block_k, threshold=threshold,
-                          inv_keep=inv_keep),
+                          inv_keep=inv_keep, window=window),
         grid=(batch, heads, length // block_q),
         in_specs=[_SCALARS, rows, whole, whole, bias, bias, bias, segments], out_specs=[rows, stat_rows],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -221,14 +237,15 @@ def _forward(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, inte
     )(scalars, q, k, v, *biases, segment_ids)
 
 
-def _backward(q, k, v, biases, segment_ids, scalars, o, lse, do, rate, block, interpret):
+def _backward(q, k, v, biases, segment_ids, scalars, o, lse, do, rate, block, interpret, window=None):
     """(dq, dk, dv, their per-block sums [B, H, S / block, 3, D] float32)."""
     batch, length, heads, head_dim = q.shape
     rows, whole, bias, segments, stats, _, block_sum = _specs(length, block, head_dim)
     sum_shape = jax.ShapeDtypeStruct((batch, heads, length // block * 4, head_dim), jnp.float32)
     dq, dk, dv, sums = pl.pallas_call(
         functools.partial(_bwd_kernel, scale=1.0 / math.sqrt(head_dim), block=block,
-                          threshold=None if rate == 0.0 else keep_threshold(rate), keep_prob=1.0 - rate),
+                          threshold=None if rate == 0.0 else keep_threshold(rate), keep_prob=1.0 - rate,
+                          window=window),
         grid=(batch, heads, length // block),
         in_specs=[_SCALARS, whole, whole, whole, bias, bias, bias, segments, stats, whole, whole],
         out_specs=[rows, rows, rows, block_sum],
@@ -239,20 +256,22 @@ def _backward(q, k, v, biases, segment_ids, scalars, o, lse, do, rate, block, in
     return dq, dk, dv, sums.reshape(batch, heads, length // block, 4, head_dim)[:, :, :, :3]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _attention(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret):
-    return _attention_fwd(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _attention(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret, window):
+    return _attention_fwd(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret,
+                          window)[0]
 
 
-def _attention_fwd(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret):
+def _attention_fwd(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, block_bwd, interpret, window):
     rows = tuple(b.astype(q.dtype) for b in biases)   # the reference's x + b.astype(x.dtype)
-    o, lse = _forward(q, k, v, rows, segment_ids, scalars, rate, block_q, block_k, interpret)
+    o, lse = _forward(q, k, v, rows, segment_ids, scalars, rate, block_q, block_k, interpret, window)
     return o, (q, k, v, biases, rows, segment_ids, scalars, o, lse)
 
 
-def _attention_bwd(rate, block_q, block_k, block_bwd, interpret, residuals, do):
+def _attention_bwd(rate, block_q, block_k, block_bwd, interpret, window, residuals, do):
     q, k, v, biases, rows, segment_ids, scalars, o, lse = residuals
-    dq, dk, dv, sums = _backward(q, k, v, rows, segment_ids, scalars, o, lse, do, rate, block_bwd, interpret)
+    dq, dk, dv, sums = _backward(q, k, v, rows, segment_ids, scalars, o, lse, do, rate, block_bwd, interpret,
+                                 window)
     sums = sums.sum(axis=(0, 2))
     bias_grads = tuple(sums[:, j].astype(b.dtype) for j, b in enumerate(biases))
     return dq, dk, dv, bias_grads, None, None
@@ -263,7 +282,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate: float, seed, block_q: int = 64,
                                  block_k: int = 64, block_bwd: int = 64, batch_offset=0, head_offset=0,
-                                 biases=None, interpret: bool = False):
+                                 biases=None, interpret: bool = False, window: int | None = None):
     """dropout(softmax(q k^T / sqrt(d) + mask)) v, fused for GPU; q/k/v [batch, length, heads, head_dim].
 
     segment_ids [batch, length] int: 0 = padding; a query attends to the keys with its id. dropout_rate: static,
@@ -275,6 +294,8 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     biases: optional (q, k, v) biases [heads, head_dim] (the projections'), added to query, key and value in their
     dtype inside the kernels; their gradients are the backward kernel's per-block sums of dq/dk/dv added up.
     interpret: run in Pallas' interpreter (off GPU). Output in query's dtype; softmax statistics in float32.
+    window: a query attends only to keys at most this many positions away (ModernBERT's sliding-window layers);
+    the loops skip the blocks outside it.
     """
     dropout_rate = float(dropout_rate)
     if not 0.0 <= dropout_rate < 1.0:
@@ -291,4 +312,4 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     scalars = jnp.concatenate([seed_word(seed), jnp.asarray(batch_offset, jnp.int32).reshape(1),
                                jnp.asarray(head_offset, jnp.int32).reshape(1), jnp.zeros(1, jnp.int32)])
     return _attention(query, key, value, tuple(biases), segment_ids.astype(jnp.int32), scalars, dropout_rate,
-                      block_q, block_k, block_bwd, interpret)
+                      block_q, block_k, block_bwd, interpret, window)

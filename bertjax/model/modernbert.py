@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import rope
-from bertjax.model.attention import FUSED_DROPOUT_MIN_LENGTH, dot_product_attention
+from bertjax.model.attention import FUSED_DROPOUT_BACKENDS, FUSED_DROPOUT_MIN_LENGTH, dot_product_attention
 from bertjax.model.bert import activation, gather_positions, init_params as _init_params
 from bertjax.model.dropout import Dropout
 from bertjax.model.layer_norm import layer_norm
@@ -130,10 +130,12 @@ class Attention(nn.Module):
                              for t in (query, key, value))
         dropout_active = not deterministic and c.attention_dropout > 0
         backend = c.attention_backend
-        if backend == "auto" and target_platform() == "tpu" and x.shape[1] >= FUSED_DROPOUT_MIN_LENGTH:
-            # Global layers too: our kernel reads q/k/v in the projections' [B, S, heads * 64] layout, where splash
-            # wants [heads, S, 64] per example (transposes, 64 lanes padded to 128) and declares no cost to price.
-            backend = "flash_dropout_tpu"
+        platform = target_platform()
+        if backend == "auto" and platform in FUSED_DROPOUT_BACKENDS and x.shape[1] >= FUSED_DROPOUT_MIN_LENGTH:
+            # Global layers too, the same kernel as the windowed ones: on TPU ours reads q/k/v in the projections'
+            # [B, S, heads * 64] layout where splash wants [heads, S, 64] per example (transposes, 64 lanes padded to
+            # 128) and declares no cost to price; on GPU cuDNN's fused attention takes no packed segments.
+            backend = FUSED_DROPOUT_BACKENDS[platform]
         context = dot_product_attention(
             query, key, value, input_mask, packing_ids, backend=backend,
             dropout_rate=c.attention_dropout, dropout_rng=self.make_rng("dropout") if dropout_active else None,
