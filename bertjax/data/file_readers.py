@@ -15,7 +15,7 @@ import itertools
 import json
 import threading
 import zlib
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -172,28 +172,33 @@ def require_format(config: CorpusConfig) -> None:
         raise ValueError("corpus_format=auto reached a reader unresolved: resolve it first (format_detect.resolve)")
 
 
-def check_input_files(files: Sequence[str], config: CorpusConfig | None = None) -> list[str]:
+def check_input_files(files: Sequence[str], config: CorpusConfig | None = None,
+                      formats: Mapping[str, str] | None = None) -> list[str]:
     """Refuses files that the format cannot read, naming what they are (judged by their first 64 KiB, after
     decompression): a binary file or an archive would otherwise be read as a few lines of replacement characters,
     and a job would train on nothing. Parquet/Arrow files must be such and hold `text_field`. Returns each file's
-    format as recorded in metadata (e.g. "jsonl+zstd", "parquet")."""
+    format as recorded in metadata (e.g. "jsonl+zstd", "parquet"). `formats`: each file's format (a mixed corpus's,
+    corpus.file_formats); default: the config's."""
     config = config or CorpusConfig(corpus_format="sentences")
+    if config.is_mixed and formats is None:
+        raise ValueError("a corpus of several formats is checked file by file: pass each file's (corpus.file_formats)")
     require_format(config)
     kinds = []
     for path in files:
-        if config.corpus_format == "parquet":
+        corpus_format = formats[path] if config.is_mixed else config.corpus_format
+        if corpus_format == "parquet":
             kinds.append(_check_table_file(path, config.text_field))
             continue
         compression, head = _head(path)
         problem = _text_problem(head)
         if problem:
             where = f" (decompressed from {compression})" if compression else ""
-            raise ValueError(f"{path}: {problem}{where}; {config.corpus_format} corpora are read as UTF-8 lines"
+            raise ValueError(f"{path}: {problem}{where}; {corpus_format} corpora are read as UTF-8 lines"
                              + (" (.gz, .zst and .bz2 are decompressed)" if not compression else ""))
         first = head.split(b"\n", 1)[0] if b"\n" in head else b""
-        if config.corpus_format == "jsonl" and first.strip():  # the first record, up front (the rest as read)
+        if corpus_format == "jsonl" and first.strip():  # the first record, up front (the rest as read)
             _json_text(path, 1, first, config.text_field)
-        kinds.append(config.corpus_format + (f"+{compression}" if compression else ""))
+        kinds.append(corpus_format + (f"+{compression}" if compression else ""))
     return kinds
 
 

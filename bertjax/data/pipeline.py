@@ -38,7 +38,7 @@ def _host_files(source: InputSource, process_index: int, process_count: int) -> 
         files = corpus.shard_files(files, process_index, process_count)
     else:
         files, share = corpus.files_for_process(files, config, process_index, process_count)
-        file_readers.check_input_files(files, config)
+        file_readers.check_input_files(files, config, dict(zip(source.files, source.formats)))
     # An endless pipeline over empty input would spin forever without yielding: refuse it up front.
     if all(tf.io.gfile.stat(f).length == 0 for f in files):
         raise ValueError(f"all {len(files)} input file(s) of process {process_index} are empty: {files[:3]}")
@@ -52,11 +52,11 @@ def resolve_input(config: PretrainingDataConfig, key: str = "data.input") -> Pre
 
 
 def _documents(config: PretrainingDataConfig, files: list[str], order_seed: tf.Tensor, process_index: int,
-               process_count: int, share: tuple[int, int]) -> tf.data.Dataset:
+               process_count: int, share: tuple[int, int], formats: dict[str, str]) -> tf.data.Dataset:
     if config.is_tfds:
         return corpus.tfds_documents(config, process_index, process_count)
     return corpus.documents_from_files(files, config, cycle_length=config.file_cycle_length, order_seed=order_seed,
-                                       share=share)
+                                       share=share, formats=formats)
 
 
 def _epochs(num_epochs: int | None) -> tf.data.Dataset:
@@ -113,7 +113,8 @@ def make_pretraining_dataset(source: InputSource | PretrainingDataConfig, global
     def epoch_instances(epoch):
         # Static: epoch e replays copy e % dupe_factor (same files order, instances and masks).
         stream = epoch % config.dupe_factor if static else epoch
-        docs = _documents(config, files, fold_seed(host_seed, 1, stream), process_index, process_count, share)
+        docs = _documents(config, files, fold_seed(host_seed, 1, stream), process_index, process_count, share,
+                          dict(zip(source.files, source.formats)))
         blocks = tokenized_blocks(docs, tokenizer, config.doc_buffer_size).enumerate()
 
         parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
