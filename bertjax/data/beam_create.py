@@ -161,7 +161,8 @@ def _report(stats: collections.Counter):
 class SpillDocuments(beam.DoFn):
     """(file index, path, format) -> the file's non-empty documents, tokenized, written in chunks of
     `documents_per_chunk` to a spill file in `temp_dir`; emits a reference per chunk: (file index, chunk
-    ordinal, documents, spill path, byte offset, bytes), and the file's counters on the "stats" output."""
+    ordinal, documents, spill path, byte offset, bytes), the file's counters on the "stats" output, and (path, its
+    size and SHA-256) on the "files" output."""
 
     def __init__(self, config: PretrainingDataConfig, temp_dir: str, formats: list[str]):
         self.config = config
@@ -218,6 +219,7 @@ class SpillDocuments(beam.DoFn):
         _report(stats)
         yield from references
         yield beam.pvalue.TaggedOutput("stats", dict(stats))
+        yield beam.pvalue.TaggedOutput("files", (self._path, file_readers.fingerprint(self._path)))
 
 
 def _read_chunk(reference) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -328,8 +330,9 @@ def _plan_references(references: list, doc_buffer_size: int, seed: int) -> dict:
     return plan
 
 
-def _finish(_, stats: dict, shards: list, plan: dict, config: PretrainingDataConfig, out_dir: str, temp_dir: str,
-            num_shards: int, earlier: list[str], start: float, runner: str, run_id: str, input_formats: dict):
+def _finish(_, stats: dict, shards: list, plan: dict, corpus_files: dict, config: PretrainingDataConfig,
+            out_dir: str, temp_dir: str, num_shards: int, earlier: list[str], start: float, runner: str, run_id: str,
+            input_formats: dict):
     """The last step, once every shard is complete: the shards renamed to their final names and the metadata
     written (or, no instances, nothing), then the temporary directory removed."""
     shards = sorted(shards)
@@ -342,7 +345,7 @@ def _finish(_, stats: dict, shards: list, plan: dict, config: PretrainingDataCon
         create.finish_run(config, out_dir, tfrecord.shard_prefix(), paths, [c for _, _, c in shards], stats, start,
                           earlier, log=lambda *_: None, runner=f"beam/{runner}", run_id=run_id,
                           buckets=plan["buckets"], documents_per_bucket=plan["documents_per_bucket"],
-                          input_formats=input_formats)
+                          input_formats=input_formats, corpus_files=dict(sorted(corpus_files.items())))
     if tf.io.gfile.exists(temp_dir):
         tf.io.gfile.rmtree(temp_dir)
 
@@ -362,7 +365,7 @@ def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], ou
             | "Files" >> beam.Create([(i, path, fmt) for i, (path, fmt) in enumerate(zip(files, formats))])
             | "SpreadFiles" >> beam.Reshuffle()  # one file per work item, on any worker
             | "ReadTokenizeSpill" >> beam.ParDo(SpillDocuments(config, temp_dir, formats)).with_outputs(
-                "stats", main="chunks"))
+                "stats", "files", main="chunks"))
     # Only chunk references (a few numbers and a path each) go through the runner from here on.
     plan = (read.chunks
             | "AllChunks" >> beam.combiners.ToList()
@@ -382,7 +385,8 @@ def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], ou
     (pipeline
      | "Once" >> beam.Create([None])
      | "WriteMetadata" >> beam.Map(_finish, beam.pvalue.AsSingleton(stats), beam.pvalue.AsList(shards),
-                                   beam.pvalue.AsSingleton(plan_summary), config=config, out_dir=out_dir,
+                                   beam.pvalue.AsSingleton(plan_summary), beam.pvalue.AsDict(read.files),
+                                   config=config, out_dir=out_dir,
                                    temp_dir=temp_dir, num_shards=num_shards, earlier=earlier, start=start,
                                    runner=runner, run_id=run_id, input_formats=input_formats or {}))
 

@@ -122,7 +122,8 @@ def no_instances_error(config: PretrainingDataConfig, out_dir: str) -> ValueErro
 def finish_run(config: PretrainingDataConfig, out_dir: str, prefix: str, paths: list[str], counts: list[int],
                stats: dict, start: float, earlier: list[str], log=print, **extra) -> dict:
     """Writes `<prefix>-metadata.json` for the finished shards `paths` (with `counts` examples each), removes the
-    earlier run's files that this run did not replace, and returns the summary (`extra` keys are added to it)."""
+    earlier run's files that this run did not replace, and returns the summary (`extra` keys are added to it:
+    `input_formats`, and `corpus_files`, each corpus file's size and SHA-256, the shards' provenance)."""
     for path in earlier:
         if path not in paths and tf.io.gfile.exists(path):
             tf.io.gfile.remove(path)
@@ -189,7 +190,8 @@ def _create(config: PretrainingDataConfig, out_dir: str, num_shards: int, worker
         raise no_instances_error(config, out_dir)
     try:
         return finish_run(config, out_dir, prefix, writer.paths, writer.counts.tolist(), stats, start, earlier, log,
-                          input_formats=dict(sorted(formats.items())))
+                          input_formats=dict(sorted(formats.items())),
+                          corpus_files={path: file_readers.fingerprint(path) for path in files})
     except BaseException:  # no metadata: shards that none lists are this run's leftovers
         out_dir_lib.remove_quietly(*writer.paths)
         raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bz2
 import collections
+import hashlib
 import io
 import itertools
 import json
@@ -164,6 +165,17 @@ def _text_problem(head: bytes) -> str | None:
     if text and invalid > 0.05 * len(text):
         return f"not UTF-8 text ({invalid} of the first {len(text)} characters are invalid)"
     return None
+
+
+def fingerprint(path: str) -> str:
+    """"<size> bytes, sha256 <first 16 hex digits>" of a file, local or gs:// (as a fine-tune's run record gives
+    its input files): what `data create` records of each corpus file, and a model card shows."""
+    digest, size = hashlib.sha256(), 0
+    with tf.io.gfile.GFile(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+            size += len(block)
+    return f"{size} bytes, sha256 {digest.hexdigest()[:16]}"
 
 
 def require_format(config: CorpusConfig) -> None:
