@@ -34,7 +34,8 @@ def _add_train_args(parser: argparse.ArgumentParser, **job_defaults) -> None:
 
 def register(subparsers) -> None:
     finetune = subparsers.add_parser(
-        "finetune", help="fine-tune on GLUE, SQuAD, CoNLL-2003 NER or SWAG; or fit a classifier on frozen features")
+        "finetune", help="fine-tune: classify (your own CSV/TSV/JSON Lines/Parquet files), glue, squad, ner "
+                         "(CoNLL-2003), multiple-choice (SWAG); or features (a classifier on frozen features)")
     jobs = finetune.add_subparsers(dest="job", required=True)
 
     glue = jobs.add_parser("glue", help="fine-tune and evaluate GLUE tasks; writes dev metrics and submission TSVs")
@@ -152,7 +153,7 @@ def register(subparsers) -> None:
     predict.add_argument("--batch-size", type=int, default=64)
     predict.set_defaults(func=_predict)
 
-    evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics")
+    evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics: squad")
     evals = evaluate.add_subparsers(dest="job", required=True)
     squad_eval = evals.add_parser("squad", help="the official SQuAD v1.1 / v2.0 evaluation of a predictions file")
     squad_eval.add_argument("--data", required=True, help="dataset JSON (its 'version' picks v1.1 or v2.0)")

@@ -226,16 +226,39 @@ class BertConfig:
 
 # The fields a preset sets (and vocab_size, which a job takes from its vocabulary).
 PRESET_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# What each BertConfig field is, as a pretraining job's `model.*` key (`config show --describe`, --help).
+FIELD_HELP = {
+    "vocab_size": "rows of the word embedding table and the MLM softmax (0: the vocabulary's size)",
+    "hidden_size": "width of every layer (0: the preset's)",
+    "num_hidden_layers": "encoder layers (0: the preset's)",
+    "num_attention_heads": "attention heads per layer; hidden_size must divide by it (0: the preset's)",
+    "intermediate_size": "feed-forward inner width (0: the preset's, 4 x hidden_size)",
+    "hidden_act": f"feed-forward activation: {' | '.join(ACTIVATIONS)} (gelu: the exact erf form; gelu_new: the "
+                  "tanh approximation google-research/bert computed)",
+    "hidden_dropout_prob": "dropout on the embeddings and on each sublayer's output",
+    "attention_probs_dropout_prob": "dropout on the attention probabilities",
+    "max_position_embeddings": "position embedding rows: the longest sequence the model takes",
+    "type_vocab_size": "token type (segment A/B) embedding rows",
+    "initializer_range": "standard deviation of the truncated normal that initialises fresh weights",
+    "layer_norm_eps": "LayerNorm's epsilon",
+    "pad_token_id": "the padding token's id",
+    "dtype": f"compute dtype of the matmuls: {' | '.join(DTYPES)} (params stay float32; softmax, LayerNorm and the "
+             "losses run in float32)",
+    "attention_backend": f"{' | '.join(ATTENTION_BACKENDS)} (auto: by the platform compiled for, and attention "
+                         "dropout)",
+    "scan_layers": "run the encoder as one nn.scan over stacked layers (XLA compiles one layer; slower steps)",
+    "remat": f"recompute each layer in the backward pass: {' | '.join(REMAT_POLICIES)} (dots: keep the matmul "
+             "outputs; full: keep only each layer's input, ~1/3 more FLOPs, least memory)",
+}
 
 
 def _model_option_fields() -> list:
     fields = [("preset", str, option("base", f"model size: {' | '.join(PRESETS)}"))]
     for field in dataclasses.fields(BertConfig):
         if field.name in PRESET_FIELDS:
-            help_text = "0: the vocabulary's size" if field.name == "vocab_size" else "0: the preset's value"
-            fields.append((field.name, int, option(0, help_text)))
+            fields.append((field.name, int, option(0, FIELD_HELP.get(field.name, ""))))
         else:
-            fields.append((field.name, field.type, option(field.default)))
+            fields.append((field.name, field.type, option(field.default, FIELD_HELP.get(field.name, ""))))
     return fields
 
 

@@ -106,9 +106,9 @@ class OptimizerConfig:
                                  "changed train.steps needs no new warmup)")
     decay: str = option("linear", "after warmup, to 0 at the last step: linear | cosine")
     weight_decay: float = option(0.01, "decoupled, not applied to LayerNorm parameters and biases")
-    b1: float = option(0.9)
-    b2: float = option(0.999)
-    eps: float = option(1e-6)
+    b1: float = option(0.9, "Adam's beta1: decay of the first-moment (mean) estimate")
+    b2: float = option(0.999, "Adam's beta2: decay of the second-moment (variance) estimate")
+    eps: float = option(1e-6, "Adam's epsilon, added to the second moment's root (BERT's 1e-6)")
     clip_norm: float = option(1.0, "global gradient-norm clip (0: none)")
     bias_correction: bool = option(True, "false: the original TF AdamWeightDecayOptimizer (no bias correction)")
 
