@@ -327,9 +327,10 @@ def input_lines(data: bytes) -> tuple[list[str], list[int]]:
     return lines, invalid
 
 
-def _say_outputs(workdir: str, fine_tuned: bool = True) -> None:
+def _say_outputs(workdir: str, fine_tuned: bool = True, predicts: bool = True) -> None:
     """The job's closing lines: what it left in its workdir (metrics, predictions, curves), then, for a job that
-    fine-tunes (`fine_tuned`), where its model is and how `bertjax predict` takes it (or that it kept none)."""
+    fine-tunes (`fine_tuned`), where its model is and, for a head `bertjax predict` runs (`predicts`), how it takes
+    it (or that it kept none)."""
     from etils import epath
 
     from bertjax.console import Console
@@ -347,12 +348,15 @@ def _say_outputs(workdir: str, fine_tuned: bool = True) -> None:
     if not kinds:
         console.line("no fine-tuned model kept (--no-save-checkpoint; by default it is kept in WORKDIR/checkpoint)")
         return
+    use = "another job's --init reads it"
     if len(runs) == 1:
-        console.line(f"fine-tuned model: {' and '.join(str(runs[0] / k) for k in kinds)} (`bertjax predict --model "
-                     f"{runs[0]}` uses it; --no-save-checkpoint keeps none)")
+        use = f"`bertjax predict --model {runs[0]}` uses it" if predicts else use
+        console.line(f"fine-tuned model: {' and '.join(str(runs[0] / k) for k in kinds)} ({use}; "
+                     "--no-save-checkpoint keeps none)")
     else:
+        use = f"`bertjax predict --model {workdir}/<task>` uses it" if predicts else use
         console.line(f"fine-tuned models: {' and '.join(f'{workdir}/<task>/{k}' for k in kinds)}, one per task "
-                     f"(`bertjax predict --model {workdir}/<task>` uses it; --no-save-checkpoint keeps none)")
+                     f"({use}; --no-save-checkpoint keeps none)")
 
 
 def _write_model_cards(workdir: str) -> None:
@@ -499,7 +503,7 @@ def _multiple_choice(args: argparse.Namespace) -> int:
     result = multiple_choice.run(args.data, args.workdir, options.from_flags(TrainSettings, args), init=args.init,
                                  max_seq_length=args.max_seq_length, save_checkpoint=args.save_checkpoint,
                                  export_hf=args.export_hf)
-    _say_outputs(args.workdir)
+    _say_outputs(args.workdir, predicts=False)
     print(jsonio.dumps(result["metrics"]))
     return 0
 
