@@ -183,6 +183,18 @@ def dotted_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def key_help(cls: type, prefix: str = "") -> dict[str, str]:
+    """Every leaf key of the config class `cls`, dotted, with its help text (what `config show --describe` says)."""
+    described = {}
+    for field in dataclasses.fields(cls):
+        hint = _hints(cls)[field.name]
+        if dataclasses.is_dataclass(hint):
+            described.update(key_help(hint, f"{prefix}{field.name}."))
+        else:
+            described[prefix + field.name] = field.metadata.get("help", "")
+    return described
+
+
 def unknown_key(cls: type, key: str, prefix: str = "") -> str:
     """"KEY: unknown config key" for the dotted `key` under `cls` (which sits at `prefix` in the whole config),
     with the nearest known key when one is close."""

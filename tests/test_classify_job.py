@@ -108,6 +108,41 @@ def test_single_label_csv_keeps_names_and_matches_transformers(tiny_init, tmp_pa
         assert (row["label"], row["score"]) == (theirs[0]["label"], pytest.approx(theirs[0]["score"], abs=2e-5))
 
 
+def test_a_run_keeps_its_model_and_predict_reads_it_as_trained(tiny_init, tmp_path, capsys):
+    """With neither --save-checkpoint nor --export-hf a fine-tune keeps its model (WORKDIR/checkpoint) and says
+    where; `predict --model WORKDIR` reads the run's own text column (`sentence`, not the default `text`), a flag
+    still wins; --no-save-checkpoint keeps none, and predict says so."""
+    rng = random.Random(0)
+    train = _write_csv(tmp_path / "train.csv", ["sentence", "label"],
+                       [[_sentence(rng, word), label] for word, label in [("great", "yes"), ("awful", "no")] * 8])
+    new = tmp_path / "new.tsv"
+    new.write_text("sentence\nsomething great\nall awful\nquite plain\n", encoding="utf-8")
+    argv = ["finetune", "classify", "--train", str(train), "--text-column", "sentence", "--init", tiny_init,
+            "--max-seq-length", "16", "--batch-size", "8", "--max-steps", "2", "--eval-batch-size", "8"]
+    work = tmp_path / "work"
+    assert bertjax_main(argv + ["--workdir", str(work)]) == 0
+    assert (work / "checkpoint").is_dir() and not (work / "hf").exists()
+    said = capsys.readouterr().out
+    assert f"fine-tuned model: {work / 'checkpoint'} (`bertjax predict --model {work}` uses it; " \
+           "--no-save-checkpoint keeps none)" in said, said
+    assert bertjax_main(["predict", "--model", str(work), "--input", str(new), "--output", str(tmp_path / "p.jsonl"),
+                         "--batch-size", "8"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [row["where"] for row in rows] == [f"{new}:{line}" for line in (2, 3, 4)]
+    assert {row["label"] for row in rows} <= {"no", "yes"}
+    assert f"--input {new}: read as {work} was trained (--text-column sentence)" in capsys.readouterr().out
+    assert bertjax_main(["predict", "--model", str(work), "--input", str(new), "--text-column", "text",
+                         "--output", str(tmp_path / "q.jsonl")]) == 2
+    assert "'text'" in capsys.readouterr().err.strip().splitlines()[-1]
+
+    bare = tmp_path / "bare"
+    assert bertjax_main(argv + ["--workdir", str(bare), "--no-save-checkpoint"]) == 0
+    assert not (bare / "checkpoint").exists()
+    assert "no fine-tuned model kept (--no-save-checkpoint" in capsys.readouterr().out
+    assert bertjax_main(["predict", "--model", str(bare), "--input", str(new)]) == 2
+    assert f"{bare} is a fine-tune run that kept no model" in capsys.readouterr().err
+
+
 def test_the_majority_baseline_is_the_most_frequent_training_label_on_dev():
     """Hand-counted: "b" is 3 of the 5 training labels; predicting it is right on 3 of the 4 dev rows; a constant
     prediction has an MCC of 0. No baseline for regression, multi-label, or without a dev set."""

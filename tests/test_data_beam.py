@@ -5,6 +5,7 @@ pretraining reader follows, and no shard under a final name from a killed job.""
 from __future__ import annotations
 
 import collections
+import hashlib
 import io
 import json
 import os
@@ -167,7 +168,7 @@ def test_same_multiset_on_threads_on_a_second_run_and_not_for_another_seed(two_w
     assert not set(_multiset(other)) & set(reference)
 
 
-def test_metadata_counters_and_the_pretraining_reader(two_workers):
+def test_metadata_counters_and_the_pretraining_reader(two_workers, corpus):
     out, summary = two_workers
     assert sorted(os.listdir(out)) == ["pretrain-00000-of-00003.tfrecord", "pretrain-00001-of-00003.tfrecord",
                                        "pretrain-00002-of-00003.tfrecord", "pretrain-metadata.json"]
@@ -179,6 +180,10 @@ def test_metadata_counters_and_the_pretraining_reader(two_workers):
     assert stats["invalid_utf8_lines"] == 2 and stats["truncated_lines"] == 0 and metrics["invalid_utf8_lines"] == 2
     assert stats["input_files"] == 3 and stats["document_passes"] == 2 * (stats["documents_read"] -
                                                                           stats["empty_documents"])
+    # Each corpus file's size and SHA-256, hashed by the worker that read it (a model card lists them).
+    files = sorted(str(p) for p in Path(corpus[0]).parent.glob("wiki-*.txt"))
+    assert meta["corpus_files"] == {
+        f: f"{os.path.getsize(f)} bytes, sha256 {hashlib.sha256(Path(f).read_bytes()).hexdigest()[:16]}" for f in files}
     # Buckets of more than --doc-buffer documents (chunks of 1 document here), fewer than 2 * (4 + 1) + 1.
     low, high = meta["documents_per_bucket"]
     assert 4 < low <= high < 11 and stats["buckets"] == meta["buckets"] > 1

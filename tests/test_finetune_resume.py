@@ -175,7 +175,8 @@ def test_a_resume_on_changed_input_files_is_refused_naming_them(tmp_path):
 
 
 def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
-    """A user's own TensorBoard run and notes in the workdir stay; a run's event files, metrics and state go."""
+    """A user's own TensorBoard run and notes in the workdir stay; a run's event files, metrics, state and model
+    go."""
     from bertjax.finetune.run_record import claim
 
     root = tmp_path / "run"
@@ -188,6 +189,9 @@ def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
     (root / "tensorboard" / "events.out.tfevents.2.host").write_text("the run's")
     (root / "metrics.jsonl").write_text('{"step": 1}\n')
     (root / "train_state" / "1").mkdir(parents=True)
+    for model in ("checkpoint", "hf"):  # the earlier run's model: `predict --model` would take it for the new run's
+        (root / model).mkdir()
+        (root / model / "config.json").write_text("{}")
     assert claim(str(root), {"lr": 2}, overwrite=True, log=said.append) == "new"
     assert said == [f"{root}: removed the earlier run's outputs (--overwrite)"]
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [

@@ -2,9 +2,12 @@
 (detected from the extension or the bytes by one function, and said), and refuse a format the files contradict."""
 from __future__ import annotations
 
+import collections
+import importlib.util
 import json
 import re
 
+import numpy as np
 import pytest
 
 from bertjax.cli import main
@@ -133,3 +136,115 @@ def test_every_command_that_reads_a_corpus_detects_its_format_alike(tales, tmp_p
         assert f"data.corpus_format={family}, {said}" in capsys.readouterr().out
         ids = tf.concat([b["input_ids"] for b in batches], 0).numpy()
         assert ids.size and brace not in ids
+
+
+def _gutenberg_book(rng) -> str:
+    """Project Gutenberg's layout: paragraphs of lines wrapped at ~60 characters, a blank line between paragraphs,
+    four between tales (`wrapped`, whose documents end at 3 blank lines)."""
+    import textwrap
+
+    tales = []
+    for _ in range(4):
+        paragraphs = [" ".join(_sentence(rng) for _ in range(rng.randint(2, 4))) for _ in range(3)]
+        tales.append("\n\n".join(textwrap.fill(p, 60) for p in paragraphs))
+    return "\n\n\n\n".join(tales) + "\n"
+
+
+def _wikitext(rng) -> str:
+    """WikiText's layout: ` = Title = ` lines open articles, ` = = Heading = = ` lines are dropped."""
+    lines = []
+    for article in ("Castle", "River", "Queen"):
+        lines += [f" = {article} = ", " ", " " + " ".join(_sentence(rng) for _ in range(3)) + " ", " ",
+                  " = = History = = ", " ", " " + " ".join(_sentence(rng) for _ in range(2)) + " ", " "]
+    return "\n".join(lines) + "\n"
+
+
+def _sentence(rng) -> str:
+    words = "king queen castle river forest stone bread winter night road gold child old wise long".split()
+    return " ".join(rng.choice(words) for _ in range(rng.randint(4, 9))).capitalize() + "."
+
+
+def _tokens(batches) -> collections.Counter:
+    """Every real token of the rows (masked positions given back their ids), less [CLS], [SEP] and [PAD]."""
+    counted = collections.Counter()
+    for batch in batches:
+        ids = np.array(batch["input_ids"])
+        rows, slots = np.nonzero(batch["masked_lm_weights"] > 0)
+        ids[rows, batch["masked_lm_positions"][rows, slots]] = batch["masked_lm_ids"][rows, slots]
+        counted.update(ids[np.asarray(batch["input_mask"]) > 0].tolist())
+    for special in (101, 102):  # [CLS] and [SEP] of the MiniLM (BERT uncased) vocabulary: one per row and part
+        counted.pop(special, None)
+    return counted
+
+
+def _shard_tokens(out) -> collections.Counter:
+    import tensorflow as tf
+
+    from bertjax.data import schema, tfrecord
+
+    shapes = schema.feature_shapes(64, 10)
+    return _tokens({k: v.numpy() for k, v in tfrecord.parse_batch(serialized, shapes).items()}
+                   for serialized in tf.data.TFRecordDataset(tfrecord.find_shards([str(out)])).batch(256))
+
+
+def test_a_mixed_corpus_makes_one_set_of_shards_with_the_per_format_runs_documents(tmp_path, minilm_dir, capsys):
+    """Gutenberg's wrapped books, WikiText and JSON Lines in one `data create` (a FORMAT: per input, JSON Lines
+    detected): one set of shards whose documents are those of the three per-format runs (their count, and every
+    token: whole-sentence rows without NSP keep each sentence once), read alike by the Beam runner and by
+    pretraining's pipeline on the same inputs. A FORMAT: its files contradict, or one input whose files differ, is
+    refused in one line."""
+    import random
+
+    from bertjax.data import format_detect
+    from bertjax.data.data_config import CorpusConfig, PretrainingDataConfig
+    from bertjax.data.pipeline import make_pretraining_dataset
+    from bertjax.data.tokenizers import load_tokenizer
+
+    rng = random.Random(0)
+    book, wiki, docs = tmp_path / "tales.txt", tmp_path / "wiki.train.tokens", tmp_path / "notes.jsonl"
+    book.write_text(_gutenberg_book(rng), encoding="utf-8")
+    wiki.write_text(_wikitext(rng), encoding="utf-8")
+    docs.write_text("".join(json.dumps({"text": _sentence(rng) + " " + _sentence(rng)}) + "\n" for _ in range(5)),
+                    encoding="utf-8")
+    vocab = minilm_dir / "vocab.txt"
+    flags = ["--no-nsp", "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1"]
+
+    def create(out, inputs, *extra):
+        argv = ["data", "create", "--vocab", str(vocab), "--out", str(tmp_path / out), *flags, *extra]
+        assert main(argv + [x for i in inputs for x in ("--input", i)]) == 0
+        return json.loads((tmp_path / out / "pretrain-metadata.json").read_text())
+
+    parts = [create("book", [f"wrapped:{book}"]), create("wiki", [str(wiki)], "--format", "wikitext"),
+             create("docs", [str(docs)])]
+    capsys.readouterr()
+    inputs = [f"wrapped:{book}", f"wikitext:{wiki}", str(docs)]
+    mixed = create("mixed", inputs)
+    said = capsys.readouterr().out
+    assert f"--format mixed, a format per input: wrapped:{book}; wikitext:{wiki}; jsonl:{docs} (detected: " in said
+    assert mixed["input_formats"] == {"jsonl": 1, "wikitext": 1, "wrapped": 1}
+    assert (mixed["config"]["corpus_format"], mixed["config"]["input"]) == (
+        "mixed", f"wrapped:{book},wikitext:{wiki},jsonl:{docs}")
+    assert [p["stats"]["documents_read"] for p in parts] == [4, 3, 5]
+    assert mixed["stats"]["documents_read"] == 12 and mixed["shards"] == ["pretrain-00000-of-00001.tfrecord"]
+    tokens = _shard_tokens(tmp_path / "mixed")
+    assert tokens == sum((_shard_tokens(tmp_path / name) for name in ("book", "wiki", "docs")), collections.Counter())
+    tokenizer = load_tokenizer(str(vocab), None)
+    assert tokens[tokenizer.vocab.index("castle")] > 0 and tokenizer.vocab.index("=") not in tokens  # no headings
+
+    beam = create("beam", inputs, "--runner", "beam") if importlib.util.find_spec("apache_beam") else None
+    if beam is not None:
+        assert beam["stats"]["documents_read"] == 12 and _shard_tokens(tmp_path / "beam") == tokens
+    streamed = make_pretraining_dataset(PretrainingDataConfig(
+        input=f"wrapped:{book},wikitext:{wiki},{docs}", vocab=str(vocab), max_seq_length=64, max_predictions_per_seq=10,
+        next_sentence_prediction=False, masking="static", num_epochs=1), 8, drop_remainder=False)
+    assert _tokens(b for b in streamed.as_numpy_iterator()) == tokens
+
+    def resolve(pattern):
+        return format_detect.resolve(CorpusConfig(input=pattern), print).corpus_format
+
+    with pytest.raises(ValueError, match=rf"^jsonl:{book} does not match its files: {book}: plain text, by its "
+                                         r"bytes; write sentences \(or another text layout\):\.\.\., or leave its "
+                                         r"FORMAT: out$"):
+        resolve(f"jsonl:{book}")
+    with pytest.raises(ValueError, match=r"the input mixes formats: .* give each format its own --input"):
+        resolve(f"{tmp_path}/*.*")

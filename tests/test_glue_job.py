@@ -202,8 +202,10 @@ def test_cli_finetune_glue(tiny_init, tmp_path, capsys):
     assert printed["task"] == "sst2" and 0.0 <= printed["metrics"]["dev"]["accuracy"] <= 1.0
     assert (tmp_path / "w" / "SST-2.tsv").exists() and (tmp_path / "w" / "metrics.json").exists()
     # Where everything went, and the dev predictions as `finetune features` writes them.
-    assert out[-2].endswith(f"outputs in {tmp_path / 'w'}: SST-2.tsv, dev_predictions.tsv, metrics.json, "
-                            f"metrics.jsonl, run.json, tensorboard/"), out[-2]
+    assert out[-3].endswith(f"outputs in {tmp_path / 'w'}: SST-2.tsv, checkpoint/, dev_predictions.tsv, "
+                            f"metrics.json, metrics.jsonl, run.json, tensorboard/"), out[-3]
+    assert out[-2].endswith(f"fine-tuned model: {tmp_path / 'w' / 'checkpoint'} (`bertjax predict --model "
+                            f"{tmp_path / 'w'}` uses it; --no-save-checkpoint keeps none)"), out[-2]
     dev = (tmp_path / "w" / "dev_predictions.tsv").read_text().splitlines()
     assert dev[0] == "split\tindex\tprediction\tlabel" and len(dev) == 1 + 48
     # One console style: timestamped lines, the compile, progress with learning rate and ETA.

@@ -44,6 +44,16 @@ def test_bad_gpu_host_names_say_what_is_accepted(name, says):
     assert "h100x8" in str(raised.value)
 
 
+@pytest.mark.parametrize("name, says", [("8xh100", r"unknown target '8xh100': 8 h100 cards on one host are written "
+                                                   r"h100x8; GPU hosts: h100, h200, a100"),
+                                        ("b200", r"unknown target 'b200': a TPU slice \(accepted forms: .*v5litepod-N.*\) "
+                                                 r"or a GPU host \(GPU hosts: h100, h200, a100 .*h100x8")])
+def test_a_target_of_neither_kind_names_the_tpu_and_gpu_forms(name, says):
+    """`bertjax compile --topology 8xh100` listed only TPU forms; a name of neither kind gives both."""
+    with pytest.raises(ValueError, match=says):
+        aot.parse_target(name)
+
+
 def test_target_configs_carry_each_cards_figures():
     for card in gpus.CARDS.values():
         text = card.target_config()

@@ -96,7 +96,7 @@ def test_the_cards_command_reruns_the_same_training(tiny_init, tmp_path, monkeyp
     assert f"Weights: step {best['step']} of 8, the best evaluation by `accuracy` ({best['value']:.4f}; " in text
     for name in files:
         data = (first / name).read_bytes()
-        assert f"| {name} | {len(data):,} | {hashlib.sha256(data).hexdigest()[:16]} |" in text
+        assert f"| {name.split('/')[-1]} | {len(data):,} | {hashlib.sha256(data).hexdigest()[:16]} |" in text
     assert "input:" not in text
 
     (second / "data").mkdir(parents=True)
@@ -108,3 +108,80 @@ def test_the_cards_command_reruns_the_same_training(tiny_init, tmp_path, monkeyp
     assert (again["metrics"], again["best"]) == (result["metrics"], best)
     assert (second / "work" / "hf" / "model.safetensors").read_bytes() == \
         (first / "work" / "hf" / "model.safetensors").read_bytes()
+
+
+def _outside_the_command(text: str) -> str:
+    """The card less its command block (which keeps the paths as typed: it is the command to rerun)."""
+    return re.sub(r"```bash\n.*?\n```", "", text, flags=re.S)
+
+
+def test_a_fine_tune_card_names_its_data_by_file_name_and_hash(tmp_path, monkeypatch):
+    """Own files typed as `../data/eval.jsonl` and an absolute temporary path: the card's model-index dataset and its
+    files table name them by file name (the dev file with its SHA-256), never by where they lay."""
+    hub = pytest.importorskip("huggingface_hub")
+    (tmp_path / "work" / "run" / "hf").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    run_dir, hf = tmp_path / "work" / "run", tmp_path / "work" / "run" / "hf"
+    (hf / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"],
+                                                "id2label": {"0": "no", "1": "yes"}}))
+    train = tmp_path / "tmpabc123" / "train.jsonl"
+    argv = ["finetune", "classify", "--train", str(train), "--dev", "../data/eval.jsonl", "--init", "runs/p1",
+            "--workdir", "run"]
+    (run_dir / "run.json").write_text(json.dumps({
+        "job": "classify", "train": str(train), "dev": "../data/eval.jsonl", "init": "runs/p1", "argv": argv,
+        f"input:{train}": "300 bytes, sha256 aaaaaaaaaaaaaaaa",
+        f"input:{tmp_path / 'data' / 'eval.jsonl'}": "120 bytes, sha256 0123456789abcdef"}))
+    (run_dir / "metrics.json").write_text(json.dumps({
+        "task": "classify", "dev": "../data/eval.jsonl", "metrics": {"dev": {"accuracy": 0.75}}, "steps_run": 4}))
+    card = hub.ModelCard.load(write_card(str(hf), str(run_dir)))
+    [result] = card.data.eval_results
+    assert (result.dataset_name, result.dataset_type) == ("eval.jsonl, sha256 0123456789abcdef", "eval.jsonl")
+    assert "| train.jsonl | 300 | aaaaaaaaaaaaaaaa |" in card.text and "| eval.jsonl | 120 | 0123456789abcdef |" \
+        in card.text
+    rest = _outside_the_command(card.content)
+    assert "../data" not in rest and str(tmp_path) not in rest, rest
+
+
+def test_a_pretraining_card_names_the_corpus_data_create_recorded(tmp_path, minilm_dir, monkeypatch):
+    """A run on `data create` shards: its card lists the corpus files the shards' metadata records (name, size,
+    SHA-256 as hashlib computes it), not the shards; its data and dataset by name, never a local path."""
+    import hashlib
+
+    from bertjax.data.data_config import PretrainingDataConfig
+    from bertjax.pretraining.loop import _input_stamps
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (corpus / name).write_text("".join(f"The {name[0]} tale number {i} is told here.\nIt ends well.\n\n"
+                                           for i in range(30)), encoding="utf-8")
+    (corpus / "eval.txt").write_text("A held out line.\nAnother one.\n", encoding="utf-8")
+    records = tmp_path / "records"
+    assert bertjax_main(["data", "create", "--input", str(corpus / "a.txt"), "--input", str(corpus / "b.txt"),
+                         "--vocab", str(minilm_dir / "vocab.txt"), "--out", str(records), "--max-seq-length", "32",
+                         "--max-predictions", "5", "--dupe-factor", "1"]) == 0
+    examples = json.loads((records / "pretrain-metadata.json").read_text())["examples"]
+    run = tmp_path / "runs" / "p1"
+    run.mkdir(parents=True)
+    data = {"input": str(records), "eval_input": str(corpus / "eval.txt")}
+    (run / "config.json").write_text(json.dumps({"data": data, "train": {"steps": 10}}))
+    (run / "inputs.json").write_text(json.dumps(_input_stamps(PretrainingDataConfig(input=str(records)))))
+    argv = ["pretrain", "--config", "bert-tiny", "--workdir", str(run), "--set", f"data.input={records}"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 0, "event": "command", "argv": argv}, {"step": 10, "loss": 7.5, "mlm_accuracy": 0.01},
+        {"step": 10, "eval_mlm_accuracy": 0.02}]))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["BertForPreTraining"], "vocab_size": 30522}))
+    hub = pytest.importorskip("huggingface_hub")
+    card = hub.ModelCard.load(write_card(str(hf), str(run), step=10))
+    for name in ("a.txt", "b.txt"):
+        body = (corpus / name).read_bytes()
+        assert f"| {name} | {len(body):,} | {hashlib.sha256(body).hexdigest()[:16]} |" in card.text, card.text
+    assert ".tfrecord" not in card.text and "metadata.json" not in card.text
+    assert f"Data: data.input=`records` ({examples:,} examples of TFRecord shards that `bertjax data create` made " \
+           "from the corpus below), data.eval_input=`eval.txt`." in card.text
+    [result] = {(r.dataset_name, r.dataset_type) for r in card.data.eval_results}
+    assert result == ("eval.txt", "eval.txt")
+    rest = _outside_the_command(card.content)
+    assert str(tmp_path) not in rest, rest

@@ -53,6 +53,25 @@ def test_config_show_prints_the_validated_effective_config(capsys):
     assert "optimizer.warmup_steps=30 must be in [0, train.steps=5]" in capsys.readouterr().err
 
 
+def test_config_show_describes_every_key(capsys):
+    """`config show --describe`: every key of the effective config, its value as the JSON has it, and what it does
+    (from the option's own help: one definition, shared with --help and --set)."""
+    assert cli.main(["config", "show", "bert-tiny", "--set", "train.steps=77"]) == 0
+    values = json.loads(capsys.readouterr().out)
+    assert cli.main(["config", "show", "bert-tiny", "--set", "train.steps=77", "--describe"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    keys, helps = lines[0::2], lines[1::2]
+    flat = {f"{group}.{key}": value for group, items in values.items() if isinstance(items, dict)
+            for key, value in items.items()}
+    flat.update({key: value for key, value in values.items() if not isinstance(value, dict)})
+    assert sorted(keys) == sorted(f"{key} = {json.dumps(value)}" for key, value in flat.items())
+    assert "train.steps = 77" in keys
+    undescribed = [k for k, h in zip(keys, helps) if not h.startswith("    ") or not h.strip()]
+    assert not undescribed, undescribed
+    assert helps[keys.index("optimizer.b2 = 0.999")] == \
+        "    Adam's beta2: decay of the second-moment (variance) estimate"
+
+
 def test_config_show_output_is_a_config_that_runs_the_same_job(tmp_path, capsys, minilm_dir):
     argv = ["--set", "train.steps=77", "--set", "optimizer.warmup_steps=7", "--set", f"data.vocab={minilm_dir}/vocab.txt"]
     assert cli.main(["config", "show", "bert-tiny", *argv]) == 0
@@ -204,6 +223,23 @@ def test_every_command_is_documented_and_every_documented_command_parses():
     documented = {_check_command(argv[1:], tree, leaves, " ".join(argv)) for argv in _readme_commands()}
     missing = sorted(" ".join(p) for p in leaves - documented)
     assert not missing, f"commands without an example in README.md or docs/usage.md: {missing}"
+
+
+def test_the_top_level_help_names_every_command_of_each_group(capsys):
+    """`bertjax --help` is where a user looks for a job: each group's line there names every command in it
+    (`finetune classify` was missing from finetune's)."""
+    import argparse
+
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    shown = capsys.readouterr().out
+    [groups] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for entry in groups._choices_actions:  # each command's line in `shown`
+        commands = cli._subcommands(groups.choices[entry.dest])
+        assert re.search(rf"^    {entry.dest} +{re.escape(entry.help.split()[0])}", shown, re.MULTILINE), shown
+        unnamed = [name for name in commands if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", entry.help)]
+        assert not unnamed, f"bertjax --help: {entry.dest}'s line ({entry.help!r}) does not name {unnamed}"
 
 
 def test_help_writes_no_native_log_lines():

@@ -44,8 +44,9 @@ def register(subparsers) -> None:
     aot.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     aot.set_defaults(func=_compile)
 
-    launch = subparsers.add_parser("launch", help="run a job on TPU pod slices").add_subparsers(
-        dest="launch_command", required=True)
+    launch = subparsers.add_parser(
+        "launch", help="run a job: tpu (Cloud TPU slices), watch (a tpu job again), gke, local (N processes here)"
+    ).add_subparsers(dest="launch_command", required=True)
     tpu = launch.add_parser("tpu", help="create a TPU queued resource, install this bertjax on every worker, run "
                             "the command on all of them, and re-create the slice after preemptions")
     tpu.add_argument("--name", required=True, help="queued resource and node id")

@@ -14,11 +14,13 @@ not fitting, with the size.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 from bertjax.cloud import gpus
 from bertjax.cloud.estimate import Interconnect, StepEstimate, estimate_program
 from bertjax.cloud.gpu_estimate import price_program
+from bertjax.cloud.topologies import ACCEPTED as TPU_ACCEPTED
 from bertjax.cloud.topologies import GENERATIONS, Topology, parse_topology
 from bertjax.cloud.topologies import compile_only_devices as tpu_devices
 from bertjax.console import duration
@@ -32,8 +34,19 @@ DEFAULT_VOCAB_SIZE = 30522
 
 
 def parse_target(name: str, num_slices: int = 1) -> Topology:
-    """A TPU slice (`v5p-128`, `v5e:4x4`) or a GPU host (`h200`, `h100x8`) by name."""
-    return gpus.parse_gpu_host(name, num_slices) if gpus.is_gpu_topology(name) else parse_topology(name, num_slices)
+    """A TPU slice (`v5p-128`, `v5e:4x4`) or a GPU host (`h200`, `h100x8`) by name. A name of neither is an error
+    that gives the forms of both (`8xh100`: the host's own spelling, h100x8)."""
+    if not isinstance(name, str):
+        return parse_topology(name, num_slices)  # its own error
+    if gpus.is_gpu_topology(name):
+        return gpus.parse_gpu_host(name, num_slices)
+    text = name.strip().lower()
+    if (swapped := re.fullmatch(r"(\d+)\s*x\s*([a-z]\d{3})", text)) and swapped[2] in gpus.CARDS:
+        raise ValueError(f"unknown target {name!r}: {swapped[1]} {swapped[2]} cards on one host are written "
+                         f"{swapped[2]}x{swapped[1]}; {gpus.ACCEPTED}")
+    if not re.match(r"v\d", text):  # every TPU generation's name is v<digit>...
+        raise ValueError(f"unknown target {name!r}: a TPU slice ({TPU_ACCEPTED}) or a GPU host ({gpus.ACCEPTED})")
+    return parse_topology(name, num_slices)
 
 
 def is_gpu(topology: Topology) -> bool:

@@ -97,7 +97,7 @@ CARDS: dict[str, Card] = {
     )
 }
 
-_ACCEPTED = f"GPU hosts: {', '.join(CARDS)} (one card) or e.g. h100x8 (K cards on one host, 1 <= K <= 8)"
+ACCEPTED = f"GPU hosts: {', '.join(CARDS)} (one card) or e.g. h100x8 (K cards on one host, 1 <= K <= 8)"
 
 
 def is_gpu_topology(name: str) -> bool:
@@ -109,10 +109,10 @@ def parse_gpu_host(name: str, num_slices: int = 1) -> Topology:
     """A Topology for `h100` / `h200` / `a100` or `h100x8` (cards on one host)."""
     match = re.fullmatch(r"([a-z]\d{3})(?:x(\d+))?", name.strip().lower())
     if not match or match[1] not in CARDS:
-        raise ValueError(f"unknown GPU host {name!r}; {_ACCEPTED}")
+        raise ValueError(f"unknown GPU host {name!r}; {ACCEPTED}")
     cards = int(match[2] or 1)
     if not 1 <= cards <= 8:
-        raise ValueError(f"{name!r}: {cards} cards; {_ACCEPTED}")
+        raise ValueError(f"{name!r}: {cards} cards; {ACCEPTED}")
     if num_slices != 1:
         raise ValueError(f"{name!r}: --num-slices is for TPU slices; a GPU host is one host")
     card = CARDS[match[1]]

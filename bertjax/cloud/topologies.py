@@ -79,8 +79,8 @@ _ALIASES = {"v4": "v4", "v5e": "v5e", "v5litepod": "v5e", "v5lite": "v5e", "v5p"
 # The 2D (v5e, v6e) slice shapes Google documents, by chip count; the only 2D shapes accepted.
 _SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 
-_ACCEPTED = ("accepted forms: gcloud accelerator types v4-N and v5p-N (N = TensorCores, 2 per chip), "
-             "v5litepod-N (or v5e-N) and v6e-N (N = chips); or topologies v4:AxBxC, v5p:AxBxC, v5e:AxB, v6e:AxB")
+ACCEPTED = ("accepted forms: gcloud accelerator types v4-N and v5p-N (N = TensorCores, 2 per chip), "
+            "v5litepod-N (or v5e-N) and v6e-N (N = chips); or topologies v4:AxBxC, v5p:AxBxC, v5e:AxB, v6e:AxB")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,20 +119,20 @@ class Topology:
 def parse_topology(name: str, num_slices: int = 1) -> Topology:
     """A Topology from an accelerator type (`v4-32`, `v5litepod-16`) or a topology (`v5e:4x4`, `v4:2x2x4`)."""
     if not isinstance(name, str):
-        raise ValueError(f"TPU topology must be a string, got {name!r}; {_ACCEPTED}")
+        raise ValueError(f"TPU topology must be a string, got {name!r}; {ACCEPTED}")
     if not isinstance(num_slices, int) or num_slices < 1:
         raise ValueError(f"num_slices must be a positive integer, got {num_slices!r}")
     text = name.strip().lower()
     if match := re.fullmatch(r"([a-z0-9]+)-(\d+)", text):
         if match[1] in ("v5", "v5lite"):  # gcloud has no such types; v5-16 could mean v5e or v5p
-            raise ValueError(f"ambiguous TPU accelerator type {name!r}: write v5p-N or v5litepod-N; {_ACCEPTED}")
+            raise ValueError(f"ambiguous TPU accelerator type {name!r}: write v5p-N or v5litepod-N; {ACCEPTED}")
         gen = _generation(match[1], name)
         shape = _default_shape(gen, int(match[2]), name)
     elif match := re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)*)", text):
         gen = _generation(match[1], name)
         shape = _checked_shape(gen, tuple(int(d) for d in match[2].split("x")), name)
     else:
-        raise ValueError(f"unknown TPU topology {name!r}; {_ACCEPTED}")
+        raise ValueError(f"unknown TPU topology {name!r}; {ACCEPTED}")
     chips_per_slice = math.prod(shape)
     hosts_per_slice = 1 if chips_per_slice <= gen.max_single_host_chips else chips_per_slice // 4
     type_name = "v5litepod" if gen.name == "v5e" else gen.name
@@ -163,22 +163,22 @@ def compile_only_devices(topology: Topology) -> list:
 def _generation(word: str, name: str) -> Generation:
     if word not in _ALIASES:
         raise ValueError(f"unknown TPU generation {word!r} in {name!r} (known: v4, v5e a.k.a. v5litepod, v5p, "
-                         f"v6e); {_ACCEPTED}")
+                         f"v6e); {ACCEPTED}")
     return GENERATIONS[_ALIASES[word]]
 
 
 def _default_shape(gen: Generation, count: int, name: str) -> tuple[int, ...]:
     if count % gen.cores_per_chip:
         raise ValueError(f"{name!r}: {gen.name} accelerator types count TensorCores ({gen.cores_per_chip} per "
-                         f"chip), so the number must be even; {_ACCEPTED}")
+                         f"chip), so the number must be even; {ACCEPTED}")
     chips = count // gen.cores_per_chip
     if gen.rank == 2:
         if chips not in _SHAPES_2D:
-            raise ValueError(f"{name!r}: {gen.name} slices have {sorted(_SHAPES_2D)} chips; {_ACCEPTED}")
+            raise ValueError(f"{name!r}: {gen.name} slices have {sorted(_SHAPES_2D)} chips; {ACCEPTED}")
         return _SHAPES_2D[chips]
     if chips < 4 or chips & (chips - 1):
         raise ValueError(f"{name!r}: {chips} chips has no default {gen.name} shape (power-of-two slices from "
-                         f"4 chips); give the topology itself, e.g. '{gen.name}:4x4x12'; {_ACCEPTED}")
+                         f"4 chips); give the topology itself, e.g. '{gen.name}:4x4x12'; {ACCEPTED}")
     shape = [2, 2, 1]  # gcloud's defaults: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, 4x4x8, 4x8x8, 8x8x8, ...
     while math.prod(shape) < chips:
         smallest = min(shape)
@@ -193,14 +193,14 @@ def _checked_shape(gen: Generation, shape: tuple[int, ...], name: str) -> tuple[
     if gen.rank == 3 and len(shape) == 2:
         shape = shape + (1,)
     if len(shape) != gen.rank:
-        raise ValueError(f"{name!r}: {gen.name} topologies have {gen.rank} dimensions; {_ACCEPTED}")
+        raise ValueError(f"{name!r}: {gen.name} topologies have {gen.rank} dimensions; {ACCEPTED}")
     if min(shape) < 1:
-        raise ValueError(f"{name!r}: every side of a topology is at least 1; {_ACCEPTED}")
+        raise ValueError(f"{name!r}: every side of a topology is at least 1; {ACCEPTED}")
     if gen.rank == 2:
         if shape not in _SHAPES_2D.values():
             shapes = ", ".join("x".join(map(str, s)) for s in _SHAPES_2D.values())
-            raise ValueError(f"{name!r}: {gen.name} slices are {shapes}; {_ACCEPTED}")
+            raise ValueError(f"{name!r}: {gen.name} slices are {shapes}; {ACCEPTED}")
     elif shape[0] % 2 or shape[1] % 2:
         raise ValueError(f"{name!r}: {gen.name} hosts hold 2x2x1 chips, so the first two sides must be even; "
-                         f"{_ACCEPTED}")
+                         f"{ACCEPTED}")
     return shape

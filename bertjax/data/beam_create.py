@@ -34,6 +34,7 @@ Counters go to Beam metrics (live, in the runner's UI) and, summed exactly once 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import os
@@ -158,28 +159,33 @@ def _report(stats: collections.Counter):
 
 
 class SpillDocuments(beam.DoFn):
-    """(file index, path) -> the file's non-empty documents, tokenized, written in chunks of
+    """(file index, path, format) -> the file's non-empty documents, tokenized, written in chunks of
     `documents_per_chunk` to a spill file in `temp_dir`; emits a reference per chunk: (file index, chunk
-    ordinal, documents, spill path, byte offset, bytes), and the file's counters on the "stats" output."""
+    ordinal, documents, spill path, byte offset, bytes), the file's counters on the "stats" output, and (path, its
+    size and SHA-256) on the "files" output."""
 
-    def __init__(self, config: PretrainingDataConfig, temp_dir: str):
+    def __init__(self, config: PretrainingDataConfig, temp_dir: str, formats: list[str]):
         self.config = config
         self.temp_dir = temp_dir
+        self.formats = sorted(set(formats))  # those of the corpus's files (a mixed corpus: several)
         self.chunk_size = documents_per_chunk(config.doc_buffer_size)
 
     def setup(self):
         tf.io.gfile.makedirs(self.temp_dir)
         tokenizer = load_tokenizer(self.config.vocab, self.config.lower_case)
-        # One pipeline for every file (its source yields the current file): building one per file would add its
-        # traced functions to TensorFlow's function library each time.
+        # One pipeline per format for every file (its source yields the current file): building one per file would
+        # add its traced functions to TensorFlow's function library each time.
         self._path = None
         paths = tf.data.Dataset.from_generator(lambda: iter([self._path]),
                                                output_signature=tf.TensorSpec([], tf.string))
-        docs = paths.flat_map(lambda path: corpus.file_documents(path, self.config))
-        self.blocks = tokenized_blocks(docs, tokenizer, _TOKENIZE_BATCH)
+        self.blocks = {}
+        for fmt in self.formats:
+            own = dataclasses.replace(self.config, corpus_format=fmt)
+            docs = paths.flat_map(lambda path, own=own: corpus.file_documents(path, own))
+            self.blocks[fmt] = tokenized_blocks(docs, tokenizer, _TOKENIZE_BATCH)
 
-    def _documents(self, stats: collections.Counter):
-        for block in self.blocks.as_numpy_iterator():
+    def _documents(self, stats: collections.Counter, corpus_format: str):
+        for block in self.blocks[corpus_format].as_numpy_iterator():
             # The local path's input counters: the same function (Block.from_ragged) drops empty entries.
             stats.update(invalid_utf8_lines=int(block["invalid_utf8"].sum()),
                          truncated_lines=int(block["truncated"].sum()))
@@ -190,7 +196,7 @@ class SpillDocuments(beam.DoFn):
                 yield clean.ids[sentence_splits[0]:sentence_splits[-1]], np.diff(sentence_splits)
 
     def process(self, item):
-        file_index, self._path = item
+        file_index, self._path, corpus_format = item
         stats = collections.Counter()
         # A retried or duplicated bundle writes its own file: a reference names the attempt that made it.
         spill = os.path.join(self.temp_dir, f"documents-{file_index:06d}-{uuid.uuid4().hex}.bin")
@@ -204,7 +210,7 @@ class SpillDocuments(beam.DoFn):
                 offset += len(data)
                 chunk.clear()
 
-            for document in self._documents(stats):
+            for document in self._documents(stats, corpus_format):
                 chunk.append(document)
                 if len(chunk) == self.chunk_size:
                     flush()
@@ -213,6 +219,7 @@ class SpillDocuments(beam.DoFn):
         _report(stats)
         yield from references
         yield beam.pvalue.TaggedOutput("stats", dict(stats))
+        yield beam.pvalue.TaggedOutput("files", (self._path, file_readers.fingerprint(self._path)))
 
 
 def _read_chunk(reference) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -323,8 +330,9 @@ def _plan_references(references: list, doc_buffer_size: int, seed: int) -> dict:
     return plan
 
 
-def _finish(_, stats: dict, shards: list, plan: dict, config: PretrainingDataConfig, out_dir: str, temp_dir: str,
-            num_shards: int, earlier: list[str], start: float, runner: str, run_id: str, input_formats: dict):
+def _finish(_, stats: dict, shards: list, plan: dict, corpus_files: dict, config: PretrainingDataConfig,
+            out_dir: str, temp_dir: str, num_shards: int, earlier: list[str], start: float, runner: str, run_id: str,
+            input_formats: dict):
     """The last step, once every shard is complete: the shards renamed to their final names and the metadata
     written (or, no instances, nothing), then the temporary directory removed."""
     shards = sorted(shards)
@@ -337,7 +345,7 @@ def _finish(_, stats: dict, shards: list, plan: dict, config: PretrainingDataCon
         create.finish_run(config, out_dir, tfrecord.shard_prefix(), paths, [c for _, _, c in shards], stats, start,
                           earlier, log=lambda *_: None, runner=f"beam/{runner}", run_id=run_id,
                           buckets=plan["buckets"], documents_per_bucket=plan["documents_per_bucket"],
-                          input_formats=input_formats)
+                          input_formats=input_formats, corpus_files=dict(sorted(corpus_files.items())))
     if tf.io.gfile.exists(temp_dir):
         tf.io.gfile.rmtree(temp_dir)
 
@@ -348,14 +356,16 @@ def _temp_dir(out_dir: str, run_id: str) -> str:
 
 def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], out_dir: str, num_shards: int, *,
                    base_stats: dict, earlier: list[str], start: float, runner: str, run_id: str,
-                   input_formats: dict | None = None):
-    """Adds the `data create` transforms to `pipeline` (see the module docstring)."""
+                   input_formats: dict | None = None, file_formats: dict[str, str] | None = None):
+    """Adds the `data create` transforms to `pipeline` (see the module docstring); `file_formats`: each file's
+    format (corpus.file_formats), default the config's."""
     temp_dir = _temp_dir(out_dir, run_id)
+    formats = [(file_formats or {}).get(path, config.corpus_format) for path in files]
     read = (pipeline
-            | "Files" >> beam.Create(list(enumerate(files)))
+            | "Files" >> beam.Create([(i, path, fmt) for i, (path, fmt) in enumerate(zip(files, formats))])
             | "SpreadFiles" >> beam.Reshuffle()  # one file per work item, on any worker
-            | "ReadTokenizeSpill" >> beam.ParDo(SpillDocuments(config, temp_dir)).with_outputs("stats",
-                                                                                             main="chunks"))
+            | "ReadTokenizeSpill" >> beam.ParDo(SpillDocuments(config, temp_dir, formats)).with_outputs(
+                "stats", "files", main="chunks"))
     # Only chunk references (a few numbers and a path each) go through the runner from here on.
     plan = (read.chunks
             | "AllChunks" >> beam.combiners.ToList()
@@ -375,7 +385,8 @@ def build_pipeline(pipeline, config: PretrainingDataConfig, files: list[str], ou
     (pipeline
      | "Once" >> beam.Create([None])
      | "WriteMetadata" >> beam.Map(_finish, beam.pvalue.AsSingleton(stats), beam.pvalue.AsList(shards),
-                                   beam.pvalue.AsSingleton(plan_summary), config=config, out_dir=out_dir,
+                                   beam.pvalue.AsSingleton(plan_summary), beam.pvalue.AsDict(read.files),
+                                   config=config, out_dir=out_dir,
                                    temp_dir=temp_dir, num_shards=num_shards, earlier=earlier, start=start,
                                    runner=runner, run_id=run_id, input_formats=input_formats or {}))
 
@@ -412,8 +423,9 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
     config = format_detect.resolve(config, log)
     options = beam_pipeline_options(runner, list(beam_options))
     start = time.time()
-    files = corpus.expand_inputs(config.inputs)
-    formats = collections.Counter(file_readers.check_input_files(files, config))
+    file_formats = corpus.file_formats(config)
+    files = list(file_formats)
+    formats = collections.Counter(file_readers.check_input_files(files, config, file_formats))
     load_tokenizer(config.vocab, config.lower_case)  # a bad vocab fails here, not on every worker
     with out_dir_lib.owned(out_dir, log):  # the --out of one run at a time (LOCK, held by this launching process)
         earlier = create.earlier_run_check(out_dir, overwrite)
@@ -422,7 +434,8 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
         pipeline = beam.Pipeline(options=options)
         run_id = uuid.uuid4().hex  # tells this run's metadata from an earlier run's (--overwrite, nothing made)
         build_pipeline(pipeline, config, files, out_dir, num_shards, base_stats=base_stats, earlier=earlier,
-                       start=start, runner=runner, run_id=run_id, input_formats=dict(sorted(formats.items())))
+                       start=start, runner=runner, run_id=run_id, input_formats=dict(sorted(formats.items())),
+                       file_formats=file_formats)
         try:
             with quiet.native_lines_dropped(verbose):
                 result = pipeline.run()

@@ -67,8 +67,8 @@ def _demo_corpus(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     """Adds `data create`, `vocab train` and `demo-corpus`."""
-    data = subparsers.add_parser("data", help="pretraining data jobs").add_subparsers(dest="data_command",
-                                                                                       required=True)
+    data = subparsers.add_parser("data", help="pretraining data: create (a corpus -> masked TFRecord shards)")
+    data = data.add_subparsers(dest="data_command", required=True)
     create = data.add_parser("create", help="text corpus -> masked TFRecord shards (original BERT format)")
     options.add_flags(create, PretrainingDataConfig, exclude=_NOT_CREATE_FLAGS, required=("input", "vocab"))
     create.add_argument("--out", required=True, help="output directory (gs:// works)")
@@ -88,7 +88,8 @@ def register(subparsers) -> None:
                         "direct_num_workers=2)")
     create.set_defaults(func=_create)
 
-    vocab = subparsers.add_parser("vocab", help="vocabularies").add_subparsers(dest="vocab_command", required=True)
+    vocab = subparsers.add_parser("vocab", help="vocabularies: train (WordPiece or SentencePiece)")
+    vocab = vocab.add_subparsers(dest="vocab_command", required=True)
     train = vocab.add_parser("train", help="train a WordPiece or SentencePiece vocab with BERT's special tokens")
     options.add_flags(train, CorpusConfig, required=("input",))
     train.add_argument("--lower-case", action=argparse.BooleanOptionalAction, default=None,

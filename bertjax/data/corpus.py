@@ -14,6 +14,9 @@ as such, recognised by their magic bytes and checked against their extension):
               document, its `text_field` the text
   tfds:NAME[:SPLIT]  a locally prepared TFDS dataset; each example's text field is a document
 
+A corpus may mix formats (corpus_format `mixed`: each input entry names its own, `wrapped:books/*.txt`): each file
+is then read in its own format (`file_formats`), by the same readers.
+
 A record's text becomes a document as a paragraph of the `paragraphs` layout does (`texts_to_documents`: split
 at "\n", each line cleaned by `_clean_lines` and split by `split_sentences`): one implementation for JSON Lines,
 Parquet, Arrow and TFDS.
@@ -25,10 +28,11 @@ pretraining. The units themselves, the compression and the input check are read 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import tensorflow as tf
 
@@ -67,6 +71,20 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     if not files:
         raise FileNotFoundError("no input files given")
     return sorted(dict.fromkeys(files))
+
+
+def file_formats(config: CorpusConfig) -> dict[str, str]:
+    """Every corpus file of `config` (sorted, as expand_inputs gives them) -> the format it is read in: its input
+    entry's own for a mixed corpus, else the config's. A file that two inputs of other formats name is an error."""
+    if not config.is_mixed:
+        return {path: config.corpus_format for path in expand_inputs(config.inputs)}
+    formats: dict[str, str] = {}
+    for fmt, pattern in config.input_entries:
+        for path in expand_inputs([pattern]):
+            if formats.setdefault(path, fmt) != fmt:
+                raise ValueError(f"{path} is named by two inputs of other formats ({formats[path]}, {fmt}): name it "
+                                 "once")
+    return dict(sorted(formats.items()))
 
 
 # What a `datasets.save_to_disk` directory holds beside its data (Arrow IPC stream files).
@@ -296,6 +314,23 @@ def file_documents(path: tf.Tensor, config: CorpusConfig) -> tf.data.Dataset:
     return _file_documents(path, config)
 
 
+def _mixed_file_documents(path: tf.Tensor, index, config: CorpusConfig, kinds: Sequence[str], kind_of_file,
+                          share) -> tf.data.Dataset:
+    """Documents of file `index` of a mixed corpus: a branch per format of the corpus, each taking the file only
+    when it is of its format (`kind_of_file[index]` indexes `kinds`), so that one pipeline serves every file; the
+    others read nothing."""
+    kind = tf.gather(kind_of_file, index)
+    branches = None
+    for i, fmt in enumerate(kinds):
+        own = dataclasses.replace(config, corpus_format=fmt)
+        # Records' sentences come as a ragged spec of rank 0, the layouts' as a tensor: one spec for all.
+        branch = tf.data.Dataset.from_tensors(path).filter(lambda _, i=i: tf.equal(kind, i)).flat_map(
+            lambda p, own=own: _file_documents(p, own, index, share)).map(
+            lambda d: {**d, "sentences": tf.reshape(d["sentences"], [-1])})
+        branches = branch if branches is None else branches.concatenate(branch)
+    return branches
+
+
 # Units of a file read until one is empty (their number is found by reading).
 _ENDLESS = tf.int64.max
 
@@ -349,16 +384,25 @@ def file_order(files: Sequence[str], order_seed=None) -> tf.data.Dataset:
 
 
 def documents_from_files(files: Sequence[str], config: CorpusConfig, *, cycle_length: int = 4,
-                         order_seed=None, share: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
+                         order_seed=None, share: tuple[int, int] = (0, 1),
+                         formats: Mapping[str, str] | None = None) -> tf.data.Dataset:
     """Documents from corpus files, interleaving `cycle_length` files (deterministically).
 
     order_seed: if given (int [2]), the file order is permuted with it first (per-epoch seed: per-epoch order).
     share: (process index, process count) when every process reads every file of a record format and keeps its
     own units of each (`files_for_process`).
+    formats: each file's format (`file_formats`), for a mixed corpus; default: every file in the config's.
     """
+    if config.is_mixed:
+        if formats is None:
+            formats = file_formats(config)
+        kinds = sorted({formats[f] for f in files})
+        kind_of_file = tf.constant([kinds.index(formats[f]) for f in files], tf.int64)
+        documents = lambda f, i: _mixed_file_documents(f, i, config, kinds, kind_of_file, share)  # noqa: E731
+    else:
+        documents = lambda f, i: _file_documents(f, config, i, share)  # noqa: E731
     return _file_entries(files, order_seed).interleave(
-        lambda f, i: _file_documents(f, config, i, share), cycle_length=cycle_length, block_length=1,
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        documents, cycle_length=cycle_length, block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 def files_for_process(files: Sequence[str], config: CorpusConfig, process_index: int,

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from bertjax.data import corpus, file_readers, format_detect, masking, tfrecord
 from bertjax.data import out_dir as out_dir_lib
-from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.data.data_config import RECORD_FORMATS, PretrainingDataConfig
 from bertjax.data.instances import nsp_warning
 from bertjax.data.stages import (
     InstanceMaker,
@@ -72,13 +72,15 @@ class BlockPasses:
 
 def serialized_instances(config: PretrainingDataConfig, files: list[str], tokenizer,
                          stats: collections.Counter, worker_index: int = 0,
-                         share: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
-    """Serialized tf.train.Example strings of one pass over `files` with `dupe_factor` copies (unshuffled)."""
+                         share: tuple[int, int] = (0, 1), formats: dict[str, str] | None = None) -> tf.data.Dataset:
+    """Serialized tf.train.Example strings of one pass over `files` (`formats`: each one's, corpus.file_formats)
+    with `dupe_factor` copies (unshuffled)."""
     passes = BlockPasses(config, tokenizer, stats, worker_index)
     if config.is_tfds:
         docs = corpus.tfds_documents(config)
     else:
-        docs = corpus.documents_from_files(files, config, cycle_length=config.file_cycle_length, share=share)
+        docs = corpus.documents_from_files(files, config, cycle_length=config.file_cycle_length, share=share,
+                                           formats=formats)
     blocks = tokenized_blocks(docs, tokenizer, config.doc_buffer_size).enumerate()
     # The block is tokenized once and paired with each dupe index (the original's dupe loop).
     copies = blocks.flat_map(lambda index, block: tf.data.Dataset.range(config.dupe_factor).map(
@@ -120,7 +122,8 @@ def no_instances_error(config: PretrainingDataConfig, out_dir: str) -> ValueErro
 def finish_run(config: PretrainingDataConfig, out_dir: str, prefix: str, paths: list[str], counts: list[int],
                stats: dict, start: float, earlier: list[str], log=print, **extra) -> dict:
     """Writes `<prefix>-metadata.json` for the finished shards `paths` (with `counts` examples each), removes the
-    earlier run's files that this run did not replace, and returns the summary (`extra` keys are added to it)."""
+    earlier run's files that this run did not replace, and returns the summary (`extra` keys are added to it:
+    `input_formats`, and `corpus_files`, each corpus file's size and SHA-256, the shards' provenance)."""
     for path in earlier:
         if path not in paths and tf.io.gfile.exists(path):
             tf.io.gfile.remove(path)
@@ -167,26 +170,28 @@ def _create(config: PretrainingDataConfig, out_dir: str, num_shards: int, worker
     """`create_pretraining_data` in the --out it holds."""
     earlier = earlier_run_check(out_dir, overwrite, worker_index, num_workers)
     start = time.time()
+    file_formats = {} if config.is_tfds else corpus.file_formats(config)
     files, share = (([], (0, 1)) if config.is_tfds else
-                    corpus.files_for_process(corpus.expand_inputs(config.inputs), config, worker_index, num_workers))
-    formats = collections.Counter(file_readers.check_input_files(files, config))
+                    corpus.files_for_process(list(file_formats), config, worker_index, num_workers))
+    formats = collections.Counter(file_readers.check_input_files(files, config, file_formats))
     tokenizer = load_tokenizer(config.vocab, config.lower_case)
     stats = collections.Counter(input_files=len(files), empty_files=count_empty_files(files))
     nulls_before = file_readers.NULL_TEXTS.total()
-    ds = serialized_instances(config, files, tokenizer, stats, worker_index, share)
+    ds = serialized_instances(config, files, tokenizer, stats, worker_index, share, file_formats)
     ds = ds.shuffle(config.shuffle_buffer, seed=config.seed + worker_index).batch(write_batch).prefetch(4)
     prefix = tfrecord.shard_prefix(worker_index, num_workers)
     with tfrecord.ShardWriter(out_dir, num_shards, prefix=prefix) as writer:
         for records in ds.as_numpy_iterator():
             writer.write(records)
-    if config.is_records:
+    if any(file_formats[f] in RECORD_FORMATS for f in files):
         stats["null_texts"] = file_readers.NULL_TEXTS.total() - nulls_before  # records skipped: no text
     if writer.counts.sum() == 0:
         out_dir_lib.remove_quietly(*writer.paths)
         raise no_instances_error(config, out_dir)
     try:
         return finish_run(config, out_dir, prefix, writer.paths, writer.counts.tolist(), stats, start, earlier, log,
-                          input_formats=dict(sorted(formats.items())))
+                          input_formats=dict(sorted(formats.items())),
+                          corpus_files={path: file_readers.fingerprint(path) for path in files})
     except BaseException:  # no metadata: shards that none lists are this run's leftovers
         out_dir_lib.remove_quietly(*writer.paths)
         raise

@@ -18,6 +18,16 @@ RECORD_FORMATS = ("jsonl", "parquet")
 FORMATS = TEXT_FORMATS + RECORD_FORMATS
 # The corpus format detected from the files (format_detect.resolve, before anything reads them).
 AUTO_FORMAT = "auto"
+# A corpus of several formats: each input entry names its own, `FORMAT:PATTERN` (format_detect.resolve sets it when
+# the inputs' formats differ, so one `data create` reads Gutenberg's wrapped books and WikiText together).
+MIXED_FORMAT = "mixed"
+
+
+def split_format(entry: str) -> tuple[str | None, str]:
+    """(the format an input entry names, its pattern): `wrapped:books/*.txt` -> ("wrapped", "books/*.txt"); an entry
+    without a known format before its first colon (`gs://...`, `hf:...`) -> (None, entry)."""
+    head, colon, rest = entry.partition(":")
+    return (head, rest) if colon and head in FORMATS and rest else (None, entry)
 MASKING_MODES = ("dynamic", "static")
 MASKING_SCHEMES = ("token", "span")
 # SpanBERT (Joshi et al. 2020, section 3.1): span lengths in words ~ Geometric(p=0.2) on 1..10 (renormalised, as
@@ -32,13 +42,15 @@ class CorpusConfig:
     """Where the text is and how it is laid out."""
 
     input: str = option("", "comma-separated globs of corpus files (.gz/.zst/.bz2 read as such) or directories, "
-                        "tfds:NAME[:SPLIT], hf:NAME[:CONFIG][@SPLIT] (a hub dataset's Parquet files), or "
-                        "(input_kind=tfrecord) TFRecord files/directories", repeatable=True)
-    corpus_format: str = option(AUTO_FORMAT, "auto: detected from the files and said (Parquet/Arrow, JSON Lines, "
-                                "else sentences) | sentences: one per line, blank line between documents (the "
+                        "each with an optional FORMAT: of its own (wrapped:books/*.txt); tfds:NAME[:SPLIT], "
+                        "hf:NAME[:CONFIG][@SPLIT] (a hub dataset's Parquet files), or (input_kind=tfrecord) TFRecord "
+                        "files/directories", repeatable=True)
+    corpus_format: str = option(AUTO_FORMAT, "auto: detected from each input's files and said (Parquet/Arrow, JSON "
+                                "Lines, else sentences) | sentences: one per line, blank line between documents (the "
                                 "original format) | paragraphs: one per line | wikitext | wrapped (hard-wrapped, e.g. "
                                 "Gutenberg) | jsonl: one JSON object per line, a document each | parquet: a row per "
-                                "document (also a `datasets.save_to_disk` directory; hf: inputs)", flags=("--format",))
+                                "document (also a `datasets.save_to_disk` directory; hf: inputs); the inputs without "
+                                "a FORMAT: of their own take it (mixed: each input names its own)", flags=("--format",))
     doc_boundary_regex: str | None = option(None, "paragraphs: a full-matching line starts a new document")
     skip_regex: str | None = option(None, "paragraphs: full-matching lines are dropped")
     max_line_chars: int = option(100_000, "longer lines are truncated (and counted)", valid=ints(1))
@@ -58,17 +70,34 @@ class CorpusConfig:
             object.__setattr__(self, "corpus_format", "parquet")
         if self.is_hf and self.corpus_format != "parquet":
             raise ValueError(f"hf: inputs are read as Parquet; corpus_format={self.corpus_format!r} does not apply")
-        if not self.is_tfds and self.corpus_format not in (AUTO_FORMAT, *FORMATS):
+        if not self.is_tfds and self.corpus_format not in (AUTO_FORMAT, MIXED_FORMAT, *FORMATS):
             raise ValueError(f"unknown corpus format {self.corpus_format!r}; expected one of {AUTO_FORMAT}, "
                              f"{', '.join(FORMATS)}")
         problems = range_problems(self)
         if problems:  # the ranges of every field of the class (PretrainingDataConfig's too), checked once here
             raise ValueError("; ".join(problems))
+        named = [(fmt, pattern) for fmt, pattern in self.input_entries if fmt]
+        if any(pattern.startswith(("hf:", "tfds:")) for _, pattern in named):
+            raise ValueError(f"{', '.join(f'{f}:{p}' for f, p in named)}: a FORMAT: prefix is for corpus files (hf: "
+                             "inputs are Parquet, tfds: ones TFDS's)")
+        if self.corpus_format == MIXED_FORMAT and len(named) != len(self.input_entries):
+            raise ValueError(f"corpus_format={MIXED_FORMAT} needs a FORMAT: on every input (e.g. wrapped:books/*.txt), "
+                             f"got {self.input!r}")
+
+    @property
+    def input_entries(self) -> tuple[tuple[str | None, str], ...]:
+        """(the format it names or None, pattern) of each comma-separated input entry."""
+        return tuple(split_format(part.strip()) for part in self.input.split(",") if part.strip())
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        """The input patterns, one per comma-separated entry."""
-        return tuple(part.strip() for part in self.input.split(",") if part.strip())
+        """The input patterns, one per comma-separated entry (a FORMAT: prefix left out)."""
+        return tuple(pattern for _, pattern in self.input_entries)
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether each input entry names its own format (several formats in one corpus)."""
+        return self.corpus_format == MIXED_FORMAT
 
     @property
     def is_tfds(self) -> bool:

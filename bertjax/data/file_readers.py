@@ -14,12 +14,13 @@ from __future__ import annotations
 import bz2
 import codecs
 import collections
+import hashlib
 import io
 import itertools
 import json
 import threading
 import zlib
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -239,34 +240,50 @@ def without_compression(path: str) -> str:
     return path[:len(path) - len(end)]
 
 
+def fingerprint(path: str) -> str:
+    """"<size> bytes, sha256 <first 16 hex digits>" of a file, local or gs:// (as a fine-tune's run record gives
+    its input files): what `data create` records of each corpus file, and a model card shows."""
+    digest, size = hashlib.sha256(), 0
+    with tf.io.gfile.GFile(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+            size += len(block)
+    return f"{size} bytes, sha256 {digest.hexdigest()[:16]}"
+
+
 def require_format(config: CorpusConfig) -> None:
     """Readers take a resolved corpus format: reading `auto` as some layout is the silent guess this refuses."""
     if config.corpus_format == AUTO_FORMAT:
         raise ValueError("corpus_format=auto reached a reader unresolved: resolve it first (format_detect.resolve)")
 
 
-def check_input_files(files: Sequence[str], config: CorpusConfig | None = None) -> list[str]:
+def check_input_files(files: Sequence[str], config: CorpusConfig | None = None,
+                      formats: Mapping[str, str] | None = None) -> list[str]:
     """Refuses files that the format cannot read, naming what they are (judged by their first 64 KiB, after
     decompression): a binary file or an archive would otherwise be read as a few lines of replacement characters,
     and a job would train on nothing. Parquet/Arrow files must be such and hold `text_field`. Returns each file's
-    format as recorded in metadata (e.g. "jsonl+zstd", "parquet")."""
+    format as recorded in metadata (e.g. "jsonl+zstd", "parquet"). `formats`: each file's format (a mixed corpus's,
+    corpus.file_formats); default: the config's."""
     config = config or CorpusConfig(corpus_format="sentences")
+    if config.is_mixed and formats is None:
+        raise ValueError("a corpus of several formats is checked file by file: pass each file's (corpus.file_formats)")
     require_format(config)
     kinds = []
     for path in files:
-        if config.corpus_format == "parquet":
+        corpus_format = formats[path] if config.is_mixed else config.corpus_format
+        if corpus_format == "parquet":
             kinds.append(_check_table_file(path, config.text_field))
             continue
         compression, head = _head(path)
         problem = _text_problem(head)
         if problem:
             where = f" (decompressed from {compression})" if compression else ""
-            raise ValueError(f"{path}: {problem}{where}; {config.corpus_format} corpora are read as UTF-8 lines"
+            raise ValueError(f"{path}: {problem}{where}; {corpus_format} corpora are read as UTF-8 lines"
                              + (" (.gz, .zst and .bz2 are decompressed)" if not compression else ""))
         first = head.split(b"\n", 1)[0] if b"\n" in head else b""
-        if config.corpus_format == "jsonl" and first.strip():  # the first record, up front (the rest as read)
+        if corpus_format == "jsonl" and first.strip():  # the first record, up front (the rest as read)
             _json_text(path, 1, first, config.text_field)
-        kinds.append(config.corpus_format + (f"+{compression}" if compression else ""))
+        kinds.append(corpus_format + (f"+{compression}" if compression else ""))
     return kinds
 
 

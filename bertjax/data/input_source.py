@@ -33,6 +33,8 @@ class InputSource:
 
     config: PretrainingDataConfig
     files: tuple[str, ...]
+    # Each corpus file's format (corpus.file_formats), in the order of `files`; none for shards and tfds:.
+    formats: tuple[str, ...] = ()
 
 
 def resolve(config: PretrainingDataConfig, key: str = "data.input",
@@ -52,7 +54,8 @@ def resolve(config: PretrainingDataConfig, key: str = "data.input",
     if kind == "text":
         config.require_input()
         config = format_detect.resolve(config, log or Console().line, "data.corpus_format")
-        return InputSource(config, () if config.is_tfds else tuple(corpus.expand_inputs(config.inputs)))
+        formats = {} if config.is_tfds else corpus.file_formats(config)
+        return InputSource(config, tuple(formats), tuple(formats.values()))
     files = tfrecord.find_shards(config.inputs)
     metadata = [entry for directory in sorted({os.path.dirname(f) for f in files})
                 for entry in tfrecord.read_metadata(directory)]

@@ -51,11 +51,11 @@ def resolve_input(config: PretrainingDataConfig, key: str = "data.input") -> Pre
 
 
 def _documents(config: PretrainingDataConfig, files: list[str], order_seed: tf.Tensor, process_index: int,
-               process_count: int, share: tuple[int, int]) -> tf.data.Dataset:
+               process_count: int, share: tuple[int, int], formats: dict[str, str]) -> tf.data.Dataset:
     if config.is_tfds:
         return corpus.tfds_documents(config, process_index, process_count)
     return corpus.documents_from_files(files, config, cycle_length=config.file_cycle_length, order_seed=order_seed,
-                                       share=share)
+                                       share=share, formats=formats)
 
 
 def _epochs(num_epochs: int | None) -> tf.data.Dataset:
@@ -112,7 +112,8 @@ def make_pretraining_dataset(source: InputSource | PretrainingDataConfig, global
     def epoch_instances(epoch):
         # Static: epoch e replays copy e % dupe_factor (same files order, instances and masks).
         stream = epoch % config.dupe_factor if static else epoch
-        docs = _documents(config, files, fold_seed(host_seed, 1, stream), process_index, process_count, share)
+        docs = _documents(config, files, fold_seed(host_seed, 1, stream), process_index, process_count, share,
+                          dict(zip(source.files, source.formats)))
         blocks = tokenized_blocks(docs, tokenizer, config.doc_buffer_size).enumerate()
 
         parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}

@@ -18,6 +18,10 @@ the prediction lies in (x_{s-1} and x_{e+1}; [CLS] or [SEP] at the sequence ends
 """
 from __future__ import annotations
 
+# The file `data create` writes beside its shards (tfrecord.write_metadata): their shapes, counts, config, and the
+# corpus files they were made from. Here so that readers without TensorFlow (the model card) find it too.
+METADATA_SUFFIX = "-metadata.json"
+
 # name -> (dtype in a batch, width: "seq" = max_seq_length, "pred" = predictions per row, "inst" = instances
 # per row (1 unpacked)).
 FEATURES = {

@@ -28,7 +28,7 @@ from bertjax.data.corpus import expand_inputs, file_order
 from bertjax.data.out_dir import remove_quietly
 
 SHARD_SUFFIX = ".tfrecord"
-METADATA_SUFFIX = "-metadata.json"
+METADATA_SUFFIX = schema.METADATA_SUFFIX
 
 
 def feature_spec(shapes: dict[str, tuple[int]]) -> dict[str, tf.io.FixedLenFeature]:

@@ -30,7 +30,8 @@ class TrainedVocab(NamedTuple):
 
 def corpus_sentences(config: corpus.CorpusConfig, max_sentences: int | None = None) -> tf.data.Dataset:
     """Every sentence of the corpus (a flat tf.string stream), capped at max_sentences."""
-    docs = corpus.documents_from_files(corpus.expand_inputs(config.inputs), config)
+    formats = corpus.file_formats(config)
+    docs = corpus.documents_from_files(list(formats), config, formats=formats)
     sentences = docs.flat_map(lambda d: tf.data.Dataset.from_tensor_slices(d["sentences"]))
     return sentences.take(max_sentences) if max_sentences else sentences
 

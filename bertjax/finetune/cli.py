@@ -23,7 +23,9 @@ def _add_train_args(parser: argparse.ArgumentParser, **job_defaults) -> None:
     parser.add_argument("--init", required=True, help=INIT_HELP)
     parser.add_argument("--workdir", required=True, help="output directory")
     options.add_flags(parser, TrainSettings, defaults=job_defaults)
-    parser.add_argument("--save-checkpoint", action="store_true", help="write the fine-tuned bertjax checkpoint")
+    parser.add_argument("--save-checkpoint", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep the fine-tuned model as a bertjax checkpoint in WORKDIR/checkpoint (what `bertjax "
+                             "predict --model WORKDIR` and another job's --init read); --no-save-checkpoint keeps none")
     parser.add_argument("--export-hf", action="store_true", help="write the fine-tuned model as an HF directory")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the earlier run in --workdir (a rerun with the same settings resumes it "
@@ -32,7 +34,8 @@ def _add_train_args(parser: argparse.ArgumentParser, **job_defaults) -> None:
 
 def register(subparsers) -> None:
     finetune = subparsers.add_parser(
-        "finetune", help="fine-tune on GLUE, SQuAD, CoNLL-2003 NER or SWAG; or fit a classifier on frozen features")
+        "finetune", help="fine-tune: classify (your own CSV/TSV/JSON Lines/Parquet files), glue, squad, ner "
+                         "(CoNLL-2003), multiple-choice (SWAG); or features (a classifier on frozen features)")
     jobs = finetune.add_subparsers(dest="job", required=True)
 
     glue = jobs.add_parser("glue", help="fine-tune and evaluate GLUE tasks; writes dev metrics and submission TSVs")
@@ -136,8 +139,10 @@ def register(subparsers) -> None:
     predict.add_argument("--input", default="-", help=".csv, .tsv, .jsonl or .parquet file (local or gs://), or '-' "
                                                       "(default): one text per line on stdin")
     predict.add_argument("--output", default="-", help="JSON Lines file, or '-' (default): stdout")
-    predict.add_argument("--text-column", default="text")
-    predict.add_argument("--text-pair-column", help="second text of a pair (sequence classification)")
+    predict.add_argument("--text-column", help="the text's column (default: a `finetune classify` run's own, else "
+                                               "'text')")
+    predict.add_argument("--text-pair-column", help="second text of a pair (sequence classification; default: a "
+                                                    "`finetune classify` run's own)")
     predict.add_argument("--question-column", default="question", help="a span model's question")
     predict.add_argument("--context-column", default="context", help="a span model's context (long ones: windows)")
     predict.add_argument("--max-seq-length", type=options.ints(3),
@@ -150,7 +155,7 @@ def register(subparsers) -> None:
     predict.add_argument("--batch-size", type=options.ints(1), default=64)
     predict.set_defaults(func=_predict)
 
-    evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics")
+    evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics: squad")
     evals = evaluate.add_subparsers(dest="job", required=True)
     squad_eval = evals.add_parser("squad", help="the official SQuAD v1.1 / v2.0 evaluation of a predictions file")
     squad_eval.add_argument("--data", required=True, help="dataset JSON (its 'version' picks v1.1 or v2.0)")
@@ -249,13 +254,28 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
     """`bertjax predict`'s output lines for its --input (a table file, or stdin lines)."""
     import sys
 
+    from bertjax.console import Console
     from bertjax.data.file_readers import read_text_bytes
-    from bertjax.finetune.predict import Predictor, answers_questions
+    from bertjax.finetune.predict import Predictor, answers_questions, recorded_columns
 
     route_logging_to_console()
     # The input is read and checked before the model loads (a bad file fails in seconds); its columns depend on the
     # model's head, which the model's description tells without its tensors.
-    if answers_questions(args.model):
+    spans = answers_questions(args.model)
+    # A classify run's own columns where no flag names one: a run trained on `sentence` reads `sentence`.
+    recorded = None if spans else recorded_columns(args.model)
+    if recorded and args.input == "-" and recorded[1] and not args.text_pair_column:
+        raise ValueError(f"{args.model} was trained on text pairs (columns {recorded[0]!r} and {recorded[1]!r}): give "
+                         "an --input file with both columns (stdin holds one text a line)")
+    if recorded and args.input != "-":
+        taken = [f"--text-column {recorded[0]}"] if args.text_column is None and recorded[0] != "text" else []
+        taken += [f"--text-pair-column {recorded[1]}"] if recorded[1] and args.text_pair_column is None else []
+        args.text_column = args.text_column or recorded[0]
+        args.text_pair_column = args.text_pair_column or recorded[1]
+        if taken:
+            Console().line(f"--input {args.input}: read as {args.model} was trained ({', '.join(taken)})")
+    args.text_column = args.text_column or "text"
+    if spans:
         if args.input == "-":
             raise ValueError(f"{args.model} answers questions: give an --input file with the columns "
                              f"{args.question_column!r} and {args.context_column!r} (stdin holds one text a line)")
@@ -314,15 +334,36 @@ def input_lines(data: bytes) -> tuple[list[str], list[int]]:
     return lines, invalid
 
 
-def _say_outputs(workdir: str) -> None:
-    """One line naming what the job left in its workdir (metrics, predictions, curves, fine-tuned model)."""
+def _say_outputs(workdir: str, fine_tuned: bool = True, predicts: bool = True) -> None:
+    """The job's closing lines: what it left in its workdir (metrics, predictions, curves), then, for a job that
+    fine-tunes (`fine_tuned`), where its model is and, for a head `bertjax predict` runs (`predicts`), how it takes
+    it (or that it kept none)."""
     from etils import epath
 
     from bertjax.console import Console
 
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in epath.Path(workdir).iterdir()
-                   if not p.name.startswith((".", "LOCK")))
-    Console().line(f"outputs in {workdir}: {', '.join(names)}")
+    root = epath.Path(workdir)
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir() if not p.name.startswith((".", "LOCK")))
+    console = Console()
+    console.line(f"outputs in {workdir}: {', '.join(names)}")
+    if not fine_tuned:
+        return
+    # `glue --task all` keeps one model per task, in WORKDIR/<task>/.
+    runs = [root] if (root / "metrics.json").exists() else sorted(
+        p for p in root.iterdir() if p.is_dir() and (p / "metrics.json").exists())
+    kinds = [name for name in ("checkpoint", "hf") if any((p / name).is_dir() for p in runs)]
+    if not kinds:
+        console.line("no fine-tuned model kept (--no-save-checkpoint; by default it is kept in WORKDIR/checkpoint)")
+        return
+    use = "another job's --init reads it"
+    if len(runs) == 1:
+        use = f"`bertjax predict --model {runs[0]}` uses it" if predicts else use
+        console.line(f"fine-tuned model: {' and '.join(str(runs[0] / k) for k in kinds)} ({use}; "
+                     "--no-save-checkpoint keeps none)")
+    else:
+        use = f"`bertjax predict --model {workdir}/<task>` uses it" if predicts else use
+        console.line(f"fine-tuned models: {' and '.join(f'{workdir}/<task>/{k}' for k in kinds)}, one per task "
+                     f"({use}; --no-save-checkpoint keeps none)")
 
 
 def _write_model_cards(workdir: str) -> None:
@@ -455,7 +496,7 @@ def _features(args: argparse.Namespace) -> int:
                                max_train_examples=args.max_train_examples,
                                max_eval_examples=args.max_eval_examples, batch_size=args.batch_size,
                                cv_folds=args.cv_folds, seed=args.seed)
-    _say_outputs(args.workdir)
+    _say_outputs(args.workdir, fine_tuned=False)
     print(jsonio.dumps({k: result[k] for k in ("task", "metrics", "score", "layers", "pooling",
                                               "num_train_examples")}))
     return 0
@@ -469,7 +510,7 @@ def _multiple_choice(args: argparse.Namespace) -> int:
     result = multiple_choice.run(args.data, args.workdir, options.from_flags(TrainSettings, args), init=args.init,
                                  max_seq_length=args.max_seq_length, save_checkpoint=args.save_checkpoint,
                                  export_hf=args.export_hf)
-    _say_outputs(args.workdir)
+    _say_outputs(args.workdir, predicts=False)
     print(jsonio.dumps(result["metrics"]))
     return 0
 

@@ -17,6 +17,7 @@ checkpoint with a head. Rows are batched on the mesh by the fine-tuning Trainer'
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import jax
@@ -24,6 +25,7 @@ import numpy as np
 from etils import epath
 
 from bertjax.finetune import classify, squad_data
+from bertjax.finetune.run_record import MODELS, RUN_RECORD
 from bertjax.finetune.settings import SquadSettings, TrainSettings
 from bertjax.finetune.squad_postprocess import answer_spans
 from bertjax.finetune.trainer import Trainer
@@ -39,12 +41,29 @@ _WORD = re.compile(r"\w+|[^\w\s]")
 
 
 def resolve_model(model: str) -> str:
-    """A fine-tune workdir's model (hf/, else checkpoint/), or `model` itself."""
+    """A fine-tune workdir's model (hf/, else checkpoint/), or `model` itself; a workdir that kept neither is an
+    error saying so."""
     root = epath.Path(model)
     for name in ("hf", "checkpoint"):
         if (root / name).is_dir():
             return str(root / name)
+    if (root / RUN_RECORD).exists():
+        raise FileNotFoundError(f"{model} is a fine-tune run that kept no model (no checkpoint/ or hf/: it ran with "
+                                "--no-save-checkpoint): rerun its command with --overwrite and without that flag")
     return model
+
+
+def recorded_columns(model: str) -> tuple[str | None, str | None] | None:
+    """(text column, text pair column) that the `finetune classify` run `model` (its workdir, or the checkpoint/ or
+    hf/ in it) was trained on, from its metrics.json or run.json; None for any other model."""
+    root = epath.Path(model)
+    for run in (root, root.parent) if root.name in MODELS else (root,):
+        for name, read in (("metrics.json", lambda r: r.get("columns")), (RUN_RECORD, lambda r: r)):
+            path = run / name
+            record = read(json.loads(path.read_text())) if path.is_file() else None
+            if isinstance(record, dict) and isinstance(record.get("text_column"), str):
+                return record["text_column"], record.get("text_pair_column") or None
+    return None
 
 
 def answers_questions(model: str) -> bool:

@@ -22,9 +22,12 @@ TRAIN_STATE = "train_state"
 COMPLETED_METRICS = "metrics.json"
 # What a finished run leaves: its metrics (one task), or the summary of all (`finetune glue --task all`).
 COMPLETED = (COMPLETED_METRICS, "summary.json")
-# What a run writes that a rerun would be mixed with (predictions and exports are rewritten whole by each run);
-# in tensorboard/ only its event files are the run's (a user's own runs may sit beside them).
-RUN_OUTPUTS = (RUN_RECORD, TRAIN_STATE, *COMPLETED, "metrics.jsonl")
+# The fine-tuned model a run keeps (a bertjax checkpoint by default, an HF export with --export-hf).
+MODELS = ("checkpoint", "hf")
+# What a run writes that a rerun would be mixed with (predictions are rewritten whole by each run), and its model,
+# which `predict --model WORKDIR` would take for the new run's; in tensorboard/ only its event files are the run's (a
+# user's own runs may sit beside them).
+RUN_OUTPUTS = (RUN_RECORD, TRAIN_STATE, *COMPLETED, "metrics.jsonl", *MODELS)
 TENSORBOARD, EVENT_FILES = "tensorboard", "events.out.tfevents.*"
 # Settings that change how a run is watched or saved, not what it computes: free to change on a rerun.
 FREE_KEYS = ("compilation_cache_dir", "eval_batch_size", "save_checkpoint", "export_hf", "overwrite", "verbose")

@@ -7,7 +7,10 @@ are and what chose it, the data files with their sizes and SHA-256, the settings
 
 A fine-tune's card comes from WORKDIR/run.json (`argv`, and the `input:` fingerprints hashed when the run started)
 and metrics.json; a pretraining run's from WORKDIR/config.json, inputs.json and metrics.jsonl (its `command`
-event and last logged metrics). `hf upload DIR REPO` then publishes a complete model; bertjax has no upload code.
+event and last logged metrics), and for `data create` shards the corpus files their metadata records. Data files
+and datasets are named by file name (and SHA-256 where the run hashed them), never by where they lay on the machine
+that trained: the command block alone keeps the paths as typed. `hf upload DIR REPO` then publishes a complete
+model; bertjax has no upload code.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import shlex
 import yaml
 from etils import epath
 
+from bertjax.data.data_config import split_format
+from bertjax.data.schema import METADATA_SUFFIX
 from bertjax.finetune.run_record import INPUT_KEY
 from bertjax.interop.hub import PACKAGED_CHECKPOINTS, is_hub_id, packaged_checkpoint
 
@@ -48,7 +53,8 @@ class RunFacts:
     init: str | None = None  # the checkpoint it started from, as the command gave it
     from_scratch: bool = False  # pretraining without one
     job: str | None = None  # the fine-tune job: its tag and benchmark dataset
-    dataset: str | None = None  # the evaluated data's name (model-index)
+    dataset: str | None = None  # the evaluated data's name (model-index), with its SHA-256 where known
+    dataset_id: str | None = None  # its file name (model-index's dataset type, where no hub dataset is)
     configured_data: str = ""  # pretraining's data keys as configured
     files: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (file as named, its fingerprint)
     weights: str | None = None  # which step the weights are, and what chose it
@@ -105,10 +111,18 @@ def base_model(init: str) -> tuple[str, str | None]:
     return f"{LOCAL_CHECKPOINT} `{init}`", None
 
 
+def shown_name(path: str) -> str:
+    """A file or directory as a card names it: its name (where it lay on the training machine, perhaps a temporary
+    or relative path, says nothing to a reader); gs://, hf: and tfds: names stay whole."""
+    if "://" in path or path.startswith(("hf:", "tfds:")):
+        return path
+    return os.path.basename(os.path.normpath(path)) or path
+
+
 def named_as_given(file: str, given: list[str]) -> str:
-    """`file` (an absolute path, as run.json records it) as the command named it: the longest of the paths
-    `given` (as typed, relative or absolute) that `file` is or lies under, with the rest of its path; else its
-    base name."""
+    """`file` (an absolute path, as run.json records it) by the name of what the command gave: a file given itself
+    by its name; one in a directory given (the longest of the paths `given`, as typed, that it lies under) by the
+    directory's name and its path inside (`conll2003/train.txt`); else its base name."""
     parts = pathlib.PurePath(file).parts
     best = (0, os.path.basename(file))
     for path in given:
@@ -116,9 +130,24 @@ def named_as_given(file: str, given: list[str]) -> str:
         for start in range(len(parts) - len(want), -1, -1):
             if parts[start:start + len(want)] == want:
                 if len(want) > best[0]:
-                    best = (len(want), os.path.join(path, *parts[start + len(want):]))
+                    best = (len(want), os.path.join(shown_name(path), *parts[start + len(want):]))
                 break
     return best[1]
+
+
+def _hash_of(fingerprint: str | None) -> str | None:
+    match = _FINGERPRINT.match(fingerprint or "")
+    return match.group(2) if match else None
+
+
+def _dataset_name(files: list[tuple[str, str]]) -> tuple[str | None, str | None]:
+    """(model-index's name for data `files` [(name, fingerprint)], with the first one's SHA-256; its id)."""
+    if not files:
+        return None, None
+    name, fingerprint = files[0]
+    pretty = f"{name}, sha256 {_hash_of(fingerprint)}" if _hash_of(fingerprint) else name
+    more = f" and {len(files) - 1} more file{'s' if len(files) > 2 else ''}" if len(files) > 1 else ""
+    return pretty + more, name + more
 
 
 def flat_metrics(metrics: dict, prefix: str = "") -> dict[str, float]:
@@ -159,11 +188,46 @@ def finetune_facts(run: dict, result: dict) -> RunFacts:
     files = [(named_as_given(key[len(INPUT_KEY):], given), value) for key, value in sorted(run.items())
              if key.startswith(INPUT_KEY)]
     job = run.get("job") or result.get("task")
-    # A benchmark's task; own files: the file the metrics were computed on.
-    dataset = (result.get("task") or job) if job in DATASETS else (run.get("dev") or result.get("dev"))
+    # A benchmark's task; own files: the file the metrics were computed on, by name and hash.
+    dataset, dataset_id = (result.get("task") or job), None
+    dev = run.get("dev") or result.get("dev")
+    if job not in DATASETS and dev:
+        dataset, dataset_id = _dataset_name([(shown_name(dev), _recorded_fingerprint(run, dev))])
     return RunFacts(argv=run.get("argv"), init=run.get("init") or result.get("init"), job=job, dataset=dataset,
-                    files=files, weights=weights, metrics=flat_metrics(result.get("metrics") or {}),
-                    settings=result.get("settings") or {})
+                    dataset_id=dataset_id, files=files, weights=weights,
+                    metrics=flat_metrics(result.get("metrics") or {}), settings=result.get("settings") or {})
+
+
+def _recorded_fingerprint(run: dict, given: str) -> str | None:
+    """The fingerprint run.json holds for the file the command named `given` (recorded by its absolute path; a card
+    written from another directory matches it by name)."""
+    recorded = {key[len(INPUT_KEY):]: value for key, value in run.items() if key.startswith(INPUT_KEY)}
+    if os.path.abspath(given) in recorded:
+        return recorded[os.path.abspath(given)]
+    same_name = [value for path, value in recorded.items() if os.path.basename(path) == os.path.basename(given)]
+    return same_name[0] if len(same_name) == 1 else None
+
+
+def shards_corpus(paths: list[str]) -> dict | None:
+    """What `data create` recorded of the corpus the shards among `paths` were made from, in the metadata beside
+    them: {"files": [(corpus file, fingerprint)] ("" where an older run recorded none), "inputs": the input
+    patterns, "examples"}; None when no `data create` metadata lies beside `paths`."""
+    found = None
+    for directory in sorted({os.path.dirname(p) for p in paths}):
+        for meta_path in sorted(epath.Path(directory).glob("*" + METADATA_SUFFIX)):
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(meta, dict) or "shards" not in meta:
+                continue
+            found = found or {"files": [], "inputs": [], "examples": 0}
+            entries = [e.strip() for e in str((meta.get("config") or {}).get("input", "")).split(",") if e.strip()]
+            inputs = [split_format(e)[1] for e in entries]
+            found["inputs"] += [i for i in inputs if i not in found["inputs"]]
+            found["files"] += sorted((meta.get("corpus_files") or {}).items()) or [(i, "") for i in inputs]
+            found["examples"] += int(meta.get("examples") or 0)
+    return found
 
 
 def pretraining_facts(workdir: str, step: int) -> RunFacts:
@@ -190,12 +254,30 @@ def pretraining_facts(workdir: str, step: int) -> RunFacts:
                         if k.startswith("eval_") and isinstance(v, (int, float))})
         logged.append(f"the evaluation's at step {evals[-1]['step']}")
     total = (config.get("train") or {}).get("steps")
+    inputs = sorted(read("inputs.json").items())
+    corpus = shards_corpus([path for path, _ in inputs])
+    if corpus:  # `data create` shards: the corpus they were made from, not the shards
+        files = [(named_as_given(path, corpus["inputs"]), value) for path, value in corpus["files"]]
+    else:
+        files = [(named_as_given(path, _entries(data.get("input", ""))), value) for path, value in inputs]
+    configured = [f"data.{k}=`{','.join(shown_name(e) for e in _entries(data[k]))}`"
+                  for k in ("input", "eval_input") if data.get(k)]
+    if corpus:
+        configured[0] += (f" ({corpus['examples']:,} examples of TFRecord shards that `bertjax data create` made from "
+                          "the corpus below)")
+    if evals and data.get("eval_input"):
+        dataset = dataset_id = ",".join(shown_name(e) for e in _entries(data["eval_input"]))
+    else:
+        dataset, dataset_id = _dataset_name(files)
     return RunFacts(argv=command.get("argv"), init=init, from_scratch=init is None and bool(command),
-                    dataset=(data.get("eval_input") if evals else "") or data.get("input"),
-                    configured_data=", ".join(f"data.{k}=`{data[k]}`" for k in ("input", "eval_input") if data.get(k)),
-                    files=sorted(read("inputs.json").items()),
+                    dataset=dataset, dataset_id=dataset_id, configured_data=", ".join(configured), files=files,
                     weights=f"step {step} of train.steps={total}" if total else f"step {step}", metrics=metrics,
                     metrics_note=f"Metrics: {', '.join(logged)}." if logged else "")
+
+
+def _entries(value: str) -> list[str]:
+    """The patterns of a comma-separated data.input (a FORMAT: prefix left out)."""
+    return [split_format(e.strip())[1] for e in str(value).split(",") if e.strip()]
 
 
 def card_text(hf_config: dict, facts: RunFacts | None = None, *, name: str = "model",
@@ -228,7 +310,7 @@ def card_text(hf_config: dict, facts: RunFacts | None = None, *, name: str = "mo
         dataset = str(facts.dataset or facts.job or "unknown")
         front["model-index"] = [{"name": name, "results": [{
             "task": {"type": pipeline_tag, "name": pipeline_tag.replace("-", " ")},
-            "dataset": {"name": dataset, "type": DATASETS.get(facts.job, dataset)},
+            "dataset": {"name": dataset, "type": DATASETS.get(facts.job) or facts.dataset_id or dataset},
             "metrics": [{"type": key.split()[-1], "value": value, "name": key}
                         for key, value in facts.metrics.items()],
         }]}]

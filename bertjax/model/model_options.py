@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from bertjax.model.config import PRESETS, BertConfig
+from bertjax.model.config import ACTIVATIONS, ATTENTION_BACKENDS, DTYPES, PRESETS, REMAT_POLICIES, BertConfig
 from bertjax.model.modernbert_config import ModernBertConfig, alternating_layer_types
 from bertjax.options import floats, ints, option
 
@@ -27,6 +27,50 @@ PRESET_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
 # Shared by both families: sizes, positions and bertjax's compute settings.
 COMPUTE = ("dtype", "attention_backend", "scan_layers", "remat")  # bertjax's own, not a checkpoint's architecture
 SHARED_FIELDS = (*PRESET_FIELDS, "max_position_embeddings", "initializer_range", *COMPUTE)
+# What each field is, as a pretraining job's `model.*` key (`config show --describe`, --help).
+FIELD_HELP = {
+    "vocab_size": "rows of the word embedding table and the MLM softmax (0: the vocabulary's size)",
+    "hidden_size": "width of every layer (0: the preset's)",
+    "num_hidden_layers": "encoder layers (0: the preset's)",
+    "num_attention_heads": "attention heads per layer; hidden_size must divide by it (0: the preset's)",
+    "intermediate_size": "feed-forward inner width (0: the preset's, 4 x hidden_size)",
+    "hidden_act": f"feed-forward activation: {' | '.join(ACTIVATIONS)} (gelu: the exact erf form; gelu_new: the "
+                  "tanh approximation google-research/bert computed)",
+    "hidden_dropout_prob": "dropout on the embeddings and on each sublayer's output",
+    "attention_probs_dropout_prob": "dropout on the attention probabilities",
+    "max_position_embeddings": "position embedding rows: the longest sequence the model takes",
+    "type_vocab_size": "token type (segment A/B) embedding rows",
+    "initializer_range": "standard deviation of the truncated normal that initialises fresh weights",
+    "layer_norm_eps": "LayerNorm's epsilon",
+    "pad_token_id": "the padding token's id",
+    "dtype": f"compute dtype of the matmuls: {' | '.join(DTYPES)} (params stay float32; softmax, LayerNorm and the "
+             "losses run in float32)",
+    "attention_backend": f"{' | '.join(ATTENTION_BACKENDS)} (auto: by the platform compiled for, and attention "
+                         "dropout)",
+    "scan_layers": "run the encoder as one nn.scan over stacked layers (XLA compiles one layer; slower steps)",
+    # ModernBERT's own (model.modernbert.*)
+    "hidden_activation": f"ModernBERT's GeGLU activation: {' | '.join(ACTIVATIONS)}",
+    "initializer_cutoff_factor": "fresh weights: a normal cut at this many standard deviations",
+    "norm_eps": "LayerNorm's epsilon",
+    "norm_bias": "LayerNorms with a bias",
+    "attention_bias": "biases in the q/k/v and output projections",
+    "attention_dropout": "dropout on the attention probabilities and on the attention block's output",
+    "global_rope_theta": "RoPE's theta in the global layers",
+    "local_rope_theta": "RoPE's theta in the sliding-window layers",
+    "embedding_dropout": "dropout on the embeddings' output",
+    "mlp_bias": "biases in the GeGLU's projections",
+    "mlp_dropout": "dropout inside the GeGLU, before its output projection",
+    "decoder_bias": "a bias on the MLM decoder's logits",
+    "classifier_pooling": "a task head's pooling: cls (the first token) | mean (over the real tokens)",
+    "classifier_dropout": "dropout before a task's classifier",
+    "classifier_bias": "a bias in the prediction head's dense layer",
+    "classifier_activation": f"the prediction head's activation: {' | '.join(ACTIVATIONS)}",
+    "tie_word_embeddings": "the MLM decoder's weight is the token embeddings",
+    "remat": f"recompute each layer in the backward pass: {' | '.join(REMAT_POLICIES)} (dots: keep the matmul "
+             "outputs; full: keep only each layer's input, ~1/3 more FLOPs, least memory)",
+}
+
+
 # The ranges of the model's numeric keys, checked as `--set model.KEY=VALUE` is parsed (the config classes check
 # them again, with the sizes, when the job builds the model).
 _PROBABILITY, _POSITIVE = floats(0, 1, high_open=True), floats(0, low_open=True)
@@ -47,8 +91,8 @@ def _modernbert_option_fields() -> list:
     # Token ids come from the job's vocabulary; the layer pattern is given as HF's older, simpler key.
     skipped = {*SHARED_FIELDS, "pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id",
                "layer_types"}
-    fields = [(f.name, f.type, option(f.default, valid=_MODEL_RANGES.get(f.name))) if f.name != "local_attention"
-              else (f.name, int, option(0, "the whole window of sliding-window layers (HF's local_attention); 0: "
+    fields = [(f.name, f.type, option(f.default, FIELD_HELP.get(f.name, ""), valid=_MODEL_RANGES.get(f.name)))
+              if f.name != "local_attention" else (f.name, int, option(0, "the whole window of sliding-window layers (HF's local_attention); 0: "
                                            "the preset's", valid=ints(0)))
               for f in dataclasses.fields(ModernBertConfig) if f.name not in skipped]
     fields.append(("global_attn_every_n_layers", int, option(3, "every n-th layer (from the first) attends "
@@ -65,11 +109,12 @@ def _model_option_fields() -> list:
     fields = [("preset", str, option("base", f"model size and family: {' | '.join(ALL_PRESETS)}"))]
     for field in dataclasses.fields(BertConfig):
         if field.name in PRESET_FIELDS:
-            help_text = "0: the vocabulary's size" if field.name == "vocab_size" else "0: the preset's value"
-            fields.append((field.name, int, option(0, help_text, valid=ints(0))))
+            fields.append((field.name, int, option(0, FIELD_HELP[field.name], valid=ints(0))))
         else:
-            fields.append((field.name, field.type, option(field.default, valid=_MODEL_RANGES.get(field.name))))
-    fields.append(("modernbert", ModernBertOptions, option(default_factory=ModernBertOptions)))
+            fields.append((field.name, field.type, option(field.default, FIELD_HELP.get(field.name, ""),
+                                                          valid=_MODEL_RANGES.get(field.name))))
+    fields.append(("modernbert", ModernBertOptions, option(default_factory=ModernBertOptions,
+                                                           help="ModernBERT's own settings (modernbert-* presets)")))
     return fields
 
 

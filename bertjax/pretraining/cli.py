@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     goodput.add_argument("--json", action="store_true", help="print the account as JSON")
     goodput.set_defaults(func=_goodput)
 
-    config = subparsers.add_parser("config", help="list the pretraining presets, or print one's effective config")
+    config = subparsers.add_parser(
+        "config", help="list the pretraining presets, or show one's effective config (--describe: what each key does)")
     configs = config.add_subparsers(dest="job", required=True)
     configs.add_parser("list", help="the presets in configs/ with their one-line descriptions").set_defaults(
         func=_config_list)
@@ -54,6 +55,8 @@ def register(subparsers) -> None:
     show.add_argument("name", help="preset name (see `bertjax config list`), a .py path or a config.json")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config key (repeatable)")
+    show.add_argument("--describe", action="store_true",
+                      help="each key with its value and what it does, one per line (instead of the JSON)")
     show.set_defaults(func=_config_show)
 
 
@@ -223,7 +226,26 @@ def _config_show(args: argparse.Namespace) -> int:
         from bertjax.data.tokenizers import load_tokenizer
 
         vocab_size = len(load_tokenizer(config.data.vocab, config.data.lower_case).vocab)
-    print(json.dumps(config.with_model_sizes(vocab_size).to_dict(), indent=2))
+    shown = config.with_model_sizes(vocab_size)
+    print("\n".join(described_keys(shown)) if args.describe else json.dumps(shown.to_dict(), indent=2))
     # Beside the JSON (which stays a --config): both warmup keys are in it, one of them unused.
     print(f"note: {config.optimizer.warmup_note(config.train.steps)}", file=sys.stderr)
     return 0
+
+
+def described_keys(config) -> list[str]:
+    """`KEY = VALUE` and, indented below it, what the key does, for every key of a pretraining config."""
+    import json
+
+    from bertjax import options
+
+    def leaves(values: dict, prefix: str = ""):
+        for name, value in values.items():
+            if isinstance(value, dict):
+                yield from leaves(value, f"{prefix}{name}.")
+            else:
+                yield prefix + name, value
+
+    described = options.key_help(type(config))
+    return [line for key, value in leaves(config.to_dict())
+            for line in (f"{key} = {json.dumps(value)}", f"    {described.get(key) or '(no description)'}")]

@@ -107,9 +107,12 @@ class OptimizerConfig:
     decay: str = option("linear", "after warmup, to 0 at the last step: linear | cosine")
     weight_decay: float = option(0.01, "decoupled, not applied to LayerNorm parameters and biases",
                                  valid=floats(0))
-    b1: float = option(0.9, valid=floats(0, 1, high_open=True))
-    b2: float = option(0.999, valid=floats(0, 1, high_open=True))
-    eps: float = option(1e-6, valid=floats(0, low_open=True))
+    b1: float = option(0.9, "Adam's beta1: decay of the first-moment (mean) estimate",
+                       valid=floats(0, 1, high_open=True))
+    b2: float = option(0.999, "Adam's beta2: decay of the second-moment (variance) estimate",
+                       valid=floats(0, 1, high_open=True))
+    eps: float = option(1e-6, "Adam's epsilon, added to the second moment's root (BERT's 1e-6)",
+                        valid=floats(0, low_open=True))
     clip_norm: float = option(1.0, "global gradient-norm clip (0: none)", valid=floats(0))
     bias_correction: bool = option(True, "false: the original TF AdamWeightDecayOptimizer (no bias correction)")
 
