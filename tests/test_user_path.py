@@ -61,9 +61,11 @@ def test_config_show_describes_every_key(capsys):
     assert cli.main(["config", "show", "bert-tiny", "--set", "train.steps=77", "--describe"]) == 0
     lines = capsys.readouterr().out.splitlines()
     keys, helps = lines[0::2], lines[1::2]
-    flat = {f"{group}.{key}": value for group, items in values.items() if isinstance(items, dict)
-            for key, value in items.items()}
-    flat.update({key: value for key, value in values.items() if not isinstance(value, dict)})
+    def flatten(tree, prefix=""):  # nested groups too (model.modernbert.*)
+        return {k: v for key, value in tree.items() for k, v in (
+            flatten(value, f"{prefix}{key}.").items() if isinstance(value, dict) else [(prefix + key, value)])}
+
+    flat = flatten(values)
     assert sorted(keys) == sorted(f"{key} = {json.dumps(value)}" for key, value in flat.items())
     assert "train.steps = 77" in keys
     undescribed = [k for k, h in zip(keys, helps) if not h.startswith("    ") or not h.strip()]

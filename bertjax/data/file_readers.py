@@ -244,7 +244,7 @@ def fingerprint(path: str) -> str:
     """"<size> bytes, sha256 <first 16 hex digits>" of a file, local or gs:// (as a fine-tune's run record gives
     its input files): what `data create` records of each corpus file, and a model card shows."""
     digest, size = hashlib.sha256(), 0
-    with tf.io.gfile.GFile(path, "rb") as f:
+    with _open_raw(path) as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
             size += len(block)

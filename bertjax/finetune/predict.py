@@ -17,7 +17,6 @@ checkpoint with a head. Rows are batched on the mesh by the fine-tuning Trainer'
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 
 import jax
@@ -60,7 +59,7 @@ def recorded_columns(model: str) -> tuple[str | None, str | None] | None:
     for run in (root, root.parent) if root.name in MODELS else (root,):
         for name, read in (("metrics.json", lambda r: r.get("columns")), (RUN_RECORD, lambda r: r)):
             path = run / name
-            record = read(json.loads(path.read_text())) if path.is_file() else None
+            record = read(squad_data.read_json(str(path))) if path.is_file() else None
             if isinstance(record, dict) and isinstance(record.get("text_column"), str):
                 return record["text_column"], record.get("text_pair_column") or None
     return None
