@@ -1,10 +1,17 @@
-"""ModernBERT-base (L22/H768/A12, GeGLU 1152, window 128, a global layer every third) with ModernBERT's phase-1
-recipe: sequence length 1024, MLM alone at 30% masking (80/10/10), contiguous text packed into the rows, no NSP, no
-dropout, learning rate 8e-4.
+"""ModernBERT-base with ModernBERT's phase-1 recipe: seq 1024, batch 4,608, MLM alone at 30%, packed rows, lr 8e-4.
 
-Run (TPU pod slice; see README for the budget run and its price):
+Shapes: L22/H768/A12, GeGLU 1152, window 128, a global layer every third. The recipe (Warner et al. 2024, section
+2.2 and appendix A): MLM alone at 30% masking (80/10/10), contiguous text packed into the rows, no NSP, no dropout
+(their 0.1 on the attention output is not set: HF's config has one rate for it and the probabilities);
+4,608 sequences of 1024 tokens a step (4.7M tokens) in 9 microbatches; AdamW (betas 0.9/0.98, eps 1e-6, decoupled
+weight decay 1e-5) at 8e-4 after a 3B-token warmup, then held (their StableAdamW and batch-size warmup are not
+reproduced); 1.72T tokens = 364,000 steps.
+
+Run (TPU pod slice):
   bertjax pretrain --config modernbert-base --workdir gs://BUCKET/modernbert-base \
       --set data.input='gs://BUCKET/corpus/*.txt' --set data.vocab=gs://BUCKET/tokenizer.json
+Price it first (`bertjax compile --config modernbert-base --topology v5litepod-16 --price-per-chip-hour ...`); a
+budget run: configs/modernbert_base_budget.py.
 """
 from bertjax.pretraining.config import default_config
 
@@ -20,11 +27,15 @@ def get_config():
     c.data.max_predictions_per_seq = 307  # round(1024 x 0.3)
     c.data.packing = True
     c.train.nsp_loss = False
-    c.train.steps = 400_000
-    c.train.batch_size = 512
+    c.train.steps = 364_000
+    c.train.batch_size = 4608
+    c.train.grad_accum_steps = 9
     c.train.log_every = 100
     c.optimizer.learning_rate = 8e-4
-    c.optimizer.warmup_ratio = 0.015
-    c.checkpoint.every = 10_000
-    c.checkpoint.keep_every = 100_000
+    c.optimizer.warmup_steps = 636  # 3B tokens of 4608 x 1024
+    c.optimizer.decay = "constant"
+    c.optimizer.b2 = 0.98
+    c.optimizer.weight_decay = 1e-5
+    c.checkpoint.every = 5_000
+    c.checkpoint.keep_every = 50_000
     return c

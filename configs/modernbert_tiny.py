@@ -1,5 +1,6 @@
-"""ModernBERT-tiny (L4/H128/A2, GeGLU 192, window 32, a global layer every third) with the modern recipe: the CPU
-demo and test size.
+"""ModernBERT-tiny (L4/H128/A2, window 32) with the modern recipe: the CPU demo and test size.
+
+GeGLU 192, a global layer every third.
 
 The recipe, each part an option: MLM alone at 30% masking (80/10/10), no NSP, contiguous text (RoBERTa's full
 sentences) packed into the rows, no dropout (ModernBERT's), AdamW. The vocabulary may be a vocab.txt (WordPiece), a

@@ -111,6 +111,38 @@ class Embeddings(nn.Module):
         return jnp.einsum("...h,vh->...v", x.astype(jnp.float32), self.tok_embeddings)
 
 
+class RotaryQKV(nn.Module):
+    """HF's Wqkv (a Linear [3H, H], held as a kernel [H, 3, H]; its bias [3, H] with attention_bias) and the rotary
+    positions on q and k: (q, k, v), each [B, L, H] with the heads side by side.
+
+    rotate_half(x W + b) = x (W R) + b R for R the signed permutation of each head's halves (`rope.half_rotation`),
+    so the rotated q and k come out of products with the weights times R (R has one +-1 a column: W R is exact in
+    any dtype), and RoPE is x W * cos + x (W R) * sin, elementwise on the products: moving each head's halves between
+    lanes (a reshape, a roll, a per-head product) made XLA:TPU copy q and k in layouts of 64 lanes padded to 128,
+    more than the products it saves (docs/performance.md)."""
+
+    config: ModernBertConfig
+
+    @nn.compact
+    def __call__(self, x, rotary):
+        c, dtype = self.config, jnp.dtype(self.config.dtype)
+        names = ("embed", None, "heads")
+        kernel = self.param("kernel", _init(c, c.initializer_range, names), (x.shape[-1], 3, c.hidden_size),
+                            jnp.float32).astype(dtype)
+        bias = (self.param("bias", _zeros(names[1:]), (3, c.hidden_size), jnp.float32).astype(dtype)
+                if c.attention_bias else None)
+        rotation = jnp.asarray(rope.half_rotation(c.head_dim, c.num_attention_heads), dtype)
+        x = x.astype(dtype)
+        outputs = []
+        for i in range(3):
+            y = x @ kernel[:, i] + (0 if bias is None else bias[i])
+            if i < 2:   # q and k
+                y_rot = x @ (kernel[:, i] @ rotation) + (0 if bias is None else bias[i] @ rotation)
+                y = rope.rotate(y, y_rot, *rotary, c.head_dim)
+            outputs.append(y)
+        return outputs
+
+
 class Attention(nn.Module):
     """Fused q/k/v projection, rotary positions on q and k, attention (windowed in sliding layers), output
     projection and its dropout (HF's `out_drop`, at attention_dropout)."""
@@ -122,9 +154,7 @@ class Attention(nn.Module):
     def __call__(self, x, input_mask, packing_ids, rotary, deterministic: bool):
         c = self.config
         heads, head_dim = c.num_attention_heads, c.head_dim
-        query, key, value = Projection(c, (3, c.hidden_size), ("embed", None, "heads"), c.initializer_range,
-                                       c.attention_bias, name="Wqkv")(x)
-        query, key = rope.apply_rotary(query, *rotary, head_dim), rope.apply_rotary(key, *rotary, head_dim)
+        query, key, value = RotaryQKV(c, name="Wqkv")(x, rotary)
         query, key, value = (_constrain(t.reshape(x.shape[:2] + (heads, head_dim)),
                                         ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
                              for t in (query, key, value))

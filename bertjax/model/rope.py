@@ -25,30 +25,30 @@ def cos_sin(positions, head_dim: int, theta: float):
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def _half_rotation(head_dim: int, dtype) -> np.ndarray:
-    """The [head_dim, head_dim] matrix R with [a, b] R = [-b, a]: a permutation with signs."""
+def half_rotation(head_dim: int, heads: int = 1) -> np.ndarray:
+    """R with [a, b] R = [-b, a] for each head's halves, block-diagonal over `heads` heads side by side
+    [heads * head_dim, heads * head_dim]: a permutation with signs (one +-1 a column)."""
     half = head_dim // 2
-    rotation = np.zeros((head_dim, head_dim), np.float32)
-    rotation[np.arange(half) + half, np.arange(half)] = -1.0   # output j < half takes -b_j
-    rotation[np.arange(half), np.arange(half) + half] = 1.0    # output half + j takes a_j
-    return rotation.astype(dtype)
+    one = np.zeros((head_dim, head_dim), np.float32)
+    one[np.arange(half) + half, np.arange(half)] = -1.0   # output j < half takes -b_j
+    one[np.arange(half), np.arange(half) + half] = 1.0    # output half + j takes a_j
+    return np.kron(np.eye(heads, dtype=np.float32), one)
 
 
 def rotate_half(x, head_dim: int):
-    """Each head's [a, b] as [-b, a], x [..., heads * head_dim] (the heads side by side, as the projections give
-    them), as a product with a signed permutation (each output one input, exactly): moving the halves by reshapes
-    or rolls made XLA:TPU copy q and k into other lanes, costing more than the layer's matmuls; a 64-deep product
-    per head is 1% of the layer's FLOPs (docs/performance.md)."""
+    """Each head's [a, b] as [-b, a], x [..., heads * head_dim] (the heads side by side)."""
+    return x @ jnp.asarray(half_rotation(head_dim, x.shape[-1] // head_dim), x.dtype)
+
+
+def rotate(x, x_rotated, cos, sin, head_dim: int):
+    """RoPE from x [batch, length, heads * head_dim] and its half rotation (`rotate_half(x)`, however computed):
+    x * cos + x_rotated * sin with (cos, sin) [batch or 1, length, head_dim] tiled over the heads, in x's dtype
+    (HF computes in float32 and rounds once: the same in a float32 model)."""
     heads = x.shape[-1] // head_dim
-    rotated = jnp.einsum("...hd,de->...he", x.reshape(x.shape[:-1] + (heads, head_dim)),
-                         jnp.asarray(_half_rotation(head_dim, x.dtype)), precision=jax.lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
-    return rotated.reshape(x.shape).astype(x.dtype)
+    cos, sin = (jnp.tile(t, heads).astype(x.dtype) for t in (cos, sin))
+    return x * cos + x_rotated * sin
 
 
 def apply_rotary(x, cos, sin, head_dim: int):
-    """x [batch, length, heads * head_dim] rotated by (cos, sin) [batch or 1, length, head_dim], in x's dtype (HF
-    computes in float32 and rounds once: the same in a float32 model; in bfloat16 XLA keeps the sum in its fusion)."""
-    heads = x.shape[-1] // head_dim
-    cos, sin = (jnp.tile(t, heads).astype(x.dtype) for t in (cos, sin))
-    return x * cos + rotate_half(x, head_dim) * sin
+    """x [batch, length, heads * head_dim] rotated by (cos, sin) [batch or 1, length, head_dim]."""
+    return rotate(x, rotate_half(x, head_dim), cos, sin, head_dim)

@@ -50,7 +50,21 @@ def linear_warmup_cosine_decay(learning_rate: float, num_train_steps: int, warmu
     return schedule
 
 
-SCHEDULES = {"linear": linear_warmup_linear_decay, "cosine": linear_warmup_cosine_decay}
+def linear_warmup_constant(learning_rate: float, num_train_steps: int, warmup_steps: int) -> optax.Schedule:
+    """Linear warmup to `learning_rate`, then held there: the stable phase of a warmup-stable-decay ("trapezoidal")
+    schedule, as ModernBERT's pretraining ran (its decay came with the context extension that followed)."""
+    if not 0 <= warmup_steps <= num_train_steps:
+        raise ValueError(f"warmup_steps must be in [0, num_train_steps={num_train_steps}], got {warmup_steps}")
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        return learning_rate * jnp.minimum(step / max(warmup_steps, 1), 1.0)
+
+    return schedule
+
+
+SCHEDULES = {"linear": linear_warmup_linear_decay, "cosine": linear_warmup_cosine_decay,
+             "constant": linear_warmup_constant}
 
 
 def decay_mask(params):
@@ -104,7 +118,7 @@ class OptimizerConfig:
     warmup_steps: int = option(10_000, "linear warmup from 0", valid=ints(0))
     warmup_ratio: float = option(0.0, "the warmup as a share of the run's steps; > 0 replaces warmup_steps (so a "
                                  "changed train.steps needs no new warmup)", valid=floats(0, 1))
-    decay: str = option("linear", "after warmup, to 0 at the last step: linear | cosine")
+    decay: str = option("linear", "after warmup: linear | cosine (to 0 at the last step) | constant (held)")
     weight_decay: float = option(0.01, "decoupled, not applied to LayerNorm parameters and biases",
                                  valid=floats(0))
     b1: float = option(0.9, "Adam's beta1: decay of the first-moment (mean) estimate",
