@@ -157,6 +157,10 @@ class Trainer:
         compile_cache.enable(settings.compilation_cache_dir, key="compilation_cache_dir")
         host_memory.release_freed_memory_after_compiles(os.environ)
         self.mesh = mesh or sharding.make_mesh()
+        if self.mesh.devices.flat[0].platform == "gpu":   # before any step is traced: kernels that disagree left out
+            from bertjax.model import gpu_kernel_check
+
+            gpu_kernel_check.prepare("gpu", Console().line)
         n_data = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         # Prediction holds no gradients or optimizer state: a batch that trains fits, so it never predicts smaller.
         self.eval_batch_size = max(settings.eval_batch_size, settings.batch_size)

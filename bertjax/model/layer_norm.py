@@ -11,7 +11,8 @@ and the sum in the compute dtype, then float32), and the backward is LayerNorm's
     ds = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dy * xhat),  dbias = sum_rows(dy)
     dresidual = ds,  dx = where(keep, ds / keep_probability, 0)
 On a GPU (the target platform) both LayerNorms are `layer_norm_gpu`'s Pallas kernels instead, one forward and one
-backward with these values, per device on a mesh; this custom_vjp is what CPUs run.
+backward with these values, per device on a mesh (unless their check on the card failed: `gpu_kernels.py`); this
+custom_vjp is what CPUs run.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import dropout as dropout_lib
-from bertjax.model import layer_norm_gpu
+from bertjax.model import gpu_kernels, layer_norm_gpu
 from bertjax.model.config import BertConfig
 from bertjax.sharding import target_platform
 
@@ -43,7 +44,8 @@ def layer_norm(x, scale, bias, eps: float, dtype):
     """LayerNorm of `x` over its last axis in float32, output in `dtype`."""
     shape = x.shape
     platform = target_platform()
-    if platform == "gpu" and (y := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype)) is not None:
+    if platform == "gpu" and gpu_kernels.runs_kernel("layer_norm") and \
+            (y := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype)) is not None:
         return y
     if platform == "tpu":
         y, _, _ = normalise_rows(x.astype(jnp.float32), scale, bias, eps)
@@ -69,7 +71,7 @@ def residual_layer_norm(x, residual, scale, bias, eps: float, dtype, rate: float
     if x.dtype != residual.dtype:
         raise ValueError(f"x ({x.dtype}) and residual ({residual.dtype}) must have one dtype")
     fusable = dropout_lib.fusable_shape(x.shape)
-    if target_platform() == "gpu" and fusable:
+    if target_platform() == "gpu" and fusable and gpu_kernels.runs_kernel("layer_norm"):
         seeds = None if rng is None else dropout_lib.word_seeds(rng)
         y = layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype, residual, rate, seeds, x_bias)
         if y is not None:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import dropout as dropout_lib
+from bertjax.model import gpu_kernels
 from bertjax.model.layer_norm import as_rows, layer_norm, normalise_backward, normalise_rows
 from bertjax.sharding import target_platform
 
@@ -26,7 +27,7 @@ from bertjax.sharding import target_platform
 def norm_then_dropout(x, scale, bias, eps: float, dtype, rate: float = 0.0, rng=None):
     """dropout(LayerNorm(x)) over the last axis, LayerNorm in float32, output in `dtype` (dropout skipped when
     `rng` is None)."""
-    if target_platform() == "gpu" and dropout_lib.fusable_shape(x.shape):
+    if target_platform() == "gpu" and dropout_lib.fusable_shape(x.shape) and gpu_kernels.runs_kernel("layer_norm"):
         y = layer_norm(x, scale, bias, eps, dtype)   # layer_norm_gpu's kernels
         return y if rng is None else _rehashed_dropout(rate, y, dropout_lib.word_seeds(rng))
     if target_platform() == "tpu" or not dropout_lib.fusable_shape(x.shape):
