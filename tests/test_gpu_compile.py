@@ -354,7 +354,7 @@ def test_bert_base_for_an_h200_moves_fewer_bytes_outside_matmuls():
     the q/k/v biases and D inside the attention kernels, the GELU taking its bias, the MLM loss's own backward and
     residual + dropout + LayerNorm as one gradient, 41.8 ms, 51.1 GB; with the LayerNorms as Pallas kernels, 39.8 ms,
     45.4%, 46.1 GB; with the Dense biases before them added in those kernels, 38.6 ms, 46.9%, 42.5 GB
-    (docs/performance.md); with the MLM loss's forward in one pass and the embeddings' own gradients, 38.2 ms,
+    (docs/performance-history.md); with the MLM loss's forward in one pass and the embeddings' own gradients, 38.2 ms,
     47.4%, 41.3 GB. ESTIMATES."""
     topology = aot.parse_target("h200")
     config = load_config("bert-base-phase1", ["model.hidden_act=gelu"], require_data=False)

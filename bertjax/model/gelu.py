@@ -24,7 +24,7 @@ _TANH_A = 0.044715
 def gelu(x, approximate: bool):
     """`jax.nn.gelu(x, approximate)`; off TPU its gradient recomputed from x alone. XLA:TPU is left its own
     differentiation: with this GELU (and LayerNorm over 2-D rows) its estimate of the bert-base-phase1 step on
-    v5litepod-16 grew from 13.77 to 15.77 ms (docs/performance.md)."""
+    v5litepod-16 grew from 13.77 to 15.77 ms (docs/performance-history.md)."""
     if target_platform() == "tpu":
         return jax.nn.gelu(x, approximate=approximate)
     return _gelu_saving_input(x, approximate)

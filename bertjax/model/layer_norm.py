@@ -5,7 +5,7 @@ written (its program is left as it was). Off TPU, `LayerNorm(x, residual, dropou
 whose backward keeps only the sum s = dropout(x) + residual (compute dtype) and each row's mean and 1 / std
 (float32), and recomputes the dropout mask from its seeds (`dropout.keep_mask_fused`), hashed in place:
 differentiated as written, XLA:GPU wrote the sum's gradient for the dropout's backward to read back, and scale's
-gradient product dy * xhat in float32 before reducing it (BERT-base on an H200: docs/performance.md). The values are those of the composition: the same mask bits, the same roundings (dropout
+gradient product dy * xhat in float32 before reducing it (BERT-base on an H200: docs/performance-history.md). The values are those of the composition: the same mask bits, the same roundings (dropout
 and the sum in the compute dtype, then float32), and the backward is LayerNorm's analytic gradient:
     xhat = (s - mean) * rstd,  g = dy * scale
     ds = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dy * xhat),  dbias = sum_rows(dy)
@@ -52,7 +52,7 @@ def layer_norm(x, scale, bias, eps: float, dtype):
     else:
         # Over rows of a 2-D array XLA:GPU reduces scale's and bias's gradients over one axis, in the
         # normalisation's own fusions; over [B, L, H] it transposed them first (BERT-base on an H200, priced:
-        # 47.9 -> 47.1 ms, 131 kernels fewer). XLA:TPU keeps [B, L, H] (see model/gelu.py; docs/performance.md).
+        # 47.9 -> 47.1 ms, 131 kernels fewer). XLA:TPU keeps [B, L, H] (see model/gelu.py; docs/performance-history.md).
         y, _, _ = normalise_rows(as_rows(x), scale, bias, eps)
     return y.astype(dtype).reshape(shape)
 

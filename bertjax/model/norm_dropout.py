@@ -7,7 +7,7 @@ against this module's VJP: 8.81 -> 8.75 ms, 0.15 GB less; ESTIMATES). On CPU one
 (float32), each row's mean and 1 / std and the dropout's seeds, and hashes the mask again where it is used
 (`dropout.keep_mask_fused`): differentiated as written, XLA:GPU stored the mask (a byte an element, hashed and
 concatenated in passes of their own) and wrote scale's gradient product dz * xhat in float32 before reducing it
-(BERT-base on an H200: docs/performance.md). With z the LayerNorm's output (compute dtype):
+(BERT-base on an H200: docs/performance-history.md). With z the LayerNorm's output (compute dtype):
     dz = where(keep, dy / keep_probability, 0),  xhat = (x - mean) * rstd,  g = dz * scale
     dx = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dz * xhat),  dbias = sum_rows(dz)
 """
