@@ -165,8 +165,8 @@ def test_compile_says_when_the_priced_program_holds_kernels_never_checked_on_the
     assert report["card"] == gpus.CARDS["h100"].device_kind and report["checked"] is False
     note = report["note"]
     assert note.startswith("GPU kernels: the priced program runs bertjax's Pallas kernels flash_dropout_gpu "
-                           "(attention with dropout), layer_norm_gpu (the LayerNorms), not yet checked on an NVIDIA "
-                           f"H100 80GB HBM3 with jax {jax.__version__}")
+                           "(attention with dropout), layer_norm_gpu (the LayerNorms), which have not passed their "
+                           f"check on an NVIDIA H100 80GB HBM3 with jax {jax.__version__}")
     assert "`bash bench/gpu_check.sh`" in note and "runs XLA's path for one that disagrees" in note
     result = {"accelerator_type": "h100x8", "chip": "GPU", "chips": 8, "mesh": {}, "global_batch": 256,
               "per_chip_batch": 32, "grad_accum_steps": 1, "seq_len": 128, "hbm_bytes_per_chip": 2**30,

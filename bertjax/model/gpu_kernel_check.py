@@ -118,15 +118,16 @@ def kernels_in_program(hlo_text: str) -> list[str]:
 
 
 def compile_note(device_kind: str, hlo_text: str, cache_dir: str | None = None) -> str:
-    """`bertjax compile`'s line when the priced program holds kernels never checked on this card ('' otherwise)."""
+    """`bertjax compile`'s line when the priced program holds kernels that have not passed their check on this card
+    ('' otherwise)."""
     found = kernels_in_program(hlo_text)
     if not found or passed(device_kind, cache_dir=cache_dir):
         return ""
     names = ", ".join(f"{gpu_kernels.FAMILIES[f][0]} ({gpu_kernels.FAMILIES[f][1]})" for f in found)
-    return (f"GPU kernels: the priced program runs bertjax's Pallas kernels {names}, not yet checked on an "
-            f"{device_kind} with jax {jax.__version__} (kernels {fingerprint()}): check them on the card with "
-            f"`{CHECK_COMMAND}` (seconds, before it times anything). A job checks them itself before its first step "
-            f"and runs XLA's path for one that disagrees, which this price does not cover")
+    return (f"GPU kernels: the priced program runs bertjax's Pallas kernels {names}, which have not passed their "
+            f"check on an {device_kind} with jax {jax.__version__} (kernels {fingerprint()}): check them on the card "
+            f"with `{CHECK_COMMAND}` (its first minute, before it times anything). A job checks them itself before "
+            f"its first step and runs XLA's path for one that disagrees, which this price does not cover")
 
 
 # ------------------------------------------------------------------------------------- before a job's first step
