@@ -185,3 +185,14 @@ def test_compile_says_when_the_priced_program_holds_kernels_never_checked_on_the
     # Without our kernels in the program, or off GPU: nothing to say.
     assert aot.gpu_kernels_report(aot.parse_target("h200"), "ENTRY %main {}")["note"] == ""
     assert aot.gpu_kernels_report(aot.parse_target("v5litepod-16"), _TRITON_CALLS) is None
+
+
+def test_the_pretraining_job_checks_before_it_builds_its_step_on_a_gpu_only(monkeypatch):
+    from bertjax.pretraining import loop
+
+    called = []
+    monkeypatch.setattr(gpu_kernel_check, "prepare", lambda platform, log: called.append(platform))
+    for platform in ("cpu", "tpu", "gpu"):
+        device = types.SimpleNamespace(platform=platform)
+        loop._check_gpu_kernels(types.SimpleNamespace(devices=types.SimpleNamespace(flat=[device])), print)
+    assert called == ["gpu"]

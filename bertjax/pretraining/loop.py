@@ -27,7 +27,7 @@ from bertjax.data.tokenizers import load_tokenizer
 from bertjax.host_memory import memory_warning
 from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.model import bert as model_lib
-from bertjax.model import family, gpu_kernel_check
+from bertjax.model import family
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
@@ -54,6 +54,15 @@ def _shapes_taken(requested, resolved) -> str:
     """`data.KEY=VALUE, ...` for the data shapes the shards' metadata set differently from the config."""
     return ", ".join(f"data.{k}={getattr(resolved, k)}" for k in input_source.SHARD_SHAPE_KEYS
                      if getattr(requested, k) != getattr(resolved, k))
+
+
+def _check_gpu_kernels(mesh, log) -> None:
+    """On a GPU, before the step is built: our Pallas kernels checked on the card (once per card, jax and kernel
+    source), a family that disagrees with XLA left out of the step (model/gpu_kernel_check.py)."""
+    if mesh.devices.flat[0].platform == "gpu":
+        from bertjax.model import gpu_kernel_check
+
+        gpu_kernel_check.prepare("gpu", log)
 
 
 def _numpy_batch(element) -> dict:
@@ -177,7 +186,7 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     config = dataclasses.replace(config, data=source.config)
     validate(config, jax.device_count())
     mesh = config.mesh.build()
-    gpu_kernel_check.prepare(mesh.devices.flat[0].platform, Console(enabled=jax.process_index() == 0).line)
+    _check_gpu_kernels(mesh, Console(enabled=jax.process_index() == 0).line)
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     with tfrecord.damaged_records_named(source.files):
         batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
@@ -261,8 +270,7 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     validate(config, jax.device_count())
     init_from = init_from or config.init_from
     mesh = config.mesh.build()
-    # Before the step is built: a kernel that disagrees with XLA on this card is left out of it.
-    gpu_kernel_check.prepare(mesh.devices.flat[0].platform, log)
+    _check_gpu_kernels(mesh, log)
     account.mark("startup_s")
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     vocab, lower_case = list(tokenizer.vocab), tokenizer.lower_case
