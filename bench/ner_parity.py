@@ -14,7 +14,7 @@ predicted O (their count is reported); our side windows long sentences instead.
   python bench/ner_parity.py --side hf   --seeds 1 2 3
   python bench/ner_parity.py --report
 
-The figures in docs/performance.md (a 2-core CPU shared with other jobs) used, on both sides:
+The figures in docs/performance-history.md (a 2-core CPU shared with other jobs) used, on both sides:
   --max-train-sentences 1000 --max-eval-sentences 500 --epochs 2 --learning-rate 1e-4 --batch-size 32
   --max-seq-length 128
 """

@@ -3,13 +3,14 @@
     .venv/bin/python bench/train_step.py [--batch 8] [--seq 128] [--repeats 3] [--lengths 128,256,512]
         [--torch-peers eager,compile]
 
-Prints sequences/s of each side and their ratio, model TFLOP/s and the fraction of a matmul peak measured in the
-same run (the CPU's reference for MFU: the faster of XLA's and torch's fp32 matmul), then bertjax's sequences/s at
+Prints each side's median step (wall seconds, and the CPU seconds of all its threads), sequences/s and their ratio,
+model TFLOP/s and the fraction of a matmul peak measured in the same run (the CPU's reference for MFU: the faster of XLA's and torch's fp32 matmul), then bertjax's sequences/s at
 each of --lengths. `--torch-peers eager,compile` also times the reference under torch.compile (the fairest PyTorch
 peer on a GPU; its warm-up is untimed). The sides take turns of a few steps so that machine noise hits both alike; the reference runs in
 a child process, never at the same time. On a CPU both sides run with the malloc settings of bertjax.host_memory,
 which the `bertjax` command applies there. On an accelerator pass --dtype bfloat16 and the MFU is against the
-device's table peak.
+device's table peak. The load average is printed before and after the timed turns: on a busy machine the sides slow
+unequally, so a ratio is an idle machine's figure or goes with the load and both sides' CPU seconds.
 """
 from __future__ import annotations
 
@@ -51,13 +52,14 @@ def _ours(config, batch, seq, masked):
     holder = {"state": state}
 
     def run():
-        start = time.perf_counter()
+        """(wall, CPU) seconds of one step: the CPU of every thread of this process."""
+        start, cpu = time.perf_counter(), time.process_time()
         with sharding.activate(mesh):
             holder["state"], metrics = step(holder["state"], data)
         jax.block_until_ready(metrics)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
-    print(f"  bertjax step compiled and ran once in {run():.1f} s (scan_layers={config.scan_layers})")
+    print(f"  bertjax step compiled and ran once in {run()[0]:.1f} s (scan_layers={config.scan_layers})")
     return run
 
 
@@ -135,13 +137,18 @@ def _seconds(call) -> float:
     return time.perf_counter() - start
 
 
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def _serve_torch(config, batch, seq, masked, threads, compiled, conn):
     """Child process: builds the reference step, then times one step per request on `conn`."""
     _same_host_malloc_as_bertjax()
     run = _torch(config, batch, seq, masked, threads, compiled)
     conn.send(("ready", _torch_matmul_peak()))
     while conn.recv():
-        conn.send(run())
+        cpu = time.process_time()
+        conn.send((run(), time.process_time() - cpu))   # (wall, CPU) seconds, as bertjax's side
 
 
 def _torch_in_subprocess(config, batch, seq, masked, threads, compiled=False):
@@ -237,6 +244,8 @@ def main() -> int:
           f"({peak_source})")
     print("  host malloc: " + ("keeps freed memory (bertjax.host_memory), both sides" if malloc_tuned
                                else "glibc defaults"))
+    # A busy machine slows the sides unequally (PyTorch's threads suffer more): the load goes with the figures.
+    print(f"  load average at the start: {_load()}")
     ours = _ours(config, args.batch, args.seq, args.masked)
     ours_times, torch_times = [], {peer: [] for peer in references}
     for _ in range(args.repeats):
@@ -249,11 +258,12 @@ def main() -> int:
         run.close()
 
     def report(name, times, seq):
-        seconds = statistics.median(times)
+        """The median step's wall time (and its rates), and the median CPU seconds a step (all threads)."""
+        seconds, cpu = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
         rate = args.batch / seconds
         achieved = rate * metrics.train_flops_per_sequence(config, seq, args.masked)  # one device each
-        print(f"  {name:<34} {seconds:7.3f} s/step {rate:8.2f} seq/s {achieved / 1e9:8.1f} GFLOP/s "
-              f"= {achieved / peak:5.1%} of peak")
+        print(f"  {name:<34} {seconds:7.3f} s/step ({cpu:6.2f} CPU-s) {rate:8.2f} seq/s {achieved / 1e9:8.1f} "
+              f"GFLOP/s = {achieved / peak:5.1%} of peak")
         return seconds
 
     ours_median = report("bertjax", ours_times, args.seq)
@@ -262,6 +272,7 @@ def main() -> int:
         torch_median = report(name, times, args.seq)
         print(f"  ratio bertjax / transformers{' (torch.compile)' if peer == 'compile' else ''}: "
               f"{torch_median / ours_median:.2f}x (medians)")
+    print(f"  load average after the timed turns: {_load()}")
     if args.trace:
         _trace(ours, args.trace, host=device.platform == "cpu")
     for length in [int(x) for x in args.lengths.split(",") if x]:

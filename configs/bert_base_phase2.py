@@ -4,9 +4,9 @@ Run:
   bertjax pretrain --config bert-base-phase2 --workdir gs://BUCKET/bert-base-p2 \
       --init gs://BUCKET/bert-base/checkpoints/900000 \
       --set data.input='gs://BUCKET/wiki/*.txt' --set data.vocab=gs://BUCKET/vocab.txt
-Compute: 100k steps x 256 seq x 512 tokens x ~588 MFLOP/token = 7.7e18 FLOP; estimate (not measured) ~1 h on a
-v4-32 at 50% MFU. XLA:TPU's estimate of the compiled step on a v5litepod-16, communication priced: 46.8 ms/step,
-52.3% MFU, 1.3 h (an estimate, not a measurement).
+Compute: 100k steps x 256 seq x 512 tokens x ~588 MFLOP/token = 7.7e18 FLOP; ~1 h on a v4-32 at an assumed 50% MFU.
+The compiled step's own estimate: `bertjax compile --config bert-base-phase2 --topology v5litepod-16`; the figures
+at a stated commit: docs/performance.md.
 """
 from bertjax.pretraining.config import default_config
 

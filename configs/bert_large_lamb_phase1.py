@@ -3,9 +3,9 @@
 Run:
   bertjax pretrain --config bert-large-lamb-phase1 --workdir gs://BUCKET/bert-large \
       --set data.input='gs://BUCKET/wiki/*.txt' --set data.vocab=gs://BUCKET/vocab.txt
-Compute: 7038 steps x 65536 seq x ~3.3 x 70 GFLOP/seq ~ 1.1e20 FLOP; estimate (not measured) ~14 h on a v4-32 at 50% MFU;
-XLA:TPU's estimate of the compiled step on a v5p-128, communication priced, with the weight-update sharding (the
-default): 0.868 s/step, 61.8% MFU, 1.7 h (an estimate, not a measurement; the replicated update: 1.029 s, 52.2%).
+Compute: 7038 steps x 65536 seq x ~3.3 x 70 GFLOP/seq ~ 1.1e20 FLOP; ~14 h on a v4-32 at an assumed 50% MFU. The
+compiled step's own estimate (weight-update sharding, the default): `bertjax compile --config bert-large-lamb-phase1
+--topology v5p-128`; the figures at a stated commit: docs/performance.md.
 """
 from bertjax.pretraining.config import default_config
 

@@ -145,7 +145,7 @@ def test_the_demos_last_lines_say_what_the_count_means_and_how_long_pretraining_
 def test_the_demo_runs_and_says_what_it_showed(tmp_path):
     """The whole demo after the install: pretraining, export, and transformers' fill-mask on HELD_OUT, ending with
     what its count means and how long the pretraining took. (How many words it finds is no test: the embedded
-    corpus bounds it, 2 of 5 on 2026-11-28, docs/performance.md.)"""
+    corpus bounds it, 2 of 5 on 2026-11-28, docs/performance-history.md.)"""
     out = run_make("demo-run", tmp_path / "demo", timeout=3600)
     [(found, scored)] = re.findall(r"^held-out words in the top 5: (\d+) of (\d+)$", out, re.MULTILINE)
     assert int(scored) == 5

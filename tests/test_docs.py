@@ -4,7 +4,8 @@ import re
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = ("usage.md", "architecture.md", "performance.md", "reliability.md", "reference.md")
+DOCS = ("usage.md", "architecture.md", "performance.md", "performance-history.md", "reliability.md",
+        "reference.md")
 
 
 def test_the_readme_links_every_doc_and_each_exists():
@@ -61,3 +62,51 @@ def test_architecture_stays_a_description_not_a_logbook():
     lines = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").count("\n")
     # ~100 of them are the Layout map (several small modules of a folder to a line); the rest describes the system.
     assert lines <= 350, f"docs/architecture.md has {lines} lines: move figures to performance.md, history to git"
+
+
+# A path of a development machine: its project root, or root's home (the venv's interpreter lives there).
+MACHINE_PATH = re.compile(r"(?<![\w}.$~-])/(?:work|root)/")
+TEXT_SUFFIXES = {".py", ".md", ".txt", ".toml", ".sh", ".cfg", ".ini", ".yaml", ".yml", ".json", ".csv"}
+
+
+def project_text_files() -> list[pathlib.Path]:
+    """The project's text files: sources, docs, tests, examples, build files (not hidden folders but .ci, no caches)."""
+    found = []
+    for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
+        if any(p.startswith(".") and p != ".ci" or p in ("__pycache__", "build", "dist") or p.endswith(".egg-info")
+               for p in parts[:-1]) or not path.is_file():
+            continue
+        if path.suffix in TEXT_SUFFIXES or path.name in ("Makefile", "run", ".gitignore"):
+            found.append(path)
+    return found
+
+
+def test_no_machine_path_in_project_text():
+    """Shared data is named by its place beside the project (../shared/...), never by a development machine's
+    absolute path (it was in three modules' docstrings, a test and performance.md)."""
+    hits = [f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}"
+            for path in project_text_files()
+            for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+            if MACHINE_PATH.search(line)]
+    assert hits == [], hits
+
+
+def test_the_machine_path_check_reads_what_it_should():
+    work, root = "/" + "work/", "/" + "root/"   # spelt apart: this file is project text too
+    assert MACHINE_PATH.search(f"calibrated on {work}shared/gpu (the profile)")
+    assert MACHINE_PATH.search(f"python at {root}.pyenv/versions/3.11.7/bin/python")
+    assert not MACHINE_PATH.search("the profile in ../shared/gpu beside the project")
+    assert not MACHINE_PATH.search('f"{gcs_dir}/work/x"') and not MACHINE_PATH.search("~/work/x and runs/work/y")
+    assert {p.name for p in project_text_files()} >= {"gpu_estimate.py", "performance.md", "test_docs.py", "Makefile"}
+
+
+def test_presets_carry_no_priced_step_figures():
+    """A preset's docstring named a compiled step's estimate (14.8 ms, 38.5%) that drifted from what `compile` prints
+    (13.77 ms, 41.3%): presets point to `bertjax compile` and performance.md, which states the commit."""
+    import ast
+
+    for path in sorted((ROOT / "configs").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        figures = re.findall(r"\d[\d.]* ?m?s/step|\d+\.\d+% MFU|\d[\d.]* GiB", doc)
+        assert figures == [], f"{path.name}: {figures}"

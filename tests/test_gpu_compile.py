@@ -19,7 +19,7 @@ from bertjax.pretraining.config import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_GPU = ROOT.parent / "shared" / "gpu"   # beside the repo, as conftest's SHARED_DATA
-MEASURED_H200_SEQ128_SECONDS = 0.063   # /work/shared/gpu/README.md: seq 128, batch 256, one H200
+MEASURED_H200_SEQ128_SECONDS = 0.063   # ../shared/gpu/README.md: seq 128, batch 256, one H200
 CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None \
     if importlib.util.find_spec("jax_plugins") else False
 needs_cuda_plugin = pytest.mark.skipif(not CUDA_PLUGIN, reason="the deviceless XLA:GPU compile needs the jax CUDA "
@@ -60,7 +60,7 @@ def test_target_configs_carry_each_cards_figures():
         assert f"memory_bandwidth: {int(card.hbm_bytes_per_second)}\n" in text
         assert f"device_memory_size: {card.hbm_bytes}\n" in text
         assert f'device_description_str: "{card.device_kind}"' in text
-    # The H100's is the shared one's (/work/shared/gpu/h100_target_config.pbtxt) field for field.
+    # The H100's is the shared one's (../shared/gpu/h100_target_config.pbtxt) field for field.
     shared = SHARED_GPU / "h100_target_config.pbtxt"
     if shared.exists():
         assert gpus.CARDS["h100"].target_config().split() == shared.read_text().split()
@@ -199,7 +199,7 @@ ENTRY %main (q: bf16[64,64]) -> bf16[64,64] {
 def real_h200_program() -> str:
     path = SHARED_GPU / "step_seq128_after_optimizations.hlo.gz"
     if not path.exists():
-        pytest.skip(f"{path} is absent (the real H200 program of the BERT-base step; see /work/shared/gpu)")
+        pytest.skip(f"{path} is absent (the real H200 program of the BERT-base step; see ../shared/gpu beside the repo)")
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return f.read()
 
@@ -364,7 +364,7 @@ def test_bert_base_for_an_h200_moves_fewer_bytes_outside_matmuls():
     the q/k/v biases and D inside the attention kernels, the GELU taking its bias, the MLM loss's own backward and
     residual + dropout + LayerNorm as one gradient, 41.8 ms, 51.1 GB; with the LayerNorms as Pallas kernels, 39.8 ms,
     45.4%, 46.1 GB; with the Dense biases before them added in those kernels, 38.6 ms, 46.9%, 42.5 GB
-    (docs/performance.md); with the MLM loss's forward in one pass and the embeddings' own gradients, 38.2 ms,
+    (docs/performance-history.md); with the MLM loss's forward in one pass and the embeddings' own gradients, 38.2 ms,
     47.4%, 41.3 GB. ESTIMATES."""
     topology = aot.parse_target("h200")
     config = load_config("bert-base-phase1", ["model.hidden_act=gelu"], require_data=False)

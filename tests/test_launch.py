@@ -235,3 +235,23 @@ def test_workers_of_a_launcher_killed_outright_end_with_it(tmp_path):
     while [pid for pid in pids if process_running(pid)] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in pids if process_running(pid)]
+
+
+def test_launch_local_says_what_it_starts_before_the_workers_first_lines(tmp_path, capfd):
+    """The workers say nothing until each has imported JAX and TensorFlow and joined the others (34 s): the
+    launcher says first what it started and what the wait is."""
+    from bertjax.cloud.local import LocalProcesses
+
+    script = tmp_path / "worker.py"
+    script.write_text("print('worker up')\n")
+    workers = LocalProcesses(2, 3, program=[sys.executable, str(script)])
+    workers.start(["pretrain", "--config", "bert-tiny"])
+    assert workers.wait() == (0, "exited")
+    time.sleep(0.2)   # the relay threads' last lines
+    out, err = capfd.readouterr()
+    assert err.strip() == (
+        f"bertjax launch: starting 2 process(es) of 3 CPU device(s) each, joined through 127.0.0.1:"
+        f"{err.split('127.0.0.1:')[1].split(':')[0]}: {sys.executable} {script} pretrain --config bert-tiny; their "
+        f"lines follow once each has imported JAX and TensorFlow and joined the others (~30 s on 2 cores)")
+    assert err.split("127.0.0.1:")[1].split(":")[0].isdigit()
+    assert sorted(out.splitlines()) == ["[p0] worker up", "[p1] worker up"]

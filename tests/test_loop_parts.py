@@ -201,3 +201,28 @@ def test_progress_lines_come_every_tenth_of_a_run_or_30_seconds_whichever_is_fir
         time.sleep(1.1 if step == 3 else 0)  # step 3 comes 1.1 s after the start: a line, then none till 50
         due.append(slow.due(step))
     assert due == [False, False, True, False, False]
+
+
+def test_the_eta_extrapolates_from_steps_that_did_not_compile(monkeypatch):
+    """A fine-tune's step 2 of a length not met before compiled again: the ETA at step 2 extrapolated that compile
+    over the whole run (a 10-minute MiniLM run said 1h53m). Time set aside (a compiling step, the first
+    evaluation) is not extrapolated from: "?" until a step that did not compile, then their mean."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    lines = []
+    console = Console()
+    console.line = lines.append
+    writer = MetricsWriter("", 600, enabled=False, console=console)
+    writer.mark_start(1)            # after the first, compiling, step
+    now[0] += 60.5                  # step 2: another length, compiled again and ran: 60.5 s
+    writer.set_aside(60.5, steps=1)
+    writer.console(2, {})
+    assert lines[-1] == "step 2/600 eta ?"   # was 10h03m (60.5 s x 598)
+    now[0] += 1.0                   # step 3 in 1 s
+    writer.console(3, {})
+    assert lines[-1] == "step 3/600 eta 9m57s"   # 1 s x 597
+    now[0] += 30.0                  # the first evaluation: it compiles the predict step
+    writer.set_aside(30.0)
+    now[0] += 2.0                   # step 4 in 2 s
+    writer.console(4, {})
+    assert lines[-1] == "step 4/600 eta 14m54s"   # (3 s / 2 steps) x 596

@@ -294,3 +294,63 @@ def test_the_readme_puts_bertjax_on_the_path_of_a_new_shell(tmp_path):
     version = importlib.metadata.version("bertjax")
     assert re.fullmatch(rf"bertjax {re.escape(version)} \(jax \S+, Python 3\.\d+\.\d+\) at \S+/bertjax\n",
                         result.stdout), result.stdout
+
+
+def test_the_predictions_scores_compile_one_program_with_the_same_values():
+    """Found by bench/user_path.py's breakdown: a fine-tune's dev predictions compiled their softmax op by op (5
+    programs, ~0.14 s of a short run). One program now, bit for bit the same scores. (The progress lines' learning
+    rate stays op by op: as one program XLA folds its division into a product, 1 ulp off.)"""
+    import jax
+    import numpy as np
+
+    from bertjax.finetune import classify
+
+    logits = np.random.default_rng(0).normal(scale=4.0, size=(13, 3)).astype(np.float32)
+    compiled = []
+
+    def count(event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        softmax = classify.scores("single_label_classification", logits)
+        assert len(compiled) == 1   # op by op: 5
+        sigmoid = classify.scores("multi_label_classification", logits)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    np.testing.assert_array_equal(softmax, np.asarray(jax.nn.softmax(logits, axis=-1)))
+    np.testing.assert_array_equal(sigmoid, np.asarray(jax.nn.sigmoid(logits)))
+    wide = np.random.default_rng(1).normal(scale=30.0, size=(64, 7)).astype(np.float32)
+    np.testing.assert_array_equal(classify.scores("single_label_classification", wide),
+                                  np.asarray(jax.nn.softmax(wide, axis=-1)))
+
+
+def test_the_user_path_bench_says_where_a_commands_seconds_go(tmp_path):
+    """bench/user_path.py's profiled run of a bertjax command (here `config list`, which starts no JAX): the command's
+    own output, its timers written, its imports read from -X importtime; and the table of two runs' phases."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    spec = importlib.util.spec_from_file_location("user_path", REPO_ROOT / "bench" / "user_path.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    profile = tmp_path / "profile.json"
+    done = subprocess.run(bench.profiled(["bertjax", "config", "list"], profile), capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "bert-tiny" in done.stdout
+    found = json.loads(profile.read_text())
+    assert found["main_s"] > 0 and found["seconds"] == {} and found["compiles"] == {}   # no JAX, no timed part
+    assert 0 < bench.import_seconds(done.stderr.splitlines()) < 60
+    lines = ["import time: self [us] | cumulative | imported package", "import time:       100 |       2500 | jax",
+             "import time:        50 |       2000 |   jax._src", "import time:        10 |        500 | numpy"]
+    assert bench.import_seconds(lines) == 0.003   # top-level modules only: nested ones are in their cumulative time
+    result = {"wall_s": 10.0, "import_s": 2.0}
+    profile.write_text(json.dumps({"seconds": {"jax: tracing": 1.5}, "calls": {"jax: tracing": 3},
+                                   "compiles": {"jit(step)": [4.0, 1.0], "jit(_predict_fn)": [0.5]}, "main_s": 9.0}))
+    table = bench.breakdown_table([bench.breakdown(result, profile), bench.breakdown(result, profile)])
+    assert "| process wall | 10.00 | 10.00 |" in table and "| jax: tracing | 1.50 (3x) | 1.50 (3x) |" in table
+    assert "(empty cache): jit(step) 5.00 s (2x), jit(_predict_fn) 0.50 s" in table

@@ -9,7 +9,8 @@ whether it fits HBM, its cost analysis (per chip; none on GPU) counts the FLOPs 
 and estimated MFU come from the compiled program: XLA:TPU's own cycle estimates (`estimate.py`), or on GPU each
 kernel priced on the card (`gpu_estimate.py`); the hours and chip-hours (GPU-hours) follow (or from an MFU the
 user assumes with --mfu). A program larger than HBM fails to compile (RESOURCE_EXHAUSTED); that is reported as
-not fitting, with the size.
+not fitting, with the size. On a GPU host it also says when the program runs bertjax's Pallas kernels that have
+not passed their check on that card (`model/gpu_kernel_check.py`), and how to check them.
 """
 from __future__ import annotations
 
@@ -147,7 +148,20 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         "steps": config.train.steps, "total_hours": total_hours,
         "chip_hours": None if total_hours is None else total_hours * chips,
         "detail": compiled.detail,
+        "gpu_kernels": gpu_kernels_report(topology, compiled.hlo_text),
     }
+
+
+def gpu_kernels_report(topology: Topology, hlo_text: str | None) -> dict | None:
+    """On a GPU host, bertjax's Pallas kernels in the compiled program and whether they passed their check on the
+    card (`model/gpu_kernel_check.py`): `note` says how to check them when not (None off GPU)."""
+    if not is_gpu(topology) or hlo_text is None:
+        return None
+    from bertjax.model import gpu_kernel_check
+
+    card = gpus.CARDS[topology.generation].device_kind
+    return {"card": card, "in_program": gpu_kernel_check.kernels_in_program(hlo_text),
+            "checked": gpu_kernel_check.passed(card), "note": gpu_kernel_check.compile_note(card, hlo_text)}
 
 
 def with_cost(report: dict, price_per_chip_hour: float | None) -> dict:
@@ -272,6 +286,8 @@ def describe(result: dict) -> str:
                      f"{result['chip_hours']:,.0f} {result.get('chip', 'chip')}-hours")
         lines.append(f"cost: {cost_text(result)} (--price-per-chip-hour)" if result.get("cost_usd") is not None else
                      "cost: give --price-per-chip-hour USD (no price list is built in; see docs/performance.md)")
+    if (result.get("gpu_kernels") or {}).get("note"):
+        lines.append(result["gpu_kernels"]["note"])
     return "\n".join(lines)
 
 

@@ -15,8 +15,9 @@ program launches is priced here, in schedule order, on a `gpus.Card`:
 - Collectives over NVLink at a ring's traffic (estimate.collective_seconds: all-reduce 2(n-1)/n x bytes...) over
   the card's one-way NVLink bandwidth; an async pair (`*-start` ... `*-done`) counts only what exceeds the
   kernels scheduled between them (XLA:GPU runs them on their own stream), a synchronous one all of it.
-The constants are calibrated on the real H200 profile of the BERT-base step (/work/shared/gpu; the numbers are in
-docs/performance.md, "The GPU step, priced"): an *estimate*, never a measurement.
+The constants are calibrated on the real H200 profile of the BERT-base step (../shared/gpu beside the project, a
+program without bertjax's Pallas GPU kernels; the numbers: docs/performance-history.md, "The GPU step, priced"): an
+*estimate*, never a measurement.
 """
 from __future__ import annotations
 

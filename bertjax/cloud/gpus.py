@@ -9,7 +9,7 @@ The cards' figures (dense bf16 without sparsity, HBM, NVLink) are NVIDIA's datas
 H100 SXM5 80 GB: 989.4 TFLOP/s, HBM3 3.35 TB/s, NVLink 900 GB/s; H200 SXM 141 GB: 989.4 TFLOP/s, HBM3e 4.8 TB/s,
 NVLink 900 GB/s; A100 SXM4 80 GB: 312 TFLOP/s, HBM2e 2.039 TB/s, NVLink 600 GB/s. NVLink's figure is both
 directions together: a GPU sends at half of it. The target configs derive from the H100 SXM one in
-/work/shared/gpu (XLA's GpuTargetConfig proto): the H200 differs in memory size and bandwidth; the A100 in
+../shared/gpu beside the project (XLA's GpuTargetConfig proto): the H200 differs in memory size and bandwidth; the A100 in
 compute capability 8.0, 108 SMs, 64 FP32 lanes per SM, 164 KiB of shared memory per SM, 40 MiB of L2 and 1.41 GHz.
 """
 from __future__ import annotations

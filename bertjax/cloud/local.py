@@ -20,6 +20,7 @@ import collections
 import contextlib
 import ctypes
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -112,6 +113,12 @@ class LocalProcesses:
     def start(self, command: list[str]) -> None:
         port = free_port()
         self.children, self._tail = [], collections.deque(maxlen=self.tail_lines)
+        # Before the workers' first lines, which come once each has imported JAX and TensorFlow and joined the
+        # others (34 s on a busy 2-core machine): the launcher said nothing that long.
+        print(f"bertjax launch: starting {self.processes} process(es) of {self.devices_per_process} CPU device(s) "
+              f"each, joined through 127.0.0.1:{port}: {shlex.join(self.program or ['bertjax'])} "
+              f"{shlex.join(command)}; their lines follow once each has imported JAX and TensorFlow and joined the "
+              f"others (~30 s on 2 cores)", file=sys.stderr, flush=True)
         for index in range(self.processes):
             child_env = dict(os.environ if self.env is None else self.env)
             child_env["JAX_PLATFORMS"] = "cpu"

@@ -7,7 +7,7 @@ The algorithm at scale:
    file under `out/beam-temp-<run id>/`, and only a reference per chunk (file index, chunk ordinal, documents,
    path, byte range) goes on. Documents never pass through the runner's shuffle or side inputs: the
    DirectRunner hands a worker its whole share of a grouped collection as one bundle, so a worker's memory grew
-   with the corpus when documents were grouped by bucket (figures: docs/performance.md).
+   with the corpus when documents were grouped by bucket (figures: docs/performance-history.md).
 2. One step plans the buckets from the references (a few numbers per chunk): chunks get global indices in
    (file, ordinal) order, a keyed bijection (a Feistel network seeded by --seed) orders them, and bucket k takes
    the chunks whose first document falls in [k*n/B, (k+1)*n/B) of that order, B = max(1, n // (doc_buffer + c))

@@ -157,6 +157,10 @@ class Trainer:
         compile_cache.enable(settings.compilation_cache_dir, key="compilation_cache_dir")
         host_memory.release_freed_memory_after_compiles(os.environ)
         self.mesh = mesh or sharding.make_mesh()
+        if self.mesh.devices.flat[0].platform == "gpu":   # before any step is traced: kernels that disagree left out
+            from bertjax.model import gpu_kernel_check
+
+            gpu_kernel_check.prepare("gpu", Console().line)
         n_data = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         # Prediction holds no gradients or optimizer state: a batch that trains fits, so it never predicts smaller.
         self.eval_batch_size = max(settings.eval_batch_size, settings.batch_size)
@@ -299,6 +303,18 @@ class Trainer:
             console.start_progress(total_steps, initial=step_index)
             lines = LineSchedule(total_steps, s.log_every)
             preemption = PreemptionFlag()
+            # The ETA extrapolates from the steps that did not compile: a batch of a length bucket not met before
+            # compiles the step again (a 10-minute MiniLM run's ETA at step 2 said 1h53m), and the first
+            # evaluation compiles the predict step; their time is set aside.
+            lengths_met, evaluations = set(), [0]
+
+            def timed_evaluation(evaluate):
+                started_at = time.perf_counter()
+                evaluated, cost = self._timed(evaluate)
+                if not evaluations[0]:
+                    writer.set_aside(time.perf_counter() - started_at)
+                evaluations[0] += 1
+                return evaluated, cost
             try:
                 for epoch in range(math.ceil(epochs)):
                     started, losses, first_step = time.perf_counter(), [], step_index
@@ -312,10 +328,13 @@ class Trainer:
                             break
                         if step_index == resumed_at:
                             console.line(f"compiling the train step (step {step_index + 1} includes it) ...")
+                        step_started = time.perf_counter()
                         params, opt_state, loss, finite = train_step(
                             params, opt_state, batch, jax.random.fold_in(self.dropout_key, step_index))
                         step_index += 1
                         console.advance()
+                        new_length = batch["input_ids"].shape not in lengths_met
+                        lengths_met.add(batch["input_ids"].shape)
                         if step_index == resumed_at + 1:
                             jax.block_until_ready(loss)
                             console.line(f"step {step_index} compiled and ran in "
@@ -337,6 +356,8 @@ class Trainer:
                                     f"{nonfinite_run} consecutive steps had a non-finite gradient (up to step "
                                     f"{step_index}); stopping without saving. Lower the learning rate, or check the "
                                     f"training data for non-finite values.")
+                        if new_length and step_index > resumed_at + 1:   # done: `finite` was read above
+                            writer.set_aside(time.perf_counter() - step_started, steps=1)
                         logged = step_index % s.log_every == 0 or step_index == total_steps
                         if lines.due(step_index):  # metrics.jsonl every log_every; the console more often
                             seconds = max(time.perf_counter() - interval_start, 1e-9)
@@ -356,7 +377,7 @@ class Trainer:
                                          not s.eval_every and (step_index % steps_per_epoch == 0
                                                                or step_index == total_steps)):
                             self.params = params
-                            evaluated, cost = self._timed(evaluate)
+                            evaluated, cost = timed_evaluation(evaluate)
                             writer.write(step_index, evaluated, prefix="eval_")
                             console.line(f"eval at step {step_index}: {metric_text(evaluated)} {cost}")
                             if best is not None and best.update(step_index, evaluated, params):
@@ -388,7 +409,7 @@ class Trainer:
                                  + (f"{mean_loss:.4f}" if mean_loss is not None else "n/a (no finite step)")
                                  + f", {duration(seconds)}")
                     if epoch_end is not None:
-                        evaluated, cost = self._timed(lambda: epoch_end(epoch + 1, seconds))
+                        evaluated, cost = timed_evaluation(lambda: epoch_end(epoch + 1, seconds))
                         if evaluated:
                             writer.write(step_index, evaluated, prefix="eval_")
                             console.line(f"eval after epoch {epoch + 1}: {metric_text(evaluated)} {cost}")

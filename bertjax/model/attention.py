@@ -43,6 +43,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from bertjax import sharding
+from bertjax.model import gpu_kernels
 from bertjax.model.dropout import dropout
 from bertjax.sharding import target_platform
 
@@ -71,6 +72,10 @@ def resolve_backend(backend: str, dropout_active: bool, platform: str | None = N
     """The concrete backend for `backend` on the target platform (`auto` picks by platform and, with attention
     dropout, by the sequence length; with a sliding window, among the backends that take one)."""
     platform = platform or target_platform()
+    if platform == "gpu" and not gpu_kernels.runs_kernel("attention"):
+        # Our kernel disagreed with XLA on this card (gpu_kernel_check.py): XLA's reference, asked for or not.
+        if backend == "flash_dropout_gpu" or backend == "auto" and dropout_active and not windowed:
+            return "reference"
     if windowed:
         if backend == "auto":
             if platform in FUSED_DROPOUT_BACKENDS and length >= FUSED_DROPOUT_MIN_LENGTH:

@@ -89,7 +89,7 @@ def summed_embeddings(word, positions, types, input_ids, segment_ids):
     Off TPU, with positions [1, L, H], through `_summed_embeddings`, whose backward reduces the positions' and the
     token types' gradients over the major axis of the sum's gradient: differentiated as written, XLA:GPU
     transposed it to [H, B, L] for the token types' reduction (BERT-base on an H200: 0.2 GB a step, and a pass
-    more; docs/performance.md)."""
+    more; docs/performance-history.md)."""
     if target_platform() == "tpu" or positions.shape[0] != 1:
         return _summed(word, positions, types, input_ids, segment_ids)
     return _summed_embeddings(word, positions[0], types, input_ids, segment_ids)
@@ -196,7 +196,7 @@ class HeadProjection(nn.Module):
         c = self.config
         # 2-D kernels, not [H, heads, head_dim]: XLA:TPU lays a 3-d kernel out with head_dim (64) in the 128
         # lanes, and with the update sharded it gathered the 3-d kernels synchronously and relaid them out for
-        # the matmuls (BERT-base phase 1 on v5litepod-16: 14.76 -> 14.00 ms estimated, docs/performance.md).
+        # the matmuls (BERT-base phase 1 on v5litepod-16: 14.76 -> 14.00 ms estimated, docs/performance-history.md).
         heads_width = c.num_attention_heads * c.head_dim
         if self.to_heads:
             kernel_shape, kernel_names = (c.hidden_size, heads_width), ("embed", "heads")

@@ -92,7 +92,7 @@ def _kept_halves(words, rate: float) -> jax.Array:
     # each half's consumer and hashes every word twice (the masks were 3.3% of BERT-base's estimated step).
     both_bits = jax.lax.optimization_barrier(both_bits)
     # Each consumer picks its bit from the byte (a shift by 0 or 1); two masks unpacked from it first were stored
-    # as such, a pass more (docs/performance.md, tried and dropped).
+    # as such, a pass more (docs/performance-history.md, tried and dropped).
     tiled = jnp.concatenate([both_bits, both_bits], axis=-1)
     high = jax.lax.broadcasted_iota(jnp.int32, tiled.shape, tiled.ndim - 1) >= words.shape[-1]
     return ((tiled >> high.astype(jnp.uint8)) & 1) != 0

@@ -2,7 +2,7 @@
 
 Differentiated as written, `jax.nn.gelu` leaves its intermediates (erfc's or tanh's value, x's square...) for the
 backward pass: on XLA:GPU the BERT-base feed-forward's GELU wrote three [B, L, 3072] tensors per layer (the H200
-profile, /work/shared/gpu). Here (off TPU) the forward is `jax.nn.gelu` itself (the same bits), the residual is x
+profile, ../shared/gpu beside the project). Here (off TPU) the forward is `jax.nn.gelu` itself (the same bits), the residual is x
 alone, and the backward evaluates the derivative in float32 and rounds once:
     exact: d/dx = Phi(x) + x phi(x) = 0.5 erfc(-x / sqrt 2) + x exp(-x^2 / 2) / sqrt(2 pi)
     tanh:  t = tanh(c (x + a x^3)); d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2), c = sqrt(2 / pi), a = 0.044715
@@ -24,7 +24,7 @@ _TANH_A = 0.044715
 def gelu(x, approximate: bool):
     """`jax.nn.gelu(x, approximate)`; off TPU its gradient recomputed from x alone. XLA:TPU is left its own
     differentiation: with this GELU (and LayerNorm over 2-D rows) its estimate of the bert-base-phase1 step on
-    v5litepod-16 grew from 13.77 to 15.77 ms (docs/performance.md)."""
+    v5litepod-16 grew from 13.77 to 15.77 ms (docs/performance-history.md)."""
     if target_platform() == "tpu":
         return jax.nn.gelu(x, approximate=approximate)
     return _gelu_saving_input(x, approximate)

@@ -5,13 +5,14 @@ written (its program is left as it was). Off TPU, `LayerNorm(x, residual, dropou
 whose backward keeps only the sum s = dropout(x) + residual (compute dtype) and each row's mean and 1 / std
 (float32), and recomputes the dropout mask from its seeds (`dropout.keep_mask_fused`), hashed in place:
 differentiated as written, XLA:GPU wrote the sum's gradient for the dropout's backward to read back, and scale's
-gradient product dy * xhat in float32 before reducing it (BERT-base on an H200: docs/performance.md). The values are those of the composition: the same mask bits, the same roundings (dropout
+gradient product dy * xhat in float32 before reducing it (BERT-base on an H200: docs/performance-history.md). The values are those of the composition: the same mask bits, the same roundings (dropout
 and the sum in the compute dtype, then float32), and the backward is LayerNorm's analytic gradient:
     xhat = (s - mean) * rstd,  g = dy * scale
     ds = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dy * xhat),  dbias = sum_rows(dy)
     dresidual = ds,  dx = where(keep, ds / keep_probability, 0)
 On a GPU (the target platform) both LayerNorms are `layer_norm_gpu`'s Pallas kernels instead, one forward and one
-backward with these values, per device on a mesh; this custom_vjp is what CPUs run.
+backward with these values, per device on a mesh (unless their check on the card failed: `gpu_kernels.py`); this
+custom_vjp is what CPUs run.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import dropout as dropout_lib
-from bertjax.model import layer_norm_gpu
+from bertjax.model import gpu_kernels, layer_norm_gpu
 from bertjax.model.config import BertConfig
 from bertjax.sharding import target_platform
 
@@ -43,14 +44,15 @@ def layer_norm(x, scale, bias, eps: float, dtype):
     """LayerNorm of `x` over its last axis in float32, output in `dtype`."""
     shape = x.shape
     platform = target_platform()
-    if platform == "gpu" and (y := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype)) is not None:
+    if platform == "gpu" and gpu_kernels.runs_kernel("layer_norm") and \
+            (y := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype)) is not None:
         return y
     if platform == "tpu":
         y, _, _ = normalise_rows(x.astype(jnp.float32), scale, bias, eps)
     else:
         # Over rows of a 2-D array XLA:GPU reduces scale's and bias's gradients over one axis, in the
         # normalisation's own fusions; over [B, L, H] it transposed them first (BERT-base on an H200, priced:
-        # 47.9 -> 47.1 ms, 131 kernels fewer). XLA:TPU keeps [B, L, H] (see model/gelu.py; docs/performance.md).
+        # 47.9 -> 47.1 ms, 131 kernels fewer). XLA:TPU keeps [B, L, H] (see model/gelu.py; docs/performance-history.md).
         y, _, _ = normalise_rows(as_rows(x), scale, bias, eps)
     return y.astype(dtype).reshape(shape)
 
@@ -69,7 +71,7 @@ def residual_layer_norm(x, residual, scale, bias, eps: float, dtype, rate: float
     if x.dtype != residual.dtype:
         raise ValueError(f"x ({x.dtype}) and residual ({residual.dtype}) must have one dtype")
     fusable = dropout_lib.fusable_shape(x.shape)
-    if target_platform() == "gpu" and fusable:
+    if target_platform() == "gpu" and fusable and gpu_kernels.runs_kernel("layer_norm"):
         seeds = None if rng is None else dropout_lib.word_seeds(rng)
         y = layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype, residual, rate, seeds, x_bias)
         if y is not None:

@@ -7,7 +7,7 @@ against this module's VJP: 8.81 -> 8.75 ms, 0.15 GB less; ESTIMATES). On CPU one
 (float32), each row's mean and 1 / std and the dropout's seeds, and hashes the mask again where it is used
 (`dropout.keep_mask_fused`): differentiated as written, XLA:GPU stored the mask (a byte an element, hashed and
 concatenated in passes of their own) and wrote scale's gradient product dz * xhat in float32 before reducing it
-(BERT-base on an H200: docs/performance.md). With z the LayerNorm's output (compute dtype):
+(BERT-base on an H200: docs/performance-history.md). With z the LayerNorm's output (compute dtype):
     dz = where(keep, dy / keep_probability, 0),  xhat = (x - mean) * rstd,  g = dz * scale
     dx = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dz * xhat),  dbias = sum_rows(dz)
 """
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import dropout as dropout_lib
+from bertjax.model import gpu_kernels
 from bertjax.model.layer_norm import as_rows, layer_norm, normalise_backward, normalise_rows
 from bertjax.sharding import target_platform
 
@@ -26,7 +27,7 @@ from bertjax.sharding import target_platform
 def norm_then_dropout(x, scale, bias, eps: float, dtype, rate: float = 0.0, rng=None):
     """dropout(LayerNorm(x)) over the last axis, LayerNorm in float32, output in `dtype` (dropout skipped when
     `rng` is None)."""
-    if target_platform() == "gpu" and dropout_lib.fusable_shape(x.shape):
+    if target_platform() == "gpu" and dropout_lib.fusable_shape(x.shape) and gpu_kernels.runs_kernel("layer_norm"):
         y = layer_norm(x, scale, bias, eps, dtype)   # layer_norm_gpu's kernels
         return y if rng is None else _rehashed_dropout(rate, y, dropout_lib.word_seeds(rng))
     if target_platform() == "tpu" or not dropout_lib.fusable_shape(x.shape):

@@ -56,6 +56,15 @@ def _shapes_taken(requested, resolved) -> str:
                      if getattr(requested, k) != getattr(resolved, k))
 
 
+def _check_gpu_kernels(mesh, log) -> None:
+    """On a GPU, before the step is built: our Pallas kernels checked on the card (once per card, jax and kernel
+    source), a family that disagrees with XLA left out of the step (model/gpu_kernel_check.py)."""
+    if mesh.devices.flat[0].platform == "gpu":
+        from bertjax.model import gpu_kernel_check
+
+        gpu_kernel_check.prepare("gpu", log)
+
+
 def _numpy_batch(element) -> dict:
     return {k: v.numpy() for k, v in element.items()}
 
@@ -177,6 +186,7 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     config = dataclasses.replace(config, data=source.config)
     validate(config, jax.device_count())
     mesh = config.mesh.build()
+    _check_gpu_kernels(mesh, Console(enabled=jax.process_index() == 0).line)
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     with tfrecord.damaged_records_named(source.files):
         batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
@@ -260,6 +270,7 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     validate(config, jax.device_count())
     init_from = init_from or config.init_from
     mesh = config.mesh.build()
+    _check_gpu_kernels(mesh, log)
     account.mark("startup_s")
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
     vocab, lower_case = list(tokenizer.vocab), tokenizer.lower_case

@@ -245,6 +245,7 @@ class MetricsWriter:
         self.console_out = console or Console(enabled)
         self.start_time = time.time()
         self.start_step: int | None = None
+        self._aside_seconds, self._aside_steps = 0.0, 0
         directory = epath.Path(workdir)
         self.jsonl_path = directory / "metrics.jsonl"
         self.tensorboard_dir = directory / "tensorboard"
@@ -318,12 +319,21 @@ class MetricsWriter:
     def mark_start(self, step: int) -> None:
         """The ETA extrapolates from here (call after the first, compiling, step)."""
         self.start_step, self.start_time = step, time.time()
+        self._aside_seconds, self._aside_steps = 0.0, 0
+
+    def set_aside(self, seconds: float, steps: int = 0) -> None:
+        """Time since `mark_start` the ETA does not extrapolate from: `steps` steps that compiled (a fine-tune's
+        batch of a length not met before), an evaluation that compiled its step. The ETA is the other steps' mean
+        time (with what else they paid) times the steps left; "?" until there is one."""
+        self._aside_seconds += seconds
+        self._aside_steps += steps
 
     def console(self, step: int, values: dict[str, float], keys=CONSOLE_KEYS) -> None:
-        if self.start_step is None or step <= self.start_step:
+        timed = 0 if self.start_step is None else step - self.start_step - self._aside_steps
+        if timed <= 0:
             eta = "?"
         else:
-            rate = (time.time() - self.start_time) / (step - self.start_step)
+            rate = max(time.time() - self.start_time - self._aside_seconds, 0.0) / timed
             eta = duration(rate * (self.total_steps - step))
         self.console_out.line(" ".join(filter(None, (f"step {step}/{self.total_steps}", metric_text(values, keys),
                                                      f"eta {eta}"))))

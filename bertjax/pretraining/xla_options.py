@@ -5,7 +5,7 @@ same jit, deviceless) build the same program, and no process-wide XLA_FLAGS are 
 
 On GPU hosts with more than one GPU the update is sharded: the gradients are reduce-scattered. XLA:GPU combines
 reduce-scatters up to its threshold into one collective; by default that is every layer's, which can only start
-after the whole backward (`h100x8`, BERT-base: 0.33 of 0.43 ms not hidden, docs/performance.md). In chunks of
+after the whole backward (`h100x8`, BERT-base: 0.33 of 0.43 ms not hidden, docs/performance-history.md). In chunks of
 8 MiB (an encoder layer's bf16 gradients are 14 MB) they start as the backward leaves a few layers and the
 latency-hiding scheduler hides them behind the layers below (priced: none exposed).
 """
