@@ -195,6 +195,32 @@ ENTRY %main (q: bf16[64,64]) -> bf16[64,64] {
         {"kernel": "kernel", "op_name": "attention/pallas_call", "bytes": 64 * 64 * 2 + 64 * 64 * 2 + 64 * 4}]
 
 
+def test_our_attention_kernels_are_priced_at_the_matmuls_of_the_pairs_they_declare():
+    """Triton's custom call carries no cost estimate, and a deviceless program shows no window: our attention
+    kernels name the query-key pairs they compute (`_p<pairs>`), and the forward is priced at its two matmuls per
+    pair (the backward at seven), 2 x head_dim FLOPs each, at FLASH_EFFICIENCY of the peak, or its bytes if longer.
+    The pairs are the whole blocks the loops visit: all of them, or those that meet a window."""
+    from bertjax.model import dropout_attention_gpu as dg
+
+    pairs = 1_000_000
+    hlo = f"""HloModule step
+
+ENTRY %main (s: s32[4], q: bf16[2,128,4,64]) -> bf16[2,128,4,64] {{
+  %s = s32[4]{{0}} parameter(0)
+  %q = bf16[2,128,4,64]{{3,2,1,0}} parameter(1)
+  %kernel = (bf16[2,128,4,64]{{3,2,1,0}}, f32[2,4,128]{{2,1,0}}) custom-call(%s, %q), custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="jit(step)/attn/flash_dropout_gpu_fwd_p{pairs}/pallas_call"}}
+  ROOT %gte = bf16[2,128,4,64]{{3,2,1,0}} get-tuple-element(%kernel), index=0
+}}
+"""
+    priced = gpu_estimate.price_program(hlo, peak_flops=1e12, hbm_bytes_per_second=1e15, link_bytes_per_second=1e9)
+    assert priced.coverage["matmul_flops"] == 2 * 2 * 64 * pairs
+    assert priced.coverage["matmul_seconds"] == pytest.approx(2 * 2 * 64 * pairs / (1e12 * gpu_estimate.FLASH_EFFICIENCY))
+    # Counted as the loops run: 4 key blocks of 32 for each of 2 held blocks of 64 without a window; with a window
+    # of 10, the held block 0..63 meets keys 0..73 (blocks 0-2), 64..127 keys 54..127 (blocks 1-3).
+    assert dg.priced_pairs(1, 1, 128, 64, 32, None) == 128 * 128
+    assert dg.priced_pairs(1, 1, 128, 64, 32, 10) == (3 + 3) * 64 * 32
+
+
 @pytest.fixture(scope="module")
 def real_h200_program() -> str:
     path = SHARED_GPU / "step_seq128_after_optimizations.hlo.gz"

@@ -47,6 +47,16 @@ _CONTRACTING = re.compile(r'lhs_contracting_dim(?:ension)?s["=:]*\{?\[?([\d",\s]
 _SLICING = ("slice", "dynamic-slice", "gather")
 
 
+# Our Pallas attention kernels (Triton: no cost estimate in the custom call) declare the query-key pairs they compute
+# in their names; their matmuls are priced from it: the forward's two (Q K^T, P V), the backward's seven (its key
+# loop recomputes S, dP and takes dV, dK; its query loop S, dP and dQ), 2 x head_dim FLOPs per pair each, at
+# FLASH_EFFICIENCY of the peak. An assumption, not a calibration: FlashAttention-2 reaches 35-50% of an H100's
+# peak at head size 64; these kernels were never tuned on a GPU.
+_DECLARED_PAIRS = re.compile(r"flash_dropout_gpu_(fwd|bwd)_p(\d+)")
+_PAIR_MATMULS = {"fwd": 2, "bwd": 7}
+FLASH_EFFICIENCY = 0.35
+
+
 def matmul_efficiency(smallest_dimension: int) -> float:
     return next(share for bound, share in MATMUL_EFFICIENCY if smallest_dimension >= bound)
 
@@ -149,10 +159,21 @@ def price_kernel(instruction: _Instruction, types: dict, computations: dict, *, 
     """(seconds, matmul FLOPs) of one kernel launch; `types`: the result types of its computation's
     instructions (what its operands are)."""
     moved = _bytes_moved(instruction, types, computations) / (hbm_bytes_per_second * HBM_EFFICIENCY)
+    declared = _DECLARED_PAIRS.search(instruction.op_name) if instruction.opcode == "custom-call" else None
+    if declared:
+        head_dim = _head_dim(_operand_type(_operand_names(instruction)[1], types))
+        flops = _PAIR_MATMULS[declared[1]] * 2 * head_dim * int(declared[2])
+        return max(flops / (peak_flops * FLASH_EFFICIENCY), moved) + LAUNCH_SECONDS, flops
     flops, smallest = _matmul(instruction, types, computations)
     if flops:
         return max(flops / (peak_flops * matmul_efficiency(smallest)), moved) + LAUNCH_SECONDS, flops
     return moved + LAUNCH_SECONDS, 0
+
+
+def _head_dim(array_type: str) -> int:
+    """The last dimension of an HLO array type (q's head_dim in [B, S, H, D])."""
+    dims = _ARRAY.findall(array_type)
+    return int(dims[0][1].split(",")[-1]) if dims and dims[0][1] else 0
 
 
 def _is_sync(instruction: _Instruction) -> bool:

@@ -101,11 +101,24 @@ def _masked_scores(q, k, q_seg, k_seg, scale, rows=None, cols=None, window=None)
     return jnp.where(allowed, dot(q, k, NT) * scale, MASK_VALUE)
 
 
+def priced_pairs(batch: int, heads: int, length: int, held: int, block: int, window) -> int:
+    """The query-key pairs the loops compute (whole blocks: those that meet each held block's window), carried in
+    the kernels' names (`_p<pairs>`) for `cloud/gpu_estimate.py`, which prices their matmuls from it: Triton's custom
+    call keeps no cost estimate, and a deviceless program shows no window."""
+    total = 0
+    for start in range(0, length, held):
+        first, end = _window_blocks(start, held, block, length // block, window)
+        total += int(end) - int(first)
+    return batch * heads * total * held * block
+
+
 def _window_blocks(start, held, block, blocks, window):
     """(first, end) of the loop over blocks of `block` rows that meet a held block [start, start + held) within
     `window` (all `blocks` without one): the loops skip the others, neither loading nor computing them."""
     if window is None:
         return 0, blocks
+    if isinstance(start, int):   # counted on the host (`priced_pairs`)
+        return max(start - window, 0) // block, min((start + held - 1 + window) // block + 1, blocks)
     first = jnp.maximum(start - window, 0) // block
     return first, jnp.minimum((start + held - 1 + window) // block + 1, blocks)
 
@@ -233,7 +246,8 @@ def _forward(q, k, v, biases, segment_ids, scalars, rate, block_q, block_k, inte
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-        interpret=interpret, name="flash_dropout_gpu_fwd",
+        interpret=interpret,
+        name=f"flash_dropout_gpu_fwd_p{priced_pairs(batch, heads, length, block_q, block_k, window)}",
     )(scalars, q, k, v, *biases, segment_ids)
 
 
@@ -251,7 +265,8 @@ def _backward(q, k, v, biases, segment_ids, scalars, o, lse, do, rate, block, in
         out_specs=[rows, rows, rows, block_sum],
         out_shape=[*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)), sum_shape],
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-        interpret=interpret, name="flash_dropout_gpu_bwd",
+        interpret=interpret,
+        name=f"flash_dropout_gpu_bwd_p{priced_pairs(batch, heads, length, block, block, window)}",
     )(scalars, q, k, v, *biases, segment_ids, lse, o, do)
     return dq, dk, dv, sums.reshape(batch, heads, length // block, 4, head_dim)[:, :, :, :3]
 
