@@ -220,3 +220,17 @@ def test_config_reads_both_of_hfs_spellings_and_refuses_what_it_cannot_compute()
         family.config_from_hf_dict({**old, "layer_types": [FULL, SLIDING]})
     with pytest.raises(ValueError, match="head size 7 .* is odd"):
         ModernBertConfig(hidden_size=28, num_attention_heads=4, vocab_size=100, pad_token_id=0)
+
+
+def test_the_tpus_rotation_by_the_weights_is_the_rotation_of_the_projection():
+    """On TPU RoPE's half rotation is taken from the weights, x rotate_half(W) + rotate_half(b): the same numbers as
+    rotate_half(x W + b), which the CPU (and the parity above) computes."""
+    from bertjax.model import rope
+
+    rng = np.random.default_rng(3)
+    x, w, b = rng.normal(size=(2, 5, 32)), rng.normal(size=(32, 32)), rng.normal(size=(32,))
+    by_weights = x @ np.asarray(rope.rotate_half(w, 8)) + np.asarray(rope.rotate_half(b, 8))
+    np.testing.assert_allclose(by_weights, np.asarray(rope.rotate_half(x @ w + b, 8)), rtol=1e-12, atol=1e-12)
+    halves = (x @ w + b).reshape(2, 5, 4, 2, 4)
+    np.testing.assert_array_equal(np.asarray(rope.rotate_half(x @ w + b, 8)).reshape(2, 5, 4, 2, 4),
+                                  np.stack([-halves[..., 1, :], halves[..., 0, :]], axis=-2))

@@ -115,11 +115,13 @@ class RotaryQKV(nn.Module):
     """HF's Wqkv (a Linear [3H, H], held as a kernel [H, 3, H]; its bias [3, H] with attention_bias) and the rotary
     positions on q and k: (q, k, v), each [B, L, H] with the heads side by side.
 
-    rotate_half(x W + b) = x (W R) + b R for R the signed permutation of each head's halves (`rope.half_rotation`),
-    so the rotated q and k come out of products with the weights times R (R has one +-1 a column: W R is exact in
-    any dtype), and RoPE is x W * cos + x (W R) * sin, elementwise on the products: moving each head's halves between
-    lanes (a reshape, a roll, a per-head product) made XLA:TPU copy q and k in layouts of 64 lanes padded to 128,
-    more than the products it saves (docs/performance.md)."""
+    On TPU, rotate_half(x W + b) = x rotate_half(W) + rotate_half(b), the half rotation of each head's output
+    columns: the rotated q and k come out of products with the weights' columns moved (a signed permutation: exact
+    in any dtype), and RoPE is x W * cos + x rotate_half(W) * sin, elementwise on the products. Moving each head's
+    halves between lanes of q and k themselves (a reshape, a roll, a per-head product) made XLA:TPU copy them in
+    layouts of 64 lanes padded to 128, more than the two products cost (modernbert-base on v5litepod-16: 20.9 ->
+    34.2% MFU with the other changes, docs/performance.md). XLA:GPU moves them cheaply: there the products cost
+    more (h200: 36.9% rotating q and k, 32.0% by the weights), so elsewhere q and k are rotated themselves."""
 
     config: ModernBertConfig
 
@@ -131,14 +133,17 @@ class RotaryQKV(nn.Module):
                             jnp.float32).astype(dtype)
         bias = (self.param("bias", _zeros(names[1:]), (3, c.hidden_size), jnp.float32).astype(dtype)
                 if c.attention_bias else None)
-        rotation = jnp.asarray(rope.half_rotation(c.head_dim, c.num_attention_heads), dtype)
         x = x.astype(dtype)
+        by_weights = target_platform() == "tpu"
         outputs = []
         for i in range(3):
             y = x @ kernel[:, i] + (0 if bias is None else bias[i])
-            if i < 2:   # q and k
-                y_rot = x @ (kernel[:, i] @ rotation) + (0 if bias is None else bias[i] @ rotation)
+            if i < 2 and by_weights:   # q and k
+                y_rot = (x @ rope.rotate_half(kernel[:, i], c.head_dim)
+                         + (0 if bias is None else rope.rotate_half(bias[i], c.head_dim)))
                 y = rope.rotate(y, y_rot, *rotary, c.head_dim)
+            elif i < 2:
+                y = rope.apply_rotary(y, *rotary, c.head_dim)
             outputs.append(y)
         return outputs
 

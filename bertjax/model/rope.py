@@ -25,19 +25,10 @@ def cos_sin(positions, head_dim: int, theta: float):
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def half_rotation(head_dim: int, heads: int = 1) -> np.ndarray:
-    """R with [a, b] R = [-b, a] for each head's halves, block-diagonal over `heads` heads side by side
-    [heads * head_dim, heads * head_dim]: a permutation with signs (one +-1 a column)."""
-    half = head_dim // 2
-    one = np.zeros((head_dim, head_dim), np.float32)
-    one[np.arange(half) + half, np.arange(half)] = -1.0   # output j < half takes -b_j
-    one[np.arange(half), np.arange(half) + half] = 1.0    # output half + j takes a_j
-    return np.kron(np.eye(heads, dtype=np.float32), one)
-
-
 def rotate_half(x, head_dim: int):
-    """Each head's [a, b] as [-b, a], x [..., heads * head_dim] (the heads side by side)."""
-    return x @ jnp.asarray(half_rotation(head_dim, x.shape[-1] // head_dim), x.dtype)
+    """Each head's [a, b] as [-b, a] along the last axis, x [..., heads * head_dim] (the heads side by side)."""
+    halves = x.reshape(x.shape[:-1] + (x.shape[-1] // head_dim, 2, head_dim // 2))
+    return jnp.stack([-halves[..., 1, :], halves[..., 0, :]], axis=-2).reshape(x.shape)
 
 
 def rotate(x, x_rotated, cos, sin, head_dim: int):
