@@ -2,6 +2,7 @@
 page carries issue numbers (history is in git), and architecture.md stays a short description, not a logbook."""
 import re
 import pathlib
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ("usage.md", "architecture.md", "performance.md", "performance-history.md", "reliability.md",
@@ -70,9 +71,14 @@ TEXT_SUFFIXES = {".py", ".md", ".txt", ".toml", ".sh", ".cfg", ".ini", ".yaml", 
 
 
 def project_text_files() -> list[pathlib.Path]:
-    """The project's text files: sources, docs, tests, examples, build files (not hidden folders but .ci, no caches)."""
+    """The project's text files: sources, docs, tests, examples, build files (not hidden folders but .ci, no caches,
+    nothing git ignores: a developer's runs/ holds its own logs)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True)
+    candidates = ([ROOT / line for line in listed.stdout.splitlines()] if listed.returncode == 0
+                  else list(ROOT.rglob("*")))
     found = []
-    for path in ROOT.rglob("*"):
+    for path in candidates:
         parts = path.relative_to(ROOT).parts
         if any(p.startswith(".") and p != ".ci" or p in ("__pycache__", "build", "dist") or p.endswith(".egg-info")
                for p in parts[:-1]) or not path.is_file():
