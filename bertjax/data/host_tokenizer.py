@@ -17,6 +17,15 @@ from tokenizers import models, normalizers, pre_tokenizers
 from bertjax.data.token_layout import SPECIAL_TOKENS, Tokenizer
 
 
+def ragged_pieces(tokenizer: RustTokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [total], splits int64 [len(texts) + 1]): each text's pieces, no special tokens, end to end."""
+    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    lengths = np.array([len(encoding.ids) for encoding in encodings], np.int64)
+    splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = np.fromiter((i for encoding in encodings for i in encoding.ids), np.int32, count=int(splits[-1]))
+    return ids, splits
+
+
 class HostWordPieceTokenizer(Tokenizer):
     """BERT WordPiece over a vocabulary given as its tokens (id = position), e.g. a checkpoint's."""
 
@@ -31,11 +40,7 @@ class HostWordPieceTokenizer(Tokenizer):
         self._tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
 
     def pieces(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
-        lengths = np.array([len(encoding.ids) for encoding in encodings], np.int64)
-        splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        ids = np.fromiter((i for encoding in encodings for i in encoding.ids), np.int32, count=int(splits[-1]))
-        return ids, splits
+        return ragged_pieces(self._tokenizer, texts)
 
     def word_continuation_table(self) -> np.ndarray:
         return np.array([t.startswith("##") and len(t) > 2 for t in self.vocab], bool)

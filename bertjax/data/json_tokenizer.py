@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 from tokenizers import Tokenizer as RustTokenizer
 
+from bertjax.data.host_tokenizer import ragged_pieces
 from bertjax.data.token_layout import SPECIAL_TOKENS, Tokenizer
 
 # The spec a checkpoint stores: {"json": tokenizer.json's text, "special": {"cls": "[CLS]", ...}}.
@@ -57,11 +58,7 @@ class HostJsonTokenizer(Tokenizer):
         return cls(spec["json"], spec["special"], source)
 
     def pieces(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
-        lengths = np.array([len(encoding.ids) for encoding in encodings], np.int64)
-        splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        ids = np.fromiter((i for encoding in encodings for i in encoding.ids), np.int32, count=int(splits[-1]))
-        return ids, splits
+        return ragged_pieces(self._tokenizer, texts)
 
     def word_lists(self, words: Sequence[str], after_space: Sequence[bool]) -> list[list[int]]:
         """The pieces of each word as it reads in running text: after a space where `after_space` says so."""

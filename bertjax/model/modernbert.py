@@ -352,6 +352,13 @@ class ModernBertForMultipleChoice(nn.Module):
         return _classifier(c, 1)(pooled.astype(jnp.float32)).reshape(leading)
 
 
+def _per_token_logits(c: ModernBertConfig, num_labels: int, input_ids, input_mask, deterministic: bool):
+    """The token-level tasks' path, inside their compact __call__: encoder -> head -> dropout -> classifier, float32."""
+    sequence, _ = ModernBertModel(c, name="bert")(input_ids, input_mask, deterministic=deterministic)
+    sequence = Dropout(c.classifier_dropout)(PredictionHead(c, name="head")(sequence), deterministic=deterministic)
+    return _classifier(c, num_labels)(sequence.astype(jnp.float32))
+
+
 class ModernBertForTokenClassification(nn.Module):
     """Every token -> head -> dropout -> classifier(num_labels): [B, L, num_labels] float32."""
 
@@ -361,10 +368,7 @@ class ModernBertForTokenClassification(nn.Module):
     @nn.compact
     def __call__(self, input_ids, input_mask, segment_ids=None, *, deterministic: bool = True):
         c = self.config
-        sequence, _ = ModernBertModel(c, name="bert")(input_ids, input_mask, deterministic=deterministic)
-        sequence = Dropout(c.classifier_dropout)(PredictionHead(c, name="head")(sequence),
-                                                 deterministic=deterministic)
-        return _classifier(c, self.num_labels)(sequence.astype(jnp.float32))
+        return _per_token_logits(c, self.num_labels, input_ids, input_mask, deterministic)
 
 
 class ModernBertForQuestionAnswering(nn.Module):
@@ -375,10 +379,7 @@ class ModernBertForQuestionAnswering(nn.Module):
     @nn.compact
     def __call__(self, input_ids, input_mask, segment_ids=None, *, deterministic: bool = True):
         c = self.config
-        sequence, _ = ModernBertModel(c, name="bert")(input_ids, input_mask, deterministic=deterministic)
-        sequence = Dropout(c.classifier_dropout)(PredictionHead(c, name="head")(sequence),
-                                                 deterministic=deterministic)
-        logits = _classifier(c, 2)(sequence.astype(jnp.float32))
+        logits = _per_token_logits(c, 2, input_ids, input_mask, deterministic)
         return logits[..., 0], logits[..., 1]
 
 
