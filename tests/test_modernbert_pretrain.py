@@ -3,6 +3,7 @@ NSP) on a text corpus with an HF tokenizer.json as its vocabulary: stopped by SI
 bits of an uninterrupted run; its export is transformers' ModernBertForMaskedLM with the same logits as the
 checkpoint, and the tokenizer it trained with."""
 import json
+import os
 import signal
 import sys
 
@@ -15,10 +16,14 @@ from bertjax.checkpoint import load_model
 from bertjax.data.demo_corpus import write_demo_corpus
 from bertjax.model import family
 from tests import modernbert_fixture
-from tests.test_pretrain import _env, _losses, _run, _run_here, _run_until
+from tests.conftest import host_devices
+from tests.test_pretrain import _losses, _run, _run_here, _run_until
 
 STEPS, EVERY = 8, 2
 MIDDLE = STEPS // 2
+# The subprocesses get this process's host devices: the resume runs here, and a batch split over another device
+# count sums in another order (under `make test`, a 1-device worker: losses 1 ulp apart from 8-device runs').
+DEVICES = host_devices(os.environ["XLA_FLAGS"])
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,8 @@ def _argv(workdir, corpus, *extra):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, corpus):
     workdir = tmp_path_factory.mktemp("modernbert") / "run"
-    output = _run(_argv(workdir, corpus, "--set", f"data.eval_input={corpus[1]}", "--set", "train.eval_every=4"))
+    output = _run(_argv(workdir, corpus, "--set", f"data.eval_input={corpus[1]}", "--set", "train.eval_every=4"),
+                  devices=DEVICES)
     assert f"completed at step {STEPS}/{STEPS}" in output, output[-3000:]
     return workdir
 
@@ -66,7 +72,8 @@ def test_the_modern_recipe_trains_masked_lm_alone_on_packed_rows(uninterrupted):
 def test_sigterm_then_resume_is_bit_exact(uninterrupted, corpus, tmp_path, monkeypatch, capsys):
     workdir = tmp_path / "preempted"
     extra = ("--set", f"data.eval_input={corpus[1]}", "--set", "train.eval_every=4")
-    code, output = _run_until(_argv(workdir, corpus, *extra), f"step {MIDDLE}/", signal.SIGTERM)
+    code, output = _run_until(_argv(workdir, corpus, *extra), f"step {MIDDLE}/", signal.SIGTERM,
+                                  devices=DEVICES)
     assert code == 0 and "preempted at step" in output, output[-3000:]
     _run_here(_argv(workdir, corpus, *extra), monkeypatch, capsys)
     expected, resumed = _losses(uninterrupted), _losses(workdir)

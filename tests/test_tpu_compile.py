@@ -196,9 +196,11 @@ def test_the_cost_is_the_chip_hours_at_the_price_given(capsys):
     assert unpriced["cost_usd"] is None
     assert "cost: give --price-per-chip-hour USD (no price list is built in; see docs/performance.md)" in \
         tpu_compile.describe(unpriced).splitlines()
-    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--price-per-chip-hour",
-                         "-1"]) == 2
-    assert "--price-per-chip-hour -1: expected a price in USD above 0" in capsys.readouterr().err
+    for price in ("-1", "0"):  # refused at parsing, as every number a command takes (options.floats)
+        with pytest.raises(SystemExit) as refused:
+            bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--price-per-chip-hour", price])
+        assert refused.value.code == 2
+        assert f"argument --price-per-chip-hour: must be > 0, got {price}" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a compile of its own through the command (~1-3 min here)

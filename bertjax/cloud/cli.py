@@ -37,7 +37,7 @@ def register(subparsers) -> None:
     aot.add_argument("--dump-hlo", default="", metavar="FILE", help="write the compiled HLO text to FILE")
     aot.add_argument("--fit-batch", action="store_true", help="if the step does not fit, find the smallest "
                      "grad_accum_steps (largest per-chip microbatch) that does, by compiling")
-    aot.add_argument("--price-per-chip-hour", type=options.floats(0), metavar="USD",
+    aot.add_argument("--price-per-chip-hour", type=options.floats(0, low_open=True), metavar="USD",
                      help="the price of one chip-hour or GPU-hour (the region's on-demand, Spot or committed rate): "
                      "the cost is the chip-hours at it, on one line and in --json as cost_usd (no price list is "
                      "built in)")
@@ -112,10 +112,6 @@ def _compile(args: argparse.Namespace) -> int:
     from bertjax.pretraining import config as pretrain_config
 
     topology = tpu_compile.parse_target(args.topology, args.num_slices)
-    if args.mfu is not None and not 0 < args.mfu <= 1:
-        raise ValueError(f"--mfu {args.mfu}: expected a fraction in (0, 1]")
-    if args.price_per_chip_hour is not None and not args.price_per_chip_hour > 0:
-        raise ValueError(f"--price-per-chip-hour {args.price_per_chip_hour:g}: expected a price in USD above 0")
     config = pretrain_config.load_config(args.config, args.overrides, require_data=False)
     from bertjax.console import Console, duration
 

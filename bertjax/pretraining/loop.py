@@ -6,6 +6,7 @@ that donates the state, log, eval, checkpoint, check for preemption.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import sys
@@ -433,11 +434,18 @@ def _finish(run: _Run, step: int, status: str, preemption: PreemptionFlag) -> di
         run.account.step = step
         run.cache_stats.close()
         goodput = run.account.record()
-        run.account.snapshot(step, ended=True, status="failed" if sys.exc_info()[1] is not None else status)
-        if sys.exc_info()[1] is None:
-            run.writer.write_event(step, "goodput", {k: v for k, v in goodput.items() if k != "step"})
-        run.writer.close()
-        preemption.restore()
+        failed = sys.exc_info()[1] is not None
+        # The disk that failed a save fails these writes too: the error on its way out is the one to name.
+        unless_failed = contextlib.suppress(OSError) if failed else contextlib.nullcontext()
+        try:
+            with unless_failed:
+                run.account.snapshot(step, ended=True, status="failed" if failed else status)
+            if not failed:
+                run.writer.write_event(step, "goodput", {k: v for k, v in goodput.items() if k != "step"})
+            with unless_failed:
+                run.writer.close()
+        finally:
+            preemption.restore()
     return goodput
 
 
