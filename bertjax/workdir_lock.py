@@ -41,10 +41,17 @@ class WorkdirBusy(ValueError):
     """Another live job holds the workdir (a ValueError: bertjax exits 2, and the babysitter does not restart)."""
 
 
+# A heartbeat further ahead of this host's clock than this is told as clock skew (writes take well under it).
+SKEW_TOLERANCE_S = 5.0
+
+
 def describe(holder: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-    return (f"pid {holder.get('pid')} on {holder.get('host')}, started {started}, last heartbeat "
-            f"{time.time() - holder.get('heartbeat', 0):.0f}s ago: {holder.get('command', '?')}")
+    age = time.time() - holder.get("heartbeat", 0)
+    beat = (f"last heartbeat {age:.0f}s ago" if age > -SKEW_TOLERANCE_S else
+            f"last heartbeat {-age:.0f}s in the future by this host's clock: its host's clock and this one's "
+            f"disagree (clock skew), and it counts as live until this clock passes it by {STALE_AFTER_S:.0f}s")
+    return f"pid {holder.get('pid')} on {holder.get('host')}, started {started}, {beat}: {holder.get('command', '?')}"
 
 
 def _pid_alive(pid: int) -> bool:

@@ -130,6 +130,7 @@ def _run_summary(run_dir: str) -> list[str]:
     import json
 
     from bertjax.checkpoint import COMPLETION_MARKER, complete_steps
+    from bertjax.input_files import read_json
     from bertjax.interop.model_card import metric_records
 
     root = epath.Path(run_dir)
@@ -137,7 +138,7 @@ def _run_summary(run_dir: str) -> list[str]:
         return []
     records = metric_records(run_dir)
     steps = complete_steps(run_dir)
-    total = json.loads((root / "config.json").read_text())["train"]["steps"] if (root / "config.json").exists() \
+    total = read_json(root / "config.json", "the run's config")["train"]["steps"] if (root / "config.json").exists() \
         else None
     state = "completed" if (root / COMPLETION_MARKER).exists() else "not completed"
     lines = [f"run: newest checkpoint step {steps[-1] if steps else 'none'}"

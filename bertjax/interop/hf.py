@@ -30,6 +30,7 @@ from safetensors.numpy import load, load_file, save
 
 from bertjax.checkpoint import read_vocab_file
 from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec, special_tokens_from_config
+from bertjax.input_files import check_regular, read_json
 from bertjax.interop import convert
 from bertjax.interop import names as names_lib
 from bertjax.model import family
@@ -49,6 +50,7 @@ def _load_safetensors(path) -> dict[str, np.ndarray]:
     or damaged file is a ValueError naming it."""
     from safetensors import SafetensorError
 
+    check_regular(path, "a safetensors file")
     try:
         return load_file(str(path)) if "://" not in str(path) else load(epath.Path(path).read_bytes())
     except SafetensorError as error:
@@ -90,8 +92,8 @@ def read_state_dict(directory: str) -> dict[str, np.ndarray]:
 def _index_entries(index: epath.Path) -> list[str]:
     """The shard file names a model.safetensors.index.json maps tensors to."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, TypeError, KeyError):
+        weight_map = read_json(index, "a safetensors index (JSON)")["weight_map"]
+    except (TypeError, KeyError):
         weight_map = None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index}: expected a JSON object whose \"weight_map\" maps tensor names to shard file "
@@ -163,10 +165,7 @@ def read_tokenizer(directory: str) -> tuple[list[str], bool, dict | None]:
 def _json_or_empty(path: epath.Path) -> dict:
     if not path.exists():
         return {}
-    try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    values = read_json(path, f"a tokenizer's {path.name}")
     return values if isinstance(values, dict) else {}
 
 
@@ -174,7 +173,7 @@ def hf_lower_case(directory: str) -> bool:
     """Whether an HF directory's tokenizer lower-cases (tokenizer_config.json's do_lower_case; BERT's default)."""
     tokenizer_config = epath.Path(directory) / "tokenizer_config.json"
     if tokenizer_config.exists():
-        return bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+        return bool(_json_or_empty(tokenizer_config).get("do_lower_case", True))
     return True
 
 
@@ -187,7 +186,7 @@ FINE_TUNED_HEADS = ("BertForSequenceClassification", "BertForTokenClassification
 def hf_head(directory: str) -> dict | None:
     """A fine-tuned HF directory's head: {"architecture"} (by BERT's class name, whatever the family) plus its
     "id2label" where the class has labels (None for an encoder or a pretraining model)."""
-    config = json.loads((epath.Path(directory) / "config.json").read_text())
+    config = _json_or_empty(epath.Path(directory) / "config.json")
     architecture = family.task_architecture((config.get("architectures") or [None])[0])
     if architecture not in FINE_TUNED_HEADS:
         return None
@@ -203,7 +202,7 @@ def hf_head(directory: str) -> dict | None:
 
 def hf_num_labels(directory: str) -> int | None:
     """config.json's num_labels, where it says one (transformers derives it from id2label and may leave it out)."""
-    value = json.loads((epath.Path(directory) / "config.json").read_text()).get("num_labels")
+    value = _json_or_empty(epath.Path(directory) / "config.json").get("num_labels")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 

@@ -25,6 +25,7 @@ from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.host_memory import memory_warning
+from bertjax.input_files import read_json
 from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.model import bert as model_lib
 from bertjax.model import family
@@ -159,7 +160,7 @@ def _check_inputs_unchanged(record, data, resumed: bool, writer: bool, log) -> N
     """On resume, warns when the input files differ from those the run started on (replaced, grown, added or
     removed): the restored input position then points into other data. Records the current ones."""
     stamps = _input_stamps(data)
-    earlier = json.loads(record.read_text()) if resumed and record.exists() else None
+    earlier = read_json(record, "the run's input files (JSON)") if resumed and record.exists() else None
     if earlier is not None and earlier != stamps:
         changed = sorted(f for f in set(earlier) | set(stamps) if earlier.get(f) != stamps.get(f))
         log(f"warning: {len(changed)} input file(s) changed since this run started ({', '.join(changed[:3])}"
