@@ -139,6 +139,7 @@ def save_model(directory: str, params, config: ModelConfig, vocab: list[str], lo
     items = _model_items(params, config, vocab, lower_case, tokenizer)
     if head is not None:
         items[HEAD] = head
+    quiet_orbax_failures()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(orbax_path(directory), args=_save_args(items))
 
@@ -443,6 +444,14 @@ def _orbax_failure_traceback(record: logging.LogRecord) -> bool:
     return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
 
 
+def quiet_orbax_failures() -> None:
+    """A failed save or restore is told once, by its caller: not also by Orbax's threads (their ERROR records with
+    a traceback) and TensorStore's completions on a closed loop."""
+    _drop_late_read_completions()
+    if _orbax_failure_traceback not in logging.getLogger("absl").filters:
+        logging.getLogger("absl").addFilter(_orbax_failure_traceback)
+
+
 class StepCheckpointer:
     """An Orbax CheckpointManager over `directory/<step>`, each step a set of our items; what a training job's saves
     and resumes go through.
@@ -454,11 +463,7 @@ class StepCheckpointer:
     """
 
     def __init__(self, directory, *, keep: int, keep_every: int | None = None, async_save: bool = False):
-        # A failed save or restore is told once, by the caller: not also by Orbax's threads and TensorStore's
-        # completions on a closed loop.
-        _drop_late_read_completions()
-        if _orbax_failure_traceback not in logging.getLogger("absl").filters:
-            logging.getLogger("absl").addFilter(_orbax_failure_traceback)
+        quiet_orbax_failures()
         self.directory = orbax_path(directory)
         check_writable(str(self.directory))
         manager_options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every,

@@ -147,10 +147,13 @@ class WorkdirLock:
     """The lock of one workdir, held by this process from `acquire()` to `release()`."""
 
     def __init__(self, workdir: str, command: str | None = None, log=print, name: str = LOCK_NAME,
-                 flag: str = "--workdir"):
-        """name: the lock file's (one per writer of a shared directory); flag: the option that named `workdir`."""
+                 flag: str = "--workdir", guards: str | None = None):
+        """name: the lock file's (one per writer of a shared directory); flag: the option that named `workdir`;
+        guards: what the lock is named for in a refusal (default: `workdir`; an output's lock beside it: the
+        output)."""
         self.path = epath.Path(workdir_paths.canonical(workdir)) / name
         self.flag = flag
+        self.guards = guards or str(self.path.parent)
         self.store = GcsObject(str(self.path)) if str(self.path).startswith("gs://") else LocalLockFile(self.path)
         self.log = log
         now = time.time()
@@ -196,7 +199,7 @@ class WorkdirLock:
                 continue
             same_host = holder.get("host") == socket.gethostname()
             if same_host or time.time() >= deadline:
-                raise WorkdirBusy(f"{self.path.parent} is in use by another job ({describe(holder)}); wait for it "
+                raise WorkdirBusy(f"{self.guards} is in use by another job ({describe(holder)}); wait for it "
                                   f"to end, stop it, or use another {self.flag} (a holder that died frees it: on "
                                   f"its host at once, elsewhere {STALE_AFTER_S:.0f}s after its last heartbeat)")
             self.log(f"{self.path}: held by {describe(holder)}; waiting up to {deadline - time.time():.0f}s for "

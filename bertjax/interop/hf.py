@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
-import uuid
 from typing import Mapping
 
 import numpy as np
@@ -35,6 +33,7 @@ from bertjax.interop import convert
 from bertjax.interop import names as names_lib
 from bertjax.model import family
 from bertjax.model.family import ModelConfig
+from bertjax.outputs import replaced_when_whole
 
 # Buffers and tied copies that HF writes but that carry no weights of their own.
 IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",
@@ -308,14 +307,9 @@ def _write_directory(files: list, out_dir: str) -> None:
     out = epath.Path(out_dir)
     if str(out).startswith("gs://") or out.exists():
         _write_files(files, out)  # in place, config.json last: unfinished, it is no model transformers loads
-    else:  # beside it, then one rename: a killed export leaves nothing at out_dir
-        partial = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-        try:
-            _write_files(files, partial)
-            partial.rename(out)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
+    else:  # beside it, then one rename: a failed or killed export leaves nothing at out_dir
+        with replaced_when_whole(out_dir, directory=True) as partial:
+            _write_files(files, epath.Path(partial))
 
 
 def _hf_files(tensors: dict, sbo: dict, hf_config: dict, vocab: list[str], lower_case: bool,
