@@ -13,7 +13,7 @@ import signal
 import sys
 import traceback
 
-from bertjax import errors, host_memory, platforms, quiet
+from bertjax import errors, host_memory, platforms, preemption, quiet
 
 COMMAND_MODULES = (
     "bertjax.interop.cli",
@@ -31,6 +31,9 @@ FIXED_SHAPE_COMMANDS = ("pretrain",)
 WITHOUT_TENSORFLOW = ("config", "launch", "eval", "demo-corpus", "goodput", "predict", "finetune classify")
 # Commands that run JAX on this machine's own devices (`compile` compiles for others, through their plugins).
 OWN_DEVICE_COMMANDS = ("pretrain", "finetune", "predict", "embed")
+# Commands that pass stop signals on to the jobs they run; every other one is stopped by them in one line, its
+# cleanup run (preemption.Stopped; training loops take them as a request to save and stop at a step boundary).
+PASSES_STOP_SIGNALS_ON = ("launch",)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -116,10 +119,22 @@ def main(argv: list[str] | None = None) -> int:
         host_memory.keep_freed_memory_if_cpu_job(os.environ)
     if args.command in OWN_DEVICE_COMMANDS:
         platforms.skip_accelerator_plugins(os.environ)
-    if command_path(args) not in WITHOUT_TENSORFLOW and args.command not in WITHOUT_TENSORFLOW:
-        quiet.start_tensorflow(verbose=args.verbose)
+    with preemption.stopped_by_raising(args.command not in PASSES_STOP_SIGNALS_ON):
+        return _run(args, argv)
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Runs the command; a job-ending error, a stop signal or a closed stdout told as `main` says."""
     try:
+        if command_path(args) not in WITHOUT_TENSORFLOW and args.command not in WITHOUT_TENSORFLOW:
+            quiet.start_tensorflow(verbose=args.verbose)
         return int(args.func(args) or 0)
+    except preemption.Stopped as stopped:
+        line = f"bertjax {args.command}: {stopped}"
+        if argv is not None:
+            print(line, file=sys.stderr)
+            return 128 + stopped.signum
+        end_process(line, 128 + stopped.signum)
     except BrokenPipeError:
         if argv is not None:
             raise

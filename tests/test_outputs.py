@@ -1,6 +1,8 @@
-"""Every output a command produces is whole or absent and has one writer (bertjax/outputs.py): across the commands
-that write an output file or directory."""
+"""Every output a command produces is whole or absent and has one writer (bertjax/outputs.py), and a stop signal
+ends a command in one line with nothing of it left behind (preemption.Stopped): across the commands that write an
+output file or directory."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -119,6 +121,77 @@ def test_two_runs_into_one_out_at_once_one_writes_it_and_the_other_is_refused(co
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
+# A command stopped by a signal while it writes: the function its run calls (patched in the child to send the
+# signal to its own process just before or after it runs), the signal, its argv.
+DRIVER = r"""
+import importlib, os, signal, sys
+target, when, signame, *argv = sys.argv[1:]
+module_name, path = target.split(":")
+owner = importlib.import_module(module_name)
+*parents, name = path.split(".")
+for part in parents:
+    owner = getattr(owner, part)
+original = getattr(owner, name)
+def wrapped(*args, **kwargs):
+    if when == "before":
+        os.kill(os.getpid(), getattr(signal, signame))
+    result = original(*args, **kwargs)
+    if when == "after":
+        os.kill(os.getpid(), getattr(signal, signame))
+    return result
+setattr(owner, name, wrapped)
+from bertjax import cli
+sys.argv = ["bertjax", *argv]
+sys.exit(cli.main())
+"""
+
+STOPPED = {
+    # a shard's records written to its temporary file, --out made and locked
+    "data create": ("bertjax.data.tfrecord:ShardWriter.write", "after", "SIGTERM"),
+    # --out made and locked, before the vocabulary is trained
+    "vocab train": ("bertjax.data.vocab:train_wordpiece", "before", "SIGINT"),
+    # the vectors written to the output's temporary file
+    "embed": ("numpy:save", "after", "SIGHUP"),
+    # the checkpoint written whole beside --out, not yet renamed
+    "convert": ("bertjax.checkpoint:save_model", "after", "SIGTERM"),
+    "export": ("bertjax.interop.hf:_write_files", "after", "SIGINT"),
+}
+
+
+def _stopped_argv(command: str, models, tmp_path) -> list[str]:
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join("\n".join(s.capitalize() + "." for s in _sentences(40)[i::5]) for i in range(5))
+                    + "\n")
+    out = str(tmp_path / "out")
+    return {"data create": ["data", "create", "--input", str(text), "--vocab", models["vocab"], "--out", out,
+                            "--max-seq-length", "32", "--max-predictions", "5"],
+            "vocab train": ["vocab", "train", "--input", str(text), "--vocab-size", "100", "--type", "wordpiece",
+                            "--min-count", "1", "--out", out],
+            "embed": ["embed", "--checkpoint", models["hf"], "--input", str(text), "--output", out, "--max-len", "32"],
+            "convert": ["convert", models["hf"], "--from", "hf", "--out", out],
+            "export": ["export", models["hf"], "--out", out]}[command]
+
+
+@pytest.mark.parametrize("command", sorted(STOPPED))
+def test_a_stop_signal_ends_a_command_in_one_line_and_leaves_nothing_behind(command, models, tmp_path, capsys):
+    """SIGTERM, SIGINT or SIGHUP while a command writes its output: one line and the shell's 128 + N, no traceback;
+    no lock, temporary shard or file, partial directory or empty --out is left, so the same command again needs no
+    --overwrite and runs to its end."""
+    target, when, name = STOPPED[command]
+    argv = _stopped_argv(command, models, tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    result = subprocess.run([sys.executable, "-c", DRIVER, target, when, name, *argv], env=_env(), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=600)
+    signum = getattr(signal, name)
+    assert result.returncode == 128 + signum, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == f"bertjax {command.split()[0]}: stopped by {name}"
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == before  # nothing: no --out, no partial, no lock beside it
+    capsys.readouterr()
+    assert main(argv) == 0, capsys.readouterr().err[-2000:]
+    assert "out" in os.listdir(tmp_path)
+
+
 def test_an_output_file_keeps_its_permissions_and_a_link_stays_a_link(models, tmp_path):
     """Written beside and renamed: an earlier output's mode is kept, and an --output that is a symlink writes the
     file it points to (the link stays, as writing through it did)."""
@@ -133,3 +206,45 @@ def test_an_output_file_keeps_its_permissions_and_a_link_stays_a_link(models, tm
     assert target.stat().st_mode & 0o777 == 0o640
     assert sorted(os.listdir(tmp_path)) == ["in", "link.npy", "vectors.npy"]
 
+
+NATIVE = r"""
+import hashlib, sys, threading, time
+from bertjax import preemption
+preemption.GRACE_S = 1.0
+
+
+def native():
+    # One native call that lets other threads run (as XLA's compiles and TensorFlow's ops do) and returns in
+    # minutes: no Python handler runs in the main thread until it returns.
+    hashlib.pbkdf2_hmac("sha256", b"password", b"salt", 10**9)
+
+
+def ready():  # once the main thread is in the native call
+    main = threading.main_thread().ident
+    while sys._current_frames()[main].f_code.co_name != "native":
+        time.sleep(0.01)
+    time.sleep(0.2)
+    print("ready", flush=True)
+
+
+with preemption.stopped_by_raising():
+    threading.Thread(target=ready, daemon=True).start()
+    native()
+"""
+
+
+def test_a_command_held_in_native_code_is_still_ended_by_a_stop_signal():
+    """A Python signal handler runs only between bytecodes: a command inside a long native call (a compile, a
+    library spinning under a process limit) would outlive the SIGTERM that used to end it at once. The signal's
+    watch (preemption._NativeWatch) ends it GRACE_S later (here 1 s), in a line."""
+    process = subprocess.Popen([sys.executable, "-c", NATIVE], env=_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM
+    assert err.strip().splitlines()[-1] == "bertjax: stopped by SIGTERM: still in native code 1s later; ended without " \
+                                           "its cleanup"
