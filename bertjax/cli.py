@@ -146,7 +146,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         if line is None:  # a bug, not bad input: its traceback is what its reader needs; exit 1, a failure
             traceback.print_exc()
         code = 2 if line is not None else 1  # 2: refused for its input or setup (a babysitter does not retry it)
-        line = f"bertjax {args.command}: error: {line or errors.first_line(error)}"
+        line = errors.clipped(f"bertjax {args.command}: error: {line or errors.first_line(error)}")
         if argv is None or getattr(error, "exit_now", False):
             end_process(line, code)
         print(line, file=sys.stderr)

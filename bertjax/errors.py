@@ -9,6 +9,35 @@ class OutputWriteError(ValueError):
     bug, and not worth a retry); the writer has removed what it began."""
 
 
+# The longest an error line may be (a line quoting a whole table row ran to thousands of characters).
+LINE_LIMIT = 1000
+
+
+def shown(value, limit: int = 60) -> str:
+    """repr(value) for an error line, its middle cut where longer than `limit` (saying how long it was): a value
+    quoted from a user's file (a row read as a header, a text in a label column) stays readable."""
+    text = repr(value.tolist() if hasattr(value, "tolist") else value)
+    if len(text) <= limit:
+        return text
+    keep = (limit - 3) // 2
+    return f"{text[:keep]}...{text[-keep:]} ({len(text):,} characters)"
+
+
+def shown_list(values, limit: int = 10) -> str:
+    """The first `limit` of `values` as a list for an error line, each shown(), and how many there are."""
+    values = list(values)
+    head = ", ".join(shown(v) for v in values[:limit])
+    return f"[{head}]" if len(values) <= limit else f"[{head}, ... ({len(values):,} in all)]"
+
+
+def clipped(line: str, limit: int = LINE_LIMIT) -> str:
+    """`line` cut in its middle to `limit` characters (the last resort of the one-line error)."""
+    if len(line) <= limit:
+        return line
+    keep = (limit - 40) // 2
+    return f"{line[:keep]} ... ({len(line) - 2 * keep:,} characters cut) ... {line[-keep:]}"
+
+
 def first_line(error: BaseException, limit: int = 300) -> str:
     """`TypeName: first line of the message` (Orbax, TensorStore and TensorFlow messages run to many lines)."""
     text = getattr(error, "message", None) or str(error)

@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from bertjax.data import file_readers
+from bertjax.errors import shown
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +146,12 @@ def _parse_label(task: GlueTask, raw: str, where: str):
         try:
             value = float(raw)
         except ValueError:
-            raise ValueError(f"{where}: label {raw!r} is not a number") from None
+            raise ValueError(f"{where}: label {shown(raw)} is not a number") from None
         if not math.isfinite(value):
-            raise ValueError(f"{where}: label {raw!r} is not a finite number")
+            raise ValueError(f"{where}: label {shown(raw)} is not a finite number")
         return value
     if raw not in task.labels:
-        raise ValueError(f"{where}: unknown label {raw!r} for {task.name}; expected one of {list(task.labels)}")
+        raise ValueError(f"{where}: unknown label {shown(raw)} for {task.name}; expected one of {list(task.labels)}")
     return task.labels.index(raw)
 
 

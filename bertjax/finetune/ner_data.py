@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from bertjax.data import file_readers
+from bertjax.errors import shown
 from bertjax.finetune.ner_metrics import OUTSIDE, split_tag
 from bertjax.finetune.squad_data import doc_spans, max_context_mask
 
@@ -60,7 +61,7 @@ def read_conll(path: str) -> Sentences:
             continue
         if len(fields) < 2:
             raise ValueError(f"{path}:{number}: expected 'word ... tag' (at least 2 space-separated columns), "
-                             f"got {line.rstrip()!r}")
+                             f"got {shown(line.rstrip())}")
         split_tag(fields[-1], f"{path}:{number}")
         cur_words.append(fields[0])
         cur_tags.append(fields[-1])
