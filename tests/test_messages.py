@@ -211,9 +211,8 @@ def test_small_messages_name_the_right_flag_and_file(tmp_path, minilm_dir):
     from bertjax.data.corpus import expand_inputs
     from bertjax.pretraining.config import load_config
 
-    with pytest.raises(ValueError, match=r"`--max-predictions 19` in data create, `--set "
-                                         r"data.max_predictions_per_seq=19` in pretrain"):
-        load_config("bert-tiny", ["data.input=x", "data.vocab=v", "data.max_predictions_per_seq=10"])
+    with pytest.raises(ValueError, match=r"max_predictions_per_seq=130 exceeds the 125 maskable tokens"):
+        load_config("bert-tiny", ["data.input=x", "data.vocab=v", "data.max_predictions_per_seq=130"])
     literal = tmp_path / "corp[1].txt"  # glob characters in a real name
     literal.write_text("text\n")
     assert expand_inputs([str(literal)]) == [str(literal)]

@@ -52,6 +52,8 @@ def resolve(config: PretrainingDataConfig, key: str = "data.input",
     if kind == "text":
         config.require_input()
         config = format_detect.resolve(config, log or Console().line, "data.corpus_format")
+        if key == "data.input" and (note := config.masking_note(config.max_seq_length)):  # once, not per input
+            (log or Console().line)(note)
         return InputSource(config, () if config.is_tfds else tuple(corpus.expand_inputs(config.inputs)))
     files = tfrecord.find_shards(config.inputs)
     metadata = [entry for directory in sorted({os.path.dirname(f) for f in files})
