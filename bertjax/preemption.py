@@ -149,7 +149,8 @@ class PreemptionFlag:
         return flag
 
     def restore(self):
-        """The handlers before the loop back; after a stop was asked, later signals dropped instead (a second
-        Ctrl-C while the stopped job saves and cleans up would cut that short, with a traceback)."""
+        """The handlers before the loop back; in a command (whose handler is `raise_stopped`) after a stop was
+        asked, later signals dropped instead: a second Ctrl-C while the stopped job saves and cleans up would cut
+        that short (it was a KeyboardInterrupt traceback)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, _ignore_during_cleanup if self.requested else handler)
+            signal.signal(sig, _ignore_during_cleanup if self.requested and handler is raise_stopped else handler)
