@@ -23,6 +23,8 @@ import shutil
 import uuid
 from typing import Iterator
 
+from etils import epath
+
 from bertjax.errors import OutputWriteError, cannot_write, is_full_disk
 from bertjax.workdir_lock import WorkdirLock
 
@@ -110,6 +112,22 @@ def _no_space_left(directory: str) -> bool:
     except OSError:
         return False
     return stats.f_bavail * stats.f_frsize < 64 << 10
+
+
+@contextlib.contextmanager
+def open_whole(target, mode: str = "w", **kwargs) -> Iterator:
+    """`open(target, mode)` for a file written whole: beside it, renamed into place when closed
+    (replaced_when_whole): a job's metrics.json cut by a full disk read as a finished run's."""
+    with replaced_when_whole(str(target)) as partial:
+        opened = open(partial, mode, **kwargs) if "://" not in partial else epath.Path(partial).open(mode, **kwargs)
+        with opened as f:
+            yield f
+
+
+def write_whole(target, text: str) -> None:
+    """`text` as the file `target` (UTF-8), written whole (open_whole)."""
+    with open_whole(target, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def remove_partial(partial: str) -> None:

@@ -248,3 +248,24 @@ def test_a_command_held_in_native_code_is_still_ended_by_a_stop_signal():
     assert process.returncode == 128 + signal.SIGTERM
     assert err.strip().splitlines()[-1] == "bertjax: stopped by SIGTERM: still in native code 1s later; ended without " \
                                            "its cleanup"
+
+
+def test_a_file_a_job_writes_is_whole_or_not_there(tmp_path):
+    """The files a job writes into its workdir go through outputs.open_whole: a metrics.json cut by a full disk was
+    read by the next run as a finished one ("already holds this run, completed"). A write that fails leaves the
+    earlier file as it was and no partial one, and names the file."""
+    import errno
+
+    from bertjax.errors import OutputWriteError
+    from bertjax.outputs import open_whole
+
+    target = tmp_path / "metrics.json"
+    target.write_text("earlier")
+    with pytest.raises(OutputWriteError, match=rf"^cannot write {target}: no space left on device$"):
+        with open_whole(target) as f:
+            f.write('{"half": ')
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert target.read_text() == "earlier" and os.listdir(tmp_path) == ["metrics.json"]
+    with open_whole(tmp_path / "new.json") as f:
+        f.write("{}")
+    assert (tmp_path / "new.json").read_text() == "{}"

@@ -20,6 +20,7 @@ import numpy as np
 
 from bertjax.data import file_readers
 from bertjax.errors import shown
+from bertjax.outputs import open_whole
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +263,7 @@ def featurize(examples: Examples, tokenizer, max_seq_length: int) -> dict[str, n
 
 def write_submission(task: GlueTask, path: str, guids: list[str], preds) -> None:
     """GLUE's submission TSV: a header, then index and the predicted label name (or score)."""
-    with open(path, "w", encoding="utf-8") as f:
+    with open_whole(path, "w", encoding="utf-8") as f:
         f.write("index\tprediction\n")
         for guid, pred in zip(guids, preds):
             f.write(f"{guid}\t{label_name(task, pred)}\n")

@@ -16,6 +16,7 @@ from bertjax.data import file_readers
 from bertjax.errors import shown
 from bertjax.finetune.ner_metrics import OUTSIDE, split_tag
 from bertjax.finetune.squad_data import doc_spans, max_context_mask
+from bertjax.outputs import open_whole
 
 DOCSTART = "-DOCSTART-"
 SPLIT_FILES = {"train": "train.txt", "valid": "valid.txt", "test": "test.txt"}
@@ -201,7 +202,7 @@ def decode(features: Features, logits: np.ndarray, sentences: Sentences, labels:
 
 def write_predictions(path: str, sentences: Sentences, predicted: list[list[str]]) -> None:
     """CoNLL format, `word gold predicted` per line, a blank line after each sentence (conlleval reads it)."""
-    with open(path, "w", encoding="utf-8") as f:
+    with open_whole(path, "w", encoding="utf-8") as f:
         for words, gold, pred in zip(sentences.words, sentences.tags, predicted):
             f.writelines(f"{w} {g} {p}\n" for w, g, p in zip(words, gold, pred))
             f.write("\n")

@@ -17,6 +17,7 @@ from etils import epath
 
 from bertjax import workdir_paths
 from bertjax.input_files import read_json
+from bertjax.outputs import write_whole
 
 RUN_RECORD = "run.json"
 TRAIN_STATE = "train_state"
@@ -115,12 +116,12 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
         earlier = None
     root.mkdir(parents=True, exist_ok=True)
     if earlier is None:
-        path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        write_whole(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
         return "new"
     if any((root / name).exists() for name in COMPLETED):
         return "completed"
     if resumable or earlier != record:  # the newest values, for the next resume to compare with
-        path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        write_whole(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     if resumable:
         log(f"{workdir}: resuming; changed since: " + ", ".join(
             f"--{k.replace('_', '-')} {_shown(earlier[k])} -> {_shown(record.get(k))}" for k in resumable)

@@ -25,6 +25,7 @@ from etils import epath
 from bertjax.finetune.run_record import INPUT_KEY
 from bertjax.input_files import read_json, read_text
 from bertjax.interop.hub import PACKAGED_CHECKPOINTS, is_hub_id, packaged_checkpoint
+from bertjax.outputs import write_whole
 
 CARD = "README.md"
 # The Hub's pipeline tag of each head, and the benchmark each fine-tune job trains on (the Hub's dataset id).
@@ -308,5 +309,5 @@ def write_card(hf_dir: str, run_dir: str | None = None, record_dir: str | None =
     text = card_text(read_json(out / "config.json", "the export's config.json"), facts,
                      license_from=None if facts else source,
                      name=epath.Path(run_dir).name if run_dir else name or out.name)
-    (out / CARD).write_text(text, encoding="utf-8")
+    write_whole(out / CARD, text)
     return str(out / CARD)

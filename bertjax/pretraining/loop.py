@@ -27,6 +27,7 @@ from bertjax.data.tokenizers import load_tokenizer
 from bertjax.host_memory import memory_warning
 from bertjax.input_files import read_json
 from bertjax.interop.load import check_vocab_fits, load_pretrained
+from bertjax.outputs import write_whole
 from bertjax.model import bert as model_lib
 from bertjax.model import family
 from bertjax.preemption import PreemptionFlag
@@ -167,7 +168,7 @@ def _check_inputs_unchanged(record, data, resumed: bool, writer: bool, log) -> N
             f"{', ...' if len(changed) > 3 else ''}): it continues on them from the saved input position, which "
             f"was a position in the old files")
     if writer and earlier != stamps:
-        record.write_text(json.dumps(stamps, indent=1, sort_keys=True) + "\n")
+        write_whole(record, json.dumps(stamps, indent=1, sort_keys=True) + "\n")
 
 
 def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_mfu: float = 0.5) -> str:
@@ -277,7 +278,7 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     checkpointer = checkpoint_lib.TrainCheckpointer(workdir, config.checkpoint)
     if process_index == 0:  # the effective config of this run (sizes written out), readable without Orbax
         effective = config.with_model_sizes(len(vocab)).to_dict()
-        (epath.Path(workdir) / "config.json").write_text(json.dumps(effective, indent=2) + "\n")
+        write_whole(epath.Path(workdir) / "config.json", json.dumps(effective, indent=2) + "\n")
     input_stats = collections.Counter()
     dataset = pipeline_lib.make_pretraining_dataset(source, config.train.batch_size, process_index,
                                                     process_count, stats=input_stats)
@@ -402,7 +403,7 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
     log(goodput_lib.format_run(goodput))
     if status == "completed" and jax.process_index() == 0:
         # After the last save is finalised: a babysitter restarts the job until this file exists.
-        (epath.Path(workdir) / COMPLETION_MARKER).write_text(json.dumps({"final_step": step}))
+        write_whole(epath.Path(workdir) / COMPLETION_MARKER, json.dumps({"final_step": step}))
     return RunResult(step, status, last_metrics)
 
 
