@@ -33,6 +33,7 @@ from jax.experimental import multihost_utils
 
 from bertjax import workdir_paths
 from bertjax.errors import OutputWriteError, cannot_write, first_line
+from bertjax.input_files import Unreadable, check_readable_tree, is_permission_error, read_text
 from bertjax.model import bert as model_lib
 from bertjax.model import family, shapes
 from bertjax.model.family import ModelConfig
@@ -106,7 +107,7 @@ def read_vocab_file(path: str) -> list[str]:
     path = epath.Path(path)
     if not path.exists():
         raise FileNotFoundError(f"vocab file {path} does not exist")
-    tokens = path.read_text(encoding="utf-8").splitlines()
+    tokens = read_text(path, "a vocabulary (one token a line)").splitlines()
     if not tokens:
         raise ValueError(f"vocab file {path} is empty")
     return tokens
@@ -138,6 +139,7 @@ def save_model(directory: str, params, config: ModelConfig, vocab: list[str], lo
     items = _model_items(params, config, vocab, lower_case, tokenizer)
     if head is not None:
         items[HEAD] = head
+    quiet_orbax_failures()
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         checkpointer.save(orbax_path(directory), args=_save_args(items))
 
@@ -214,7 +216,12 @@ def _reading(directory):
     """Any error reading the checkpoint at `directory` as one ValueError line naming it."""
     try:
         yield
+    except Unreadable:
+        raise
     except Exception as error:  # noqa: BLE001 - Orbax/TensorStore raise many types for a damaged directory
+        if is_permission_error(error):
+            raise Unreadable(f"{directory}: cannot read the checkpoint: permission denied ({first_line(error)})") \
+                from None
         raise ValueError(f"{directory}: cannot read the checkpoint ({first_line(error)}); it is damaged or "
                          f"incomplete") from None
 
@@ -274,6 +281,7 @@ def restore_train_state(step_dir: str, abstract_state):
     step of an older bertjax with split-head attention kernels continues with 2-D ones).
     For a resume and for continuing another run's schedule (`--init` a step directory)."""
     path = orbax_path(step_dir)
+    check_readable_tree(step_dir, "in the checkpoint")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         metadata = _stored_params(checkpointer, path)
         stored, wanted = model_lib.is_stacked(metadata), model_lib.is_stacked(abstract_state.params)
@@ -334,6 +342,7 @@ def _require_checkpoint(directory: str) -> None:
     if not is_model_checkpoint(directory):
         raise FileNotFoundError(f"{directory} is not a bertjax checkpoint (expected the Orbax items "
                                 f"{PARAMS}/ and {MODEL_CONFIG}/ in it)")
+    check_readable_tree(directory, "in the checkpoint")
 
 
 # ---- training checkpoints ------------------------------------------------------------------------------------------
@@ -435,6 +444,14 @@ def _orbax_failure_traceback(record: logging.LogRecord) -> bool:
     return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
 
 
+def quiet_orbax_failures() -> None:
+    """A failed save or restore is told once, by its caller: not also by Orbax's threads (their ERROR records with
+    a traceback) and TensorStore's completions on a closed loop."""
+    _drop_late_read_completions()
+    if _orbax_failure_traceback not in logging.getLogger("absl").filters:
+        logging.getLogger("absl").addFilter(_orbax_failure_traceback)
+
+
 class StepCheckpointer:
     """An Orbax CheckpointManager over `directory/<step>`, each step a set of our items; what a training job's saves
     and resumes go through.
@@ -446,11 +463,7 @@ class StepCheckpointer:
     """
 
     def __init__(self, directory, *, keep: int, keep_every: int | None = None, async_save: bool = False):
-        # A failed save or restore is told once, by the caller: not also by Orbax's threads and TensorStore's
-        # completions on a closed loop.
-        _drop_late_read_completions()
-        if _orbax_failure_traceback not in logging.getLogger("absl").filters:
-            logging.getLogger("absl").addFilter(_orbax_failure_traceback)
+        quiet_orbax_failures()
         self.directory = orbax_path(directory)
         check_writable(str(self.directory))
         manager_options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every,
@@ -497,14 +510,19 @@ class StepCheckpointer:
     def restore_newest(self, restore, log):
         """(step, restore(step)) for the newest step that `restore` reads, or None without one. A step it cannot
         read is set aside with a one-line warning through `log`, and the one before it is tried; a ResumeRefused
-        (the config, not the step, is at fault) passes through."""
+        (the config, not the step, is at fault) and a permission error (the step may be whole: Unreadable, named)
+        pass through, and nothing is set aside for them."""
         steps = self.steps()
         for step in reversed(steps):
             try:
+                check_readable_tree(self.step_dir(step), "in the checkpoint")
                 return step, restore(step)
-            except ResumeRefused:
+            except (ResumeRefused, Unreadable):
                 raise
             except Exception as error:  # noqa: BLE001 - any storage or format error makes the step unusable
+                if is_permission_error(error):
+                    raise Unreadable(f"cannot resume from {self.step_dir(step)}: permission denied "
+                                     f"({first_line(error, 200)}); give this user read access to it") from None
                 where, moved = self.step_dir(step), self.set_aside(step)
                 log(f"warning: cannot restore {where} ({first_line(error, 200)}); moved it to {moved} and trying "
                     f"the previous checkpoint")

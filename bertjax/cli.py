@@ -13,7 +13,7 @@ import signal
 import sys
 import traceback
 
-from bertjax import errors, host_memory, platforms, quiet
+from bertjax import errors, host_memory, platforms, preemption, quiet
 
 COMMAND_MODULES = (
     "bertjax.interop.cli",
@@ -31,6 +31,11 @@ FIXED_SHAPE_COMMANDS = ("pretrain",)
 WITHOUT_TENSORFLOW = ("config", "launch", "eval", "demo-corpus", "goodput", "predict", "finetune classify")
 # Commands that run JAX on this machine's own devices (`compile` compiles for others, through their plugins).
 OWN_DEVICE_COMMANDS = ("pretrain", "finetune", "predict", "embed")
+# Commands that start neither JAX nor TensorFlow (no address-space floor to check).
+WITHOUT_JAX_OR_TENSORFLOW = ("config", "launch", "eval", "demo-corpus", "goodput")
+# Commands that pass stop signals on to the jobs they run; every other one is stopped by them in one line, its
+# cleanup run (preemption.Stopped; training loops take them as a request to save and stop at a step boundary).
+PASSES_STOP_SIGNALS_ON = ("launch",)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -116,10 +121,24 @@ def main(argv: list[str] | None = None) -> int:
         host_memory.keep_freed_memory_if_cpu_job(os.environ)
     if args.command in OWN_DEVICE_COMMANDS:
         platforms.skip_accelerator_plugins(os.environ)
-    if command_path(args) not in WITHOUT_TENSORFLOW and args.command not in WITHOUT_TENSORFLOW:
-        quiet.start_tensorflow(verbose=args.verbose)
+    with preemption.stopped_by_raising(args.command not in PASSES_STOP_SIGNALS_ON):
+        return _run(args, argv)
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Runs the command; a job-ending error, a stop signal or a closed stdout told as `main` says."""
     try:
+        if args.command not in WITHOUT_JAX_OR_TENSORFLOW:
+            host_memory.check_address_space()
+        if command_path(args) not in WITHOUT_TENSORFLOW and args.command not in WITHOUT_TENSORFLOW:
+            quiet.start_tensorflow(verbose=args.verbose)
         return int(args.func(args) or 0)
+    except preemption.Stopped as stopped:
+        line = f"bertjax {args.command}: {stopped}"
+        if argv is not None:
+            print(line, file=sys.stderr)
+            return 128 + stopped.signum
+        end_process(line, 128 + stopped.signum)
     except BrokenPipeError:
         if argv is not None:
             raise
@@ -131,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if line is None:  # a bug, not bad input: its traceback is what its reader needs; exit 1, a failure
             traceback.print_exc()
         code = 2 if line is not None else 1  # 2: refused for its input or setup (a babysitter does not retry it)
-        line = f"bertjax {args.command}: error: {line or errors.first_line(error)}"
+        line = errors.clipped(f"bertjax {args.command}: error: {line or errors.first_line(error)}")
         if argv is None or getattr(error, "exit_now", False):
             end_process(line, code)
         print(line, file=sys.stderr)
@@ -148,8 +167,15 @@ def job_error_line(error: BaseException) -> str | None:
     """The one line that tells a job-ending error caused by its input or setup, or None for a bug. Bad input found
     while tf.data reads a file (file_readers.CorpusError inside a numpy_function) arrives wrapped in TensorFlow's
     error, with a traceback in its message: told by the reader's own line."""
-    if isinstance(error, (ValueError, FileNotFoundError, KeyError)):
+    limit = errors.limit_line(error)  # a process limit (ulimit -n, -f, -v) hit: named, with its value
+    # bertjax's own lines name what they need; a library's raw status (TensorStore's "RESOURCE_EXHAUSTED: ...",
+    # an OSError's "[Errno 24] ...") does not.
+    raw = re.match(r"[A-Z_]+: |\[Errno \d+\]", str(error))
+    if isinstance(error, (ValueError, FileNotFoundError, KeyError)) and (limit is None or not raw):
         return str(error)
+    if limit is not None:
+        where = getattr(error, "filename", None)
+        return f"{where}: {limit}" if where and not limit.startswith(str(where)) else limit
     if isinstance(error, OSError) and error.filename:  # the machine's state (read-only, full, missing), not a bug
         return str(error)
     found = re.search(r"CorpusError: (.*)", str(error))

@@ -151,3 +151,21 @@ def memory_warning(need_per_device: int, device, local_devices: int) -> str:
              if need != need_per_device else f"{need / gib:.2f} GiB per device")
     return (f"warning: the step needs {asked}, more than the {have / gib:.2f} GiB of {where}: lower "
             f"train.batch_size (or raise train.grad_accum_steps) or data.max_seq_length")
+
+
+# What JAX, XLA and TensorFlow map to start on this kind of machine (their libraries, thread stacks and malloc
+# arenas): measured, a tiny `embed` aborted natively (a failed pthread_create, "Check failure") under ulimit -v
+# 3 GB, ran under 4 GB; under 2 GB it spun without end. More cores map more (an arena and a stack per thread).
+ADDRESS_SPACE_FLOOR = 4 << 30
+
+
+def check_address_space(floor: int = ADDRESS_SPACE_FLOOR) -> None:
+    """Refuses to start under an address-space limit (ulimit -v) below `floor`, naming it: past the libraries'
+    start the failures under it are native (an abort, a segfault, a spin) and no line of ours could follow."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY and soft < floor:
+        raise ValueError(f"the address-space limit (ulimit -v) is {soft / 2**30:.1f} GiB: JAX, XLA and TensorFlow "
+                         f"map more than that to start (libraries, thread stacks, allocator arenas) and would abort "
+                         f"without a word; raise it to at least {floor / 2**30:.0f} GiB (ulimit -v unlimited)")

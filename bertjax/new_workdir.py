@@ -28,7 +28,7 @@ def removed_if_failed_before_saving(workdir: str, has_saved: Callable[[], bool],
     created = lock is not None and not path.exists()
     try:
         yield
-    except Exception:
+    except BaseException:  # a stop signal (preemption.Stopped) too
         if created and path.exists() and not has_saved() and lock.read() is None:
             workdir_paths.remove(path)
         raise

@@ -41,10 +41,17 @@ class WorkdirBusy(ValueError):
     """Another live job holds the workdir (a ValueError: bertjax exits 2, and the babysitter does not restart)."""
 
 
+# A heartbeat further ahead of this host's clock than this is told as clock skew (writes take well under it).
+SKEW_TOLERANCE_S = 5.0
+
+
 def describe(holder: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-    return (f"pid {holder.get('pid')} on {holder.get('host')}, started {started}, last heartbeat "
-            f"{time.time() - holder.get('heartbeat', 0):.0f}s ago: {holder.get('command', '?')}")
+    age = time.time() - holder.get("heartbeat", 0)
+    beat = (f"last heartbeat {age:.0f}s ago" if age > -SKEW_TOLERANCE_S else
+            f"last heartbeat {-age:.0f}s in the future by this host's clock: its host's clock and this one's "
+            f"disagree (clock skew), and it counts as live until this clock passes it by {STALE_AFTER_S:.0f}s")
+    return f"pid {holder.get('pid')} on {holder.get('host')}, started {started}, {beat}: {holder.get('command', '?')}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -140,10 +147,13 @@ class WorkdirLock:
     """The lock of one workdir, held by this process from `acquire()` to `release()`."""
 
     def __init__(self, workdir: str, command: str | None = None, log=print, name: str = LOCK_NAME,
-                 flag: str = "--workdir"):
-        """name: the lock file's (one per writer of a shared directory); flag: the option that named `workdir`."""
+                 flag: str = "--workdir", guards: str | None = None):
+        """name: the lock file's (one per writer of a shared directory); flag: the option that named `workdir`;
+        guards: what the lock is named for in a refusal (default: `workdir`; an output's lock beside it: the
+        output)."""
         self.path = epath.Path(workdir_paths.canonical(workdir)) / name
         self.flag = flag
+        self.guards = guards or str(self.path.parent)
         self.store = GcsObject(str(self.path)) if str(self.path).startswith("gs://") else LocalLockFile(self.path)
         self.log = log
         now = time.time()
@@ -189,7 +199,7 @@ class WorkdirLock:
                 continue
             same_host = holder.get("host") == socket.gethostname()
             if same_host or time.time() >= deadline:
-                raise WorkdirBusy(f"{self.path.parent} is in use by another job ({describe(holder)}); wait for it "
+                raise WorkdirBusy(f"{self.guards} is in use by another job ({describe(holder)}); wait for it "
                                   f"to end, stop it, or use another {self.flag} (a holder that died frees it: on "
                                   f"its host at once, elsewhere {STALE_AFTER_S:.0f}s after its last heartbeat)")
             self.log(f"{self.path}: held by {describe(holder)}; waiting up to {deadline - time.time():.0f}s for "

@@ -43,6 +43,7 @@ os.environ.setdefault("GCS_RETRY_CONFIG_MAX_DELAY_TIME_US", "10000")
 
 import pathlib
 import subprocess
+import sys
 
 # One persistent compilation cache for every test process and the subprocesses they start (they inherit the
 # environment): the suite compiles each program once, and a second run of it reads them all back. Under the clone
@@ -154,6 +155,33 @@ def small_disk(tmp_path):
     yield mount_point
     # Lazily: a file a failed test left open would keep it mounted (busy) after the session.
     subprocess.run(["umount", "--lazy", str(mount_point)], check=False)
+
+
+# Runs argv[2:] under process limits: resource limits by name, and "drop" to take a root process's power to read
+# any file (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH out of its bounding set: gone after exec). Set here, in a
+# single-threaded child, and exec'd: a preexec_fn would run Python after a fork of the multithreaded test process.
+_LIMITED = r"""
+import ctypes, os, resource, sys
+limits, argv = sys.argv[1], sys.argv[2:]
+for item in filter(None, limits.split(",")):
+    if item == "drop":
+        if os.geteuid() == 0:
+            libc = ctypes.CDLL(None, use_errno=True)
+            for capability in (1, 2):
+                if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                    raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+        continue
+    name, value = item.split("=")
+    resource.setrlimit(getattr(resource, name), (int(value), int(value)))
+os.execv(argv[0], argv)
+"""
+
+
+def limited(argv: list[str], *, drop_file_access: bool = False, **limits: int) -> list[str]:
+    """`argv` (an executable and its arguments) to run under `limits` (RLIMIT_AS=..., RLIMIT_NOFILE=...), and as a
+    root process that file modes hold for when `drop_file_access`."""
+    spec = ",".join([f"{name}={value}" for name, value in limits.items()] + (["drop"] if drop_file_access else []))
+    return [sys.executable, "-c", _LIMITED, spec, *argv]
 
 
 def fill_disk(path: pathlib.Path, leave: int = 0) -> None:

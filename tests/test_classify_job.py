@@ -230,3 +230,38 @@ def test_cli_bad_row_fails_fast_with_one_line(tiny_init, tmp_path, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{dev}:3: column 'label': label 'neutral' is not among the training file's labels" in last
     assert time.monotonic() - started < 120  # no model was loaded, nothing compiled
+
+
+def _small_job(tmp_path: Path, rows: int = 40) -> list[str]:
+    rng = random.Random(0)
+    train = _write_csv(tmp_path / "train.csv", ["text", "label"],
+                       [[_sentence(rng, ("good", "bad")[i % 2]), ("pos", "neg")[i % 2]] for i in range(rows)])
+    return ["finetune", "classify", "--train", str(train), "--workdir", str(tmp_path / "work"), "--epochs", "2",
+            "--max-seq-length", "32"]
+
+
+def test_a_batch_larger_than_the_training_file_is_cut_to_it_saying_so(tiny_init, tmp_path, capsys):
+    """`--batch-size 1000000000` on 200 examples was killed by the kernel at 18.8 GB, without a word, its workdir
+    left: the rows past the data are padding (weight 0) that cost memory and time for nothing. The batch is the
+    training file (rounded up to what splits over the devices), said in one line, and the run trains as asked."""
+    assert bertjax_main(_small_job(tmp_path) + ["--init", tiny_init, "--batch-size", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "--batch-size 4096 is more than the 40 training examples: batches of 40 (all of them, one step an epoch)" \
+        in out, out
+    assert json.loads((tmp_path / "work" / "metrics.json").read_text())["total_steps"] == 2
+
+
+def test_a_training_step_beyond_the_machines_memory_is_refused_before_it_allocates(tiny_init, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """The step's memory (params, gradients and AdamW's moments on every device, the activations' floor) is
+    estimated before the step allocates anything, as a model's size is (model/config.py); over the machine's memory
+    (here made 100 MiB), one line names --batch-size, the estimate and the memory, and the workdir the run made is
+    gone."""
+    monkeypatch.setattr("bertjax.model.config.host_memory_bytes", lambda: 100 << 20)
+    assert bertjax_main(_small_job(tmp_path) + ["--init", tiny_init, "--batch-size", "40"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("bertjax finetune: error: --batch-size 40 of 32 tokens a row: a training step needs at "
+                           "least "), last
+    assert "of params, gradients and optimizer state" in last and "more than this machine's 0.1 GiB of memory; " \
+        "give a smaller --batch-size or a --grad-accum-steps (the same batch in parts)" in last, last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.csv"]

@@ -241,3 +241,51 @@ def _writable(directory: Path) -> bool:
         return False
     (directory / ".bertjax-probe").unlink()
     return True
+
+
+# ------------------------------------------------------------------------------------------- process limits
+
+def _limited_job(argv: list[str], **limits: int) -> tuple[int, list[str]]:
+    """(exit status, stderr lines) of `bertjax ARGV` under the process limits given (RLIMIT_NOFILE=30, ...)."""
+    import subprocess
+
+    from tests.conftest import limited, xla_flags
+
+    done = subprocess.run(limited([sys.executable, "-m", "bertjax.cli", *argv], **limits), cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1),
+                               "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    return done.returncode, done.stderr.strip().splitlines()
+
+
+def test_a_process_limit_hit_ends_the_command_in_one_line_naming_the_limit(corpus, tmp_path, minilm_dir):
+    """Under `ulimit -n 30` a pretraining save reported "no space left on device" with 50 GB free; under a
+    file-size limit a write was a bare `[Errno 27] File too large` naming no file; under an address-space limit
+    too small for JAX, XLA and TensorFlow to start, a command aborted or crashed natively without a line of ours.
+    Each now ends in one line naming the limit, its value and how to raise it."""
+    from tests.conftest import save_tiny_classifier_hf
+
+    argv = ["pretrain", "--config", "bert-tiny", "--workdir", str(tmp_path / "run"),
+            "--set", f"data.input={corpus['root'] / 'wiki.txt.gz'}", "--set", f"data.vocab={corpus['vocab']}",
+            "--set", "data.max_seq_length=64", "--set", "data.max_predictions_per_seq=10",
+            "--set", "train.batch_size=8", "--set", "train.steps=3", "--set", "checkpoint.every=3"]
+    rc, err = _limited_job(argv, RLIMIT_NOFILE=30)  # here the save opens the 30th (where it is may vary)
+    assert rc == 2 and err[-1].startswith("bertjax pretrain: error: ") and err[-1].endswith(
+        "too many open files: this process may have 30 open at once (ulimit -n 30); raise it (ulimit -n 65536)") \
+        and "no space" not in err[-1], err[-5:]
+
+    model = save_tiny_classifier_hf(tmp_path / "classifier", minilm_dir / "vocab.txt")
+    rows = tmp_path / "rows.csv"
+    rows.write_text("text\n" + "".join(f"row {i} of a table to predict\n" for i in range(200)))
+    out = tmp_path / "predicted.jsonl"
+    rc, err = _limited_job(["predict", "--model", model, "--input", str(rows), "--output", str(out)],
+                           RLIMIT_FSIZE=8192)
+    assert rc == 2 and err[-1] == (f"bertjax predict: error: cannot write {out}: a file grew past the file-size "
+                                   "limit (ulimit -f: 8,192 bytes); raise it (ulimit -f unlimited)"), err[-5:]
+    assert not out.exists() and "Traceback" not in "\n".join(err)
+
+    rc, err = _limited_job(["predict", "--model", model, "--input", str(rows), "--output", str(out)],
+                           RLIMIT_AS=2 << 30)
+    assert rc == 2 and err[-1] == (
+        "bertjax predict: error: the address-space limit (ulimit -v) is 2.0 GiB: JAX, XLA and TensorFlow map more "
+        "than that to start (libraries, thread stacks, allocator arenas) and would abort without a word; raise it "
+        "to at least 4 GiB (ulimit -v unlimited)"), err[-5:]

@@ -274,3 +274,35 @@ def test_a_resume_takes_new_evaluation_and_logging_settings_with_a_line_and_refu
     assert claim(str(tmp_path), second, overwrite=False, log=said.append) == "resume" and said == []
     with pytest.raises(ValueError, match=r"belongs to another fine-tuning run \(learning_rate: 0.001 -> 0.002\)"):
         claim(str(tmp_path), {**second, "learning_rate": 2e-3, "log_every": 5}, overwrite=False, log=said.append)
+
+
+def test_a_second_sigint_while_a_fine_tune_stops_ends_it_cleanly(tiny_init, tmp_path, capsys):  # noqa: F811
+    """Ctrl-C, then Ctrl-C again while the job saves and stops (here: just as its loop gives back the signal
+    handlers, where the default one used to raise KeyboardInterrupt): the state saved, exit 0, no traceback, the
+    lock released; the same command resumes."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, xla_flags
+    from tests.test_outputs import DRIVER
+
+    data, cut = _synthetic_glue(tmp_path / "glue"), tmp_path / "cut"
+    argv = _argv(data, tiny_init, cut, "--epochs", "1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1), PYTHONPATH=str(REPO_ROOT))
+    process = subprocess.Popen([sys.executable, "-c", DRIVER, "bertjax.preemption:PreemptionFlag.restore", "after",
+                                "SIGINT", *argv], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        path = cut / "metrics.jsonl"
+        if path.exists() and path.read_text().strip() and _steps(cut):
+            process.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.01)
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, out[-2000:] + err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "stopped by a signal at step" in out and not (cut / "LOCK").exists()
+    stopped_at = max(_steps(cut))
+    assert main(argv) == 0
+    assert f"resumed from {cut}/train_state/{stopped_at} (step {stopped_at} of 10)" in capsys.readouterr().out

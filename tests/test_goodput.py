@@ -90,8 +90,8 @@ def test_a_cut_run_account_is_named_and_the_account_called_incomplete(two_runs, 
     assert bertjax_main(["goodput", str(two_runs)]) == 1
     shown = capsys.readouterr()
     assert shown.out.splitlines()[0].startswith(f"{two_runs}: 1 run(s), ")
-    assert ("  incomplete: left out goodput/b.json: Expecting ',' delimiter: line 1 column 41 (char 40) "
-            "(cut or damaged)") in shown.out
+    assert ("  incomplete: left out goodput/b.json: not valid JSON (cut short?): Expecting ',' delimiter (line 1, "
+            "column 41); expected a run's goodput account (JSON) (cut or damaged)") in shown.out
     assert shown.err.strip().splitlines()[-1].startswith(
         f"bertjax goodput: error: the account of {two_runs} is incomplete: 1 run account(s) cannot be read "
         "(goodput/b.json: ")

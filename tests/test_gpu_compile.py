@@ -36,8 +36,11 @@ def test_gpu_host_names(name, card, cards):
     assert aot.is_gpu(topology) and not aot.is_gpu(aot.parse_target("v5p-8"))
 
 
+# `h100x-1` and its kin read as a GPU host meant, not as a TPU generation ("unknown TPU generation 'h100x'").
 @pytest.mark.parametrize("name, says", [("h300", "unknown GPU host"), ("h100x9", "9 cards"),
-                                        ("h100x0", "0 cards")])
+                                        ("h100x0", "0 cards"), ("h100x-1", "unknown GPU host 'h100x-1'"),
+                                        ("a100-80gb", "unknown GPU host 'a100-80gb'"),
+                                        ("h100x", "unknown GPU host 'h100x'")])
 def test_bad_gpu_host_names_say_what_is_accepted(name, says):
     with pytest.raises(ValueError, match=says) as raised:
         aot.parse_target(name)

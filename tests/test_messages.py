@@ -211,9 +211,8 @@ def test_small_messages_name_the_right_flag_and_file(tmp_path, minilm_dir):
     from bertjax.data.corpus import expand_inputs
     from bertjax.pretraining.config import load_config
 
-    with pytest.raises(ValueError, match=r"`--max-predictions 19` in data create, `--set "
-                                         r"data.max_predictions_per_seq=19` in pretrain"):
-        load_config("bert-tiny", ["data.input=x", "data.vocab=v", "data.max_predictions_per_seq=10"])
+    with pytest.raises(ValueError, match=r"max_predictions_per_seq=130 exceeds the 125 maskable tokens"):
+        load_config("bert-tiny", ["data.input=x", "data.vocab=v", "data.max_predictions_per_seq=130"])
     literal = tmp_path / "corp[1].txt"  # glob characters in a real name
     literal.write_text("text\n")
     assert expand_inputs([str(literal)]) == [str(literal)]
@@ -429,3 +428,67 @@ def test_a_checkpoint_head_that_contradicts_its_classifier_is_refused_naming_bot
                          "but its classifier has 2 outputs (classifier bias [2]): read as described, its outputs "
                          "would be reported as something they are not; export the model again, or correct the "
                          "description"), line
+
+
+def test_a_config_py_that_fails_is_told_by_its_own_line_not_by_bertjaxs_traceback(tmp_path, capsys):
+    """A syntax error or an exception in a config .py is the user's code: the file, its line and the error, not
+    bertjax's import machinery in a traceback."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("import ml_collections\n\n\ndef get_config(:\n    return None\n")
+    raises = tmp_path / "raises.py"
+    raises.write_text("import ml_collections\n\n\ndef get_config():\n    sizes = {}\n    return sizes['hidden']\n")
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    for path, expected in ((broken, f"{broken}:4: SyntaxError: "), (raises, f"{raises}:6: KeyError: 'hidden' (in "
+                                                                            "the config file)"),
+                           (empty, f"{empty}: defines no get_config()")):
+        assert bertjax_main(["config", "show", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"bertjax config: error: {expected}")
+
+
+def _classify(tmp_path, workdir, *extra) -> list[str]:
+    train = tmp_path / "train.csv"
+    if not train.exists():
+        train.write_text("text,label\n" + "".join(f"row {i},{i % 2}\n" for i in range(8)))
+    return ["finetune", "classify", "--train", str(train), "--init", str(tmp_path / "no-model"), "--workdir",
+            str(workdir), *extra]
+
+
+def test_a_cut_run_record_is_named_and_a_users_train_state_file_is_not_a_run(tmp_path, capsys):
+    """run.json cut by a full disk: its path and where it stops, not a JSONDecodeError naming nothing. A file of the
+    user's named `train_state` in the workdir is not "another fine-tuning run" whose --overwrite advice would delete
+    it: it is named, and kept, --overwrite or not."""
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "run.json").write_text('{"job": "classify", "train": "tr')
+    (cut / "metrics.jsonl").write_text("")
+    assert bertjax_main(_classify(tmp_path, cut)) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"bertjax finetune: error: {cut / 'run.json'}: not valid JSON (cut short?): Unterminated string starting at "
+        "(line 1, column 30); expected a fine-tune's run record (run.json)")
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "train_state").write_text("my notes on the training state\n")
+    for extra in ((), ("--overwrite",)):
+        assert bertjax_main(_classify(tmp_path, mine, *extra)) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last == (f"bertjax finetune: error: {mine / 'train_state'} is a file no fine-tuning run wrote (a run "
+                        "writes its train_state as a directory); move it out of the way, or use another --workdir")
+    assert (mine / "train_state").read_text() == "my notes on the training state\n"
+
+
+def test_an_error_quoting_a_users_row_is_cut_to_a_readable_length(tmp_path, capsys):
+    """A table without a header line: its first row, a whole paragraph, was quoted whole as the columns the file
+    has. A quoted value is cut in its middle, saying how long it was, and no error line runs past 1000 characters."""
+    train = tmp_path / "train.csv"
+    paragraph = "word " * 600
+    train.write_text(f"{paragraph},1\nanother row,0\n")
+    assert bertjax_main(_classify(tmp_path, tmp_path / "work")) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"bertjax finetune: error: {train}: no column 'text', 'label'; it has 'word word") and \
+        "' (3,002 characters), '1'" in last and len(last) < 300, last
+    from bertjax.errors import clipped
+
+    assert len(clipped("x" * 5000)) <= 1000 and "(4,040 characters cut)" in clipped("x" * 5000)

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from bertjax.checkpoint import load_model
+from bertjax.checkpoint import complete_steps, load_model
 from bertjax.data.demo_corpus import write_demo_corpus
 from tests import stall_watch
 from tests.conftest import REPO_ROOT, SUITE_CACHE_ON, fill_disk, process_running, xla_flags
@@ -163,8 +163,7 @@ def test_uninterrupted_run_writes_metrics_and_checkpoints(uninterrupted):
     assert last["real_tokens_per_s"] == pytest.approx(last["tokens_per_s"] * (1 - last["padding_fraction"]), rel=0.5)
     assert any(p.name.startswith("events.out.tfevents") for p in (uninterrupted / "tensorboard").iterdir())
     # keep=3 most recent of the saves every EVERY steps
-    assert sorted(int(p.name) for p in (uninterrupted / "checkpoints").iterdir() if p.name.isdigit()) == \
-        [STEPS - 2 * EVERY, STEPS - EVERY, STEPS]
+    assert complete_steps(str(uninterrupted)) == [STEPS - 2 * EVERY, STEPS - EVERY, STEPS]
 
 
 def test_a_run_appends_its_goodput_account(uninterrupted):
@@ -323,7 +322,7 @@ def test_sigkill_during_async_save_resumes_from_a_complete_checkpoint(uninterrup
     workdir = tmp_path / "killed"
     code, output = _run_until(_argv(workdir, corpus), f"step {MIDDLE}/", signal.SIGKILL)
     assert code == -signal.SIGKILL
-    complete = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    complete = complete_steps(str(workdir))  # the product's own notion of a complete step
     assert complete and complete[-1] in (MIDDLE - EVERY, MIDDLE), complete
     killed_at = max(r["step"] for r in _step_records(workdir))  # the kill came at step MIDDLE or a little after
     # Whatever was in flight (a temporary directory, if any) is not a step: the resume restarts from `complete`.

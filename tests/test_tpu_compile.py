@@ -221,6 +221,29 @@ def test_bad_mesh_or_batch_is_an_error_before_compiling(capsys):
     assert "unknown TPU generation" in capsys.readouterr().err
 
 
+def test_an_absurd_batch_or_a_dump_into_a_missing_directory_is_one_line_before_compiling(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """A --dump-hlo whose directory is missing was found only when the compile was done; a batch whose
+    activations alone need more than 64 times a chip's HBM took XLA hours or the host's memory (or overflowed) to
+    refuse. Each is one line before anything is compiled (here a compile would fail the test), the batch's naming
+    the accumulation whose activations could fit."""
+    def compile_step(*args, **kwargs):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(tpu_compile, "compile_step", compile_step)
+    dump = tmp_path / "missing" / "step.hlo"
+    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--dump-hlo", str(dump)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"bertjax compile: error: --dump-hlo {dump}: no directory {tmp_path / 'missing'}; create it first")
+    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2",
+                         "--set", "train.batch_size=2000000000"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "bertjax compile: error: train.batch_size=2000000000: a chip's microbatch of 500,000,000 rows of 128 tokens "
+        "needs at least 1,159,668 GiB of activations, more than 64 times its 15.75 GiB of HBM; not compiled: "
+        "train.grad_accum_steps=78125 (microbatches of 6400 a chip) is the least accumulation whose activations could "
+        "fit (or give a smaller batch, more chips)")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset, seq", [("bert-base-phase1", 128), ("bert-base-phase2", 512)])
 def test_bert_base_fits_v5e_4x4_and_xla_counts_the_model_flops(preset, seq):

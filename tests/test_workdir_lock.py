@@ -57,6 +57,20 @@ def test_the_lock_of_a_dead_job_is_taken_over(tmp_path):
     assert not is_stale(other, now + 60) and is_stale(other, now + 3600)
 
 
+def test_a_lock_whose_heartbeat_lies_in_the_future_names_clock_skew(tmp_path):
+    """Another host's lock whose heartbeat is an hour ahead of this host's clock: the refusal says the clocks
+    disagree (it read "last heartbeat -3600s ago", and the lock stays live until this clock passes it)."""
+    now = time.time()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "elsewhere", "pid": 1, "token": "x", "started": now,
+                                                  "heartbeat": now + 3600, "command": "bertjax pretrain"}))
+    with pytest.raises(WorkdirBusy) as refused:
+        WorkdirLock(str(tmp_path)).acquire(wait_s=0)
+    message = str(refused.value)
+    assert "last heartbeat 3600s in the future by this host's clock: its host's clock and this one's disagree " \
+        "(clock skew), and it counts as live until this clock passes it by 120s" in message, message
+    assert "ago" not in message
+
+
 def test_two_pretrain_jobs_on_one_workdir(corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
     workdir = tmp_path / "run"
     # The second job is refused within a second of the lock appearing; the first has its start-up and compile

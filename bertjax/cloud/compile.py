@@ -15,6 +15,7 @@ not passed their check on that card (`model/gpu_kernel_check.py`), and how to ch
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 
@@ -26,6 +27,8 @@ from bertjax.cloud.topologies import GENERATIONS, Topology, parse_topology
 from bertjax.cloud.topologies import compile_only_devices as tpu_devices
 from bertjax.console import duration
 from bertjax.data.tokenizers import load_tokenizer
+from bertjax.model import shapes
+from bertjax.outputs import replaced_when_whole
 from bertjax.pretraining import metrics
 from bertjax.pretraining.config import PretrainConfig, validate
 from bertjax.pretraining.job import CompiledStep, compile_step
@@ -185,15 +188,52 @@ def cost_text(report: dict) -> str:
             f"${report['cost_usd']:,.2f}")
 
 
+# A step whose activations alone need this many times a chip's HBM is refused uncompiled: XLA took hours or the
+# host's memory (or overflowed) to tell what the floor already says.
+ABSURD_FACTOR = 64
+
+
+def check_batch(config: PretrainConfig, topology: Topology) -> None:
+    """Refuses, before any compile, a batch whose per-chip microbatch's activations alone (their floor,
+    shapes.activation_floor_bytes) need more than ABSURD_FACTOR times a chip's HBM, naming the accumulation from
+    which the floor fits."""
+    config = job_for_topology(config, topology)
+    data, fsdp, _ = config.mesh.shape(topology.chips)
+    per_chip = config.train.batch_size // (data * fsdp)
+    accum = config.train.grad_accum_steps
+    model = config.bert_config(vocab_size_of(config))
+    seq, hbm = config.data.max_seq_length, topology.usable_hbm_bytes_per_chip
+
+    def floor(rows: int) -> int:
+        return shapes.activation_floor_bytes(model, rows, seq)
+
+    if per_chip < 1 or floor(per_chip // accum) <= ABSURD_FACTOR * hbm:
+        return
+    fitting = next((a for a in _divisors(per_chip) if a >= accum and floor(per_chip // a) <= hbm), None)
+    hint = (f"train.grad_accum_steps={fitting} (microbatches of {per_chip // fitting} a chip) is the least "
+            f"accumulation whose activations could fit" if fitting else "not even one row a chip fits")
+    raise ValueError(f"train.batch_size={config.train.batch_size}: a chip's microbatch of {per_chip // accum:,} rows "
+                     f"of {seq} tokens needs at least {floor(per_chip // accum) / 2**30:,.0f} GiB of activations, "
+                     f"more than {ABSURD_FACTOR} times its {hbm / 2**30:.2f} GiB of HBM; not compiled: {hint} (or "
+                     "give a smaller batch, more chips)")
+
+
+def _divisors(n: int) -> list[int]:
+    """n's divisors, ascending (O(sqrt n): a per-chip batch can be large)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def compile_for_topology(config: PretrainConfig, topology: Topology, mfu: float | None = None,
                          dump_hlo: str = "") -> dict:
     """Compile the job's step for `topology` and report (see `report`); `dump_hlo`: write the compiled HLO text
     to this file."""
+    check_batch(config, topology)
     config = job_for_topology(config, topology)
     vocab_size = vocab_size_of(config)
     compiled = compile_step(config, compile_only_devices(topology), vocab_size)
     if dump_hlo and compiled.hlo_text is not None:
-        with open(dump_hlo, "w", encoding="utf-8") as f:
+        with replaced_when_whole(dump_hlo) as partial, open(partial, "w", encoding="utf-8") as f:
             f.write(compiled.hlo_text)
     return report(config, topology, mfu, compiled, vocab_size)
 
@@ -210,7 +250,7 @@ def fit_batch(config: PretrainConfig, topology: Topology, mfu: float | None = No
     devices = compile_only_devices(topology)
     data, fsdp, _ = config.mesh.shape(topology.chips)
     per_step = config.train.batch_size // (data * fsdp)
-    choices = [a for a in range(config.train.grad_accum_steps, per_step + 1) if per_step % a == 0]
+    choices = [a for a in _divisors(per_step) if a >= config.train.grad_accum_steps]
     results = {} if requested is None else {requested["grad_accum_steps"]: requested}
 
     def compiled(accum: int) -> dict:

@@ -101,8 +101,9 @@ ACCEPTED = f"GPU hosts: {', '.join(CARDS)} (one card) or e.g. h100x8 (K cards on
 
 
 def is_gpu_topology(name: str) -> bool:
-    """Whether `name` names a GPU host (`h100`, `a100x8`...) rather than a TPU slice."""
-    return bool(re.fullmatch(r"[ah]\d{3}(x\d+)?", name.strip().lower()))
+    """Whether `name` is meant for a GPU host (`h100`, `a100x8`, a misspelt `h100x-1`...) rather than a TPU slice
+    (TPU names start with v): a letter and three digits begin it."""
+    return bool(re.match(r"[a-uw-z]\d{3}", name.strip().lower()))
 
 
 def parse_gpu_host(name: str, num_slices: int = 1) -> Topology:

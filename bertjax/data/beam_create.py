@@ -421,6 +421,8 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
         raise ValueError(f"--shards must be >= 1, got {num_shards}")
     config.require_input()
     config = format_detect.resolve(config, log)
+    if note := config.masking_note(config.max_seq_length):
+        log(note)
     options = beam_pipeline_options(runner, list(beam_options))
     start = time.time()
     file_formats = corpus.file_formats(config)

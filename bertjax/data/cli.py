@@ -59,8 +59,10 @@ def _vocab_train(args: argparse.Namespace) -> int:
 
 def _demo_corpus(args: argparse.Namespace) -> int:
     from bertjax.data.demo_corpus import write_demo_corpus
+    from bertjax.data.out_dir import owned
 
-    train_path, eval_path = write_demo_corpus(args.out)
+    with owned(args.out):
+        train_path, eval_path = write_demo_corpus(args.out)
     Console().line(f"wrote {train_path} and {eval_path}")
     return 0
 

@@ -161,6 +161,8 @@ def create_pretraining_data(config: PretrainingDataConfig, out_dir: str, num_sha
     config = with_recorded_vocab(config.replace(input_kind="text"))
     config.require_input()
     config = format_detect.resolve(config, log)
+    if note := config.masking_note(config.max_seq_length):
+        log(note)
     with out_dir_lib.owned(out_dir, log, out_dir_lib.lock_name(worker_index, num_workers)):
         return _create(config, out_dir, num_shards, worker_index, num_workers, write_batch, overwrite, log)
 

@@ -153,15 +153,24 @@ class MaskingConfig:
         if self.max_predictions_per_seq > max_seq_length - 3:
             raise ValueError(f"max_predictions_per_seq={self.max_predictions_per_seq} exceeds the "
                              f"{max_seq_length - 3} maskable tokens of max_seq_length={max_seq_length}")
-        full = round(max_seq_length * self.masked_lm_prob)
-        if self.masking_scheme == "span":  # SpanBERT's budget: ceil(prob * tokens), [CLS] and [SEP] not counted
-            full = math.ceil((max_seq_length - 2) * self.masked_lm_prob)
-        if self.max_predictions_per_seq < full:
-            raise ValueError(
-                f"max_predictions_per_seq={self.max_predictions_per_seq} is inconsistent with max_seq_length="
-                f"{max_seq_length} and masked_lm_prob={self.masked_lm_prob}: a full sequence needs {full} "
-                f"predictions (set it to {full}: `--max-predictions {full}` in data create, "
-                f"`--set data.max_predictions_per_seq={full}` in pretrain)")
+
+    def full_predictions(self, max_seq_length: int) -> int:
+        """The predictions a full sequence's share asks for: round(n x p) of its n tokens (the original's), span
+        masking's ceil(p x tokens) with [CLS] and [SEP] not counted."""
+        if self.masking_scheme == "span":
+            return math.ceil((max_seq_length - 2) * self.masked_lm_prob)
+        return round(max_seq_length * self.masked_lm_prob)
+
+    def masking_note(self, max_seq_length: int) -> str | None:
+        """One line where max_predictions_per_seq caps a full sequence's masked share (None where it does not). The
+        original create_pretraining_data.py takes min(max_predictions_per_seq, round(n x p)), and so does bertjax:
+        MLPerf's phase-2 reference (seq 512, 76 predictions at 15%: round(76.8) = 77) runs as it ran there."""
+        full, most = self.full_predictions(max_seq_length), self.max_predictions_per_seq
+        if most >= full:
+            return None
+        return (f"note: max_predictions_per_seq={most} caps the masked share: a full sequence of {max_seq_length} "
+                f"tokens has {most} predictions, not the {full} of masked_lm_prob={self.masked_lm_prob:g} "
+                f"({most / max_seq_length:.1%} of its tokens; create_pretraining_data.py's min(max, round(n x p)))")
 
 
 @dataclasses.dataclass(frozen=True)

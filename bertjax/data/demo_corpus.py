@@ -12,6 +12,8 @@ import re
 
 from etils import epath
 
+from bertjax.outputs import replaced_when_whole
+
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 _UNDERLINE = re.compile(r"^[*=\-~^]{3,}$")
 
@@ -37,7 +39,8 @@ def python_doc_documents() -> list[list[str]]:
 
 def write_documents(documents: list[list[str]], path: str) -> str:
     """Writes documents in the original format: one sentence per line, blank line between documents."""
-    epath.Path(path).write_text("\n\n".join("\n".join(doc) for doc in documents) + "\n", encoding="utf-8")
+    with replaced_when_whole(path) as partial:
+        epath.Path(partial).write_text("\n\n".join("\n".join(doc) for doc in documents) + "\n", encoding="utf-8")
     return path
 
 

@@ -54,6 +54,8 @@ def resolve(config: PretrainingDataConfig, key: str = "data.input",
     if kind == "text":
         config.require_input()
         config = format_detect.resolve(config, log or Console().line, "data.corpus_format")
+        if key == "data.input" and (note := config.masking_note(config.max_seq_length)):  # once, not per input
+            (log or Console().line)(note)
         formats = {} if config.is_tfds else corpus.file_formats(config)
         return InputSource(config, tuple(formats), tuple(formats.values()))
     files = tfrecord.find_shards(config.inputs)

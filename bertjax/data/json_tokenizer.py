@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from bertjax.data.host_tokenizer import ragged_pieces
 from bertjax.data.token_layout import SPECIAL_TOKENS, Tokenizer
+from bertjax.input_files import JSON_LIMIT, read_text
 
 # The spec a checkpoint stores: {"json": tokenizer.json's text, "special": {"cls": "[CLS]", ...}}.
 SPEC_KEYS = ("json", "special")
@@ -96,7 +97,7 @@ def _tokens_by_id(tokenizer: RustTokenizer) -> list[str]:
 
 def read_spec(tokenizer_json_path, tokenizer_config: dict, special_tokens_map: dict) -> dict:
     """The spec of an HF directory's tokenizer.json (an epath), with its special tokens."""
-    text = tokenizer_json_path.read_text(encoding="utf-8")
+    text = read_text(tokenizer_json_path, "a tokenizer.json", JSON_LIMIT)
     try:
         json.loads(text)
     except json.JSONDecodeError as error:

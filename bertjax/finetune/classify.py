@@ -24,6 +24,7 @@ from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss, write_fine_tuned
 from bertjax.interop.load import load_init
 from bertjax.model import family
+from bertjax.outputs import write_whole
 
 
 def multi_label_loss(logits, batch):
@@ -92,7 +93,7 @@ def prediction_rows(problem: str, logits: np.ndarray, names: list[str] | None, g
 
 
 def _write_jsonl(path: epath.Path, rows: list[dict]) -> None:
-    path.write_text("".join(jsonio.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    write_whole(path, "".join(jsonio.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.TableSpec, *, init: str,
@@ -158,5 +159,5 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
         "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
         "total_seconds": time.perf_counter() - started, "init": init,
     }
-    (out / "metrics.json").write_text(jsonio.dumps(result, indent=2))
+    write_whole(out / "metrics.json", jsonio.dumps(result, indent=2))
     return result

@@ -173,8 +173,9 @@ def _embed(args: argparse.Namespace) -> int:
     from bertjax.data.file_readers import read_text_bytes
     from bertjax.finetune.embed import embed_sentences, embed_tokens, nearest_neighbours
     from bertjax.interop.load import load_pretrained
+    from bertjax.outputs import check_file_target, one_writer, replaced_when_whole
 
-    check_output(args.output, [args.input, args.checkpoint])
+    check_file_target(args.output, "--output", [args.input, args.checkpoint])
     if not epath.Path(args.input).exists():
         raise FileNotFoundError(f"--input {args.input} does not exist")
     sentences, invalid = input_lines(read_text_bytes(args.input, expected="one sentence per line (UTF-8 text)"))
@@ -186,20 +187,21 @@ def _embed(args: argparse.Namespace) -> int:
               (f"; {blank} blank line(s) embedded as the empty sequence [CLS] [SEP]" if blank else "") +
               (f"; {len(invalid)} line(s) with invalid UTF-8 (lines {', '.join(map(str, invalid[:5]))}"
                f"{', ...' if len(invalid) > 5 else ''}), their bad bytes read as U+FFFD" if invalid else ""))
-    loaded = load_pretrained(args.checkpoint)
-    if args.pooling == "none":
-        arrays = embed_tokens(loaded, sentences, layers=args.layers, max_len=args.max_len,
-                              batch_size=args.batch_size)
-        with open(args.output, "wb") as f:  # a file object: np.savez would add .npz to any other suffix
-            np.savez(f, **arrays)
-        print(f"wrote {args.output}: {len(sentences)} sentences, {arrays['vectors'].shape[0]} tokens x "
-              f"{arrays['vectors'].shape[1]} float32, {arrays['word_spans'].shape[0]} words (layers "
-              f"{args.layers})")
-        return 0
-    vectors = embed_sentences(loaded, sentences, pooling=args.pooling, layers=args.layers, max_len=args.max_len,
-                              batch_size=args.batch_size)
-    with open(args.output, "wb") as f:
-        np.save(f, vectors)
+    with one_writer(args.output, "--output"):
+        loaded = load_pretrained(args.checkpoint)
+        if args.pooling == "none":
+            arrays = embed_tokens(loaded, sentences, layers=args.layers, max_len=args.max_len,
+                                  batch_size=args.batch_size)
+            with replaced_when_whole(args.output) as partial, epath.Path(partial).open(mode="wb") as f:
+                np.savez(f, **arrays)  # a file object: np.savez would add .npz to any other suffix
+            print(f"wrote {args.output}: {len(sentences)} sentences, {arrays['vectors'].shape[0]} tokens x "
+                  f"{arrays['vectors'].shape[1]} float32, {arrays['word_spans'].shape[0]} words (layers "
+                  f"{args.layers})")
+            return 0
+        vectors = embed_sentences(loaded, sentences, pooling=args.pooling, layers=args.layers,
+                                  max_len=args.max_len, batch_size=args.batch_size)
+        with replaced_when_whole(args.output) as partial, epath.Path(partial).open(mode="wb") as f:
+            np.save(f, vectors)
     print(f"wrote {args.output}: {vectors.shape[0]} x {vectors.shape[1]} float32 ({args.pooling} pooling, "
           f"layers {args.layers})")
     if args.show_neighbours:
@@ -221,33 +223,17 @@ def _predict(args: argparse.Namespace) -> int:
         sys.stdout.writelines(lines)
         sys.stdout.flush()
         return 0
-    check_output(args.output, [args.input, args.model])
-    lines = _predicted_lines(args)
     from etils import epath
 
-    epath.Path(args.output).write_text("".join(lines), encoding="utf-8")
+    from bertjax.outputs import check_file_target, one_writer, replaced_when_whole
+
+    check_file_target(args.output, "--output", [args.input, args.model])
+    with one_writer(args.output, "--output"):
+        lines = _predicted_lines(args)
+        with replaced_when_whole(args.output) as partial:
+            epath.Path(partial).write_text("".join(lines), encoding="utf-8")
     print(f"wrote {args.output}: {len(lines)} rows")
     return 0
-
-
-def check_output(output: str, inputs: list[str]) -> None:
-    """An --output file checked before any work: it is no directory, its directory exists, and it is none of the
-    command's `inputs` (writing it would replace the user's file)."""
-    import os
-
-    if "://" in output:  # a bucket has no directories to check
-        if output in inputs:
-            raise ValueError(f"--output {output} is also an input; give another file")
-        return
-    if os.path.isdir(output):
-        raise ValueError(f"--output {output} is a directory; expected a file name")
-    folder = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(folder):
-        raise ValueError(f"--output {output}: no directory {folder}; create it first")
-    for source in (s for s in inputs if s != "-" and os.path.exists(s)):
-        if os.path.exists(output) and os.path.samefile(output, source):  # a link or another spelling of it too
-            raise ValueError(f"--output {output} is the input {source}; writing it would replace the input, give "
-                             "another file")
 
 
 def _predicted_lines(args: argparse.Namespace) -> list[str]:

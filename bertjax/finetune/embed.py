@@ -95,6 +95,7 @@ def encoded_features(checkpoint: ModelCheckpoint, arrays: dict[str, np.ndarray],
     selection = parse_layers(layers, config.num_hidden_layers)
     n, max_len = arrays["input_ids"].shape
     config.check_length(max_len, "--max-len")
+    batch_size = min(batch_size, max(n, 1))  # rows of padding would cost memory and time for nothing
     model = family.encoder(config)
     params = {k: v for k, v in checkpoint.params["bert"].items() if k != "pooler"}
     lengths = arrays["input_mask"].sum(axis=1)

@@ -29,6 +29,7 @@ from bertjax import jsonio
 from bertjax.console import Console, Progress
 from bertjax.finetune import glue_data, glue_metrics
 from bertjax.finetune.embed import encoded_features, parse_layers
+from bertjax.outputs import open_whole
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
                                   cv_folds=cv_folds, seed=seed, console=Console())
     fit_seconds = time.perf_counter() - started
     metrics, offset = {}, 0
-    with open(os.path.join(out_dir, "dev_predictions.tsv"), "w", encoding="utf-8") as f:
+    with open_whole(os.path.join(out_dir, "dev_predictions.tsv"), "w", encoding="utf-8") as f:
         f.write("split\tindex\tprediction\tlabel\n")
         for name in names:
             labels = dev[name].labels
@@ -174,7 +175,7 @@ def run_task(task_name: str, data: str, workdir: str, *, init: str | None = None
               "feature_width": int(train_x.shape[1]), "num_train_examples": len(train),
               "num_train_available": len(splits["train"]), "max_seq_length": max_seq_length, "seed": seed,
               **fit_info, "feature_seconds": feature_seconds, "fit_seconds": fit_seconds, "init": init}
-    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
+    with open_whole(os.path.join(out_dir, "metrics.json"), "w") as f:
         jsonio.dump(result, f, indent=2)
     log.info("%s: score %.4f (%s; the metrics: the line below and metrics.json)", task.name, score,
              f"C={fit_info['C']:g}" if "C" in fit_info else f"alpha={fit_info['alpha']:g}")

@@ -28,6 +28,7 @@ from bertjax.finetune.trainer import (
 )
 from bertjax.interop.load import load_init
 from bertjax.model import family
+from bertjax.outputs import open_whole
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
             rows += [f"{split.name}\t{guid}\t{glue_data.label_name(task, pred)}\t{glue_data.label_name(task, label)}\n"
                      for guid, pred, label in zip(splits[f"dev:{split.name}"].guids, preds, feats["labels"])]
         if write_predictions:  # as `finetune features` writes them
-            with open(os.path.join(out_dir, "dev_predictions.tsv"), "w", encoding="utf-8") as f:
+            with open_whole(os.path.join(out_dir, "dev_predictions.tsv"), "w", encoding="utf-8") as f:
                 f.write("split\tindex\tprediction\tlabel\n" + "".join(rows))
         return metrics
 
@@ -147,7 +148,7 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
         "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
         "total_seconds": time.perf_counter() - started, "init": init,
     }
-    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
+    with open_whole(os.path.join(out_dir, "metrics.json"), "w") as f:
         jsonio.dump(result, f, indent=2)
     return result
 
@@ -177,9 +178,9 @@ def run_all(data: str, workdir: str, settings: TrainSettings, *, init: str, task
     summary = {"tasks": rows, "glue_average": float(np.mean(done)) if done else None,
                "tasks_scored": len(done), "tasks_total": len(tasks)}
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
+    with open_whole(os.path.join(workdir, "summary.json"), "w") as f:
         jsonio.dump(summary, f, indent=2)
-    with open(os.path.join(workdir, "summary.md"), "w") as f:
+    with open_whole(os.path.join(workdir, "summary.md"), "w") as f:
         f.write(summary_table(summary))
     return summary
 

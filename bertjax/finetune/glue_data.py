@@ -19,6 +19,8 @@ import sys
 import numpy as np
 
 from bertjax.data import file_readers
+from bertjax.errors import shown
+from bertjax.outputs import open_whole
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +147,12 @@ def _parse_label(task: GlueTask, raw: str, where: str):
         try:
             value = float(raw)
         except ValueError:
-            raise ValueError(f"{where}: label {raw!r} is not a number") from None
+            raise ValueError(f"{where}: label {shown(raw)} is not a number") from None
         if not math.isfinite(value):
-            raise ValueError(f"{where}: label {raw!r} is not a finite number")
+            raise ValueError(f"{where}: label {shown(raw)} is not a finite number")
         return value
     if raw not in task.labels:
-        raise ValueError(f"{where}: unknown label {raw!r} for {task.name}; expected one of {list(task.labels)}")
+        raise ValueError(f"{where}: unknown label {shown(raw)} for {task.name}; expected one of {list(task.labels)}")
     return task.labels.index(raw)
 
 
@@ -261,7 +263,7 @@ def featurize(examples: Examples, tokenizer, max_seq_length: int) -> dict[str, n
 
 def write_submission(task: GlueTask, path: str, guids: list[str], preds) -> None:
     """GLUE's submission TSV: a header, then index and the predicted label name (or score)."""
-    with open(path, "w", encoding="utf-8") as f:
+    with open_whole(path, "w", encoding="utf-8") as f:
         f.write("index\tprediction\n")
         for guid, pred in zip(guids, preds):
             f.write(f"{guid}\t{label_name(task, pred)}\n")

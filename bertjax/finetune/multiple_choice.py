@@ -21,12 +21,13 @@ from bertjax.finetune import glue_metrics, swag_data
 from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import Trainer, classification_loss, write_fine_tuned
 from bertjax.model import family
+from bertjax.outputs import open_whole
 
 log = logging.getLogger(__name__)
 
 
 def write_predictions(path: str, examples: swag_data.ChoiceExamples, logits: np.ndarray) -> None:
-    with open(path, "w", encoding="utf-8", newline="") as f:
+    with open_whole(path, "w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
         has_labels = examples.labels is not None
         writer.writerow(["id", "prediction"] + (["label"] if has_labels else [])
@@ -86,7 +87,7 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
               "settings": dataclasses.asdict(settings), **train_info,
               "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
               "total_seconds": time.perf_counter() - started, "init": init}
-    with open(os.path.join(workdir, "metrics.json"), "w") as f:
+    with open_whole(os.path.join(workdir, "metrics.json"), "w") as f:
         jsonio.dump(result, f, indent=2)
     log.info("multiple choice: %s", metrics)
     return result

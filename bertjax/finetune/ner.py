@@ -23,6 +23,7 @@ from bertjax.finetune.trainer import (
 )
 from bertjax.interop.load import load_init
 from bertjax.model import family
+from bertjax.outputs import open_whole
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,8 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
               "ner_settings": dataclasses.asdict(ner), **train_info,
               "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
               "total_seconds": time.perf_counter() - started, "init": init}
-    with open(os.path.join(workdir, "labels.json"), "w", encoding="utf-8") as f:
+    with open_whole(os.path.join(workdir, "labels.json"), "w", encoding="utf-8") as f:
         json.dump(labels, f)
-    with open(os.path.join(workdir, "metrics.json"), "w", encoding="utf-8") as f:
+    with open_whole(os.path.join(workdir, "metrics.json"), "w", encoding="utf-8") as f:
         jsonio.dump(result, f, indent=2)
     return result

@@ -13,8 +13,10 @@ import os
 import numpy as np
 
 from bertjax.data import file_readers
+from bertjax.errors import shown
 from bertjax.finetune.ner_metrics import OUTSIDE, split_tag
 from bertjax.finetune.squad_data import doc_spans, max_context_mask
+from bertjax.outputs import open_whole
 
 DOCSTART = "-DOCSTART-"
 SPLIT_FILES = {"train": "train.txt", "valid": "valid.txt", "test": "test.txt"}
@@ -60,7 +62,7 @@ def read_conll(path: str) -> Sentences:
             continue
         if len(fields) < 2:
             raise ValueError(f"{path}:{number}: expected 'word ... tag' (at least 2 space-separated columns), "
-                             f"got {line.rstrip()!r}")
+                             f"got {shown(line.rstrip())}")
         split_tag(fields[-1], f"{path}:{number}")
         cur_words.append(fields[0])
         cur_tags.append(fields[-1])
@@ -200,7 +202,7 @@ def decode(features: Features, logits: np.ndarray, sentences: Sentences, labels:
 
 def write_predictions(path: str, sentences: Sentences, predicted: list[list[str]]) -> None:
     """CoNLL format, `word gold predicted` per line, a blank line after each sentence (conlleval reads it)."""
-    with open(path, "w", encoding="utf-8") as f:
+    with open_whole(path, "w", encoding="utf-8") as f:
         for words, gold, pred in zip(sentences.words, sentences.tags, predicted):
             f.writelines(f"{w} {g} {p}\n" for w, g, p in zip(words, gold, pred))
             f.write("\n")

@@ -115,6 +115,7 @@ class Predictor:
         # batch_size: the Trainer's check that it divides over the devices applies to both fields.
         settings = TrainSettings(batch_size=batch_size, eval_batch_size=batch_size)
         self.trainer = Trainer(module, ckpt.config, ckpt.params, loss_fn=None, settings=settings, source=self.source)
+        self.trainer.predict_flag = "--batch-size"
 
     def predict(self, texts: list[str], pairs: list[str] | None = None, wheres: list[str] | None = None) -> list[dict]:
         """One JSON-ready dict per text."""

@@ -16,6 +16,8 @@ import os
 from etils import epath
 
 from bertjax import workdir_paths
+from bertjax.input_files import read_json
+from bertjax.outputs import write_whole
 
 RUN_RECORD = "run.json"
 TRAIN_STATE = "train_state"
@@ -66,7 +68,8 @@ def run_outputs(root: epath.Path) -> list[epath.Path]:
     """What a bertjax run wrote in `root` (its record aside): nothing else there is removed by --overwrite. A
     `tensorboard/` that is a symlink holding event files is itself the output: the link goes, what it points to
     (outside the workdir) stays."""
-    found = [root / name for name in RUN_OUTPUTS if name != RUN_RECORD and (root / name).exists()]
+    found = [root / name for name in RUN_OUTPUTS if name != RUN_RECORD and (root / name).exists()
+             and (root / name).is_dir() == (name == TRAIN_STATE)]
     board = root / TENSORBOARD
     events = sorted(board.glob(EVENT_FILES)) if board.is_dir() else []
     return found + ([board] if events and os.path.islink(board) else events)
@@ -78,8 +81,16 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
     run's when the files it read changed since (`input:` keys, see input_fingerprints)."""
     root = epath.Path(workdir)
     record = {k: v for k, v in json.loads(json.dumps(record)).items() if k not in FREE_KEYS}
+    for name in RUN_OUTPUTS:  # a user's own file or folder under a name a run writes: not a run's, never removed
+        other = root / name
+        if other.exists() and other.is_dir() != (name == TRAIN_STATE):
+            raise ValueError(f"{other} is a {'directory' if other.is_dir() else 'file'} no fine-tuning run wrote (a "
+                             f"run writes its {name} as a {'directory' if name == TRAIN_STATE else 'file'}); move it "
+                             "out of the way, or use another --workdir")
     path = root / RUN_RECORD
-    earlier = json.loads(path.read_text()) if path.exists() else None
+    earlier = read_json(path, "a fine-tune's run record (run.json)") if path.exists() else None
+    if earlier is not None and not isinstance(earlier, dict):
+        raise ValueError(f"{path}: expected a JSON object (the fine-tune's run record), got {type(earlier).__name__}")
     if earlier is not None and isinstance(earlier.get("workdir"), str):  # recorded before workdirs were canonical
         earlier["workdir"] = workdir_paths.canonical(earlier["workdir"])
     outputs = run_outputs(root)
@@ -108,12 +119,12 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
         earlier = None
     root.mkdir(parents=True, exist_ok=True)
     if earlier is None:
-        path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        write_whole(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
         return "new"
     if any((root / name).exists() for name in COMPLETED):
         return "completed"
     if resumable or earlier != record:  # the newest values, for the next resume to compare with
-        path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        write_whole(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     if resumable:
         log(f"{workdir}: resuming; changed since: " + ", ".join(
             f"--{k.replace('_', '-')} {_shown(earlier[k])} -> {_shown(record.get(k))}" for k in resumable)

@@ -18,6 +18,7 @@ from bertjax.finetune.squad_postprocess import predict_answers
 from bertjax.finetune.trainer import Trainer, span_loss, write_fine_tuned
 from bertjax.interop.load import load_init
 from bertjax.model import family
+from bertjax.outputs import open_whole
 
 log = logging.getLogger(__name__)
 
@@ -134,5 +135,5 @@ def run(workdir: str, train_settings: TrainSettings, squad: SquadSettings, *, in
 
 
 def _write_json(path: str, value) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    with open_whole(path, "w", encoding="utf-8") as f:
         jsonio.dump(value, f, indent=2, ensure_ascii=False)

@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from bertjax.data import file_readers
+from bertjax.errors import shown
 
 NUM_CHOICES = 4
 ENDINGS = tuple(f"ending{i}" for i in range(NUM_CHOICES))
@@ -74,7 +75,7 @@ def read_swag(path: str) -> ChoiceExamples:
         if has_labels:
             raw = row[col["label"]].strip()
             if raw not in {str(i) for i in range(NUM_CHOICES)}:
-                raise ValueError(f"{where}: label {raw!r} is not one of 0..{NUM_CHOICES - 1}")
+                raise ValueError(f"{where}: label {shown(raw)} is not one of 0..{NUM_CHOICES - 1}")
             labels.append(int(raw))
     if not ids:
         raise ValueError(f"{path}: no examples after the header")

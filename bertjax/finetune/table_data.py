@@ -23,6 +23,7 @@ import numpy as np
 from etils import epath
 
 from bertjax.data import file_readers
+from bertjax.errors import shown, shown_list
 from bertjax.finetune.glue_data import Examples
 
 PROBLEMS = ("single_label_classification", "multi_label_classification", "regression")
@@ -122,7 +123,8 @@ def _check_columns(path: str, have: list[str], wanted: list[str]) -> None:
     _named_once(path, [(name, None) for name in have], wanted)
     missing = [c for c in wanted if c not in have]
     if missing:
-        raise ValueError(f"{path}: no column {', '.join(map(repr, missing))}; it has {', '.join(map(repr, have))}")
+        raise ValueError(f"{path}: no column {', '.join(map(shown, missing))}; it has "
+                         f"{shown_list(have)[1:-1]}")
 
 
 def _missing(value) -> bool:
@@ -136,7 +138,7 @@ def text_value(where: str, row: dict, column: str) -> str:
     if value is None or isinstance(value, float) and math.isnan(value):
         raise ValueError(f"{where}: column {column!r} is empty; expected the text")
     if not isinstance(value, str):
-        raise ValueError(f"{where}: column {column!r} is {value!r}, not a text; expected a string")
+        raise ValueError(f"{where}: column {column!r} is {shown(value)}, not a text; expected a string")
     return value
 
 
@@ -156,7 +158,7 @@ def _label_names(spec: TableSpec, where: str, value) -> list[str]:
         items = value if isinstance(value, (list, tuple, np.ndarray)) else str(value).split(spec.label_separator)
         return [str(item).strip() for item in items if str(item).strip()]
     if isinstance(value, (list, tuple, np.ndarray, dict)):  # str() would make "['0']" a class of its own
-        raise ValueError(f"{where}: column {spec.label_column!r} is {_shown(value)}, not one label; single-label "
+        raise ValueError(f"{where}: column {spec.label_column!r} is {shown(value)}, not one label; single-label "
                          "classification takes one label a row (a list per row: --problem "
                          "multi_label_classification)")
     if _missing(value):
@@ -166,18 +168,14 @@ def _label_names(spec: TableSpec, where: str, value) -> list[str]:
     return [str(value)]
 
 
-def _shown(value) -> str:
-    return repr(value.tolist() if isinstance(value, np.ndarray) else value)[:80]
-
-
 def _regression_value(spec: TableSpec, where: str, value) -> float:
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: column {spec.label_column!r} is {value!r}, not a number (regression labels "
-                         f"are numbers)") from None
+        raise ValueError(f"{where}: column {spec.label_column!r} is {shown(value)}, not a number (regression "
+                         f"labels are numbers)") from None
     if not math.isfinite(number):
-        raise ValueError(f"{where}: column {spec.label_column!r} is {value!r}, not a finite number")
+        raise ValueError(f"{where}: column {spec.label_column!r} is {shown(value)}, not a finite number")
     return number
 
 
@@ -203,7 +201,8 @@ def _check_one_spelling(spec: TableSpec, wheres: list[str], per_row: list[list[s
         for name in names:
             spelling, at = first.setdefault(_label_key(name), (name, where))
             if spelling != name:
-                raise ValueError(f"{where}: column {spec.label_column!r}: label {name!r} is {spelling!r} ({at}) "
+                raise ValueError(f"{where}: column {spec.label_column!r}: label {shown(name)} is "
+                                 f"{shown(spelling)} ({at}) "
                                  "written another way; write each label one way (they would be two classes)")
 
 
@@ -242,15 +241,17 @@ def read_split(path: str, spec: TableSpec, labels: list[str] | None = None,
         if not labels:
             raise ValueError(f"{path}: column {spec.label_column!r} holds no labels")
         if len(labels) == 1 and spec.problem == "single_label_classification":
-            raise ValueError(f"{path}: column {spec.label_column!r} holds one label, {labels[0]!r}, in every row; "
+            raise ValueError(f"{path}: column {spec.label_column!r} holds one label, {shown(labels[0])}, in every "
+                             "row; "
                              "a classifier needs at least 2 (numbers to predict: --problem regression)")
     ids = {name: i for i, name in enumerate(labels)}
     for where, names in zip(wheres, per_row):
         for name in names:
             if name not in ids:
                 same = next((label for label in labels if _same_label(label, name)), None)
-                raise ValueError(f"{where}: column {spec.label_column!r}: label {name!r} is not among the training "
-                                 f"file's labels {labels}" + (f" (it writes this one {same!r})" if same else ""))
+                raise ValueError(f"{where}: column {spec.label_column!r}: label {shown(name)} is not among the "
+                                 f"training file's labels {shown_list(labels)}"
+                                 + (f" (it writes this one {shown(same)})" if same else ""))
     if spec.problem == "multi_label_classification":
         matrix = np.zeros((len(rows), len(labels)), np.float32)
         for i, names in enumerate(per_row):

@@ -6,6 +6,7 @@ weighted mean), so every step has one of at most max_len / bucket shapes and not
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -35,6 +36,7 @@ from bertjax.console import Console, LineSchedule, Progress, duration, metric_te
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
 from bertjax.interop.hf import export_hf
+from bertjax.model import shapes
 from bertjax.model.family import init_params
 from bertjax.preemption import PreemptionFlag
 from bertjax.pretraining.metrics import MetricsWriter
@@ -165,6 +167,7 @@ class Trainer:
         # Prediction holds no gradients or optimizer state: a batch that trains fits, so it never predicts smaller.
         self.eval_batch_size = max(settings.eval_batch_size, settings.batch_size)
         self.predicted_rows = 0  # counted for the evaluation lines
+        self.predict_flag = "--eval-batch-size"  # the option a refused prediction batch names
         for name, rows in (("batch_size", settings.batch_size // settings.grad_accum_steps),
                            ("eval_batch_size", settings.eval_batch_size)):
             if rows % n_data:
@@ -188,6 +191,31 @@ class Trainer:
         self._predict = jax.jit(self._predict_fn)
 
     # ------------------------------------------------------------------------------------------- batching
+
+    def _rows_at_most(self, batch_size: int, rows: int, accum: int = 1) -> int:
+        """`batch_size`, or fewer where it exceeds `rows`: the rows rounded up to what splits over the devices
+        (and `accum` micro-batches)."""
+        unit = self.mesh.shape["data"] * self.mesh.shape["fsdp"] * accum
+        return min(batch_size, max(unit, math.ceil(rows / unit) * unit))
+
+    def check_memory(self, batch_size: int, row_shape: tuple[int, ...], training: bool) -> None:
+        """Refuses a batch whose step would not fit the memory of the devices (on the CPU, the machine's), before
+        the step allocates anything: a fine-tune with an absurd --batch-size was killed by the kernel with no word.
+        The estimate counts only what the step must hold (a floor: XLA needs more), so it refuses no step that fits:
+        see `step_memory`."""
+        flag = "--batch-size" if training else self.predict_flag
+        rows = batch_size // (self.settings.grad_accum_steps if training else 1)
+        tokens = int(np.prod(row_shape))
+        need, state, activations, where, memory = step_memory(self.config, _count(self.params), rows, tokens,
+                                                              self.mesh, training, self.settings.dtype)
+        if need > memory:
+            kind, held = ("training", "params, gradients and optimizer state") if training else \
+                ("prediction", "params")
+            raise ValueError(f"{flag} {batch_size} of {tokens} tokens a row: a {kind} step needs at least "
+                             f"{need / 2**30:,.1f} GiB ({state / 2**30:,.1f} GiB of {held}, {activations / 2**30:,.1f} "
+                             f"GiB of activations), more than {where}'s {memory / 2**30:,.1f} GiB of memory; give a "
+                             f"smaller {flag}" + (" or a --grad-accum-steps (the same batch in parts)" if training
+                                                  else ""))
 
     def _batches(self, arrays: dict[str, np.ndarray], order: np.ndarray, batch_size: int):
         """Fixed-size batches over `order`; length cut to the bucket that holds the longest row. Inputs are
@@ -252,6 +280,13 @@ class Trainer:
         if s.max_train_examples and s.max_train_examples < n:  # its own generator: the example order is unchanged
             keep = np.sort(np.random.default_rng([s.seed, 1]).choice(n, s.max_train_examples, replace=False))
             arrays, n = {k: v[keep] for k, v in arrays.items()}, s.max_train_examples
+        console = Console()
+        batch_size = self._rows_at_most(s.batch_size, n, s.grad_accum_steps)
+        if batch_size < s.batch_size:  # rows of padding (weight 0) would cost memory and time for nothing
+            console.line(f"--batch-size {s.batch_size} is more than the {n:,} training examples: batches of "
+                         f"{batch_size} (all of them, one step an epoch)")
+            s = dataclasses.replace(s, batch_size=batch_size)
+        self.check_memory(s.batch_size, arrays["input_ids"].shape[1:], training=True)
         steps_per_epoch = math.ceil(n / s.batch_size)
         total_steps = max(1, int(math.ceil(steps_per_epoch * s.epochs)))
         if s.max_steps:
@@ -260,7 +295,6 @@ class Trainer:
         optimizer, schedule = make_optimizer(OptimizerConfig(
             learning_rate=s.learning_rate, warmup_steps=warmup, weight_decay=s.weight_decay,
             clip_norm=s.max_grad_norm), total_steps)
-        console = Console()
         best = BestTracker(s.metric_for_best, s.early_stopping_patience) if s.metric_for_best else None
         if best is not None and evaluate is None:
             raise ValueError(f"--metric-for-best {s.metric_for_best}: this run has no dev set to evaluate")
@@ -462,7 +496,8 @@ class Trainer:
         max_len = arrays["input_ids"].shape[1]
         inputs = {k: arrays[k] for k in INPUT_KEYS}
         outputs = []
-        batch_size = self.eval_batch_size
+        batch_size = self._rows_at_most(self.eval_batch_size, n)
+        self.check_memory(batch_size, arrays["input_ids"].shape[1:], training=False)
         self.predicted_rows += n
         progress = Progress(f"predicting {n:,} rows", math.ceil(n / batch_size), detail=f" of {batch_size}")
         with sharding.activate(self.mesh):
@@ -479,6 +514,32 @@ class Trainer:
         if not outputs:
             raise ValueError("nothing to predict")
         return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs)
+
+
+def _count(params) -> int:
+    return int(sum(np.prod(np.shape(leaf)) for leaf in jax.tree_util.tree_leaves(params)))
+
+
+def step_memory(config, num_params: int, rows: int, tokens_per_row: int, mesh, training: bool, dtype: str):
+    """(need, of it the params' state, of it the activations, whose memory, that memory) in bytes of a step of
+    `rows` rows (all devices together) of `tokens_per_row` tokens: params (to train, also gradients and AdamW's
+    two moments: 16 bytes a parameter) on every device, and the activations' floor (shapes.activation_floor_bytes).
+    On an accelerator per device against its memory; on the CPU the devices together against the machine's."""
+    from bertjax.model.config import host_memory_bytes
+
+    devices = list(mesh.devices.flat)
+    per_param = 16 if training else 4
+    stats = devices[0].memory_stats() if devices[0].platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        share = math.ceil(rows / (mesh.shape["data"] * mesh.shape["fsdp"]))
+        state = per_param * num_params
+        activations = shapes.activation_floor_bytes(config, share, tokens_per_row, dtype, training)
+        where, memory = f"a {devices[0].device_kind} device", int(stats["bytes_limit"])
+    else:
+        state = per_param * num_params * len(devices)
+        activations = shapes.activation_floor_bytes(config, rows, tokens_per_row, dtype, training)
+        where, memory = "this machine", host_memory_bytes()
+    return state + activations, state, activations, where, memory
 
 
 def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_checkpoint: bool, hf: bool,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 
 import numpy as np
 from etils import epath
@@ -35,26 +36,35 @@ def register(subparsers) -> None:
     info.set_defaults(func=_info)
 
 
+def _new_out(out: str) -> None:
+    if epath.Path(out).exists() or os.path.islink(out):
+        raise ValueError(f"--out {out} already exists; choose a new directory")
+
+
 def _convert(args: argparse.Namespace) -> int:
     from bertjax.checkpoint import save_model
     from bertjax.interop.load import load_pretrained
+    from bertjax.outputs import one_writer, replaced_when_whole
 
-    if epath.Path(args.out).exists():
-        raise ValueError(f"--out {args.out} already exists; choose a new directory")
+    _new_out(args.out)
     if args.source == "hf":
         from bertjax.interop.hub import is_hub_id
 
         if not epath.Path(args.src).is_dir() and not is_hub_id(args.src):
             raise FileNotFoundError(f"HF model directory {args.src} does not exist")
-        loaded = load_pretrained(args.src)
-    else:
-        if not epath.Path(args.src + ".index").exists():
-            raise FileNotFoundError(f"TF checkpoint {args.src}.index does not exist (give the prefix, e.g. "
-                                    ".../bert_model.ckpt)")
-        loaded = load_pretrained(args.src, config_path=args.config, vocab_path=args.vocab)
-        loaded.lower_case = not args.cased
-    save_model(args.out, loaded.params, loaded.config, loaded.vocab, loaded.lower_case, head=loaded.head,
-               tokenizer=loaded.tokenizer)
+    elif not epath.Path(args.src + ".index").exists():
+        raise FileNotFoundError(f"TF checkpoint {args.src}.index does not exist (give the prefix, e.g. "
+                                ".../bert_model.ckpt)")
+    with one_writer(args.out, "--out"):
+        _new_out(args.out)  # again, holding it: a run that just finished wrote it
+        if args.source == "hf":
+            loaded = load_pretrained(args.src)
+        else:
+            loaded = load_pretrained(args.src, config_path=args.config, vocab_path=args.vocab)
+            loaded.lower_case = not args.cased
+        with replaced_when_whole(args.out, directory=True) as partial:
+            save_model(partial, loaded.params, loaded.config, loaded.vocab, loaded.lower_case, head=loaded.head,
+                       tokenizer=loaded.tokenizer)
     from bertjax.model.family import counted_params
 
     counted = counted_params(loaded.params, loaded.config)
@@ -66,22 +76,27 @@ def _export(args: argparse.Namespace) -> int:
     from bertjax.checkpoint import resolve_checkpoint
     from bertjax.interop.hf import export_hf
     from bertjax.interop.load import load_pretrained
-    from bertjax.interop.model_card import run_of, write_card
+    from bertjax.interop.model_card import CARD, run_of, write_card
+    from bertjax.outputs import one_writer, replaced_when_whole
 
-    if epath.Path(args.out).exists():
-        raise ValueError(f"--out {args.out} already exists; choose a new directory")
-    source = resolve_checkpoint(args.checkpoint)
-    loaded = load_pretrained(source)
-    head = loaded.head or {}  # a fine-tune job's class and labels; otherwise inferred from the tensors held
-    id2label = {int(i): label for i, label in head["id2label"].items()} if "id2label" in head else None
-    architecture = export_hf(loaded.params, loaded.config, loaded.vocab, args.out, lower_case=loaded.lower_case,
-                             architecture=head.get("architecture"), id2label=id2label,
-                             problem_type=head.get("problem_type"), squad=head.get("squad"),
-                             tokenizer=loaded.tokenizer)
-    # A job's checkpoint sits in its workdir (a fine-tune's <workdir>/checkpoint, pretraining's
-    # <workdir>/checkpoints/<step>), beside the run's records.
-    run_dir, step = run_of(source)
-    card = write_card(args.out, run_dir, step=step, source=source)
+    _new_out(args.out)
+    with one_writer(args.out, "--out"):
+        _new_out(args.out)  # again, holding it: a run that just finished wrote it
+        source = resolve_checkpoint(args.checkpoint)
+        loaded = load_pretrained(source)
+        head = loaded.head or {}  # a fine-tune job's class and labels; otherwise inferred from the tensors held
+        id2label = {int(i): label for i, label in head["id2label"].items()} if "id2label" in head else None
+        # A job's checkpoint sits in its workdir (a fine-tune's <workdir>/checkpoint, pretraining's
+        # <workdir>/checkpoints/<step>), beside the run's records.
+        run_dir, step = run_of(source)
+        with replaced_when_whole(args.out, directory=True) as partial:
+            epath.Path(partial).mkdir()  # export_hf writes an existing directory in place
+            architecture = export_hf(loaded.params, loaded.config, loaded.vocab, partial,
+                                     lower_case=loaded.lower_case, architecture=head.get("architecture"),
+                                     id2label=id2label, problem_type=head.get("problem_type"),
+                                     squad=head.get("squad"), tokenizer=loaded.tokenizer)
+            write_card(partial, run_dir, step=step, source=source, name=epath.Path(args.out).name)
+    card = str(epath.Path(args.out) / CARD)
     print(f"wrote {args.out} as {architecture} (from {source}), model card {card}")
     if "span_boundary" in loaded.params:
         from bertjax.interop.names import SBO_FILE
@@ -130,6 +145,7 @@ def _run_summary(run_dir: str) -> list[str]:
     import json
 
     from bertjax.checkpoint import COMPLETION_MARKER, complete_steps
+    from bertjax.input_files import read_json
     from bertjax.interop.model_card import metric_records
 
     root = epath.Path(run_dir)
@@ -137,7 +153,7 @@ def _run_summary(run_dir: str) -> list[str]:
         return []
     records = metric_records(run_dir)
     steps = complete_steps(run_dir)
-    total = json.loads((root / "config.json").read_text())["train"]["steps"] if (root / "config.json").exists() \
+    total = read_json(root / "config.json", "the run's config")["train"]["steps"] if (root / "config.json").exists() \
         else None
     state = "completed" if (root / COMPLETION_MARKER).exists() else "not completed"
     lines = [f"run: newest checkpoint step {steps[-1] if steps else 'none'}"

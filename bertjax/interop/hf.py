@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
-import uuid
 from typing import Mapping
 
 import numpy as np
@@ -30,10 +28,12 @@ from safetensors.numpy import load, load_file, save
 
 from bertjax.checkpoint import read_vocab_file
 from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec, special_tokens_from_config
+from bertjax.input_files import check_regular, read_json
 from bertjax.interop import convert
 from bertjax.interop import names as names_lib
 from bertjax.model import family
 from bertjax.model.family import ModelConfig
+from bertjax.outputs import replaced_when_whole
 
 # Buffers and tied copies that HF writes but that carry no weights of their own.
 IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",
@@ -49,6 +49,7 @@ def _load_safetensors(path) -> dict[str, np.ndarray]:
     or damaged file is a ValueError naming it."""
     from safetensors import SafetensorError
 
+    check_regular(path, "a safetensors file")
     try:
         return load_file(str(path)) if "://" not in str(path) else load(epath.Path(path).read_bytes())
     except SafetensorError as error:
@@ -90,8 +91,8 @@ def read_state_dict(directory: str) -> dict[str, np.ndarray]:
 def _index_entries(index: epath.Path) -> list[str]:
     """The shard file names a model.safetensors.index.json maps tensors to."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, TypeError, KeyError):
+        weight_map = read_json(index, "a safetensors index (JSON)")["weight_map"]
+    except (TypeError, KeyError):
         weight_map = None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index}: expected a JSON object whose \"weight_map\" maps tensor names to shard file "
@@ -163,10 +164,7 @@ def read_tokenizer(directory: str) -> tuple[list[str], bool, dict | None]:
 def _json_or_empty(path: epath.Path) -> dict:
     if not path.exists():
         return {}
-    try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    values = read_json(path, f"a tokenizer's {path.name}")
     return values if isinstance(values, dict) else {}
 
 
@@ -174,7 +172,7 @@ def hf_lower_case(directory: str) -> bool:
     """Whether an HF directory's tokenizer lower-cases (tokenizer_config.json's do_lower_case; BERT's default)."""
     tokenizer_config = epath.Path(directory) / "tokenizer_config.json"
     if tokenizer_config.exists():
-        return bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+        return bool(_json_or_empty(tokenizer_config).get("do_lower_case", True))
     return True
 
 
@@ -187,7 +185,7 @@ FINE_TUNED_HEADS = ("BertForSequenceClassification", "BertForTokenClassification
 def hf_head(directory: str) -> dict | None:
     """A fine-tuned HF directory's head: {"architecture"} (by BERT's class name, whatever the family) plus its
     "id2label" where the class has labels (None for an encoder or a pretraining model)."""
-    config = json.loads((epath.Path(directory) / "config.json").read_text())
+    config = _json_or_empty(epath.Path(directory) / "config.json")
     architecture = family.task_architecture((config.get("architectures") or [None])[0])
     if architecture not in FINE_TUNED_HEADS:
         return None
@@ -203,7 +201,7 @@ def hf_head(directory: str) -> dict | None:
 
 def hf_num_labels(directory: str) -> int | None:
     """config.json's num_labels, where it says one (transformers derives it from id2label and may leave it out)."""
-    value = json.loads((epath.Path(directory) / "config.json").read_text()).get("num_labels")
+    value = _json_or_empty(epath.Path(directory) / "config.json").get("num_labels")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -309,14 +307,9 @@ def _write_directory(files: list, out_dir: str) -> None:
     out = epath.Path(out_dir)
     if str(out).startswith("gs://") or out.exists():
         _write_files(files, out)  # in place, config.json last: unfinished, it is no model transformers loads
-    else:  # beside it, then one rename: a killed export leaves nothing at out_dir
-        partial = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-        try:
-            _write_files(files, partial)
-            partial.rename(out)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
+    else:  # beside it, then one rename: a failed or killed export leaves nothing at out_dir
+        with replaced_when_whole(out_dir, directory=True) as partial:
+            _write_files(files, epath.Path(partial))
 
 
 def _hf_files(tensors: dict, sbo: dict, hf_config: dict, vocab: list[str], lower_case: bool,

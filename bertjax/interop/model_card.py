@@ -28,7 +28,9 @@ from etils import epath
 from bertjax.data.data_config import split_format
 from bertjax.data.schema import METADATA_SUFFIX
 from bertjax.finetune.run_record import INPUT_KEY
+from bertjax.input_files import read_json, read_text
 from bertjax.interop.hub import PACKAGED_CHECKPOINTS, is_hub_id, packaged_checkpoint
+from bertjax.outputs import write_whole
 
 CARD = "README.md"
 # The Hub's pipeline tag of each head, and the benchmark each fine-tune job trains on (the Hub's dataset id).
@@ -168,7 +170,7 @@ def metric_records(workdir: str) -> list[dict]:
     """WORKDIR/metrics.jsonl's records ([] without one); a line cut by a kill mid-write is left out."""
     path = epath.Path(workdir) / "metrics.jsonl"
     records = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
+    for line in (read_text(path, "the run's metrics (JSON Lines)").splitlines() if path.exists() else []):
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
@@ -236,7 +238,7 @@ def pretraining_facts(workdir: str, step: int) -> RunFacts:
     root = epath.Path(workdir)
 
     def read(name):
-        return json.loads((root / name).read_text()) if (root / name).exists() else {}
+        return read_json(root / name, f"the run's {name}") if (root / name).exists() else {}
 
     config, records = read("config.json"), [r for r in metric_records(workdir) if r.get("step", 0) <= step]
     command = next((r for r in records if r.get("event") == "command"), {})
@@ -371,22 +373,23 @@ def run_of(checkpoint: str) -> tuple[str | None, int | None]:
 
 
 def write_card(hf_dir: str, run_dir: str | None = None, record_dir: str | None = None, *, step: int | None = None,
-               source: str | None = None) -> str:
+               source: str | None = None, name: str | None = None) -> str:
     """Writes <hf_dir>/README.md from its config.json and the run in `run_dir`: a fine-tune's (its metrics.json;
     run.json in `record_dir`, default `run_dir` or, for a task of `glue --task all`, the directory above it) or a
     pretraining workdir's, for its checkpoint of `step`. Without a run, the card of the exported checkpoint
-    `source`. Returns the path."""
+    `source`, titled `name` (default: hf_dir's). Returns the path."""
     out = epath.Path(hf_dir)
     facts = None
     if run_dir and (epath.Path(run_dir) / "metrics.json").exists():
         records = [epath.Path(d) / "run.json" for d in ([record_dir] if record_dir else
                                                         [run_dir, epath.Path(run_dir).parent])]
         record = next((p for p in records if p.exists()), None)
-        facts = finetune_facts(json.loads(record.read_text()) if record else {},
-                               json.loads((epath.Path(run_dir) / "metrics.json").read_text()))
+        facts = finetune_facts(read_json(record, "a fine-tune's run record") if record else {},
+                               read_json(epath.Path(run_dir) / "metrics.json", "a fine-tune's metrics"))
     elif run_dir:
         facts = pretraining_facts(run_dir, step)
-    text = card_text(json.loads((out / "config.json").read_text()), facts, license_from=None if facts else source,
-                     name=epath.Path(run_dir).name if run_dir else out.name)
-    (out / CARD).write_text(text, encoding="utf-8")
+    text = card_text(read_json(out / "config.json", "the export's config.json"), facts,
+                     license_from=None if facts else source,
+                     name=epath.Path(run_dir).name if run_dir else name or out.name)
+    write_whole(out / CARD, text)
     return str(out / CARD)

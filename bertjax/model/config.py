@@ -13,6 +13,8 @@ from typing import Any
 
 from etils import epath
 
+from bertjax.input_files import read_json
+
 
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
                 "type_vocab_size")
@@ -226,11 +228,7 @@ class BertConfig:
 def _read_json(path: str) -> dict[str, Any]:
     if not epath.Path(path).exists():
         raise FileNotFoundError(f"config file {path} does not exist")
-    text = epath.Path(path).read_text()
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    values = read_json(path, "a model config (JSON)")
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(values).__name__}")
     return values

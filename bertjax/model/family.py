@@ -4,11 +4,11 @@ task's module for a config; every job, reader and writer asks here instead of na
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Union
 
 from etils import epath
 
+from bertjax.input_files import read_json
 from bertjax.model import bert, modernbert
 from bertjax.model.config import BertConfig
 from bertjax.model.modernbert_config import MODEL_TYPE as MODERNBERT
@@ -44,8 +44,8 @@ def config_from_json_file(path: str) -> ModelConfig:
     file = epath.Path(path)
     if file.exists():
         try:
-            values = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            values = read_json(file, "a model config (JSON)")
+        except ValueError:  # told by BertConfig.from_json_file below
             values = None
         if isinstance(values, dict) and values.get("model_type") == MODERNBERT:
             if "architectures" in values or "rope_parameters" in values or "global_rope_theta" in values:

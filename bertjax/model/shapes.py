@@ -138,3 +138,23 @@ def check_stored_shapes(stored: dict[Path, tuple[int, ...]], config: BertConfig,
             said = (f"{config_name} says num_hidden_layers={config.num_hidden_layers} but "
                     if _LAYER.match(path[1]) and path[1] not in held_layers else "")
             raise ValueError(f"{said}encoder tensor {'/'.join(path)} is missing from the checkpoint")
+
+
+def activation_floor_bytes(config, rows: int, tokens_per_row: int, dtype: str | None = None,
+                           training: bool = True) -> int:
+    """What the activations of `rows` rows of `tokens_per_row` tokens must take at the least (a floor: XLA keeps
+    more), to tell a batch that cannot fit before anything is compiled or allocated. Per token and layer: its input,
+    q, k, v, context, projection, two LayerNorm inputs, the FFN's input, its intermediate before and after the
+    activation, and a row of attention probabilities a head, in `dtype` (default: the config's); training keeps
+    every layer's for the backward (under remat, each layer's input and one layer's whole), prediction one layer's."""
+    dtype = dtype or getattr(config, "dtype", "float32")
+    per_token = (9 * config.hidden_size + 2 * config.intermediate_size
+                 + config.num_attention_heads * tokens_per_row) * (4 if dtype == "float32" else 2)
+    if not training:
+        return rows * tokens_per_row * per_token
+    layers = config.num_hidden_layers
+    if getattr(config, "remat", "none") != "none":
+        per_token_all = config.hidden_size * (4 if dtype == "float32" else 2) * layers + per_token
+    else:
+        per_token_all = per_token * layers
+    return rows * tokens_per_row * per_token_all

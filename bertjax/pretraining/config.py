@@ -20,6 +20,7 @@ import ml_collections
 from bertjax import options
 from bertjax.checkpoint import CheckpointConfig, ModelCheckpoint, ResumeRefused
 from bertjax.data.data_config import PretrainingDataConfig
+from bertjax.input_files import JSON_LIMIT, check_regular, read_json
 from bertjax.model.family import ModelConfig
 from bertjax.model.model_options import (
     ALL_PRESETS,
@@ -129,10 +130,7 @@ def _config_values(name_or_path: str) -> ml_collections.ConfigDict:
     if path.suffix == ".json":
         if not path.exists():
             raise ValueError(f"config file {path} does not exist")
-        try:
-            values = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not valid JSON ({error})") from None
+        values = read_json(path, "a pretraining config (JSON)")
         try:  # keys added since the file was written take their defaults
             return options.to_config_dict(options.from_config_dict(PretrainConfig, values))
         except (TypeError, ValueError) as error:
@@ -142,10 +140,35 @@ def _config_values(name_or_path: str) -> ml_collections.ConfigDict:
     if not path.exists():
         raise ValueError(f"unknown config {name_or_path!r}: not a preset ({sorted(presets())}, see bertjax config "
                          f"list), a .py file with get_config(), a config.json or a run directory")
+    check_regular(path, "a config (.py with get_config())", JSON_LIMIT)
     spec = importlib.util.spec_from_file_location(f"bertjax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    try:
+        spec.loader.exec_module(module)
+        if not callable(getattr(module, "get_config", None)):
+            raise ValueError(f"{path}: defines no get_config() (a config .py returns its ConfigDict from it)")
+        return module.get_config()
+    except ValueError as error:
+        if str(error).startswith(str(path)):
+            raise
+        raise ValueError(_user_error(path, error)) from None
+    except Exception as error:  # noqa: BLE001 - the user's code: its error, not bertjax's traceback
+        raise ValueError(_user_error(path, error)) from None
+
+
+def _user_error(path: pathlib.Path, error: BaseException) -> str:
+    """`FILE:LINE: TypeName: message` of an error in a config .py: the line in the user's file (the innermost
+    frame there; a SyntaxError's own), not bertjax's frames around it."""
+    line = getattr(error, "lineno", None) if isinstance(error, SyntaxError) else None
+    if line is None:
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if pathlib.Path(f.filename) == path.absolute()
+                  or f.filename == str(path)]
+        line = frames[-1].lineno if frames else None
+    message = (error.msg if isinstance(error, SyntaxError) else str(error)) or ""
+    return f"{path}{f':{line}' if line else ''}: {type(error).__name__}" + (f": {message}" if message else "") + \
+        " (in the config file)"
 
 
 # `--config init`: the --init checkpoint's model (architecture and vocabulary), the default recipe for the rest,

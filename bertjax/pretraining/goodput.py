@@ -18,6 +18,7 @@ import time
 from etils import epath
 
 from bertjax import jsonio
+from bertjax.input_files import read_json, read_text
 
 GOODPUT_DIR = "goodput"
 LAUNCHER_LOG = "launcher.jsonl"
@@ -154,12 +155,13 @@ def _read_runs(workdir: str) -> tuple[list[dict], list[str]]:
     if directory.exists():
         for path in sorted(directory.glob("*.json")):
             try:
-                run = json.loads(path.read_text())
+                run = read_json(path, "a run's goodput account (JSON)")
                 if not isinstance(run, dict) or "process_start" not in run:
                     raise ValueError("not a run account")
                 runs.append(run)
             except (OSError, ValueError) as error:
-                unreadable.append(f"{GOODPUT_DIR}/{path.name}: {error}")
+                why, name = str(error), f"{GOODPUT_DIR}/{path.name}"
+                unreadable.append(name + why[len(str(path)):] if why.startswith(str(path)) else f"{name}: {why}")
     return sorted(runs, key=lambda r: r["process_start"]), unreadable
 
 
@@ -174,7 +176,7 @@ def previous_progress(workdir: str, exclude: str = "") -> tuple[int, float | Non
             per_step = run["step_s"] / run["timed_steps"] if run.get("timed_steps") else None
     metrics = epath.Path(workdir) / "metrics.jsonl"
     if metrics.exists():
-        for line in metrics.read_text().splitlines():
+        for line in read_text(metrics, "the run's metrics (JSON Lines)").splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
@@ -238,7 +240,7 @@ def _launcher_events(workdir: str) -> list[dict]:
     if not path.exists():
         return []
     events = []
-    for line in path.read_text().splitlines():
+    for line in read_text(path, "the launchers' events (JSON Lines)").splitlines():
         try:
             events.append(json.loads(line))
         except ValueError:

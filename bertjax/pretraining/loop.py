@@ -26,7 +26,9 @@ from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.host_memory import memory_warning
+from bertjax.input_files import read_json
 from bertjax.interop.load import check_vocab_fits, load_pretrained
+from bertjax.outputs import write_whole
 from bertjax.model import bert as model_lib
 from bertjax.model import family
 from bertjax.preemption import PreemptionFlag
@@ -169,14 +171,14 @@ def _check_inputs_unchanged(record, data, resumed: bool, writer: bool, log) -> N
     """On resume, warns when the input files differ from those the run started on (replaced, grown, added or
     removed): the restored input position then points into other data. Records the current ones."""
     stamps = _input_stamps(data)
-    earlier = json.loads(record.read_text()) if resumed and record.exists() else None
+    earlier = read_json(record, "the run's input files (JSON)") if resumed and record.exists() else None
     if earlier is not None and earlier != stamps:
         changed = sorted(f for f in set(earlier) | set(stamps) if earlier.get(f) != stamps.get(f))
         log(f"warning: {len(changed)} input file(s) changed since this run started ({', '.join(changed[:3])}"
             f"{', ...' if len(changed) > 3 else ''}): it continues on them from the saved input position, which "
             f"was a position in the old files")
     if writer and earlier != stamps:
-        record.write_text(json.dumps(stamps, indent=1, sort_keys=True) + "\n")
+        write_whole(record, json.dumps(stamps, indent=1, sort_keys=True) + "\n")
 
 
 def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_mfu: float = 0.5) -> str:
@@ -288,7 +290,7 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     checkpointer = checkpoint_lib.TrainCheckpointer(workdir, config.checkpoint)
     if process_index == 0:  # the effective config of this run (sizes written out), readable without Orbax
         effective = config.with_model_sizes(len(vocab)).to_dict()
-        (epath.Path(workdir) / "config.json").write_text(json.dumps(effective, indent=2) + "\n")
+        write_whole(epath.Path(workdir) / "config.json", json.dumps(effective, indent=2) + "\n")
     input_stats = collections.Counter()
     dataset = pipeline_lib.make_pretraining_dataset(source, config.train.batch_size, process_index,
                                                     process_count, stats=input_stats)
@@ -413,7 +415,7 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
     log(goodput_lib.format_run(goodput))
     if status == "completed" and jax.process_index() == 0:
         # After the last save is finalised: a babysitter restarts the job until this file exists.
-        (epath.Path(workdir) / COMPLETION_MARKER).write_text(json.dumps({"final_step": step}))
+        write_whole(epath.Path(workdir) / COMPLETION_MARKER, json.dumps({"final_step": step}))
     return RunResult(step, status, last_metrics)
 
 

@@ -17,6 +17,7 @@ from etils import epath
 
 from bertjax import jsonio
 from bertjax.console import Console, duration, metric_text
+from bertjax.input_files import read_text
 from bertjax.model.config import BertConfig
 from bertjax.model.modernbert_config import ModernBertConfig
 
@@ -262,7 +263,7 @@ class MetricsWriter:
     def _continue_from(self, step: int) -> None:
         kept, dropped, cut = [], 0, False
         if self.jsonl_path.exists():
-            text = self.jsonl_path.read_text()
+            text = read_text(self.jsonl_path, "the run's metrics (JSON Lines)")
             lines = text.split("\n")
             cut = bool(lines[-1])  # no newline at the end: a write the kill interrupted
             for line in lines[:-1]:

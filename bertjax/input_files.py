@@ -1,0 +1,108 @@
+"""Files bertjax reads whole (configs, a run's records, a checkpoint's JSON, vocabularies, safetensors): checked by
+type and size before a byte is read, JSON parsed naming the file.
+
+A config, metrics or goodput file linked to /dev/zero was read until MemoryError, a safetensors file linked to
+/dev/urandom ended in a traceback naming nothing, a cut run.json was a JSONDecodeError without its path. So such
+reads go through here: what is not a regular file (a device, a FIFO, a socket, a directory) is refused naming what
+it is; a file larger than what it can be (`limit`) is refused naming its size; JSON that does not parse is named
+with its path and where it stops. An object on gs:// is always a regular file (its size is checked).
+"""
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import stat
+from typing import Any
+
+from etils import epath
+
+# What a JSON document bertjax reads can be at most (a tokenizer.json is ~10 MB; configs and records far less).
+JSON_LIMIT = 256 << 20
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+class Unreadable(ValueError):
+    """A file or directory this user may not read: told as a permission problem, never taken for a damaged or
+    missing one (a checkpoint set aside as corrupt, a tensor called missing)."""
+
+
+def is_permission_error(error: BaseException) -> bool:
+    """An OSError's EACCES/EPERM, or TensorStore's or TensorFlow's PERMISSION_DENIED in an error's message."""
+    text = str(error)
+    return isinstance(error, PermissionError) or "PERMISSION_DENIED" in text or "Permission denied" in text
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"
+
+
+def check_readable_tree(root, what: str) -> None:
+    """Raises Unreadable naming the first directory or file under `root` (local; `what` it is) that this user may
+    not read: a checkpoint with an unreadable part was read as one with a tensor missing, or set aside as corrupt."""
+    root = str(root)
+    if "://" in root or not os.path.isdir(root):
+        return
+
+    def refused(error: OSError) -> None:
+        if isinstance(error, PermissionError):
+            raise Unreadable(f"{error.filename or root}: permission denied to {_user()} ({what} {root}); give "
+                             "this user read access to it (chmod -R u+rX), or run as its owner") from None
+        raise error
+
+    for directory, _, files in os.walk(root, onerror=refused):
+        for name in files:
+            try:
+                with open(os.path.join(directory, name), "rb"):
+                    pass
+            except PermissionError as error:
+                refused(error)
+            except OSError:  # a dangling link, a device: for the reader to tell
+                pass
+
+
+def check_regular(path, what: str, limit: int | None = None) -> int:
+    """The size of `path`, a regular file of at most `limit` bytes; else ValueError naming it and what it is
+    (`what`: what the file was expected to be). A missing file: FileNotFoundError."""
+    name = str(path)
+    if "://" in name:
+        size = epath.Path(name).stat().length
+    else:
+        info = os.stat(name)  # through a link: what is read
+        if not stat.S_ISREG(info.st_mode):
+            kind = next((kind for test, kind in _KINDS if test(info.st_mode)), "not a regular file")
+            link = f" (a link to {os.path.realpath(name)})" if os.path.islink(name) else ""
+            raise ValueError(f"{name}{link} is {kind}, not a file; expected {what}")
+        size = info.st_size
+    if limit is not None and size > limit:
+        raise ValueError(f"{name}: {size:,} bytes, more than {what} can be ({limit:,} bytes at most)")
+    return size
+
+
+def read_bytes(path, what: str, limit: int | None = None) -> bytes:
+    check_regular(path, what, limit)
+    return epath.Path(path).read_bytes()
+
+
+def read_text(path, what: str, limit: int | None = None) -> str:
+    """The file's text (UTF-8; a bad byte named by its offset)."""
+    data = read_bytes(path, what, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}); expected {what}") from None
+
+
+def read_json(path, what: str = "a JSON file", limit: int = JSON_LIMIT) -> Any:
+    """The file's JSON; a cut or damaged file is a ValueError naming it and where it stops."""
+    text = read_text(path, what, limit)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        cut = error.pos >= len(text.rstrip()) or error.msg.startswith("Unterminated string")
+        raise ValueError(f"{path}: not valid JSON{' (cut short?)' if cut else ''}: {error.msg} (line {error.lineno}, "
+                         f"column {error.colno}); expected {what}") from None
