@@ -110,7 +110,7 @@ def run_transformers(args, train: Path, dev: Path, work: Path, pair: bool) -> di
 def worker(args) -> None:
     train, dev, work = Path(args.train), Path(args.dev), Path(args.work)
     if args.side == "bertjax":  # as the `bertjax` command starts: no libtpu probe on a machine without TPUs
-        from bertjax import platforms
+        from bertjax.runtime import platforms
 
         platforms.use_cpu_where_no_accelerator(os.environ)
     run = run_bertjax if args.side == "bertjax" else run_transformers

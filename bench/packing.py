@@ -103,7 +103,7 @@ def main():
     args = parser.parse_args()
     data = Path(args.data)
     vocab = args.vocab or str(data / "bert" / "uncased_L-4_H-256_A-4" / "vocab.txt")
-    from bertjax import platforms
+    from bertjax.runtime import platforms
 
     platforms.use_cpu_where_no_accelerator(os.environ)  # before jax is imported: no TPU probing without a TPU
     import jax

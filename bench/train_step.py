@@ -7,7 +7,7 @@ Prints each side's median step (wall seconds, and the CPU seconds of all its thr
 model TFLOP/s and the fraction of a matmul peak measured in the same run (the CPU's reference for MFU: the faster of XLA's and torch's fp32 matmul), then bertjax's sequences/s at
 each of --lengths. `--torch-peers eager,compile` also times the reference under torch.compile (the fairest PyTorch
 peer on a GPU; its warm-up is untimed). The sides take turns of a few steps so that machine noise hits both alike; the reference runs in
-a child process, never at the same time. On a CPU both sides run with the malloc settings of bertjax.host_memory,
+a child process, never at the same time. On a CPU both sides run with the malloc settings of bertjax.runtime.host_memory,
 which the `bertjax` command applies there. On an accelerator pass --dtype bfloat16 and the MFU is against the
 device's table peak. The load average is printed before and after the timed turns: on a busy machine the sides slow
 unequally, so a ratio is an idle machine's figure or goes with the load and both sides' CPU seconds.
@@ -111,9 +111,9 @@ def _torch(config, batch, seq, masked, threads, compiled=False):
 
 
 def _same_host_malloc_as_bertjax() -> bool:
-    """The malloc settings the `bertjax` command applies on CPU (bertjax.host_memory); both sides get them, for a
+    """The malloc settings the `bertjax` command applies on CPU (bertjax.runtime.host_memory); both sides get them, for a
     fair ratio (torch's CPU step gains as much from them as ours)."""
-    from bertjax import host_memory
+    from bertjax.runtime import host_memory
 
     return host_memory.keep_freed_memory_if_cpu_job(os.environ)
 
@@ -242,7 +242,7 @@ def main() -> int:
           f"{args.attention_backend}), batch {args.batch}, seq {args.seq}, "
           f"{args.dtype}, {device.device_kind}; {flops / 1e9:.1f} GFLOP/sequence; peak {peak / 1e9:.1f} GFLOP/s "
           f"({peak_source})")
-    print("  host malloc: " + ("keeps freed memory (bertjax.host_memory), both sides" if malloc_tuned
+    print("  host malloc: " + ("keeps freed memory (bertjax.runtime.host_memory), both sides" if malloc_tuned
                                else "glibc defaults"))
     # A busy machine slows the sides unequally (PyTorch's threads suffer more): the load goes with the figures.
     print(f"  load average at the start: {_load()}")

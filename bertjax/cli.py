@@ -13,7 +13,7 @@ import signal
 import sys
 import traceback
 
-from bertjax import errors, host_memory, platforms, preemption, quiet
+from bertjax.runtime import errors, host_memory, platforms, preemption, quiet
 
 COMMAND_MODULES = (
     "bertjax.interop.cli",

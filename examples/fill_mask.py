@@ -52,7 +52,7 @@ def closing_lines(found: int, scored: int, run_dir: str | None = None) -> list[s
     runs = [r for r in records if r.get("event") == "goodput"]
     evals = [r for r in records if "eval_mlm_accuracy" in r]
     if runs:
-        from bertjax.console import duration
+        from bertjax.runtime.console import duration
 
         lines.append(f"pretraining: {runs[-1]['step']} steps in {duration(sum(r['wall_s'] for r in runs))}"
                      + (f" over {len(runs)} runs" if len(runs) > 1 else "") + f" ({run_dir})")

@@ -54,7 +54,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 
 import pytest
 
-from bertjax import compile_cache, platforms
+from bertjax.runtime import compile_cache, platforms
 
 # Whether this run of the suite has the cache (tests that check a restart read its step back need it).
 SUITE_CACHE_ON = compile_cache.resolve("") is not None

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from bertjax import cloud_storage
-from bertjax.workdir_lock import LOCK_NAME, STALE_AFTER_S, WorkdirBusy, WorkdirLock
+from bertjax.runtime import cloud_storage
+from bertjax.runtime.workdir_lock import LOCK_NAME, STALE_AFTER_S, WorkdirBusy, WorkdirLock
 
 
 def _tf_gfile():
@@ -374,7 +374,7 @@ def test_a_gs_step_without_orbaxs_commit_marker_is_never_taken_for_a_checkpoint(
 GS_CACHE_PROGRAM = """
 import sys
 import jax, jax.numpy as jnp
-from bertjax import compile_cache
+from bertjax.runtime import compile_cache
 assert compile_cache.enable(sys.argv[1]) == sys.argv[1]
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # this program compiles in well under 0.5 s
 stats = compile_cache.CacheStats().start()

@@ -30,8 +30,8 @@ from bertjax.data.data_config import PretrainingDataConfig  # noqa: E402
 from bertjax.data.pipeline import make_pretraining_dataset  # noqa: E402
 from bertjax.data.tfrecord import find_shards  # noqa: E402
 from bertjax.data.tokenizers import load_tokenizer  # noqa: E402
-from bertjax.errors import OutputWriteError  # noqa: E402
-from bertjax.workdir_lock import WorkdirBusy, WorkdirLock  # noqa: E402
+from bertjax.runtime.errors import OutputWriteError  # noqa: E402
+from bertjax.runtime.workdir_lock import WorkdirBusy, WorkdirLock  # noqa: E402
 from tests.conftest import fill_disk  # noqa: E402
 from tests.record_checks import check_nsp_balance, check_nsp_layout, check_static_masks  # noqa: E402
 from tests.test_data_tfrecord import ORIGINAL_SPEC, PRED, SEQ  # noqa: E402

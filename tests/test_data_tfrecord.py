@@ -22,7 +22,7 @@ from bertjax.data import tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.pipeline import make_pretraining_dataset, resolve_input
 from bertjax.data.tfrecord import ShardWriter, find_shards
-from bertjax.workdir_lock import WorkdirLock
+from bertjax.runtime.workdir_lock import WorkdirLock
 from tests.conftest import fill_disk
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,7 +331,7 @@ def test_the_lock_of_a_killed_run_does_not_block_the_next(corpus_slice, tmp_path
     corpus, vocab = corpus_slice
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from bertjax.workdir_lock import WorkdirLock\n"
+                               "from bertjax.runtime.workdir_lock import WorkdirLock\n"
                                "WorkdirLock(sys.argv[1]).acquire()\n"
                                "print('held', flush=True)\n"
                                "time.sleep(120)\n", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -149,7 +149,7 @@ def test_finetune_features_on_real_sst2(shared_data, minilm_dir, tmp_path, capsy
     the extraction and the cross-validation, show their progress: said before, counted, timed after."""
     from sklearn.metrics import accuracy_score
 
-    from bertjax.console import Progress
+    from bertjax.runtime.console import Progress
     from bertjax.finetune import features
 
     # A progress line per unit of work (every 15 s otherwise, which these few rows never take).

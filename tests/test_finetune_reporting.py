@@ -24,7 +24,7 @@ def _strict(text: str):
 
 
 def test_strict_json_writes_non_finite_numbers_as_null(tmp_path):
-    from bertjax import jsonio
+    from bertjax.runtime import jsonio
     from bertjax.pretraining.metrics import MetricsWriter
 
     value = {"a": float("nan"), "b": [1.5, float("inf"), np.float32("-inf")], "c": (np.float64(2.0), "x")}
@@ -75,7 +75,7 @@ def test_max_steps_ends_the_fine_tune_and_it_reports_what_it_trained(tiny_init, 
 
 
 def test_a_fine_tune_resumed_at_its_last_step_says_it_trained_nothing(tiny_init, tmp_path, capsys):  # noqa: F811
-    from bertjax.console import route_logging_to_console
+    from bertjax.runtime.console import route_logging_to_console
     from bertjax.finetune import glue_data
     from bertjax.finetune.settings import TrainSettings
     from bertjax.finetune.trainer import Preempted, Trainer, classification_loss

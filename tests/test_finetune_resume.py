@@ -154,7 +154,8 @@ def test_a_resume_on_changed_input_files_is_refused_naming_them(tmp_path):
     after a file's content changed, even at the same size, is refused; the same bytes resume."""
     import hashlib
 
-    from bertjax.finetune.run_record import claim, input_fingerprints
+    from bertjax.finetune.run_record import claim
+    from bertjax.runtime.input_files import input_fingerprints
 
     data = tmp_path / "data"
     data.mkdir()
@@ -289,7 +290,7 @@ def test_a_second_sigint_while_a_fine_tune_stops_ends_it_cleanly(tiny_init, tmp_
     data, cut = _synthetic_glue(tmp_path / "glue"), tmp_path / "cut"
     argv = _argv(data, tiny_init, cut, "--epochs", "1")
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1), PYTHONPATH=str(REPO_ROOT))
-    process = subprocess.Popen([sys.executable, "-c", DRIVER, "bertjax.preemption:PreemptionFlag.restore", "after",
+    process = subprocess.Popen([sys.executable, "-c", DRIVER, "bertjax.runtime.preemption:PreemptionFlag.restore", "after",
                                 "SIGINT", *argv], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from bertjax import compile_cache
+from bertjax.runtime import compile_cache
 from bertjax.cli import main as bertjax_main
 from bertjax.pretraining import goodput
 from tests.conftest import REPO_ROOT
@@ -100,7 +100,7 @@ def test_a_cut_run_account_is_named_and_the_account_called_incomplete(two_runs, 
 CACHE_PROGRAM = """
 import sys, warnings
 import jax, jax.numpy as jnp
-from bertjax import compile_cache
+from bertjax.runtime import compile_cache
 from bertjax.cli import main as bertjax_main
 compile_cache.enable(sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

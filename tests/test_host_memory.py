@@ -1,16 +1,16 @@
-"""bertjax.host_memory: the malloc settings stop XLA:CPU's per-execution temporaries from faulting in each call."""
+"""bertjax.runtime.host_memory: the malloc settings stop XLA:CPU's per-execution temporaries from faulting in each call."""
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from bertjax import host_memory
+from bertjax.runtime import host_memory
 
 # Page faults of each of 7 calls (after 10 warm-up calls) of a jitted function with 64 MB of temporaries.
 _FAULTS_PER_CALL = textwrap.dedent("""
     import resource, sys
-    from bertjax import host_memory
+    from bertjax.runtime import host_memory
     if sys.argv[1] == "keep":
         assert host_memory.keep_freed_memory()
     import jax, jax.numpy as jnp
@@ -57,7 +57,7 @@ def test_cpu_only_follows_jax_platforms(environ, expected):
 def test_cpu_only_without_jax_platforms_depends_on_tpu_chips_not_on_libtpu(monkeypatch, tmp_path):
     import importlib.util
 
-    from bertjax import platforms
+    from bertjax.runtime import platforms
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -137,7 +137,7 @@ _RSS_AROUND_A_CACHE_WRITE = textwrap.dedent("""
     import sys, tempfile
     import jax, jax.numpy as jnp
     from jax._src import compiler
-    from bertjax import compile_cache, host_memory
+    from bertjax.runtime import compile_cache, host_memory
 
     def rss_mib():
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) / 1024

@@ -1,4 +1,4 @@
-"""Files bertjax reads whole are checked by type and size first (bertjax/input_files.py), and a permission problem
+"""Files bertjax reads whole are checked by type and size first (bertjax/runtime/input_files.py), and a permission problem
 is named as one: never read as damage (a tensor "missing", a checkpoint set aside as corrupt)."""
 import json
 import os
@@ -80,7 +80,7 @@ def test_files_that_are_not_regular_files_are_refused_by_type_naming_them(run_di
 
 
 def test_json_that_is_cut_or_too_large_is_named_with_its_path(tmp_path, monkeypatch):
-    from bertjax import input_files
+    from bertjax.runtime import input_files
 
     cut = tmp_path / "run.json"
     cut.write_text('{"job": "classify", "train": "a.cs')

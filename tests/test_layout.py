@@ -121,3 +121,14 @@ def test_importing_the_package_does_not_start_jax():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[-1] == "False", "importing bertjax started JAX's backend"
+
+
+def test_the_wheel_carries_every_folder_of_the_package():
+    """pyproject.toml lists the packages a wheel installs by name: a new folder left off it imports from a checkout
+    and fails on a TPU slice's workers, which run the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "bertjax").rglob("__init__.py")}
+    assert folders - listed == set(), "folders of bertjax/ that pyproject.toml's packages leave out of the wheel"
+    assert "bertjax.configs" in listed

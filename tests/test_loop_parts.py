@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bertjax.checkpoint import JOB_CONFIG, PARAMS, ResumeRefused, StepCheckpointer
-from bertjax.console import Console
+from bertjax.runtime.console import Console
 from bertjax.model.config import BertConfig
 from bertjax.pretraining import goodput, progress
 from bertjax.pretraining.config import check_resume_config, load_config
@@ -189,7 +189,7 @@ def test_reads_a_failed_restore_leaves_in_flight_complete_without_a_traceback(tm
 def test_progress_lines_come_every_tenth_of_a_run_or_30_seconds_whichever_is_first():
     """The rule both training loops print by (pretraining between its metric lines, fine-tuning as metric lines):
     log_every's steps and the last, and at least every tenth of the run and every every_s seconds."""
-    from bertjax.console import LineSchedule
+    from bertjax.runtime.console import LineSchedule
 
     short = LineSchedule(20, log_every=50)
     assert [step for step in range(1, 21) if short.due(step)] == list(range(2, 21, 2))

@@ -139,7 +139,7 @@ def test_progress_bar_draws_on_any_terminal(columns):
     import struct
     import termios
 
-    from bertjax.console import Console
+    from bertjax.runtime.console import Console
 
     controller, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24 if columns else 0, columns, 0, 0))
@@ -159,7 +159,7 @@ def test_progress_is_a_bar_on_a_terminal_and_counted_lines_in_a_log():
     import io
     import pty
 
-    from bertjax.console import Console, Progress
+    from bertjax.runtime.console import Console, Progress
 
     controller, terminal = pty.openpty()
     with os.fdopen(terminal, "w") as stream:
@@ -489,6 +489,6 @@ def test_an_error_quoting_a_users_row_is_cut_to_a_readable_length(tmp_path, caps
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"bertjax finetune: error: {train}: no column 'text', 'label'; it has 'word word") and \
         "' (3,002 characters), '1'" in last and len(last) < 300, last
-    from bertjax.errors import clipped
+    from bertjax.runtime.errors import clipped
 
     assert len(clipped("x" * 5000)) <= 1000 and "(4,040 characters cut)" in clipped("x" * 5000)

@@ -93,7 +93,7 @@ def test_scalars_read_back_as_tensorflows_summary_writer_writes_them(tmp_path):
     tags, steps, values and plugin from both."""
     from flax.metrics import tensorboard
 
-    from bertjax.tensorboard_events import ScalarWriter
+    from bertjax.runtime.tensorboard_events import ScalarWriter
 
     def read(logdir):
         events = EventAccumulator(str(logdir), size_guidance={"tensors": 0})

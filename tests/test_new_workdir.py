@@ -3,8 +3,8 @@ one that existed before, holds a complete checkpoint, or another job holds, is k
 import pytest
 
 from bertjax.cli import main
-from bertjax.new_workdir import removed_if_failed_before_saving
-from bertjax.workdir_lock import LOCK_NAME, WorkdirBusy, WorkdirLock
+from bertjax.runtime.new_workdir import removed_if_failed_before_saving
+from bertjax.runtime.workdir_lock import LOCK_NAME, WorkdirBusy, WorkdirLock
 
 
 def _pretrain_missing_input(workdir, vocab):

@@ -1,4 +1,4 @@
-"""Every output a command produces is whole or absent and has one writer (bertjax/outputs.py), and a stop signal
+"""Every output a command produces is whole or absent and has one writer (bertjax/runtime/outputs.py), and a stop signal
 ends a command in one line with nothing of it left behind (preemption.Stopped): across the commands that write an
 output file or directory."""
 import os
@@ -76,7 +76,7 @@ def test_a_second_writer_of_one_output_is_refused_naming_the_holder(command, mod
     """While a run holds an output (here this test process, through the commands' own lock), a second run writing
     it is refused in one line naming the holder, before any work, and writes nothing; another spelling of the path
     is the same output."""
-    from bertjax.outputs import one_writer
+    from bertjax.runtime.outputs import one_writer
 
     flag, argv, directory = COMMANDS[command]
     inputs = _inputs(tmp_path / "in", 3)
@@ -209,7 +209,7 @@ def test_an_output_file_keeps_its_permissions_and_a_link_stays_a_link(models, tm
 
 NATIVE = r"""
 import hashlib, sys, threading, time
-from bertjax import preemption
+from bertjax.runtime import preemption
 preemption.GRACE_S = 1.0
 
 
@@ -256,8 +256,8 @@ def test_a_file_a_job_writes_is_whole_or_not_there(tmp_path):
     earlier file as it was and no partial one, and names the file."""
     import errno
 
-    from bertjax.errors import OutputWriteError
-    from bertjax.outputs import open_whole
+    from bertjax.runtime.errors import OutputWriteError
+    from bertjax.runtime.outputs import open_whole
 
     target = tmp_path / "metrics.json"
     target.write_text("earlier")

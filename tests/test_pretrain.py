@@ -265,7 +265,7 @@ def test_config_init_from_a_run_takes_its_batch_and_the_steps_alone(uninterrupte
 def test_dry_run_warns_when_the_step_needs_more_memory_than_the_host(corpus, tmp_path, monkeypatch, capsys):
     """A dry run whose step needs more than the host's RAM (8 CPU devices share it) says so in one line, with what
     to lower; the batch is sized from this host's RAM and the step's temporaries at batch 512."""
-    from bertjax.host_memory import host_ram_bytes
+    from bertjax.runtime.host_memory import host_ram_bytes
 
     argv = _argv(tmp_path / "small", corpus, "--dry-run")
     argv[argv.index("train.batch_size=8")] = "train.batch_size=512"

@@ -36,7 +36,7 @@ def test_dropped_start_up_lines_leave_a_childs_other_lines_as_they_come():
              "drivers on your machine, GPU will not be used.\\nE0000 00:00:1795639618.977835    6644 "
              "cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR "
              "(303)\\nValueError: the worker own error\\n')")
-    parent = ("import subprocess, sys\nfrom bertjax import quiet\n"
+    parent = ("import subprocess, sys\nfrom bertjax.runtime import quiet\n"
               "with quiet.native_lines_dropped():\n"
               "    print('parent before', file=sys.stderr)\n"
               f"    subprocess.run([sys.executable, '-c', {child!r}], check=True)\n"
@@ -53,7 +53,7 @@ def test_dropped_start_up_lines_leave_a_childs_other_lines_as_they_come():
 
 
 def test_gloos_lines_are_dropped_also_when_two_land_in_one_another():
-    from bertjax.quiet import START_UP_LINE
+    from bertjax.runtime.quiet import START_UP_LINE
 
     lines = [b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
              b"[Gloo] Rank 1[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",

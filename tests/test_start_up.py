@@ -13,7 +13,8 @@ REVIEWS = REPO_ROOT / "examples" / "reviews"
 # Runs bertjax commands in this fresh process, then says what they imported and what the compilation cache did.
 _RUN = """
 import json, sys
-from bertjax import cli, compile_cache
+from bertjax import cli
+from bertjax.runtime import compile_cache
 stats = compile_cache.CacheStats().start()
 for argv in json.loads(sys.argv[1]):
     assert cli.main(argv) == 0, argv

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bertjax.workdir_lock import LOCK_NAME, WorkdirBusy, WorkdirLock, is_stale
+from bertjax.runtime.workdir_lock import LOCK_NAME, WorkdirBusy, WorkdirLock, is_stale
 from tests.conftest import REPO_ROOT
 from tests.test_pretrain import _argv, _env, _in_process, corpus  # noqa: F401 - the corpus fixture
 

@@ -107,14 +107,14 @@ def _add_job_flags(parser: argparse.ArgumentParser, *, restarts: str, dry_run: s
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from bertjax import jsonio
+    from bertjax.runtime import jsonio
     from bertjax.cloud import compile as tpu_compile
     from bertjax.pretraining import config as pretrain_config
 
     topology = tpu_compile.parse_target(args.topology, args.num_slices)
     config = pretrain_config.load_config(args.config, args.overrides, require_data=False)
     if args.dump_hlo:
-        from bertjax.outputs import check_file_target, one_writer
+        from bertjax.runtime.outputs import check_file_target, one_writer
 
         check_file_target(args.dump_hlo, "--dump-hlo")
         with one_writer(args.dump_hlo, "--dump-hlo", log=lambda line: print(line, file=sys.stderr)):
@@ -123,9 +123,9 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _compiled(args: argparse.Namespace, config, topology) -> int:
-    from bertjax import jsonio
+    from bertjax.runtime import jsonio
     from bertjax.cloud import compile as tpu_compile
-    from bertjax.console import Console, duration
+    from bertjax.runtime.console import Console, duration
 
     # Progress on stderr under --json (stdout is then one JSON object): a BERT-base compile takes minutes.
     console = Console(stream=sys.stderr if args.json else sys.stdout)

@@ -25,10 +25,10 @@ from bertjax.cloud.gpu_estimate import price_program
 from bertjax.cloud.topologies import ACCEPTED as TPU_ACCEPTED
 from bertjax.cloud.topologies import GENERATIONS, Topology, parse_topology
 from bertjax.cloud.topologies import compile_only_devices as tpu_devices
-from bertjax.console import duration
+from bertjax.runtime.console import duration
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.model import shapes
-from bertjax.outputs import replaced_when_whole
+from bertjax.runtime.outputs import replaced_when_whole
 from bertjax.pretraining import metrics
 from bertjax.pretraining.config import PretrainConfig, validate
 from bertjax.pretraining.job import CompiledStep, compile_step

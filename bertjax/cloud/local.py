@@ -30,8 +30,8 @@ import time
 
 from bertjax import options
 from bertjax.cloud.babysitter import USAGE_ERROR_EXIT, babysit
-from bertjax.preemption import STOP_SIGNALS
-from bertjax.quiet import START_UP_LINE
+from bertjax.runtime.preemption import STOP_SIGNALS
+from bertjax.runtime.quiet import START_UP_LINE
 
 # How long workers asked to stop get to save and exit before they are killed (a save is seconds; a scheduler's
 # own grace after its SIGTERM is typically 30 s).

@@ -48,7 +48,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from bertjax import errors, quiet
+from bertjax.runtime import errors, quiet
 from bertjax.data import corpus, create, file_readers, format_detect, tfrecord
 from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.data_config import PretrainingDataConfig

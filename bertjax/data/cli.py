@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from bertjax import options
-from bertjax.console import Console
+from bertjax.runtime.console import Console
 from bertjax.data.data_config import CorpusConfig, PretrainingDataConfig
 
 # Options of the streaming pipeline only; `data create` writes one static pass per dupe.

@@ -12,7 +12,7 @@ import re
 
 from etils import epath
 
-from bertjax.outputs import replaced_when_whole
+from bertjax.runtime.outputs import replaced_when_whole
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 _UNDERLINE = re.compile(r"^[*=\-~^]{3,}$")

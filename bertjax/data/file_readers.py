@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from bertjax import errors
+from bertjax.runtime import errors
 from bertjax.data.data_config import AUTO_FORMAT, CorpusConfig
 
 _SNIFF_BYTES = 1 << 16

@@ -15,7 +15,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from bertjax.console import Console
+from bertjax.runtime.console import Console
 from bertjax.data import corpus, format_detect, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 

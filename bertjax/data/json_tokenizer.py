@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from bertjax.data.host_tokenizer import ragged_pieces
 from bertjax.data.token_layout import SPECIAL_TOKENS, Tokenizer
-from bertjax.input_files import JSON_LIMIT, read_text
+from bertjax.runtime.input_files import JSON_LIMIT, read_text
 
 # The spec a checkpoint stores: {"json": tokenizer.json's text, "special": {"cls": "[CLS]", ...}}.
 SPEC_KEYS = ("json", "special")

@@ -15,8 +15,8 @@ from typing import Iterator
 import tensorflow as tf
 from etils import epath
 
-from bertjax.new_workdir import removed_if_failed_before_saving
-from bertjax.workdir_lock import LOCK_NAME, WorkdirLock
+from bertjax.runtime.new_workdir import removed_if_failed_before_saving
+from bertjax.runtime.workdir_lock import LOCK_NAME, WorkdirLock
 
 
 def lock_name(worker_index: int = 0, num_workers: int = 1) -> str:

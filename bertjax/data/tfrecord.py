@@ -21,8 +21,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import tensorflow as tf
 
-from bertjax import jsonio
-from bertjax.errors import OutputWriteError, cannot_write
+from bertjax.runtime import jsonio
+from bertjax.runtime.errors import OutputWriteError, cannot_write
 from bertjax.data import schema
 from bertjax.data.corpus import expand_inputs, file_order
 from bertjax.data.out_dir import remove_quietly

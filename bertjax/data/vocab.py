@@ -10,7 +10,7 @@ import tensorflow as tf
 from bertjax.data import corpus, format_detect
 from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.tokenizers import SPECIAL_TOKENS
-from bertjax.errors import OutputWriteError, cannot_write
+from bertjax.runtime.errors import OutputWriteError, cannot_write
 
 VOCAB_TYPES = ("sentencepiece", "wordpiece")
 # [PAD] first so that pad id 0 matches BERT's convention; the rest in the released vocab order.

@@ -17,14 +17,14 @@ import numpy as np
 import optax
 from etils import epath
 
-from bertjax import jsonio
-from bertjax.console import Console, metric_text
+from bertjax.runtime import jsonio
+from bertjax.runtime.console import Console, metric_text
 from bertjax.finetune import glue_data, label_metrics, table_data
 from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss, write_fine_tuned
 from bertjax.interop.load import load_init
 from bertjax.model import family
-from bertjax.outputs import write_whole
+from bertjax.runtime.outputs import write_whole
 
 
 def multi_label_loss(logits, batch):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from bertjax import jsonio, options
-from bertjax.console import route_logging_to_console
+from bertjax import options
+from bertjax.runtime import jsonio
+from bertjax.runtime.console import route_logging_to_console
 from bertjax.finetune.glue_data import TASKS
 from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
 from bertjax.finetune.table_data import PROBLEMS
@@ -173,7 +174,7 @@ def _embed(args: argparse.Namespace) -> int:
     from bertjax.data.file_readers import read_text_bytes
     from bertjax.finetune.embed import embed_sentences, embed_tokens, nearest_neighbours
     from bertjax.interop.load import load_pretrained
-    from bertjax.outputs import check_file_target, one_writer, replaced_when_whole
+    from bertjax.runtime.outputs import check_file_target, one_writer, replaced_when_whole
 
     check_file_target(args.output, "--output", [args.input, args.checkpoint])
     if not epath.Path(args.input).exists():
@@ -225,7 +226,7 @@ def _predict(args: argparse.Namespace) -> int:
         return 0
     from etils import epath
 
-    from bertjax.outputs import check_file_target, one_writer, replaced_when_whole
+    from bertjax.runtime.outputs import check_file_target, one_writer, replaced_when_whole
 
     check_file_target(args.output, "--output", [args.input, args.model])
     with one_writer(args.output, "--output"):
@@ -240,7 +241,7 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
     """`bertjax predict`'s output lines for its --input (a table file, or stdin lines)."""
     import sys
 
-    from bertjax.console import Console
+    from bertjax.runtime.console import Console
     from bertjax.data.file_readers import read_text_bytes
     from bertjax.finetune.predict import Predictor, answers_questions, recorded_columns
 
@@ -326,7 +327,7 @@ def _say_outputs(workdir: str, fine_tuned: bool = True, predicts: bool = True) -
     it (or that it kept none)."""
     from etils import epath
 
-    from bertjax.console import Console
+    from bertjax.runtime.console import Console
 
     root = epath.Path(workdir)
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir() if not p.name.startswith((".", "LOCK")))
@@ -387,10 +388,10 @@ def _owned_run(job):
 
     @functools.wraps(job)
     def run(args: argparse.Namespace) -> int:
-        from bertjax.console import Console
-        from bertjax.new_workdir import removed_if_failed_before_saving
-        from bertjax.workdir_lock import WorkdirLock
-        from bertjax.workdir_paths import canonical
+        from bertjax.runtime.console import Console
+        from bertjax.runtime.new_workdir import removed_if_failed_before_saving
+        from bertjax.runtime.workdir_lock import WorkdirLock
+        from bertjax.runtime.workdir_paths import canonical
 
         _check_workdir(args)
         args.workdir = canonical(args.workdir)  # one spelling: recorded in run.json, compared on a rerun
@@ -417,7 +418,8 @@ def _has_saved_state(workdir: str) -> bool:
 
 
 def _claimed_run(job, args: argparse.Namespace, console) -> int:
-    from bertjax.finetune.run_record import claim, input_fingerprints
+    from bertjax.finetune.run_record import claim
+    from bertjax.runtime.input_files import input_fingerprints
     from bertjax.finetune.trainer import Preempted
 
     record = {k: v for k, v in vars(args).items() if k not in ("func", "command", "job")}

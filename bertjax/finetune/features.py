@@ -25,11 +25,11 @@ import time
 
 import numpy as np
 
-from bertjax import jsonio
-from bertjax.console import Console, Progress
+from bertjax.runtime import jsonio
+from bertjax.runtime.console import Console, Progress
 from bertjax.finetune import glue_data, glue_metrics
 from bertjax.finetune.embed import encoded_features, parse_layers
-from bertjax.outputs import open_whole
+from bertjax.runtime.outputs import open_whole
 
 log = logging.getLogger(__name__)
 

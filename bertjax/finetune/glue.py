@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from bertjax import jsonio
-from bertjax.console import Console, metric_text
+from bertjax.runtime import jsonio
+from bertjax.runtime.console import Console, metric_text
 from bertjax.finetune import glue_data, glue_metrics
 from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import (
@@ -28,7 +28,7 @@ from bertjax.finetune.trainer import (
 )
 from bertjax.interop.load import load_init
 from bertjax.model import family
-from bertjax.outputs import open_whole
+from bertjax.runtime.outputs import open_whole
 
 log = logging.getLogger(__name__)
 

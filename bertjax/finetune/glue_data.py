@@ -19,8 +19,8 @@ import sys
 import numpy as np
 
 from bertjax.data import file_readers
-from bertjax.errors import shown
-from bertjax.outputs import open_whole
+from bertjax.runtime.errors import shown
+from bertjax.runtime.outputs import open_whole
 
 log = logging.getLogger(__name__)
 

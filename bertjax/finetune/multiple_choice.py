@@ -16,12 +16,12 @@ import time
 
 import numpy as np
 
-from bertjax import jsonio
+from bertjax.runtime import jsonio
 from bertjax.finetune import glue_metrics, swag_data
 from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import Trainer, classification_loss, write_fine_tuned
 from bertjax.model import family
-from bertjax.outputs import open_whole
+from bertjax.runtime.outputs import open_whole
 
 log = logging.getLogger(__name__)
 

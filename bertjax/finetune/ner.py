@@ -13,7 +13,7 @@ import logging
 import os
 import time
 
-from bertjax import jsonio
+from bertjax.runtime import jsonio
 from bertjax.finetune import ner_data, ner_metrics
 from bertjax.finetune.settings import NerSettings, TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import (
@@ -23,7 +23,7 @@ from bertjax.finetune.trainer import (
 )
 from bertjax.interop.load import load_init
 from bertjax.model import family
-from bertjax.outputs import open_whole
+from bertjax.runtime.outputs import open_whole
 
 log = logging.getLogger(__name__)
 

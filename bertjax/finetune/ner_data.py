@@ -13,10 +13,10 @@ import os
 import numpy as np
 
 from bertjax.data import file_readers
-from bertjax.errors import shown
+from bertjax.runtime.errors import shown
 from bertjax.finetune.ner_metrics import OUTSIDE, split_tag
 from bertjax.finetune.squad_data import doc_spans, max_context_mask
-from bertjax.outputs import open_whole
+from bertjax.runtime.outputs import open_whole
 
 DOCSTART = "-DOCSTART-"
 SPLIT_FILES = {"train": "train.txt", "valid": "valid.txt", "test": "test.txt"}

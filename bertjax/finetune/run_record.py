@@ -9,15 +9,14 @@ two runs' curves interleave in one metrics.jsonl and TensorBoard directory, or o
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
 from etils import epath
 
-from bertjax import workdir_paths
-from bertjax.input_files import read_json
-from bertjax.outputs import write_whole
+from bertjax.runtime import workdir_paths
+from bertjax.runtime.input_files import INPUT_KEY, read_json
+from bertjax.runtime.outputs import write_whole
 
 RUN_RECORD = "run.json"
 TRAIN_STATE = "train_state"
@@ -30,6 +29,8 @@ MODELS = ("checkpoint", "hf")
 # which `predict --model WORKDIR` would take for the new run's; in tensorboard/ only its event files are the run's (a
 # user's own runs may sit beside them).
 RUN_OUTPUTS = (RUN_RECORD, TRAIN_STATE, *COMPLETED, "metrics.jsonl", *MODELS)
+# Those of them a run writes as directories (the rest are files).
+RUN_DIRECTORIES = (TRAIN_STATE, *MODELS)
 TENSORBOARD, EVENT_FILES = "tensorboard", "events.out.tfevents.*"
 # Settings that change how a run is watched or saved, not what it computes: free to change on a rerun.
 FREE_KEYS = ("compilation_cache_dir", "eval_batch_size", "save_checkpoint", "export_hf", "overwrite", "verbose")
@@ -38,38 +39,12 @@ FREE_KEYS = ("compilation_cache_dir", "eval_batch_size", "save_checkpoint", "exp
 RESUMABLE_KEYS = ("metric_for_best", "eval_every", "early_stopping_patience", "log_every", "save_every")
 # Recorded, not compared: the command as typed (for the model card); flags in another order are the same run.
 UNCOMPARED_KEYS = ("argv",)
-# The record's keys for the content of the files a run reads (`input:<path>`): a rerun on changed data is another run.
-INPUT_KEY = "input:"
-
-
-def input_fingerprints(paths) -> dict:
-    """{`input:<file>`: "<size> bytes, sha256 <first 16 hex>"} for every file of the local `paths` (files, or
-    directories walked whole); other values (tfds:, hub ids, gs://) are left to the record's plain settings."""
-    files = []
-    for path in paths:
-        if not isinstance(path, str) or not path or "://" in path or not os.path.exists(path):
-            continue
-        if os.path.isdir(path):
-            files += [os.path.join(d, name) for d, _, names in os.walk(path) for name in names
-                      if not name.startswith(".")]
-        else:
-            files.append(path)
-    prints = {}
-    for file in sorted(os.path.abspath(f) for f in files):
-        digest = hashlib.sha256()
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        prints[INPUT_KEY + file] = f"{os.path.getsize(file)} bytes, sha256 {digest.hexdigest()[:16]}"
-    return prints
-
-
 def run_outputs(root: epath.Path) -> list[epath.Path]:
     """What a bertjax run wrote in `root` (its record aside): nothing else there is removed by --overwrite. A
     `tensorboard/` that is a symlink holding event files is itself the output: the link goes, what it points to
     (outside the workdir) stays."""
     found = [root / name for name in RUN_OUTPUTS if name != RUN_RECORD and (root / name).exists()
-             and (root / name).is_dir() == (name == TRAIN_STATE)]
+             and (root / name).is_dir() == (name in RUN_DIRECTORIES)]
     board = root / TENSORBOARD
     events = sorted(board.glob(EVENT_FILES)) if board.is_dir() else []
     return found + ([board] if events and os.path.islink(board) else events)
@@ -83,10 +58,11 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
     record = {k: v for k, v in json.loads(json.dumps(record)).items() if k not in FREE_KEYS}
     for name in RUN_OUTPUTS:  # a user's own file or folder under a name a run writes: not a run's, never removed
         other = root / name
-        if other.exists() and other.is_dir() != (name == TRAIN_STATE):
+        if other.exists() and other.is_dir() != (name in RUN_DIRECTORIES):
+            written_as = "directory" if name in RUN_DIRECTORIES else "file"
             raise ValueError(f"{other} is a {'directory' if other.is_dir() else 'file'} no fine-tuning run wrote (a "
-                             f"run writes its {name} as a {'directory' if name == TRAIN_STATE else 'file'}); move it "
-                             "out of the way, or use another --workdir")
+                             f"run writes its {name} as a {written_as}); move it out of the way, or use another "
+                             "--workdir")
     path = root / RUN_RECORD
     earlier = read_json(path, "a fine-tune's run record (run.json)") if path.exists() else None
     if earlier is not None and not isinstance(earlier, dict):

@@ -11,14 +11,14 @@ import logging
 import os
 import time
 
-from bertjax import jsonio
+from bertjax.runtime import jsonio
 from bertjax.finetune import squad_data, squad_metrics
 from bertjax.finetune.settings import SquadSettings, TrainSettings, check_metric_for_best
 from bertjax.finetune.squad_postprocess import predict_answers
 from bertjax.finetune.trainer import Trainer, span_loss, write_fine_tuned
 from bertjax.interop.load import load_init
 from bertjax.model import family
-from bertjax.outputs import open_whole
+from bertjax.runtime.outputs import open_whole
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from bertjax.data import file_readers
-from bertjax.errors import shown
+from bertjax.runtime.errors import shown
 
 NUM_CHOICES = 4
 ENDINGS = tuple(f"ending{i}" for i in range(NUM_CHOICES))

@@ -23,7 +23,7 @@ import numpy as np
 from etils import epath
 
 from bertjax.data import file_readers
-from bertjax.errors import shown, shown_list
+from bertjax.runtime.errors import shown, shown_list
 from bertjax.finetune.glue_data import Examples
 
 PROBLEMS = ("single_label_classification", "multi_label_classification", "regression")

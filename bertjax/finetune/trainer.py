@@ -20,7 +20,8 @@ import numpy as np
 import optax
 from etils import epath
 
-from bertjax import compile_cache, host_memory, sharding, workdir_paths
+from bertjax import sharding
+from bertjax.runtime import compile_cache, host_memory, workdir_paths
 from bertjax.checkpoint import (
     BEST,
     BEST_PARAMS,
@@ -32,13 +33,13 @@ from bertjax.checkpoint import (
     orbax_path,
     save_model,
 )
-from bertjax.console import Console, LineSchedule, Progress, duration, metric_text
+from bertjax.runtime.console import Console, LineSchedule, Progress, duration, metric_text
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
 from bertjax.interop.hf import export_hf
 from bertjax.model import shapes
 from bertjax.model.family import init_params
-from bertjax.preemption import PreemptionFlag
+from bertjax.runtime.preemption import PreemptionFlag
 from bertjax.pretraining.metrics import MetricsWriter
 from bertjax.pretraining.optim import OptimizerConfig, make_optimizer
 from bertjax.pretraining.step import TooManyNonFiniteSteps

@@ -44,7 +44,7 @@ def _new_out(out: str) -> None:
 def _convert(args: argparse.Namespace) -> int:
     from bertjax.checkpoint import save_model
     from bertjax.interop.load import load_pretrained
-    from bertjax.outputs import one_writer, replaced_when_whole
+    from bertjax.runtime.outputs import one_writer, replaced_when_whole
 
     _new_out(args.out)
     if args.source == "hf":
@@ -77,7 +77,7 @@ def _export(args: argparse.Namespace) -> int:
     from bertjax.interop.hf import export_hf
     from bertjax.interop.load import load_pretrained
     from bertjax.interop.model_card import CARD, run_of, write_card
-    from bertjax.outputs import one_writer, replaced_when_whole
+    from bertjax.runtime.outputs import one_writer, replaced_when_whole
 
     _new_out(args.out)
     with one_writer(args.out, "--out"):
@@ -145,7 +145,7 @@ def _run_summary(run_dir: str) -> list[str]:
     import json
 
     from bertjax.checkpoint import COMPLETION_MARKER, complete_steps
-    from bertjax.input_files import read_json
+    from bertjax.runtime.input_files import read_json
     from bertjax.interop.model_card import metric_records
 
     root = epath.Path(run_dir)

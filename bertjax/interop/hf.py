@@ -28,12 +28,12 @@ from safetensors.numpy import load, load_file, save
 
 from bertjax.checkpoint import read_vocab_file
 from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec, special_tokens_from_config
-from bertjax.input_files import check_regular, read_json
+from bertjax.runtime.input_files import check_regular, read_json
 from bertjax.interop import convert
 from bertjax.interop import names as names_lib
 from bertjax.model import family
 from bertjax.model.family import ModelConfig
-from bertjax.outputs import replaced_when_whole
+from bertjax.runtime.outputs import replaced_when_whole
 
 # Buffers and tied copies that HF writes but that carry no weights of their own.
 IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",

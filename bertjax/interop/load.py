@@ -11,7 +11,7 @@ from bertjax.checkpoint import (
     read_vocab_file,
     resolve_checkpoint,
 )
-from bertjax.console import Console
+from bertjax.runtime.console import Console
 from bertjax.data.host_tokenizer import HostWordPieceTokenizer
 from bertjax.data.json_tokenizer import HostJsonTokenizer
 from bertjax.data.token_layout import Tokenizer

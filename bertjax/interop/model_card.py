@@ -27,10 +27,10 @@ from etils import epath
 
 from bertjax.data.data_config import split_format
 from bertjax.data.schema import METADATA_SUFFIX
-from bertjax.finetune.run_record import INPUT_KEY
-from bertjax.input_files import read_json, read_text
+from bertjax.runtime.input_files import INPUT_KEY
+from bertjax.runtime.input_files import read_json, read_text
 from bertjax.interop.hub import PACKAGED_CHECKPOINTS, is_hub_id, packaged_checkpoint
-from bertjax.outputs import write_whole
+from bertjax.runtime.outputs import write_whole
 
 CARD = "README.md"
 # The Hub's pipeline tag of each head, and the benchmark each fine-tune job trains on (the Hub's dataset id).

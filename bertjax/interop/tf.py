@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bertjax.errors import first_line
+from bertjax.runtime.errors import first_line
 from bertjax.interop import convert
 from bertjax.model.config import BertConfig
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from etils import epath
 
-from bertjax.input_files import read_json
+from bertjax.runtime.input_files import read_json
 
 
 _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings",

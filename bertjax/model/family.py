@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from etils import epath
 
-from bertjax.input_files import read_json
+from bertjax.runtime.input_files import read_json
 from bertjax.model import bert, modernbert
 from bertjax.model.config import BertConfig
 from bertjax.model.modernbert_config import MODEL_TYPE as MODERNBERT

@@ -64,7 +64,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     """jax.distributed.initialize() for multi-process runs; must run before any other JAX call."""
     import jax
 
-    from bertjax.quiet import native_output_held
+    from bertjax.runtime.quiet import native_output_held
 
     explicit = args.coordinator is not None or args.num_processes is not None or args.process_id is not None
     if explicit and None in (args.coordinator, args.num_processes, args.process_id):
@@ -92,7 +92,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 def _pretrain(args: argparse.Namespace) -> int:
     from bertjax.pretraining import config as pretrain_config
-    from bertjax.workdir_paths import canonical
+    from bertjax.runtime.workdir_paths import canonical
 
     # One spelling of the workdir in what the run records (config.json's init_vocab.txt, LOCK, messages).
     args.workdir = canonical(args.workdir)
@@ -106,9 +106,9 @@ def _pretrain(args: argparse.Namespace) -> int:
     import jax
 
     from bertjax.checkpoint import complete_steps
-    from bertjax.console import Console
-    from bertjax.new_workdir import removed_if_failed_before_saving
-    from bertjax.workdir_lock import WorkdirLock
+    from bertjax.runtime.console import Console
+    from bertjax.runtime.new_workdir import removed_if_failed_before_saving
+    from bertjax.runtime.workdir_lock import WorkdirLock
 
     # From the first file written (the --init checkpoint's vocabulary, before the config is validated) to the job's
     # end: a workdir this command created and failed in before a checkpoint is removed. The lock (the job takes
@@ -135,7 +135,7 @@ def _config_with_init(args: argparse.Namespace):
     """The job's config where --init supplies what the user left out: the model (`--config init`) and, with
     data.vocab empty, the checkpoint's own vocabulary."""
     from bertjax.checkpoint import load_job_config, resolve_checkpoint
-    from bertjax.console import Console
+    from bertjax.runtime.console import Console
     from bertjax.interop.load import describe_pretrained
     from bertjax.interop.hub import local_model_path
     from bertjax.pretraining import config as pretrain_config
@@ -188,7 +188,7 @@ def _init_vocab_file(init: str, tokens: list[str], workdir: str) -> str:
 def _goodput(args: argparse.Namespace) -> int:
     import sys
 
-    from bertjax import jsonio
+    from bertjax.runtime import jsonio
     from bertjax.pretraining import goodput
 
     account = goodput.job_account(args.workdir)
@@ -220,7 +220,7 @@ def _config_show(args: argparse.Namespace) -> int:
 
     if config.data.vocab and not config.model.vocab_size and epath.Path(config.data.vocab).exists():
         # The size a run takes from its vocabulary (left at 0 while the vocabulary cannot be read).
-        from bertjax import quiet
+        from bertjax.runtime import quiet
 
         quiet.start_tensorflow(args.verbose)  # `config` starts without it; the tokenizer needs it
         from bertjax.data.tokenizers import load_tokenizer

@@ -20,7 +20,7 @@ import ml_collections
 from bertjax import options
 from bertjax.checkpoint import CheckpointConfig, ModelCheckpoint, ResumeRefused
 from bertjax.data.data_config import PretrainingDataConfig
-from bertjax.input_files import JSON_LIMIT, check_regular, read_json
+from bertjax.runtime.input_files import JSON_LIMIT, check_regular, read_json
 from bertjax.model.family import ModelConfig
 from bertjax.model.model_options import (
     ALL_PRESETS,

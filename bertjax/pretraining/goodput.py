@@ -17,8 +17,8 @@ import time
 
 from etils import epath
 
-from bertjax import jsonio
-from bertjax.input_files import read_json, read_text
+from bertjax.runtime import jsonio
+from bertjax.runtime.input_files import read_json, read_text
 
 GOODPUT_DIR = "goodput"
 LAUNCHER_LOG = "launcher.jsonl"

@@ -18,20 +18,21 @@ from etils import epath
 from flax import traverse_util
 
 from bertjax import checkpoint as checkpoint_lib
-from bertjax import compile_cache, sharding
+from bertjax import sharding
+from bertjax.runtime import compile_cache
 from bertjax.checkpoint import COMPLETION_MARKER, ResumeRefused
-from bertjax.console import Console, LineSchedule, duration, metric_text
+from bertjax.runtime.console import Console, LineSchedule, duration, metric_text
 from bertjax.data import input_source, tfrecord
 from bertjax.data import pipeline as pipeline_lib
 from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
-from bertjax.host_memory import memory_warning
-from bertjax.input_files import read_json
+from bertjax.runtime.host_memory import memory_warning
+from bertjax.runtime.input_files import read_json
 from bertjax.interop.load import check_vocab_fits, load_pretrained
-from bertjax.outputs import write_whole
+from bertjax.runtime.outputs import write_whole
 from bertjax.model import bert as model_lib
 from bertjax.model import family
-from bertjax.preemption import PreemptionFlag
+from bertjax.runtime.preemption import PreemptionFlag
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
 from bertjax.pretraining import progress as progress_lib
@@ -40,7 +41,7 @@ from bertjax.pretraining import step as train_step
 from bertjax.pretraining.config import PretrainConfig, check_resume_config, validate
 from bertjax.pretraining.job import build_job_step, compile_step
 from bertjax.pretraining.step import TooManyNonFiniteSteps
-from bertjax.workdir_lock import WorkdirLock
+from bertjax.runtime.workdir_lock import WorkdirLock
 
 
 def _resolved_input(data, log) -> input_source.InputSource:

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from bertjax import jsonio
-from bertjax.console import Console, duration, metric_text
-from bertjax.input_files import read_text
+from bertjax.runtime import jsonio
+from bertjax.runtime.console import Console, duration, metric_text
+from bertjax.runtime.input_files import read_text
 from bertjax.model.config import BertConfig
 from bertjax.model.modernbert_config import ModernBertConfig
 
@@ -255,7 +255,7 @@ class MetricsWriter:
         directory.mkdir(parents=True, exist_ok=True)
         if start_step is not None:
             self._continue_from(start_step)
-        from bertjax.tensorboard_events import ScalarWriter
+        from bertjax.runtime.tensorboard_events import ScalarWriter
 
         self.tensorboard = ScalarWriter(str(self.tensorboard_dir))
         self.wandb = _wandb_run(wandb_project, directory, run_config) if wandb_project else None

@@ -7,7 +7,7 @@ import time
 
 import jax
 
-from bertjax.console import duration, metric_text
+from bertjax.runtime.console import duration, metric_text
 from bertjax.pretraining import metrics as metrics_lib
 
 # Per-step counts the train step reports, summed over a logging interval for throughput (not logged per step).

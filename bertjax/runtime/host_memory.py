@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
-from bertjax.platforms import jax_runs_on_cpu_only
+from bertjax.runtime.platforms import jax_runs_on_cpu_only
 
 # mallopt() parameters, from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1

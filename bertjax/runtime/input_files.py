@@ -6,10 +6,14 @@ A config, metrics or goodput file linked to /dev/zero was read until MemoryError
 reads go through here: what is not a regular file (a device, a FIFO, a socket, a directory) is refused naming what
 it is; a file larger than what it can be (`limit`) is refused naming its size; JSON that does not parse is named
 with its path and where it stops. An object on gs:// is always a regular file (its size is checked).
+
+And what a run read, as its record keeps it (`input:<path>`: size and SHA-256), which the model card shows: kept here,
+below both the fine-tune's record and interop's card.
 """
 from __future__ import annotations
 
 import getpass
+import hashlib
 import json
 import os
 import stat
@@ -106,3 +110,29 @@ def read_json(path, what: str = "a JSON file", limit: int = JSON_LIMIT) -> Any:
         cut = error.pos >= len(text.rstrip()) or error.msg.startswith("Unterminated string")
         raise ValueError(f"{path}: not valid JSON{' (cut short?)' if cut else ''}: {error.msg} (line {error.lineno}, "
                          f"column {error.colno}); expected {what}") from None
+
+
+# The record's keys for the content of the files a run reads (`input:<path>`): a rerun on changed data is another run.
+INPUT_KEY = "input:"
+
+
+def input_fingerprints(paths) -> dict:
+    """{`input:<file>`: "<size> bytes, sha256 <first 16 hex>"} for every file of the local `paths` (files, or
+    directories walked whole); other values (tfds:, hub ids, gs://) are left to the record's plain settings."""
+    files = []
+    for path in paths:
+        if not isinstance(path, str) or not path or "://" in path or not os.path.exists(path):
+            continue
+        if os.path.isdir(path):
+            files += [os.path.join(d, name) for d, _, names in os.walk(path) for name in names
+                      if not name.startswith(".")]
+        else:
+            files.append(path)
+    prints = {}
+    for file in sorted(os.path.abspath(f) for f in files):
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        prints[INPUT_KEY + file] = f"{os.path.getsize(file)} bytes, sha256 {digest.hexdigest()[:16]}"
+    return prints

@@ -14,8 +14,8 @@ from typing import Callable, Iterator
 
 from etils import epath
 
-from bertjax import workdir_paths
-from bertjax.workdir_lock import WorkdirLock
+from bertjax.runtime import workdir_paths
+from bertjax.runtime.workdir_lock import WorkdirLock
 
 
 @contextlib.contextmanager

@@ -25,8 +25,8 @@ from typing import Iterator
 
 from etils import epath
 
-from bertjax.errors import OutputWriteError, cannot_write, is_full_disk
-from bertjax.workdir_lock import WorkdirLock
+from bertjax.runtime.errors import OutputWriteError, cannot_write, is_full_disk
+from bertjax.runtime.workdir_lock import WorkdirLock
 
 
 def check_file_target(output: str, flag: str, inputs: tuple[str, ...] | list[str] = ()) -> None:

@@ -28,8 +28,8 @@ import uuid
 
 from etils import epath
 
-from bertjax import workdir_paths
-from bertjax.cloud_storage import ABSENT, GcsObject
+from bertjax.runtime import workdir_paths
+from bertjax.runtime.cloud_storage import ABSENT, GcsObject
 
 LOCK_NAME = "LOCK"
 HEARTBEAT_S = 30.0
