@@ -40,7 +40,8 @@ def test_gpu_host_names(name, card, cards):
 @pytest.mark.parametrize("name, says", [("h300", "unknown GPU host"), ("h100x9", "9 cards"),
                                         ("h100x0", "0 cards"), ("h100x-1", "unknown GPU host 'h100x-1'"),
                                         ("a100-80gb", "unknown GPU host 'a100-80gb'"),
-                                        ("h100x", "unknown GPU host 'h100x'")])
+                                        ("h100x", "unknown GPU host 'h100x'"),
+                                        ("b200", "unknown GPU host 'b200'")])
 def test_bad_gpu_host_names_say_what_is_accepted(name, says):
     with pytest.raises(ValueError, match=says) as raised:
         aot.parse_target(name)
@@ -49,7 +50,7 @@ def test_bad_gpu_host_names_say_what_is_accepted(name, says):
 
 @pytest.mark.parametrize("name, says", [("8xh100", r"unknown target '8xh100': 8 h100 cards on one host are written "
                                                    r"h100x8; GPU hosts: h100, h200, a100"),
-                                        ("b200", r"unknown target 'b200': a TPU slice \(accepted forms: .*v5litepod-N.*\) "
+                                        ("tpu-16", r"unknown target 'tpu-16': a TPU slice \(accepted forms: .*v5litepod-N.*\) "
                                                  r"or a GPU host \(GPU hosts: h100, h200, a100 .*h100x8")])
 def test_a_target_of_neither_kind_names_the_tpu_and_gpu_forms(name, says):
     """`bertjax compile --topology 8xh100` listed only TPU forms; a name of neither kind gives both."""

@@ -268,9 +268,11 @@ def test_span_options_are_validated():
         PretrainingDataConfig(masking_scheme="span", next_sentence_prediction=False, packing=True)
     with pytest.raises(ValueError, match="masking_scheme='spans'"):
         PretrainingDataConfig(masking_scheme="spans", next_sentence_prediction=False)
-    # SpanBERT's budget at 128 tokens is ceil(0.15 * 126) = 19.
-    with pytest.raises(ValueError, match="needs 19 predictions"):
-        PretrainingDataConfig(masking_scheme="span", next_sentence_prediction=False, max_predictions_per_seq=18)
+    # SpanBERT's budget at 128 tokens is ceil(0.15 * 126) = 19: 18 caps it (as the original caps token masking's),
+    # said in one line; 19 is no cap.
+    capped = PretrainingDataConfig(masking_scheme="span", next_sentence_prediction=False, max_predictions_per_seq=18)
+    assert "has 18 predictions, not the 19 of masked_lm_prob=0.15" in capped.masking_note(128)
+    assert capped.replace(max_predictions_per_seq=19).masking_note(128) is None
     from bertjax.pretraining.config import load_config
 
     with pytest.raises(ValueError, match="span_boundary_objective=true needs data.masking_scheme=span"):
