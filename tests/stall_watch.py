@@ -81,3 +81,16 @@ def run(argv: list[str], *, stall_s: float = STALL_S, ceiling_s: float = CEILING
         err.seek(0)
         return Finished(proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"),
                         time.monotonic() - start)
+
+
+def run_at_once(argvs: list[list[str]], **popen) -> tuple[list[int], list[str], list[int]]:
+    """Starts every command of `argvs` at once (stdout and stderr together) and waits for all: (exit statuses,
+    outputs, pids), in `argvs`' order. For races (two jobs on one workdir or --out); each is killed on a failure."""
+    jobs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+            for argv in argvs]
+    try:
+        outputs = [job.communicate(timeout=600)[0] for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    return [job.returncode for job in jobs], outputs, [job.pid for job in jobs]

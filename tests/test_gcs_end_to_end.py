@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bertjax.checkpoint import complete_steps
+from tests import stall_watch
 from tests.conftest import REPO_ROOT
 from tests.test_pretrain import EVERY, MIDDLE, STEPS, _argv, _env, _run, _run_until
 
@@ -109,17 +110,11 @@ def test_two_pretrain_jobs_started_at_once_on_one_gs_workdir_exactly_one_runs(gs
 
     workdir = f"gs://{GCS_BUCKET}/e2e-two-jobs"
     seeds = (0, 7)
-    jobs = [subprocess.Popen(_argv(workdir, gs_corpus, "--set", f"train.seed={seed}"), env=_env(1), cwd=REPO_ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for seed in seeds]
-    try:
-        outputs = [job.communicate(timeout=600)[0] for job in jobs]
-    finally:
-        for job in jobs:
-            job.kill()
-    codes = [job.returncode for job in jobs]
+    codes, outputs, pids = stall_watch.run_at_once(
+        [_argv(workdir, gs_corpus, "--set", f"train.seed={seed}") for seed in seeds], env=_env(1), cwd=REPO_ROOT)
     assert sorted(codes) == [0, 2], list(zip(codes, [o[-2000:] for o in outputs]))
     runner, refused = (0, 1) if codes[0] == 0 else (1, 0)
-    assert f"{workdir} is in use by another job (pid {jobs[runner].pid}" in outputs[refused], outputs[refused][-2000:]
+    assert f"{workdir} is in use by another job (pid {pids[runner]}" in outputs[refused], outputs[refused][-2000:]
     assert len(outputs[refused].strip().splitlines()) <= 3, outputs[refused]
     config = json.loads(_gfile().GFile(f"{workdir}/config.json").read())
     assert config["train"]["seed"] == seeds[runner]

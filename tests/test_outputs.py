@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bertjax.cli import main
+from tests import stall_watch
 from tests.conftest import REPO_ROOT, fill_disk, save_tiny_classifier_hf, save_tiny_hf, xla_flags
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
@@ -104,15 +105,8 @@ def test_two_runs_into_one_out_at_once_one_writes_it_and_the_other_is_refused(co
     first had finished, it exists."""
     flag, argv, _ = COMMANDS[command]
     out = tmp_path / "out"
-    jobs = [subprocess.Popen([sys.executable, "-m", "bertjax.cli", *argv(models, {}, str(out))], env=_env(),
-                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for _ in range(2)]
-    try:
-        outputs = [job.communicate(timeout=600)[0] for job in jobs]
-    finally:
-        for job in jobs:
-            job.kill()
-    codes = [job.returncode for job in jobs]
+    typed = [sys.executable, "-m", "bertjax.cli", *argv(models, {}, str(out))]
+    codes, outputs, _ = stall_watch.run_at_once([typed, typed], env=_env(), cwd=REPO_ROOT)
     assert sorted(codes) == [0, 2], list(zip(codes, [o[-2000:] for o in outputs]))
     refused = outputs[codes.index(2)].strip().splitlines()[-1]
     assert refused.startswith(f"bertjax {command}: error: {flag} {out}"), refused
