@@ -10,6 +10,7 @@ must not remove what the other is writing.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, Iterator
 
 from etils import epath
@@ -30,5 +31,18 @@ def removed_if_failed_before_saving(workdir: str, has_saved: Callable[[], bool],
         yield
     except BaseException:  # a stop signal (preemption.Stopped) too
         if created and path.exists() and not has_saved() and lock.read() is None:
-            workdir_paths.remove(path)
+            _remove_after_failure(path)
         raise
+
+
+def _remove_after_failure(path: epath.Path, tries: int = 3, pause_s: float = 0.5) -> None:
+    """Removes `path`, retrying while writes of the failed job may still land in it (a failed save's Orbax threads:
+    "Directory not empty"). A removal that still fails is left: the job's own error is the one to tell, never the
+    cleanup's (under `ulimit -n 30` the save's "too many open files" was replaced by the rmtree's errno 39)."""
+    for attempt in range(tries):
+        try:
+            workdir_paths.remove(path)
+            return
+        except OSError:
+            if attempt + 1 < tries:
+                time.sleep(pause_s)
