@@ -240,3 +240,25 @@ def test_a_fine_tune_can_be_made_small_and_says_how_its_evaluation_goes(tiny_ini
     assert len((tmp_path / "w" / "dev_predictions.tsv").read_text().splitlines()) == 1 + 20
     # a batch of --eval-batch-size cut to the 10 rows, rounded up to the devices (10 on one, 16 on 8)
     assert re.search(r"predicting 10 rows \(1 batch of (10|16)\) \.\.\.", out), out
+
+
+def test_glue_all_with_overwrite_trains_every_task_again(tiny_init, tmp_path, capsys):
+    """`glue --task all --overwrite` with new settings removed the earlier run's summary but kept its task folders,
+    whose metrics.json the new run then took as those tasks finished: the old scores reported as the new run's."""
+    from bertjax.cli import main
+
+    data = _synthetic_glue(tmp_path / "glue")
+    (data / "MNLI").rename(tmp_path / "no-mnli")  # SST-2 alone: one task to train
+    work = tmp_path / "w"
+    argv = ["finetune", "glue", "--task", "all", "--init", tiny_init, "--data", str(data), "--workdir", str(work),
+            "--batch-size", "8", "--max-seq-length", "32", "--max-train-examples", "16", "--max-steps", "2",
+            "--max-eval-examples", "8", "--no-save-checkpoint"]
+    assert main(argv) == 0
+    stale = json.loads((work / "sst2" / "metrics.json").read_text())
+    (work / "sst2" / "metrics.json").write_text(json.dumps({**stale, "score": 123.0}))  # an earlier run's result
+    capsys.readouterr()
+    assert main(argv + ["--learning-rate", "1e-3", "--overwrite"]) == 0
+    assert "removed the earlier run's outputs (--overwrite)" in capsys.readouterr().out
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["tasks"]["sst2"]["score"] != 123.0 and 0 <= summary["tasks"]["sst2"]["score"] <= 1
+    assert json.loads((work / "sst2" / "metrics.json").read_text())["score"] == summary["tasks"]["sst2"]["score"]

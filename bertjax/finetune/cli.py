@@ -424,7 +424,10 @@ def _claimed_run(job, args: argparse.Namespace, console) -> int:
 
     record = {k: v for k, v in vars(args).items() if k not in ("func", "command", "job")}
     record.update(input_fingerprints(getattr(args, name, None) for name in INPUT_ARGS))
-    state = claim(args.workdir, {"job": args.job, **record}, overwrite=args.overwrite, log=console.line)
+    # `glue --task all` writes a folder per task, which an --overwrite clears with the rest.
+    subruns = TASKS if args.job == "glue" and getattr(args, "task", None) == "all" else ()
+    state = claim(args.workdir, {"job": args.job, **record}, overwrite=args.overwrite, log=console.line,
+                  subruns=subruns)
     if state == "completed":
         console.line(f"{args.workdir} already holds this run, completed (its metrics are there); "
                      f"--overwrite runs it again")

@@ -39,21 +39,26 @@ FREE_KEYS = ("compilation_cache_dir", "eval_batch_size", "save_checkpoint", "exp
 RESUMABLE_KEYS = ("metric_for_best", "eval_every", "early_stopping_patience", "log_every", "save_every")
 # Recorded, not compared: the command as typed (for the model card); flags in another order are the same run.
 UNCOMPARED_KEYS = ("argv",)
-def run_outputs(root: epath.Path) -> list[epath.Path]:
+
+
+def run_outputs(root: epath.Path, subruns: tuple[str, ...] = ()) -> list[epath.Path]:
     """What a bertjax run wrote in `root` (its record aside): nothing else there is removed by --overwrite. A
     `tensorboard/` that is a symlink holding event files is itself the output: the link goes, what it points to
-    (outside the workdir) stays."""
+    (outside the workdir) stays. `subruns`: the folders of a run made of several (`glue --task all`: one per task),
+    each the run's where it holds a run's outputs."""
     found = [root / name for name in RUN_OUTPUTS if name != RUN_RECORD and (root / name).exists()
              and (root / name).is_dir() == (name in RUN_DIRECTORIES)]
+    found += [root / name for name in subruns if (root / name).is_dir() and run_outputs(root / name)]
     board = root / TENSORBOARD
     events = sorted(board.glob(EVENT_FILES)) if board.is_dir() else []
     return found + ([board] if events and os.path.islink(board) else events)
 
 
-def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
+def claim(workdir: str, record: dict, *, overwrite: bool, log, subruns: tuple[str, ...] = ()) -> str:
     """Makes `workdir` this run's: "new" (nothing there, or --overwrite cleared it), "resume" (the same run, not
     finished) or "completed" (the same run, finished). Raises ValueError for another run's workdir, or for this
-    run's when the files it read changed since (`input:` keys, see input_fingerprints)."""
+    run's when the files it read changed since (`input:` keys, see input_fingerprints). `subruns`: see
+    run_outputs (a task's folder left by --overwrite was read by the new run as that task finished)."""
     root = epath.Path(workdir)
     record = {k: v for k, v in json.loads(json.dumps(record)).items() if k not in FREE_KEYS}
     for name in RUN_OUTPUTS:  # a user's own file or folder under a name a run writes: not a run's, never removed
@@ -69,7 +74,7 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log) -> str:
         raise ValueError(f"{path}: expected a JSON object (the fine-tune's run record), got {type(earlier).__name__}")
     if earlier is not None and isinstance(earlier.get("workdir"), str):  # recorded before workdirs were canonical
         earlier["workdir"] = workdir_paths.canonical(earlier["workdir"])
-    outputs = run_outputs(root)
+    outputs = run_outputs(root, subruns)
     if earlier is not None and not outputs:
         earlier = None  # recorded, but it stopped before writing anything (bad input): nothing to keep
     mixed = earlier is None and bool(outputs)
