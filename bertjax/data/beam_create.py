@@ -48,7 +48,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from bertjax.runtime import errors, quiet
+from bertjax.runtime import errors, input_files, quiet
 from bertjax.data import corpus, create, file_readers, format_detect, tfrecord
 from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.data_config import PretrainingDataConfig
@@ -219,7 +219,7 @@ class SpillDocuments(beam.DoFn):
         _report(stats)
         yield from references
         yield beam.pvalue.TaggedOutput("stats", dict(stats))
-        yield beam.pvalue.TaggedOutput("files", (self._path, file_readers.fingerprint(self._path)))
+        yield beam.pvalue.TaggedOutput("files", (self._path, input_files.fingerprint(self._path)))
 
 
 def _read_chunk(reference) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -16,6 +16,7 @@ import time
 import tensorflow as tf
 
 from bertjax.data import corpus, file_readers, format_detect, masking, tfrecord
+from bertjax.runtime import input_files
 from bertjax.data import out_dir as out_dir_lib
 from bertjax.data.data_config import RECORD_FORMATS, PretrainingDataConfig
 from bertjax.data.instances import nsp_warning
@@ -193,7 +194,7 @@ def _create(config: PretrainingDataConfig, out_dir: str, num_shards: int, worker
     try:
         return finish_run(config, out_dir, prefix, writer.paths, writer.counts.tolist(), stats, start, earlier, log,
                           input_formats=dict(sorted(formats.items())),
-                          corpus_files={path: file_readers.fingerprint(path) for path in files})
+                          corpus_files={path: input_files.fingerprint(path) for path in files})
     except BaseException:  # no metadata: shards that none lists are this run's leftovers
         out_dir_lib.remove_quietly(*writer.paths)
         raise

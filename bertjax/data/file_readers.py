@@ -14,7 +14,6 @@ from __future__ import annotations
 import bz2
 import codecs
 import collections
-import hashlib
 import io
 import itertools
 import json
@@ -238,17 +237,6 @@ def without_compression(path: str) -> str:
     lower = path.lower()
     end = next((end for _, ends in COMPRESSIONS.values() for end in ends if lower.endswith(end)), "")
     return path[:len(path) - len(end)]
-
-
-def fingerprint(path: str) -> str:
-    """"<size> bytes, sha256 <first 16 hex digits>" of a file, local or gs:// (as a fine-tune's run record gives
-    its input files): what `data create` records of each corpus file, and a model card shows."""
-    digest, size = hashlib.sha256(), 0
-    with _open_raw(path) as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-            size += len(block)
-    return f"{size} bytes, sha256 {digest.hexdigest()[:16]}"
 
 
 def require_format(config: CorpusConfig) -> None:

@@ -39,6 +39,8 @@ from bertjax.model import gpu_kernels
 from bertjax.model import layer_norm as ln
 from bertjax.model import layer_norm_gpu as lg
 from bertjax.model.attention import gpu_query_block, reference_attention
+from bertjax.runtime.errors import OutputWriteError
+from bertjax.runtime.outputs import write_whole
 
 # (device_kind, jax version, kernels' fingerprint) of checks that passed on a real card (bench/gpu_check.sh's
 # kernels.txt gives the line), recorded here by hand. None yet: these kernels have run only in Pallas' interpreter.
@@ -90,11 +92,9 @@ def store_verdict(key: str, verdict: dict, cache_dir: str | None = None) -> str:
     path = cache_path(cache_dir)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({**cached_verdicts(cache_dir), key: verdict}, indent=1, sort_keys=True))
-        partial.replace(path)
+        write_whole(path, json.dumps({**cached_verdicts(cache_dir), key: verdict}, indent=1, sort_keys=True))
         return f"cached in {path}"
-    except OSError as error:
+    except (OSError, OutputWriteError) as error:
         return f"not cached: {error}"
 
 

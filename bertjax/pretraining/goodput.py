@@ -19,6 +19,7 @@ from etils import epath
 
 from bertjax.runtime import jsonio
 from bertjax.runtime.input_files import read_json, read_text
+from bertjax.runtime.outputs import write_whole
 
 GOODPUT_DIR = "goodput"
 LAUNCHER_LOG = "launcher.jsonl"
@@ -112,18 +113,9 @@ class RunAccount:
             return
         document = {"run": self.run_id, "process_start": self.clock.start, "updated": self.clock.last,
                     "ended": ended, "status": status, **self.record()}
-        _write_atomically(self.directory / f"{self.run_id}.json", jsonio.dumps(document, indent=1) + "\n")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        write_whole(self.directory / f"{self.run_id}.json", jsonio.dumps(document, indent=1) + "\n")
         self._written = time.time()
-
-
-def _write_atomically(path: epath.Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if "://" in str(path):  # an object store replaces objects whole
-        path.write_text(text)
-        return
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_text(text)
-    partial.replace(path)
 
 
 def launcher_event(workdir: str, event: str, **fields) -> None:

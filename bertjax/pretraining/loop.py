@@ -21,6 +21,7 @@ from bertjax import checkpoint as checkpoint_lib
 from bertjax import sharding
 from bertjax.runtime import compile_cache
 from bertjax.checkpoint import COMPLETION_MARKER, ResumeRefused
+from bertjax.runtime.errors import OutputWriteError
 from bertjax.runtime.console import Console, LineSchedule, duration, metric_text
 from bertjax.data import input_source, tfrecord
 from bertjax.data import pipeline as pipeline_lib
@@ -439,7 +440,7 @@ def _finish(run: _Run, step: int, status: str, preemption: PreemptionFlag) -> di
         goodput = run.account.record()
         failed = sys.exc_info()[1] is not None
         # The disk that failed a save fails these writes too: the error on its way out is the one to name.
-        unless_failed = contextlib.suppress(OSError) if failed else contextlib.nullcontext()
+        unless_failed = contextlib.suppress(OSError, OutputWriteError) if failed else contextlib.nullcontext()
         try:
             with unless_failed:
                 run.account.snapshot(step, ended=True, status="failed" if failed else status)

@@ -17,7 +17,9 @@ from etils import epath
 
 from bertjax.runtime import jsonio
 from bertjax.runtime.console import Console, duration, metric_text
+from bertjax.runtime.errors import OutputWriteError
 from bertjax.runtime.input_files import read_text
+from bertjax.runtime.outputs import write_whole
 from bertjax.model.config import BertConfig
 from bertjax.model.modernbert_config import ModernBertConfig
 
@@ -147,11 +149,9 @@ def cached_matmul_peak(device, dtype, cache_dir: str | None = None, recheck: boo
     cache[key] = {"flops": peak, "measured": time.strftime("%Y-%m-%d")}
     try:  # a read-only home only costs the caching
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(cache, indent=1))
-        partial.replace(path)
+        write_whole(path, json.dumps(cache, indent=1))
         where = f"cached in {path}"
-    except OSError as error:
+    except (OSError, OutputWriteError) as error:
         where = f"not cached: {error}"
     return peak, f"cpu matmul peak measured now{replaced}, {where}"
 
@@ -277,12 +277,7 @@ class MetricsWriter:
                 else:
                     kept.append(line + "\n")
             if dropped or cut:
-                if str(self.jsonl_path).startswith("gs://"):  # an object write is atomic
-                    self.jsonl_path.write_text("".join(kept))
-                else:  # a kill now leaves the old file or the new one, never half of it
-                    temporary = self.jsonl_path.parent / (self.jsonl_path.name + ".tmp")
-                    temporary.write_text("".join(kept))
-                    os.replace(temporary, self.jsonl_path)
+                write_whole(self.jsonl_path, "".join(kept))  # a kill now leaves the old file or the new one
                 self.console_out.line(f"{self.jsonl_path}: dropped {dropped} record(s) logged past step {step} "
                                       f"(recomputed now)" + (" and a line cut by the kill" if cut else ""))
                 # The same records went to TensorBoard; a clean resume (nothing past the step) needs no marker.

@@ -117,8 +117,8 @@ INPUT_KEY = "input:"
 
 
 def input_fingerprints(paths) -> dict:
-    """{`input:<file>`: "<size> bytes, sha256 <first 16 hex>"} for every file of the local `paths` (files, or
-    directories walked whole); other values (tfds:, hub ids, gs://) are left to the record's plain settings."""
+    """{`input:<file>`: fingerprint} for every file of the local `paths` (files, or directories walked whole);
+    other values (tfds:, hub ids, gs://) are left to the record's plain settings."""
     files = []
     for path in paths:
         if not isinstance(path, str) or not path or "://" in path or not os.path.exists(path):
@@ -128,11 +128,15 @@ def input_fingerprints(paths) -> dict:
                       if not name.startswith(".")]
         else:
             files.append(path)
-    prints = {}
-    for file in sorted(os.path.abspath(f) for f in files):
-        digest = hashlib.sha256()
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        prints[INPUT_KEY + file] = f"{os.path.getsize(file)} bytes, sha256 {digest.hexdigest()[:16]}"
-    return prints
+    return {INPUT_KEY + file: fingerprint(file) for file in sorted(os.path.abspath(f) for f in files)}
+
+
+def fingerprint(path: str) -> str:
+    """"<size> bytes, sha256 <first 16 hex digits>" of a file, local or gs://: what a fine-tune's run record keeps
+    of each input file, `data create` of each corpus file, and a model card shows."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") if "://" not in path else epath.Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+            size += len(block)
+    return f"{size} bytes, sha256 {digest.hexdigest()[:16]}"
