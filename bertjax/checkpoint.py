@@ -493,6 +493,22 @@ class StepCheckpointer:
         JSON item: None})."""
         return self.manager.restore(step, args=_restore_args(items))
 
+    def restore_items_any_layout(self, step: int, items: dict, config: ModelConfig) -> dict:
+        """`restore_items`, where the step may hold its layers in the other layout than `items[PARAMS]` asks for
+        (a fine-tune saved per layer by an older bertjax, resumed scanned): read as saved, then converted on the
+        devices into the asked layout and shardings (every array item: params-shaped trees inside it too)."""
+        metadata = self.manager.item_metadata(step)[PARAMS]
+        stored = model_lib.is_stacked(getattr(metadata, "tree", metadata))
+        wanted = model_lib.is_stacked(items[PARAMS])
+        if stored == wanted:
+            return self.restore_items(step, items)
+        arrays = {name: tree for name, tree in items.items() if tree is not None}
+        restored = self.restore_items(step, {**items, **_abstract_layout(arrays, config, stored)})
+        shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, arrays)
+        converted = jax.jit(lambda trees: model_lib.with_layout(trees, config, wanted),
+                            out_shardings=shardings)({name: restored[name] for name in arrays})
+        return {**restored, **converted}
+
     def set_aside(self, step: int) -> str:
         """Moves a step that cannot be restored to `<step>.corrupt` (kept for inspection, never listed again);
         returns the new path. Process 0 moves it; every process then forgets the step."""

@@ -246,6 +246,31 @@ def test_a_per_layer_step_continues_stacked_and_back(name, tmp_path):
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_fine_tune_state_saved_per_layer_resumes_scanned(tmp_path):
+    """A fine-tune's train state (params, Adam moments, the best evaluation's params) saved per layer, as fine-tunes
+    held their layers before they scanned them, resumes into the stacked layout bit for bit, and back."""
+    from bertjax.finetune.trainer import BestTracker, TrainStateSaver
+
+    config, _, unrolled, scanned = _pair("tiny")
+    stacked = unrolled[3]
+    per_layer = jax.jit(lambda s: model_lib.unstack_layers(s, config.num_hidden_layers))(stacked)
+    for layout, (saved, wanted) in {"per_layer": (per_layer, stacked), "stacked": (stacked, per_layer)}.items():
+        best = BestTracker("accuracy", 0)
+        best.update(3, {"accuracy": 0.75}, saved.params)
+        TrainStateSaver(str(tmp_path / layout)).save(3, saved.params, saved.opt_state, best)
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, (wanted.params, wanted.opt_state))
+        resumed_best, said = BestTracker("accuracy", 0), []
+        params, opt_state, step = TrainStateSaver(str(tmp_path / layout)).restore(
+            *zeros, resumed_best, said.append, config=config)
+        assert step == 3 and not said and resumed_best.step == 3
+        for restored, target in ((params, wanted.params), (opt_state, wanted.opt_state),
+                                 (resumed_best.params, wanted.params)):
+            assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(target)
+            for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(target)):
+                assert a.sharding == b.sharding
+                assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_a_step_with_split_head_kernels_continues_with_2d_kernels(tmp_path):
     """A step saved by an older bertjax, the attention kernels as [H, heads, head_dim] / [heads, head_dim, H] and
     the layers per layer, resumes with 2-D kernels, stacked (params and Adam moments); its model reads the same."""

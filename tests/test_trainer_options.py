@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from bertjax.model.config import BertConfig
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.table_data import TableSpec
 from tests.conftest import save_tiny_hf
@@ -175,7 +176,7 @@ def test_a_resume_that_adds_or_changes_the_metric_for_best_keeps_the_weights_and
     for run, metric, kept in (("plain", "accuracy", False), ("by_f1", "accuracy", False), ("by_f1", "f1", True)):
         said, best = [], BestTracker(metric, 0)
         zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, (params, moments))
-        restored = TrainStateSaver(str(tmp_path / run)).restore(*zeros, best, said.append)
+        restored = TrainStateSaver(str(tmp_path / run)).restore(*zeros, best, said.append, config=BertConfig())
         np.testing.assert_array_equal(np.asarray(restored[0]["w"]), np.asarray(params["w"]))
         np.testing.assert_array_equal(np.asarray(restored[1]["m"]), np.asarray(moments["m"]))
         assert restored[2] == 4
