@@ -222,15 +222,29 @@ def test_config_reads_both_of_hfs_spellings_and_refuses_what_it_cannot_compute()
         ModernBertConfig(hidden_size=28, num_attention_heads=4, vocab_size=100, pad_token_id=0)
 
 
-def test_the_tpus_rotation_by_the_weights_is_the_rotation_of_the_projection():
-    """On TPU RoPE's half rotation is taken from the weights, x rotate_half(W) + rotate_half(b): the same numbers as
-    rotate_half(x W + b), which the CPU (and the parity above) computes."""
+@pytest.mark.parametrize("hidden, heads, dtype", [(768, 12, "float32"), (768, 12, "bfloat16"), (96, 3, "float32")])
+def test_the_tpus_rotation_by_the_weights_is_the_rotation_of_the_projection(monkeypatch, hidden, heads, dtype):
+    """On TPU RoPE's half rotation of q and k comes from the weights, x rotate_half(W) + rotate_half(b): bit for bit
+    the CPU's rotate_half of the same projection x W + b, whose outputs the parity tests above hold to
+    transformers'. The rotation itself: each head's [a, b] as [-b, a]."""
+    import jax
+    import jax.numpy as jnp
+
     from bertjax.model import rope
 
-    rng = np.random.default_rng(3)
-    x, w, b = (rng.normal(size=shape).astype(np.float32) for shape in ((2, 5, 32), (32, 32), (32,)))
-    by_weights = x @ np.asarray(rope.rotate_half(w, 8)) + np.asarray(rope.rotate_half(b, 8))
-    np.testing.assert_allclose(by_weights, np.asarray(rope.rotate_half(x @ w + b, 8)), rtol=1e-5, atol=1e-5)
-    halves = (x @ w + b).reshape(2, 5, 4, 2, 4)
-    np.testing.assert_array_equal(np.asarray(rope.rotate_half(x @ w + b, 8)).reshape(2, 5, 4, 2, 4),
-                                  np.stack([-halves[..., 1, :], halves[..., 0, :]], axis=-2))
+    config = ModernBertConfig(hidden_size=hidden, num_attention_heads=heads, vocab_size=100, pad_token_id=0,
+                              attention_bias=True, dtype=dtype)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, hidden)), jnp.float32)
+    rotary = rope.cos_sin(jnp.arange(5)[None], config.head_dim, 10_000.0)
+    layer = modernbert.RotaryQKV(config)
+    params = layer.init(jax.random.key(0), x, rotary)
+    params = jax.tree_util.tree_map(lambda p: p + jax.random.normal(jax.random.key(1), p.shape), params)  # bias too
+    on_cpu = layer.apply(params, x, rotary)
+    monkeypatch.setattr(modernbert, "target_platform", lambda: "tpu")
+    on_tpu = layer.apply(params, x, rotary)
+    for cpu, tpu in zip(on_cpu, on_tpu, strict=True):
+        np.testing.assert_array_equal(np.asarray(tpu, np.float32), np.asarray(cpu, np.float32))
+    y = np.random.default_rng(4).normal(size=(2, hidden)).astype(np.float32)
+    halves = y.reshape(2, heads, 2, config.head_dim // 2)
+    np.testing.assert_array_equal(np.asarray(rope.rotate_half(jnp.asarray(y), config.head_dim)),
+                                  np.stack([-halves[..., 1, :], halves[..., 0, :]], axis=-2).reshape(2, hidden))
