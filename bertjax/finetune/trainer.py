@@ -313,6 +313,7 @@ class Trainer:
         optimizer, schedule = make_optimizer(OptimizerConfig(
             learning_rate=s.learning_rate, warmup_steps=warmup, weight_decay=s.weight_decay,
             clip_norm=s.max_grad_norm), total_steps)
+        schedule = jax.jit(schedule)  # for the logged rate: one small program, where op by op compiled six
         best = BestTracker(s.metric_for_best, s.early_stopping_patience) if s.metric_for_best else None
         if best is not None and evaluate is None:
             raise ValueError(f"--metric-for-best {s.metric_for_best}: this run has no dev set to evaluate")
