@@ -67,7 +67,7 @@ from bertjax.model.bert import BertForSequenceClassification, init_params
 checkpoint = load_pretrained(sys.argv[1])
 module = BertForSequenceClassification(checkpoint.config, 3)
 trainer = Trainer(module, checkpoint.config, checkpoint.params, loss_fn=None, settings=TrainSettings(seed=7))
-whole = nn.meta.unbox(init_params(module, checkpoint.config, trainer.init_key))  # eagerly, op by op, as before
+whole = nn.meta.unbox(init_params(trainer.module, trainer.config, trainer.init_key))  # eagerly, op by op, as before
 expected = merge_params(whole, checkpoint.params, source="minilm", encoder_only=True, note=lambda line: None)
 same = jax.tree_util.tree_map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), expected, trainer.params)
 assert not np.array_equal(np.asarray(trainer.params["classifier"]["kernel"]), 0)
