@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import rope
+from bertjax.model import rope, rope_tpu
 from bertjax.model.attention import FUSED_DROPOUT_BACKENDS, FUSED_DROPOUT_MIN_LENGTH, dot_product_attention
 from bertjax.model.bert import activation, gather_positions, init_params as _init_params
 from bertjax.model.dropout import Dropout
@@ -115,13 +115,12 @@ class RotaryQKV(nn.Module):
     """HF's Wqkv (a Linear [3H, H], held as a kernel [H, 3, H]; its bias [3, H] with attention_bias) and the rotary
     positions on q and k: (q, k, v), each [B, L, H] with the heads side by side.
 
-    On TPU, rotate_half(x W + b) = x rotate_half(W) + rotate_half(b), the half rotation of each head's output
-    columns: the rotated q and k come out of products with the weights' columns moved (a signed permutation: exact
-    in any dtype), and RoPE is x W * cos + x rotate_half(W) * sin, elementwise on the products. Moving each head's
-    halves between lanes of q and k themselves (a reshape, a roll, a per-head product) made XLA:TPU copy them in
-    layouts of 64 lanes padded to 128, more than the two products cost (modernbert-base on v5litepod-16: 20.9 ->
-    34.2% MFU with the other changes, docs/performance.md). XLA:GPU moves them cheaply: there the products cost
-    more (h200: 36.9% rotating q and k, 32.0% by the weights), so elsewhere q and k are rotated themselves."""
+    On TPU q and k are rotated by one Pallas kernel (`rope_tpu`: each head's halves moved in vector registers).
+    XLA:TPU moved them through copies in layouts of 64 lanes padded to 128, so before the kernel the rotation came
+    from the weights, rotate_half(x W + b) = x rotate_half(W) + rotate_half(b) (a signed permutation of the columns:
+    exact), doubling q's and k's projections; shapes the kernel does not take still go that way (the priced steps
+    of both: docs/performance.md). XLA:GPU moves lanes cheaply (there the doubled projections cost more than
+    XLA's rotation of q and k): elsewhere XLA rotates them."""
 
     config: ModernBertConfig
 
@@ -134,17 +133,21 @@ class RotaryQKV(nn.Module):
         bias = (self.param("bias", _zeros(names[1:]), (3, c.hidden_size), jnp.float32).astype(dtype)
                 if c.attention_bias else None)
         x = x.astype(dtype)
-        by_weights = target_platform() == "tpu"
+        on_tpu = target_platform() == "tpu"
+        in_kernel = on_tpu and rope_tpu.supported(c.hidden_size, c.head_dim, x.shape[1])
         outputs = []
         for i in range(3):
             y = x @ kernel[:, i] + (0 if bias is None else bias[i])
-            if i < 2 and by_weights:   # q and k
+            if i < 2 and on_tpu and not in_kernel:   # q and k
                 y_rot = (x @ rope.rotate_half(kernel[:, i], c.head_dim)
                          + (0 if bias is None else rope.rotate_half(bias[i], c.head_dim)))
                 y = rope.rotate(y, y_rot, *rotary, c.head_dim)
-            elif i < 2:
+            elif i < 2 and not on_tpu:
                 y = rope.apply_rotary(y, *rotary, c.head_dim)
             outputs.append(y)
+        if in_kernel:
+            outputs[:2] = rope_tpu.rotate_qk_on_devices(*outputs[:2], *rope_tpu.lane_tables(*rotary, c.head_dim),
+                                                         c.head_dim)
         return outputs
 
 
