@@ -1,11 +1,11 @@
 """ModernBERT-base with ModernBERT's phase-1 recipe: seq 1024, batch 4,608, MLM alone at 30%, packed rows, lr 8e-4.
 
-Shapes: L22/H768/A12, GeGLU 1152, window 128, a global layer every third. The recipe (Warner et al. 2024, section
-2.2 and appendix A): MLM alone at 30% masking (80/10/10), contiguous text packed into the rows, no NSP, no dropout
-(their 0.1 on the attention output is not set: HF's config has one rate for it and the probabilities);
-4,608 sequences of 1024 tokens a step (4.7M tokens) in 9 microbatches; AdamW (betas 0.9/0.98, eps 1e-6, decoupled
-weight decay 1e-5) at 8e-4 after a 3B-token warmup, then held (their StableAdamW and batch-size warmup are not
-reproduced); 1.72T tokens = 364,000 steps.
+Shapes: L22/H768/A12, GeGLU 1152 (its GELU by tanh), window 128, a global layer every third. The recipe (Warner et
+al. 2024, section 2.2 and appendix A): MLM alone at 30% masking (80/10/10), contiguous text packed into the rows, no
+NSP, no dropout (their 0.1 on the attention output is not set: HF's config has one rate for it and the
+probabilities); 4,608 sequences of 1024 tokens a step (4.7M tokens) in 9 microbatches; AdamW (betas 0.9/0.98, eps
+1e-6, decoupled weight decay 1e-5) at 8e-4 after a 3B-token warmup, then held (their StableAdamW and batch-size
+warmup are not reproduced); 1.72T tokens = 364,000 steps.
 
 Run (TPU pod slice):
   bertjax pretrain --config modernbert-base --workdir gs://BUCKET/modernbert-base \
@@ -21,6 +21,9 @@ def get_config():
     c.model.preset = "modernbert-base"
     c.model.dtype = "bfloat16"
     c.model.max_position_embeddings = 8192  # RoPE: no table; the longest input the model takes
+    # GeGLU's GELU by tanh (transformers' "gelu_pytorch_tanh", which the export names), as the BERT TPU presets:
+    # tanh runs on TPU's transcendental unit where the exact erf is a long polynomial on the vector unit.
+    c.model.modernbert.hidden_activation = "gelu_pytorch_tanh"
     c.data.max_seq_length = 1024
     c.data.next_sentence_prediction = False
     c.data.masked_lm_prob = 0.3
