@@ -28,7 +28,7 @@ def test_the_kernel_rotates_as_transformers_values_and_gradients(heads, head_dim
     q, k, (cos, sin) = _inputs(2, 32, heads, head_dim, packed)
     tables = rope_tpu.lane_tables(cos, sin, head_dim)
     kernel = lambda q, k: rope_tpu.rotate_qk(q, k, *tables, head_dim)  # noqa: E731
-    reference = lambda q, k: (rope.apply_rotary(q, cos, sin, head_dim), rope.apply_rotary(k, cos, sin, head_dim))  # noqa: E731
+    reference = lambda q, k: tuple(rope.apply_rotary(x, cos, sin, head_dim) for x in (q, k))  # noqa: E731
     with pltpu.force_tpu_interpret_mode():
         out = kernel(q, k)
         grads = jax.grad(_loss(kernel), argnums=(0, 1))(q, k)

@@ -341,7 +341,8 @@ class Trainer:
             rng = np.random.default_rng(s.seed)
             states = TrainStateSaver(workdir) if workdir is not None else None
             params, step_index = self.params, 0
-            resumed = states.restore(params, opt_state, best, console.line, config=self.config) if states is not None else None
+            resumed = (states.restore(params, opt_state, best, console.line, config=self.config)
+                       if states is not None else None)
             if resumed is not None:
                 params, opt_state, step_index = resumed
                 console.line(f"resumed from {states.directory}/{step_index} (step {step_index} of {total_steps})")

@@ -146,8 +146,7 @@ class RotaryQKV(nn.Module):
                 y = rope.apply_rotary(y, *rotary, c.head_dim)
             outputs.append(y)
         if in_kernel:
-            outputs[:2] = rope_tpu.rotate_qk_on_devices(*outputs[:2], *rope_tpu.lane_tables(*rotary, c.head_dim),
-                                                         c.head_dim)
+            outputs[:2] = rope_tpu.rotate_qk_on_devices(*outputs[:2], *rotary, c.head_dim)
         return outputs
 
 

@@ -45,13 +45,8 @@ def lane_tables(cos, sin, head_dim: int):
     """(cos, signed sin), float32 [B or 1, S, 128], from rope.cos_sin's [B or 1, S, head_dim]: tiled over the
     heads of a 128-lane block, sin negated in each head's first half (there the partner enters as -x[l + d/2])."""
     heads = LANES // head_dim
-    signed = sin * _first_half_sign(head_dim)
+    signed = jnp.where(jnp.arange(head_dim) < head_dim // 2, -sin, sin)
     return jnp.tile(cos.astype(jnp.float32), heads), jnp.tile(signed.astype(jnp.float32), heads)
-
-
-def _first_half_sign(head_dim: int):
-    """-1 on a head's first half, 1 on its second: [head_dim]."""
-    return jnp.where(jnp.arange(head_dim) < head_dim // 2, -1.0, 1.0).astype(jnp.float32)
 
 
 def _kernel(q_ref, k_ref, cos_ref, sin_ref, q_out, k_out, *, head_dim: int):
@@ -109,13 +104,13 @@ rotate_qk.defvjp(_rotate_fwd, _rotate_bwd)
 
 
 def rotate_qk_on_devices(q, k, cos, sin, head_dim: int):
-    """`rotate_qk` on each device's shard of a multi-device mesh (XLA cannot partition a Mosaic kernel): q and k
-    split as the logical-axis rules split activations' batch, length and heads, the tables like the batch and
-    length. A shard the kernel does not take (`supported`) is rotated by `rope.apply_rotary` instead."""
+    """q and k [B, S, heads * head_dim] rotated by rope.cos_sin's (cos, sin) [B or 1, S, head_dim]: `rotate_qk` on
+    each device's shard of a multi-device mesh (XLA cannot partition a Mosaic kernel), q and k split as the
+    logical-axis rules split activations' batch, length and heads, the tables like the batch and length. A shard the
+    kernel does not take (`supported`) is rotated by `rope.apply_rotary` instead."""
     def local(q, k, cos, sin):
         if supported(q.shape[-1], head_dim, q.shape[1]):
-            return rotate_qk(q, k, cos, sin, head_dim)
-        cos, sin = cos[..., :head_dim], sin[..., :head_dim] * _first_half_sign(head_dim)  # rope.cos_sin's again
+            return rotate_qk(q, k, *lane_tables(cos, sin, head_dim), head_dim)
         return tuple(rope.apply_rotary(x, cos, sin, head_dim) for x in (q, k))
 
     mesh = jax.sharding.get_abstract_mesh()
