@@ -444,12 +444,23 @@ def _orbax_failure_traceback(record: logging.LogRecord) -> bool:
     return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
 
 
+def _unretrieved_read_failure(record: logging.LogRecord) -> bool:
+    """False for asyncio's 'Task exception was never retrieved' of a TensorStore read (its errors carry their
+    tensorstore_spec): when a restore's first read fails, Orbax abandons the others, and those that fail too (the
+    same damaged files) are logged with a traceback when collected, after the step was set aside in one line."""
+    exception = record.exc_info[1] if record.exc_info else None
+    return not (str(record.msg).startswith("Task exception was never retrieved")
+                and "tensorstore_spec=" in str(exception))
+
+
 def quiet_orbax_failures() -> None:
     """A failed save or restore is told once, by its caller: not also by Orbax's threads (their ERROR records with
-    a traceback) and TensorStore's completions on a closed loop."""
+    a traceback), TensorStore's completions on a closed loop and its abandoned reads' failures."""
     _drop_late_read_completions()
     if _orbax_failure_traceback not in logging.getLogger("absl").filters:
         logging.getLogger("absl").addFilter(_orbax_failure_traceback)
+    if _unretrieved_read_failure not in logging.getLogger("asyncio").filters:
+        logging.getLogger("asyncio").addFilter(_unretrieved_read_failure)
 
 
 class StepCheckpointer:

@@ -1,6 +1,7 @@
 """The pieces the pretraining loop calls, each on hand-made inputs: the step clock's throughput (against FLOPs
 counted by hand from the formula in metrics.train_flops' docstring), the goodput account's charges, the
 non-finite guard, and the resume's choice of step. The loop itself is tested end to end in test_pretrain.py."""
+import logging
 import time
 
 import jax
@@ -184,6 +185,38 @@ def test_reads_a_failed_restore_leaves_in_flight_complete_without_a_traceback(tm
     sys.unraisablehook(type("Unraisable", (), dict(exc_type=RuntimeError, exc_value=RuntimeError("other"),
                                                    exc_traceback=None))())
     assert [str(u.exc_value) for u in reported] == ["other"]  # anything else is still reported
+
+
+def test_a_failed_restores_abandoned_reads_are_not_logged_as_unretrieved_task_exceptions(tmp_path, caplog):
+    """The other reads of a failed restore fail too (the same damaged files); Orbax never awaits them, so asyncio
+    logged each as 'Task exception was never retrieved' with a traceback when collected (a CI run's stderr). After
+    restore_newest those are dropped; any other task's failure is still logged."""
+    import asyncio
+    import gc
+
+    import tensorstore as ts
+
+    StepCheckpointer(tmp_path / "steps", keep=1).restore_newest(lambda step: None, print)
+
+    async def read_missing_array():
+        await ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "missing")}},
+                      open=True)
+
+    async def fail_otherwise():
+        raise ValueError("not a read")
+
+    async def restore():
+        asyncio.ensure_future(read_missing_array())  # abandoned, never awaited
+        asyncio.ensure_future(fail_otherwise())
+        await asyncio.sleep(0.5)
+
+    loop = asyncio.new_event_loop()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        loop.run_until_complete(restore())
+        loop.close()
+        gc.collect()
+    unretrieved = [r for r in caplog.records if r.getMessage().startswith("Task exception was never retrieved")]
+    assert [str(r.exc_info[1]) for r in unretrieved] == ["not a read"]
 
 
 def test_progress_lines_come_every_tenth_of_a_run_or_30_seconds_whichever_is_first():
