@@ -95,3 +95,35 @@ def test_mixed_dtypes_are_refused():
     x, residual, scale, bias, _ = layer_norm_inputs(jnp.float32)
     with pytest.raises(ValueError, match="one dtype"):
         ln.residual_layer_norm(x.astype(jnp.bfloat16), residual, scale, bias, EPS, jnp.float32)
+
+
+@pytest.mark.parametrize("offset", [0.0, 3.0, 30.0])
+def test_the_tpus_one_pass_variance_is_layer_norm_within_its_cancellation_bound(monkeypatch, offset):
+    """On TPU the variance is E[s^2] - E[s]^2 (one read of s): against float64 LayerNorm of rows whose mean is
+    `offset` standard deviations from 0, its float32 error stays within float32's cancellation bound
+    (~6e-8 x (1 + offset^2), here x8), its bf16 output is the two-pass one's but for a last-bit rounding, and its
+    gradients are autodiff's of the two-pass LayerNorm."""
+    rows = np.random.default_rng(3).normal(size=(64, 768)) * np.linspace(0.5, 2.0, 64)[:, None]
+    rows += offset * rows.std(-1, keepdims=True)
+    scale = np.random.default_rng(4).uniform(0.5, 1.5, 768)
+    bias = np.random.default_rng(5).normal(size=768) * 0.1
+    mean, var = rows.mean(-1, keepdims=True), rows.var(-1, keepdims=True)
+    exact = (rows - mean) / np.sqrt(var + 1e-5) * scale + bias
+    args = [jnp.asarray(a, jnp.float32) for a in (rows, scale, bias)]
+    monkeypatch.setattr(ln, "target_platform", lambda: "tpu")
+    on_tpu = jax.jit(lambda x, s, b: ln.layer_norm(x, s, b, 1e-5, jnp.float32))
+    bound = 8 * 6e-8 * (1 + offset ** 2) * np.abs(exact).max()
+    np.testing.assert_allclose(np.asarray(on_tpu(*args)), exact, rtol=0, atol=bound + 1e-6)
+
+    in_bf16 = np.asarray(jax.jit(lambda x, s, b: ln.layer_norm(x, s, b, 1e-5, jnp.bfloat16))(*args), np.float32)
+    two_pass = np.asarray(jax.jit(lambda x, s, b: ln.normalise_rows(x, s, b, 1e-5)[0].astype(jnp.bfloat16))(*args),
+                          np.float32)
+    np.testing.assert_allclose(in_bf16, two_pass, rtol=2 ** -7, atol=bound)  # one bf16 ulp, or the bound
+    assert np.mean(in_bf16 == two_pass) > (0.999 if offset <= 3 else 0.98)
+
+    cotangent = jnp.asarray(np.random.default_rng(6).normal(size=rows.shape), jnp.float32)
+    got = jax.vjp(on_tpu, *args)[1](cotangent)
+    want = jax.vjp(lambda x, s, b: ln.normalise_rows(x, s, b, 1e-5)[0], *args)[1](cotangent)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4 * (1 + offset ** 2),
+                                   atol=1e-4 * (1 + offset ** 2) * np.abs(np.asarray(w)).max())

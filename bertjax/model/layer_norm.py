@@ -1,7 +1,7 @@
 """LayerNorm, and the post-LN encoder's `LayerNorm(dropout(x) + residual)` as one function with its own gradient.
 
 Both are computed in float32 over the last axis, output in the compute dtype. XLA:TPU gets the composition as
-written (its program is left as it was). Off TPU, `LayerNorm(x, residual, dropout_rng)` is a `jax.custom_vjp`
+written, its variance in one pass (`normalise_one_pass`). Off TPU, `LayerNorm(x, residual, dropout_rng)` is a `jax.custom_vjp`
 whose backward keeps only the sum s = dropout(x) + residual (compute dtype) and each row's mean and 1 / std
 (float32), and recomputes the dropout mask from its seeds (`dropout.keep_mask_fused`), hashed in place:
 differentiated as written, XLA:GPU wrote the sum's gradient for the dropout's backward to read back, and scale's
@@ -40,6 +40,20 @@ def normalise_rows(s, scale, bias, eps: float):
     return (s - mean) * rstd * scale + bias, mean, rstd
 
 
+def normalise_one_pass(s, scale, bias, eps: float):
+    """LayerNorm of float32 `s` over its last axis, its variance max(E[s^2] - E[s]^2, 0), as Flax's LayerNorm
+    computes it by default.
+
+    Why on TPU: both sums are taken in one read of s, which XLA:TPU fuses into the matmul that produces s; the
+    variance of the centred rows needed a second pass over s (in the forward and again in the backward's
+    recomputation): 4 passes a layer, ~8% of ModernBERT's priced budget step, ~7% of BERT's (docs/performance.md).
+    The cost is float32 cancellation, a relative error of about 6e-8 x (1 + mean^2 / variance) in the variance:
+    far below the bf16 rounding of the output at any offset a trained network's rows have (test_layer_norm.py)."""
+    mean = s.mean(-1, keepdims=True)
+    variance = jnp.maximum(jnp.square(s).mean(-1, keepdims=True) - jnp.square(mean), 0.0)
+    return (s - mean) * jax.lax.rsqrt(variance + eps) * scale + bias
+
+
 def layer_norm(x, scale, bias, eps: float, dtype):
     """LayerNorm of `x` over its last axis in float32, output in `dtype`."""
     shape = x.shape
@@ -48,7 +62,7 @@ def layer_norm(x, scale, bias, eps: float, dtype):
             (y := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype)) is not None:
         return y
     if platform == "tpu":
-        y, _, _ = normalise_rows(x.astype(jnp.float32), scale, bias, eps)
+        y = normalise_one_pass(x.astype(jnp.float32), scale, bias, eps)
     else:
         # Over rows of a 2-D array XLA:GPU reduces scale's and bias's gradients over one axis, in the
         # normalisation's own fusions; over [B, L, H] it transposed them first (BERT-base on an H200, priced:
