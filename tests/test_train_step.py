@@ -240,6 +240,7 @@ def test_token_nll_and_its_gradient_equal_log_softmax_differentiated_as_written(
     logits = jnp.asarray(rng.normal(0, 3, (4, 5, 97)), dtype)
     bias = jnp.asarray(rng.normal(0, 1, 97), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 97, (4, 5)), jnp.int32)
+    labels = labels.at[:2].set(jnp.argmax(logits[:2].astype(jnp.float32) + bias, -1))   # hits, and misses
     weights = jnp.asarray(rng.random((4, 5)), jnp.float32)
 
     def reference(logits, bias):
@@ -250,6 +251,7 @@ def test_token_nll_and_its_gradient_equal_log_softmax_differentiated_as_written(
     (nll, hit), (want_nll, want_hit) = ours(logits, bias), reference(logits, bias)
     np.testing.assert_array_equal(nll, want_nll)
     np.testing.assert_array_equal(hit, want_hit)
+    assert 10 <= int(want_hit.sum()) < 20
     loss = lambda f: lambda logits, bias: jnp.sum(f(logits, bias)[0] * weights)
     got = jax.grad(loss(ours), argnums=(0, 1))(logits, bias)
     want = jax.grad(loss(reference), argnums=(0, 1))(logits, bias)

@@ -50,8 +50,8 @@ def _online_softmax_combine(a, b):
 
 
 def _log_softmax_parts(logits, labels, one_pass: bool):
-    """(max, log of the sum of exp(logits - max), the label's logit, the first index of the max) of each row, in
-    float32: log_softmax = (logits - max) - log_sum, as jax.nn.log_softmax computes it.
+    """(max, log of the sum of exp(logits - max), the label's logit, whether the label is the argmax) of each row,
+    in float32: log_softmax = (logits - max) - log_sum, as jax.nn.log_softmax computes it.
 
     `one_pass` (GPU): one variadic reduction (online softmax), its sum rounded in another order (float32 ulps).
     Reduced as written (max, exp(x - max) summed, argmax, the label picked), XLA:GPU read BERT-base's [5120,
@@ -61,27 +61,32 @@ def _log_softmax_parts(logits, labels, one_pass: bool):
     if not one_pass:
         top = x.max(-1)
         log_sum = jnp.log(jnp.sum(jnp.exp(x - top[..., None]), axis=-1))
-        return top, log_sum, jnp.take_along_axis(x, labels[..., None], axis=-1)[..., 0], x.argmax(-1)
+        label_logit = jnp.take_along_axis(x, labels[..., None], axis=-1)[..., 0]
+        # The label's logit is the max: argmax's hit (but for an exact tie, which counts here), without argmax's
+        # (max, index) reduction, which XLA:TPU ran as a pass of its own over the logits (~2% of ModernBERT's
+        # priced budget step).
+        return top, log_sum, label_logit, label_logit == top
     column = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     label_logit = jnp.where(column == labels[..., None], x, 0.0)  # its row's one nonzero term: the sum is exact
     init = (jnp.float32(-jnp.inf), jnp.int32(x.shape[-1]), jnp.float32(0.0), jnp.float32(0.0))
     top, first_max, total, label_logit = jax.lax.reduce((x, column, jnp.ones_like(x), label_logit), init,
                                                         _online_softmax_combine, (x.ndim - 1,))
-    return top, jnp.log(total), label_logit, first_max
+    return top, jnp.log(total), label_logit, first_max == labels
 
 
 def _nll_and_hit_forward(one_pass, logits, labels):
     # The residuals are the logits themselves (the matmul's output, in memory anyway; XLA adds the bias again
     # where they are read) and two floats a token: no [tokens, vocab] array is written for the backward.
-    top, log_sum, label_logit, first_max = _log_softmax_parts(logits, labels, one_pass)
+    top, log_sum, label_logit, hit = _log_softmax_parts(logits, labels, one_pass)
     nll = -((label_logit - top) - log_sum)
-    return (nll, first_max == labels), (logits, labels, top[..., None], log_sum[..., None])
+    return (nll, hit), (logits, labels, top[..., None], log_sum[..., None])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _nll_and_hit(one_pass, logits, labels):
     """`_token_nll`'s values: the nll as jax.nn.log_softmax's (`_log_softmax_parts`), the hit argmax(logits) ==
-    label (ties: the first index); its backward is `_nll_and_hit_backward`."""
+    label (an exact tie for the max: a hit, or on a GPU only at its first index); its backward is
+    `_nll_and_hit_backward`."""
     return _nll_and_hit_forward(one_pass, logits, labels)[0]
 
 
