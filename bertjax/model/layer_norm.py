@@ -1,12 +1,13 @@
 """LayerNorm, and the post-LN encoder's `LayerNorm(dropout(x) + residual)` as one function with its own gradient.
 
 Both are computed in float32 over the last axis, output in the compute dtype. XLA:TPU gets the composition as
-written, its variance in one pass (`normalise_one_pass`). Off TPU, `LayerNorm(x, residual, dropout_rng)` is a `jax.custom_vjp`
-whose backward keeps only the sum s = dropout(x) + residual (compute dtype) and each row's mean and 1 / std
-(float32), and recomputes the dropout mask from its seeds (`dropout.keep_mask_fused`), hashed in place:
+written, its variance in one pass (`normalise_rows(one_pass=True)`). Off TPU, `LayerNorm(x, residual, dropout_rng)`
+is a `jax.custom_vjp` whose backward keeps only the sum s = dropout(x) + residual (compute dtype) and each row's mean
+and 1 / std (float32), and recomputes the dropout mask from its seeds (`dropout.keep_mask_fused`), hashed in place:
 differentiated as written, XLA:GPU wrote the sum's gradient for the dropout's backward to read back, and scale's
-gradient product dy * xhat in float32 before reducing it (BERT-base on an H200: docs/performance-history.md). The values are those of the composition: the same mask bits, the same roundings (dropout
-and the sum in the compute dtype, then float32), and the backward is LayerNorm's analytic gradient:
+gradient product dy * xhat in float32 before reducing it (BERT-base on an H200: docs/performance-history.md). The
+values are those of the composition: the same mask bits, the same roundings (dropout and the sum in the compute
+dtype, then float32), and the backward is LayerNorm's analytic gradient:
     xhat = (s - mean) * rstd,  g = dy * scale
     ds = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),  dscale = sum_rows(dy * xhat),  dbias = sum_rows(dy)
     dresidual = ds,  dx = where(keep, ds / keep_probability, 0)
@@ -32,26 +33,22 @@ def as_rows(x):
     return x.astype(jnp.float32).reshape(-1, x.shape[-1])
 
 
-def normalise_rows(s, scale, bias, eps: float):
-    """LayerNorm of the rows of float32 `s` [N, H]: (y, mean, rstd)."""
+def normalise_rows(s, scale, bias, eps: float, one_pass: bool = False):
+    """LayerNorm of float32 `s` over its last axis (rows [N, H] or any leading shape): (y, mean, rstd).
+
+    `one_pass` (TPU): the variance as max(E[s^2] - E[s]^2, 0), as Flax's LayerNorm computes it by default. Both sums
+    are taken in one read of s, which XLA:TPU fuses into the matmul that produces s; the centred variance needed a
+    second pass over s (in the forward and again in the backward's recomputation): 4 passes a layer, ~8% of
+    ModernBERT's priced budget step, ~7% of BERT's (docs/performance.md). The cost is float32 cancellation, a
+    relative error of about 6e-8 x (1 + mean^2 / variance) in the variance: far below the bf16 rounding of the
+    output at any offset a trained network's rows have (test_layer_norm.py)."""
     mean = s.mean(-1, keepdims=True)
-    variance = jnp.square(s - mean).mean(-1, keepdims=True)
+    if one_pass:
+        variance = jnp.maximum(jnp.square(s).mean(-1, keepdims=True) - jnp.square(mean), 0.0)
+    else:
+        variance = jnp.square(s - mean).mean(-1, keepdims=True)
     rstd = jax.lax.rsqrt(variance + eps)
     return (s - mean) * rstd * scale + bias, mean, rstd
-
-
-def normalise_one_pass(s, scale, bias, eps: float):
-    """LayerNorm of float32 `s` over its last axis, its variance max(E[s^2] - E[s]^2, 0), as Flax's LayerNorm
-    computes it by default.
-
-    Why on TPU: both sums are taken in one read of s, which XLA:TPU fuses into the matmul that produces s; the
-    variance of the centred rows needed a second pass over s (in the forward and again in the backward's
-    recomputation): 4 passes a layer, ~8% of ModernBERT's priced budget step, ~7% of BERT's (docs/performance.md).
-    The cost is float32 cancellation, a relative error of about 6e-8 x (1 + mean^2 / variance) in the variance:
-    far below the bf16 rounding of the output at any offset a trained network's rows have (test_layer_norm.py)."""
-    mean = s.mean(-1, keepdims=True)
-    variance = jnp.maximum(jnp.square(s).mean(-1, keepdims=True) - jnp.square(mean), 0.0)
-    return (s - mean) * jax.lax.rsqrt(variance + eps) * scale + bias
 
 
 def layer_norm(x, scale, bias, eps: float, dtype):
@@ -62,7 +59,7 @@ def layer_norm(x, scale, bias, eps: float, dtype):
             (y := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype)) is not None:
         return y
     if platform == "tpu":
-        y = normalise_one_pass(x.astype(jnp.float32), scale, bias, eps)
+        y, _, _ = normalise_rows(x.astype(jnp.float32), scale, bias, eps, one_pass=True)
     else:
         # Over rows of a 2-D array XLA:GPU reduces scale's and bias's gradients over one axis, in the
         # normalisation's own fusions; over [B, L, H] it transposed them first (BERT-base on an H200, priced:
