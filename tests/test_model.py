@@ -234,6 +234,29 @@ def test_gelu_with_bias_keeps_the_matmul_output_and_bias_and_matches_autodiff(ap
                                    atol=tol * scale)
 
 
+@pytest.mark.parametrize("name", ["gelu", "gelu_pytorch_tanh", "silu"])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+def test_the_gated_gelu_keeps_its_input_alone_and_its_gradient_is_autodiffs(name, dtype, tol):
+    """GeGLU's act(x) * gate of y [..., 2, width] = (x, gate): jax.nn.gelu's bits forward; the GELUs' residual is y alone (as
+    written, autodiff kept gelu(x) too); y's gradient, (dx, dgate), that of the expression differentiated as
+    written (in bfloat16 that one's own rounding is the larger error)."""
+    from jax._src.ad_checkpoint import saved_residuals
+    rng = np.random.default_rng(4)
+    y = jnp.asarray(rng.normal(0, 2, (3, 5, 2, 32)), dtype)
+    weights = jnp.asarray(rng.normal(0, 1, (3, 5, 32)), dtype)
+    ours = model_lib.gated_activation(name)
+    plain = lambda y: model_lib.activation(name)(y[..., 0, :]) * y[..., 1, :]
+    np.testing.assert_array_equal(ours(y), plain(y))
+    if name != "silu":
+        residuals = [(r.shape, r.dtype) for r, _ in saved_residuals(lambda y: ours(y).sum(), y) if r.shape]
+        assert residuals == [(y.shape, y.dtype)]
+    loss = lambda f: lambda y: jnp.sum((f(y) * weights).astype(jnp.float32))
+    got, want = jax.grad(loss(ours))(y), jax.grad(loss(plain))(y)
+    assert got.dtype == want.dtype == dtype and got.shape == y.shape
+    scale = float(np.abs(np.asarray(want, np.float32)).max())
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol * scale)
+
+
 def test_intermediate_is_dense_then_activation_with_the_same_params():
     """The feed-forward's first Dense with its activation (bias inside the GELU) equals nn.Dense then the GELU on
     the params nn.Dense names and shapes (`intermediate/kernel` [H, I], `intermediate/bias` [I]), gradients too."""

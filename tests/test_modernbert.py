@@ -256,3 +256,28 @@ def test_the_tpus_rotation_is_the_rotation_of_the_projection(monkeypatch, hidden
             cpu = np.asarray(cpu, np.float32)
             tol = 2 ** -7 if dtype == "bfloat16" else 1e-5
             np.testing.assert_allclose(np.asarray(tpu, np.float32), cpu, rtol=tol, atol=tol * np.abs(cpu).max())
+
+
+@pytest.mark.parametrize("mlp_bias", [False, True])
+def test_the_tpus_two_feed_forward_products_are_the_one_product_elsewhere(monkeypatch, mlp_bias):
+    """GeGLU's Wi: on TPU two products x W[:, 0], x W[:, 1] (one [..., 2, I] product pads the 2 to 8 sublanes),
+    elsewhere one x W[H, 2I] whose halves the GELU's own backward takes (`gated_gelu`): the same feed-forward
+    from the same params, its value and every gradient, to float32 rounding."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    config = ModernBertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=96, vocab_size=100,
+                              pad_token_id=0, mlp_bias=mlp_bias, hidden_activation="gelu_pytorch_tanh")
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 7, 64)), jnp.float32)
+    weights = jnp.asarray(np.random.default_rng(6).normal(size=(2, 7, 64)), jnp.float32)
+    layer = modernbert.GatedMLP(config)
+    params = nn.meta.unbox(layer.init(jax.random.key(0), x, True))
+    params = jax.tree_util.tree_map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(1), p.shape), params)
+    assert params["params"]["Wi"]["kernel"].shape == (64, 2, 96)
+    loss = lambda p, x: jnp.sum(layer.apply(p, x, True) * weights)
+    elsewhere = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+    monkeypatch.setattr(modernbert, "target_platform", lambda: "tpu")
+    on_tpu = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+    for got, want in zip(jax.tree_util.tree_leaves(on_tpu), jax.tree_util.tree_leaves(elsewhere), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())

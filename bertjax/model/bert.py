@@ -20,7 +20,7 @@ from flax.linen.dtypes import promote_dtype
 from bertjax.model.attention import dot_product_attention
 from bertjax.model.config import BertConfig
 from bertjax.model.dropout import Dropout
-from bertjax.model.gelu import gelu, gelu_with_bias
+from bertjax.model.gelu import gated_gelu, gelu, gelu_with_bias
 from bertjax.model.layer_norm import LayerNorm
 from bertjax.model.norm_dropout import norm_then_dropout
 from bertjax.sharding import target_platform
@@ -61,6 +61,15 @@ def activation_with_bias(name: str):
     if approximate is None:
         return lambda h, bias: activation(name)(h + bias)
     return functools.partial(gelu_with_bias, approximate=approximate)
+
+
+def gated_activation(name: str):
+    """GeGLU-style `activation(name)(x) * gate` of y [..., 2, width] = (x, gate) as f(y): the GELUs keep y alone
+    for their backward and write its gradient whole (`gated_gelu`)."""
+    approximate = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}.get(name)
+    if approximate is None:
+        return lambda y: activation(name)(y[..., 0, :]) * y[..., 1, :]
+    return functools.partial(gated_gelu, approximate=approximate)
 
 
 def _dtype(config: BertConfig):

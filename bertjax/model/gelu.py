@@ -90,3 +90,35 @@ def _backward_with_bias(approximate, residuals, g):
 
 
 _gelu_with_bias.defvjp(_forward_with_bias, _backward_with_bias)
+
+
+def gated_gelu(y, approximate: bool):
+    """GeGLU's product `jax.nn.gelu(x, approximate) * gate` of y [..., 2, width] = (x, gate) (one projection's two
+    outputs): its bits. The backward keeps y and writes y's gradient, (dx, dgate), in one pass. Differentiated as
+    written, the forward wrote gelu(x) as well (for gate's gradient), the backward read it in a pass of its own,
+    and the two halves' gradients were joined in another (modernbert-base on an H200: docs/performance.md)."""
+    return _gated_gelu(y, approximate)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gated_gelu(y, approximate: bool):
+    return jax.nn.gelu(y[..., 0, :], approximate=approximate) * y[..., 1, :]
+
+
+def _forward_gated(y, approximate):
+    return _gated_gelu(y, approximate), y
+
+
+def _backward_gated(approximate, y, g):
+    # One elementwise kernel over y's elements, each operand repeated along the pair (x | x, gate | gate, g | g)
+    # and the pair merged into the last axis: computed as two halves, XLA:GPU joined dx and dgate in passes of
+    # their own; repeated along the pair's own axis, it wrote the GELU's float32 parts to memory.
+    pair_shape = y.shape
+    both = lambda t: jnp.broadcast_to(t[..., None, :], pair_shape).reshape(*pair_shape[:-2], -1).astype(jnp.float32)
+    x, gate, g = both(y[..., 0, :]), both(y[..., 1, :]), both(g)
+    is_gate = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) >= pair_shape[-1]
+    dy = g * jnp.where(is_gate, jax.nn.gelu(x, approximate=approximate), gate * gelu_derivative(x, approximate))
+    return (dy.astype(y.dtype).reshape(pair_shape),)
+
+
+_gated_gelu.defvjp(_forward_gated, _backward_gated)

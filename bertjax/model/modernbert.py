@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from bertjax.model import rope, rope_tpu
 from bertjax.model.attention import FUSED_DROPOUT_BACKENDS, FUSED_DROPOUT_MIN_LENGTH, dot_product_attention
-from bertjax.model.bert import activation, gather_positions, init_params as _init_params
+from bertjax.model.bert import activation, gated_activation, gather_positions, init_params as _init_params
 from bertjax.model.dropout import Dropout
 from bertjax.model.layer_norm import layer_norm
 from bertjax.model.modernbert_config import ModernBertConfig
@@ -77,6 +77,7 @@ class Projection(nn.Module):
     names: tuple[str | None, ...]  # the kernel's logical axes
     std: float
     use_bias: bool
+    split: bool = True   # a fused projection's outputs as n products, or one [..., n, width]
 
     @nn.compact
     def __call__(self, x):
@@ -87,6 +88,8 @@ class Projection(nn.Module):
         x, kernel = x.astype(dtype), kernel.astype(dtype)
         if len(self.out_shape) == 1:
             return x @ kernel + (0 if bias is None else bias)
+        if not self.split:
+            return jnp.einsum("...h,hnw->...nw", x, kernel) + (0 if bias is None else bias)
         return [x @ kernel[:, i] + (0 if bias is None else bias[i]) for i in range(self.out_shape[0])]
 
 
@@ -190,9 +193,12 @@ class GatedMLP(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         c = self.config
-        hidden, gate = Projection(c, (2, c.intermediate_size), ("embed", None, "mlp"), c.initializer_range,
-                                  c.mlp_bias, name="Wi")(x)
-        inner = activation(c.hidden_activation)(hidden) * gate
+        # XLA:TPU fuses the GELU's forward and backward into the two products' matmuls; elsewhere one product,
+        # its gradient written whole by the GELU's backward (`gated_gelu`), saves the passes that add the halves'.
+        on_tpu = target_platform() == "tpu"
+        wi = Projection(c, (2, c.intermediate_size), ("embed", None, "mlp"), c.initializer_range, c.mlp_bias,
+                        split=on_tpu, name="Wi")(x)
+        inner = activation(c.hidden_activation)(wi[0]) * wi[1] if on_tpu else gated_activation(c.hidden_activation)(wi)
         inner = _constrain(inner, ("activation_batch", "activation_length", "activation_mlp"))
         inner = Dropout(c.mlp_dropout, name="drop")(inner, deterministic=deterministic)
         return Projection(c, (c.hidden_size,), ("mlp", "embed"), _out_std(c), c.mlp_bias, name="Wo")(inner)
