@@ -281,3 +281,25 @@ def test_the_tpus_two_feed_forward_products_are_the_one_product_elsewhere(monkey
     on_tpu = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
     for got, want in zip(jax.tree_util.tree_leaves(on_tpu), jax.tree_util.tree_leaves(elsewhere), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_decoder_multiplies_in_the_compute_dtype_and_returns_float32_logits(tie):
+    """The MLM decoder (tied or not) runs in the compute dtype, as BERT's and transformers' under autocast: a
+    float32 product wrote the [tokens, vocab] logits at twice the bytes (and a GPU multiplies float32 at half
+    its bfloat16 rate or less); the logits, plus the decoder bias in float32, come back in float32."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    config = ModernBertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=96, vocab_size=100,
+                              num_hidden_layers=1, pad_token_id=0, dtype="bfloat16", tie_word_embeddings=tie)
+    model = modernbert.ModernBertForMaskedLM(config)
+    ids, mask = jnp.ones((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32)
+    params = nn.meta.unbox(model.init(jax.random.key(0), ids, mask))
+    jaxpr = jax.make_jaxpr(lambda p: model.apply(p, ids, mask)["mlm_logits"])(params)
+    decoders = [e for e in jaxpr.jaxpr.eqns
+                if e.primitive.name == "dot_general" and e.outvars[0].aval.shape[-1] == config.vocab_size]
+    assert len(decoders) == 1
+    assert [v.aval.dtype for v in decoders[0].invars] == [jnp.bfloat16, jnp.bfloat16]
+    assert jaxpr.out_avals[0].dtype == jnp.float32 and jaxpr.out_avals[0].shape == (2, 8, 100)

@@ -110,8 +110,11 @@ class Embeddings(nn.Module):
         return self.drop(self.norm(x), deterministic=deterministic)
 
     def attend(self, x):
-        """Logits against the token embeddings (the tied decoder), float32."""
-        return jnp.einsum("...h,vh->...v", x.astype(jnp.float32), self.tok_embeddings)
+        """Logits against the token embeddings (the tied decoder), in the compute dtype (BERT's `attend`, and
+        transformers' decoder under autocast): in float32 the [tokens, vocab] logits were written at twice the
+        bytes, and a GPU multiplies float32 at half its bfloat16 rate or less."""
+        dtype = jnp.dtype(self.config.dtype)
+        return jnp.einsum("...h,vh->...v", x.astype(dtype), self.tok_embeddings.astype(dtype))
 
 
 class RotaryQKV(nn.Module):
@@ -312,8 +315,8 @@ class ModernBertForMaskedLM(nn.Module):
         if c.tie_word_embeddings:
             logits = encoder.attend(x)
         else:
-            logits = Projection(c, (c.vocab_size,), ("embed", "vocab"), _out_std(c), False,
-                                name="decoder")(x).astype(jnp.float32)
+            logits = Projection(c, (c.vocab_size,), ("embed", "vocab"), _out_std(c), False, name="decoder")(x)
+        logits = logits.astype(jnp.float32)
         if c.decoder_bias:
             logits = logits + self.param("decoder_bias", _zeros(("vocab",)), (c.vocab_size,), jnp.float32)
         return {"mlm_logits": logits}
