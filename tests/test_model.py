@@ -234,22 +234,26 @@ def test_gelu_with_bias_keeps_the_matmul_output_and_bias_and_matches_autodiff(ap
                                    atol=tol * scale)
 
 
+@pytest.mark.parametrize("of_pair", [False, True])
 @pytest.mark.parametrize("name", ["gelu", "gelu_pytorch_tanh", "silu"])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
-def test_the_gated_gelu_keeps_its_input_alone_and_its_gradient_is_autodiffs(name, dtype, tol):
-    """GeGLU's act(x) * gate of y [..., 2, width] = (x, gate): jax.nn.gelu's bits forward; the GELUs' residual is y alone (as
-    written, autodiff kept gelu(x) too); y's gradient, (dx, dgate), that of the expression differentiated as
-    written (in bfloat16 that one's own rounding is the larger error)."""
+def test_the_gated_gelu_keeps_its_inputs_alone_and_its_gradient_is_autodiffs(of_pair, name, dtype, tol):
+    """GeGLU's act(x) * gate, of two products (TPU) or of y [..., 2, width] = (x, gate) (one product elsewhere):
+    jax.nn.gelu's bits forward; the GELUs' residuals are their inputs alone (as written, autodiff kept gelu(x)
+    too); the gradients those of the expression differentiated as written (in bfloat16 that one's own rounding is
+    the larger error)."""
     from jax._src.ad_checkpoint import saved_residuals
     rng = np.random.default_rng(4)
     y = jnp.asarray(rng.normal(0, 2, (3, 5, 2, 32)), dtype)
     weights = jnp.asarray(rng.normal(0, 1, (3, 5, 32)), dtype)
-    ours = model_lib.gated_activation(name)
+    gated = model_lib.gated_activation(name, of_pair)
+    ours = gated if of_pair else lambda y: gated(y[..., 0, :], y[..., 1, :])
     plain = lambda y: model_lib.activation(name)(y[..., 0, :]) * y[..., 1, :]
     np.testing.assert_array_equal(ours(y), plain(y))
     if name != "silu":
-        residuals = [(r.shape, r.dtype) for r, _ in saved_residuals(lambda y: ours(y).sum(), y) if r.shape]
-        assert residuals == [(y.shape, y.dtype)]
+        args = (y,) if of_pair else (y[..., 0, :], y[..., 1, :])
+        residuals = [(r.shape, r.dtype) for r, _ in saved_residuals(lambda *a: gated(*a).sum(), *args) if r.shape]
+        assert residuals == [(a.shape, a.dtype) for a in args]
     loss = lambda f: lambda y: jnp.sum((f(y) * weights).astype(jnp.float32))
     got, want = jax.grad(loss(ours))(y), jax.grad(loss(plain))(y)
     assert got.dtype == want.dtype == dtype and got.shape == y.shape

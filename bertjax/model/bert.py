@@ -20,7 +20,7 @@ from flax.linen.dtypes import promote_dtype
 from bertjax.model.attention import dot_product_attention
 from bertjax.model.config import BertConfig
 from bertjax.model.dropout import Dropout
-from bertjax.model.gelu import gated_gelu, gelu, gelu_with_bias
+from bertjax.model.gelu import gated_gelu, gated_gelu_of_pair, gelu, gelu_with_bias
 from bertjax.model.layer_norm import LayerNorm
 from bertjax.model.norm_dropout import norm_then_dropout
 from bertjax.sharding import target_platform
@@ -63,13 +63,14 @@ def activation_with_bias(name: str):
     return functools.partial(gelu_with_bias, approximate=approximate)
 
 
-def gated_activation(name: str):
-    """GeGLU-style `activation(name)(x) * gate` of y [..., 2, width] = (x, gate) as f(y): the GELUs keep y alone
-    for their backward and write its gradient whole (`gated_gelu`)."""
+def gated_activation(name: str, of_pair: bool):
+    """GeGLU-style `activation(name)(x) * gate`: as f(x, gate), or `of_pair` as f(y) of y [..., 2, width] = (x, gate);
+    the GELUs keep their inputs, not gelu(x), for their own backward (`gated_gelu`, `gated_gelu_of_pair`)."""
     approximate = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}.get(name)
     if approximate is None:
-        return lambda y: activation(name)(y[..., 0, :]) * y[..., 1, :]
-    return functools.partial(gated_gelu, approximate=approximate)
+        gated = lambda x, gate: activation(name)(x) * gate
+        return (lambda y: gated(y[..., 0, :], y[..., 1, :])) if of_pair else gated
+    return functools.partial(gated_gelu_of_pair if of_pair else gated_gelu, approximate=approximate)
 
 
 def _dtype(config: BertConfig):

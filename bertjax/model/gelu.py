@@ -92,24 +92,51 @@ def _backward_with_bias(approximate, residuals, g):
 _gelu_with_bias.defvjp(_forward_with_bias, _backward_with_bias)
 
 
-def gated_gelu(y, approximate: bool):
-    """GeGLU's product `jax.nn.gelu(x, approximate) * gate` of y [..., 2, width] = (x, gate) (one projection's two
-    outputs): its bits. The backward keeps y and writes y's gradient, (dx, dgate), in one pass. Differentiated as
-    written, the forward wrote gelu(x) as well (for gate's gradient), the backward read it in a pass of its own,
-    and the two halves' gradients were joined in another (modernbert-base on an H200: docs/performance.md)."""
-    return _gated_gelu(y, approximate)
+def gated_gelu(x, gate, approximate: bool):
+    """GeGLU's product `jax.nn.gelu(x, approximate) * gate` of two products (TPU's: `modernbert.GatedMLP`): its
+    bits. The backward keeps x and gate, not gelu(x) as autodiff did (and, on XLA:TPU, computes both gradients
+    where the input-gradient matmuls read them, not in the matmul that writes the product's gradient: the budget
+    step on v5e 233.6 -> 232.1 ms)."""
+    return _gated_gelu(x, gate, approximate)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gated_gelu(x, gate, approximate: bool):
+    return jax.nn.gelu(x, approximate=approximate) * gate
+
+
+def _forward_gated(x, gate, approximate):
+    return _gated_gelu(x, gate, approximate), (x, gate)
+
+
+def _backward_gated(approximate, residuals, g):
+    x, gate = residuals
+    x32, g = x.astype(jnp.float32), g.astype(jnp.float32)
+    dx = g * gate.astype(jnp.float32) * gelu_derivative(x32, approximate)
+    return dx.astype(x.dtype), (g * jax.nn.gelu(x32, approximate=approximate)).astype(gate.dtype)
+
+
+_gated_gelu.defvjp(_forward_gated, _backward_gated)
+
+
+def gated_gelu_of_pair(y, approximate: bool):
+    """`gated_gelu` of y [..., 2, width] = (x, gate), one projection's two outputs (off TPU: one Wi product): its
+    bits. The backward keeps y and writes y's gradient, (dx, dgate), in one pass. Differentiated as written, the
+    forward wrote gelu(x) as well (for gate's gradient), the backward read it in a pass of its own, and the two
+    halves' gradients were joined in another (modernbert-base on an H200: docs/performance.md)."""
+    return _gated_gelu_of_pair(y, approximate)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gated_gelu(y, approximate: bool):
+def _gated_gelu_of_pair(y, approximate: bool):
     return jax.nn.gelu(y[..., 0, :], approximate=approximate) * y[..., 1, :]
 
 
-def _forward_gated(y, approximate):
-    return _gated_gelu(y, approximate), y
+def _forward_of_pair(y, approximate):
+    return _gated_gelu_of_pair(y, approximate), y
 
 
-def _backward_gated(approximate, y, g):
+def _backward_of_pair(approximate, y, g):
     # One elementwise kernel over y's elements, each operand repeated along the pair (x | x, gate | gate, g | g)
     # and the pair merged into the last axis: computed as two halves, XLA:GPU joined dx and dgate in passes of
     # their own; repeated along the pair's own axis, it wrote the GELU's float32 parts to memory.
@@ -121,4 +148,4 @@ def _backward_gated(approximate, y, g):
     return (dy.astype(y.dtype).reshape(pair_shape),)
 
 
-_gated_gelu.defvjp(_forward_gated, _backward_gated)
+_gated_gelu_of_pair.defvjp(_forward_of_pair, _backward_of_pair)

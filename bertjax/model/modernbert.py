@@ -197,11 +197,13 @@ class GatedMLP(nn.Module):
     def __call__(self, x, deterministic: bool):
         c = self.config
         # XLA:TPU fuses the GELU's forward and backward into the two products' matmuls; elsewhere one product,
-        # its gradient written whole by the GELU's backward (`gated_gelu`), saves the passes that add the halves'.
+        # its gradient written whole by the GELU's backward (`gated_gelu_of_pair`), saves the passes that add the
+        # halves' input gradients.
         on_tpu = target_platform() == "tpu"
         wi = Projection(c, (2, c.intermediate_size), ("embed", None, "mlp"), c.initializer_range, c.mlp_bias,
                         split=on_tpu, name="Wi")(x)
-        inner = activation(c.hidden_activation)(wi[0]) * wi[1] if on_tpu else gated_activation(c.hidden_activation)(wi)
+        gated = gated_activation(c.hidden_activation, of_pair=not on_tpu)
+        inner = gated(*wi) if on_tpu else gated(wi)
         inner = _constrain(inner, ("activation_batch", "activation_length", "activation_mlp"))
         inner = Dropout(c.mlp_dropout, name="drop")(inner, deterministic=deterministic)
         return Projection(c, (c.hidden_size,), ("mlp", "embed"), _out_std(c), c.mlp_bias, name="Wo")(inner)
