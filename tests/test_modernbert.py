@@ -303,3 +303,25 @@ def test_the_decoder_multiplies_in_the_compute_dtype_and_returns_float32_logits(
     assert len(decoders) == 1
     assert [v.aval.dtype for v in decoders[0].invars] == [jnp.bfloat16, jnp.bfloat16]
     assert jaxpr.out_avals[0].dtype == jnp.float32 and jaxpr.out_avals[0].shape == (2, 8, 100)
+
+
+def test_the_rotation_in_bfloat16_is_transformers_bit_for_bit():
+    """RoPE on bfloat16 q and k off TPU (`rope.apply_rotary`) is transformers' `apply_rotary_pos_emb` with float32
+    tables (its autocast case): float32 arithmetic rounded once, the same bits (rounding each product and the sum
+    in bfloat16 differed in the last place)."""
+    import jax.numpy as jnp
+    from transformers.models.modernbert.modeling_modernbert import apply_rotary_pos_emb
+
+    from bertjax.model import rope
+
+    rng = np.random.default_rng(7)
+    batch, length, heads, head_dim = 2, 24, 3, 64
+    q, k = (rng.normal(0, 2, (batch, length, heads * head_dim)).astype(np.float32) for _ in range(2))
+    positions = rng.integers(0, 500, (batch, length))
+    cos, sin = rope.cos_sin(jnp.asarray(positions), head_dim, 10_000.0)
+    ours = [rope.apply_rotary(jnp.asarray(x, jnp.bfloat16), cos, sin, head_dim) for x in (q, k)]
+    as_heads = lambda x: torch.tensor(x).to(torch.bfloat16).reshape(batch, length, heads, head_dim).transpose(1, 2)
+    theirs = apply_rotary_pos_emb(as_heads(q), as_heads(k), torch.tensor(np.asarray(cos)), torch.tensor(np.asarray(sin)))
+    for got, want in zip(ours, theirs, strict=True):
+        want = want.transpose(1, 2).reshape(batch, length, heads * head_dim).float().numpy()
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)

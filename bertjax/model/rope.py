@@ -33,11 +33,12 @@ def rotate_half(x, head_dim: int):
 
 def rotate(x, x_rotated, cos, sin, head_dim: int):
     """RoPE from x [batch, length, heads * head_dim] and its half rotation (`rotate_half(x)`, however computed):
-    x * cos + x_rotated * sin with (cos, sin) [batch or 1, length, head_dim] tiled over the heads, in x's dtype
-    (HF computes in float32 and rounds once: the same in a float32 model)."""
+    x * cos + x_rotated * sin with (cos, sin) [batch or 1, length, head_dim] tiled over the heads, in float32 and
+    rounded once to x's dtype, as transformers computes it (q.float() * cos + ...; under autocast its tables are
+    float32). In x's dtype, a bfloat16 model rounded each product and the sum."""
     heads = x.shape[-1] // head_dim
-    cos, sin = (jnp.tile(t, heads).astype(x.dtype) for t in (cos, sin))
-    return x * cos + x_rotated * sin
+    cos, sin = (jnp.tile(t, heads).astype(jnp.float32) for t in (cos, sin))
+    return (x.astype(jnp.float32) * cos + x_rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
 def apply_rotary(x, cos, sin, head_dim: int):
