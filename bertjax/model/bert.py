@@ -54,10 +54,14 @@ def activation(name: str):
     }[name]
 
 
+# The GELUs by HF name: whether each is the tanh approximation (the activations with their own VJPs).
+_GELU_APPROXIMATE = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
+
+
 def activation_with_bias(name: str):
     """`activation(name)(h + bias)` as f(h, bias): the GELUs take the bias into their own backward
     (`gelu_with_bias`), so the sum h + bias is not kept for it."""
-    approximate = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}.get(name)
+    approximate = _GELU_APPROXIMATE.get(name)
     if approximate is None:
         return lambda h, bias: activation(name)(h + bias)
     return functools.partial(gelu_with_bias, approximate=approximate)
@@ -66,7 +70,7 @@ def activation_with_bias(name: str):
 def gated_activation(name: str, of_pair: bool):
     """GeGLU-style `activation(name)(x) * gate`: as f(x, gate), or `of_pair` as f(y) of y [..., 2, width] = (x, gate);
     the GELUs keep their inputs, not gelu(x), for their own backward (`gated_gelu`, `gated_gelu_of_pair`)."""
-    approximate = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}.get(name)
+    approximate = _GELU_APPROXIMATE.get(name)
     if approximate is None:
         gated = lambda x, gate: activation(name)(x) * gate
         return (lambda y: gated(y[..., 0, :], y[..., 1, :])) if of_pair else gated

@@ -109,11 +109,16 @@ def _forward_gated(x, gate, approximate):
     return _gated_gelu(x, gate, approximate), (x, gate)
 
 
+def _gated_gradients(x, gate, g, approximate):
+    """(dx, dgate) of gelu(x) * gate for its cotangent g, in float32."""
+    x, gate, g = (t.astype(jnp.float32) for t in (x, gate, g))
+    return g * gate * gelu_derivative(x, approximate), g * jax.nn.gelu(x, approximate=approximate)
+
+
 def _backward_gated(approximate, residuals, g):
     x, gate = residuals
-    x32, g = x.astype(jnp.float32), g.astype(jnp.float32)
-    dx = g * gate.astype(jnp.float32) * gelu_derivative(x32, approximate)
-    return dx.astype(x.dtype), (g * jax.nn.gelu(x32, approximate=approximate)).astype(gate.dtype)
+    dx, dgate = _gated_gradients(x, gate, g, approximate)
+    return dx.astype(x.dtype), dgate.astype(gate.dtype)
 
 
 _gated_gelu.defvjp(_forward_gated, _backward_gated)
@@ -141,11 +146,10 @@ def _backward_of_pair(approximate, y, g):
     # and the pair merged into the last axis: computed as two halves, XLA:GPU joined dx and dgate in passes of
     # their own; repeated along the pair's own axis, it wrote the GELU's float32 parts to memory.
     pair_shape = y.shape
-    both = lambda t: jnp.broadcast_to(t[..., None, :], pair_shape).reshape(*pair_shape[:-2], -1).astype(jnp.float32)
-    x, gate, g = both(y[..., 0, :]), both(y[..., 1, :]), both(g)
-    is_gate = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) >= pair_shape[-1]
-    dy = g * jnp.where(is_gate, jax.nn.gelu(x, approximate=approximate), gate * gelu_derivative(x, approximate))
-    return (dy.astype(y.dtype).reshape(pair_shape),)
+    both = lambda t: jnp.broadcast_to(t[..., None, :], pair_shape).reshape(*pair_shape[:-2], -1)
+    dx, dgate = _gated_gradients(both(y[..., 0, :]), both(y[..., 1, :]), both(g), approximate)
+    is_gate = jax.lax.broadcasted_iota(jnp.int32, dx.shape, dx.ndim - 1) >= pair_shape[-1]
+    return (jnp.where(is_gate, dgate, dx).astype(y.dtype).reshape(pair_shape),)
 
 
 _gated_gelu_of_pair.defvjp(_forward_of_pair, _backward_of_pair)

@@ -70,7 +70,8 @@ class Projection(nn.Module):
     """x W (+ b): a kernel [in, *out_shape] (HF's Linear weight [prod(out_shape), in], transposed), optional bias.
 
     A fused projection (out_shape (n, width): Wqkv, Wi) returns its n outputs, each x W[:, i] [..., width]: one
-    [..., n, width] product would put n (3 or 2) in XLA:TPU's sublanes, padded to 8 (2.7x and 4x the bytes)."""
+    [..., n, width] product would put n (3 or 2) in XLA:TPU's sublanes, padded to 8 (2.7x and 4x the bytes).
+    With `split=False` (off TPU) it returns that one product."""
 
     config: ModernBertConfig
     out_shape: tuple[int, ...]
