@@ -259,10 +259,11 @@ def test_the_tpus_rotation_is_the_rotation_of_the_projection(monkeypatch, hidden
 
 
 @pytest.mark.parametrize("mlp_bias", [False, True])
-def test_the_tpus_two_feed_forward_products_are_the_one_product_elsewhere(monkeypatch, mlp_bias):
-    """GeGLU's Wi: on TPU two products x W[:, 0], x W[:, 1] (one [..., 2, I] product pads the 2 to 8 sublanes),
-    elsewhere one x W[H, 2I] whose halves the GELU's own backward takes (`gated_gelu`): the same feed-forward
-    from the same params, its value and every gradient, to float32 rounding."""
+def test_the_tpus_feed_forward_product_in_the_lanes_is_the_pair_elsewhere(monkeypatch, mlp_bias):
+    """GeGLU's Wi: on TPU one product x W[H, 2I] with its halves side by side in the lanes (a [..., 2, I] product
+    pads the 2 to 8 sublanes), elsewhere one [..., 2, I] product whose pair the GELU's own backward takes
+    (`gated_gelu_of_pair`): the same feed-forward from the same params, its value and every gradient, to float32
+    rounding."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -281,6 +282,33 @@ def test_the_tpus_two_feed_forward_products_are_the_one_product_elsewhere(monkey
     on_tpu = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
     for got, want in zip(jax.tree_util.tree_leaves(on_tpu), jax.tree_util.tree_leaves(elsewhere), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("bfloat16", 1e-2)])
+def test_the_split_products_are_the_products_and_their_gradients_come_from_two_matmuls(dtype, tol):
+    """q/k/v on TPU (`split_products`): x W[:, i] for each i, the same bits; their input gradient one matmul over
+    the stacked cotangents and the whole kernel, the kernel's one more (2 + n dot_generals in all, where autodiff
+    of n products has 3n), equal to autodiff's gradients to the dtype's rounding."""
+    import jax
+    import jax.numpy as jnp
+
+    from bertjax.model.split_products import split_products
+
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(2, 5, 16)), dtype)
+    kernel = jnp.asarray(rng.normal(size=(16, 3, 8)), dtype)
+    weights = [jnp.asarray(rng.normal(size=(2, 5, 8)), dtype) for _ in range(3)]
+    plain = lambda x, kernel: tuple(x @ kernel[:, i] for i in range(kernel.shape[1]))
+    for got, want in zip(split_products(x, kernel), plain(x, kernel), strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    loss = lambda f: lambda x, kernel: sum(jnp.sum((y * w).astype(jnp.float32)) for y, w in zip(f(x, kernel), weights))
+    matmuls = lambda f: str(jax.make_jaxpr(jax.grad(loss(f), argnums=(0, 1)))(x, kernel)).count("dot_general")
+    assert (matmuls(split_products), matmuls(plain)) == (3 + 2, 3 * 3)
+    got, want = (jax.grad(loss(f), argnums=(0, 1))(x, kernel) for f in (split_products, plain))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        w = np.asarray(w, np.float32)
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=tol, atol=tol * np.abs(w).max())
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -93,10 +93,9 @@ _gelu_with_bias.defvjp(_forward_with_bias, _backward_with_bias)
 
 
 def gated_gelu(x, gate, approximate: bool):
-    """GeGLU's product `jax.nn.gelu(x, approximate) * gate` of two products (TPU's: `modernbert.GatedMLP`): its
-    bits. The backward keeps x and gate, not gelu(x) as autodiff did (and, on XLA:TPU, computes both gradients
-    where the input-gradient matmuls read them, not in the matmul that writes the product's gradient: the budget
-    step on v5e 233.6 -> 232.1 ms)."""
+    """GeGLU's product `jax.nn.gelu(x, approximate) * gate` (TPU's: x and gate the halves of Wi's [..., 2I] product,
+    `modernbert.GatedMLP`): its bits. The backward keeps x and gate, not gelu(x) as autodiff did; XLA:TPU computes
+    both gradients in the matmul that writes the product's cotangent (docs/performance.md)."""
     return _gated_gelu(x, gate, approximate)
 
 

@@ -26,6 +26,7 @@ from bertjax.model.bert import activation, gated_activation, gather_positions, i
 from bertjax.model.dropout import Dropout
 from bertjax.model.layer_norm import layer_norm
 from bertjax.model.modernbert_config import ModernBertConfig
+from bertjax.model.split_products import split_products
 from bertjax.sharding import target_platform
 
 _BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
@@ -69,16 +70,16 @@ class Norm(nn.Module):
 class Projection(nn.Module):
     """x W (+ b): a kernel [in, *out_shape] (HF's Linear weight [prod(out_shape), in], transposed), optional bias.
 
-    A fused projection (out_shape (n, width): Wqkv, Wi) returns its n outputs, each x W[:, i] [..., width]: one
-    [..., n, width] product would put n (3 or 2) in XLA:TPU's sublanes, padded to 8 (2.7x and 4x the bytes).
-    With `split=False` (off TPU) it returns that one product."""
+    A fused projection (out_shape (n, width): Wi) returns one product [..., n, width], or with `merged=True` (on
+    TPU) [..., n * width], the n outputs side by side in the lanes: [..., n, width] puts n in XLA:TPU's sublanes,
+    padded to 8 (4x the bytes for n = 2)."""
 
     config: ModernBertConfig
     out_shape: tuple[int, ...]
     names: tuple[str | None, ...]  # the kernel's logical axes
     std: float
     use_bias: bool
-    split: bool = True   # a fused projection's outputs as n products, or one [..., n, width]
+    merged: bool = False   # a fused projection's product as [..., n * width]
 
     @nn.compact
     def __call__(self, x):
@@ -89,9 +90,10 @@ class Projection(nn.Module):
         x, kernel = x.astype(dtype), kernel.astype(dtype)
         if len(self.out_shape) == 1:
             return x @ kernel + (0 if bias is None else bias)
-        if not self.split:
-            return jnp.einsum("...h,hnw->...nw", x, kernel) + (0 if bias is None else bias)
-        return [x @ kernel[:, i] + (0 if bias is None else bias[i]) for i in range(self.out_shape[0])]
+        if self.merged:
+            width = self.out_shape[0] * self.out_shape[1]
+            return x @ kernel.reshape(x.shape[-1], width) + (0 if bias is None else bias.reshape(width))
+        return jnp.einsum("...h,hnw->...nw", x, kernel) + (0 if bias is None else bias)
 
 
 class Embeddings(nn.Module):
@@ -127,7 +129,8 @@ class RotaryQKV(nn.Module):
     from the weights, rotate_half(x W + b) = x rotate_half(W) + rotate_half(b) (a signed permutation of the columns:
     exact), doubling q's and k's projections; shapes the kernel does not take still go that way (the priced steps
     of both: docs/performance.md). XLA:GPU moves lanes cheaply (there the doubled projections cost more than
-    XLA's rotation of q and k): elsewhere XLA rotates them."""
+    XLA's rotation of q and k): elsewhere XLA rotates them. Beside the kernel, the three products' gradients are
+    one matmul each (`split_products`: XLA:TPU priced the sum of three input gradients at ~1.7x one matmul)."""
 
     config: ModernBertConfig
 
@@ -142,16 +145,16 @@ class RotaryQKV(nn.Module):
         x = x.astype(dtype)
         on_tpu = target_platform() == "tpu"
         in_kernel = on_tpu and rope_tpu.supported(c.hidden_size, c.head_dim, x.shape[1])
-        outputs = []
+        outputs = list(split_products(x, kernel)) if in_kernel else [x @ kernel[:, i] for i in range(3)]
         for i in range(3):
-            y = x @ kernel[:, i] + (0 if bias is None else bias[i])
+            y = outputs[i] + (0 if bias is None else bias[i])
             if i < 2 and on_tpu and not in_kernel:   # q and k
                 y_rot = (x @ rope.rotate_half(kernel[:, i], c.head_dim)
                          + (0 if bias is None else rope.rotate_half(bias[i], c.head_dim)))
                 y = rope.rotate(y, y_rot, *rotary, c.head_dim)
             elif i < 2 and not on_tpu:
                 y = rope.apply_rotary(y, *rotary, c.head_dim)
-            outputs.append(y)
+            outputs[i] = y
         if in_kernel:
             outputs[:2] = rope_tpu.rotate_qk_on_devices(*outputs[:2], *rotary, c.head_dim)
         return outputs
@@ -197,14 +200,17 @@ class GatedMLP(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         c = self.config
-        # XLA:TPU fuses the GELU's forward and backward into the two products' matmuls; elsewhere one product,
-        # its gradient written whole by the GELU's backward (`gated_gelu_of_pair`), saves the passes that add the
-        # halves' input gradients.
+        # One product, so that its input gradient is one matmul (two, summed, cost XLA:TPU 1.8x their FLOPs). On
+        # TPU its halves side by side in the lanes, sliced at a lane-tile boundary: XLA:TPU fuses the GELU's
+        # backward into the matmul that writes its cotangent. Elsewhere [..., 2, intermediate], its gradient
+        # written whole by the GELU's backward (`gated_gelu_of_pair`): XLA:GPU joined sliced halves' gradients
+        # in concatenates of their own.
         on_tpu = target_platform() == "tpu"
         wi = Projection(c, (2, c.intermediate_size), ("embed", None, "mlp"), c.initializer_range, c.mlp_bias,
-                        split=on_tpu, name="Wi")(x)
+                        merged=on_tpu, name="Wi")(x)
         gated = gated_activation(c.hidden_activation, of_pair=not on_tpu)
-        inner = gated(*wi) if on_tpu else gated(wi)
+        width = c.intermediate_size
+        inner = gated(wi[..., :width], wi[..., width:]) if on_tpu else gated(wi)
         inner = _constrain(inner, ("activation_batch", "activation_length", "activation_mlp"))
         inner = Dropout(c.mlp_dropout, name="drop")(inner, deterministic=deterministic)
         return Projection(c, (c.hidden_size,), ("mlp", "embed"), _out_std(c), c.mlp_bias, name="Wo")(inner)
