@@ -286,7 +286,7 @@ def test_the_tpus_feed_forward_product_in_the_lanes_is_the_pair_elsewhere(monkey
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("bfloat16", 1e-2)])
 def test_the_split_products_are_the_products_and_their_gradients_come_from_two_matmuls(dtype, tol):
-    """q/k/v on TPU (`split_products`): x W[:, i] for each i, the same bits; their input gradient one matmul over
+    """q/k/v (`split_products`): x W[:, i] for each i, the same bits; their input gradient one matmul over
     the stacked cotangents and the whole kernel, the kernel's one more (2 + n dot_generals in all, where autodiff
     of n products has 3n), equal to autodiff's gradients to the dtype's rounding."""
     import jax

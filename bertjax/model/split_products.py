@@ -4,8 +4,9 @@ Differentiated as written, the input gradient of n products is n matmuls summed,
 into the next matmul, a fusion it prices at ~1.8x the matmul's FLOPs at peak (q/k/v in the budget step on v5e:
 1.07 ms a layer where one matmul over all three takes 0.63). Here the backward stacks the n cotangents and
 contracts them with the whole kernel [in, n, width], once for the input and once for the kernel; the stacking is
-fused into the matmuls' operands when the cotangents come from kernels of their own (attention's and RoPE's do: an
-elementwise producer would write the stack out)."""
+fused into the matmuls' operands when the cotangents come from kernels of their own (attention's and RoPE's on TPU:
+an elementwise producer would write the stack out). XLA:GPU writes the stack in the fusion that rotates q's and k's
+gradients back, where it wrote those two and then read three products to sum them."""
 from __future__ import annotations
 
 import jax
