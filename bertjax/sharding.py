@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Mapping, Sequence
 
 import flax.linen as nn
@@ -47,6 +48,15 @@ def target_platform() -> str:
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else getattr(mesh, "abstract_mesh", mesh).abstract_device
     return (device.platform if device is not None else None) or jax.default_backend()
+
+
+def logical_axis_size(name: str) -> int:
+    """Into how many parts the active mesh splits the logical axis `name` under the rules in force (1 outside a
+    mesh, or where no rule maps it)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    return math.prod(dict(mesh.shape)[axis] for axis in _axes(nn.logical_to_mesh_axes((name,))[0]))
 
 
 def manual_batch_offset(local_rows: int):

@@ -27,7 +27,7 @@ from bertjax.model.dropout import Dropout
 from bertjax.model.layer_norm import layer_norm
 from bertjax.model.modernbert_config import ModernBertConfig
 from bertjax.model.split_products import split_products
-from bertjax.sharding import target_platform
+from bertjax.sharding import logical_axis_size, target_platform
 
 _BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 
@@ -205,13 +205,17 @@ class GatedMLP(nn.Module):
         # TPU its halves side by side in the lanes, sliced at a lane-tile boundary: XLA:TPU fuses the GELU's
         # backward into the matmul that writes its cotangent. Elsewhere [..., 2, intermediate], its gradient
         # written whole by the GELU's backward (`gated_gelu_of_pair`): XLA:GPU joined sliced halves' gradients
-        # in concatenates of their own.
-        on_tpu = target_platform() == "tpu"
+        # in concatenates of their own. With "mlp" split over devices, the pair's halves apart: both merge the
+        # pair with the split axis (the kernel, the GELU's gradient), which XLA reshards (all-to-alls).
+        mlp_split = logical_axis_size("mlp") > 1
+        merged = target_platform() == "tpu" and not mlp_split
         wi = Projection(c, (2, c.intermediate_size), ("embed", None, "mlp"), c.initializer_range, c.mlp_bias,
-                        merged=on_tpu, name="Wi")(x)
-        gated = gated_activation(c.hidden_activation, of_pair=not on_tpu)
+                        merged=merged, name="Wi")(x)
+        of_pair = not (merged or mlp_split)
+        gated = gated_activation(c.hidden_activation, of_pair=of_pair)
         width = c.intermediate_size
-        inner = gated(wi[..., :width], wi[..., width:]) if on_tpu else gated(wi)
+        halves = (wi[..., :width], wi[..., width:]) if merged else (wi[..., 0, :], wi[..., 1, :])
+        inner = gated(wi) if of_pair else gated(*halves)
         inner = _constrain(inner, ("activation_batch", "activation_length", "activation_mlp"))
         inner = Dropout(c.mlp_dropout, name="drop")(inner, deterministic=deterministic)
         return Projection(c, (c.hidden_size,), ("mlp", "embed"), _out_std(c), c.mlp_bias, name="Wo")(inner)
