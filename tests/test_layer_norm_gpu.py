@@ -19,6 +19,7 @@ from bertjax.model.bert import BertModel, DenseBeforeLayerNorm
 from bertjax.model.config import BertConfig
 from tests.kernel_references import LAYER_NORM_EPS, LAYER_NORM_RATE, layer_norm_inputs, layer_norm_kernel_and_reference
 from tests.kernel_references import layer_norm_value_and_grads as _value_and_grads
+from tests.kernel_references import pre_norm_sum_kernel_and_reference
 from tests.test_dropout_attention_gpu import _lowered_for_a_gpu
 
 EPS, RATE = LAYER_NORM_EPS, LAYER_NORM_RATE
@@ -72,7 +73,7 @@ def test_the_mask_is_keep_mask_fused_element_for_element_and_for_a_shards_rows()
     seeds = dropout_lib.word_seeds(jax.random.PRNGKey(3))
     keep = np.asarray(dropout_lib.keep_mask_fused(seeds, RATE, SHAPE))
     assert 0 < (~keep).sum() < keep.size / 4
-    _, (s, *_) = lg._layer_norm_forward(EPS, jnp.dtype(jnp.bfloat16), RATE, True, (False, True), True, x, None,
+    _, (s, *_) = lg._layer_norm_forward(EPS, jnp.dtype(jnp.bfloat16), RATE, True, (False, True), True, False, x, None,
                                         residual, scale, bias, seeds, jnp.zeros(1, jnp.int32))
     np.testing.assert_array_equal(np.asarray(s, np.float32),
                                   np.asarray(ln._dropout_sum(x, residual, seeds, RATE), np.float32))
@@ -86,6 +87,22 @@ def test_the_mask_is_keep_mask_fused_element_for_element_and_for_a_shards_rows()
     np.testing.assert_array_equal(np.asarray(shard_dx) != 0, keep[1:])
     _, all_kept, ds = grads(x, residual, 0, rate=0.0)
     np.testing.assert_array_equal(np.asarray(all_kept), np.asarray(ds))
+
+
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
+def test_the_pre_norm_sum_and_its_norm_equal_the_composition(dtype, rtol):
+    """ModernBERT's residual stream (`layer_norm.sum_and_layer_norm`): (residual + x, LayerNorm of it) from one kernel
+    that returns the sum, whose own cotangent its backward adds to the norm's gradient: the sum bit for bit, the
+    norm, and x's, the residual's, scale's and bias's gradients (both outputs carrying a cotangent) against the
+    composition as XLA runs it (`layer_norm._fused` of the sum)."""
+    x, residual, scale, bias, cotangent = _inputs(dtype)
+    got, want = pre_norm_sum_kernel_and_reference(x, residual, scale, bias, cotangent, dtype)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    _assert_close(got[1:], want[1:], rtol, names=("y", "dx", "dresidual", "dscale", "dbias"))
+    # the sum's cotangent reached the inputs: without it their gradient differs by more than the tolerance
+    kernel = lambda x, r: lg.layer_norm(x, scale, bias, EPS, dtype, r, interpret=True, return_sum=True)
+    alone = jax.vjp(kernel, x, residual)[1]((cotangent, jnp.zeros_like(x)))[0]
+    assert np.abs(np.asarray(alone, np.float32) - np.asarray(want[2], np.float32)).max() > 0.1
 
 
 @pytest.mark.parametrize("with_dropout", [False, True])

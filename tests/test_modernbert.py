@@ -284,6 +284,35 @@ def test_the_tpus_feed_forward_product_in_the_lanes_is_the_pair_elsewhere(monkey
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def test_the_encoder_on_a_gpus_layer_norm_kernels_is_the_encoder_elsewhere(monkeypatch):
+    """The residual stream on a GPU: each layer's sum taken by the LayerNorm kernel that reads it (run interpreted),
+    handed between layers as (hidden, branch), its gradient added in the kernels' backward: the encoder's output
+    and every param's gradient those of XLA's composition (CPU), to float32 rounding; its hidden states too."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from bertjax.model import layer_norm
+
+    config = ModernBertConfig(hidden_size=32, num_attention_heads=2, intermediate_size=48, num_hidden_layers=4,
+                              local_attention=4, vocab_size=50, pad_token_id=0)
+    ids = jnp.asarray(np.random.default_rng(9).integers(1, 50, (2, 9)), jnp.int32)
+    mask = jnp.ones_like(ids).at[1, 7:].set(0)
+    encoder = modernbert.ModernBertModel(config)
+    params = nn.meta.unbox(encoder.init(jax.random.key(0), ids, mask))
+    weights = jnp.asarray(np.random.default_rng(10).normal(size=(2, 9, 32)), jnp.float32)
+
+    def run(params):
+        (out, _), state = encoder.apply(params, ids, mask, mutable=["intermediates"])
+        return jnp.sum(out * weights), (out, state["intermediates"]["hidden_states"])
+
+    want = jax.value_and_grad(run, has_aux=True)(params)
+    monkeypatch.setattr(layer_norm, "target_platform", lambda: "gpu")
+    got = jax.value_and_grad(run, has_aux=True)(params)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
+
+
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
 def test_the_feed_forward_split_over_tensor_moves_no_activations_between_devices(monkeypatch, platform):
     """With "mlp" split over a tensor axis (data=2 x tensor=2 CPU devices) Wi's halves are taken apart, not merged

@@ -248,6 +248,8 @@ def cases(size: str):
         for shape in layer_norm_shapes:
             found.append((f"layer_norm {name} {list(shape)} dropout(x + b) + residual", TOLERANCE[name],
                           lambda shape=shape, dtype=dtype: _layer_norm_tensors(shape, dtype, interpret, True, True)))
+        found.append((f"layer_norm {name} {list(layer_norm_shapes[0])} pre-norm sum", TOLERANCE[name],
+                      lambda dtype=dtype: _pre_norm_sum_tensors(layer_norm_shapes[0], dtype, interpret)))
     shape = layer_norm_shapes[0]   # plain: the embeddings' (float32 in, bf16 out), with and without dropout
     for dropout in (False, True):
         found.append((f"layer_norm float32->bfloat16 {list(shape)} plain{', dropout' if dropout else ''}",
@@ -277,6 +279,13 @@ def _layer_norm_tensors(shape, dtype, interpret, residual: bool, dropout: bool, 
                                                 cotangent.astype(out_dtype), out_dtype, seeds, x_bias,
                                                 interpret=interpret)
     names = ("y", "dx") + (("dx_bias", "dresidual") if residual else ()) + ("dscale", "dbias")
+    return [(name, g, w, None) for name, g, w in zip(names, got, want)]
+
+
+def _pre_norm_sum_tensors(shape, dtype, interpret):
+    x, residual, scale, bias, cotangent = layer_norm_inputs(dtype, shape)
+    got, want = pre_norm_sum_kernel_and_reference(x, residual, scale, bias, cotangent, dtype, interpret=interpret)
+    names = ("sum", "y", "dx", "dresidual", "dscale", "dbias")
     return [(name, g, w, None) for name, g, w in zip(names, got, want)]
 
 
@@ -378,3 +387,26 @@ def layer_norm_kernel_and_reference(x, residual, scale, bias, cotangent, dtype, 
         return ln._fused(LAYER_NORM_EPS, jnp.dtype(dtype), LAYER_NORM_RATE, x, summand, scale, bias, seeds)
 
     return tuple(layer_norm_value_and_grads(f, cotangent, *args) for f in (kernel, xla))
+
+
+def pre_norm_sum_kernel_and_reference(x, residual, scale, bias, cotangent, dtype, interpret=True):
+    """(sum, y, gradients of x, residual, scale, bias) of the GPU kernels returning residual + x and its LayerNorm
+    (ModernBERT's residual stream: `layer_norm.sum_and_layer_norm`), both outputs given a cotangent (the sum's:
+    `cotangent` reversed along its rows), and of the XLA composition (the sum, then `layer_norm._fused`)."""
+    sum_cotangent = cotangent[..., ::-1, :]
+
+    def kernel(x, residual, scale, bias):
+        y, total = lg.layer_norm(x, scale, bias, LAYER_NORM_EPS, dtype, residual, interpret=interpret,
+                                 return_sum=True)
+        return total, y
+
+    def xla(x, residual, scale, bias):
+        total = residual + x
+        return total, ln._fused(LAYER_NORM_EPS, jnp.dtype(dtype), 0.0, total, jnp.zeros_like(total), scale, bias,
+                                None)
+
+    def value_and_grads(f):
+        (total, y), pullback = jax.vjp(f, x, residual, scale, bias)
+        return (total, y, *pullback((sum_cotangent, cotangent)))
+
+    return value_and_grads(kernel), value_and_grads(xla)

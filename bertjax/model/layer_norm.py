@@ -68,6 +68,22 @@ def layer_norm(x, scale, bias, eps: float, dtype):
     return y.astype(dtype).reshape(shape)
 
 
+def sum_and_layer_norm(x, residual, scale, bias, eps: float, dtype):
+    """(residual + x, LayerNorm(residual + x)): a pre-norm layer's residual stream and its next norm, the sum in
+    their dtype. On a GPU one kernel reads x and the residual and writes both (XLA wrote the sum, then the LayerNorm
+    kernel read it back; in the backward the stream's gradient is added in the LayerNorm's kernel, not in a pass of
+    its own); elsewhere the composition."""
+    if x.dtype != residual.dtype:
+        raise ValueError(f"x ({x.dtype}) and residual ({residual.dtype}) must have one dtype")
+    if target_platform() == "gpu" and gpu_kernels.runs_kernel("layer_norm") and \
+            (both := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype, residual,
+                                                          return_sum=True)) is not None:
+        y, s = both
+        return s, y
+    s = residual + x
+    return s, layer_norm(s, scale, bias, eps, dtype)
+
+
 def _dropout_sum(x, residual, seeds, rate: float):
     """dropout(x) + residual in their own dtype, as the composition rounds it; the mask drawn where it is used."""
     if seeds is not None:

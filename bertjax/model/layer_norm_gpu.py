@@ -4,11 +4,12 @@ bias of the Dense whose output x is (`bert.DenseBeforeLayerNorm`): added here, i
 
 - forward, a program per ROWS rows: reads x (and the residual), writes the sum s = dropout(x + b) + residual
   (compute dtype; kept for the backward, not written without a residual, bias or dropout: s is x), y, and each
-  row's mean and 1 / std (float32);
-- backward, a program per ROWS * BACKWARD_STEPS rows (a loop over blocks of ROWS): reads dy, s, mean and 1 / std,
-  writes ds (the residual's gradient) and, with dropout, dx = where(keep, ds / keep_prob, 0) (without dropout dx is
-  ds, not written twice); and per program the column sums of dy * xhat and dy in float32 (scale's and bias's
-  gradients), with b those of dx too (b's), added up by XLA over an array 1 / (ROWS * BACKWARD_STEPS) of dy's rows.
+  row's mean and 1 / std (float32); with `return_sum` s is an output too (a pre-norm layer's residual stream);
+- backward, a program per ROWS * BACKWARD_STEPS rows (a loop over blocks of ROWS): reads dy, s, mean and 1 / std
+  (and s's own cotangent, added to ds, with `return_sum`), writes ds (the residual's gradient) and, with dropout,
+  dx = where(keep, ds / keep_prob, 0) (without dropout dx is ds, not written twice); and per program the column
+  sums of dy * xhat and dy in float32 (scale's and bias's gradients), with b those of dx too (b's), added up by
+  XLA over an array 1 / (ROWS * BACKWARD_STEPS) of dy's rows.
 
 The keep mask is `dropout.keep_mask_fused`'s, bit for bit: element (row, c) of the rows [N, H] hashes the word
 numbered global_row * H / 2 + (c mod H / 2) (`dropout.hash_words`), its low 16 bits for c < H / 2, its high ones
@@ -101,8 +102,8 @@ def _forward_kernel(seeds_ref, offset_ref, x_ref, x_bias_ref, residual_ref, scal
     plgpu.store(rstd_ref.at[block.row], rstd[:, 0], mask=block.row_ok)
 
 
-def _backward_kernel(seeds_ref, offset_ref, dy_ref, s_ref, mean_ref, rstd_ref, scale_ref, ds_ref, *out_refs, n_rows,
-                     width, padded, rate, threshold, n_sums):
+def _backward_kernel(seeds_ref, offset_ref, dy_ref, s_ref, mean_ref, rstd_ref, scale_ref, ds_in_ref, ds_ref, *out_refs,
+                     n_rows, width, padded, rate, threshold, n_sums):
     dx_ref, sums_ref = out_refs if threshold is not None else (None, *out_refs)
     column = jnp.arange(padded, dtype=jnp.int32)
     scale = _Block(0, n_rows, width, padded).load_row(scale_ref)
@@ -117,6 +118,8 @@ def _backward_kernel(seeds_ref, offset_ref, dy_ref, s_ref, mean_ref, rstd_ref, s
         ds = rstd * (g - jnp.sum(g, axis=1, keepdims=True) / width
                      - xhat * (jnp.sum(g * xhat, axis=1, keepdims=True) / width))
         ds = ds.astype(ds_ref.dtype)   # the sum's gradient, rounded to its dtype as autodiff does
+        if ds_in_ref is not None:     # the sum's own cotangent (a pre-norm residual stream's), added as XLA adds
+            ds = (ds.astype(jnp.float32) + block.load(ds_in_ref)).astype(ds_ref.dtype)
         block.store(ds_ref, ds)
         dx = ds
         if threshold is not None:
@@ -157,15 +160,17 @@ def _geometry(x):
     return dict(n_rows=n_rows, width=width, padded=pl.next_power_of_2(width))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _layer_norm(eps, dtype, rate, dropout, present, interpret, x, x_bias, residual, scale, bias, seeds, offset):
-    return _layer_norm_forward(eps, dtype, rate, dropout, present, interpret, x, x_bias, residual, scale, bias, seeds,
-                               offset)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _layer_norm(eps, dtype, rate, dropout, present, interpret, returns_sum, x, x_bias, residual, scale, bias, seeds,
+                offset):
+    return _layer_norm_forward(eps, dtype, rate, dropout, present, interpret, returns_sum, x, x_bias, residual, scale,
+                               bias, seeds, offset)[0]
 
 
-def _layer_norm_forward(eps, dtype, rate, dropout, present, interpret, x, x_bias, residual, scale, bias, seeds,
-                        offset):
-    """`present`: whether (x_bias, residual) are given (static: the backward returns None for the absent)."""
+def _layer_norm_forward(eps, dtype, rate, dropout, present, interpret, returns_sum, x, x_bias, residual, scale, bias,
+                        seeds, offset):
+    """`present`: whether (x_bias, residual) are given (static: the backward returns None for the absent);
+    `returns_sum`: y and the sum s, not y alone."""
     geometry = _geometry(x)
     flat = jax.ShapeDtypeStruct((x.size,), x.dtype)
     stats = jax.ShapeDtypeStruct((geometry["n_rows"],), jnp.float32)
@@ -178,11 +183,13 @@ def _layer_norm_forward(eps, dtype, rate, dropout, present, interpret, x, x_bias
                  interpret, "layer_norm_gpu_fwd", *(a for a in inputs if a is not None))
     s = outs[0].reshape(x.shape) if keeps_sum else x
     y, mean, rstd = outs[-3:]
-    return y.reshape(x.shape), (s, mean, rstd, scale, seeds, offset)
+    y = y.reshape(x.shape)
+    return (y, s) if returns_sum else y, (s, mean, rstd, scale, seeds, offset)
 
 
-def _layer_norm_backward(eps, dtype, rate, dropout, present, interpret, saved, dy):
+def _layer_norm_backward(eps, dtype, rate, dropout, present, interpret, returns_sum, saved, cotangent):
     s, mean, rstd, scale, seeds, offset = saved
+    dy, ds_in = cotangent if returns_sum else (cotangent, None)
     has_x_bias, has_residual = present
     geometry = _geometry(s)
     threshold = _threshold(rate, dropout)
@@ -192,8 +199,10 @@ def _layer_norm_backward(eps, dtype, rate, dropout, present, interpret, saved, d
     sums = jax.ShapeDtypeStruct((programs * n_sums * geometry["width"],), jnp.float32)
     out_shapes = [flat] + ([flat] if threshold is not None else []) + [sums]
     kernel = functools.partial(_backward_kernel, rate=rate, threshold=threshold, n_sums=n_sums, **geometry)
-    outs = _call(kernel, programs, out_shapes, interpret, "layer_norm_gpu_bwd", seeds, offset, dy.reshape(-1),
-                 s.reshape(-1), mean, rstd, scale)
+    inputs = (seeds, offset, dy.reshape(-1), s.reshape(-1), mean, rstd, scale,
+              None if ds_in is None else ds_in.reshape(-1))
+    outs = _call(_without(kernel, [a is not None for a in inputs]), programs, out_shapes, interpret,
+                 "layer_norm_gpu_bwd", *(a for a in inputs if a is not None))
     ds = outs[0].reshape(s.shape)
     dx = outs[1].reshape(s.shape) if threshold is not None else ds
     sums = outs[-1].reshape(programs, n_sums, geometry["width"]).sum(0)
@@ -204,14 +213,17 @@ _layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
 
 
 def layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate: float = 0.0, seeds=None, row_offset=0,
-               interpret: bool = False, x_bias=None):
+               interpret: bool = False, x_bias=None, return_sum: bool = False):
     """LayerNorm(dropout(x + x_bias) + residual) over the last axis, float32 statistics, output in `dtype`; without
     a residual LayerNorm(dropout(x + x_bias)); x_bias (float32 [width], the Dense's bias before it; None: none)
     added in x's dtype; dropout with `seeds` (`dropout.word_seeds(rng)`; None: none) at `rate`, the mask of
     `keep_mask_fused(seeds, rate, x.shape)` for rows numbered from `row_offset` (a shard's first global row).
-    x and residual of one dtype (the sum's; both get its gradient); dropout needs an even width."""
+    x and residual of one dtype (the sum's; both get its gradient); dropout needs an even width. `return_sum`
+    (with a residual): (y, the sum) — a pre-norm layer's residual stream, whose own gradient the backward adds in."""
     if residual is not None and residual.dtype != x.dtype:
         raise ValueError(f"x ({x.dtype}) and residual ({residual.dtype}) must have one dtype")
+    if return_sum and residual is None:
+        raise ValueError("return_sum needs a residual: without one the sum is x")
     dropout = seeds is not None
     if dropout and not dropout_lib.fusable_shape(x.shape):
         raise ValueError(f"dropout in the GPU LayerNorm needs two axes or more, the last even; got {x.shape}")
@@ -219,12 +231,12 @@ def layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate: float = 0
     offset = jnp.asarray(row_offset, jnp.int32).reshape(1)
     x_bias = None if x_bias is None else x_bias.astype(jnp.float32)
     return _layer_norm(float(eps), jnp.dtype(dtype), float(rate), dropout, (x_bias is not None, residual is not None),
-                       interpret, x, x_bias, residual, scale.astype(jnp.float32), bias.astype(jnp.float32), seeds,
-                       offset)
+                       interpret, return_sum, x, x_bias, residual, scale.astype(jnp.float32),
+                       bias.astype(jnp.float32), seeds, offset)
 
 
 def per_device_layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate: float = 0.0, seeds=None,
-                          x_bias=None):
+                          x_bias=None, return_sum: bool = False):
     """`layer_norm` run on each device's rows of a multi-device mesh, as `attention.per_device_shard` runs the
     attention kernel (XLA cannot partition a Pallas call): the leading axis split over the activation_batch axes,
     the others whole; each shard's mask rows numbered from its first global row. None where the leading axis does
@@ -234,7 +246,7 @@ def per_device_layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate
     def call(x, residual, scale, bias, seeds, x_bias):
         return layer_norm(x, scale, bias, eps, dtype, residual, rate, seeds,
                           row_offset=manual_batch_offset(x.shape[0]) * rows_per_example,
-                          interpret=target_platform() != "gpu", x_bias=x_bias)
+                          interpret=target_platform() != "gpu", x_bias=x_bias, return_sum=return_sum)
 
     arrays = (x, residual, scale, bias, seeds, x_bias)
     mesh = jax.sharding.get_abstract_mesh()
@@ -249,4 +261,5 @@ def per_device_layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate
     present = [a is not None for a in arrays]
     specs = (rows, rows) + (PartitionSpec(),) * 4
     return jax.shard_map(_without(call, present), in_specs=tuple(s for s, p in zip(specs, present) if p),
-                         out_specs=rows, axis_names=set(free), check_vma=False)(*(a for a in arrays if a is not None))
+                         out_specs=(rows, rows) if return_sum else rows, axis_names=set(free),
+                         check_vma=False)(*(a for a in arrays if a is not None))

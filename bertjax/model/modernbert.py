@@ -24,7 +24,7 @@ from bertjax.model import rope, rope_tpu
 from bertjax.model.attention import FUSED_DROPOUT_BACKENDS, FUSED_DROPOUT_MIN_LENGTH, dot_product_attention
 from bertjax.model.bert import activation, gated_activation, gather_positions, init_params as _init_params
 from bertjax.model.dropout import Dropout
-from bertjax.model.layer_norm import layer_norm
+from bertjax.model.layer_norm import layer_norm, sum_and_layer_norm
 from bertjax.model.modernbert_config import ModernBertConfig
 from bertjax.model.split_products import split_products
 from bertjax.sharding import logical_axis_size, target_platform
@@ -53,18 +53,21 @@ def _constrain(x, names):
 
 
 class Norm(nn.Module):
-    """LayerNorm over the last axis, its bias only with `norm_bias` (params `scale`, `bias`); float32 inside."""
+    """LayerNorm over the last axis, its bias only with `norm_bias` (params `scale`, `bias`); float32 inside. Given a
+    residual, of the residual stream residual + x: (that sum, its norm)."""
 
     config: ModernBertConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         c = self.config
         scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
                            (x.shape[-1],), jnp.float32)
         bias = (self.param("bias", _zeros(("embed",)), (x.shape[-1],), jnp.float32) if c.norm_bias
                 else jnp.zeros((x.shape[-1],), jnp.float32))
-        return layer_norm(x, scale, bias, c.norm_eps, jnp.dtype(c.dtype))
+        if residual is None:
+            return layer_norm(x, scale, bias, c.norm_eps, jnp.dtype(c.dtype))
+        return sum_and_layer_norm(x, residual, scale, bias, c.norm_eps, jnp.dtype(c.dtype))
 
 
 class Projection(nn.Module):
@@ -222,21 +225,29 @@ class GatedMLP(nn.Module):
 
 
 class Layer(nn.Module):
-    """One pre-norm encoder layer (HF: ModernBertEncoderLayer); layer 0 skips its attention norm."""
+    """One pre-norm encoder layer (HF: ModernBertEncoderLayer); layer 0 skips its attention norm.
+
+    Its input is hidden + branch (the previous layer's two parts; branch None: hidden alone), its output likewise
+    (hidden, the feed-forward's output): each sum is taken by the norm that reads it (`Norm` with a residual: on a
+    GPU one kernel writes the sum and the norm, the sum's gradient added in its backward)."""
 
     config: ModernBertConfig
     layer: int
 
     @nn.compact
-    def __call__(self, hidden, input_mask, packing_ids, rotary, deterministic: bool):
+    def __call__(self, hidden, branch, input_mask, packing_ids, rotary, deterministic: bool):
         c = self.config
-        normed = Norm(c, name="attn_norm")(hidden)
+        attn_norm = Norm(c, name="attn_norm")
+        if branch is not None:
+            hidden, normed = attn_norm(branch, hidden)
+        else:
+            normed = attn_norm(hidden)
         if self.layer == 0:   # HF's layer 0 has no attention norm (its input is the embeddings' norm)
             normed = hidden
-        hidden = hidden + Attention(c, self.layer, name="attn")(normed, input_mask, packing_ids, rotary,
-                                                                  deterministic)
-        hidden = hidden + GatedMLP(c, name="mlp")(Norm(c, name="mlp_norm")(hidden), deterministic)
-        return _constrain(hidden, _BATCH_LENGTH_EMBED)
+        attended = Attention(c, self.layer, name="attn")(normed, input_mask, packing_ids, rotary, deterministic)
+        hidden, normed = Norm(c, name="mlp_norm")(attended, hidden)
+        return (_constrain(hidden, _BATCH_LENGTH_EMBED),
+                _constrain(GatedMLP(c, name="mlp")(normed, deterministic), _BATCH_LENGTH_EMBED))
 
 
 _REMAT_POLICIES = {"dots": jax.checkpoint_policies.checkpoint_dots,
@@ -246,8 +257,8 @@ _REMAT_POLICIES = {"dots": jax.checkpoint_policies.checkpoint_dots,
 def _layer_class(config: ModernBertConfig):
     if config.remat == "none":
         return Layer
-    # `deterministic` (argument 5, counting the module) is a Python bool that dropout branches on.
-    return nn.remat(Layer, policy=_REMAT_POLICIES[config.remat], static_argnums=(5,))
+    # `deterministic` (argument 6, counting the module) is a Python bool that dropout branches on.
+    return nn.remat(Layer, policy=_REMAT_POLICIES[config.remat], static_argnums=(6,))
 
 
 class ModernBertModel(nn.Module):
@@ -277,11 +288,12 @@ class ModernBertModel(nn.Module):
                   for theta in {c.rope_theta(i) for i in range(c.num_hidden_layers)}}
         hidden = _constrain(self.embeddings(input_ids, deterministic), _BATCH_LENGTH_EMBED)
         self.sow("intermediates", "hidden_states", hidden)
+        branch = None
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, input_mask, packing_ids, rotary[c.rope_theta(i)], deterministic)
+            hidden, branch = layer(hidden, branch, input_mask, packing_ids, rotary[c.rope_theta(i)], deterministic)
             if i < c.num_hidden_layers - 1:
-                self.sow("intermediates", "hidden_states", hidden)
-        hidden = self.final_norm(hidden)
+                self.sow("intermediates", "hidden_states", hidden + branch)
+        _, hidden = self.final_norm(branch, hidden)
         self.sow("intermediates", "hidden_states", hidden)
         return hidden, None
 
