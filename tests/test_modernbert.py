@@ -284,6 +284,34 @@ def test_the_tpus_feed_forward_product_in_the_lanes_is_the_pair_elsewhere(monkey
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_rematerialised_layers_give_the_same_values_and_gradients(remat):
+    """`model.remat` wraps each layer (its (hidden, branch) in and out, `deterministic` static) in nn.remat: the
+    encoder's output and every gradient those without it, with dropout on (the same masks recomputed)."""
+    import dataclasses
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    config = ModernBertConfig(hidden_size=32, num_attention_heads=2, intermediate_size=48, num_hidden_layers=3,
+                              local_attention=4, vocab_size=50, pad_token_id=0, mlp_dropout=0.1,
+                              embedding_dropout=0.1)
+    ids = jnp.asarray(np.random.default_rng(12).integers(1, 50, (2, 9)), jnp.int32)
+    mask = jnp.ones_like(ids)
+    params = nn.meta.unbox(modernbert.ModernBertModel(config).init(jax.random.key(0), ids, mask))
+
+    def grads(config):
+        encoder = modernbert.ModernBertModel(config)
+        loss = lambda p: jnp.sum(jnp.sin(encoder.apply(p, ids, mask, deterministic=False,
+                                                       rngs={"dropout": jax.random.key(3)})[0]))
+        return jax.value_and_grad(loss)(params)
+
+    want, got = grads(config), grads(dataclasses.replace(config, remat=remat))
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6 * np.abs(np.asarray(w)).max())
+
+
 def test_the_encoder_on_a_gpus_layer_norm_kernels_is_the_encoder_elsewhere(monkeypatch):
     """The residual stream on a GPU: each layer's sum taken by the LayerNorm kernel that reads it (run interpreted),
     handed between layers as (hidden, branch), its gradient added in the kernels' backward: the encoder's output
