@@ -18,6 +18,7 @@ FILE_DEVICES = {
     "test_data_pipeline.py": 8,  # a global batch on a data=4 x fsdp=2 mesh
     "test_dropout_attention.py": 4,  # the fused kernel per shard on data=2 x tensor=2
     "test_layer_norm_gpu.py": 4,  # the GPU LayerNorm kernels per shard on data=2 x tensor=2
+    "test_modernbert_sharding.py": 4,  # ModernBERT's feed-forward on data=2 x tensor=2
     "test_dropout.py": 8,  # the same dropout mask when sharded over every device
 }
 # Not here though they name meshes: test_scan_layers.py (its default tests compare numbers and partition specs, the
