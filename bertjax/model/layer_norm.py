@@ -51,11 +51,16 @@ def normalise_rows(s, scale, bias, eps: float, one_pass: bool = False):
     return (s - mean) * rstd * scale + bias, mean, rstd
 
 
+def _gpu_kernels_run() -> bool:
+    """Whether the program is for a GPU whose LayerNorm kernels passed their check (`gpu_kernels.py`)."""
+    return target_platform() == "gpu" and gpu_kernels.runs_kernel("layer_norm")
+
+
 def layer_norm(x, scale, bias, eps: float, dtype):
     """LayerNorm of `x` over its last axis in float32, output in `dtype`."""
     shape = x.shape
     platform = target_platform()
-    if platform == "gpu" and gpu_kernels.runs_kernel("layer_norm") and \
+    if _gpu_kernels_run() and \
             (y := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype)) is not None:
         return y
     if platform == "tpu":
@@ -75,7 +80,7 @@ def sum_and_layer_norm(x, residual, scale, bias, eps: float, dtype):
     its own); elsewhere the composition."""
     if x.dtype != residual.dtype:
         raise ValueError(f"x ({x.dtype}) and residual ({residual.dtype}) must have one dtype")
-    if target_platform() == "gpu" and gpu_kernels.runs_kernel("layer_norm") and \
+    if _gpu_kernels_run() and \
             (both := layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype, residual,
                                                           return_sum=True)) is not None:
         y, s = both
@@ -98,7 +103,7 @@ def residual_layer_norm(x, residual, scale, bias, eps: float, dtype, rate: float
     if x.dtype != residual.dtype:
         raise ValueError(f"x ({x.dtype}) and residual ({residual.dtype}) must have one dtype")
     fusable = dropout_lib.fusable_shape(x.shape)
-    if target_platform() == "gpu" and fusable and gpu_kernels.runs_kernel("layer_norm"):
+    if fusable and _gpu_kernels_run():
         seeds = None if rng is None else dropout_lib.word_seeds(rng)
         y = layer_norm_gpu.per_device_layer_norm(x, scale, bias, eps, dtype, residual, rate, seeds, x_bias)
         if y is not None:

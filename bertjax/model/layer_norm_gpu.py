@@ -25,7 +25,6 @@ in Pallas' interpreter: the tests on CPU.
 from __future__ import annotations
 
 import functools
-import math
 
 import flax.linen as nn
 import jax
@@ -37,7 +36,7 @@ from jax.sharding import PartitionSpec
 
 from bertjax.model import dropout as dropout_lib
 from bertjax.model.hashing import below, fmix32
-from bertjax.sharding import manual_batch_offset, target_platform
+from bertjax.sharding import logical_axis_size, manual_batch_offset, target_platform
 
 # Rows per forward program (4,096 programs for BERT-base's 32,768 rows); the backward loops over BACKWARD_STEPS
 # such blocks per program (512 programs; its partial sums 1/64 of dy's rows); 8 warps: 32 float32 registers per
@@ -253,10 +252,9 @@ def per_device_layer_norm(x, scale, bias, eps: float, dtype, residual=None, rate
     free = () if mesh.empty else tuple(name for name in mesh.axis_names if name not in mesh.manual_axes)
     if mesh.empty or mesh.size == 1 or not free:
         return call(*arrays)
-    batch_axes = nn.logical_to_mesh_axes(("activation_batch",))[0]
-    names = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
-    if x.shape[0] % math.prod(mesh.shape[name] for name in names):
+    if x.shape[0] % logical_axis_size("activation_batch"):
         return None
+    batch_axes = nn.logical_to_mesh_axes(("activation_batch",))[0]
     rows = PartitionSpec(batch_axes, *(None,) * (x.ndim - 1))
     present = [a is not None for a in arrays]
     specs = (rows, rows) + (PartitionSpec(),) * 4

@@ -132,9 +132,9 @@ class RotaryQKV(nn.Module):
     from the weights, rotate_half(x W + b) = x rotate_half(W) + rotate_half(b) (a signed permutation of the columns:
     exact), doubling q's and k's projections; shapes the kernel does not take still go that way (the priced steps
     of both: docs/performance.md). XLA:GPU moves lanes cheaply (there the doubled projections cost more than
-    XLA's rotation of q and k): elsewhere XLA rotates them. But beside the weights' rotation, the three products'
-    gradients are one matmul each (`split_products`: XLA:TPU priced the sum of three input gradients at ~1.7x one
-    matmul; XLA:GPU wrote q's and k's gradients, then summed three products in a pass of its own)."""
+    XLA's rotation of q and k): elsewhere XLA rotates them. The three products' gradients are one matmul each
+    (`split_products`: XLA:TPU priced the sum of three input gradients at ~1.7x one matmul; XLA:GPU wrote q's and
+    k's gradients, then summed three products in a pass of its own)."""
 
     config: ModernBertConfig
 
@@ -149,7 +149,7 @@ class RotaryQKV(nn.Module):
         x = x.astype(dtype)
         on_tpu = target_platform() == "tpu"
         in_kernel = on_tpu and rope_tpu.supported(c.hidden_size, c.head_dim, x.shape[1])
-        outputs = list(split_products(x, kernel)) if in_kernel or not on_tpu else [x @ kernel[:, i] for i in range(3)]
+        outputs = list(split_products(x, kernel))
         for i in range(3):
             y = outputs[i] + (0 if bias is None else bias[i])
             if i < 2 and on_tpu and not in_kernel:   # q and k
