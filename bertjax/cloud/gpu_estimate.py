@@ -8,7 +8,7 @@ program launches is priced here, in schedule order, on a `gpus.Card`:
   longer.
 - Every other kernel (fusions, copies, other custom calls such as cuDNN's) at its bytes moved (operands + results
   by their HLO shapes; an operand the fusion only slices counts its slices, an in-place dynamic-update-slice its
-  update) over HBM bandwidth at `HBM_EFFICIENCY`.
+  update, a buffer passed to a custom call more than once its bytes once) over HBM bandwidth at `HBM_EFFICIENCY`.
 - Each launch adds `LAUNCH_SECONDS` (the start, the tail, the gap to the next kernel on the stream).
 - A while loop counts its body `known_trip_count` times (or N for `counter < N`, as in estimate.py); a
   conditional its costliest branch.
@@ -232,7 +232,8 @@ def _written_bytes(instruction: _Instruction) -> int:
 
 def _bytes_moved(instruction: _Instruction, types: dict, computations: dict) -> int:
     """Operands read + results written, by their shapes; a fused operand only sliced counts its slices' bytes, an
-    in-place dynamic-update-slice root its update's."""
+    in-place dynamic-update-slice root its update's; a buffer a custom call takes more than once counts once (the
+    GPU attention's q/k/v stacked in one array, passed as three operands each read in its own third)."""
     operands = _operand_names(instruction)
     fused = next(iter(instruction.callees.get("calls", [])), None)
     body = computations.get(fused, []) if instruction.opcode == "fusion" else []
@@ -250,11 +251,12 @@ def _bytes_moved(instruction: _Instruction, types: dict, computations: dict) -> 
     if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) >= 2:
         updated_in_place.add(root.operands[0])
         written = array_bytes(next((i.result_type for i in body if i.name == root.operands[1]), ""))
-    read = 0
+    read, seen = 0, set()
     for index, operand in enumerate(operands):
         parameter = parameters.get(index)
-        if parameter in updated_in_place:
+        if parameter in updated_in_place or (not body and operand in seen):
             continue
+        seen.add(operand)
         uses = users.get(parameter, [])
         if uses and all(u.opcode in _SLICING and u.operands and u.operands[0] == parameter for u in uses):
             read += sum(array_bytes(u.result_type) for u in uses)
