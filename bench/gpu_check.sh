@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one run on a bare GPU machine (at most ~8 minutes). First, before any timing, the Pallas GPU
 # kernels (attention with dropout, the LayerNorms) compiled for the card and checked against XLA on it at BERT-base
-# shapes, forward and gradients (bench/gpu_kernels.py: 12 cases of a few small compiles each, expected well under a
+# shapes, forward and gradients (bench/gpu_kernels.py: 14 cases of a few small compiles each, expected well under a
 # minute; kernels.txt): if a case fails the script stops there with its lines and times nothing, the timing of a
 # wrong program being no figure. The verdict is cached for jobs on this machine, and kernels.txt's last line is the
 # entry to record in bertjax/model/gpu_kernel_check.py's PASSED_ON when all pass (`bertjax compile` then says no more

@@ -13,10 +13,11 @@ version and kernel source (so jobs here skip their own check), and its key print
 `gpu_kernel_check.PASSED_ON` once all pass.
 
 On a GPU: the attention with 12 heads of 64 at batch 4 x seq 128 (padding) and batch 2 x seq 512 (packing), the
-model's blocks (`attention.gpu_query_block`); the residual LayerNorm over [4, 128, 768] and [2, 512, 768] (768
-held as 1,024 columns), the plain one and the pre-norm sum (ModernBERT's) over the first; dropout 0.1; bf16 and
-float32: 12 cases. The largest array is the reference's [2, 12, 512, 512] float32 scores (25 MB): each case is a few
-small compiles. Interpreted: 10 cases at [2, 64, 2, 16] and [3, 7, 48], 16-36 s (~22 CPU-s) on a loaded 2-core CPU. float32 matmuls at full
+model's blocks (`attention.gpu_query_block`), and ModernBERT's (q/k/v stacked, rotary positions and a window of 128
+in the kernels) at the second; the residual LayerNorm over [4, 128, 768] and [2, 512, 768] (768 held as 1,024
+columns), the plain one and the pre-norm sum (ModernBERT's) over the first; dropout 0.1; bf16 and float32: 14
+cases. The largest array is the reference's [2, 12, 512, 512] float32 scores (25 MB): each case is a few small
+compiles. Interpreted: 12 cases at [2, 64, 2, 16] and [3, 7, 48], ~30 s on a loaded 2-core CPU. float32 matmuls at full
 precision on both sides (the kernels ask for it; XLA would use TF32). Tolerances: bf16 within its rounding, float32
 within reduction order and the GPU's approximate exp/rsqrt; a wrong block, mask or load is off by more.
 """

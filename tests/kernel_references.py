@@ -10,6 +10,7 @@ from bertjax.model.gpu_kernel_check import (  # noqa: F401
     layer_norm_kernel_and_reference,
     layer_norm_value_and_grads,
     pre_norm_sum_kernel_and_reference,
+    stacked_attention_kernel_and_reference,
 )
 from bertjax.model.gpu_kernel_check import attention_inputs as _inputs  # noqa: F401
 from bertjax.model.gpu_kernel_check import projection_biases as _biases  # noqa: F401

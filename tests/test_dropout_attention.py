@@ -405,6 +405,36 @@ def test_sharded_batch_and_heads_give_the_mask_of_the_global_arrays(backend, hea
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5, atol=5e-5)
 
 
+def test_the_gpu_kernel_on_stacked_qkv_with_rotary_positions_sharded_is_the_unsharded():
+    """ModernBERT's GPU path on a mesh (batch over data, heads over tensor): the stacked q/k/v, the rotary tables
+    (split with the batch) and the biases per shard; output and gradients those of one device."""
+    from bertjax import sharding
+    from bertjax.model import rope
+    from bertjax.model.attention import stacked_gpu_attention
+
+    batch, length, heads, head_dim, rate = 2, 128, 2, 16, 0.1
+    qkv = jnp.stack(_inputs(batch, length, heads, head_dim, seed=6), axis=2)
+    biases = tuple(jnp.asarray(np.random.default_rng(3).normal(size=(3, heads, head_dim)), jnp.float32))
+    input_mask = np.ones((batch, length), np.int32)
+    input_mask[1, 90:] = 0
+    positions = jnp.asarray(np.stack([np.arange(length), np.arange(length) % 50]), jnp.int32)
+    rotary = rope.cos_sin(positions, head_dim, 160.0)
+    weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]
+    attend = lambda qkv, b: stacked_gpu_attention(qkv, input_mask, rotary=rotary, dropout_rate=rate,
+                                                  dropout_rng=jax.random.key(2), deterministic=False, biases=b,
+                                                  window=30)
+    loss = lambda qkv, b: jnp.sum(jnp.sin(attend(qkv, b)) * weights)
+    run = jax.jit(lambda *a: (attend(*a), jax.grad(loss, argnums=(0, 1))(*a)))
+    alone = run(qkv, biases)
+    mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
+    with sharding.activate(mesh):
+        sharded = run(qkv, biases)
+    valid = input_mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(sharded[0])[valid], np.asarray(alone[0])[valid], rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(sharded[1]), jax.tree.leaves(alone[1])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=5e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v4-8"])
 def test_bert_tiny_train_step_with_the_dropout_kernel_compiles_for_tpu(topology):

@@ -12,6 +12,7 @@ from bertjax.model.attention import dot_product_attention, reference_attention
 from bertjax.model.bert import BertModel
 from bertjax.model.config import BertConfig
 from tests.kernel_references import _biases, _inputs, _reference, _segments, _value_and_grads
+from tests.kernel_references import stacked_attention_kernel_and_reference
 from tests.kernel_references import attention_kernel_and_reference as _kernel_and_reference
 
 
@@ -71,6 +72,27 @@ def test_a_window_skips_the_blocks_outside_it_and_masks_the_rest(rate, blocks):
     full = _reference(q + biases[0], k + biases[1], v + biases[2], segment_ids, None, 0.0)
     assert np.abs(np.asarray(out - full)[valid]).max() > 1e-2   # the window mattered
     assert [int(x) for x in dg._window_blocks(64, 32, 16, 8, 20)] == [2, 8]   # keys 44..115: blocks 2..7
+
+
+@pytest.mark.parametrize("rate, window", [(0.1, 20), (0.0, None)])
+def test_stacked_qkv_with_rotary_positions_equals_the_rotated_reference(rate, window):
+    """ModernBERT's path: q/k/v stacked [B, S, 3, H, D] as one projection writes them, the biases added and q and k
+    rotated (packed positions, restarting per sequence) in the kernels: output and the gradients of the stacked
+    array (one array, the unrotated q's and k's) and the biases equal the reference on rope.apply_rotary's q and k,
+    with the kernel's mask; uneven blocks; without the rotation the output is another."""
+    qkv = jnp.stack(_inputs(2, 128, 2, 64, seed=8), axis=2)
+    biases = _biases(2, 64)
+    segment_ids = _segments(2, 128, "packing")
+    (out, grads), (expected, expected_grads) = stacked_attention_kernel_and_reference(
+        qkv, biases, segment_ids, rate, 5, window=window, block_q=32, block_k=16, block_bwd=32)
+    valid = np.asarray(segment_ids) != 0
+    _assert_close(np.asarray(out)[valid], np.asarray(expected)[valid], rtol=1e-5)
+    assert grads[0].shape == qkv.shape
+    _assert_gradients_close([grads[0][:, :, i] for i in range(3)] + [grads[1]],
+                            [expected_grads[0][:, :, i] for i in range(3)] + [expected_grads[1]], rtol=1e-5)
+    mask = da.dropout_keep_mask(5, 2, 2, 128, 128, rate) if rate else None
+    unrotated = _reference(*(qkv[:, :, i] + biases[i] for i in range(3)), segment_ids, mask, rate, window)
+    assert np.abs(np.asarray(out - unrotated)[valid]).max() > 1e-2
 
 
 def test_bfloat16_forward_and_gradients_are_the_float32_references_within_bfloat16_precision():
@@ -198,4 +220,32 @@ def test_bert_training_on_a_gpu_runs_attention_dropout_in_the_triton_kernels():
 
     text = _lowered_for_a_gpu(gradients, params, ids, ids, ids)
     assert _triton_calls(text) == 2 * 2
+    assert "256x256x" not in text
+
+
+def test_modernbert_training_on_a_gpu_runs_its_attention_in_the_triton_kernels_on_stacked_qkv():
+    """ModernBERT's own path on a GPU (`auto`, packed rows, bf16, windows and global layers): each layer's attention is
+    a forward and a backward Triton kernel taking the projection's [B, S, 3, H, D] output, and no [S, S] array is left
+    outside them."""
+    from bertjax.model import modernbert
+    from bertjax.model.modernbert_config import ModernBertConfig
+
+    config = ModernBertConfig(hidden_size=128, num_attention_heads=2, intermediate_size=192, num_hidden_layers=3,
+                              local_attention=64, vocab_size=128, pad_token_id=0, dtype="bfloat16")
+    model = modernbert.ModernBertForMaskedLM(config)
+    ids = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), *(jnp.zeros((2, 256), jnp.int32),) * 2))["params"]
+
+    def gradients(params, input_ids, input_mask, packing_ids, position_ids):
+        def loss(params):
+            out = model.apply({"params": params}, input_ids, input_mask, packing_ids=packing_ids,
+                              position_ids=position_ids, deterministic=False,
+                              rngs={"dropout": jax.random.key(1)})["mlm_logits"]
+            return jnp.sum(out)
+        return jax.grad(loss)(params)
+
+    text = _lowered_for_a_gpu(gradients, params, ids, ids, ids, ids)
+    assert _triton_calls(text) == 2 * 3
+    kernels = [line for line in text.splitlines() if 'name = "flash_dropout_gpu' in line]
+    assert all("tensor<2x256x3x2x64xbf16>" in line for line in kernels)
     assert "256x256x" not in text

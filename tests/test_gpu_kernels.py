@@ -21,13 +21,15 @@ def _bench():
 
 def test_interpreted_every_case_passes_and_is_reported():
     """The script as gpu_check.sh runs it, interpreted on this CPU (from another directory): each kernel family in
-    bf16 and float32 with dropout (and the pre-norm sum) against its XLA reference, a line per case, exit 0."""
+    bf16 and float32 with dropout (and the pre-norm sum, ModernBERT's stacked and rotated attention) against its XLA
+    reference, a line per case, exit 0."""
     done = subprocess.run([sys.executable, str(SCRIPT), "--interpret"], cwd="/", capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if ": max rel error " in line]
-    assert len(lines) == 10 and all(": ok [" in line for line in lines), done.stdout
-    for family in ("attention bfloat16", "attention float32", "layer_norm bfloat16", "layer_norm float32 ",
+    assert len(lines) == 12 and all(": ok [" in line for line in lines), done.stdout
+    for family in ("attention bfloat16", "attention float32", "attention float32 [2,64,3,2,16] packing, stacked",
+                   "layer_norm bfloat16", "layer_norm float32 ",
                    "layer_norm float32->bfloat16 [3, 7, 48] plain, dropout",
                    "layer_norm bfloat16 [3, 7, 48] pre-norm sum"):
         assert any(line.startswith(family) for line in lines), family

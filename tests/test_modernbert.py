@@ -341,6 +341,40 @@ def test_the_encoder_on_a_gpus_layer_norm_kernels_is_the_encoder_elsewhere(monke
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
 
 
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_the_encoder_on_the_gpu_attention_kernel_is_the_encoder_on_the_reference(attention_bias):
+    """On the GPU attention kernel (run interpreted) the projection's output goes to it stacked and the kernels add
+    the biases and rotate q and k: on packed rows (positions restarting, two rotary thetas, windows) the encoder's
+    output and every param's gradient are the reference attention's, to float32 rounding."""
+    import dataclasses
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    config = ModernBertConfig(hidden_size=32, num_attention_heads=2, intermediate_size=48, num_hidden_layers=3,
+                              local_attention=4, vocab_size=50, pad_token_id=0, attention_bias=attention_bias,
+                              attention_backend="reference")
+    ids = jnp.asarray(np.random.default_rng(11).integers(1, 50, (2, 12)), jnp.int32)
+    mask = jnp.ones_like(ids).at[1, 10:].set(0)
+    packing = jnp.asarray([[1] * 5 + [2] * 7, [1] * 10 + [0] * 2], jnp.int32)
+    positions = jnp.asarray([list(range(5)) + list(range(7)), list(range(12))], jnp.int32)
+    weights = jnp.asarray(np.random.default_rng(12).normal(size=(2, 12, 32)), jnp.float32) * mask[..., None]
+
+    def grads(config):
+        encoder = modernbert.ModernBertModel(config)
+        params = nn.meta.unbox(encoder.init(jax.random.key(0), ids, mask))
+        params = jax.tree.map(lambda x: x + 0.1 * jnp.sin(jnp.arange(x.size).reshape(x.shape)), params)
+        loss = lambda p: jnp.sum(encoder.apply(p, ids, mask, packing_ids=packing, position_ids=positions)[0]
+                                 * weights)
+        return jax.value_and_grad(loss)(params)
+
+    want = grads(config)
+    got = grads(dataclasses.replace(config, attention_backend="flash_dropout_gpu"))
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
+
+
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("bfloat16", 1e-2)])
 def test_the_split_products_are_the_products_and_their_gradients_come_from_two_matmuls(dtype, tol):
     """q/k/v (`split_products`): x W[:, i] for each i, the same bits; their input gradient one matmul over

@@ -144,47 +144,51 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
-def per_device_shard(kernel, query, key, value, segment_ids, *replicated, biases=None):
+def per_device_shard(kernel, query, key, value, segment_ids, *replicated, biases=None, rotary=None):
     """`kernel(query, key, value, segment_ids, *replicated, batch_offset=, head_offset=)` run on each device's
     shard of a multi-device mesh: XLA cannot partition a Mosaic (Pallas TPU) kernel, so the batch is split over
     the activation_batch axes and the heads over activation_heads by the logical-axis rules in force, and each
     device runs the kernel on its part; the offsets say where that part starts in the whole batch and heads.
+    `key` and `value` None: `query` is q/k/v stacked, [batch, length, 3, heads, head_dim] (split alike).
     `biases` (optional, [batch, heads, head_dim] or [heads, head_dim] each) are split like the batch and heads
     and passed on as `biases=` (only where given); [heads, head_dim] ones are replicated over the batch's devices
-    (their gradients summed over them by shard_map's transpose)."""
-    if biases is not None:
-        kernel = _passing_biases(kernel, len(replicated))
-        replicated = (*replicated, *biases)
+    (their gradients summed over them by shard_map's transpose). `rotary` (optional, (cos, sin) [batch, length,
+    head_dim]) is split like the batch and passed on as `rotary=`."""
+    arrays = tuple(x for x in (query, key, value) if x is not None)
+    extras = {"biases": biases, "rotary": rotary}
+    extras = {name: tuple(values) for name, values in extras.items() if values is not None}
+
+    def call(*args, batch_offset, head_offset):
+        """The kernel on the arguments flattened in this order: arrays, segment ids, replicated, extras."""
+        qkv, rest = list(args[:len(arrays)]) + [None] * (3 - len(arrays)), args[len(arrays):]
+        given, at = {}, 1 + len(replicated)
+        for name, values in extras.items():
+            given[name], at = rest[at:at + len(values)], at + len(values)
+        return kernel(*qkv, *rest[:1 + len(replicated)], **given, batch_offset=batch_offset, head_offset=head_offset)
+
+    flat = (*arrays, segment_ids, *replicated, *(x for values in extras.values() for x in values))
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return kernel(query, key, value, segment_ids, *replicated, batch_offset=0, head_offset=0)
+        return call(*flat, batch_offset=0, head_offset=0)
     qkv = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     ids = nn.logical_to_mesh_axes(("activation_batch", "activation_length"))
-    specs = (PartitionSpec(),) * (len(replicated) - (0 if biases is None else 3))
-    if biases is not None:
-        specs += tuple(PartitionSpec(*(qkv[0],)[:b.ndim - 2], qkv[2], qkv[3]) for b in biases)
+    array_spec = qkv if len(arrays) == 3 else PartitionSpec(qkv[0], qkv[1], None, qkv[2], qkv[3])
+    specs = (array_spec,) * len(arrays) + (ids,) + (PartitionSpec(),) * len(replicated)
+    specs += tuple(PartitionSpec(*(qkv[0],)[:b.ndim - 2], qkv[2], qkv[3]) for b in extras.get("biases", ()))
+    specs += tuple(PartitionSpec(ids[0], ids[1], None) for _ in extras.get("rotary", ()))
     heads_axes = qkv[2]
     # Over the axes not already manual (inside the train step's shard_map over data: fsdp and tensor, even of
     # size 1: a Mosaic call anywhere an axis is automatic is refused).
     free = {name for name in mesh.axis_names if name not in mesh.manual_axes}
     if not free:
-        return kernel(query, key, value, segment_ids, *replicated, batch_offset=sharding.manual_batch_offset(
-            query.shape[0]), head_offset=0)
+        return call(*flat, batch_offset=sharding.manual_batch_offset(query.shape[0]), head_offset=0)
 
-    def local(q, k, v, local_ids, *rest):
-        return kernel(q, k, v, local_ids, *rest, batch_offset=sharding.manual_batch_offset(q.shape[0]),
-                      head_offset=0 if heads_axes is None else lax.axis_index(heads_axes) * q.shape[2])
+    def local(*args):
+        heads = args[0].shape[-2]
+        return call(*args, batch_offset=sharding.manual_batch_offset(args[0].shape[0]),
+                    head_offset=0 if heads_axes is None else lax.axis_index(heads_axes) * heads)
 
-    return jax.shard_map(local, in_specs=(qkv, qkv, qkv, ids) + specs,
-                         out_specs=qkv, axis_names=free, check_vma=False)(query, key, value, segment_ids, *replicated)
-
-
-def _passing_biases(kernel, num_replicated):
-    """`kernel` taking its last three positional arguments (after `num_replicated` others) as `biases=`."""
-    def call(query, key, value, segment_ids, *rest, **offsets):
-        return kernel(query, key, value, segment_ids, *rest[:num_replicated], biases=rest[num_replicated:],
-                      **offsets)
-    return call
+    return jax.shard_map(local, in_specs=specs, out_specs=qkv, axis_names=free, check_vma=False)(*flat)
 
 
 def attention_mask(input_mask, packing_ids=None, window: int | None = None):
@@ -236,14 +240,13 @@ def _kernel_segment_ids(input_mask, packing_ids):
 KERNEL_BLOCK = 128  # the TPU kernels tile the sequence in blocks of 128 (the lane width)
 
 
-def _pad_to_block(query, key, value, segment_ids):
-    """Pads the length axis to a multiple of KERNEL_BLOCK; padding gets segment id 0, like other padding."""
+def _pad_to_block(query, key, value, segment_ids, *more):
+    """Pads the length axis (1) to a multiple of KERNEL_BLOCK (of each array given, None kept); padding gets
+    segment id 0, like other padding. (query, key, value, segment_ids, *more, length)."""
     length = query.shape[1]
     extra = -length % KERNEL_BLOCK
-    if extra:
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
-        query, key, value, segment_ids = pad(query), pad(key), pad(value), pad(segment_ids)
-    return query, key, value, segment_ids, length
+    pad = lambda x: x if x is None or not extra else jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
+    return (*(pad(x) for x in (query, key, value, segment_ids, *more)), length)
 
 
 def _pallas_flash_attention(query, key, value, segment_ids, batch_offset, head_offset):
@@ -326,15 +329,35 @@ def gpu_query_block(padded_length: int) -> int:
 
 
 def _flash_dropout_gpu_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset,
-                                 biases=None, window=None):
+                                 biases=None, window=None, rotary=None):
+    """The GPU kernel on (query, key, value), or on q/k/v stacked in `query` (key and value None)."""
     from bertjax.model.dropout_attention_gpu import flash_attention_with_dropout
 
-    query, key, value, segment_ids, length = _pad_to_block(query, key, value, segment_ids)
+    query, key, value, segment_ids, *rotary, length = _pad_to_block(query, key, value, segment_ids, *(rotary or ()))
     block_q = gpu_query_block(query.shape[1])
     # The kernels add the biases to the pad rows too: those are keys of padding queries only (segment id 0), whose
     # outputs are ignorable; their cotangents (0 in the model) are what reach the biases' gradients from there.
     out = flash_attention_with_dropout(query, key, value, segment_ids, dropout_rate=dropout_rate, seed=seed,
                                        block_q=block_q, block_k=64, block_bwd=64, batch_offset=batch_offset,
                                        head_offset=head_offset, biases=biases,
-                                       interpret=target_platform() != "gpu", window=window)
+                                       interpret=target_platform() != "gpu", window=window, rotary=rotary or None)
     return out[:, :length]
+
+
+def stacked_gpu_attention(qkv, input_mask, packing_ids=None, *, rotary, dropout_rate: float = 0.0, dropout_rng=None,
+                          deterministic: bool = True, biases=None, window: int | None = None):
+    """Attention [batch, length, heads, head_dim] by the GPU kernel (backend "flash_dropout_gpu") on q/k/v stacked,
+    qkv [batch, length, 3, heads, head_dim] (a fused projection's output, read where it lies; its gradient is one
+    such array, which the projection's backward reads as it is), q and k rotated as the kernels load them:
+    `rotary` (cos, sin) float32 [batch or 1, length, head_dim], `rope.apply_rotary`'s values. XLA had rotated q and
+    k in a pass of its own and, in the backward, rotated their gradients back and stacked the three for the
+    projection (on an H200 ~0.2 ms a ModernBERT-base layer and microbatch, priced)."""
+    from bertjax.model.dropout_attention import seed_from_rng
+
+    rate = dropout_rate if not deterministic and dropout_rate > 0.0 else 0.0
+    seed = seed_from_rng(dropout_rng) if rate > 0.0 else jnp.uint32(0)
+    batch, length, _, _, head_dim = qkv.shape
+    rotary = tuple(jnp.broadcast_to(t.astype(jnp.float32), (batch, length, head_dim)) for t in rotary)
+    return per_device_shard(functools.partial(_flash_dropout_gpu_attention, dropout_rate=rate, window=window), qkv,
+                            None, None, _kernel_segment_ids(input_mask, packing_ids), seed, biases=biases,
+                            rotary=rotary)

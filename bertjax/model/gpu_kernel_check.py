@@ -245,6 +245,11 @@ def cases(size: str):
                           f"{ATTENTION_RATE}, biases", TOLERANCE[name],
                           lambda a=(batch, length, heads, head_dim, layout, dtype, interpret, blocks):
                           _attention_tensors(*a)))
+        batch, length, heads, head_dim, layout, blocks = attention[-1]
+        found.append((f"attention {name} [{batch},{length},3,{heads},{head_dim}] {layout}, stacked q/k/v, rotary, "
+                      f"window, dropout {ATTENTION_RATE}, biases", TOLERANCE[name],
+                      lambda a=(batch, length, heads, head_dim, layout, dtype, interpret, blocks):
+                      _stacked_attention_tensors(*a)))
         for shape in layer_norm_shapes:
             found.append((f"layer_norm {name} {list(shape)} dropout(x + b) + residual", TOLERANCE[name],
                           lambda shape=shape, dtype=dtype: _layer_norm_tensors(shape, dtype, interpret, True, True)))
@@ -268,6 +273,19 @@ def _attention_tensors(batch, length, heads, head_dim, layout, dtype, interpret,
     return ([("out", np.asarray(out)[valid], np.asarray(expected)[valid], None)]
             + [(name, g, e, None) for name, g, e in zip(("dq", "dk", "dv"), grads[:3], expected_grads[:3])]
             + [(name, g, e, bias_scale) for name, g, e in zip(("dbq", "dbk", "dbv"), grads[3], expected_grads[3])])
+
+
+def _stacked_attention_tensors(batch, length, heads, head_dim, layout, dtype, interpret, blocks):
+    """ModernBERT's attention: q/k/v stacked, rotated in the kernels, in a window of a quarter of the length."""
+    qkv = jnp.stack(attention_inputs(batch, length, heads, head_dim, seed=2), axis=2).astype(dtype)
+    biases, segment_ids = projection_biases(heads, head_dim, seed=7), segment_ids_for(batch, length, layout)
+    (out, grads), (expected, expected_grads) = stacked_attention_kernel_and_reference(
+        qkv, biases, segment_ids, ATTENTION_RATE, ATTENTION_SEED, interpret=interpret, window=length // 4, **blocks)
+    valid = np.asarray(segment_ids) != 0
+    bias_scale = np.abs(np.asarray(expected_grads[1][2])).max()
+    return ([("out", np.asarray(out)[valid], np.asarray(expected)[valid], None)]
+            + [(name, grads[0][:, :, i], expected_grads[0][:, :, i], None) for i, name in enumerate(("dq", "dk", "dv"))]
+            + [(name, g, e, bias_scale) for name, g, e in zip(("dbq", "dbk", "dbv"), grads[1], expected_grads[1])])
 
 
 def _layer_norm_tensors(shape, dtype, interpret, residual: bool, dropout: bool, out_dtype=None):
@@ -345,6 +363,38 @@ def attention_kernel_and_reference(q, k, v, biases, segment_ids, rate, seed, int
     as32 = [x.astype(jnp.float32) for x in (q, k, v)]
     return (value_and_grads(kernel, weights, q, k, v, biases),
             value_and_grads(reference, weights, *as32, biases))
+
+
+def packed_positions(segment_ids):
+    """int32 [B, S]: each token's position in its packed sequence (0 at each change of segment id)."""
+    ids = np.asarray(segment_ids)
+    starts = np.concatenate([np.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    index = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    return jnp.asarray(index - np.maximum.accumulate(np.where(starts, index, 0), axis=1), jnp.int32)
+
+
+def stacked_attention_kernel_and_reference(qkv, biases, segment_ids, rate, seed, interpret=True, window=None,
+                                           theta=10000.0, **blocks):
+    """As `attention_kernel_and_reference`, for ModernBERT's layout: q/k/v stacked [B, S, 3, H, D] (one
+    projection's output) with the rotary positions of the packed sequences applied in the kernels; the reference
+    adds the biases and rotates q and k with `rope.apply_rotary` first. Gradients of qkv and the biases."""
+    from bertjax.model import rope
+
+    batch, length, _, heads, head_dim = qkv.shape
+    weights = (segment_ids != 0).astype(jnp.float32)[:, :, None, None]
+    cos, sin = rope.cos_sin(packed_positions(segment_ids), head_dim, theta)
+    kernel = lambda qkv, b: dg.stacked_flash_attention_with_dropout(  # noqa: E731
+        qkv, segment_ids, dropout_rate=rate, seed=seed, biases=b, interpret=interpret, window=window,
+        rotary=(cos, sin), **blocks).astype(jnp.float32)
+    mask = da.dropout_keep_mask(seed, batch, heads, length, length, rate) if rate else None
+
+    def reference(qkv, b):
+        q, k, v = (qkv[:, :, i] + b[i] for i in range(3))
+        q, k = (rope.apply_rotary(x.reshape(batch, length, -1), cos, sin, head_dim).reshape(x.shape) for x in (q, k))
+        return reference_with_mask(q, k, v, segment_ids, mask, rate, window)
+
+    return (value_and_grads(kernel, weights, qkv, biases),
+            value_and_grads(reference, weights, qkv.astype(jnp.float32), biases))
 
 
 def layer_norm_inputs(dtype, shape=(3, 8, 64)):

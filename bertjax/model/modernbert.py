@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import rope, rope_tpu
-from bertjax.model.attention import FUSED_DROPOUT_BACKENDS, FUSED_DROPOUT_MIN_LENGTH, dot_product_attention
+from bertjax.model.attention import (FUSED_DROPOUT_BACKENDS, FUSED_DROPOUT_MIN_LENGTH, dot_product_attention,
+                                     resolve_backend, stacked_gpu_attention)
 from bertjax.model.bert import activation, gated_activation, gather_positions, init_params as _init_params
 from bertjax.model.dropout import Dropout
 from bertjax.model.layer_norm import layer_norm, sum_and_layer_norm
@@ -125,28 +126,34 @@ class Embeddings(nn.Module):
 
 class RotaryQKV(nn.Module):
     """HF's Wqkv (a Linear [3H, H], held as a kernel [H, 3, H]; its bias [3, H] with attention_bias) and the rotary
-    positions on q and k: (q, k, v), each [B, L, H] with the heads side by side.
+    positions on q and k: (q, k, v), each [B, L, H] with the heads side by side; or, `stacked` (for the GPU
+    attention kernel, which adds the biases and rotates q and k as it loads them), (x W [B, L, 3, H], the bias or
+    None) as one product.
 
     On TPU q and k are rotated by one Pallas kernel (`rope_tpu`: each head's halves moved in vector registers).
     XLA:TPU moved them through copies in layouts of 64 lanes padded to 128, so before the kernel the rotation came
     from the weights, rotate_half(x W + b) = x rotate_half(W) + rotate_half(b) (a signed permutation of the columns:
     exact), doubling q's and k's projections; shapes the kernel does not take still go that way (the priced steps
     of both: docs/performance.md). XLA:GPU moves lanes cheaply (there the doubled projections cost more than
-    XLA's rotation of q and k): elsewhere XLA rotates them. The three products' gradients are one matmul each
-    (`split_products`: XLA:TPU priced the sum of three input gradients at ~1.7x one matmul; XLA:GPU wrote q's and
-    k's gradients, then summed three products in a pass of its own)."""
+    XLA's rotation of q and k): elsewhere XLA rotates them, where the GPU attention kernel does not (`stacked`:
+    sequences shorter than its 128 tokens, a kernel that failed its check). The three products' gradients are one
+    matmul each (`split_products`: XLA:TPU priced the sum of three input gradients at ~1.7x one matmul; XLA:GPU
+    wrote q's and k's gradients, then summed three products in a pass of its own)."""
 
     config: ModernBertConfig
 
     @nn.compact
-    def __call__(self, x, rotary):
+    def __call__(self, x, rotary, stacked: bool = False):
         c, dtype = self.config, jnp.dtype(self.config.dtype)
         names = ("embed", None, "heads")
         kernel = self.param("kernel", _init(c, c.initializer_range, names), (x.shape[-1], 3, c.hidden_size),
                             jnp.float32).astype(dtype)
-        bias = (self.param("bias", _zeros(names[1:]), (3, c.hidden_size), jnp.float32).astype(dtype)
+        bias = (self.param("bias", _zeros(names[1:]), (3, c.hidden_size), jnp.float32)
                 if c.attention_bias else None)
         x = x.astype(dtype)
+        if stacked:
+            return jnp.einsum("...h,hnw->...nw", x, kernel), bias
+        bias = None if bias is None else bias.astype(dtype)
         on_tpu = target_platform() == "tpu"
         in_kernel = on_tpu and rope_tpu.supported(c.hidden_size, c.head_dim, x.shape[1])
         outputs = list(split_products(x, kernel))
@@ -166,7 +173,9 @@ class RotaryQKV(nn.Module):
 
 class Attention(nn.Module):
     """Fused q/k/v projection, rotary positions on q and k, attention (windowed in sliding layers), output
-    projection and its dropout (HF's `out_drop`, at attention_dropout)."""
+    projection and its dropout (HF's `out_drop`, at attention_dropout). With the GPU attention kernel, the
+    projection's output goes to it stacked, as it is (`attention.stacked_gpu_attention`: the rotation and the
+    biases in the kernels, the gradient of the three one array)."""
 
     config: ModernBertConfig
     layer: int
@@ -175,22 +184,31 @@ class Attention(nn.Module):
     def __call__(self, x, input_mask, packing_ids, rotary, deterministic: bool):
         c = self.config
         heads, head_dim = c.num_attention_heads, c.head_dim
-        query, key, value = RotaryQKV(c, name="Wqkv")(x, rotary)
-        query, key, value = (_constrain(t.reshape(x.shape[:2] + (heads, head_dim)),
-                                        ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
-                             for t in (query, key, value))
         dropout_active = not deterministic and c.attention_dropout > 0
         backend = c.attention_backend
         platform = target_platform()
+        window = None if c.is_global(self.layer) else c.window
         if backend == "auto" and platform in FUSED_DROPOUT_BACKENDS and x.shape[1] >= FUSED_DROPOUT_MIN_LENGTH:
             # Global layers too, the same kernel as the windowed ones: on TPU ours reads q/k/v in the projections'
             # [B, S, heads * 64] layout where splash wants [heads, S, 64] per example (transposes, 64 lanes padded to
             # 128) and declares no cost to price; on GPU cuDNN's fused attention takes no packed segments.
             backend = FUSED_DROPOUT_BACKENDS[platform]
-        context = dot_product_attention(
-            query, key, value, input_mask, packing_ids, backend=backend,
-            dropout_rate=c.attention_dropout, dropout_rng=self.make_rng("dropout") if dropout_active else None,
-            deterministic=deterministic, window=None if c.is_global(self.layer) else c.window)
+        dropout = dict(dropout_rate=c.attention_dropout,
+                       dropout_rng=self.make_rng("dropout") if dropout_active else None, deterministic=deterministic,
+                       window=window)
+        if resolve_backend(backend, dropout_active, platform, x.shape[1], window is not None) == "flash_dropout_gpu":
+            qkv, bias = RotaryQKV(c, name="Wqkv")(x, rotary, stacked=True)
+            qkv = _constrain(qkv.reshape(x.shape[:2] + (3, heads, head_dim)),
+                             ("activation_batch", "activation_length", None, "activation_heads", "activation_kv"))
+            biases = None if bias is None else tuple(bias.reshape(3, heads, head_dim))
+            context = stacked_gpu_attention(qkv, input_mask, packing_ids, rotary=rotary, biases=biases, **dropout)
+        else:
+            query, key, value = RotaryQKV(c, name="Wqkv")(x, rotary)
+            query, key, value = (_constrain(t.reshape(x.shape[:2] + (heads, head_dim)),
+                                            ("activation_batch", "activation_length", "activation_heads",
+                                             "activation_kv"))
+                                 for t in (query, key, value))
+            context = dot_product_attention(query, key, value, input_mask, packing_ids, backend=backend, **dropout)
         context = context.reshape(x.shape[:2] + (c.hidden_size,))
         out = Projection(c, (c.hidden_size,), ("heads", "embed"), _out_std(c), c.attention_bias, name="Wo")(context)
         return Dropout(c.attention_dropout, name="out_drop")(out, deterministic=deterministic)
