@@ -375,6 +375,32 @@ def test_the_encoder_on_the_gpu_attention_kernel_is_the_encoder_on_the_reference
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
 
 
+def test_kernels_cast_once_give_the_same_bits_as_kernels_cast_in_the_layers():
+    """`with_compute_dtype` (the pretraining step's microbatch loop takes its kernels so cast, once per step): in
+    bfloat16 the MLM logits and every param's gradient, converted back to float32, are the same bits as with the
+    float32 params; the norms and embeddings stay float32."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    config = ModernBertConfig(hidden_size=32, num_attention_heads=2, intermediate_size=48, num_hidden_layers=3,
+                              local_attention=4, vocab_size=50, pad_token_id=0, dtype="bfloat16", mlp_bias=True)
+    ids = jnp.asarray(np.random.default_rng(13).integers(1, 50, (2, 9)), jnp.int32)
+    mask = jnp.ones_like(ids)
+    model = modernbert.ModernBertForMaskedLM(config)
+    params = nn.meta.unbox(model.init(jax.random.key(0), ids, mask))
+    loss = lambda p: jnp.sum(jnp.sin(model.apply(p, ids, mask)["mlm_logits"]))
+    cast = modernbert.with_compute_dtype(params, config)
+    dtypes = {jax.tree_util.keystr(path): x.dtype for path, x in jax.tree_util.tree_leaves_with_path(cast)}
+    assert {name for name, dtype in dtypes.items() if dtype == jnp.bfloat16} == {
+        name for name in dtypes if name.endswith("['kernel']")}
+    assert any(name.endswith("['bias']") for name in dtypes) and dtypes["['params']['bert']['final_norm']['scale']"] \
+        == jnp.float32
+    want, got = jax.value_and_grad(loss)(params), jax.value_and_grad(loss)(cast)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w))
+
+
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("bfloat16", 1e-2)])
 def test_the_split_products_are_the_products_and_their_gradients_come_from_two_matmuls(dtype, tol):
     """q/k/v (`split_products`): x W[:, i] for each i, the same bits; their input gradient one matmul over
