@@ -155,40 +155,36 @@ def per_device_shard(kernel, query, key, value, segment_ids, *replicated, biases
     (their gradients summed over them by shard_map's transpose). `rotary` (optional, (cos, sin) [batch, length,
     head_dim]) is split like the batch and passed on as `rotary=`."""
     arrays = tuple(x for x in (query, key, value) if x is not None)
-    extras = {"biases": biases, "rotary": rotary}
-    extras = {name: tuple(values) for name, values in extras.items() if values is not None}
+    extras = {name: tuple(values) for name, values in (("biases", biases), ("rotary", rotary)) if values is not None}
 
-    def call(*args, batch_offset, head_offset):
-        """The kernel on the arguments flattened in this order: arrays, segment ids, replicated, extras."""
-        qkv, rest = list(args[:len(arrays)]) + [None] * (3 - len(arrays)), args[len(arrays):]
-        given, at = {}, 1 + len(replicated)
-        for name, values in extras.items():
-            given[name], at = rest[at:at + len(values)], at + len(values)
-        return kernel(*qkv, *rest[:1 + len(replicated)], **given, batch_offset=batch_offset, head_offset=head_offset)
+    def call(arrays, segment_ids, replicated, extras, **offsets):
+        return kernel(*arrays, *(None,) * (3 - len(arrays)), segment_ids, *replicated, **extras, **offsets)
 
-    flat = (*arrays, segment_ids, *replicated, *(x for values in extras.values() for x in values))
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return call(*flat, batch_offset=0, head_offset=0)
+        return call(arrays, segment_ids, replicated, extras, batch_offset=0, head_offset=0)
     qkv = nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_heads", "activation_kv"))
     ids = nn.logical_to_mesh_axes(("activation_batch", "activation_length"))
     array_spec = qkv if len(arrays) == 3 else PartitionSpec(qkv[0], qkv[1], None, qkv[2], qkv[3])
-    specs = (array_spec,) * len(arrays) + (ids,) + (PartitionSpec(),) * len(replicated)
-    specs += tuple(PartitionSpec(*(qkv[0],)[:b.ndim - 2], qkv[2], qkv[3]) for b in extras.get("biases", ()))
-    specs += tuple(PartitionSpec(ids[0], ids[1], None) for _ in extras.get("rotary", ()))
+    extra_specs = {"biases": lambda b: PartitionSpec(*(qkv[0],)[:b.ndim - 2], qkv[2], qkv[3]),
+                   "rotary": lambda _: PartitionSpec(ids[0], ids[1], None)}
+    specs = ((array_spec,) * len(arrays), ids, (PartitionSpec(),) * len(replicated),
+             {name: tuple(extra_specs[name](x) for x in values) for name, values in extras.items()})
     heads_axes = qkv[2]
     # Over the axes not already manual (inside the train step's shard_map over data: fsdp and tensor, even of
     # size 1: a Mosaic call anywhere an axis is automatic is refused).
     free = {name for name in mesh.axis_names if name not in mesh.manual_axes}
     if not free:
-        return call(*flat, batch_offset=sharding.manual_batch_offset(query.shape[0]), head_offset=0)
+        return call(arrays, segment_ids, replicated, extras,
+                    batch_offset=sharding.manual_batch_offset(query.shape[0]), head_offset=0)
 
-    def local(*args):
-        heads = args[0].shape[-2]
-        return call(*args, batch_offset=sharding.manual_batch_offset(args[0].shape[0]),
+    def local(arrays, *rest):
+        heads = arrays[0].shape[-2]
+        return call(arrays, *rest, batch_offset=sharding.manual_batch_offset(arrays[0].shape[0]),
                     head_offset=0 if heads_axes is None else lax.axis_index(heads_axes) * heads)
 
-    return jax.shard_map(local, in_specs=specs, out_specs=qkv, axis_names=free, check_vma=False)(*flat)
+    return jax.shard_map(local, in_specs=specs, out_specs=qkv, axis_names=free, check_vma=False)(
+        arrays, segment_ids, replicated, extras)
 
 
 def attention_mask(input_mask, packing_ids=None, window: int | None = None):

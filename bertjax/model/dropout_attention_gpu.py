@@ -366,8 +366,8 @@ def _attention_bwd(rate, block_q, block_k, block_bwd, interpret, window, residua
                             window)
     sums = sums.sum(axis=(0, 2))
     bias_grads = tuple(sums[:, j].astype(b.dtype) for j, b in enumerate(biases))
-    # The tables come from integer positions: no gradient reaches a parameter through them.
-    return grads, bias_grads, None, None, tuple(jnp.zeros_like(t) for t in rotary)
+    # The tables come from integer positions: no gradient reaches a parameter through them (None: zeros).
+    return grads, bias_grads, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -409,15 +409,14 @@ def _checked_call(arrays, segment_ids, dropout_rate, seed, block_q, block_k, blo
     dropout_rate = float(dropout_rate)
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-    batch, length, heads, head_dim = _shape(arrays)
+    _, length, heads, head_dim = _shape(arrays)
     if length > MAX_LENGTH:
         raise ValueError(f"lengths up to {MAX_LENGTH} are supported, got {length}")
     for name, size in (("block_q", block_q), ("block_k", block_k), ("block_bwd", block_bwd), ("head_dim", head_dim)):
         if size & (size - 1) or (name != "head_dim" and length % size):
             raise ValueError(f"{name}={size} must be a power of two" + ("" if name == "head_dim" else
                                                                         f" dividing the length {length}"))
-    rotary = () if rotary is None else tuple(jnp.broadcast_to(t, (batch, length, head_dim)).astype(jnp.float32)
-                                             for t in rotary)
+    rotary = () if rotary is None else tuple(t.astype(jnp.float32) for t in rotary)
     if biases is None:
         biases = (jnp.zeros((heads, head_dim), arrays[0].dtype),) * 3
     scalars = jnp.concatenate([seed_word(seed), jnp.asarray(batch_offset, jnp.int32).reshape(1),

@@ -121,6 +121,12 @@ def counted_params(params: dict, config: ModelConfig) -> dict:
                                "layer_0": {k: v for k, v in layer_0.items() if k != "attn_norm"}}}
 
 
+def loop_invariant_params(params: dict, config: ModelConfig) -> dict:
+    """`params` as a loop over microbatches takes them: ModernBERT's projection kernels already in the compute dtype
+    (`modernbert.with_compute_dtype`: cast once a step, the same bits); BERT's as they are."""
+    return modernbert.with_compute_dtype(params, config) if is_modernbert(config) else params
+
+
 def pretraining_model(config: ModelConfig, span_boundary_objective: bool = False):
     """The module a pretraining job trains: BERT's MLM + NSP (+ SBO) model, ModernBERT's masked LM (MLM alone)."""
     if is_modernbert(config):

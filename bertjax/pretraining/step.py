@@ -15,7 +15,7 @@ import optax
 
 from bertjax import sharding
 from bertjax.model import bert as model_lib
-from bertjax.model import family, modernbert
+from bertjax.model import family
 from bertjax.pretraining import update_sharding as update_sharding_lib
 from bertjax.pretraining import xla_options
 from bertjax.pretraining.state import TrainState
@@ -223,8 +223,7 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
 
         if accum == 1:
             return micro_step(rows, 0)
-        if family.is_modernbert(model.config):
-            params = modernbert.with_compute_dtype(params, model.config)   # cast once, not per microbatch
+        params = family.loop_invariant_params(params, model.config)   # casts once a step, not per microbatch
         # Rows j*accum + i form microbatch i, so every device holds an equal share of each microbatch.
         micro_batches = jax.tree_util.tree_map(
             lambda x: jnp.swapaxes(x.reshape((x.shape[0] // accum, accum) + x.shape[1:]), 0, 1), rows)
