@@ -152,7 +152,7 @@ def is_model_checkpoint(directory: str) -> bool:
 def load_config(directory: str) -> ModelConfig:
     """The model config of a checkpoint, without reading its tensors."""
     _require_checkpoint(directory)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
+    with _reading(directory), ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         restored = checkpointer.restore(orbax_path(directory),
                                         args=ocp.args.Composite(**{MODEL_CONFIG: ocp.args.JsonRestore()}))
     return family.config_from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
@@ -161,7 +161,7 @@ def load_config(directory: str) -> ModelConfig:
 def load_description(directory: str) -> ModelCheckpoint:
     """A checkpoint's config, vocab and lower-casing, without reading its tensors (`params` is None)."""
     _require_checkpoint(directory)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
+    with _reading(directory), ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         restored = checkpointer.restore(orbax_path(directory), args=ocp.args.Composite(
             **{name: ocp.args.JsonRestore() for name in (MODEL_CONFIG, VOCAB)}))
     config = family.config_from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
@@ -175,7 +175,7 @@ def load_job_config(directory: str) -> dict | None:
     path = orbax_path(directory)
     if not is_model_checkpoint(directory) or not (path / JOB_CONFIG).exists():
         return None
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
+    with _reading(directory), ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         return checkpointer.restore(path, args=ocp.args.Composite(**{JOB_CONFIG: ocp.args.JsonRestore()}))[JOB_CONFIG]
 
 

@@ -262,7 +262,8 @@ def test_bad_input_is_named_by_file_and_line(corpus, tmp_path):
     (root / "g.jsonl").write_text(lines[0] + "\n\n" + '{"text": "cut\n')
     for name, message in (("f.jsonl", r"f\.jsonl: line 3: expected a JSON object with a 'text' field \(fields: "
                                       r"id, body"),
-                          ("g.jsonl", r"g\.jsonl: line 3: expected a JSON object, got invalid JSON")):
+                          ("g.jsonl", r"g\.jsonl: line 3: not valid JSON \(cut short\?\): Unterminated string "
+                                      r"starting at \(column 10\); expected a JSON object with a 'text' field")):
         with pytest.raises(tf.errors.OpError, match=message):
             _documents(str(root / name), "jsonl")
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 import os
 import time
 import uuid
@@ -452,8 +451,7 @@ def create_with_beam(config: PretrainingDataConfig, out_dir: str, num_shards: in
         metadata = os.path.join(out_dir, tfrecord.shard_prefix() + tfrecord.METADATA_SUFFIX)
         summary = {}
         if tf.io.gfile.exists(metadata):
-            with tf.io.gfile.GFile(metadata) as f:
-                summary = json.load(f)
+            summary = input_files.read_json(metadata, "data create's metadata (JSON)")
         if summary.get("run_id") != run_id:
             raise create.no_instances_error(config, out_dir)
     counters = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]

@@ -29,7 +29,6 @@ pretraining. The units themselves, the compression and the input check are read 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from typing import Mapping, Sequence
@@ -38,6 +37,7 @@ import tensorflow as tf
 
 from bertjax.data import file_readers
 from bertjax.data.data_config import CorpusConfig
+from bertjax.runtime.input_files import read_json
 
 # A sentence ends at . ! ? (plus closing quotes/brackets) followed by whitespace and an upper-case
 # letter, digit or opening quote. RE2 has no look-ahead, so the next sentence's first char is re-emitted.
@@ -96,8 +96,8 @@ def _directory_files(directory: str) -> list[str]:
     (recursively; names starting with "." or "_" and the datasets metadata files are not data)."""
     state = os.path.join(directory, _HF_DISK_STATE)
     if tf.io.gfile.exists(state):
-        with tf.io.gfile.GFile(state) as f:
-            return [os.path.join(directory, entry["filename"]) for entry in json.load(f)["_data_files"]]
+        return [os.path.join(directory, entry["filename"])
+                for entry in read_json(state, "a saved dataset's state.json")["_data_files"]]
     found = []
     for root, _, names in tf.io.gfile.walk(directory):
         found += [os.path.join(root, n) for n in names

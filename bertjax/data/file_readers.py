@@ -16,14 +16,13 @@ import codecs
 import collections
 import io
 import itertools
-import json
 import threading
 import zlib
 from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from bertjax.runtime import errors
+from bertjax.runtime import errors, jsonio
 from bertjax.data.data_config import AUTO_FORMAT, CorpusConfig
 
 _SNIFF_BYTES = 1 << 16
@@ -399,9 +398,10 @@ def _utf8(text: str) -> bytes:
 def _json_text(path: str, number: int, line: bytes, field: str) -> bytes:
     """The text field of JSON line `number` of `path`, or an error naming the file, the line and what was expected."""
     try:
-        record = json.loads(line.decode("utf-8", "surrogateescape"))
-    except json.JSONDecodeError as error:
-        raise CorpusError(f"{path}: line {number}: expected a JSON object, got invalid JSON ({error})") from None
+        record = jsonio.loads(line.decode("utf-8", "surrogateescape"), f"{path}: line {number}",
+                              f"a JSON object with a {field!r} field", row=True)
+    except ValueError as error:  # as CorpusError: told by its line through TensorFlow's error
+        raise CorpusError(str(error)) from None
     if not isinstance(record, dict) or field not in record:
         fields = f"fields: {', '.join(list(record)[:10])}" if isinstance(record, dict) else type(record).__name__
         raise CorpusError(f"{path}: line {number}: expected a JSON object with a {field!r} field ({fields}; set "

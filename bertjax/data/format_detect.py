@@ -15,11 +15,11 @@ format), read file by file in its own format (corpus.file_formats); one entry wh
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Callable, Sequence, TypeVar
 
 from bertjax.data import file_readers
+from bertjax.runtime import jsonio
 from bertjax.data.data_config import AUTO_FORMAT, MIXED_FORMAT, CorpusConfig
 
 TEXT_LAYOUTS = ("sentences", "paragraphs", "wikitext", "wrapped")
@@ -53,8 +53,10 @@ def by_bytes(path: str) -> str:
     first = next((line.strip() for line in head.split(b"\n")[:-1] if line.strip()), b"")
     if first.startswith(b"{"):
         try:
-            if isinstance(json.loads(first), dict):
+            if isinstance(jsonio.loads(first, f"{path}: line 1", "a JSON object", row=True), dict):
                 return "jsonl"
+        except jsonio.TooDeep:
+            return "jsonl"  # an object's line, too deep to parse: its reader names the file and the line
         except ValueError:
             pass
     return "text"

@@ -8,7 +8,6 @@ Metaspace tokenisers mark a word's start in its first piece, so a text's words g
 """
 from __future__ import annotations
 
-import json
 from typing import Sequence
 
 import numpy as np
@@ -16,6 +15,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from bertjax.data.host_tokenizer import ragged_pieces
 from bertjax.data.token_layout import SPECIAL_TOKENS, Tokenizer
+from bertjax.runtime import jsonio
 from bertjax.runtime.input_files import JSON_LIMIT, read_text
 
 # The spec a checkpoint stores: {"json": tokenizer.json's text, "special": {"cls": "[CLS]", ...}}.
@@ -36,6 +36,7 @@ class HostJsonTokenizer(Tokenizer):
     """The tokenizer of an HF `tokenizer.json` text, with `special` naming its [CLS]/[SEP]/[PAD]/[UNK]/[MASK]."""
 
     def __init__(self, tokenizer_json: str, special: dict[str, str], source: str = "tokenizer.json"):
+        jsonio.check_depth(tokenizer_json, source, "a tokenizer.json")  # ours, not the Rust parser's, error
         try:
             self._tokenizer = RustTokenizer.from_str(tokenizer_json)
         except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
@@ -98,8 +99,5 @@ def _tokens_by_id(tokenizer: RustTokenizer) -> list[str]:
 def read_spec(tokenizer_json_path, tokenizer_config: dict, special_tokens_map: dict) -> dict:
     """The spec of an HF directory's tokenizer.json (an epath), with its special tokens."""
     text = read_text(tokenizer_json_path, "a tokenizer.json", JSON_LIMIT)
-    try:
-        json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{tokenizer_json_path}: not valid JSON ({error})") from None
+    jsonio.loads(text, str(tokenizer_json_path), "a tokenizer.json")  # a file HF tokenizers would refuse: told here
     return {"json": text, "special": special_tokens_from_config(tokenizer_config, special_tokens_map)}

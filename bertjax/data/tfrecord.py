@@ -11,7 +11,6 @@ Span masking adds span_left_positions / span_right_positions [max_predictions_pe
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import struct
@@ -23,6 +22,7 @@ import tensorflow as tf
 
 from bertjax.runtime import jsonio
 from bertjax.runtime.errors import OutputWriteError, cannot_write
+from bertjax.runtime.input_files import read_json
 from bertjax.data import schema
 from bertjax.data.corpus import expand_inputs, file_order
 from bertjax.data.out_dir import remove_quietly
@@ -105,11 +105,7 @@ def read_metadata(directory: str) -> list[tuple[str, dict]]:
         return []
     found = []
     for path in sorted(tf.io.gfile.glob(os.path.join(directory, "*" + METADATA_SUFFIX))):
-        with tf.io.gfile.GFile(path) as f:
-            try:
-                found.append((path, json.load(f)))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}: not valid JSON ({error})") from None
+        found.append((path, read_json(path, "data create's metadata (JSON)")))
     return found
 
 

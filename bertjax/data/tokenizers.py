@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import json
 from typing import Sequence
 
 import numpy as np
@@ -144,21 +143,19 @@ class TokenizerJsonTokenizer(_Tokenizer):
     else BERT's names. `lower_case` is the tokenizer's own business (its normaliser): not applied here."""
 
     def __init__(self, path: str):
-        from bertjax.data.json_tokenizer import HostJsonTokenizer, special_tokens_from_config
+        from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec
+        from bertjax.runtime.input_files import read_json
 
         if not tf.io.gfile.exists(path):
             raise FileNotFoundError(f"tokenizer file not found: {path}")
-        with tf.io.gfile.GFile(path, "rb") as f:
-            text = f.read().decode("utf-8")
         beside = {}
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
             other = path.rsplit("/", 1)[0] + "/" + name if "/" in path else name
             if tf.io.gfile.exists(other):
-                with tf.io.gfile.GFile(other, "rb") as f:
-                    beside[name] = json.loads(f.read().decode("utf-8"))
-        special = special_tokens_from_config(beside.get("tokenizer_config.json", {}),
-                                             beside.get("special_tokens_map.json", {}))
-        self._host = HostJsonTokenizer(text, special, source=path)
+                values = read_json(other, f"a tokenizer's {name}")
+                beside[name] = values if isinstance(values, dict) else {}
+        spec = read_spec(path, beside.get("tokenizer_config.json", {}), beside.get("special_tokens_map.json", {}))
+        self._host = HostJsonTokenizer.from_spec(spec, path)
         self.spec, self.source, self.vocab, self.lower_case = self._host.spec, path, self._host.vocab, False
         ids = self._host.special_token_ids
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (ids[k] for k in

@@ -9,7 +9,6 @@ HF directory). `all` adds summary.{json,md}.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -28,6 +27,7 @@ from bertjax.finetune.trainer import (
 )
 from bertjax.interop.load import load_init
 from bertjax.model import family
+from bertjax.runtime.input_files import read_json
 from bertjax.runtime.outputs import open_whole
 
 log = logging.getLogger(__name__)
@@ -162,8 +162,7 @@ def run_all(data: str, workdir: str, settings: TrainSettings, *, init: str, task
     for name in tasks:
         done = os.path.join(workdir, name, "metrics.json")
         if os.path.exists(done):  # finished by an earlier, interrupted run of the same command
-            with open(done) as f:
-                result = json.load(f)
+            result = read_json(done, "a finished task's metrics (JSON)")
             log.info("%s: finished earlier (%s)", name, done)
             rows[name] = {"metrics": result["metrics"], "score": result["score"]}
             continue

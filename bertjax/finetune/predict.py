@@ -59,7 +59,7 @@ def recorded_columns(model: str) -> tuple[str | None, str | None] | None:
     for run in (root, root.parent) if root.name in MODELS else (root,):
         for name, read in (("metrics.json", lambda r: r.get("columns")), (RUN_RECORD, lambda r: r)):
             path = run / name
-            record = read(squad_data.read_json(str(path))) if path.is_file() else None
+            record = read(squad_data.read_json(str(path), f"a fine-tune's {name}")) if path.is_file() else None
             if isinstance(record, dict) and isinstance(record.get("text_column"), str):
                 return record["text_column"], record.get("text_pair_column") or None
     return None
@@ -76,7 +76,8 @@ def squad_settings(model: str, head: dict | None = None, **overrides) -> SquadSe
     "squad": an export's config.json, a checkpoint's head), else the job's defaults; `overrides` that are not
     None win."""
     recorded = epath.Path(model) / "metrics.json"
-    settings = squad_data.read_json(str(recorded)).get("settings", {}) if recorded.is_file() else {}
+    settings = squad_data.read_json(str(recorded), "a fine-tune's metrics.json").get("settings", {}) \
+        if recorded.is_file() else {}
     settings = settings or (head or {}).get("squad") or {}
     known = {field.name for field in dataclasses.fields(SquadSettings)}
     settings = {k: v for k, v in settings.items() if k in known}

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import unicodedata
 
 import numpy as np
 
 from bertjax.data import file_readers
+from bertjax.runtime import jsonio
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +81,11 @@ def _check_ids_once(data: dict, src: str) -> None:
                 seen[qid] = where
 
 
-def read_json(path: str):
+def read_json(path: str, what: str = "a JSON file (UTF-8)"):
     """A JSON file (read by file_readers.read_text: compressed bytes decompressed, Parquet, binary and NUL bytes
-    refused); a parse error is a ValueError naming the file, line and column."""
-    try:
-        return json.loads(file_readers.read_text(path, "a JSON file (UTF-8)"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
+    refused; parsed by jsonio.loads, its nesting checked first); an error is a ValueError naming the file, where it
+    stops and `what` was expected."""
+    return jsonio.loads(file_readers.read_text(path, what), path, what)
 
 
 def _tfds_to_json(spec: str) -> dict:

@@ -214,8 +214,9 @@ def evaluate_file(data_file: str, predictions_file: str, na_prob_file: str | Non
     from bertjax.finetune import squad_data
 
     data = squad_data.load_squad_json(data_file)
-    preds = squad_data.read_json(predictions_file)
-    na_probs = squad_data.read_json(na_prob_file) if na_prob_file else None
+    preds = squad_data.read_json(predictions_file, "predictions (JSON: {question id: answer text})")
+    na_probs = squad_data.read_json(na_prob_file, "null odds (JSON: {question id: probability})") if na_prob_file \
+        else None
     _check_predictions(data, preds, data_file, predictions_file)
     return evaluate(data, preds, na_probs, version, na_prob_thresh)
 

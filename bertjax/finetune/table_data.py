@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-import json
 import math
 import sys
 
@@ -23,6 +22,7 @@ import numpy as np
 from etils import epath
 
 from bertjax.data import file_readers
+from bertjax.runtime import jsonio
 from bertjax.runtime.errors import shown, shown_list
 from bertjax.finetune.glue_data import Examples
 
@@ -73,10 +73,8 @@ def read_rows(path: str, columns: list[str]) -> list[tuple[str, dict]]:
             if not line.strip():
                 continue
             where = f"{path}:{number}"
-            try:
-                row = json.loads(line, object_pairs_hook=lambda pairs: _named_once(where, pairs, columns))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not a JSON object ({error.msg})") from None
+            row = jsonio.loads(line, where, "a JSON object", row=True,
+                               object_pairs_hook=lambda pairs: _named_once(where, pairs, columns))
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
             seen |= set(row)

@@ -119,7 +119,8 @@ def _info(args: argparse.Namespace) -> int:
     for key, value in loaded.config.to_dict().items():
         print(f"  {key}: {value}")
     if loaded.tokenizer is not None:
-        print(f"tokenizer: its tokenizer.json ({_tokenizer_model(loaded.tokenizer)}), {len(loaded.vocab)} tokens")
+        print(f"tokenizer: its tokenizer.json ({_tokenizer_model(loaded.tokenizer, source)}), {len(loaded.vocab)} "
+              "tokens")
     else:
         print(f"vocabulary: {len(loaded.vocab)} tokens (WordPiece), lower_case={loaded.lower_case}")
     from bertjax.model.family import counted_params
@@ -132,18 +133,18 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokenizer_model(spec: dict) -> str:
-    """The model kind a tokenizer.json names ("BPE", "WordPiece", "Unigram"...)."""
-    import json
+def _tokenizer_model(spec: dict, source: str) -> str:
+    """The model kind a tokenizer.json names ("BPE", "WordPiece", "Unigram"...); `source`: the model holding it."""
+    from bertjax.runtime import jsonio
 
-    return str(json.loads(spec["json"]).get("model", {}).get("type", "unknown model"))
+    values = jsonio.loads(spec["json"], f"{source}'s tokenizer.json", "a tokenizer.json")
+    model = values.get("model") if isinstance(values, dict) else None
+    return str(model.get("type", "unknown model") if isinstance(model, dict) else "unknown model")
 
 
 def _run_summary(run_dir: str) -> list[str]:
     """For a pretraining run directory: its progress (step of train.steps, completed or not) and the last logged
     training and eval metrics, from WORKDIR/config.json and metrics.jsonl (nothing for other checkpoints)."""
-    import json
-
     from bertjax.checkpoint import COMPLETION_MARKER, complete_steps
     from bertjax.runtime.input_files import read_json
     from bertjax.interop.model_card import metric_records

@@ -15,7 +15,6 @@ model; bertjax has no upload code.
 from __future__ import annotations
 
 import dataclasses
-import json
 import numbers
 import os
 import pathlib
@@ -27,6 +26,7 @@ from etils import epath
 
 from bertjax.data.data_config import split_format
 from bertjax.data.schema import METADATA_SUFFIX
+from bertjax.runtime import jsonio
 from bertjax.runtime.input_files import INPUT_KEY
 from bertjax.runtime.input_files import read_json, read_text
 from bertjax.interop.hub import PACKAGED_CHECKPOINTS, is_hub_id, packaged_checkpoint
@@ -170,10 +170,11 @@ def metric_records(workdir: str) -> list[dict]:
     """WORKDIR/metrics.jsonl's records ([] without one); a line cut by a kill mid-write is left out."""
     path = epath.Path(workdir) / "metrics.jsonl"
     records = []
-    for line in (read_text(path, "the run's metrics (JSON Lines)").splitlines() if path.exists() else []):
+    lines = read_text(path, "the run's metrics (JSON Lines)").splitlines() if path.exists() else []
+    for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            records.append(jsonio.loads(line, f"{path}: line {number}", "a metrics record", row=True))
+        except ValueError:
             continue
     return records
 
@@ -218,7 +219,7 @@ def shards_corpus(paths: list[str]) -> dict | None:
     for directory in sorted({os.path.dirname(p) for p in paths}):
         for meta_path in sorted(epath.Path(directory).glob("*" + METADATA_SUFFIX)):
             try:
-                meta = json.loads(meta_path.read_text())
+                meta = read_json(meta_path, "data create's metadata (JSON)")
             except (OSError, ValueError):
                 continue
             if not isinstance(meta, dict) or "shards" not in meta:

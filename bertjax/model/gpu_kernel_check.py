@@ -40,6 +40,7 @@ from bertjax.model import layer_norm as ln
 from bertjax.model import layer_norm_gpu as lg
 from bertjax.model.attention import gpu_query_block, reference_attention
 from bertjax.runtime.errors import OutputWriteError
+from bertjax.runtime.input_files import read_json
 from bertjax.runtime.outputs import write_whole
 
 # (device_kind, jax version, kernels' fingerprint) of checks that passed on a real card (bench/gpu_check.sh's
@@ -80,8 +81,8 @@ def cache_path(cache_dir: str | None = None) -> pathlib.Path:
 
 def cached_verdicts(cache_dir: str | None = None) -> dict:
     try:
-        found = json.loads(cache_path(cache_dir).read_text())
-    except (OSError, ValueError):
+        found = read_json(cache_path(cache_dir), "the kernels' cached verdicts (JSON)")
+    except (OSError, ValueError):  # none yet, or unreadable: checked again (and rewritten)
         return {}
     return found if isinstance(found, dict) else {}
 

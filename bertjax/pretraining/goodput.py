@@ -11,7 +11,6 @@ run, come from there. No JAX here: `bertjax goodput` reads a workdir (local or g
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 
@@ -168,9 +167,9 @@ def previous_progress(workdir: str, exclude: str = "") -> tuple[int, float | Non
             per_step = run["step_s"] / run["timed_steps"] if run.get("timed_steps") else None
     metrics = epath.Path(workdir) / "metrics.jsonl"
     if metrics.exists():
-        for line in read_text(metrics, "the run's metrics (JSON Lines)").splitlines():
+        for number, line in enumerate(read_text(metrics, "the run's metrics (JSON Lines)").splitlines(), 1):
             try:
-                record = json.loads(line)
+                record = jsonio.loads(line, f"{metrics}: line {number}", "a metrics record", row=True)
             except ValueError:
                 continue  # a line cut by a kill
             if "event" not in record and int(record.get("step", 0)) > highest:
@@ -232,9 +231,9 @@ def _launcher_events(workdir: str) -> list[dict]:
     if not path.exists():
         return []
     events = []
-    for line in read_text(path, "the launchers' events (JSON Lines)").splitlines():
+    for number, line in enumerate(read_text(path, "the launchers' events (JSON Lines)").splitlines(), 1):
         try:
-            events.append(json.loads(line))
+            events.append(jsonio.loads(line, f"{path}: line {number}", "a launcher's event", row=True))
         except ValueError:
             continue
     return events

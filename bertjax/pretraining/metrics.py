@@ -18,7 +18,7 @@ from etils import epath
 from bertjax.runtime import jsonio
 from bertjax.runtime.console import Console, duration, metric_text
 from bertjax.runtime.errors import OutputWriteError
-from bertjax.runtime.input_files import read_text
+from bertjax.runtime.input_files import read_json, read_text
 from bertjax.runtime.outputs import write_whole
 from bertjax.model.config import BertConfig
 from bertjax.model.modernbert_config import ModernBertConfig
@@ -134,8 +134,8 @@ def cached_matmul_peak(device, dtype, cache_dir: str | None = None, recheck: boo
     key = f"{_cpu_model()} | {os.cpu_count()} cores | {device.device_kind} | jax {jax.__version__} | " \
           f"{jnp.dtype(dtype).name}"
     try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
+        cache = read_json(path, "the cached matmul peaks (JSON)")
+    except (OSError, ValueError):  # none yet, or unreadable: measured again (and rewritten)
         cache = {}
     replaced = ""  # what a higher measurement replaced, for the source line
     if key in cache:
@@ -266,10 +266,10 @@ class MetricsWriter:
             text = read_text(self.jsonl_path, "the run's metrics (JSON Lines)")
             lines = text.split("\n")
             cut = bool(lines[-1])  # no newline at the end: a write the kill interrupted
-            for line in lines[:-1]:
+            for number, line in enumerate(lines[:-1], 1):
                 try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
+                    record = jsonio.loads(line, f"{self.jsonl_path}: line {number}", "a metrics record", row=True)
+                except ValueError:  # damaged (too deep, not JSON): dropped as a cut line is
                     dropped += 1
                     continue
                 if record.get("step", 0) > step:

@@ -4,8 +4,9 @@ type and size before a byte is read, JSON parsed naming the file.
 A config, metrics or goodput file linked to /dev/zero was read until MemoryError, a safetensors file linked to
 /dev/urandom ended in a traceback naming nothing, a cut run.json was a JSONDecodeError without its path. So such
 reads go through here: what is not a regular file (a device, a FIFO, a socket, a directory) is refused naming what
-it is; a file larger than what it can be (`limit`) is refused naming its size; JSON that does not parse is named
-with its path and where it stops. An object on gs:// is always a regular file (its size is checked).
+it is; a file larger than what it can be (`limit`) is refused naming its size; JSON nested too deep, or that does
+not parse, is named with its path and where it stops (jsonio.loads). An object on gs:// is always a regular file
+(its size is checked).
 
 And what a run read, as its record keeps it (`input:<path>`: size and SHA-256), which the model card shows: kept here,
 below both the fine-tune's record and interop's card.
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import getpass
 import hashlib
-import json
 import os
 import stat
 from typing import Any
 
 from etils import epath
+
+from bertjax.runtime import jsonio
 
 # What a JSON document bertjax reads can be at most (a tokenizer.json is ~10 MB; configs and records far less).
 JSON_LIMIT = 256 << 20
@@ -102,14 +104,9 @@ def read_text(path, what: str, limit: int | None = None) -> str:
 
 
 def read_json(path, what: str = "a JSON file", limit: int = JSON_LIMIT) -> Any:
-    """The file's JSON; a cut or damaged file is a ValueError naming it and where it stops."""
-    text = read_text(path, what, limit)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        cut = error.pos >= len(text.rstrip()) or error.msg.startswith("Unterminated string")
-        raise ValueError(f"{path}: not valid JSON{' (cut short?)' if cut else ''}: {error.msg} (line {error.lineno}, "
-                         f"column {error.colno}); expected {what}") from None
+    """The file's JSON (jsonio.loads: nesting checked before it is parsed); a cut, damaged or too deeply nested file
+    is a ValueError naming it and where it stops."""
+    return jsonio.loads(read_text(path, what, limit), str(path), what)
 
 
 # The record's keys for the content of the files a run reads (`input:<path>`): a rerun on changed data is another run.

@@ -28,7 +28,7 @@ import uuid
 
 from etils import epath
 
-from bertjax.runtime import workdir_paths
+from bertjax.runtime import jsonio, workdir_paths
 from bertjax.runtime.cloud_storage import ABSENT, GcsObject
 
 LOCK_NAME = "LOCK"
@@ -75,7 +75,7 @@ def is_stale(holder: dict, now: float | None = None) -> bool:
 def parse(text: bytes) -> dict:
     """The holder's record in a LOCK's bytes; {} when they are not one (cut, empty, null, a list, a bad field)."""
     try:
-        holder = json.loads(text)
+        holder = jsonio.loads(text, "LOCK", "a lock's holder record")
         if isinstance(holder, dict) and isinstance(holder.get("token"), str) and isinstance(holder.get("host"), str):
             return {**holder, "pid": int(holder["pid"]), "heartbeat": float(holder["heartbeat"]),
                     "started": float(holder["started"])}
