@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bertjax.runtime.preemption import STOPPED_EXIT
+
 BIN = Path(sys.executable).parent
 PARTS = ("startup_s", "setup_s", "restore_s", "compile_s", "checkpoint_s")
 
@@ -47,7 +49,7 @@ def _pretrain(root: Path, workdir: Path, cache: Path, args: argparse.Namespace) 
         for line in job.stdout:
             if first_step is None and " compiled and ran in " in line:
                 first_step = time.perf_counter() - started
-    if job.returncode != 0 or first_step is None:
+    if job.returncode != STOPPED_EXIT or first_step is None:  # a step of its 1000: stopped, as asked
         raise SystemExit(f"pretrain in {workdir} failed (exit {job.returncode})")
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return first_step, [r for r in records if r.get("event") == "goodput"][-1]

@@ -109,6 +109,9 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs a command; its exit status: 0 done, 1 a failure (a bug: its traceback), 2 refused for its input or setup,
+    preemption.STOPPED_EXIT (75) a training job stopped before its end with its state saved (the same command
+    resumes it), 128 + N a command without a training loop stopped by signal N (docs/usage.md, "Exit statuses")."""
     # Before JAX starts: no probing for accelerators that are not there (libtpu installed on a CPU machine).
     platforms.use_cpu_where_no_accelerator(os.environ)
     args = build_parser().parse_args(argv)  # imports neither JAX nor TensorFlow

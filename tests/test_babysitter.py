@@ -1,5 +1,6 @@
 """The babysitter with the local backend: real multi-process pretraining jobs, killed like preempted hosts."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 from bertjax.cloud.babysitter import babysit, failure_signature
 from bertjax.cloud.local import LocalProcesses, launch
 from bertjax.data.demo_corpus import write_demo_corpus
+from bertjax.runtime.preemption import STOPPED_EXIT
 from tests.conftest import REPO_ROOT, SUITE_CACHE_ON
 from tests.test_pretrain import _argv, _env, _final_params
 
@@ -53,6 +55,31 @@ def test_same_failure_twice_stops_with_the_log_tail(tmp_path):
     assert babysit(backend, ["pretrain"], str(tmp_path / "run"), max_restarts=5, log=messages.append) == 1
     assert len(messages) == 2 and "restart 1/5" in messages[0], messages  # one restart, then the stop
     assert "failed the same way twice" in messages[-1] and "RuntimeError: worker lost" in messages[-1]
+
+
+def test_a_job_that_stopped_before_its_end_is_rerun_to_completion(tmp_path):
+    """Workers that save and exit STOPPED_EXIT (a SIGTERM to them, --max-steps-this-run), twice with the same last
+    lines: each time a rerun, never "failed the same way twice", until the job completes. Worker 1 ends later
+    (still saving) each time: the run lasts until it has (the first to end kills no one)."""
+    workdir = tmp_path / "run"
+    program = [sys.executable, "-c", "import os, sys, time\n"
+               "index, workdir = (sys.argv[sys.argv.index(flag) + 1] for flag in ('--process-id', '--workdir'))\n"
+               "runs = len([name for name in os.listdir(workdir) if name.startswith(f'run.{index}.')])\n"
+               "time.sleep(int(index))\n"
+               "open(os.path.join(workdir, f'run.{index}.{runs}'), 'w').close()\n"
+               "if runs < 2:\n"
+               f"    print('stopped at step 4 of 12 (SIGTERM)'); sys.exit({STOPPED_EXIT})\n"
+               "if index == '0': open(os.path.join(workdir, 'COMPLETED'), 'w').close()\n"]
+    workdir.mkdir()
+    messages = []
+    backend = LocalProcesses(2, 1, env=_env(1), program=program)
+    assert babysit(backend, ["pretrain", "--workdir", str(workdir)], str(workdir), max_restarts=5,
+                   log=messages.append) == 0
+    assert messages == ["babysitter: the job ended (resumable) before completing; restart 1/5",
+                        "babysitter: the job ended (resumable) before completing; restart 2/5",
+                        "babysitter: job completed after 2 restart(s)"]
+    assert sorted(name for name in os.listdir(workdir) if name.startswith("run.")) == \
+        [f"run.{index}.{run}" for index in (0, 1) for run in range(3)]  # every worker of every run to its end
 
 
 def test_failure_signature_ignores_numbers_that_change_between_runs():

@@ -1,5 +1,5 @@
-"""A fine-tune workdir belongs to one run: SIGTERM saves and exits 0, a rerun resumes to the same bits, another
-run's settings are refused unless --overwrite, and a finished run is not run again."""
+"""A fine-tune workdir belongs to one run: SIGTERM saves and exits STOPPED_EXIT, a rerun resumes to the same bits,
+another run's settings are refused unless --overwrite, and a finished run is not run again."""
 import json
 import os
 import re
@@ -13,6 +13,7 @@ import pytest
 
 from bertjax.checkpoint import load_model
 from bertjax.cli import main
+from bertjax.runtime.preemption import STOPPED_EXIT
 from tests.test_glue_job import _synthetic_glue, tiny_init  # noqa: F401 - the fixture
 
 
@@ -50,13 +51,15 @@ def test_sigterm_then_rerun_ends_with_the_uninterrupted_weights(tiny_init, tmp_p
 
     cut = tmp_path / "cut"
     watcher = _sigterm_once_training(cut)
-    assert main(_argv(data, tiny_init, cut)) == 0  # stopped, saved, exit 0
+    assert main(_argv(data, tiny_init, cut)) == STOPPED_EXIT  # stopped, saved: not 0, the job is not done
     watcher.join()
     out = capsys.readouterr().out
-    assert "stopped by a signal at step" in out and "rerun the same command to resume" in out
     assert not (cut / "metrics.json").exists() and (cut / "train_state").is_dir()
     stopped_at = max(_steps(cut))
     assert 1 <= stopped_at < 10  # mid-epoch 1
+    assert out.strip().splitlines()[-1][9:] == (  # after its time
+        f"stopped at step {stopped_at} of 30 (SIGTERM), its state saved in {cut}/train_state/{stopped_at}: not "
+        f"finished (exit status {STOPPED_EXIT}); run the same command again to resume from step {stopped_at}")
 
     # The same command resumes; evaluating every 10 steps now leaves the weights trained so far as they are.
     assert main(_argv(data, tiny_init, cut, "--eval-every", "10")) == 0
@@ -91,9 +94,9 @@ def test_sighup_saves_like_sigterm_and_the_rerun_resumes(tiny_init, tmp_path, ca
     """A dropped SSH session (SIGHUP) used to kill a fine-tune at once: no save, its lock left behind."""
     data, cut = _synthetic_glue(tmp_path / "glue"), tmp_path / "cut"
     watcher = _sigterm_once_training(cut, sig=signal.SIGHUP)
-    assert main(_argv(data, tiny_init, cut, "--epochs", "1")) == 0
+    assert main(_argv(data, tiny_init, cut, "--epochs", "1")) == STOPPED_EXIT
     watcher.join()
-    assert "stopped by a signal at step" in capsys.readouterr().out and not (cut / "LOCK").exists()
+    assert "of 10 (SIGHUP), its state saved in" in capsys.readouterr().out and not (cut / "LOCK").exists()
     stopped_at = max(_steps(cut))
     assert main(_argv(data, tiny_init, cut, "--epochs", "1")) == 0
     assert f"resumed from {cut}/train_state/{stopped_at} (step {stopped_at} of 10)" in capsys.readouterr().out
@@ -111,9 +114,9 @@ def test_a_damaged_newest_train_state_is_set_aside_and_the_previous_one_resumes(
 
     cut = tmp_path / "cut"
     watcher = _sigterm_once_training(cut, after_step=4)
-    assert main(_argv(data, tiny_init, cut, *every)) == 0
+    assert main(_argv(data, tiny_init, cut, *every)) == STOPPED_EXIT
     watcher.join()
-    assert "stopped by a signal at step" in capsys.readouterr().out
+    assert "of 30 (SIGTERM), its state saved in" in capsys.readouterr().out
     newest = max(_steps(cut))
     previous = (newest - 1) // 3 * 3  # the last save every 3 steps before the one on SIGTERM
     assert 4 <= newest < 30
@@ -278,9 +281,11 @@ def test_a_resume_takes_new_evaluation_and_logging_settings_with_a_line_and_refu
 
 
 def test_a_second_sigint_while_a_fine_tune_stops_ends_it_cleanly(tiny_init, tmp_path, capsys):  # noqa: F811
-    """Ctrl-C, then Ctrl-C again while the job saves and stops (here: just as its loop gives back the signal
-    handlers, where the default one used to raise KeyboardInterrupt): the state saved, exit 0, no traceback, the
-    lock released; the same command resumes."""
+    """Ctrl-C in a shell running `bertjax finetune ... && echo NEXT` (SIGINT to its process group, the shell's too),
+    then Ctrl-C again while the job saves and stops (here: just as its loop gives back the signal handlers, where
+    the default one used to raise KeyboardInterrupt): the state saved, no traceback, the lock released, exit
+    STOPPED_EXIT, so the shell does not go on (bash goes on after a Ctrl-C its job handled: with exit 0, NEXT ran);
+    the same command resumes."""
     import subprocess
     import sys
 
@@ -290,20 +295,20 @@ def test_a_second_sigint_while_a_fine_tune_stops_ends_it_cleanly(tiny_init, tmp_
     data, cut = _synthetic_glue(tmp_path / "glue"), tmp_path / "cut"
     argv = _argv(data, tiny_init, cut, "--epochs", "1")
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1), PYTHONPATH=str(REPO_ROOT))
-    process = subprocess.Popen([sys.executable, "-c", DRIVER, "bertjax.runtime.preemption:PreemptionFlag.restore", "after",
-                                "SIGINT", *argv], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    job = [sys.executable, "-c", DRIVER, "bertjax.runtime.preemption:PreemptionFlag.restore", "after", "SIGINT", *argv]
+    process = subprocess.Popen(["bash", "-c", '"$@" && echo NEXT', "bash", *job], env=env, cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
         path = cut / "metrics.jsonl"
         if path.exists() and path.read_text().strip() and _steps(cut):
-            process.send_signal(signal.SIGINT)
+            os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C
             break
         time.sleep(0.01)
     out, err = process.communicate(timeout=600)
-    assert process.returncode == 0, out[-2000:] + err[-3000:]
+    assert process.returncode == STOPPED_EXIT and "NEXT" not in out, out[-2000:] + err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
-    assert "stopped by a signal at step" in out and not (cut / "LOCK").exists()
+    assert "of 10 (SIGINT), its state saved in" in out.strip().splitlines()[-1] and not (cut / "LOCK").exists()
     stopped_at = max(_steps(cut))
     assert main(argv) == 0
     assert f"resumed from {cut}/train_state/{stopped_at} (step {stopped_at} of 10)" in capsys.readouterr().out

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from bertjax.cli import main as bertjax_main
+from bertjax.runtime.preemption import STOPPED_EXIT
 from tests import stall_watch
 from tests.conftest import REPO_ROOT, process_running
 
@@ -159,16 +160,16 @@ def test_launch_local_shares_the_cpu_peak_among_the_hosts_devices_and_shows_no_g
 
 
 # A worker stand-in: says it started (its pid in a file), then waits; a stop signal it handles is written down and
-# ends it (exit 0, as a job that saved), one it ignores leaves it running until killed.
-STOPPABLE_WORKER = """import os, signal, sys, time
+# ends it (exit STOPPED_EXIT, as a job that saved before its end), one it ignores leaves it running until killed.
+STOPPABLE_WORKER = f"""import os, signal, sys, time
 index = int(sys.argv[sys.argv.index('--process-id') + 1])
 folder = sys.argv[1]
 def stop(signum, frame):
-    open(os.path.join(folder, f'signal.{index}'), 'w').write(signal.Signals(signum).name)
-    sys.exit(0)
+    open(os.path.join(folder, f'signal.{{index}}'), 'w').write(signal.Signals(signum).name)
+    sys.exit({STOPPED_EXIT})
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(sig, signal.SIG_IGN if 'ignore' in sys.argv else stop)
-open(os.path.join(folder, f'pid.{index}'), 'w').write(str(os.getpid()))
+open(os.path.join(folder, f'pid.{{index}}'), 'w').write(str(os.getpid()))
 time.sleep(60)  # bounded: an orphan (the bug) goes by itself
 """
 
@@ -200,21 +201,42 @@ def test_a_stop_signal_to_the_launcher_is_passed_on_and_the_workers_are_waited_f
     launcher, pids = _launcher_of_stand_ins(tmp_path)
     launcher.send_signal(sig)
     _, err = launcher.communicate(timeout=20)
-    assert launcher.returncode == 0, err  # the workers stopped as asked (exit 0), so does the launcher
+    # The workers saved and stopped before the job's end (STOPPED_EXIT): so does the launcher (it was 0: `launch
+    # local ... && export ...` went on).
+    assert launcher.returncode == STOPPED_EXIT, err
     assert [(tmp_path / f"signal.{i}").read_text() for i in (0, 1)] == [sig.name] * 2
     assert not [pid for pid in pids if process_running(pid)]
     assert f"bertjax launch: {sig.name}: passing it on to the workers" in err
 
 
 def test_a_babysat_job_stopped_by_a_signal_is_not_restarted(tmp_path):
-    """Its workers exit 0 after saving, which is no completion: the babysitter must not take it for a preemption."""
+    """Its workers exit STOPPED_EXIT after saving, which the babysitter reruns when they stop by themselves: not
+    when the launcher was asked to stop. It exits STOPPED_EXIT too (it was 1: told from a failure by its text)."""
     launcher, pids = _launcher_of_stand_ins(tmp_path, babysat=True)
     launcher.send_signal(signal.SIGTERM)
     out, err = launcher.communicate(timeout=30)
-    assert launcher.returncode == 1, out + err
+    assert launcher.returncode == STOPPED_EXIT, out + err
     assert out.strip().splitlines()[-1] == ("babysitter: stopped by a signal before the job completed; not "
                                             "restarting (run the same command to resume)")
     assert "restart 1/" not in out and not [pid for pid in pids if process_running(pid)]
+
+
+def test_a_worker_that_stopped_before_the_end_waits_for_the_others_and_the_launcher_exits_stopped(tmp_path):
+    """A job stopped before its end (--max-steps-this-run, a SIGTERM to its processes) exits STOPPED_EXIT on every
+    worker, each once its part of the save is done: the first to end must not kill the others (a non-zero exit
+    does), and the launcher's status is theirs, so `launch local ... && next` does not go on."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys, time\n"
+                      "index = int(sys.argv[sys.argv.index('--process-id') + 1])\n"
+                      "time.sleep(1.5 * index)  # worker 1 still saving when worker 0 has ended\n"
+                      f"open(os.path.join(sys.argv[1], f'saved.{{index}}'), 'w').close()\n"
+                      f"sys.exit({STOPPED_EXIT})\n")
+    done = subprocess.run([sys.executable, "-c", "import sys; from bertjax.cloud.local import launch; "
+                           f"sys.exit(launch([{str(tmp_path)!r}], 2, 1, program=[sys.executable, {str(script)!r}]))"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == STOPPED_EXIT, done.stderr
+    assert (tmp_path / "saved.0").exists() and (tmp_path / "saved.1").exists(), done.stderr
+    assert "stopping the 1 other(s)" not in done.stderr
 
 
 def test_workers_that_do_not_stop_are_killed_after_the_grace(tmp_path):

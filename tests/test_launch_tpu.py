@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("google.cloud.tpu_v2alpha1", reason="launch tpu needs google-cloud-tpu (the test extras)")
 
 from bertjax.cli import main as bertjax_main
+from bertjax.runtime.preemption import STOPPED_EXIT
 from tests.conftest import REPO_ROOT
 from tests.tpu_standin import standin
 
@@ -130,6 +131,24 @@ def test_same_failure_twice_stops_with_the_log_tail(tmp_path, wheel, monkeypatch
     assert "failed the same way twice in a row" in out and "ValueError: data.input matches no files" in out
     assert out.count("job started on every worker") == 2  # restarted once on the same slice, then stopped
     assert _creates_and_deletes(api) == ["CreateQueuedResource", "DeleteQueuedResource"]
+
+
+def test_a_job_that_stopped_before_its_end_is_started_again_on_the_same_slice(tmp_path, wheel, monkeypatch,
+                                                                               capsys):
+    """Workers that save and exit STOPPED_EXIT on an ACTIVE slice (a maintenance's SIGTERM, --max-steps-this-run)
+    are no failure: the same command is started again on the slice and resumes (their exit code was a failure's)."""
+    workdir = tmp_path / "run"
+    with standin(tmp_path / "standin", workers=2, toy_job=True) as (api, env):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        job = ["pretrain", "--workdir", str(workdir), "--set", "train.steps=6", "--max-steps-this-run", "3"]
+        assert bertjax_main(_tpu_args(wheel, job)) == 0
+    out = capsys.readouterr().out
+    assert f"the job saved and stopped before its end (exit status {STOPPED_EXIT}) on {NAME}" in out
+    assert "restart 1/10" in out and "(resumable)" in out and "babysitter: job completed after 1 restart(s)" in out
+    assert out.count("job started on every worker") == 2 and "resumes at step 3" in out
+    assert _creates_and_deletes(api) == ["CreateQueuedResource", "DeleteQueuedResource"]  # one slice throughout
+    assert (workdir / "COMPLETED").exists()
 
 
 def test_a_stockout_is_retried_then_the_slice_comes(tmp_path, monkeypatch):

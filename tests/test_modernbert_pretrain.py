@@ -15,6 +15,7 @@ import transformers
 from bertjax.checkpoint import load_model
 from bertjax.data.demo_corpus import write_demo_corpus
 from bertjax.model import family
+from bertjax.runtime.preemption import STOPPED_EXIT
 from tests import modernbert_fixture
 from tests.conftest import host_devices
 from tests.test_pretrain import _losses, _run, _run_here, _run_until
@@ -74,7 +75,7 @@ def test_sigterm_then_resume_is_bit_exact(uninterrupted, corpus, tmp_path, monke
     extra = ("--set", f"data.eval_input={corpus[1]}", "--set", "train.eval_every=4")
     code, output = _run_until(_argv(workdir, corpus, *extra), f"step {MIDDLE}/", signal.SIGTERM,
                                   devices=DEVICES)
-    assert code == 0 and "preempted at step" in output, output[-3000:]
+    assert code == STOPPED_EXIT and "preempted at step" in output, output[-3000:]
     _run_here(_argv(workdir, corpus, *extra), monkeypatch, capsys)
     expected, resumed = _losses(uninterrupted), _losses(workdir)
     assert [resumed[s] for s in range(MIDDLE + 1, STEPS + 1)] == [expected[s] for s in range(MIDDLE + 1, STEPS + 1)]

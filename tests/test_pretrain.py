@@ -18,6 +18,7 @@ import pytest
 
 from bertjax.checkpoint import complete_steps, load_model
 from bertjax.data.demo_corpus import write_demo_corpus
+from bertjax.runtime.preemption import STOPPED_EXIT
 from tests import stall_watch
 from tests.conftest import REPO_ROOT, SUITE_CACHE_ON, fill_disk, process_running, xla_flags
 
@@ -52,9 +53,10 @@ def _env(devices=8):
     return env
 
 
-def _run(argv, devices=8, keep=False):
+def _run(argv, devices=8, keep=False, status=0):
+    """The run in a process of its own, ended with exit `status` (STOPPED_EXIT: stopped before its last step)."""
     result = stall_watch.run(argv, env=_env(devices), cwd=REPO_ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == status, result.stdout[-3000:] + result.stderr[-3000:]
     return result if keep else result.stdout
 
 
@@ -71,11 +73,11 @@ def _in_process(argv, monkeypatch, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-def _run_here(argv, monkeypatch, capsys) -> str:
+def _run_here(argv, monkeypatch, capsys, status=0) -> str:
     """`_run` in this process (its 8 devices), for tests of what a job does rather than of its process (a resume,
     its warnings): the same job without a process start, which pays TensorFlow's and JAX's imports. Its stdout."""
     code, out, err = _in_process(argv, monkeypatch, capsys)
-    assert code == 0, out[-3000:] + err[-3000:]
+    assert code == status, out[-3000:] + err[-3000:]
     return out
 
 
@@ -87,18 +89,28 @@ def _message(line: str) -> str:
     return TIMESTAMP.sub("", line)
 
 
-def _run_until(argv, line_prefix, sig, devices=8):
-    """Starts a run, sends `sig` as soon as it prints a line starting with `line_prefix`; returns (code, output)."""
-    process = subprocess.Popen(argv, env=_env(devices), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+def _run_until(argv, line_prefix, sig, devices=8, then=None):
+    """Starts a run, sends `sig` as soon as it prints a line starting with `line_prefix`; returns (code, output).
+    `then`: the run as `bertjax ... && THEN` in bash, the signal sent to the job alone (as `kill PID` or a scheduler
+    sends it); the code and output are then the shell's."""
+    command = ["bash", "-c", f'"$@" && {then}', "bash", *argv] if then else argv
+    process = subprocess.Popen(command, env=_env(devices), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     output = []
     for line in process.stdout:
         output.append(line)
         if _message(line).startswith(line_prefix):
-            process.send_signal(sig)
+            [job] = _children(process.pid) if then else [process.pid]
+            os.kill(job, sig)
             break
     output += process.stdout.readlines()
     return process.wait(timeout=300), "".join(output)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux's /proc)."""
+    return [int(child) for task in pathlib.Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
 
 
 def _step_records(workdir) -> list[dict]:
@@ -301,15 +313,20 @@ def test_dry_run_warns_when_the_step_needs_more_memory_than_the_host(corpus, tmp
                                           pytest.param(False, signal.SIGHUP, marks=pytest.mark.slow),
                                           pytest.param(True, signal.SIGTERM, marks=pytest.mark.slow)])
 def test_sigterm_then_resume_is_bit_exact(request, corpus, tmp_path, monkeypatch, capsys, packing, sig):
+    """Stopped, the job saves and exits STOPPED_EXIT (it was 0: `pretrain ... && export ...` exported a half-trained
+    model), its last line saying where it stopped and how to go on; the same command resumes to the same bits."""
     uninterrupted = request.getfixturevalue("uninterrupted_packed" if packing else "uninterrupted")
     extra = PACKING if packing else ()
     workdir = tmp_path / "preempted"
-    code, output = _run_until(_argv(workdir, corpus, *extra), f"step {MIDDLE}/", sig)
-    assert code == 0, output[-3000:]
+    code, output = _run_until(_argv(workdir, corpus, *extra), f"step {MIDDLE}/", sig, then="echo NEXT")
+    assert code == STOPPED_EXIT and "NEXT" not in output, output[-3000:]
     assert "preempted at step" in output and not (workdir / "LOCK").exists()
     stopped_at = int(output.split("preempted at step ")[1].split("/")[0])
     assert MIDDLE <= stopped_at < STEPS
-    assert f"rerun the same command to resume from step {stopped_at}\n" in output, output[-3000:]
+    assert _message(output.strip().splitlines()[-1]) == (
+        f"stopped at step {stopped_at} of {STEPS} ({sig.name}), its state saved in {workdir}/checkpoints/"
+        f"{stopped_at}: not finished (exit status {STOPPED_EXIT}); run the same command again to resume from step "
+        f"{stopped_at}"), output[-3000:]
     _run_here(_argv(workdir, corpus, *extra), monkeypatch, capsys)
     expected, resumed = _losses(uninterrupted), _losses(workdir)
     assert [resumed[s] for s in range(MIDDLE + 1, STEPS + 1)] == [expected[s] for s in range(MIDDLE + 1, STEPS + 1)]
@@ -347,7 +364,7 @@ def test_eight_device_checkpoint_continues_on_fewer_devices(uninterrupted, corpu
     for step in (MIDDLE + EVERY, STEPS):  # go back to the 8-device checkpoint at step MIDDLE
         shutil.rmtree(workdir / "checkpoints" / str(step))
     (workdir / "metrics.jsonl").write_text("")
-    output = _run(_argv(workdir, corpus, "--max-steps-this-run", "5"), devices=devices)
+    output = _run(_argv(workdir, corpus, "--max-steps-this-run", "5"), devices=devices, status=STOPPED_EXIT)
     assert "resumed from" in output and f"checkpoints/{MIDDLE}" in output
     expected, continued = _losses(uninterrupted), _losses(workdir)
     after = range(MIDDLE + 1, MIDDLE + 6)
@@ -380,7 +397,7 @@ def test_resume_with_a_changed_config_is_refused_or_allowed_by_name(uninterrupte
     shape = error_line("--set", "model.hidden_size=64", "--set", "model.num_attention_heads=2")
     assert "model.hidden_size: 128 -> 64" in shape and "cannot change when resuming" in shape
     allowed = _run_here(argv("--bigger", "--allow-config-change", "--set", "train.log_every=2",
-                             "--max-steps-this-run", "2"), monkeypatch, capsys)
+                             "--max-steps-this-run", "2"), monkeypatch, capsys, status=STOPPED_EXIT)
     assert "resuming with changed config keys: train.log_every, train.steps" in allowed
     assert f"step {MIDDLE + 2}/60" in allowed
 
@@ -534,12 +551,11 @@ def test_a_dropped_session_stops_launch_local_and_its_workers_save_and_free_the_
     for line in launcher.stdout:
         output.append(line)
         if _message(line.removeprefix("[p0] ")).startswith("step 2/"):
-            workers = [int(pid) for task in pathlib.Path(f"/proc/{launcher.pid}/task").iterdir()
-                       for pid in (task / "children").read_text().split()]
+            workers = _children(launcher.pid)
             launcher.send_signal(signal.SIGHUP)
             break
     output += launcher.stdout.readlines()
-    assert launcher.wait(timeout=120) == 0, "".join(output[-40:])
+    assert launcher.wait(timeout=120) == STOPPED_EXIT, "".join(output[-40:])  # its workers' status
     assert len(workers) == 2 and not [pid for pid in workers if process_running(pid)]
     stopped_at = int("".join(output).split("preempted at step ")[1].split("/")[0])
     assert (workdir / "checkpoints" / str(stopped_at)).is_dir() and not (workdir / "LOCK").exists()
@@ -570,12 +586,12 @@ def test_a_resume_on_replaced_input_files_warns(corpus, tmp_path, monkeypatch, c
     argv = _argv(workdir, (str(mine), vocab), "--set", "train.steps=4", "--set", "checkpoint.every=2",
                  "--set", "optimizer.warmup_steps=1",
                  "--max-steps-this-run", "2")
-    first = _run_here(argv, monkeypatch, capsys)
+    first = _run_here(argv, monkeypatch, capsys, status=STOPPED_EXIT)  # stopped after 2 of its 4 steps
     assert "input file(s) changed" not in first
     assert json.loads((workdir / "inputs.json").read_text()).keys() == {str(mine)}
     documents = text.split("\n\n")
     mine.write_text("\n\n".join(reversed(documents)), encoding="utf-8")  # another file, same documents
-    second = _run_here(argv, monkeypatch, capsys)
-    assert f"resumed from {workdir}/checkpoints/2" in second, second
+    second = _run_here(argv, monkeypatch, capsys)  # its last 2 steps: completed, with its --max-steps-this-run 2
+    assert f"resumed from {workdir}/checkpoints/2" in second and (workdir / "COMPLETED").exists(), second
     assert (f"warning: 1 input file(s) changed since this run started ({mine}): it continues on them from the saved "
             "input position, which was a position in the old files") in second

@@ -18,6 +18,7 @@ from bertjax.model.config import BertConfig
 from bertjax.pretraining import optim
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step
+from bertjax.runtime.preemption import STOPPED_EXIT
 from tests.test_pretrain import (  # noqa: F401
     MIDDLE,
     STEPS,
@@ -314,7 +315,7 @@ def uninterrupted_scanned(tmp_path_factory, corpus):  # noqa: F811
 def test_a_scanned_run_resumes_bit_exactly(uninterrupted_scanned, corpus, tmp_path):  # noqa: F811
     workdir = tmp_path / "preempted"
     code, output = _run_until(_argv(workdir, corpus, *SCAN), f"step {MIDDLE}/", signal.SIGTERM)
-    assert code == 0 and "preempted at step" in output, output[-3000:]
+    assert code == STOPPED_EXIT and "preempted at step" in output, output[-3000:]
     _run(_argv(workdir, corpus, *SCAN))
     expected, resumed = _losses(uninterrupted_scanned), _losses(workdir)
     assert [resumed[s] for s in range(MIDDLE + 1, STEPS + 1)] == [expected[s] for s in range(MIDDLE + 1, STEPS + 1)]

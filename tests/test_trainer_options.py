@@ -104,6 +104,7 @@ def test_bfloat16_accumulation_and_best_resume_bit_exactly(tmp_path, capsys, min
     """SIGTERM mid-run, then the same command: the same weights as the uninterrupted run, to the bit."""
     from bertjax.checkpoint import load_model
     from bertjax.cli import main
+    from bertjax.runtime.preemption import STOPPED_EXIT
     from tests.conftest import save_tiny_checkpoint
     from tests.test_finetune_resume import _sigterm_once_training, _steps
 
@@ -122,9 +123,9 @@ def test_bfloat16_accumulation_and_best_resume_bit_exactly(tmp_path, capsys, min
     assert main(argv(tmp_path / "whole")) == 0
     cut = tmp_path / "cut"
     watcher = _sigterm_once_training(cut)
-    assert main(argv(cut)) == 0
+    assert main(argv(cut)) == STOPPED_EXIT
     watcher.join()
-    assert "stopped by a signal at step" in capsys.readouterr().out
+    assert "of 30 (SIGTERM), its state saved in" in capsys.readouterr().out
     stopped_at = max(_steps(cut))
     assert 1 <= stopped_at < 30
     assert main(argv(cut)) == 0

@@ -3,9 +3,11 @@
 The job resumes by itself from its workdir's latest complete checkpoint, so bringing it back is: run the same
 command again. The babysitter runs it, and after every end looks at the workdir: the job's completion marker
 (`<workdir>/COMPLETED`, written by `bertjax pretrain` after its last save) means done; otherwise it runs it again,
-until `max_restarts` is spent. A job refused for its input or configuration (bertjax exits 2: a missing corpus, a
-bad --set, a config its checkpoints cannot resume with) would be refused again: it stops at once. A job that fails
-the same way twice in a row (not a preemption) is not a preemption to wait out either: it stops with the log tail.
+until `max_restarts` is spent. A job that stopped itself before its end with its state saved (bertjax's
+STOPPED_EXIT: a SIGTERM to its processes, --max-steps-this-run) is run again as a preempted one is. A job refused
+for its input or configuration (bertjax exits 2: a missing corpus, a bad --set, a config its checkpoints cannot
+resume with) would be refused again: it stops at once. A job that fails the same way twice in a row (not a
+preemption) is not a preemption to wait out either: it stops with the log tail.
 """
 from __future__ import annotations
 
@@ -14,15 +16,18 @@ from typing import Callable, Protocol
 
 from etils import epath
 
+from bertjax.runtime.preemption import STOPPED_EXIT
+
 # bertjax's exit code for bad input or configuration (bertjax/cli.py), which no restart can cure.
 USAGE_ERROR_EXIT = 2
 
 
 class Backend(Protocol):
     """Something that runs a `bertjax ...` command on all of a job's workers and reports how it ended:
-    (kind, log tail), kind "exited" (every worker ended by itself), "preempted" (workers killed or gone),
-    "refused" (a worker exited with USAGE_ERROR_EXIT), "failed" (a worker exited with another error) or "stopped"
-    (the launcher itself was asked to stop, by a signal: the run is not restarted)."""
+    (kind, log tail), kind "exited" (every worker ended by itself), "resumable" (the workers saved and exited with
+    STOPPED_EXIT before the job's end), "preempted" (workers killed or gone), "refused" (a worker exited with
+    USAGE_ERROR_EXIT), "failed" (a worker exited with another error) or "stopped" (the launcher itself was asked to
+    stop, by a signal: the run is not restarted)."""
 
     def run(self, command: list[str]) -> tuple[str, str]: ...
 
@@ -44,7 +49,8 @@ def is_completed(workdir: str) -> bool:
 def babysit(backend: Backend, command: list[str], workdir: str, max_restarts: int,
             log: Callable[[str], None] = print) -> int:
     """Runs `command` until the job in `workdir` completes (0), or it fails the same way twice in a row or
-    `max_restarts` restarts are spent (1)."""
+    `max_restarts` restarts are spent (1), or the launcher is stopped by a signal first (STOPPED_EXIT, as the job
+    itself: `launch ... && next` does not go on)."""
     from bertjax.pretraining.goodput import (
         launcher_event,  # the goodput account's time between runs
     )
@@ -60,12 +66,12 @@ def babysit(backend: Backend, command: list[str], workdir: str, max_restarts: in
         if kind == "stopped":
             log("babysitter: stopped by a signal before the job completed; not restarting (run the same command "
                 "to resume)")
-            return 1
+            return STOPPED_EXIT
         if kind == "refused":
             log(f"babysitter: the job was refused for its input or configuration; not restarting. Last output:\n"
                 f"{log_tail}")
             return 1
-        if kind == "preempted":
+        if kind in ("preempted", "resumable"):  # no failure: the same command goes on from the saved state
             previous_failure = None
         else:
             signature = failure_signature(log_tail)

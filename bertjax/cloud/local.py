@@ -4,14 +4,18 @@
 
 Each process gets its own share of CPU devices (XLA_FLAGS), the coordinator on 127.0.0.1, and the same
 `--coordinator/--num-processes/--process-id` flags a multi-host job passes; its output is prefixed with its index.
-The launcher exits with the first non-zero exit code, terminating the others. With --max-restarts K it babysits
-the job (bertjax/cloud/babysitter.py): a run whose worker was killed is started again, and resumes from its checkpoints.
+The launcher exits with the first non-zero exit code, terminating the others; a worker that stopped before the
+job's end with its state saved (STOPPED_EXIT) ends nothing: the others are waited for (they stop at the same step),
+and the launcher exits STOPPED_EXIT too. With --max-restarts K it babysits the job (bertjax/cloud/babysitter.py): a
+run whose worker was killed, or that stopped so, is started again, and resumes from its checkpoints.
 
 The workers end with their launcher, always (orphans would sit idle holding memory and the workdir's lock): a
 SIGTERM, SIGINT or SIGHUP to the launcher is passed on to every worker (a job saves at its next step boundary and
 exits), the launcher waits STOP_GRACE_S for them, then kills what is left; a launcher killed outright (SIGKILL) takes
 its workers with it (PR_SET_PDEATHSIG: the kernel kills each when the launcher dies, as a host lost takes its job;
-they resume from their last checkpoint, and their lock is a dead holder's, free to take).
+they resume from their last checkpoint, and their lock is a dead holder's, free to take). A launcher stopped so
+exits with its workers' status (STOPPED_EXIT for a training job that saved before its end; babysat: STOPPED_EXIT
+unless the job completed), never restarting them.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ import time
 
 from bertjax import options
 from bertjax.cloud.babysitter import USAGE_ERROR_EXIT, babysit
-from bertjax.runtime.preemption import STOP_SIGNALS
+from bertjax.runtime.preemption import STOP_SIGNALS, STOPPED_EXIT
 from bertjax.runtime.quiet import START_UP_LINE
 
 # How long workers asked to stop get to save and exit before they are killed (a save is seconds; a scheduler's
@@ -77,9 +81,10 @@ class LocalProcesses:
 
     A worker killed by a signal (SIGKILL, as a preempted host dies) ends the run as a preemption: the others are
     killed too, as a slice's workers all go with it. Exit code 2 (bertjax's bad input or configuration) is a
-    refusal; any other non-zero exit is a failure (the others are stopped either way). A stop signal to the
-    launcher (`stopping_on_signals`) is passed on to the workers: then the run ends as "stopped", whatever their
-    codes.
+    refusal; any other non-zero exit is a failure (the others are stopped either way), but STOPPED_EXIT: the job
+    saved and stopped before its end (all its workers at one step, so the others are waited for), a "resumable"
+    end. A stop signal to the launcher (`stopping_on_signals`) is passed on to the workers: then the run ends as
+    "stopped", whatever their codes.
     """
 
     def __init__(self, processes: int, devices_per_process: int, env: dict | None = None,
@@ -137,19 +142,19 @@ class LocalProcesses:
                 child.send_signal(self.stop_signal)
 
     def wait(self) -> tuple[int, str]:
-        """(the first abnormal exit code, or 0; the kind of end: "exited" | "preempted" | "refused" | "failed" |
-        "stopped", by a signal to the launcher: its workers are waited for, those left after the grace killed)."""
+        """(the first abnormal exit code, or 0; the kind of end: "exited" | "resumable" (STOPPED_EXIT) |
+        "preempted" | "refused" | "failed" | "stopped", by a signal to the launcher: its workers are waited for,
+        those left after the grace killed)."""
         while True:
             codes = [child.poll() for child in self.children]
-            bad = [code for code in codes if code not in (None, 0)]
             if self.stop_signal is not None:
                 if None not in codes:
-                    return (bad or [0])[0], "stopped"
+                    return next((code for code in codes if code != 0), 0), "stopped"
                 if time.monotonic() >= self._kill_at:
                     print(f"bertjax launch: {codes.count(None)} worker(s) still running {self.grace_s:.0f}s after "
                           f"{_signal_name(self.stop_signal)}; killing them", file=sys.stderr, flush=True)
                     self._kill_all()
-            elif bad:
+            elif bad := [code for code in codes if code not in (None, 0, STOPPED_EXIT)]:
                 index = codes.index(bad[0])
                 how = (f"was killed by {_signal_name(-bad[0])}" if bad[0] < 0 else f"exited with status {bad[0]}")
                 print(f"bertjax launch: worker p{index} (pid {self.children[index].pid}) {how}; stopping the "
@@ -157,8 +162,8 @@ class LocalProcesses:
                 self._kill_all()
                 kind = "preempted" if bad[0] < 0 else "refused" if bad[0] == USAGE_ERROR_EXIT else "failed"
                 return bad[0], kind
-            if all(code == 0 for code in codes):
-                return 0, "exited"
+            elif None not in codes:  # every worker ended by itself, each done or saved and stopped at one step
+                return (STOPPED_EXIT, "resumable") if STOPPED_EXIT in codes else (0, "exited")
             time.sleep(0.2)
 
     def _kill_all(self) -> None:
@@ -181,7 +186,8 @@ class LocalProcesses:
 def launch(command: list[str], processes: int, devices_per_process: int, env: dict | None = None,
            program: list[str] | None = None, grace_s: float = STOP_GRACE_S) -> int:
     """Starts `bertjax <command>` (or `program + command`) in `processes` processes, each with
-    `--coordinator/--num-processes/--process-id` appended; returns the first non-zero exit code (or 0)."""
+    `--coordinator/--num-processes/--process-id` appended; returns the first non-zero exit code (or 0): a job
+    stopped before its end, by itself or by a stop signal passed on, STOPPED_EXIT."""
     workers = LocalProcesses(processes, devices_per_process, env, program, grace_s=grace_s)
     with workers.stopping_on_signals():
         workers.start(command)

@@ -8,7 +8,8 @@ brings whatever the image's python3 is, and starts the same `bertjax ...` comman
 job: the launcher can drop, be killed or be re-attached with `bertjax launch watch`. It follows worker 0's log live
 and polls the slice's state and the workers' exit codes; a slice that is no longer ACTIVE (or a worker whose job
 vanished without an exit code) is a preemption: the queued resource is deleted and re-created, and the job resumes
-from its workdir (gs://) checkpoints.
+from its workdir (gs://) checkpoints. Workers that all exit 0 or STOPPED_EXIT (some saved and stopped before the
+job's end, as a TPU maintenance's SIGTERM makes them) leave the slice ACTIVE: the job is started on it again.
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ import time
 
 from bertjax.cloud.topologies import parse_topology
 from bertjax.cloud.tpu_slice import NODE_GONE_STATES, Slice
+from bertjax.runtime.preemption import STOPPED_EXIT
+
+# A worker's job states that end no run by themselves: done, or saved and stopped (its peers stop at the same step).
+ENDED_WELL = ("exit 0", f"exit {STOPPED_EXIT}")
 
 # The TPU VM software each generation boots (Google Cloud's runtime versions for JAX).
 RUNTIME_VERSIONS = {"v4": "tpu-ubuntu2204-base", "v5e": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5",
@@ -212,7 +217,8 @@ def dry_run(spec: SliceSpec, wheel_path: str, command: list[str]) -> str:
 
 
 def parse_status(output: str) -> list[str]:
-    """The workers' job states from STATUS's output ("exit 0", "running", "lost", "none"), in output order."""
+    """The workers' job states from STATUS's output ("exit 0", "exit 75", "running", "lost", "none"), in output
+    order."""
     return [line.split(" ", 1)[1].strip() for line in output.splitlines() if line.startswith("bertjax-job ")]
 
 
@@ -324,7 +330,7 @@ class CloudTpuBackend:
                 if states is None:
                     continue  # unreachable for now: the slice's state decides at the next poll
                 ended = [state for state in states if state.startswith("exit") or state == "lost"]
-                if len(ended) == len(states) or any(state not in ("exit 0",) for state in ended):
+                if len(ended) == len(states) or any(state not in ENDED_WELL for state in ended):
                     break
         finally:
             follower.stop()
@@ -334,6 +340,10 @@ class CloudTpuBackend:
             self.log("launch tpu: the job exited on every worker")
             return "exited", log_tail
         gone = self._slice_gone()
+        if not gone and all(state in ENDED_WELL for state in states):
+            self.log(f"launch tpu: the job saved and stopped before its end (exit status {STOPPED_EXIT}) on "
+                     f"{self.spec.name}")
+            return "resumable", log_tail
         kind = "preempted" if gone or "lost" in states else "failed"
         self.log(f"launch tpu: the job ended on {self.spec.name} (workers: {', '.join(states)}"
                  f"{'; slice ' + gone if gone else ''})")

@@ -382,8 +382,9 @@ def _check_workdir(args: argparse.Namespace) -> None:
 
 def _owned_run(job):
     """A fine-tune command on the workdir it owns (run_record.py): refused for another run's workdir, resumed for
-    its own unfinished one, not rerun when finished; stopped by SIGTERM after saving its state (exit 0). A workdir
-    it created and failed in before saving a training state is removed (new_workdir.py)."""
+    its own unfinished one, not rerun when finished; stopped by a signal after saving its state (exit status
+    preemption.STOPPED_EXIT). A workdir it created and failed in before saving a training state is removed
+    (new_workdir.py)."""
     import functools
 
     @functools.wraps(job)
@@ -421,6 +422,7 @@ def _claimed_run(job, args: argparse.Namespace, console) -> int:
     from bertjax.finetune.run_record import claim
     from bertjax.runtime.input_files import input_fingerprints
     from bertjax.finetune.trainer import Preempted
+    from bertjax.runtime.preemption import STOPPED_EXIT
 
     record = {k: v for k, v in vars(args).items() if k not in ("func", "command", "job")}
     record.update(input_fingerprints(getattr(args, name, None) for name in INPUT_ARGS))
@@ -436,7 +438,7 @@ def _claimed_run(job, args: argparse.Namespace, console) -> int:
         code = job(args)
     except Preempted as stopped:
         console.line(str(stopped))
-        return 0
+        return STOPPED_EXIT  # not 0: `finetune ... && predict ...` must not go on with a half-trained model
     _write_model_cards(args.workdir)
     return code
 

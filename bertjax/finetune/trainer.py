@@ -40,7 +40,7 @@ from bertjax.interop.hf import export_hf
 from bertjax.model import bert as model_lib
 from bertjax.model import family, shapes
 from bertjax.model.family import init_params
-from bertjax.runtime.preemption import PreemptionFlag
+from bertjax.runtime.preemption import PreemptionFlag, stopped_line
 from bertjax.pretraining.metrics import MetricsWriter
 from bertjax.pretraining.optim import OptimizerConfig, make_optimizer
 from bertjax.pretraining.step import TooManyNonFiniteSteps
@@ -49,7 +49,8 @@ INPUT_KEYS = ("input_ids", "input_mask", "segment_ids")
 
 
 class Preempted(Exception):
-    """A fine-tune stopped by SIGTERM after saving its training state (the command exits 0; a rerun resumes)."""
+    """A fine-tune stopped by a signal after saving its training state; its message is the job's last line (the
+    command exits preemption.STOPPED_EXIT; the same command run again resumes)."""
 
 
 class TrainStateSaver:
@@ -441,9 +442,8 @@ class Trainer:
                                 s.save_every and step_index % s.save_every == 0 and step_index < total_steps)):
                             states.save(step_index, params, opt_state, best)
                             if preemption.requested:
-                                raise Preempted(f"stopped by a signal at step {step_index} of {total_steps}, "
-                                                f"its training state saved in {states.directory}: rerun the same "
-                                                f"command to resume")
+                                raise Preempted(stopped_line(step_index, total_steps, preemption.reason(),
+                                                             f"{states.directory}/{step_index}"))
                         if stopped_early:
                             console.line(f"early stopping at step {step_index}: {best.stale} evaluations without a "
                                          f"better {best.metric} (best {best.value:.4f} at step {best.step})")

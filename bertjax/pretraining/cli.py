@@ -106,6 +106,7 @@ def _pretrain(args: argparse.Namespace) -> int:
     import jax
 
     from bertjax.checkpoint import complete_steps
+    from bertjax.runtime import preemption
     from bertjax.runtime.console import Console
     from bertjax.runtime.new_workdir import removed_if_failed_before_saving
     from bertjax.runtime.workdir_lock import WorkdirLock
@@ -128,7 +129,9 @@ def _pretrain(args: argparse.Namespace) -> int:
         result = pretrain.run(config, args.workdir, init_from=args.init, max_steps_this_run=args.max_steps_this_run,
                               allow_config_change=args.allow_config_change, lock=lock,
                               command=args.argv)
-    return 0 if result.status in ("completed", "preempted", "stopped") else 1
+    # Stopped before its last step (a signal, --max-steps-this-run), saved: not 0, so that `pretrain ... && export`
+    # does not export a half-trained model; a launcher reruns it (preemption.STOPPED_EXIT).
+    return 0 if result.status == "completed" else preemption.STOPPED_EXIT
 
 
 def _config_with_init(args: argparse.Namespace):

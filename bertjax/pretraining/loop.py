@@ -33,7 +33,7 @@ from bertjax.interop.load import check_vocab_fits, load_pretrained
 from bertjax.runtime.outputs import write_whole
 from bertjax.model import bert as model_lib
 from bertjax.model import family
-from bertjax.runtime.preemption import PreemptionFlag
+from bertjax.runtime.preemption import PreemptionFlag, stopped_line
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
 from bertjax.pretraining import progress as progress_lib
@@ -235,7 +235,7 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
 @dataclasses.dataclass
 class RunResult:
     final_step: int
-    status: str            # "completed" | "preempted" | "stopped" (max_steps_this_run)
+    status: str            # "completed" | "preempted" | "stopped" (max_steps_this_run); the last two: STOPPED_EXIT
     last_metrics: dict
 
 
@@ -372,7 +372,7 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
         writer.write_event(step, "command", {"argv": command, "init": init_from or config.init_from})
     preemption = PreemptionFlag()
     nonfinite = _NonFiniteGuard(config.train.max_consecutive_nonfinite)
-    status, last_metrics, reported_input = "completed", {}, collections.Counter()
+    status, why, last_metrics, reported_input = "completed", "", {}, collections.Counter()
     account.mark("setup_s")
     account.snapshot(step, force=True)
     try:
@@ -401,11 +401,13 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
                     writer.console(step, {})
                 run.evaluate(step, state.params)  # when due, as the save
                 run.save(step, state)
+                if step == config.train.steps:  # done: a stop asked at the last step changes nothing
+                    break
                 if preemption.agreed(step):
-                    status = "preempted"
+                    status, why = "preempted", preemption.reason()
                     break
                 if max_steps_this_run is not None and step - start_step >= max_steps_this_run:
-                    status = "stopped"
+                    status, why = "stopped", f"--max-steps-this-run {max_steps_this_run}"
                     break
         if run.checkpointer.latest_step() != step:
             run.save(step, state, force=True)
@@ -415,7 +417,9 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
                                      run.checkpointer.latest_step(), workdir, writer):
         log(text)
     log(goodput_lib.format_run(goodput))
-    if status == "completed" and jax.process_index() == 0:
+    if status != "completed":  # last: the job's exit status (STOPPED_EXIT, cli.py) says it to a script or launcher
+        log(stopped_line(step, config.train.steps, why, f"{workdir}/checkpoints/{run.checkpointer.latest_step()}"))
+    elif jax.process_index() == 0:
         # After the last save is finalised: a babysitter restarts the job until this file exists.
         write_whole(epath.Path(workdir) / COMPLETION_MARKER, json.dumps({"final_step": step}))
     return RunResult(step, status, last_metrics)

@@ -98,6 +98,4 @@ def summary(status: str, step: int, clock: StepClock, last_metrics: dict, evals:
                          f"label {last[1]['majority_nsp_accuracy']:.4g})")
     lines.append(f"  checkpoints: {workdir}/checkpoints (newest: step {saved_step})")
     lines.append(f"  metrics: {writer.jsonl_path}; TensorBoard: tensorboard --logdir {writer.tensorboard_dir}")
-    if status != "completed":  # as a fine-tune stopped by a signal says it
-        lines.append(f"  rerun the same command to resume from step {saved_step}")
-    return lines
+    return lines  # a run stopped before its end says so, and how to go on, in its last line (loop.py)

@@ -5,7 +5,11 @@ SSH session sends SIGHUP, whose default (die at once, no save, the workdir lock 
 Every other command (and a training job before and after its loop) takes them as `Stopped`, raised where the main
 thread is: its cleanup runs on the way out (a partial output removed, its lock released; outputs.py) and `bertjax`
 ends it in one line, status 128 + the signal's number. A signal that comes during that cleanup is not raised again
-(a second Ctrl-C would cut it short and leave what it was removing)."""
+(a second Ctrl-C would cut it short and leave what it was removing).
+
+A training job stopped before its last step (a stop signal, or pretraining's --max-steps-this-run) saves and exits
+STOPPED_EXIT: not 0, so that `pretrain ... && export ...` does not go on with a half-trained model; not a failure's
+1 or 2, so that a launcher reruns it (the same command resumes)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +21,17 @@ from typing import Iterator
 
 # The signals that ask a job to stop (also what `launch local` forwards to its workers).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+# The exit status of a training job that stopped before its last step with its state saved: sysexits.h's
+# EX_TEMPFAIL ("temporary failure, retry"), apart from a bug's 1, bad input's 2 and a signal's 128 + N. A launcher's
+# babysitter reruns it; the same command run again resumes.
+STOPPED_EXIT = 75
+
+
+def stopped_line(step: int, total: int, why: str, saved: str) -> str:
+    """A stopped training job's last line: where it stopped, why, where its state is, how to go on."""
+    return (f"stopped at step {step} of {total} ({why}), its state saved in {saved}: not finished (exit status "
+            f"{STOPPED_EXIT}); run the same command again to resume from step {step}")
 
 
 class Stopped(BaseException):
@@ -126,16 +141,22 @@ def _end_stuck(signum: int) -> None:
 
 
 class PreemptionFlag:
-    """Set by SIGTERM/SIGINT/SIGHUP; the loop saves at the next step boundary and exits cleanly."""
+    """Set by SIGTERM/SIGINT/SIGHUP; the loop saves at the next step boundary and stops (the job: STOPPED_EXIT)."""
 
     def __init__(self):
         self.requested = False
+        self.signum: int | None = None  # the first stop signal, for the job's last line
         self._previous = {}
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.requested = True
+        self.signum = self.signum or signum
+
+    def reason(self) -> str:
+        """The signal that stopped the job, for its last line ("SIGTERM")."""
+        return signal.Signals(self.signum).name if self.signum else "a stop signal to another of its processes"
 
     def agreed(self, step: int) -> bool:
         """True on every process once any process got the signal (all processes stop at the same step)."""
