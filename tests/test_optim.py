@@ -7,6 +7,7 @@ import pytest
 from bertjax.pretraining.optim import (
     OptimizerConfig,
     decay_mask,
+    linear_warmup_constant,
     linear_warmup_linear_decay,
     make_optimizer,
 )
@@ -18,6 +19,16 @@ def test_schedule_hand_values():
     # warmup 0, .25, .5, .75 of peak; then (10 - s) / 6 of peak; 0 past the end.
     want = [0, 0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 5 / 6e3, 4 / 6e3, 3 / 6e3, 2 / 6e3, 1 / 6e3, 0, 0]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
+
+
+def test_constant_schedule_hand_values():
+    """Warmup then held; without warmup the peak from the first update (step 0), as the linear schedule's."""
+    warm = linear_warmup_constant(1e-3, num_train_steps=10, warmup_steps=4)
+    np.testing.assert_allclose([float(warm(s)) for s in range(6)], [0, 0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1e-3],
+                               rtol=1e-6, atol=1e-12)
+    cold = linear_warmup_constant(1e-3, num_train_steps=10, warmup_steps=0)
+    assert [float(cold(s)) for s in (0, 1, 9)] == [float(np.float32(1e-3))] * 3
+    assert float(linear_warmup_linear_decay(1e-3, 10, 0)(0)) == float(cold(0))
 
 
 def test_schedule_matches_transformers():

@@ -28,7 +28,7 @@ def test_presets_load_and_overrides_apply():
     ("data.whole_word_masking=maybe", "expected a boolean"),
     ("train.steps", "expected KEY=VALUE"),
     # Out-of-range values that used to train (a negative learning rate made the loss rise).
-    ("optimizer.learning_rate=-0.001", "learning_rate=-0.001 must be > 0"),
+    ("optimizer.learning_rate=-0.001", "learning_rate=-0.001 must be >= 0"),
     ("optimizer.b2=1.0", "b2=1.0 must be in [0, 1)"),
     ("optimizer.weight_decay=-1", "weight_decay=-1.0 must be >= 0"),
     ("model.hidden_dropout_prob=1.0", "--set model.hidden_dropout_prob=1.0 must be in [0, 1)"),

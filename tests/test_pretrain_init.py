@@ -2,7 +2,10 @@
 vocabulary, and the run says which modules start fresh."""
 import json
 
+import numpy as np
 import pytest
+import torch
+import transformers
 
 from bertjax.data.demo_corpus import write_demo_corpus
 from bertjax.interop.load import describe_pretrained, load_pretrained
@@ -113,3 +116,187 @@ def test_a_cut_safetensors_file_is_named_in_one_line(tmp_path, minilm_dir, capsy
     assert line.startswith(f"bertjax finetune: error: {weights}: not a readable safetensors file (") and \
         line.endswith("); a cut download? fetch it again"), line
     assert not (tmp_path / "run").exists()  # the workdir it created and failed in before saving: removed
+
+
+# ---- ModernBERT: continued pretraining from a released checkpoint (`--config modernbert-base --init ...`) -------
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """A released ModernBertForMaskedLM as transformers writes it (model.safetensors without the tied decoder,
+    tokenizer.json): modernbert_fixture's tiny one, every weight off its init."""
+    from tests import modernbert_fixture
+
+    return modernbert_fixture.write_masked_lm(tmp_path_factory.mktemp("released") / "hf")
+
+
+# ModernBERT-base's recipe (betas 0.9/0.98, eps 1e-6, lr 8e-4 held) at the test's size; its weight decay (1e-5)
+# raised so that a tensor decayed on one side only would show (8e-4 x 0.1 x |w| ~ 1e-5, against 1e-6 tolerances).
+ONE_STEP = ["data.input=unused", "model.dtype=float32", "data.max_seq_length=24", "data.max_predictions_per_seq=4",
+            "data.packing=false", "train.batch_size=8", "train.grad_accum_steps=1", "train.steps=10",
+            "optimizer.warmup_steps=0", "optimizer.weight_decay=0.1"]
+
+
+def _explicit_batch(tokenizer, seq: int, masked: int, rows: int = 8, seed: int = 0) -> dict:
+    """Rows of [CLS] ids [SEP] of varied lengths (padding after), `masked` predictions a row (the last slot of every
+    third row empty, as in the shards): the masked tokens replaced by [MASK], their labels given."""
+    rng = np.random.default_rng(seed)
+    ids = tokenizer.special_token_ids
+    lengths = rng.integers(12, seq + 1, rows)
+    input_mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int32)
+    input_ids = rng.integers(5, len(tokenizer.vocab), (rows, seq)).astype(np.int32)  # past the 5 special tokens
+    input_ids[:, 0], input_ids[np.arange(rows), lengths - 1] = ids["cls"], ids["sep"]
+    input_ids[input_mask == 0] = ids["pad"]
+    positions = np.stack([rng.choice(np.arange(1, length - 1), masked, replace=False) for length in lengths])
+    weights = np.ones((rows, masked), np.float32)
+    weights[::3, -1] = 0.0
+    positions = (positions * weights).astype(np.int32)
+    labels = np.take_along_axis(input_ids, positions, 1) * weights.astype(np.int32)
+    for row in range(rows):
+        input_ids[row, positions[row][weights[row] > 0]] = ids["mask"]
+    return dict(input_ids=input_ids, input_mask=input_mask, segment_ids=np.zeros_like(input_ids),
+                masked_lm_positions=positions, masked_lm_ids=labels, masked_lm_weights=weights,
+                next_sentence_labels=np.zeros((rows, 1), np.int32))
+
+
+def _torch_step(directory, batch, lr: float, b2: float, eps: float, weight_decay: float):
+    """transformers' ModernBertForMaskedLM from `directory`, one torch AdamW step on `batch` (labels -100 but at the
+    masked positions), decay on the matrices only (embeddings and kernels, as the recipe's decay_mask), the
+    gradient clipped at norm 1: (loss, {name: updated tensor})."""
+    model = transformers.ModernBertForMaskedLM.from_pretrained(directory, attn_implementation="eager").train()
+    labels = np.full(batch["input_ids"].shape, -100, np.int64)
+    for row, (positions, ids, weights) in enumerate(zip(batch["masked_lm_positions"], batch["masked_lm_ids"],
+                                                        batch["masked_lm_weights"])):
+        labels[row, positions[weights > 0]] = ids[weights > 0]
+    named = dict(model.named_parameters())  # the tied decoder weight is the embeddings' one parameter
+    optimizer = torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim >= 2],
+                                    "weight_decay": weight_decay},
+                                   {"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=lr, betas=(0.9, b2), eps=eps)
+    loss = model(input_ids=torch.from_numpy(batch["input_ids"]).long(),
+                 attention_mask=torch.from_numpy(batch["input_mask"]).long(), labels=torch.from_numpy(labels)).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item(), {name: p.detach().numpy() for name, p in model.state_dict().items()}
+
+
+def test_one_step_from_a_released_modernbert_equals_transformers_adamw_step(released):
+    """`--config modernbert-base --init DIR`: the checkpoint's model (its activation, RoPE thetas, window, sizes)
+    under the recipe, every tensor from the checkpoint (encoder, the head's dense and norm, the tied decoder, its
+    bias), a fresh AdamW: one step on an explicit batch gives transformers' loss and, tensor by tensor through the
+    interop table, the weights torch's AdamW gives the same model."""
+    import jax
+
+    from bertjax import sharding
+    from bertjax.data.tokenizers import load_tokenizer
+    from bertjax.interop import convert
+    from bertjax.model import family
+    from bertjax.pretraining import loop
+    from bertjax.pretraining import state as train_state
+    from bertjax.pretraining.job import build_job_step
+
+    init = describe_pretrained(str(released))
+    config = pretrain_config.load_config("modernbert-base", [*ONE_STEP, f"data.vocab={released}/tokenizer.json"],
+                                         init=init)
+    assert (config.model.modernbert.hidden_activation, config.model.modernbert.global_rope_theta,
+            config.model.num_hidden_layers) == ("gelu", 1000.0, 4)  # the checkpoint's, not the preset's
+    assert (config.optimizer.b2, config.optimizer.decay, config.data.masked_lm_prob) == (0.98, "constant", 0.3)
+    tokenizer = load_tokenizer(config.data.vocab)
+    mesh = config.mesh.build()
+    job = build_job_step(config, mesh, len(tokenizer.vocab), tokenizer.special_token_ids)
+    state = train_state.init_sharded_state(job.rng, job.shardings, mesh, **job.state_args)
+    lines = []
+    state = loop._init_from(state, str(released), job.shardings, job.abstract_state, True, tokenizer.vocab,
+                            family.activation(job.bert_config), lines.append)
+    assert lines == [f"initialised from {released} (fresh optimizer state and schedule)"]  # nothing left fresh
+    before = convert.tensors_from_params(jax.device_get(state.params), job.bert_config, "hf")
+    batch = _explicit_batch(tokenizer, config.data.max_seq_length, config.data.max_predictions_per_seq)
+    with sharding.activate(mesh):
+        state, metrics = job.train_step(state, sharding.global_batch(batch, mesh))
+    ours = convert.tensors_from_params(jax.device_get(state.params), job.bert_config, "hf")
+
+    loss, theirs = _torch_step(released, batch, config.optimizer.learning_rate, config.optimizer.b2,
+                               config.optimizer.eps, config.optimizer.weight_decay)
+    np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=1e-5)
+    assert set(ours) == set(theirs) - {"decoder.weight"} and len(ours) == 29
+    for name, tensor in ours.items():
+        moved = np.abs(tensor - before[name]).max()
+        assert moved > 1e-4, f"{name} did not move ({moved}): the comparison would be trivial"
+        np.testing.assert_allclose(tensor, theirs[name], rtol=0, atol=2e-6, err_msg=name)  # measured: <= 8.8e-7
+
+
+def _continue_argv(released, workdir, corpus, *extra):
+    """`pretrain --config modernbert-base --init RELEASED` at the CPU's size (the preset's recipe otherwise)."""
+    return ["pretrain", "--config", "modernbert-base", "--init", str(released), "--workdir", str(workdir),
+            "--set", f"data.input={corpus}", "--set", "data.max_seq_length=64", "--set",
+            "data.max_predictions_per_seq=19", "--set", "data.doc_buffer_size=40", "--set", "data.shuffle_buffer=100",
+            "--set", "train.batch_size=8", "--set", "train.grad_accum_steps=1", "--set", "train.steps=2",
+            "--set", "optimizer.warmup_steps=1", "--set", "checkpoint.every=2", *extra]
+
+
+def test_continued_at_learning_rate_0_exports_the_released_model_bit_for_bit(released, tmp_path, monkeypatch,
+                                                                             capsys):
+    """The documented path end to end: the checkpoint's tokenizer.json tokenises the data (data.vocab unset), its
+    model replaces the preset's (named), two steps at a learning rate of 0 train nothing, and the export is the
+    input again: every tensor the same bytes, the same architecture to transformers, the same tokenizer.json."""
+    from safetensors.numpy import load_file
+
+    train_path, _ = write_demo_corpus(str(tmp_path / "corpus"))
+    workdir = tmp_path / "run"
+    output = _run_here(_continue_argv(released, workdir, train_path, "--set", "optimizer.learning_rate=0"),
+                       monkeypatch, capsys)
+    assert f"data.vocab: the --init checkpoint's tokenizer.json (300 tokens), {released}/tokenizer.json\n" in output
+    assert "model.modernbert.hidden_activation=gelu (was gelu_pytorch_tanh)" in output, output
+    assert f"initialised from {released} (fresh optimizer state and schedule)\n" in output  # nothing left fresh
+    assert "completed at step 2/2" in output
+    _run_here(["export", str(workdir), "--out", str(tmp_path / "hf")], monkeypatch, capsys)
+
+    given, exported = load_file(released / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(exported) == sorted(given) and len(given) == 29
+    for name, tensor in given.items():
+        assert exported[name].dtype == tensor.dtype and exported[name].tobytes() == tensor.tobytes(), name
+    # transformers' config, but for where it was read from and the older spelling of the layer pattern (layer_types,
+    # compared, holds it).
+    unread = ("_name_or_path", "transformers_version", "global_attn_every_n_layers")
+    architecture = lambda directory: {k: v for k, v in transformers.AutoConfig.from_pretrained(  # noqa: E731
+        directory).to_dict().items() if k not in unread}
+    assert architecture(tmp_path / "hf") == architecture(released)
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (released / "tokenizer.json").read_bytes()
+
+
+def test_a_tokenizer_other_than_the_checkpoints_is_refused_naming_both(released, tmp_path, monkeypatch, capsys):
+    """data.vocab set to another tokenizer.json (another BPE of the same texts) or to a WordPiece vocab.txt, with an
+    --init that has its own tokenizer.json: refused in one line before anything trains; its own is accepted."""
+    from tests import modernbert_fixture
+
+    modernbert_fixture.bpe_tokenizer(vocab_size=290).save_pretrained(tmp_path / "other")
+    (tmp_path / "vocab.txt").write_text("".join(t + "\n" for t in modernbert_fixture.SPECIAL_TOKENS + ["a", "b"]))
+    train_path, _ = write_demo_corpus(str(tmp_path / "corpus"))
+    for vocab, problem in ((tmp_path / "other" / "tokenizer.json", "is not the tokenizer.json of --init "
+                                                                   f"{released} (they differ in: model)"),
+                           (tmp_path / "vocab.txt", f"is not a tokenizer.json, but --init {released} has its own "
+                                                    "tokenizer.json")):
+        code, out, err = _in_process(_continue_argv(released, tmp_path / vocab.stem, train_path,
+                                                    "--set", f"data.vocab={vocab}"), monkeypatch, capsys)
+        assert code == 2, err[-2000:]
+        assert err.strip().splitlines()[-1] == (
+            f"bertjax pretrain: error: data.vocab={vocab} {problem}, which its embeddings were trained with: leave "
+            "data.vocab unset to tokenise the data with it"), err[-2000:]
+        assert "step" not in out
+
+
+def test_a_bertjax_checkpoints_tokenizer_is_written_for_the_data(released, tmp_path, monkeypatch, capsys):
+    """From a bertjax checkpoint (the tokenizer.json kept inside it), data.vocab becomes a tokenizer.json written
+    into the workdir, with its special tokens beside it: the data pipeline's tokenizer is the checkpoint's."""
+    from bertjax.data.json_tokenizer import spec_differences
+    from bertjax.data.tokenizers import load_tokenizer
+    from bertjax.pretraining.cli import _init_vocab_file
+
+    _run_here(["convert", "--from", "hf", str(released), "--out", str(tmp_path / "ours")], monkeypatch, capsys)
+    checkpoint = describe_pretrained(str(tmp_path / "ours"))
+    path = _init_vocab_file(str(tmp_path / "ours"), checkpoint, str(tmp_path / "run"))
+    assert path == str(tmp_path / "run" / "init_tokenizer" / "tokenizer.json")
+    tokenizer = load_tokenizer(path)
+    assert spec_differences(checkpoint.tokenizer, tokenizer.spec) == [] and tokenizer.vocab == checkpoint.vocab
+    assert _init_vocab_file(str(released), describe_pretrained(str(released)), "unused") == \
+        f"{released}/tokenizer.json"

@@ -96,6 +96,15 @@ def _tokens_by_id(tokenizer: RustTokenizer) -> list[str]:
     return tokens
 
 
+def spec_differences(spec: dict, other: dict) -> list[str]:
+    """What tells two tokenizer specs apart (empty: the same tokenizer): the top-level parts of tokenizer.json whose
+    content differs (`model`: its vocabulary or merges; `normalizer`, `pre_tokenizer`, ...), and the special
+    tokens. Formatting (indentation, key order) is not a difference."""
+    ours, theirs = json.loads(spec["json"]), json.loads(other["json"])
+    parts = [key for key in sorted(set(ours) | set(theirs)) if ours.get(key) != theirs.get(key)]
+    return parts + (["special tokens"] if spec["special"] != other["special"] else [])
+
+
 def read_spec(tokenizer_json_path, tokenizer_config: dict, special_tokens_map: dict) -> dict:
     """The spec of an HF directory's tokenizer.json (an epath), with its special tokens."""
     text = read_text(tokenizer_json_path, "a tokenizer.json", JSON_LIMIT)

@@ -13,7 +13,7 @@ from bertjax.checkpoint import (
 )
 from bertjax.runtime.console import Console
 from bertjax.data.host_tokenizer import HostWordPieceTokenizer
-from bertjax.data.json_tokenizer import HostJsonTokenizer
+from bertjax.data.json_tokenizer import HostJsonTokenizer, spec_differences
 from bertjax.data.token_layout import Tokenizer
 from bertjax.interop.hf import hf_head, hf_num_labels, load_hf, read_tokenizer
 from bertjax.interop.hub import local_model_path
@@ -117,6 +117,24 @@ def check_vocab_fits(vocab_size: int, rows: int, vocab_file: str, weights: str, 
     if vocab_size < rows and not quiet:
         Console().line(f"note: {vocab_file} has {vocab_size} tokens, the word embeddings of {weights} {rows} rows: "
                        f"the last {rows - vocab_size} rows are never used")
+
+
+def check_init_tokenizer(checkpoint: ModelCheckpoint, source: str, vocab_file: str, spec: dict | None) -> None:
+    """A job that starts from `checkpoint` (`source`: as named) and tokenises its data with `vocab_file` (`spec`:
+    its tokenizer.json spec; None for a vocab.txt or a SentencePiece model): where the checkpoint has its own
+    tokenizer.json, anything but that tokenizer is refused, naming both. Its embedding rows were trained for its own
+    tokens: other ids would train them on other words, with no error anywhere."""
+    if checkpoint.tokenizer is None:
+        return  # a WordPiece vocabulary: compared token by token where the weights are loaded (a warning)
+    if spec is None:
+        raise ValueError(f"data.vocab={vocab_file} is not a tokenizer.json, but --init {source} has its own "
+                         f"tokenizer.json, which its embeddings were trained with: leave data.vocab unset to "
+                         f"tokenise the data with it")
+    differences = spec_differences(checkpoint.tokenizer, spec)
+    if differences:
+        raise ValueError(f"data.vocab={vocab_file} is not the tokenizer.json of --init {source} (they differ in: "
+                         f"{', '.join(differences)}), which its embeddings were trained with: leave data.vocab "
+                         f"unset to tokenise the data with it")
 
 
 def describe_pretrained(src: str) -> ModelCheckpoint:

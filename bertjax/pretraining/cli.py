@@ -22,7 +22,8 @@ def register(subparsers) -> None:
                         help="override a config key (repeatable), e.g. --set train.steps=1000")
     parser.add_argument("--init", "--init-from", dest="init", default="",
                         help="start from this checkpoint: a step or run directory (phase 2 from phase 1), an HF "
-                             "directory or a TF checkpoint prefix; with data.vocab unset its vocabulary is used")
+                             "directory or hub id, or a TF checkpoint prefix; its model (the architecture) replaces "
+                             "the preset's, and with data.vocab unset its vocabulary or tokenizer.json is used")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() with auto-detection (TPU pods, SLURM...)")
     parser.add_argument("--coordinator", help="host:port of process 0 (multi-process without auto-detection)")
@@ -135,8 +136,9 @@ def _pretrain(args: argparse.Namespace) -> int:
 
 
 def _config_with_init(args: argparse.Namespace):
-    """The job's config where --init supplies what the user left out: the model (`--config init`) and, with
-    data.vocab empty, the checkpoint's own vocabulary."""
+    """The job's config where --init supplies what the user left out: the model (any --config: the checkpoint's
+    architecture, under the recipe's training settings; `--config init`: with the default recipe) and, with
+    data.vocab empty, the checkpoint's own vocabulary or tokenizer.json."""
     from bertjax.checkpoint import load_job_config, resolve_checkpoint
     from bertjax.runtime.console import Console
     from bertjax.interop.load import describe_pretrained
@@ -152,40 +154,65 @@ def _config_with_init(args: argparse.Namespace):
         if taken:
             Console().line("the --init run's own batch: " + ", ".join(f"{k}={v}" for k, v in taken.items()))
     load = functools.partial(pretrain_config.load_config, args.config, args.overrides, init=init, init_run=init_run)
+    if args.config != pretrain_config.INIT_CONFIG:
+        changed = pretrain_config.model_changes(
+            pretrain_config.load_config(args.config, args.overrides, require_data=False), load(require_data=False))
+        if changed:
+            Console().line(f"model: the --init checkpoint's, where --config {args.config} differs: "
+                           + ", ".join(changed))
     if load(require_data=False).data.vocab:
         return load()
-    vocab_file = _init_vocab_file(args.init, init.vocab, args.workdir)
-    Console().line(f"data.vocab: the --init checkpoint's vocabulary ({len(init.vocab):,} tokens, "
-                   f"lower_case={init.lower_case}), {vocab_file}")
+    vocab_file = _init_vocab_file(args.init, init, args.workdir)
+    what = (f"tokenizer.json ({len(init.vocab):,} tokens)" if init.tokenizer is not None else
+            f"vocabulary ({len(init.vocab):,} tokens, lower_case={init.lower_case})")
+    Console().line(f"data.vocab: the --init checkpoint's {what}, {vocab_file}")
     return load(init_vocab_file=vocab_file)
 
 
-def _init_vocab_file(init: str, tokens: list[str], workdir: str) -> str:
-    """A vocab.txt of the --init checkpoint: the one beside an HF directory or TF prefix, else (ours: the vocab is
-    inside the checkpoint) written once into the workdir."""
+# Where a pretraining run keeps the --init checkpoint's vocabulary when the checkpoint has no file of it to name.
+INIT_VOCAB, INIT_TOKENIZER = "init_vocab.txt", "init_tokenizer/tokenizer.json"
+
+
+def _init_vocab_file(init: str, checkpoint, workdir: str) -> str:
+    """The --init checkpoint's tokenizer as a data.vocab: the vocab.txt or tokenizer.json of an HF directory (a TF
+    prefix: the vocab.txt beside it), else (ours: kept inside the checkpoint) written once into the workdir, a
+    tokenizer.json with a tokenizer_config.json of its special tokens beside it."""
+    import json
+
     from etils import epath
 
-    from bertjax.checkpoint import read_vocab_file, resolve_checkpoint, write_vocab_file
+    from bertjax.checkpoint import read_vocab_file, resolve_checkpoint
     from bertjax.interop.hub import local_model_path
     from bertjax.interop.load import detect_format
 
     source = resolve_checkpoint(local_model_path(init))
     kind = detect_format(source)
-    if kind != "bertjax":
-        beside = epath.Path(source if kind == "hf" else epath.Path(source).parent) / "vocab.txt"
-        if beside.exists() and read_vocab_file(str(beside)) == tokens:
+    folder = epath.Path(source if kind == "hf" else epath.Path(source).parent)
+    if kind == "hf" and checkpoint.tokenizer is not None:
+        return str(folder / "tokenizer.json")  # what load_hf read it from
+    if kind != "bertjax" and checkpoint.tokenizer is None:
+        beside = folder / "vocab.txt"
+        if beside.exists() and read_vocab_file(str(beside)) == checkpoint.vocab:
             return str(beside)
+    if checkpoint.tokenizer is None:
+        files = {INIT_VOCAB: "".join(token + "\n" for token in checkpoint.vocab)}
+    else:  # its special tokens first: a tokenizer.json found complete has them beside it
+        special = {f"{name}_token": token for name, token in checkpoint.tokenizer["special"].items()}
+        files = {str(epath.Path(INIT_TOKENIZER).parent / "tokenizer_config.json"): json.dumps(special, indent=2),
+                 INIT_TOKENIZER: checkpoint.tokenizer["json"]}
     import jax
 
-    path = epath.Path(workdir) / "init_vocab.txt"
-    if jax.process_index() == 0 and not (path.exists() and read_vocab_file(str(path)) == tokens):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_vocab_file(tokens, str(path))
+    if jax.process_index() == 0:
+        for name, text in files.items():
+            path = epath.Path(workdir) / name
+            if not (path.exists() and path.read_text(encoding="utf-8") == text):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text, encoding="utf-8")
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("bertjax: init vocabulary written")
-    return str(path)
+    return str(epath.Path(workdir) / list(files)[-1])
 
 
 def _goodput(args: argparse.Namespace) -> int:

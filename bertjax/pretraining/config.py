@@ -21,6 +21,7 @@ from bertjax import options
 from bertjax.checkpoint import CheckpointConfig, ModelCheckpoint, ResumeRefused
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.runtime.input_files import JSON_LIMIT, check_regular, read_json
+from bertjax.model import family
 from bertjax.model.family import ModelConfig
 from bertjax.model.model_options import (
     ALL_PRESETS,
@@ -186,13 +187,38 @@ def init_run_settings(job_config: dict | None) -> dict:
     return {key: flat[key] for key in INIT_RUN_KEYS if key in flat}
 
 
+def _take_init_model(values: ml_collections.ConfigDict, init: ModelCheckpoint, name_or_path: str) -> None:
+    """`values` (a preset's, or a file's) with the model of the --init checkpoint `init`: its sizes and every setting
+    that shapes what its weights compute (activations, RoPE thetas, window, norms, biases, tied decoder), so that
+    the run continues the model it loads; the recipe's dropout and fresh-weight init stay. A recipe of the other
+    family is refused."""
+    checkpoint_family = "ModernBERT" if family.is_modernbert(init.config) else "BERT"
+    recipe_family = "ModernBERT" if is_modernbert_preset(values.model.preset) else "BERT"
+    if checkpoint_family != recipe_family:
+        raise ValueError(f"the --init checkpoint is a {checkpoint_family}, --config {name_or_path} a {recipe_family} "
+                         f"recipe (model.preset={values.model.preset}): use a {checkpoint_family} preset, or "
+                         f"--config init (the checkpoint's model with the default recipe)")
+    for key, value in options_of(init.config).items():
+        if key != "preset" and "dropout" not in key and "initializer" not in key:
+            options.apply_override(values, PretrainConfig, f"model.{key}={value}")
+
+
+def model_changes(before: PretrainConfig, after: PretrainConfig) -> list[str]:
+    """`model.KEY=VALUE (was OLD)` for each key of the model two configs of a job build that differs (the preset's
+    sizes and window written out; the vocabulary's size, which the run reads, left out)."""
+    old, new = (options_of(config.bert_config(1)) for config in (before, after))
+    return [f"model.{key}={new[key]} (was {old[key]})" for key in sorted(new)
+            if key not in ("preset", "vocab_size") and new[key] != old.get(key)]
+
+
 def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool = True,
                 init: ModelCheckpoint | None = None, init_vocab_file: str = "",
                 init_run: dict | None = None) -> PretrainConfig:
     """A preset (name in configs/, a .py with get_config(), a run's config.json, or `init`: the model of the --init
     checkpoint `init`, and the batch of the run that saved it, `init_run` as init_run_settings gives), then
     KEY=VALUE overrides, validated (`require_data=False`: a config that is only compiled needs no input files).
-    With an init checkpoint, an empty data.vocab becomes `init_vocab_file` (its vocab). An override of one of
+    With an init checkpoint, the model is the checkpoint's under any recipe (_take_init_model; `--set` still wins),
+    and an empty data.vocab becomes `init_vocab_file` (its vocab or tokenizer.json). An override of one of
     optimizer.warmup_steps / warmup_ratio alone wins over the other's preset value (the key set is the one used)."""
     if name_or_path == INIT_CONFIG:
         if init is None:
@@ -208,6 +234,8 @@ def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool
     else:
         values = _config_values(name_or_path)
         values.lock()
+        if init is not None:
+            _take_init_model(values, init, name_or_path)
     for override in overrides:
         options.apply_override(values, PretrainConfig, override)
     overridden = {override.split("=", 1)[0].strip() for override in overrides}

@@ -29,7 +29,7 @@ from bertjax.data.instances import nsp_warning
 from bertjax.data.tokenizers import load_tokenizer
 from bertjax.runtime.host_memory import memory_warning
 from bertjax.runtime.input_files import read_json
-from bertjax.interop.load import check_vocab_fits, load_pretrained
+from bertjax.interop.load import check_init_tokenizer, check_vocab_fits, describe_pretrained, load_pretrained
 from bertjax.runtime.outputs import write_whole
 from bertjax.model import bert as model_lib
 from bertjax.model import family
@@ -196,8 +196,9 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     with tfrecord.damaged_records_named(source.files):
         batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
             source, config.train.batch_size, jax.process_index(), jax.process_count()))))
-    if init_from or config.init_from:
-        load_pretrained(init_from or config.init_from)  # readable, before any device time is spent
+    if init_from or config.init_from:  # readable, and its tokenizer the data's, before any device time is spent
+        check_init_tokenizer(load_pretrained(init_from or config.init_from), init_from or config.init_from,
+                             config.data.vocab, getattr(tokenizer, "spec", None))
     special = tokenizer.special_token_ids
     compiled = compile_step(config, jax.devices(), len(tokenizer.vocab), special)
     bert_config = config.bert_config(len(tokenizer.vocab), special)
@@ -300,6 +301,9 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     cache_stats = account.cache_stats = compile_cache.CacheStats().start()  # the compiles from here: init, steps
     try:
         resumed = _resume(checkpointer, abstract, dataset, config, allow_config_change, process_index, log)
+        if resumed is None and init_from:  # before any device time is spent
+            check_init_tokenizer(describe_pretrained(init_from), init_from, config.data.vocab,
+                                 getattr(tokenizer, "spec", None))
     except ValueError:
         checkpointer.close()  # its background threads would keep the process alive
         cache_stats.close()

@@ -57,8 +57,8 @@ def linear_warmup_constant(learning_rate: float, num_train_steps: int, warmup_st
         raise ValueError(f"warmup_steps must be in [0, num_train_steps={num_train_steps}], got {warmup_steps}")
 
     def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        return learning_rate * jnp.minimum(step / max(warmup_steps, 1), 1.0)
+        step = jnp.asarray(step, jnp.float32)  # no warmup: the peak from the first step, as the linear decay's
+        return learning_rate * jnp.where(step < warmup_steps, step / max(warmup_steps, 1), 1.0)
 
     return schedule
 
@@ -114,7 +114,8 @@ class OptimizerConfig:
 
     name: str = option("adamw", "adamw (BERT) | lamb (You et al.: Adam direction and decoupled decay, scaled per "
                        "tensor by the trust ratio ||w|| / ||update||, as in large-batch recipes)")
-    learning_rate: float = option(1e-4, "peak learning rate", valid=floats(0, low_open=True))
+    learning_rate: float = option(1e-4, "peak learning rate (0: every update is zero, the weights stay as they are)",
+                                  valid=floats(0))
     warmup_steps: int = option(10_000, "linear warmup from 0", valid=ints(0))
     warmup_ratio: float = option(0.0, "the warmup as a share of the run's steps; > 0 replaces warmup_steps (so a "
                                  "changed train.steps needs no new warmup)", valid=floats(0, 1))
