@@ -116,15 +116,20 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, ke
 
 
 def _restore_optimizer_state(source: str, abstract):
-    """The whole train state of the step directory `source`; one error line where its optimizer state is not this
-    run's optimizer's (another optimizer.name, clip_norm on or off, bias_correction)."""
+    """The whole train state of the step directory `source`; one error line where it does not fit this run's
+    (another model, or an optimizer state of another shape: another optimizer.name, clip_norm on or off,
+    bias_correction)."""
     try:
         return checkpoint_lib.restore_train_state(source, abstract)
     except (ValueError, KeyError, TypeError) as error:
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"--init {source}: its optimizer state does not fit this run's optimizer (was it saved "
-                         f"with another optimizer.name, clip_norm on or off, or bias_correction? the --init "
-                         f"step's config.json says) or model: {detail[:300]}") from None
+        saved = (checkpoint_lib.load_job_config(source) or {}).get("optimizer", {})
+        said = ", ".join(f"optimizer.{key}={saved[key]}" for key in ("name", "clip_norm", "bias_correction")
+                         if key in saved)
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(":")
+        raise ValueError(f"--init {source}: its train state does not fit this run's model and optimizer"
+                         + (f" (it was saved with {said}: continuing its optimizer takes the same optimizer.name, "
+                            f"clip_norm on or off, and bias_correction)" if said else "")
+                         + f": {detail[:300]}") from None
 
 
 def _warn_other_activation(trained: str, computed: str, source: str, log) -> None:
