@@ -88,7 +88,9 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, ke
                          f"not a step of a bertjax pretraining run); set init_optimizer_state=false to start from "
                          f"its params alone")
     if has_optimizer and (keep_optimizer or not reset_schedule):
-        _warn_other_activation(family.activation(checkpoint_lib.load_config(source)), hidden_act, source, log)
+        described = checkpoint_lib.load_description(source)
+        _warn_other_activation(family.activation(described.config), hidden_act, source, log)
+        _warn_other_vocab(vocab, described.vocab, source, log)
         restored = _restore_optimizer_state(source, abstract)
         if not reset_schedule:
             log(f"continuing from {source} at step {int(restored.step)} (optimizer state and schedule kept)")
@@ -100,12 +102,7 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, ke
                              opt_state=optim_lib.restart_schedule(restored.opt_state, state.opt_state))
     checkpoint = load_pretrained(source)
     _warn_other_activation(family.activation(checkpoint.config), hidden_act, source, log)
-    differing = sum(a != b for a, b in zip(vocab, checkpoint.vocab)) + abs(len(vocab) - len(checkpoint.vocab))
-    if differing:  # same size (the shapes check that), other tokens: embedding rows now stand for other words
-        shown = [f"{i}: {b!r} -> {a!r}" for i, (a, b) in enumerate(zip(vocab, checkpoint.vocab)) if a != b][:3]
-        log(f"warning: data.vocab differs from the vocabulary of --init {source} in {differing} token(s) "
-            f"({', '.join(shown)}{', ...' if differing > 3 else ''}): their embedding rows were trained for other "
-            f"words")
+    _warn_other_vocab(vocab, checkpoint.vocab, source, log)
     initialised, loaded = jax.device_get(state.params), checkpoint.params
     merged = checkpoint_lib.merge_params(initialised, loaded, source=f"--init {source}", encoder_only=False)
     # The state holds the layers stacked, a checkpoint hands them out per layer: compared by module, not tensor.
@@ -130,6 +127,15 @@ def _restore_optimizer_state(source: str, abstract):
                          + (f" (it was saved with {said}: continuing its optimizer takes the same optimizer.name, "
                             f"clip_norm on or off, and bias_correction)" if said else "")
                          + f": {detail[:300]}") from None
+
+
+def _warn_other_vocab(vocab: list[str], trained: list[str], source: str, log) -> None:
+    differing = sum(a != b for a, b in zip(vocab, trained)) + abs(len(vocab) - len(trained))
+    if differing:  # same size (the shapes check that), other tokens: embedding rows now stand for other words
+        shown = [f"{i}: {b!r} -> {a!r}" for i, (a, b) in enumerate(zip(vocab, trained)) if a != b][:3]
+        log(f"warning: data.vocab differs from the vocabulary of --init {source} in {differing} token(s) "
+            f"({', '.join(shown)}{', ...' if differing > 3 else ''}): their embedding rows were trained for other "
+            f"words")
 
 
 def _warn_other_activation(trained: str, computed: str, source: str, log) -> None:
