@@ -1,11 +1,19 @@
 """ModernBERT-base with ModernBERT's phase-1 recipe: seq 1024, batch 4,608, MLM alone at 30%, packed rows, lr 8e-4.
 
 Shapes: L22/H768/A12, GeGLU 1152 (its GELU by tanh), window 128, a global layer every third. The recipe (Warner et
-al. 2024, section 2.2 and appendix A): MLM alone at 30% masking (80/10/10), contiguous text packed into the rows, no
-NSP, no dropout (their 0.1 on the attention output is not set: HF's config has one rate for it and the
-probabilities); 4,608 sequences of 1024 tokens a step (4.7M tokens) in 9 microbatches; AdamW (betas 0.9/0.98, eps
-1e-6, decoupled weight decay 1e-5) at 8e-4 after a 3B-token warmup, then held (their StableAdamW and batch-size
-warmup are not reproduced); 1.72T tokens = 364,000 steps.
+al. 2024, section 2.2 and appendix A; the AnswerDotAI/ModernBERT repository's
+yamls/modernbert/modernbert-base-pretrain.yaml): MLM alone at 30% masking (80/10/10), contiguous text packed into
+the rows, no NSP, no dropout (their 0.1 on the attention output is not set: HF's config has one rate for it and the
+probabilities); 4,608 sequences of 1024 tokens a step (4.7M tokens) in 9 microbatches; 1.72T tokens = 364,000
+steps. The optimizer, as the yaml states it: `decoupled_stableadamw` (optimi's StableAdamW with decouple_lr=True:
+optimizer.name=stableadamw, decouple_lr=true) at 8e-4, betas 0.9/0.98, eps 1e-6, weight decay 1e-5 scaled by
+lr_t / 8e-4 and not on biases or norms (filter_bias_norm_wd); no gradient clipping (the yaml sets none, and their
+main.py warns that StableAdamW replaces it: clip_norm=0). The schedule: warmup_stable_decay with a 3B-token warmup
+and t_decay 0, so the rate is held after the warmup (decay=constant); the decay to 0 is a phase of its own, started
+from a checkpoint of this run with its optimizer state (docs/usage.md, "Phases"). Not reproduced: the batch-size
+warmup (from the 96-sequence microbatch to 4,608 over the first 50B tokens), the 50,368-token vocabulary (the
+vocabulary's size is data.vocab's). Not stated by the paper or the yaml: the decoupled decay's max_lr after a phase
+boundary (optimi's defaults to the run's lr; here the phase's own optimizer.learning_rate).
 
 Run (TPU pod slice):
   bertjax pretrain --config modernbert-base --workdir gs://BUCKET/modernbert-base \
@@ -34,11 +42,14 @@ def get_config():
     c.train.batch_size = 4608
     c.train.grad_accum_steps = 9
     c.train.log_every = 100
+    c.optimizer.name = "stableadamw"
     c.optimizer.learning_rate = 8e-4
     c.optimizer.warmup_steps = 636  # 3B tokens of 4608 x 1024
     c.optimizer.decay = "constant"
     c.optimizer.b2 = 0.98
     c.optimizer.weight_decay = 1e-5
+    c.optimizer.decouple_lr = True
+    c.optimizer.clip_norm = 0.0
     c.checkpoint.every = 5_000
     c.checkpoint.keep_every = 50_000
     return c

@@ -512,6 +512,121 @@ def test_phase_two_starts_from_a_phase_one_checkpoint(uninterrupted, corpus, tmp
     assert f"Base model: local checkpoint `{uninterrupted}`." in (tmp_path / "hf" / "README.md").read_text()
 
 
+# --- A decay phase: a run of its own from a stable run's step, its optimizer state continued ----------------------
+
+DECAY = 4  # the decay phase's steps; it starts from the uninterrupted run's step 9 (not its newest: any step)
+
+
+def _decay_argv(workdir, corpus, uninterrupted, *extra):
+    argv = _argv(workdir, corpus, "--init", str(uninterrupted / "checkpoints" / "9"), "--set",
+                 "init_optimizer_state=true", "--set", "optimizer.decay=1-sqrt", *extra)
+    argv[argv.index(f"train.steps={STEPS}")] = f"train.steps={DECAY}"
+    argv[argv.index("optimizer.warmup_steps=5")] = "optimizer.warmup_steps=0"  # no warmup again
+    return argv
+
+
+def _job_state(argv, minilm_dir):
+    """(the fresh state, job) the run of `argv` builds before its first step (nothing compiled but the init)."""
+    from bertjax.pretraining import state as train_state
+    from bertjax.pretraining.config import load_config
+    from bertjax.pretraining.job import build_job_step
+
+    overrides = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--set"]
+    config = load_config("bert-tiny", overrides)
+    mesh = config.mesh.build()
+    vocab = (minilm_dir / "vocab.txt").read_text().splitlines()
+    job = build_job_step(config, mesh, len(vocab))
+    return train_state.init_sharded_state(job.rng, job.shardings, mesh, **job.state_args), job, vocab
+
+
+def _nodes(tree, kind) -> list:
+    """The nodes of `tree` of type `kind` (an optimizer state's ScaleByAdamState...)."""
+    import jax
+
+    return [n for n in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kind)) if isinstance(n, kind)]
+
+
+def _counts(opt_state, kind) -> list[int]:
+    return [int(node.count) for node in _nodes(opt_state, kind)]
+
+
+def test_init_optimizer_state_takes_a_steps_moments_and_restarts_the_schedule(uninterrupted, corpus, minilm_dir,
+                                                                              tmp_path):
+    """The decay phase's start, without compiling a step: the params and the optimizer state (moments, Adam's
+    count) of step 9 as saved, the step, schedule position, RNG and counters this run's own (fresh)."""
+    import jax
+    import optax
+
+    from bertjax import checkpoint as checkpoint_lib
+    from bertjax.model import family
+    from bertjax.pretraining import loop
+
+    state, job, vocab = _job_state(_decay_argv(tmp_path, corpus, uninterrupted), minilm_dir)
+    source = str(uninterrupted / "checkpoints" / "9")
+    lines = []
+    started = loop._init_from(state, source, job.shardings, job.abstract_state, True, True, vocab,
+                              family.activation(job.bert_config), lines.append)
+    assert lines == [f"started from {source}: its params and optimizer state (Adam's moments, at its step 9), the "
+                     f"schedule from step 0"]
+    saved = checkpoint_lib.restore_train_state(source, job.abstract_state)
+    assert int(saved.step) == 9 and int(started.step) == 0
+    assert _counts(saved.opt_state, optax.ScaleByScheduleState) == [9]
+    assert _counts(started.opt_state, optax.ScaleByScheduleState) == [0]   # this run's schedule, from its start
+    assert _counts(started.opt_state, optax.ScaleByAdamState) == [9]       # Adam's bias correction continues
+    for kept, want in ((started.params, saved.params), (_nodes(started.opt_state, optax.ScaleByAdamState),
+                                                        _nodes(saved.opt_state, optax.ScaleByAdamState))):
+        for a, b in zip(jax.tree_util.tree_leaves(kept), jax.tree_util.tree_leaves(want), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+    for key in ("rng", "nonfinite_total", "nonfinite_consecutive"):
+        assert np.array_equal(np.asarray(getattr(started, key)), np.asarray(getattr(state, key)))
+
+    # Another optimizer's state, and a checkpoint without one: one line each, naming the checkpoint.
+    lamb_state, lamb_job, _ = _job_state(_decay_argv(tmp_path, corpus, uninterrupted, "--set", "optimizer.name=lamb"),
+                                         minilm_dir)
+    with pytest.raises(ValueError, match=rf"--init {re.escape(source)}: its train state does not fit this run's model "
+                       r"and optimizer \(it was saved with optimizer.name=adamw, optimizer.clip_norm=1.0, "
+                       r"optimizer.bias_correction=True: ") as error:
+        loop._init_from(lamb_state, source, lamb_job.shardings, lamb_job.abstract_state, True, True, vocab, "gelu",
+                        lines.append)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=r"init_optimizer_state=true: --init .* holds no optimizer state"):
+        loop._init_from(state, str(minilm_dir), job.shardings, job.abstract_state, True, True, vocab, "gelu",
+                        lines.append)
+
+
+@pytest.mark.slow  # three short runs (~3 min on a loaded 2-core machine); the start alone is checked above
+def test_a_decay_phase_takes_the_rate_to_zero_by_1_sqrt_and_resumes_bit_exactly(uninterrupted, corpus, minilm_dir,
+                                                                                tmp_path, monkeypatch, capsys):
+    whole = tmp_path / "decay"
+    output = _run_here(_decay_argv(whole, corpus, uninterrupted), monkeypatch, capsys)
+    assert f"started from {uninterrupted}/checkpoints/9: its params and optimizer state" in output
+    rates = {r["step"]: r["learning_rate"] for r in _step_records(whole)}
+    peak = 1e-3  # bert-tiny's learning_rate, the stable value the decay starts from
+    want = {step: peak * (1 - np.sqrt((step - 1) / DECAY)) for step in range(1, DECAY + 1)}  # step s: s-1 updates done
+    assert sorted(rates) == sorted(want)
+    np.testing.assert_allclose([rates[s] for s in want], [want[s] for s in want], rtol=1e-6)
+    # The optimizer continued: Adam's count is step 9's plus the phase's; the schedule's the phase's own.
+    import optax
+
+    from bertjax import checkpoint as checkpoint_lib
+
+    _, job, _ = _job_state(_decay_argv(whole, corpus, uninterrupted), minilm_dir)
+    final = checkpoint_lib.restore_train_state(str(whole / "checkpoints" / str(DECAY)), job.abstract_state)
+    assert _counts(final.opt_state, optax.ScaleByAdamState) == [9 + DECAY]
+    assert _counts(final.opt_state, optax.ScaleByScheduleState) == [DECAY]
+
+    # Stopped at a checkpoint (EVERY = 3) and resumed: the same bits as the whole phase.
+    stopped = tmp_path / "decay_stopped"
+    assert f"stopped at step 3/{DECAY}" in _run_here(
+        _decay_argv(stopped, corpus, uninterrupted, "--max-steps-this-run", "3"), monkeypatch, capsys)
+    resumed_output = _run_here(_decay_argv(stopped, corpus, uninterrupted), monkeypatch, capsys)
+    assert "resumed from" in resumed_output and "started from" not in resumed_output
+    expected, resumed = _losses(whole), _losses(stopped)
+    assert [resumed[s] for s in range(4, DECAY + 1)] == [expected[s] for s in range(4, DECAY + 1)]
+    for a, b in zip(_final_params(stopped, DECAY), _final_params(whole, DECAY), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_two_processes_match_one_process():
     from bertjax.cloud.local import launch
 

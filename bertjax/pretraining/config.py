@@ -83,7 +83,11 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = option(default_factory=CheckpointConfig)
     mesh: MeshConfig = option(default_factory=MeshConfig)
     init_from: str = option("", "checkpoint to start from (phase 2 from phase 1; HF/TF too)")
-    reset_schedule: bool = option(True, "with init_from: restart the step count and LR schedule")
+    reset_schedule: bool = option(True, "with init_from: restart the step count and LR schedule (false: continue "
+                                  "a pretraining step's whole state: step, schedule, optimizer)")
+    init_optimizer_state: bool = option(False, "with init_from a pretraining step: also start from its optimizer "
+                                        "state (Adam's moments and step count), the schedule restarting: a phase "
+                                        "that continues the last one's optimizer, as ModernBERT's decay did")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -260,7 +264,7 @@ _FIXED_ON_RESUME = ("model.", "data.max_seq_length", "data.max_predictions_per_s
 # - these only change how the run is watched, saved or laid out: free;
 _FREE_ON_RESUME = ("train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite",
                    "checkpoint.", "mesh.", "data.prefetch_batches", "data.eval_input", "init_from",
-                   "reset_schedule", "train.compilation_cache_dir", "train.wandb_project")
+                   "reset_schedule", "init_optimizer_state", "train.compilation_cache_dir", "train.wandb_project")
 # - the rest (the schedule, the optimizer, the batch, the stream) change the run's meaning mid-way: refused
 #   unless asked for (`--allow-config-change`).
 

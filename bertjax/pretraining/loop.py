@@ -36,6 +36,7 @@ from bertjax.model import family
 from bertjax.runtime.preemption import PreemptionFlag, stopped_line
 from bertjax.pretraining import goodput as goodput_lib
 from bertjax.pretraining import metrics as metrics_lib
+from bertjax.pretraining import optim as optim_lib
 from bertjax.pretraining import progress as progress_lib
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step
@@ -74,25 +75,34 @@ def _numpy_batch(element) -> dict:
     return {k: v.numpy() for k, v in element.items()}
 
 
-def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, vocab: list[str], hidden_act: str,
-               log):
+def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, keep_optimizer: bool,
+               vocab: list[str], hidden_act: str, log):
     """The state started from a checkpoint: a trainer step directory continues its schedule unless
-    `reset_schedule`; anything else (ours, HF, TF) gives its params, the rest stays initialised. A run directory
-    stands for its newest complete step."""
+    `reset_schedule`, or with `keep_optimizer` continues its optimizer state (moments, Adam's step count) on a
+    schedule from step 0; anything else (ours, HF, TF) gives its params, the rest stays initialised. A run
+    directory stands for its newest complete step."""
     source = checkpoint_lib.resolve_checkpoint(source)
-    if not reset_schedule and (epath.Path(source) / checkpoint_lib.OPT_STATE).exists():
-        _warn_other_activation(family.activation(checkpoint_lib.load_config(source)), hidden_act, source, log)
-        state = checkpoint_lib.restore_train_state(source, abstract)
-        log(f"continuing from {source} at step {int(state.step)} (optimizer state and schedule kept)")
-        return state
+    has_optimizer = (epath.Path(source) / checkpoint_lib.OPT_STATE).exists()
+    if keep_optimizer and not has_optimizer:
+        raise ValueError(f"init_optimizer_state=true: --init {source} holds no optimizer state (a model checkpoint, "
+                         f"not a step of a bertjax pretraining run); set init_optimizer_state=false to start from "
+                         f"its params alone")
+    if has_optimizer and (keep_optimizer or not reset_schedule):
+        described = checkpoint_lib.load_description(source)
+        _warn_other_activation(family.activation(described.config), hidden_act, source, log)
+        _warn_other_vocab(vocab, described.vocab, source, log)
+        restored = _restore_optimizer_state(source, abstract)
+        if not reset_schedule:
+            log(f"continuing from {source} at step {int(restored.step)} (optimizer state and schedule kept)")
+            return restored
+        # This run's step count, RNG, counters and schedule position (all fresh), the checkpoint's params and moments.
+        log(f"started from {source}: its params and optimizer state (Adam's moments, at its step "
+            f"{int(restored.step)}), the schedule from step 0")
+        return state.replace(params=restored.params,
+                             opt_state=optim_lib.restart_schedule(restored.opt_state, state.opt_state))
     checkpoint = load_pretrained(source)
     _warn_other_activation(family.activation(checkpoint.config), hidden_act, source, log)
-    differing = sum(a != b for a, b in zip(vocab, checkpoint.vocab)) + abs(len(vocab) - len(checkpoint.vocab))
-    if differing:  # same size (the shapes check that), other tokens: embedding rows now stand for other words
-        shown = [f"{i}: {b!r} -> {a!r}" for i, (a, b) in enumerate(zip(vocab, checkpoint.vocab)) if a != b][:3]
-        log(f"warning: data.vocab differs from the vocabulary of --init {source} in {differing} token(s) "
-            f"({', '.join(shown)}{', ...' if differing > 3 else ''}): their embedding rows were trained for other "
-            f"words")
+    _warn_other_vocab(vocab, checkpoint.vocab, source, log)
     initialised, loaded = jax.device_get(state.params), checkpoint.params
     merged = checkpoint_lib.merge_params(initialised, loaded, source=f"--init {source}", encoder_only=False)
     # The state holds the layers stacked, a checkpoint hands them out per layer: compared by module, not tensor.
@@ -100,6 +110,32 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, vo
     log(f"initialised from {source} (fresh optimizer state and schedule)" +
         (f"; not in the checkpoint, freshly initialised: {', '.join(fresh)}" if fresh else ""))
     return state.replace(params=jax.device_put(merged, shardings.params))
+
+
+def _restore_optimizer_state(source: str, abstract):
+    """The whole train state of the step directory `source`; one error line where it does not fit this run's
+    (another model, or an optimizer state of another shape: another optimizer.name, clip_norm on or off,
+    bias_correction)."""
+    try:
+        return checkpoint_lib.restore_train_state(source, abstract)
+    except (ValueError, KeyError, TypeError) as error:
+        saved = (checkpoint_lib.load_job_config(source) or {}).get("optimizer", {})
+        said = ", ".join(f"optimizer.{key}={saved[key]}" for key in ("name", "clip_norm", "bias_correction")
+                         if key in saved)
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(":")
+        raise ValueError(f"--init {source}: its train state does not fit this run's model and optimizer"
+                         + (f" (it was saved with {said}: continuing its optimizer takes the same optimizer.name, "
+                            f"clip_norm on or off, and bias_correction)" if said else "")
+                         + f": {detail[:300]}") from None
+
+
+def _warn_other_vocab(vocab: list[str], trained: list[str], source: str, log) -> None:
+    differing = sum(a != b for a, b in zip(vocab, trained)) + abs(len(vocab) - len(trained))
+    if differing:  # same size (the shapes check that), other tokens: embedding rows now stand for other words
+        shown = [f"{i}: {b!r} -> {a!r}" for i, (a, b) in enumerate(zip(vocab, trained)) if a != b][:3]
+        log(f"warning: data.vocab differs from the vocabulary of --init {source} in {differing} token(s) "
+            f"({', '.join(shown)}{', ...' if differing > 3 else ''}): their embedding rows were trained for other "
+            f"words")
 
 
 def _warn_other_activation(trained: str, computed: str, source: str, log) -> None:
@@ -314,8 +350,8 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
         iterator = iter(dataset)
         state = train_state.init_sharded_state(job.rng, shardings, mesh, **job.state_args)
         if init_from:
-            state = _init_from(state, init_from, shardings, abstract, config.reset_schedule, vocab,
-                               family.activation(bert_config), log)
+            state = _init_from(state, init_from, shardings, abstract, config.reset_schedule,
+                               config.init_optimizer_state, vocab, family.activation(bert_config), log)
     _check_inputs_unchanged(epath.Path(workdir) / INPUTS_RECORD, config.data, resumed is not None,
                             process_index == 0, log)
     jax.block_until_ready(state)  # restored or initialised, not only dispatched: the time is charged now

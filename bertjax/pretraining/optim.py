@@ -3,6 +3,9 @@
 BERT's recipe: AdamW (decoupled weight decay 0.01, not applied to LayerNorm parameters and biases), global-norm
 clipping at 1.0, linear warmup to the peak learning rate then linear decay to 0 at the last step. The original
 TF optimizer omits Adam's bias correction; `bias_correction=True` (the default) matches torch.optim.AdamW / HF.
+ModernBERT's: StableAdamW (`scale_by_stable_adam`) with fully decoupled weight decay (`decouple_lr`), the learning
+rate warmed up, held (`decay=constant`), then taken to 0 by 1-sqrt in a decay phase of its own (a run started from
+the stable phase's checkpoint with its optimizer state: `restart_schedule`).
 """
 from __future__ import annotations
 
@@ -16,55 +19,36 @@ from bertjax.model import bert as model_lib
 from bertjax.options import floats, ints, option, range_problems
 
 
-def linear_warmup_linear_decay(learning_rate: float, num_train_steps: int, warmup_steps: int) -> optax.Schedule:
-    """lr * step / warmup for step < warmup, then lr * (total - step) / (total - warmup), floored at 0.
+# The decay after the warmup, as a factor of the peak at `progress` = (step - warmup) / (steps - warmup) in [0, 1].
+DECAY_SHAPES = {
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: 0.5 * (1.0 + jnp.cos(jnp.pi * progress)),
+    # Hägele et al. 2024's cooldown, ModernBERT's decay phase (its one_minus_sqrt scheduler).
+    "1-sqrt": lambda progress: 1.0 - jnp.sqrt(progress),
+    # Held: the stable phase of warmup-stable-decay, the decay being a run of its own (`init_optimizer_state`).
+    "constant": lambda progress: jnp.ones_like(progress),
+}
 
-    The same values as transformers.get_linear_schedule_with_warmup (step = number of updates done so far).
+
+def warmup_then_decay(decay: str, learning_rate: float, num_train_steps: int, warmup_steps: int) -> optax.Schedule:
+    """lr * step / warmup for step < warmup, then lr * DECAY_SHAPES[decay](progress), progress = (step - warmup) /
+    (num_train_steps - warmup) clipped to [0, 1]: 0 at the last step's end for every decay but constant.
+
+    `step` = updates done so far. linear is transformers.get_linear_schedule_with_warmup; with warmup 0 a run is a
+    decay phase of its own, from lr at its first update (lr * (1 - sqrt(t / steps)) for 1-sqrt).
     """
     if num_train_steps <= 0:
         raise ValueError(f"num_train_steps must be positive, got {num_train_steps}")
     if not 0 <= warmup_steps <= num_train_steps:
         raise ValueError(f"warmup_steps must be in [0, num_train_steps={num_train_steps}], got {warmup_steps}")
+    shape = DECAY_SHAPES[decay]
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
-        warm = step / max(warmup_steps, 1)
-        decay = (num_train_steps - step) / max(num_train_steps - warmup_steps, 1)
-        factor = jnp.where(step < warmup_steps, warm, jnp.maximum(decay, 0.0))
-        return learning_rate * factor
-
-    return schedule
-
-
-def linear_warmup_cosine_decay(learning_rate: float, num_train_steps: int, warmup_steps: int) -> optax.Schedule:
-    """Linear warmup to `learning_rate`, then half a cosine down to 0 at `num_train_steps`."""
-    if not 0 <= warmup_steps <= num_train_steps:
-        raise ValueError(f"warmup_steps must be in [0, num_train_steps={num_train_steps}], got {warmup_steps}")
-
-    def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        warm = step / max(warmup_steps, 1)
         progress = jnp.clip((step - warmup_steps) / max(num_train_steps - warmup_steps, 1), 0.0, 1.0)
-        return learning_rate * jnp.where(step < warmup_steps, warm, 0.5 * (1.0 + jnp.cos(jnp.pi * progress)))
+        return learning_rate * jnp.where(step < warmup_steps, step / max(warmup_steps, 1), shape(progress))
 
     return schedule
-
-
-def linear_warmup_constant(learning_rate: float, num_train_steps: int, warmup_steps: int) -> optax.Schedule:
-    """Linear warmup to `learning_rate`, then held there: the stable phase of a warmup-stable-decay ("trapezoidal")
-    schedule, as ModernBERT's pretraining ran (its decay came with the context extension that followed)."""
-    if not 0 <= warmup_steps <= num_train_steps:
-        raise ValueError(f"warmup_steps must be in [0, num_train_steps={num_train_steps}], got {warmup_steps}")
-
-    def schedule(step):
-        step = jnp.asarray(step, jnp.float32)  # no warmup: the peak from the first step, as the linear decay's
-        return learning_rate * jnp.where(step < warmup_steps, step / max(warmup_steps, 1), 1.0)
-
-    return schedule
-
-
-SCHEDULES = {"linear": linear_warmup_linear_decay, "cosine": linear_warmup_cosine_decay,
-             "constant": linear_warmup_constant}
 
 
 def decay_mask(params):
@@ -108,20 +92,74 @@ def _scale_by_adam_no_bias_correction(b1: float, b2: float, eps: float) -> optax
     return optax.GradientTransformation(init, update)
 
 
+def scale_by_stable_adam(b1: float, b2: float, eps: float, weight_decay: float, mask) -> optax.GradientTransformation:
+    """StableAdamW's update before the learning rate: Adam's bias-corrected direction plus decoupled weight decay,
+    the sum divided per tensor by max(1, RMS_t), RMS_t = sqrt(mean(g_t^2 / max(v_t, eps^2))) with v_t the
+    bias-corrected second moment after this step's gradient (so the step's learning rate, decay included, is
+    lr_t / max(1, RMS_t): Adafactor's update clipping as Wortsman et al. 2023 put it into AdamW).
+
+    optimi's StableAdamW (warner-benjamin/optimi, optimi/stableadamw.py, `_single_param_stableadamw` and
+    `_foreach_stableadamw`; the optimizer ModernBERT trained with, its src/optimizer.py a copy that also logs grad
+    norms): its moments are kept bias-corrected by debiased betas (beta_hat = beta (1 - beta^(t-1)) / (1 - beta^t)),
+    which equal Adam's m_t / (1 - b1^t) and v_t / (1 - b2^t) held here by optax.scale_by_adam; eps is added to
+    sqrt(v_t) in the step and its square floors v_t in the RMS; the RMS uses the bias-corrected v_t (at step 1,
+    g^2 / v_1 = 1: no clipping), not the raw v_t its documentation's formula shows. The weight decay (`mask`: the
+    tensors that get it) is multiplied by the clipped learning rate, as optimi scales it. Per tensor: per layer for
+    stacked layers (`model.scan_layers` or not), as the torch model's tensors are. The state is
+    optax.scale_by_adam's (AdamW's): the clipping keeps nothing of its own. Kahan summation (optimi's, for bf16
+    params) is not needed: params are float32 here.
+    """
+    inner = optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), optax.add_decayed_weights(weight_decay, mask))
+
+    def update(grads, state, params=None):
+        updates, state = inner.update(grads, state, params)
+        adam = state[0]
+        nu_hat = optax.tree.bias_correction(adam.nu, b2, adam.count)
+
+        def clipped(path, update, grad, nu):
+            ratio = jnp.square(grad) / jnp.maximum(nu, eps ** 2)
+            per_tensor = tuple(range(int(model_lib.is_stacked_path(path)), ratio.ndim))
+            rms = jnp.sqrt(jnp.mean(ratio, axis=per_tensor, keepdims=True))
+            return update / jnp.maximum(1.0, rms)
+
+        return jax.tree_util.tree_map_with_path(clipped, updates, grads, nu_hat), state
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+def restart_schedule(opt_state, fresh_opt_state):
+    """`opt_state` (a run's, restored) with the learning-rate schedule's position of `fresh_opt_state` (a new run's:
+    0): its moments and Adam's own step count (its bias correction) kept. A phase that continues another's optimizer
+    on a schedule of its own, as ModernBERT's context extension and decay did (their Composer runs loaded the
+    optimizer state with `reset_time`)."""
+    is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
+    return jax.tree_util.tree_map(lambda old, new: new if is_schedule(old) else old, opt_state, fresh_opt_state,
+                                  is_leaf=is_schedule)
+
+
+OPTIMIZERS = ("adamw", "lamb", "stableadamw")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """The optimizer and its schedule (a pretraining job's `optimizer.*` keys; BERT's recipe by default)."""
 
     name: str = option("adamw", "adamw (BERT) | lamb (You et al.: Adam direction and decoupled decay, scaled per "
-                       "tensor by the trust ratio ||w|| / ||update||, as in large-batch recipes)")
+                       "tensor by the trust ratio ||w|| / ||update||, as in large-batch recipes) | stableadamw "
+                       "(ModernBERT's, optimi's: AdamW whose step is divided per tensor by max(1, RMS(g^2 / v)), "
+                       "Adafactor's update clipping; it replaces gradient clipping: set clip_norm=0)")
     learning_rate: float = option(1e-4, "peak learning rate (0: every update is zero, the weights stay as they are)",
                                   valid=floats(0))
     warmup_steps: int = option(10_000, "linear warmup from 0", valid=ints(0))
     warmup_ratio: float = option(0.0, "the warmup as a share of the run's steps; > 0 replaces warmup_steps (so a "
                                  "changed train.steps needs no new warmup)", valid=floats(0, 1))
-    decay: str = option("linear", "after warmup: linear | cosine (to 0 at the last step) | constant (held)")
+    decay: str = option("linear", "after warmup: linear | cosine | 1-sqrt (lr * (1 - sqrt(progress)); to 0 at the "
+                        "last step) | constant (held: a stable phase, whose decay is a run of its own)")
     weight_decay: float = option(0.01, "decoupled, not applied to LayerNorm parameters and biases",
                                  valid=floats(0))
+    decouple_lr: bool = option(False, "weight decay scaled by lr_t / learning_rate instead of by lr_t (fully "
+                               "decoupled: optimi's decouple_lr, Composer's Decoupled* optimizers, whose "
+                               "weight_decay 1e-5 ModernBERT and MosaicBERT mean)")
     b1: float = option(0.9, "Adam's beta1: decay of the first-moment (mean) estimate",
                        valid=floats(0, 1, high_open=True))
     b2: float = option(0.999, "Adam's beta2: decay of the second-moment (variance) estimate",
@@ -132,10 +170,13 @@ class OptimizerConfig:
     bias_correction: bool = option(True, "false: the original TF AdamWeightDecayOptimizer (no bias correction)")
 
     def __post_init__(self):
-        if self.name not in ("adamw", "lamb"):
-            raise ValueError(f"unknown optimizer {self.name!r}; expected 'adamw' or 'lamb'")
-        if self.decay not in SCHEDULES:
-            raise ValueError(f"unknown decay {self.decay!r}; expected one of {sorted(SCHEDULES)}")
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}; expected one of {', '.join(OPTIMIZERS)}")
+        if self.decay not in DECAY_SHAPES:
+            raise ValueError(f"unknown decay {self.decay!r}; expected one of {', '.join(DECAY_SHAPES)}")
+        if self.name == "stableadamw" and not self.bias_correction:
+            raise ValueError("optimizer.name=stableadamw has Adam's bias correction (optimi's): "
+                             "optimizer.bias_correction=false is AdamW's (the original TF optimizer's) alone")
         problems = range_problems(self)
         if problems:
             raise ValueError("optimizer: " + "; ".join(problems))
@@ -156,11 +197,17 @@ class OptimizerConfig:
 def make_optimizer(config: OptimizerConfig, num_train_steps: int) -> tuple[optax.GradientTransformation,
                                                                            optax.Schedule]:
     """(optimizer, schedule) for `num_train_steps` updates."""
-    schedule = SCHEDULES[config.decay](config.learning_rate, num_train_steps, config.warmup_for(num_train_steps))
-    adam = (optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps) if config.bias_correction
-            else _scale_by_adam_no_bias_correction(config.b1, config.b2, config.eps))
+    schedule = warmup_then_decay(config.decay, config.learning_rate, num_train_steps,
+                                 config.warmup_for(num_train_steps))
+    # Fully decoupled: lr_t * (weight_decay / peak) = (lr_t / peak) * weight_decay, optimi's and Composer's decay.
+    weight_decay = config.weight_decay / config.learning_rate if config.decouple_lr else config.weight_decay
     chain = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm else []
-    chain += [adam, optax.add_decayed_weights(config.weight_decay, mask=decay_mask)]
+    if config.name == "stableadamw":
+        chain.append(scale_by_stable_adam(config.b1, config.b2, config.eps, weight_decay, decay_mask))
+    else:
+        adam = (optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps) if config.bias_correction
+                else _scale_by_adam_no_bias_correction(config.b1, config.b2, config.eps))
+        chain += [adam, optax.add_decayed_weights(weight_decay, mask=decay_mask)]
     if config.name == "lamb":
         chain.append(scale_by_trust_ratio())
     chain.append(optax.scale_by_learning_rate(schedule))
