@@ -149,6 +149,10 @@ def test_bad_score_settings_fail_before_anything_trains(tmp_path, glue_dir, monk
         code, text = _bertjax(run + extra, monkeypatch, capfd)
         assert code == 2 and message in text.splitlines()[-1], text[-2000:]
     assert not (tmp_path / "w").exists()
-    code, text = _bertjax(["score", str(tmp_path), "--glue", str(tmp_path), "--tasks", "mrpc"], monkeypatch, capfd)
+    code, text = _bertjax(["score", str(tmp_path), "--glue", str(glue_dir)], monkeypatch, capfd)
+    assert code == 2 and "is not a pretraining run directory (WORKDIR, whose scores/ it would hold): give --out DIR" \
+        in text.splitlines()[-1]
+    code, text = _bertjax(["score", str(tmp_path), "--glue", str(tmp_path), "--tasks", "mrpc", "--out",
+                           str(tmp_path / "out")], monkeypatch, capfd)
     assert code == 2 and "none of the tasks asked (mrpc) has its train and dev files" in text.splitlines()[-1]
-    assert "mrpc: not scored" in text
+    assert "mrpc: not scored" in text and not (tmp_path / "out").exists()

@@ -163,7 +163,7 @@ def register(subparsers) -> None:
     scored.add_argument("checkpoint", help=ANY_CHECKPOINT_HELP + " (a pretraining run: its newest complete step)")
     scored.add_argument("--glue", required=True, help="GLUE directory (<Task>/train.tsv, dev.tsv ...) or "
                                                        "'tfds[:DATA_DIR]'")
-    scored.add_argument("--out", help="output directory (default: CHECKPOINT/scores for a directory)")
+    scored.add_argument("--out", help="output directory (default: CHECKPOINT/scores for a pretraining run directory)")
     options.add_flags(scored, ScoreSettings)
     scored.add_argument("--overwrite", action="store_true",
                         help="run again the task/seed runs done with other settings (the same command again skips "
@@ -555,8 +555,9 @@ def _score(args: argparse.Namespace) -> int:
 
     route_logging_to_console()
     settings = options.from_flags(ScoreSettings, args)
-    if args.out is None and not os.path.isdir(args.checkpoint):
-        raise ValueError(f"{args.checkpoint} is not a directory to write scores/ into: give --out DIR")
+    if args.out is None and not os.path.isdir(os.path.join(args.checkpoint, "checkpoints")):
+        raise ValueError(f"{args.checkpoint} is not a pretraining run directory (WORKDIR, whose scores/ it would "
+                         "hold): give --out DIR")
     out = canonical(args.out or os.path.join(args.checkpoint, "scores"))
     if "://" in out:
         raise ValueError(f"--out {out}: scores are written to a local directory only; give one with --out")

@@ -172,7 +172,9 @@ def score(checkpoint: str, data: str, out: str, settings: ScoreSettings, *, over
     from bertjax.interop.load import load_init
     from bertjax.runtime.input_files import input_fingerprints
     from bertjax.runtime.workdir_lock import WorkdirLock
+    from bertjax.runtime.workdir_paths import canonical
 
+    data = data if data == "tfds" or data.startswith("tfds:") else canonical(data)  # one spelling, recorded
     missing = {task: files for task in settings.task_names() if (files := missing_files(task, data))}
     for task, files in missing.items():
         log(f"{task}: not scored, {data} lacks {', '.join(os.path.relpath(f, data) for f in files)}")
@@ -181,7 +183,7 @@ def score(checkpoint: str, data: str, out: str, settings: ScoreSettings, *, over
         raise ValueError(f"--glue {data}: none of the tasks asked ({', '.join(settings.task_names())}) has its "
                          "train and dev files (<Task>/train.tsv and dev.tsv, as GLUE's download lays them out)")
     # The step scored, not the run directory: a run that trains on has another newest step, and other scores.
-    source = resolve_checkpoint(local_model_path(checkpoint))
+    source = canonical(resolve_checkpoint(local_model_path(checkpoint)))
     loaded = None
     runs = {}
     with WorkdirLock(out, flag="--out", log=log):

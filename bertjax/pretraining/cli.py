@@ -135,10 +135,10 @@ def _pretrain(args: argparse.Namespace) -> int:
         result = pretrain.run(config, args.workdir, init_from=args.init, max_steps_this_run=args.max_steps_this_run,
                               allow_config_change=args.allow_config_change, lock=lock,
                               command=args.argv)
-    if scoring and result.status != "completed":
+    if scoring and result.status != "completed" and jax.process_index() == 0:
         Console().line(f"--score-glue: not scored: the run ended at step {result.final_step} of {config.train.steps} "
                        f"({result.status}); the same command completes it, then scores it")
-    elif scoring:
+    elif scoring and result.status == "completed":
         return _score(scoring)
     return 0 if result.status in ("completed", "preempted", "stopped") else 1
 
@@ -170,6 +170,7 @@ def _score(command: list[str]) -> int:
 
     import jax
 
+    from bertjax.runtime import preemption
     from bertjax.runtime.console import Console
 
     if jax.process_index() != 0:
@@ -180,7 +181,13 @@ def _score(command: list[str]) -> int:
         return 0
     Console().line("the run completed; scoring it: " + shlex.join(["bertjax", *command]))
     sys.stdout.flush()
-    return subprocess.run([sys.executable, "-m", "bertjax.cli", *command]).returncode
+    child = subprocess.Popen([sys.executable, "-m", "bertjax.cli", *command])
+    try:
+        return child.wait()
+    except preemption.Stopped as stopped:  # passed on: the fine-tune saves its state and ends, resumed by a rerun
+        child.send_signal(stopped.signum)
+        child.wait()
+        raise
 
 
 def _config_with_init(args: argparse.Namespace):
