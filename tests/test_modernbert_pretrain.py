@@ -1,8 +1,8 @@
 """ModernBERT pretrained from scratch (`--config modernbert-tiny`, the modern recipe: MLM alone at 30%, packing, no
 NSP) on a text corpus with an HF tokenizer.json as its vocabulary: stopped by SIGTERM and rerun, it ends with the
 bits of an uninterrupted run; its export is transformers' ModernBertForMaskedLM with the same logits as the
-checkpoint, and the tokenizer it trained with. The README's own command, on a WordPiece vocab.txt, exports a directory
-that transformers' fill-mask pipeline reads whole."""
+checkpoint, and the tokenizer it trained with. The README's former command, on a WordPiece vocab.txt, exports a
+directory that transformers' fill-mask pipeline reads whole."""
 import json
 import os
 import signal
@@ -107,9 +107,10 @@ def test_the_export_loads_as_automodelformaskedlm_with_the_checkpoints_logits(un
 
 def test_the_readmes_wordpiece_command_exports_what_the_fill_mask_pipeline_reads_whole(corpus, tmp_path,
                                                                                       monkeypatch, capsys):
-    """README.md's `pretrain --config modernbert-tiny --set data.vocab=vocab/vocab.txt` (a few steps) on a vocabulary
-    from `vocab train --type wordpiece`, exported: AutoTokenizer gives the ids the run trained with and
-    `pipeline("fill-mask", model=export)` the checkpoint's own scores at the mask."""
+    """`pretrain --config modernbert-tiny --set data.vocab=vocab/vocab.txt` (the README's command until its
+    ModernBERT path moved to a BPE; a few steps) on a vocabulary from `vocab train --type wordpiece`, exported:
+    AutoTokenizer gives the ids the run trained with and `pipeline("fill-mask", model=export)` the checkpoint's own
+    scores at the mask (transformers 5 read no tokenizer from the export: it had no tokenizer.json)."""
     from bertjax.data.tokenizers import WordPieceTokenizer
 
     train_path, eval_path, _ = corpus
