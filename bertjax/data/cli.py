@@ -10,6 +10,7 @@ import argparse
 
 from bertjax import options
 from bertjax.runtime.console import Console
+from bertjax.runtime.extras import install_line
 from bertjax.data.data_config import CorpusConfig, PretrainingDataConfig
 
 # Options of the streaming pipeline only; `data create` writes one static pass per dupe.
@@ -27,7 +28,12 @@ def _create(args: argparse.Namespace) -> int:
         if args.num_workers != 1 or args.worker_index != 0:
             raise ValueError("--runner beam spreads the work over Beam's workers itself: drop --worker-index/"
                              "--num-workers")
-        from bertjax.data.beam_create import create_with_beam
+        try:
+            from bertjax.data.beam_create import create_with_beam
+        except ModuleNotFoundError as error:
+            if (error.name or "").split(".")[0] != "apache_beam":
+                raise
+            raise ValueError(f"--runner beam needs Apache Beam (the `beam` extra): {install_line('beam')}") from None
 
         create_with_beam(data_config_from_flags(args), args.out, args.shards, runner=args.beam_runner,
                          beam_options=args.beam_option or [], overwrite=args.overwrite, log=Console().line,

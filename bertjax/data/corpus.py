@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from bertjax.data import file_readers
 from bertjax.data.data_config import CorpusConfig
+from bertjax.runtime.extras import install_line
 from bertjax.runtime.input_files import read_json
 
 # A sentence ends at . ! ? (plus closing quotes/brackets) followed by whitespace and an upper-case
@@ -115,7 +116,8 @@ def hf_dataset_files(spec: str) -> list[str]:
         import huggingface_hub
         from huggingface_hub import errors
     except ImportError:
-        raise ImportError(f"{spec}: hf: inputs need huggingface_hub (pip install 'bertjax[hub]')") from None
+        raise ImportError(f"{spec}: hf: inputs need huggingface_hub (the `hub` extra): {install_line('hub')}") \
+            from None
 
     name, _, split = spec[len("hf:"):].partition("@")
     name, _, config = name.partition(":")

@@ -18,6 +18,7 @@ from etils import epath
 from bertjax.runtime import jsonio
 from bertjax.runtime.console import Console, duration, metric_text
 from bertjax.runtime.errors import OutputWriteError
+from bertjax.runtime.extras import install_line
 from bertjax.runtime.input_files import read_json, read_text
 from bertjax.runtime.outputs import write_whole
 from bertjax.model.config import BertConfig
@@ -202,8 +203,8 @@ def _wandb_run(project: str, directory: epath.Path, run_config: dict | None):
     try:
         import wandb
     except ImportError:
-        raise ValueError("train.wandb_project needs Weights & Biases: pip install 'bertjax[tracking]' (or wandb)") \
-            from None
+        raise ValueError(f"train.wandb_project needs Weights & Biases (the `tracking` extra): "
+                         f"{install_line('tracking')}") from None
     run_id = hashlib.sha1(str(directory.absolute()).encode()).hexdigest()[:16]
     return wandb.init(project=project, name=directory.name, id=run_id, resume="allow", dir=str(directory),
                       config=run_config or {})
