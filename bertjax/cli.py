@@ -39,15 +39,24 @@ PASSES_STOP_SIGNALS_ON = ("launch",)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
-    """Help lines end with the option's default, where it has a meaningful one."""
+    """Help lines end with the option's default: every option that takes a value and is not required (`none` where
+    it has none). An option whose default follows another's says so in its own help, `(default: ...)`, kept as is;
+    a flag (store_true) has none to show."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        shown = action.default not in (None, "", argparse.SUPPRESS, False) or isinstance(action.default, bool) \
-            and action.nargs == 0 and not isinstance(action, argparse._StoreTrueAction)
-        if "%(default)" in text or "(default" in text or not action.option_strings or not shown or action.required:
+        flag = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if "(default" in text or not action.option_strings or action.required or flag \
+                or action.default is argparse.SUPPRESS:
             return text
-        return f"{text} (default: %(default)s)"
+        return f"{text} (default: {self._default_text(action)})"
+
+    @staticmethod
+    def _default_text(action) -> str:
+        """`%(default)s`; `none` for an unset one (None, an empty list), '' where the help says what '' means."""
+        if action.default is None or action.default == [] or action.default == "" and "''" not in (action.help or ""):
+            return "none"
+        return "''" if action.default == "" else "%(default)s"
 
 
 def build_parser() -> argparse.ArgumentParser:

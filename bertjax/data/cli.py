@@ -86,17 +86,19 @@ def register(subparsers) -> None:
     create = data.add_parser("create", help="text corpus -> masked TFRecord shards (original BERT format)")
     options.add_flags(create, PretrainingDataConfig, exclude=_NOT_CREATE_FLAGS, required=("input", "vocab"))
     create.add_argument("--out", required=True, help="output directory (gs:// works)")
-    create.add_argument("--shards", type=options.ints(1), default=1)
+    create.add_argument("--shards", type=options.ints(1), default=1, help="TFRecord files the examples are spread over")
     create.add_argument("--worker-index", type=options.ints(0), default=0,
                         help="this worker's share of the input files (0 .. --num-workers - 1)")
-    create.add_argument("--num-workers", type=options.ints(1), default=1)
+    create.add_argument("--num-workers", type=options.ints(1), default=1,
+                        help="the workers that share the input files, each run with its own --worker-index")
     create.add_argument("--overwrite", action="store_true",
                         help="replace an earlier run's shards in --out (removed once the new ones are complete)")
     create.add_argument("--runner", choices=("local", "beam"), default="local",
                         help="local: this machine (split by hand with --worker-index/--num-workers) | beam: an "
                         "Apache Beam pipeline (pipelines/beam_create.py), same records format and metadata")
     create.add_argument("--beam-runner", default="DirectRunner",
-                        choices=("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner"))
+                        choices=("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner"),
+                        help="--runner beam: where Beam runs the pipeline")
     create.add_argument("--beam-option", action="append", metavar="KEY=VALUE",
                         help="a Beam pipeline option, repeatable (e.g. project=P, region=R, temp_location=gs://..., "
                         "direct_num_workers=2)")
@@ -117,7 +119,8 @@ def register(subparsers) -> None:
                        help="wordpiece: vocab.txt (BERT's) | sentencepiece: spm.model (unigram) | bpe: tokenizer.json, "
                        "a byte-level BPE as ModernBERT's, with tokenizer_config.json beside it")
     train.add_argument("--out", required=True)
-    train.add_argument("--max-sentences", type=options.ints(1), default=5_000_000)
+    train.add_argument("--max-sentences", type=options.ints(1), default=5_000_000,
+                       help="read at most this many sentences of the corpus")
     train.add_argument("--min-count", type=options.ints(1), default=None,
                        help="wordpiece: keep only pieces seen at least this often (default 10); bpe: merge only pairs "
                        "seen at least this often (default 2); lower it on a small corpus for a larger vocabulary")

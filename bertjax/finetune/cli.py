@@ -17,6 +17,8 @@ from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
 from bertjax.finetune.table_data import PROBLEMS
 from bertjax.interop.cli import ANY_CHECKPOINT_HELP
 
+# Every fine-tune's --max-seq-length (an option that derives from it says so in its own help).
+MAX_SEQ_HELP = "tokens per example, [CLS] and [SEP] included (a pair's two texts together); longer ones are cut"
 INIT_HELP = ("checkpoint to start from: a bertjax run directory (its newest complete step) or step, an HF model "
              "directory or a TF checkpoint prefix")
 
@@ -43,7 +45,7 @@ def register(subparsers) -> None:
     glue = jobs.add_parser("glue", help="fine-tune and evaluate GLUE tasks; writes dev metrics and submission TSVs")
     glue.add_argument("--task", required=True, choices=TASKS + ("all",))
     glue.add_argument("--data", required=True, help="GLUE directory (<Task>/train.tsv ...) or 'tfds[:DATA_DIR]'")
-    glue.add_argument("--max-seq-length", type=options.ints(3), default=128)
+    glue.add_argument("--max-seq-length", type=options.ints(3), default=128, help=MAX_SEQ_HELP)
     glue.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
     _add_train_args(glue, learning_rate=2e-5, batch_size=32, epochs=3.0)
     glue.set_defaults(func=_glue)
@@ -55,14 +57,15 @@ def register(subparsers) -> None:
                                                          "gs://, with a header (CSV/TSV) naming the columns")
     classify.add_argument("--dev", help="file scored after training (its labels must be among the training file's)")
     classify.add_argument("--test", help="file to predict (labels not needed)")
-    classify.add_argument("--text-column", default="text")
+    classify.add_argument("--text-column", default="text", help="the column holding the text")
     classify.add_argument("--text-pair-column", help="second text of a pair (e.g. NLI's hypothesis)")
-    classify.add_argument("--label-column", default="label")
+    classify.add_argument("--label-column", default="label",
+                          help="the column holding the label (multi-label: several, see --problem)")
     classify.add_argument("--problem", default="single_label_classification", choices=PROBLEMS,
                           help="multi-label: a list per row (JSON Lines, Parquet) or one string cut at "
                                "--label-separator; regression: numbers (Pearson/Spearman)")
     classify.add_argument("--label-separator", default=",", help="multi-label labels given as one string")
-    classify.add_argument("--max-seq-length", type=options.ints(3), default=128)
+    classify.add_argument("--max-seq-length", type=options.ints(3), default=128, help=MAX_SEQ_HELP)
     classify.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
     _add_train_args(classify, learning_rate=2e-5, batch_size=32, epochs=3.0)
     classify.set_defaults(func=_classify)
@@ -77,24 +80,27 @@ def register(subparsers) -> None:
     features.add_argument("--layers", default="last",
                           help="last | second-to-last | sum-last-4 | concat-last-4 | N[,M...] (0 = embeddings "
                                "output, as transformers' output_hidden_states)")
-    features.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    features.add_argument("--pooling", choices=("cls", "mean"), default="cls",
+                          help="cls: the [CLS] token's vector; mean: the mean of the tokens' vectors")
     features.add_argument("--classifier", choices=("logreg",), default="logreg",
                           help="logreg: LogisticRegressionCV (STS-B: RidgeCV)")
     features.add_argument("--max-train-examples", type=options.ints(1),
                           help="fit on a seeded random subset of this many training examples (CPU budgets)")
     features.add_argument("--max-eval-examples", type=options.ints(0), default=0,
                           help="score the first N dev examples of each split (0: all), for quick runs")
-    features.add_argument("--max-seq-length", type=options.ints(3), default=128)
+    features.add_argument("--max-seq-length", type=options.ints(3), default=128, help=MAX_SEQ_HELP)
     features.add_argument("--batch-size", type=options.ints(1), default=64,
                           help="sequences per feature-extraction step")
-    features.add_argument("--cv-folds", type=options.ints(2), default=5)
+    features.add_argument("--cv-folds", type=options.ints(2), default=5,
+                          help="cross-validation folds that choose the classifier's C (STS-B: the ridge's alpha)")
     features.add_argument("--seed", type=options.ints(0), default=42, help="training subset and CV folds")
     features.set_defaults(func=_features)
 
     choice = jobs.add_parser("multiple-choice", help="fine-tune on SWAG-layout CSVs (train.csv, val.csv, optional "
                                                      "test.csv); val accuracy and predictions")
     choice.add_argument("--data", required=True, help="directory with SWAG's train.csv and val.csv (test.csv optional)")
-    choice.add_argument("--max-seq-length", type=options.ints(3), default=128)
+    choice.add_argument("--max-seq-length", type=options.ints(3), default=128,
+                        help="tokens per choice (the context and one ending), [CLS] and [SEP] included")
     # The BERT paper's SWAG recipe: lr 2e-5, batch 16, 3 epochs.
     _add_train_args(choice, learning_rate=2e-5, batch_size=16, epochs=3.0)
     choice.set_defaults(func=_multiple_choice)
@@ -127,8 +133,9 @@ def register(subparsers) -> None:
                             "concatenated in the order given)")
     embed.add_argument("--pooling", choices=("cls", "mean", "none"), default="cls",
                        help="none: every token's vector with a map from whitespace words to token positions")
-    embed.add_argument("--max-len", type=options.ints(3), default=128)
-    embed.add_argument("--batch-size", type=options.ints(1), default=64)
+    embed.add_argument("--max-len", type=options.ints(3), default=128,
+                       help="tokens per sentence, [CLS] and [SEP] included; longer ones are cut")
+    embed.add_argument("--batch-size", type=options.ints(1), default=64, help="sentences per step")
     embed.add_argument("--show-neighbours", action="store_true",
                        help="print each sentence's nearest neighbour by cosine similarity (cls/mean)")
     embed.set_defaults(func=_embed)
@@ -150,11 +157,13 @@ def register(subparsers) -> None:
     predict.add_argument("--max-seq-length", type=options.ints(3),
                          help="tokens per row (default 128; a span model: per window, as its SQuAD run, else 384)")
     predict.add_argument("--doc-stride", type=options.ints(1),
-                         help="a span model: tokens between window starts (default: as its SQuAD run, else 128)")
+                         help="a span model: tokens between window starts (default: as its SQuAD run, else a "
+                              "third of --max-seq-length)")
     predict.add_argument("--squad-version", choices=("1.1", "2.0"),
                          help="a span model: 2.0 answers \"\" when no answer wins (default: as its SQuAD run "
                               "recorded, in its workdir or its export's config.json; else 1.1)")
-    predict.add_argument("--batch-size", type=options.ints(1), default=64)
+    predict.add_argument("--batch-size", type=options.ints(1), default=64, help="rows (a span model: windows) per "
+                                                                                  "prediction step")
     predict.set_defaults(func=_predict)
 
     scored = subparsers.add_parser(
@@ -176,7 +185,9 @@ def register(subparsers) -> None:
     squad_eval.add_argument("--data", required=True, help="dataset JSON (its 'version' picks v1.1 or v2.0)")
     squad_eval.add_argument("--predictions", required=True, help="predictions JSON {question id: answer text}")
     squad_eval.add_argument("--na-prob-file", help="v2.0: null odds / no-answer probabilities JSON")
-    squad_eval.add_argument("--na-prob-thresh", type=options.floats(), default=1.0)
+    squad_eval.add_argument("--na-prob-thresh", type=options.floats(), default=1.0,
+                            help="v2.0: a question whose no-answer probability is above this counts as answered "
+                                 "\"\" (the official script's)")
     squad_eval.add_argument("--version", choices=("1.1", "2.0"), help="override the dataset's version")
     squad_eval.set_defaults(func=_eval_squad)
 

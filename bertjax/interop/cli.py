@@ -27,7 +27,8 @@ def register(subparsers) -> None:
 
     export = subparsers.add_parser("export", help="export a checkpoint to an HF directory (safetensors)")
     export.add_argument("checkpoint", help=ANY_CHECKPOINT_HELP)
-    export.add_argument("--to", choices=("hf",), default="hf")
+    export.add_argument("--to", choices=("hf",), default="hf",
+                        help="the format: hf, a transformers directory (safetensors, config, tokenizer files)")
     export.add_argument("--out", required=True, help="output HF directory (must not exist)")
     export.set_defaults(func=_export)
 

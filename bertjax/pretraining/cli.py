@@ -27,8 +27,10 @@ def register(subparsers) -> None:
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() with auto-detection (TPU pods, SLURM...)")
     parser.add_argument("--coordinator", help="host:port of process 0 (multi-process without auto-detection)")
-    parser.add_argument("--num-processes", type=options.ints(1))
-    parser.add_argument("--process-id", type=options.ints(0))
+    parser.add_argument("--num-processes", type=options.ints(1),
+                        help="with --coordinator and --process-id: the job's number of processes")
+    parser.add_argument("--process-id", type=options.ints(0),
+                        help="with --coordinator and --num-processes: this process's index, from 0")
     parser.add_argument("--max-steps-this-run", type=options.ints(1),
                         help="stop (with a checkpoint) after this many steps")
     parser.add_argument("--allow-config-change", action="store_true",
