@@ -211,7 +211,8 @@ def test_cli_finetune_glue(tiny_init, tmp_path, capsys):
     # One console style: timestamped lines, the compile, progress with learning rate and ETA.
     assert all(re.match(r"\d\d:\d\d:\d\d ", line) for line in out[:-1]), out
     assert any("compiling the train step" in line for line in out)
-    assert any(re.search(r" step \d+/\d+ epoch=1 loss=\S+ learning_rate=\S+ examples_per_s=\S+ eta \S+$", line)
+    assert any(re.search(r" step (\d+)/\1 epoch=1 mean_loss=\S+ \(steps 1-\1\) learning_rate=\S+ examples_per_s=\S+ "
+                         r"eta \S+$", line)
                for line in out), out
     # Bad input: a TSV row with the wrong column count is one clear error line naming file and line.
     with open(data / "SST-2" / "train.tsv", "a", encoding="utf-8") as f:

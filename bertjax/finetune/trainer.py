@@ -354,7 +354,10 @@ class Trainer:
                                    start_step=step_index)
             history, resumed_at, stopped_early = [], step_index, False
             nonfinite_total, nonfinite_run = 0, 0
+            # The steps since the last metrics record: their mean loss is the record's, and the console's lines
+            # between records say which steps they average.
             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
+            interval_first = step_index + 1
             console.start_progress(total_steps, initial=step_index)
             lines = LineSchedule(total_steps, s.log_every)
             preemption = PreemptionFlag()
@@ -421,11 +424,14 @@ class Trainer:
                                       "learning_rate": float(schedule(step_index - 1)),
                                       "epoch": step_index / steps_per_epoch,  # fractional: where in the data
                                       "examples_per_s": interval_steps * s.batch_size / seconds}
-                            writer.console(step_index, values,
-                                           keys=("epoch", "loss", "learning_rate", "examples_per_s"))
+                            averaged = f"step {step_index}" if interval_first == step_index else \
+                                f"steps {interval_first}-{step_index}"
+                            writer.console(step_index, values, keys=("epoch", "loss", "learning_rate", "examples_per_s"),
+                                           labels={"loss": "mean_loss"}, notes={"loss": averaged})
                         if logged:
                             writer.write(step_index, values)
                             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
+                            interval_first = step_index + 1
                         # --metric-for-best without --eval-every: an evaluation at each epoch's last step (before
                         # a save of that step, so that a resumed run has it too).
                         if evaluate and (s.eval_every and step_index % s.eval_every == 0 or best is not None and

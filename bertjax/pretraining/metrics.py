@@ -325,15 +325,19 @@ class MetricsWriter:
         self._aside_seconds += seconds
         self._aside_steps += steps
 
-    def console(self, step: int, values: dict[str, float], keys=CONSOLE_KEYS) -> None:
+    def console(self, step: int, values: dict[str, float], keys=CONSOLE_KEYS, labels: dict | None = None,
+                notes: dict | None = None) -> None:
+        """`step 40/100 loss=2.301 ... eta 1m05s`: `values` in the order of `keys`, each named by its `labels` entry
+        (its key without one) and followed by its `notes` entry in parentheses (what a value is: `mean_loss=0.69
+        (steps 31-40)`)."""
         timed = 0 if self.start_step is None else step - self.start_step - self._aside_steps
         if timed <= 0:
             eta = "?"
         else:
             rate = max(time.time() - self.start_time - self._aside_seconds, 0.0) / timed
             eta = duration(rate * (self.total_steps - step))
-        self.console_out.line(" ".join(filter(None, (f"step {step}/{self.total_steps}", metric_text(values, keys),
-                                                     f"eta {eta}"))))
+        self.console_out.line(" ".join(filter(None, (f"step {step}/{self.total_steps}",
+                                                     metric_text(values, keys, labels, notes), f"eta {eta}"))))
 
     def close(self) -> None:
         if self.enabled:
