@@ -192,6 +192,11 @@ def test_the_cost_is_the_chip_hours_at_the_price_given(capsys):
     assert (priced["price_per_chip_hour"], priced["cost_usd"]) == (1.5, pytest.approx(chip_hours * 1.5))
     assert f"cost: {chip_hours:,.2f} chip-hours x $1.5 per chip-hour = ${chip_hours * 1.5:,.2f} " \
            "(--price-per-chip-hour)" in tpu_compile.describe(priced).splitlines()
+    # One rounding of the run's chip-hours on every line that shows them (the step line said 7.9 where the cost
+    # line said 7.93), for an assumed MFU and for the estimate's range alike.
+    for report in (priced, tpu_compile.with_cost(_compiled("v5e:2x2", mfu=None), 1.5)):
+        shown = re.findall(r"([\d,.]+(?:-[\d,.]+)?) chip-hours", tpu_compile.describe(report))
+        assert len(shown) == 2 and shown[0] == shown[1] == tpu_compile.chip_hours_text(report).split()[0], shown
     unpriced = tpu_compile.with_cost(_compiled("v5e:2x2"), None)
     assert unpriced["cost_usd"] is None
     assert "cost: give --price-per-chip-hour USD (no price list is built in; see docs/performance.md)" in \

@@ -160,10 +160,10 @@ def _time_and_cost(report: dict) -> str:
     """`; step 41.2 ms, 1000 steps = 0.01 h, 0.05 chip-hours` of a compile report (empty without a step time)."""
     if report.get("step_seconds") is None:
         return ""
-    from bertjax.cloud.compile import cost_text
+    from bertjax.cloud.compile import chip_hours_text, cost_text
 
     return (f"; step {report['step_seconds'] * 1e3:.1f} ms, {report['steps']} steps = {report['total_hours']:.2f} h, "
-            + (cost_text(report) or f"{report['chip_hours']:,.2f} chip-hours"))
+            + (cost_text(report) or chip_hours_text(report)))
 
 
 def _wheel_name() -> str:

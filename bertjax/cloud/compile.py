@@ -195,14 +195,19 @@ def with_cost(report: dict, price_per_chip_hour: float | None) -> dict:
     return report
 
 
+def chip_hours_text(report: dict) -> str:
+    """`5,120.00 chip-hours` (`GPU-hours` on a GPU host), or `5,120.00-5,400.00 chip-hours` where the estimate's high
+    end differs: the run's chip-hours at one rounding, wherever a line shows them."""
+    hours = _range(report["chip_hours"], report.get("chip_hours_high"), "{:,.2f}")
+    return f"{hours} {report.get('chip', 'chip')}-hours"
+
+
 def cost_text(report: dict) -> str:
     """`5,120.00 chip-hours x $1.2 per chip-hour = $6,144.00`, or as a range `5,120.00-5,400.00 chip-hours x ... =
     $6,144.00-$6,480.00` where the estimate's high end differs (empty without a step time or a price)."""
     if report.get("cost_usd") is None:
         return ""
-    chip = report.get("chip", "chip")
-    return (f"{_range(report['chip_hours'], report.get('chip_hours_high'), '{:,.2f}')} {chip}-hours x "
-            f"${report['price_per_chip_hour']:g} per {chip}-hour = "
+    return (f"{chip_hours_text(report)} x ${report['price_per_chip_hour']:g} per {report.get('chip', 'chip')}-hour = "
             f"{_range(report['cost_usd'], report.get('cost_usd_high'), '${:,.2f}')}")
 
 
@@ -352,8 +357,7 @@ def describe(result: dict) -> str:
                      f"{result['tokens_per_second']:,.0f} tokens/s{' at the low end' if ranged else ''}; "
                      f"{result['steps']} steps = "
                      f"{_range(result['total_hours'], result.get('total_hours_high'), '{:.2f}')} h, "
-                     f"{_range(result['chip_hours'], result.get('chip_hours_high'), '{:,.1f}')} "
-                     f"{result.get('chip', 'chip')}-hours")
+                     f"{chip_hours_text(result)}")
         lines.append(f"cost: {cost_text(result)} (--price-per-chip-hour)" if result.get("cost_usd") is not None else
                      "cost: give --price-per-chip-hour USD (no price list is built in; see docs/performance.md)")
     if (result.get("gpu_kernels") or {}).get("note"):

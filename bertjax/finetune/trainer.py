@@ -426,7 +426,8 @@ class Trainer:
                                       "examples_per_s": interval_steps * s.batch_size / seconds}
                             averaged = f"step {step_index}" if interval_first == step_index else \
                                 f"steps {interval_first}-{step_index}"
-                            writer.console(step_index, values, keys=("epoch", "loss", "learning_rate", "examples_per_s"),
+                            writer.console(step_index, values,
+                                           keys=("epoch", "loss", "learning_rate", "examples_per_s"),
                                            labels={"loss": "mean_loss"}, notes={"loss": averaged})
                         if logged:
                             writer.write(step_index, values)
