@@ -95,7 +95,9 @@ def test_a_window_option_defaults_to_its_share_of_the_window():
     found = options.from_flags(SquadSettings, build_parser().parse_args(squad))
     assert (found.max_seq_length, found.doc_stride, found.max_query_length) == (384, 128, 64)
     found = options.from_flags(SquadSettings, build_parser().parse_args([*squad, "--max-seq-length", "64"]))
-    assert (found.doc_stride, found.max_query_length) == (21, 10)   # 64 // 3, 64 // 6
+    assert (found.doc_stride, found.max_query_length) == (21, 16)   # 64 // 3, 64 // 4
+    found = options.from_flags(SquadSettings, build_parser().parse_args([*squad, "--max-seq-length", "1024"]))
+    assert found.max_query_length == 64   # a quarter, capped at run_squad.py's 64
     found = options.from_flags(SquadSettings, build_parser().parse_args([*squad, "--max-seq-length", "64",
                                                                          "--max-query-length", "20"]))
     assert (found.doc_stride, found.max_query_length) == (21, 20)
