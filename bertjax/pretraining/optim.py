@@ -200,7 +200,9 @@ def make_optimizer(config: OptimizerConfig, num_train_steps: int) -> tuple[optax
     schedule = warmup_then_decay(config.decay, config.learning_rate, num_train_steps,
                                  config.warmup_for(num_train_steps))
     # Fully decoupled: lr_t * (weight_decay / peak) = (lr_t / peak) * weight_decay, optimi's and Composer's decay.
-    weight_decay = config.weight_decay / config.learning_rate if config.decouple_lr else config.weight_decay
+    # At a peak of 0 (continued pretraining that only exports) no update is made, decay included.
+    weight_decay = ((config.weight_decay / config.learning_rate if config.learning_rate else 0.0)
+                    if config.decouple_lr else config.weight_decay)
     chain = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm else []
     if config.name == "stableadamw":
         chain.append(scale_by_stable_adam(config.b1, config.b2, config.eps, weight_decay, decay_mask))
