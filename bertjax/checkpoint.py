@@ -32,8 +32,8 @@ from flax import traverse_util
 from jax.experimental import multihost_utils
 
 from bertjax.runtime import workdir_paths
-from bertjax.runtime.errors import OutputWriteError, cannot_write, first_line
-from bertjax.runtime.input_files import Unreadable, check_readable_tree, is_permission_error, read_text
+from bertjax.runtime.errors import OutputWriteError, cannot_write, first_line, is_permission_error
+from bertjax.runtime.input_files import Unreadable, check_readable_tree, read_text
 from bertjax.model import bert as model_lib
 from bertjax.model import family, shapes
 from bertjax.model.family import ModelConfig

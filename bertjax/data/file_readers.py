@@ -143,7 +143,7 @@ class _Decompressed(io.RawIOBase):
 
 def _head(path: str) -> tuple[str, bytes]:
     """(compression, first decompressed bytes) of a file."""
-    with _open_raw(path) as f:
+    with errors.at_file(path), _open_raw(path) as f:
         raw = f.read(_SNIFF_BYTES)
     kind = compression_of(path, raw)
     if not kind:
@@ -187,7 +187,7 @@ def read_text_bytes(path: str, data: bytes | None = None, expected: str = "UTF-8
     and refused, in one line naming it and `expected`, where a corpus file is: another format's bytes (Parquet,
     Arrow, an archive), a NUL byte anywhere (named by its line), mostly invalid UTF-8 in the first 64 KiB."""
     if data is None:
-        with _open_raw(path) as f:
+        with errors.at_file(path), _open_raw(path) as f:
             data = f.read()
     compression = compression_of(path, data[:4])
     if compression:
@@ -221,7 +221,7 @@ def parquet_table(path: str):
     context manager): its bytes checked first, so a CSV or a compressed file named .parquet is told as what it is."""
     import pyarrow.parquet as pq
 
-    with _open_raw(path) as f:
+    with errors.at_file(path), _open_raw(path) as f:
         head = f.read(_SNIFF_BYTES)
     if not head.startswith(b"PAR1"):
         compression = next((name for name, (magic, _) in COMPRESSIONS.items() if head.startswith(magic)), "")

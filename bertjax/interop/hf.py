@@ -28,6 +28,7 @@ from safetensors.numpy import load, load_file, save
 
 from bertjax.checkpoint import read_vocab_file
 from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec, special_tokens_from_config
+from bertjax.runtime.errors import at_file
 from bertjax.runtime.input_files import check_regular, read_json
 from bertjax.interop import convert
 from bertjax.interop import names as names_lib
@@ -50,6 +51,9 @@ def _load_safetensors(path) -> dict[str, np.ndarray]:
     from safetensors import SafetensorError
 
     check_regular(path, "a safetensors file")
+    if "://" not in str(path):  # safetensors calls a file it may not read "No such file or directory"
+        with at_file(path), open(path, "rb"):
+            pass
     try:
         return load_file(str(path)) if "://" not in str(path) else load(epath.Path(path).read_bytes())
     except SafetensorError as error:
