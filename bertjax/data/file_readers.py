@@ -216,6 +216,12 @@ def read_text(path: str, expected: str = "UTF-8 text") -> str:
             from None
 
 
+def compressed_table(path: str, compression: str) -> str:
+    """The line for Parquet or Arrow bytes inside a compression (`x.parquet.gz`): refused by every reader."""
+    return (f"{path}: a Parquet/Arrow file inside {compression} compression: these are read as they are (Parquet "
+            f"compresses its own pages); decompress it")
+
+
 def parquet_table(path: str):
     """A Parquet file a command reads as a table (`finetune classify`, `predict`), as a pyarrow ParquetFile (a
     context manager): its bytes checked first, so a CSV or a compressed file named .parquet is told as what it is."""
@@ -225,6 +231,8 @@ def parquet_table(path: str):
         head = f.read(_SNIFF_BYTES)
     if not head.startswith(b"PAR1"):
         compression = next((name for name, (magic, _) in COMPRESSIONS.items() if head.startswith(magic)), "")
+        if compression and _head(path)[1].startswith((b"PAR1", b"ARROW1", b"\xff\xff\xff\xff")):
+            raise ValueError(compressed_table(path, compression))
         seen = f"{compression}-compressed" if compression else (_text_problem(head) or "text")
         raise ValueError(f"{path}: named as Parquet but its bytes are {seen} (no PAR1 magic); rename it to what it is")
     # A local path: pyarrow opens and closes the file itself (closing a ParquetFile leaves a file given to it open).

@@ -113,7 +113,7 @@ def input_fingerprints(paths) -> dict:
                       if not name.startswith(".")]
         else:
             files.append(path)
-    return {INPUT_KEY + file: fingerprint(file) for file in sorted(os.path.abspath(f) for f in files)}
+    return {INPUT_KEY + file: fingerprint(file) for file in sorted(os.path.realpath(f) for f in files)}
 
 
 def fingerprint(path: str) -> str:
