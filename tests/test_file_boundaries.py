@@ -238,9 +238,9 @@ def test_an_unreadable_file_at_each_reader_is_one_line_naming_it(inputs, tmp_pat
         "an HF model's config.json": (["info", str(root / "hf3")], root / "hf3" / "config.json",
                                       root / "hf3" / "config.json"),
     }
-    for copy, source in (("corpus/readable.txt", corpus), ("vocab2.txt", vocab), ("vocab3.txt", vocab), ("corpus2.txt", corpus),
-                         ("corpus3.txt", corpus), ("rows2.csv", root / "rows.csv"), ("hf2", root / "hf"),
-                         ("hf3", root / "hf")):
+    for copy, source in (("corpus/readable.txt", corpus), ("vocab2.txt", vocab), ("vocab3.txt", vocab),
+                         ("corpus2.txt", corpus), ("corpus3.txt", corpus), ("rows2.csv", root / "rows.csv"),
+                         ("hf2", root / "hf"), ("hf3", root / "hf")):
         (shutil.copytree if source.is_dir() else shutil.copy)(source, root / copy)
     for _, denied, _ in cases.values():
         denied.chmod(0)

@@ -301,7 +301,15 @@ def test_a_squad_run_that_kept_only_its_checkpoint_answers_as_the_job_did(squad_
                          str(tmp_path / "out.jsonl"), "--batch-size", "8"]) == 0
     job = json.loads((work / "predictions.json").read_text(encoding="utf-8"))
     answers = [json.loads(line)["answer"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert answers == [job[qid] for qid, _, _ in rows] and "" in answers and set(answers) != {""}
+    assert answers == [job[qid] for qid, _, _ in rows]
+    # Decoded as SQuAD 1.1 (this barely trained model's 2.0 answers are all no-answers): the best non-empty span of
+    # the job's n best, over several windows a context.
+    assert bertjax_main(["predict", "--model", str(run), "--input", str(source), "--output",
+                         str(tmp_path / "v1.jsonl"), "--batch-size", "8", "--squad-version", "1.1"]) == 0
+    nbest = json.loads((work / "nbest_predictions.json").read_text(encoding="utf-8"))
+    best = {qid: next((n["text"] for n in candidates if n["text"]), "") for qid, candidates in nbest.items()}
+    answers = [json.loads(line)["answer"] for line in (tmp_path / "v1.jsonl").read_text().splitlines()]
+    assert answers == [best[qid] for qid, _, _ in rows] and any(answers)
 
     texts = tmp_path / "texts.csv"
     texts.write_text("text\nWho wrote the report?\n")

@@ -172,7 +172,7 @@ def _embed(args: argparse.Namespace) -> int:
     from etils import epath
 
     from bertjax.data.file_readers import read_text_bytes
-    from bertjax.finetune.embed import embed_sentences, embed_tokens, nearest_neighbours
+    from bertjax.finetune.embed import cut_lines, embed_sentences, embed_tokens, nearest_neighbours
     from bertjax.interop.load import load_pretrained
     from bertjax.runtime.outputs import check_file_target, one_writer, replaced_when_whole
 
@@ -190,6 +190,12 @@ def _embed(args: argparse.Namespace) -> int:
                f"{', ...' if len(invalid) > 5 else ''}), their bad bytes read as U+FFFD" if invalid else ""))
     with one_writer(args.output, "--output"):
         loaded = load_pretrained(args.checkpoint)
+        cut = cut_lines(loaded, sentences, args.max_len)
+        if cut:  # embedded from their first tokens: said, not silent
+            shown = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
+            print(f"--input {args.input}: {len(cut)} of {len(sentences)} line(s) longer than --max-len "
+                  f"{args.max_len} tokens ([CLS] and [SEP] included), cut to it (lines {shown}); raise --max-len "
+                  "to embed more of them")
         if args.pooling == "none":
             arrays = embed_tokens(loaded, sentences, layers=args.layers, max_len=args.max_len,
                                   batch_size=args.batch_size)

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from etils import epath
 
-from bertjax import sharding
+from bertjax import options, sharding
 from bertjax.runtime import compile_cache, host_memory, workdir_paths
 from bertjax.checkpoint import (
     BEST,
@@ -310,6 +310,10 @@ class Trainer:
         total_steps = max(1, int(math.ceil(steps_per_epoch * s.epochs)))
         if s.max_steps:
             total_steps = min(total_steps, s.max_steps)
+        if total_steps > options.INT_LIMIT:  # a derived count told by the flags that make it, not by its own name
+            raise ValueError(f"--epochs {s.epochs:g} of {steps_per_epoch:,} step(s) each (--batch-size "
+                             f"{s.batch_size}) is {total_steps:,} steps, more than {options.INT_LIMIT:,}: lower "
+                             "--epochs (or set --max-steps)")
         warmup = int(s.warmup_proportion * total_steps)
         optimizer, schedule = make_optimizer(OptimizerConfig(
             learning_rate=s.learning_rate, warmup_steps=warmup, weight_decay=s.weight_decay,

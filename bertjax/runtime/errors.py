@@ -73,7 +73,7 @@ def is_full_disk(error: BaseException) -> bool:
 
 def cannot_write(what: str, error: BaseException) -> str:
     """`cannot write WHAT: no space left on device` for a full disk, the process limit it hit, else why (`cause`)."""
-    return f"cannot write {what}: {cause(error)}"
+    return f"cannot write {what}: {cause(error, what)}"
 
 
 def cannot_read(what: str, error: BaseException) -> str:
@@ -81,7 +81,7 @@ def cannot_read(what: str, error: BaseException) -> str:
     WHAT (a file of a directory, of a glob), and why (`cause`)."""
     named = failed_path(error)
     where = f"{named} (of {what})" if named and named.rstrip("/") != str(what).rstrip("/") else what
-    line = f"cannot read {where}: {cause(error)}"
+    line = f"cannot read {where}: {cause(error, what)}"
     if is_permission_error(error):
         line += "; give this user read access to it (chmod u+r, a directory u+rx), or run as its owner"
     return line
@@ -137,9 +137,14 @@ def failed_path(error: BaseException) -> str | None:
     return found.group("path") if found else None
 
 
-def cause(error: BaseException) -> str:
+def cause(error: BaseException, where=None) -> str:
     """Why a file could not be read or written, in a few words: the process limit hit (with its value), no space
-    left, permission denied to this user, the system's or TensorFlow's reason, else the error's first line."""
+    left, permission denied to this user, a symbolic link that leads back to itself on the way to the file (its path
+    or `where`), the system's or TensorFlow's reason, else the error's first line."""
+    if isinstance(error, OSError) and error.errno in (errno.EEXIST, errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+        loop = link_loop(error.filename or where)  # told as "File exists" or "Not a directory" by the system
+        if loop is not None:
+            return f"{loop} is a symbolic link that leads back to itself (a loop); remove it, or point it at a folder"
     limit = limit_line(error)
     if limit is not None:
         return limit
@@ -152,6 +157,24 @@ def cause(error: BaseException) -> str:
         found = _TENSORFLOW_NAMED.search(getattr(error, "message", None) or str(error))
         reason = found.group("reason") if found else None
     return reason[0].lower() + reason[1:] if reason else first_line(error)
+
+
+def link_loop(path) -> str | None:
+    """The symbolic link on the way to local `path` (itself or a folder above it) that leads back to itself, or
+    None."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in str(path):
+        return None
+    parts = os.path.abspath(path).split(os.sep)
+    for end in range(2, len(parts) + 1):
+        prefix = os.sep.join(parts[:end])
+        if os.path.islink(prefix):
+            try:
+                os.path.realpath(prefix, strict=True)
+            except OSError as error:
+                if error.errno == errno.ELOOP:
+                    return prefix
+                return None  # a link to nothing: not a loop
+    return None
 
 
 def _told(error: BaseException) -> bool:
@@ -177,7 +200,10 @@ def at_file(path, *, writing: bool = False) -> Iterator[None]:
 def file_failure_line(error: BaseException) -> str:
     """The last resort's line for a file failure no boundary caught: the path its library named, and why."""
     named = failed_path(error)
-    return f"{named}: {cause(error)}" if named else f"a file could not be read or written ({cause(error)})"
+    if not named:
+        return f"a file could not be read or written ({cause(error)})"
+    why = cause(error, named)
+    return why if why.startswith(f"{named} is ") else f"{named}: {why}"
 
 
 # Process limits, as resource.getrlimit names them, with the shell's spelling and what a failure says about each.
