@@ -513,7 +513,7 @@ def test_non_finite_weights_are_refused_at_load_naming_the_tensor(minilm_dir, tm
     for argv in (["embed", "--checkpoint", str(model), "--input", str(lines), "--output", str(tmp_path / "e.npy")],
                  ["convert", str(model), "--from", "hf", "--out", str(tmp_path / "converted")]):
         line = _error(capsys, argv)
-        assert re.fullmatch(rf"bertjax {argv[0]}: error: {re.escape(str(model))}: tensor bert/encoder/layer_0/"
+        assert re.fullmatch(rf"bertjax {argv[0]}: error: {re.escape(str(model))}: tensor bert/layer_0/"
                             rf"attention/self/query/kernel holds 2 NaN and 1 infinite values of {tensors[query].size:,}"
                             r"; the weights are damaged \(a run that diverged before it was saved\?\): use another "
                             r"checkpoint", line), line

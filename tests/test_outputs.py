@@ -190,12 +190,12 @@ def test_a_stop_signal_ends_a_command_in_one_line_and_leaves_nothing_behind(comm
 # (quiet.native_output_held), where its native start-up lines are held.
 STOPPED_AT_START = r"""
 import builtins, os, signal, sys
-real_import = builtins.__import__
+signum, real_import = getattr(signal, sys.argv[1]), builtins.__import__
 def importing(name, *args, **kwargs):
     module = real_import(name, *args, **kwargs)
     if name == "tensorflow" and not getattr(importing, "sent", False):
         importing.sent = True
-        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        os.kill(os.getpid(), signum)
     return module
 builtins.__import__ = importing
 from bertjax import cli

@@ -20,6 +20,7 @@ format), read file by file in its own format (corpus.file_formats); one entry wh
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import os
 from typing import Callable, Sequence, TypeVar
@@ -53,6 +54,7 @@ def by_bytes(path: str) -> str:
     """"parquet" | "jsonl" | "text" from a file's first 64 KiB (decompressed); Parquet or Arrow inside a compression
     is an error naming both (file_readers.compressed_table)."""
     compression, head = file_readers._head(path)
+    head = head.removeprefix(codecs.BOM_UTF8)  # Excel's "UTF-8" files start with the byte-order mark
     # Parquet, the Arrow IPC file format, and the Arrow IPC stream format (`datasets.save_to_disk`'s .arrow files:
     # a 0xFFFFFFFF continuation marker first, no magic).
     if head.startswith((b"PAR1", b"ARROW1", b"\xff\xff\xff\xff")):

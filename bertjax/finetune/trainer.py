@@ -6,9 +6,11 @@ weighted mean), so every step has one of at most max_len / bucket shapes and not
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import sys
 import time
 from typing import Callable
 
@@ -34,6 +36,7 @@ from bertjax.checkpoint import (
     save_model,
 )
 from bertjax.runtime.console import Console, LineSchedule, Progress, duration, metric_text
+from bertjax.runtime.errors import OutputWriteError
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
 from bertjax.interop.hf import export_hf
@@ -476,7 +479,10 @@ class Trainer:
             finally:
                 preemption.restore()
                 console.close_progress()
-                writer.close()
+                # The disk that failed a write fails this one too: the error on its way out is the one to name.
+                failing = sys.exc_info()[1] is not None
+                with contextlib.suppress(OSError, OutputWriteError) if failing else contextlib.nullcontext():
+                    writer.close()
         if states is not None:  # trained: the state only a resume needed goes (a BERT-large one is 4 GB)
             states.remove()
         if best is not None and best.params is not None:  # what the job evaluates and exports from here on

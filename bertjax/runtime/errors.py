@@ -116,7 +116,7 @@ def _from_tensorflow(error: BaseException) -> bool:
 # The system's errors of a file or its file system (not a network's: a refused connection may be worth a retry).
 _FILE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENOENT,
                 errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EFBIG, errno.EMFILE, errno.ENFILE, errno.ENAMETOOLONG,
-                errno.EEXIST, errno.ENOTEMPTY, errno.EXDEV, errno.ENOMEM}
+                errno.EEXIST, errno.ENOTEMPTY, errno.EXDEV}
 
 
 def is_file_failure(error: BaseException) -> bool:
