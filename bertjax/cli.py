@@ -183,16 +183,20 @@ def job_error_line(error: BaseException) -> str | None:
     # bertjax's own lines name what they need; a library's raw status (TensorStore's "RESOURCE_EXHAUSTED: ...",
     # an OSError's "[Errno 24] ...") does not.
     raw = re.match(r"[A-Z_]+: |\[Errno \d+\]", str(error))
+    if limit is None and isinstance(error, OSError) and errors.is_file_failure(error):  # the file and why, no errno
+        return errors.file_failure_line(error)
     if isinstance(error, (ValueError, FileNotFoundError, KeyError)) and (limit is None or not raw):
         return str(error)
     if limit is not None:
         where = getattr(error, "filename", None)
         return f"{where}: {limit}" if where and not limit.startswith(str(where)) else limit
-    if isinstance(error, OSError) and error.filename:  # the machine's state (read-only, full, missing), not a bug
+    if isinstance(error, OSError) and error.filename:  # the machine's state, not a bug
         return str(error)
     found = re.search(r"CorpusError: (.*)", str(error))
     if found and type(error).__module__.split(".")[0] == "tensorflow":
         return found.group(1)
+    if errors.is_file_failure(error):  # a library's file failure no boundary (errors.at_file) caught: by its path
+        return errors.file_failure_line(error)
     return None
 
 

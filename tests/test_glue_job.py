@@ -208,6 +208,11 @@ def test_cli_finetune_glue(tiny_init, tmp_path, capsys):
                             f"{tmp_path / 'w'}` uses it; --no-save-checkpoint keeps none)"), out[-2]
     dev = (tmp_path / "w" / "dev_predictions.tsv").read_text().splitlines()
     assert dev[0] == "split\tindex\tprediction\tlabel" and len(dev) == 1 + 48
+    # The kept model works with predict as that line says: the dev sentences get the job's own dev predictions.
+    assert main(["predict", "--model", str(tmp_path / "w"), "--input", str(data / "SST-2" / "dev.tsv"),
+                 "--text-column", "sentence", "--max-seq-length", "32", "--output", str(tmp_path / "p.jsonl")]) == 0
+    predicted = [json.loads(line)["label"] for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert predicted == [line.split("\t")[2] for line in dev[1:]]
     # One console style: timestamped lines, the compile, progress with learning rate and ETA.
     assert all(re.match(r"\d\d:\d\d:\d\d ", line) for line in out[:-1]), out
     assert any("compiling the train step" in line for line in out)

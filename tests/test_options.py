@@ -182,6 +182,9 @@ def test_every_numeric_option_declares_its_range_and_every_numeric_flag_parses_b
      "argument --learning-rate: must be a finite number, got inf"),
     (["data", "create", "--input", "x", "--vocab", "v", "--out", "o", "--masked-lm-prob", "1"],
      "argument --masked-lm-prob: must be in (0, 1), got 1"),
+    # Finite, but no run's: it passed parsing and failed later on the step count it gave, naming no flag.
+    (["finetune", "classify", "--train", "t.csv", "--init", "i", "--workdir", "w", "--epochs", "1e30"],
+     "argument --epochs: must be in (0, 100000], got 1e30"),
 ])
 def test_a_value_out_of_its_range_is_refused_at_parsing_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -119,3 +119,29 @@ def test_a_warmup_ratio_follows_the_steps(capsys):
     assert [float(schedule(s)) for s in (0, 1, 2, 5, 8)] == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.0])
     with pytest.raises(ValueError, match=r"warmup_ratio=1.5 must be in \[0, 1\]"):
         OptimizerConfig(warmup_ratio=1.5)
+
+
+def test_both_warmup_keys_set_are_refused_or_said_never_silent(tmp_path, capsys):
+    """`--set optimizer.warmup_steps=... --set optimizer.warmup_ratio=...`: the ratio replaced the steps silently.
+    Both set on the command line are refused naming both; a config file holding both (as a run's config.json of a
+    preset with warmup steps and a --set ratio does) gives the note a run prints, which key applies."""
+    tiny = str(PRESET_FILES / "bert_tiny.py")
+    with pytest.raises(ValueError, match=r"^optimizer.warmup_steps=5 and optimizer.warmup_ratio=0.2 are both set "
+                                         r"\(--set\): a ratio replaces the steps; set one of them$"):
+        pretrain_config.load_config(tiny, ["data.input=x", "optimizer.warmup_steps=5", "optimizer.warmup_ratio=0.2"])
+    zeroed = pretrain_config.load_config(tiny, ["data.input=x", "optimizer.warmup_steps=5",
+                                                "optimizer.warmup_ratio=0"])  # a ratio of 0 sets nothing
+    assert zeroed.optimizer.warmup_for(300) == 5 and not zeroed.optimizer.sets_both_warmups()
+    base = pretrain_config.load_config(str(PRESET_FILES / "modernbert_base.py"),
+                                       ["data.input=x", "optimizer.warmup_ratio=0.1"])
+    assert base.optimizer.sets_both_warmups() and base.optimizer.warmup_note(1000) == (
+        "optimizer.warmup_ratio=0.1 applies: 100 warmup steps of train.steps=1,000; optimizer.warmup_steps=636 is "
+        "not used")
+    assert not pretrain_config.load_config(tiny, ["data.input=x"]).optimizer.sets_both_warmups()
+    # `pretrain` says it before its run (here one that stops at its missing input, right after).
+    from bertjax.cli import main
+
+    assert main(["pretrain", "--config", "modernbert-base", "--workdir", str(tmp_path / "run"), "--set",
+                 f"data.input={tmp_path / 'none.txt'}", "--set", "optimizer.warmup_ratio=0.1"]) == 2
+    assert "note: optimizer.warmup_ratio=0.1 applies: 36,400 warmup steps of train.steps=364,000; " \
+        "optimizer.warmup_steps=636 is not used" in capsys.readouterr().out

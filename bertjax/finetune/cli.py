@@ -197,7 +197,7 @@ def _embed(args: argparse.Namespace) -> int:
     from etils import epath
 
     from bertjax.data.file_readers import read_text_bytes
-    from bertjax.finetune.embed import embed_sentences, embed_tokens, nearest_neighbours
+    from bertjax.finetune.embed import cut_lines, embed_sentences, embed_tokens, nearest_neighbours
     from bertjax.interop.load import load_pretrained
     from bertjax.runtime.outputs import check_file_target, one_writer, replaced_when_whole
 
@@ -215,6 +215,12 @@ def _embed(args: argparse.Namespace) -> int:
                f"{', ...' if len(invalid) > 5 else ''}), their bad bytes read as U+FFFD" if invalid else ""))
     with one_writer(args.output, "--output"):
         loaded = load_pretrained(args.checkpoint)
+        cut = cut_lines(loaded, sentences, args.max_len)
+        if cut:  # embedded from their first tokens: said, not silent
+            shown = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
+            print(f"--input {args.input}: {len(cut)} of {len(sentences)} line(s) longer than --max-len "
+                  f"{args.max_len} tokens ([CLS] and [SEP] included), cut to it (lines {shown}); raise --max-len "
+                  "to embed more of them")
         if args.pooling == "none":
             arrays = embed_tokens(loaded, sentences, layers=args.layers, max_len=args.max_len,
                                   batch_size=args.batch_size)
@@ -346,10 +352,10 @@ def input_lines(data: bytes) -> tuple[list[str], list[int]]:
     return lines, invalid
 
 
-def _say_outputs(workdir: str, fine_tuned: bool = True, predicts: bool = True) -> None:
+def _say_outputs(workdir: str, fine_tuned: bool = True, predicts: bool | str = True) -> None:
     """The job's closing lines: what it left in its workdir (metrics, predictions, curves), then, for a job that
-    fine-tunes (`fine_tuned`), where its model is and, for a head `bertjax predict` runs (`predicts`), how it takes
-    it (or that it kept none)."""
+    fine-tunes (`fine_tuned`), where its model is (or that it kept none) and, for a head `bertjax predict` runs
+    (`predicts` True), how it takes it; else (`predicts`: why) that it does not."""
     from etils import epath
 
     from bertjax.runtime.console import Console
@@ -367,7 +373,8 @@ def _say_outputs(workdir: str, fine_tuned: bool = True, predicts: bool = True) -
     if not kinds:
         console.line("no fine-tuned model kept (--no-save-checkpoint; by default it is kept in WORKDIR/checkpoint)")
         return
-    use = "another job's --init reads it"
+    use = "another job's --init reads it" + (f"; {predicts}" if isinstance(predicts, str) else "")
+    predicts = predicts is True
     if len(runs) == 1:
         use = f"`bertjax predict --model {runs[0]}` uses it" if predicts else use
         console.line(f"fine-tuned model: {' and '.join(str(runs[0] / k) for k in kinds)} ({use}; "
@@ -528,7 +535,8 @@ def _multiple_choice(args: argparse.Namespace) -> int:
     result = multiple_choice.run(args.data, args.workdir, options.from_flags(TrainSettings, args), init=args.init,
                                  max_seq_length=args.max_seq_length, save_checkpoint=args.save_checkpoint,
                                  export_hf=args.export_hf)
-    _say_outputs(args.workdir, predicts=False)
+    _say_outputs(args.workdir, predicts="`bertjax predict` runs no multiple-choice head: this job scores the "
+                                        "test.csv beside its train.csv")
     print(jsonio.dumps(result["metrics"]))
     return 0
 

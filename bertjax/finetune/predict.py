@@ -36,6 +36,10 @@ HEADS = {"BertForSequenceClassification": family.sequence_classifier,
          "BertForTokenClassification": family.token_classifier,
          "BertForQuestionAnswering": lambda config, num_labels: family.question_answering(config)}
 SPANS = "BertForQuestionAnswering"
+MULTIPLE_CHOICE = "BertForMultipleChoice"
+_MULTIPLE_CHOICE_REFUSED = ("{model}: a multiple-choice model (finetune multiple-choice): `bertjax predict` runs "
+                            "classifiers, token classifiers and span models; the multiple-choice job scores the "
+                            "test.csv beside its train.csv")
 _WORD = re.compile(r"\w+|[^\w\s]")
 
 
@@ -66,9 +70,12 @@ def recorded_columns(model: str) -> tuple[str | None, str | None] | None:
 
 
 def answers_questions(model: str) -> bool:
-    """Whether `model` (as `--model` takes it) has a span head, told by its description (no tensors loaded)."""
-    head = describe_pretrained(resolve_model(model)).head or {}
-    return head.get("architecture") == SPANS
+    """Whether `model` (as `--model` takes it) has a span head, told by its description (no tensors loaded); a
+    head `predict` does not run (multiple choice) is refused here, before the input is read."""
+    architecture = (describe_pretrained(resolve_model(model)).head or {}).get("architecture")
+    if architecture == MULTIPLE_CHOICE:
+        raise ValueError(_MULTIPLE_CHOICE_REFUSED.format(model=model))
+    return architecture == SPANS
 
 
 def squad_settings(model: str, head: dict | None = None, **overrides) -> SquadSettings:
@@ -97,6 +104,8 @@ class Predictor:
         self.architecture = head.get("architecture")
         self.spans = self.architecture == SPANS
         # BERT's span head is `qa_outputs`, ModernBERT's `classifier` (HF's names).
+        if self.architecture == MULTIPLE_CHOICE:
+            raise ValueError(_MULTIPLE_CHOICE_REFUSED.format(model=model))
         if self.architecture not in HEADS or not {"qa_outputs", "classifier"} & set(ckpt.params):
             raise ValueError(f"{model}: no fine-tuned classifier, token classifier or span head (architecture "
                              f"{self.architecture!r}); `bertjax predict` needs a model a fine-tune job wrote")
@@ -119,7 +128,9 @@ class Predictor:
         self.trainer.predict_flag = "--batch-size"
 
     def predict(self, texts: list[str], pairs: list[str] | None = None, wheres: list[str] | None = None) -> list[dict]:
-        """One JSON-ready dict per text."""
+        """One JSON-ready dict per text (a span model answers questions: `answers`)."""
+        if self.spans:
+            raise ValueError(f"{self.source} answers questions: it takes a question and a context a row, not texts")
         wheres = wheres or [str(i + 1) for i in range(len(texts))]
         if self.architecture == "BertForSequenceClassification":
             encoded = self.tokenizer.encode(texts, self.max_seq_length, text_pairs=pairs)

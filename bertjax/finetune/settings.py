@@ -6,6 +6,10 @@ import dataclasses
 
 from bertjax.options import floats, ints, option, range_problems
 
+# The most passes over a training set a fine-tune takes: far beyond any recipe's (BERT's 2-4, a tiny set's dozens),
+# and a bound the parser checks (`--epochs 1e30` passed it and failed later on a step count naming no flag).
+MAX_EPOCHS = 100_000
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
@@ -14,7 +18,8 @@ class TrainSettings:
     learning_rate: float = option(2e-5, "peak learning rate (linear warmup, then linear decay to 0)",
                                   valid=floats(0, low_open=True))
     batch_size: int = option(32, "sequences per step", valid=ints(1))
-    epochs: float = option(3.0, "passes over the training set (fractions allowed)", valid=floats(0, low_open=True))
+    epochs: float = option(3.0, "passes over the training set (fractions allowed)",
+                           valid=floats(0, MAX_EPOCHS, low_open=True))
     warmup_proportion: float = option(0.1, "share of the steps spent warming up", valid=floats(0, 1))
     weight_decay: float = option(0.01, "AdamW decoupled weight decay (not on LayerNorm and biases)",
                                  valid=floats(0))

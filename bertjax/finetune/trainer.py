@@ -6,9 +6,11 @@ weighted mean), so every step has one of at most max_len / bucket shapes and not
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import sys
 import time
 from typing import Callable
 
@@ -20,7 +22,7 @@ import numpy as np
 import optax
 from etils import epath
 
-from bertjax import sharding
+from bertjax import options, sharding
 from bertjax.runtime import compile_cache, host_memory, workdir_paths
 from bertjax.checkpoint import (
     BEST,
@@ -34,6 +36,7 @@ from bertjax.checkpoint import (
     save_model,
 )
 from bertjax.runtime.console import Console, LineSchedule, Progress, duration, metric_text
+from bertjax.runtime.errors import OutputWriteError
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
 from bertjax.interop.hf import export_hf
@@ -310,6 +313,10 @@ class Trainer:
         total_steps = max(1, int(math.ceil(steps_per_epoch * s.epochs)))
         if s.max_steps:
             total_steps = min(total_steps, s.max_steps)
+        if total_steps > options.INT_LIMIT:  # a derived count told by the flags that make it, not by its own name
+            raise ValueError(f"--epochs {s.epochs:g} of {steps_per_epoch:,} step(s) each (--batch-size "
+                             f"{s.batch_size}) is {total_steps:,} steps, more than {options.INT_LIMIT:,}: lower "
+                             "--epochs (or set --max-steps)")
         warmup = int(s.warmup_proportion * total_steps)
         optimizer, schedule = make_optimizer(OptimizerConfig(
             learning_rate=s.learning_rate, warmup_steps=warmup, weight_decay=s.weight_decay,
@@ -479,7 +486,10 @@ class Trainer:
             finally:
                 preemption.restore()
                 console.close_progress()
-                writer.close()
+                # The disk that failed a write fails this one too: the error on its way out is the one to name.
+                failing = sys.exc_info()[1] is not None
+                with contextlib.suppress(OSError, OutputWriteError) if failing else contextlib.nullcontext():
+                    writer.close()
         if states is not None:  # trained: the state only a resume needed goes (a BERT-large one is 4 GB)
             states.remove()
         if best is not None and best.params is not None:  # what the job evaluates and exports from here on

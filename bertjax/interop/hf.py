@@ -32,6 +32,7 @@ from bertjax.checkpoint import read_vocab_file
 from bertjax.data import tokenizer_json
 from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec
 from bertjax.data.token_layout import SPECIAL_TOKENS
+from bertjax.runtime.errors import at_file
 from bertjax.runtime.input_files import check_regular, read_json
 from bertjax.interop import convert
 from bertjax.interop import names as names_lib
@@ -54,6 +55,9 @@ def _load_safetensors(path) -> dict[str, np.ndarray]:
     from safetensors import SafetensorError
 
     check_regular(path, "a safetensors file")
+    if "://" not in str(path):  # safetensors calls a file it may not read "No such file or directory"
+        with at_file(path), open(path, "rb"):
+            pass
     try:
         return load_file(str(path)) if "://" not in str(path) else load(epath.Path(path).read_bytes())
     except SafetensorError as error:

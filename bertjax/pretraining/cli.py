@@ -132,6 +132,9 @@ def _pretrain(args: argparse.Namespace) -> int:
         from bertjax.pretraining import loop as pretrain
 
         check_set_keys(config.data, {override.split("=", 1)[0].strip() for override in args.overrides})
+        if config.optimizer.sets_both_warmups():  # not silently: the ratio replaces the steps the config gives
+            note = config.optimizer.warmup_note(config.train.steps)
+            Console(enabled=jax.process_index() == 0).line(f"note: {note}")
 
         if args.dry_run:
             print(pretrain.plan(config, args.workdir, init_from=args.init))

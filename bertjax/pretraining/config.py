@@ -245,6 +245,10 @@ def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool
     overridden = {override.split("=", 1)[0].strip() for override in overrides}
     if "optimizer.warmup_steps" in overridden and "optimizer.warmup_ratio" not in overridden:
         values.optimizer.warmup_ratio = 0.0  # a ratio would replace the steps asked for
+    if {"optimizer.warmup_steps", "optimizer.warmup_ratio"} <= overridden and values.optimizer.warmup_ratio:
+        raise ValueError(f"optimizer.warmup_steps={values.optimizer.warmup_steps} and optimizer.warmup_ratio="
+                         f"{values.optimizer.warmup_ratio:g} are both set (--set): a ratio replaces the steps; set "
+                         "one of them")
     try:
         config = options.from_config_dict(PretrainConfig, values)
     except (TypeError, ValueError) as error:

@@ -575,7 +575,7 @@ def _eval_batches(config: PretrainConfig, corpus_format: str, process_index: int
     `corpus_format`: as asked for (not as data.input resolved it): the eval input's own is detected."""
     source = input_source.resolve(config.eval_data().replace(corpus_format=corpus_format), "data.eval_input", log)
     dataset = pipeline_lib.make_pretraining_dataset(source, config.train.batch_size, process_index, process_count)
-    with tfrecord.damaged_records_named(source.files):
+    with tfrecord.damaged_records_named(source.files, "data.eval_input"):
         return [_numpy_batch(element) for element in dataset.take(config.train.eval_batches)]
 
 

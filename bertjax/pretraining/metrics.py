@@ -17,7 +17,7 @@ from etils import epath
 
 from bertjax.runtime import jsonio
 from bertjax.runtime.console import Console, duration, metric_text
-from bertjax.runtime.errors import OutputWriteError
+from bertjax.runtime.errors import OutputWriteError, at_file
 from bertjax.runtime.extras import install_line
 from bertjax.runtime.input_files import read_json, read_text
 from bertjax.runtime.outputs import write_whole
@@ -206,8 +206,9 @@ def _wandb_run(project: str, directory: epath.Path, run_config: dict | None):
         raise ValueError(f"train.wandb_project needs Weights & Biases (the `tracking` extra): "
                          f"{install_line('tracking')}") from None
     run_id = hashlib.sha1(str(directory.absolute()).encode()).hexdigest()[:16]
-    return wandb.init(project=project, name=directory.name, id=run_id, resume="allow", dir=str(directory),
-                      config=run_config or {})
+    with at_file(directory / "wandb", writing=True):
+        return wandb.init(project=project, name=directory.name, id=run_id, resume="allow", dir=str(directory),
+                          config=run_config or {})
 
 
 def _tensorboard_restart(logdir: str, step: int) -> None:
@@ -219,12 +220,13 @@ def _tensorboard_restart(logdir: str, step: int) -> None:
     # Event files are read in name order, and names start with the second they were created: the marker's must
     # come after the killed run's files, and the new summary writer's after the marker's.
     _next_second()
-    writer = EventFileWriter(logdir)
-    # TensorBoard takes a run's first START for its beginning, not a restart: runs before this one wrote none.
-    for _ in range(2):
-        writer.add_event(event_pb2.Event(wall_time=time.time(), step=step + 1,
-                                         session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
-    writer.close()
+    with at_file(logdir, writing=True):
+        writer = EventFileWriter(logdir)
+        # TensorBoard takes a run's first START for its beginning, not a restart: runs before this one wrote none.
+        for _ in range(2):
+            writer.add_event(event_pb2.Event(wall_time=time.time(), step=step + 1,
+                                             session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        writer.close()
     _next_second()
 
 
@@ -253,7 +255,8 @@ class MetricsWriter:
         self.tensorboard_dir = directory / "tensorboard"
         if not enabled:
             return
-        directory.mkdir(parents=True, exist_ok=True)
+        with at_file(directory, writing=True):
+            directory.mkdir(parents=True, exist_ok=True)
         if start_step is not None:
             self._continue_from(start_step)
         from bertjax.runtime.tensorboard_events import ScalarWriter
@@ -289,29 +292,33 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {"step": int(step), **{prefix + k: float(v) for k, v in values.items()}}
-        with self.jsonl_path.open("a") as f:
-            f.write(jsonio.dumps(record) + "\n")
+        self._append(record)
         for key, value in record.items():
             if key != "step":
                 self.tensorboard.scalar(key, value, step)
         self.tensorboard.flush()
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
+        self._to_wandb({k: v for k, v in record.items() if k != "step"}, step)
 
     def write_event(self, step: int, event: str, values: dict) -> None:
         """One `{"step", "event", ...}` record (e.g. the run's goodput account); TensorBoard gets its numbers as
         EVENT/KEY scalars."""
         if not self.enabled:
             return
-        with self.jsonl_path.open("a") as f:
-            f.write(jsonio.dumps({"step": int(step), "event": event, **values}) + "\n")
+        self._append({"step": int(step), "event": event, **values})
         for key, value in values.items():
             if isinstance(value, (int, float)):
                 self.tensorboard.scalar(f"{event}/{key}", value, step)
         self.tensorboard.flush()
+        self._to_wandb({f"{event}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step)
+
+    def _append(self, record: dict) -> None:
+        with at_file(self.jsonl_path, writing=True), self.jsonl_path.open("a") as f:
+            f.write(jsonio.dumps(record) + "\n")
+
+    def _to_wandb(self, values: dict, step: int) -> None:
         if self.wandb is not None:
-            self.wandb.log({f"{event}/{k}": v for k, v in values.items() if isinstance(v, (int, float))},
-                           step=int(step))
+            with at_file(self.jsonl_path.parent / "wandb", writing=True):
+                self.wandb.log(values, step=int(step))
 
     def mark_start(self, step: int) -> None:
         """The ETA extrapolates from here (call after the first, compiling, step)."""
@@ -345,8 +352,9 @@ class MetricsWriter:
             if self.wandb is not None:
                 import wandb
 
-                self.wandb.finish()
-                # finish() returns once W&B's service process took the run's end, not once it wrote it: its run
-                # file (offline) could still lack the history under load. teardown waits for that process to end,
-                # which W&B otherwise leaves to an atexit hook (not run when a fatal error ends the job).
-                wandb.teardown()
+                with at_file(self.jsonl_path.parent / "wandb", writing=True):
+                    self.wandb.finish()
+                    # finish() returns once W&B's service process took the run's end, not once it wrote it: its
+                    # run file (offline) could still lack the history under load. teardown waits for that process
+                    # to end, which W&B otherwise leaves to an atexit hook (not run when a fatal error ends the job).
+                    wandb.teardown()

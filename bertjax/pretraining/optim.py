@@ -185,6 +185,11 @@ class OptimizerConfig:
         """The warmup steps of a run of `num_train_steps`: warmup_ratio of them where set, else warmup_steps."""
         return int(round(self.warmup_ratio * num_train_steps)) if self.warmup_ratio else self.warmup_steps
 
+    def sets_both_warmups(self) -> bool:
+        """Whether the config gives both a warmup ratio and warmup steps other than the default (a config file or
+        a run's config.json can hold both: the ratio applies, which a run says in a line)."""
+        return bool(self.warmup_ratio) and self.warmup_steps != OptimizerConfig.warmup_steps
+
     def warmup_note(self, num_train_steps: int) -> str:
         """Which of the two warmup keys sets the warmup of a run of `num_train_steps` (a config holds both)."""
         if self.warmup_ratio:
