@@ -176,7 +176,8 @@ def _argv(workdir, corpus, *extra):
     devices = jax.device_count()
     train_path, vocab = corpus
     return ["pretrain", "--config", "bert-tiny", "--workdir", str(workdir), "--set", f"data.input={train_path}",
-            "--set", f"data.vocab={vocab}", "--set", "data.max_seq_length=64", "--set", "data.max_predictions_per_seq=10",
+            "--set", f"data.vocab={vocab}", "--set", "data.max_seq_length=64",
+            "--set", "data.max_predictions_per_seq=10",
             "--set", "data.doc_buffer_size=40", "--set", "data.shuffle_buffer=100", "--set", f"train.steps={STEPS}",
             "--set", f"train.batch_size={3 * devices}", "--set", "train.grad_accum_steps=3",
             "--set", f"train.batch_size_warmup_tokens={384 * devices}", "--set", "train.log_every=1",
@@ -209,7 +210,8 @@ def test_the_run_takes_each_steps_size_and_counts_its_rows(warm_run, corpus):
     assert _sizes(schedule, STEPS) == SIZES
     lines = [_message(line) for line in output.splitlines()]
     assert (f"batch-size warmup: 4 steps at 2 size(s) from {devices:,} to {2 * devices:,} rows (a microbatch of "
-            f"{devices:,} at a time, 2 steps each), {384 * devices:,} tokens; then {3 * devices:,} rows a step") in lines
+            f"{devices:,} at a time, 2 steps each), {384 * devices:,} tokens; then {3 * devices:,} rows a step") \
+        in lines
     # The first step at each new size compiles its program: said, timed apart, charged to compile_s.
     assert f"compiling the train step for {2 * devices:,} rows (step 3 includes it) ..." in lines
     assert f"compiling the train step for {3 * devices:,} rows (step 5 includes it) ..." in lines

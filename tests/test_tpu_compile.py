@@ -346,8 +346,8 @@ def test_the_estimate_counts_every_microbatch_of_gradient_accumulation():
 @pytest.mark.slow  # a compile of its own (~20 CPU-s: 4 microbatches); the report's warmup lines without a compile:
 # test_batch_warmup.py
 def test_the_command_prices_the_full_step_and_names_a_batch_size_warmups_steps(capsys):
-    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--mfu", "0.5", "--set", ONE_LAYER,
-                         "--set", BF16, "--set", "train.grad_accum_steps=4",
+    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--mfu", "0.5",
+                         "--set", ONE_LAYER, "--set", BF16, "--set", "train.grad_accum_steps=4",
                          "--set", "train.batch_size_warmup_tokens=12288"]) == 0
     out = capsys.readouterr().out
     assert "batch 32 (per chip 2 per microbatch, grad_accum_steps 4), seq 128" in out  # the full step's program

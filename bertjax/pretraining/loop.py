@@ -410,9 +410,9 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
     evaluate = _Evaluator(job.eval_step, eval_batches, config.train.eval_every, mesh, config.train.nsp_loss, writer,
                           log, account)
     return _Run(config=config, mesh=mesh, train_step=job.train_step, batches=batches, iterator=iterator,
-                input_files=source.files,
-                input_stats=input_stats, account=account, cache_stats=cache_stats, console=console, writer=writer,
-                clock=clock, checkpointer=checkpointer, save=save, evaluate=evaluate), state
+                input_files=source.files, input_stats=input_stats, account=account, cache_stats=cache_stats,
+                console=console, writer=writer, clock=clock, checkpointer=checkpointer, save=save,
+                evaluate=evaluate), state
 
 
 @dataclasses.dataclass
