@@ -7,7 +7,8 @@ the rows, no NSP, no dropout (their 0.1 on the attention output is not set: HF's
 probabilities); 4,608 sequences of 1024 tokens a step (4.7M tokens) in 9 microbatches, after a batch-size warmup
 (the yaml's batch_size_warmup_min_size = its device microbatch, batch_size_warmup_tokens = 50B: from one microbatch,
 512 rows here, a microbatch at a time, over the first 50B tokens: 21,194 steps, as on their 8 GPUs of 6 microbatches
-of 96); the yaml's max_duration of 1.719T tokens = 374,901 steps (they counted real tokens, here rows x 1024). The
+of 96; another grad_accum_steps starts from its own microbatch, as theirs from the device's, in about as many steps);
+the yaml's max_duration of 1.719T tokens = 374,901 steps (they counted real tokens, here rows x 1024). The
 optimizer, as the yaml states it: `decoupled_stableadamw` (optimi's StableAdamW with decouple_lr=True:
 optimizer.name=stableadamw, decouple_lr=true) at 8e-4, betas 0.9/0.98, eps 1e-6, weight decay 1e-5 scaled by
 lr_t / 8e-4 and not on biases or norms (filter_bias_norm_wd); no gradient clipping (the yaml sets none, and their
