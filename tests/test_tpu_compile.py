@@ -346,3 +346,17 @@ def test_the_estimate_counts_every_microbatch_of_gradient_accumulation():
     assert accumulated["estimate_coverage"]["unknown_trip_counts"] == []
     ratio = accumulated["estimated_step_seconds"] / _compiled("v5e:2x2")["estimated_step_seconds"]
     assert 0.8 < ratio < 2.0
+
+
+@pytest.mark.slow  # a compile of its own (~20 CPU-s: 4 microbatches); the report's warmup lines without a compile:
+# test_batch_warmup.py
+def test_the_command_prices_the_full_step_and_names_a_batch_size_warmups_steps(capsys):
+    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--mfu", "0.5",
+                         "--set", ONE_LAYER, "--set", BF16, "--set", "train.grad_accum_steps=4",
+                         "--set", "train.batch_size_warmup_tokens=12288"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 32 (per chip 2 per microbatch, grad_accum_steps 4), seq 128" in out  # the full step's program
+    assert ("batch-size warmup: 6 steps at 3 size(s) from 8 to 24 rows (a microbatch of 8 at a time, 2 steps each), "
+            "12,288 tokens; then 32 rows a step") in out
+    assert "300 steps (6 of them the warmup's, each at its share of the full step's microbatches: 297 full steps' " \
+           "worth) = " in out

@@ -33,6 +33,7 @@ from bertjax.model.model_options import (
     preset_sizes,
 )
 from bertjax.options import ints, option, range_problems
+from bertjax.pretraining import batch_schedule
 from bertjax.pretraining.optim import OptimizerConfig
 from bertjax.sharding import MeshConfig
 
@@ -48,6 +49,15 @@ class TrainConfig:
     batch_size: int = option(256, "global batch, in sequences", valid=ints(1))
     grad_accum_steps: int = option(1, "microbatches per step (each forward pass sees batch_size / this)",
                                    valid=ints(1))
+    batch_size_warmup_tokens: int = option(0, "batch-size warmup: over the first this many tokens (rows x "
+                                           "data.max_seq_length) the batch grows from batch_size_warmup_min to "
+                                           "batch_size a microbatch at a time, each size for about the same steps, "
+                                           "and the learning-rate schedule counts tokens (ModernBERT's; 0: none)",
+                                           valid=ints(0, 10**15))  # a Python int: never a 32-bit counter
+    batch_size_warmup_min: int = option(0, "the batch the warmup starts from, in sequences: a multiple of the "
+                                        "microbatch (batch_size / grad_accum_steps); 0: one microbatch (ModernBERT's "
+                                        "start; with grad_accum_steps=1 the batch is full from the start)",
+                                        valid=ints(0))
     seed: int = option(0, "parameter initialisation and dropout", valid=ints(0))
     log_every: int = option(100, "steps between metric lines", valid=ints(1))
     eval_every: int = option(0, "steps between evaluations on data.eval_input (0: none)", valid=ints(0))
@@ -96,6 +106,10 @@ class PretrainConfig:
         """The model config the job trains, BERT's or ModernBERT's by the preset (`vocab_size`: its vocabulary's,
         unless model.vocab_size is set; `special_ids`: the vocabulary's [PAD]/[CLS]/[SEP] ids, ModernBERT's)."""
         return build_model_config(self.model, vocab_size, special_ids)
+
+    def batch_schedule(self) -> batch_schedule.BatchSchedule:
+        """The rows of each step (the batch-size warmup's, then train.batch_size) and the tokens before it."""
+        return batch_schedule.of(self.train, self.data.max_seq_length)
 
     def with_model_sizes(self, vocab_size: int = 0) -> "PretrainConfig":
         """This config with the model sizes left at 0 written out: the preset's sizes and, when `vocab_size` is
@@ -332,9 +346,19 @@ def validate(config: PretrainConfig, num_devices: int | None = None, require_dat
             config.bert_config(config.model.vocab_size or 30522)
         except ValueError as error:
             problems.append(f"model: {error}")
-    if config.optimizer.warmup_for(config.train.steps) > config.train.steps:
-        problems.append(f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be in [0, train.steps="
-                        f"{config.train.steps}] (or set optimizer.warmup_ratio, e.g. 0.1 of the steps)")
+    train = config.train
+    microbatch = train.batch_size // train.grad_accum_steps
+    if train.batch_size_warmup_min % microbatch or train.batch_size_warmup_min > train.batch_size:
+        problems.append(f"train.batch_size_warmup_min={train.batch_size_warmup_min} must be a multiple of the "
+                        f"microbatch (train.batch_size / grad_accum_steps = {microbatch}) and at most "
+                        f"train.batch_size={train.batch_size} (0: one microbatch)")
+    else:
+        schedule_steps = config.batch_schedule().full_steps_before(train.steps)
+        if config.optimizer.warmup_for(schedule_steps) > schedule_steps:
+            counted = (f" (with the batch-size warmup the schedule counts tokens: train.steps={train.steps} are "
+                       f"{schedule_steps:,.1f} full steps' worth)" if schedule_steps != train.steps else "")
+            problems.append(f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be in [0, train.steps="
+                            f"{train.steps}]{counted} (or set optimizer.warmup_ratio, e.g. 0.1 of the steps)")
     max_positions = config.model.max_position_embeddings
     if config.data.max_seq_length > max_positions:
         problems.append(f"data.max_seq_length={config.data.max_seq_length} exceeds "

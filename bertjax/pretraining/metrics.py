@@ -184,14 +184,15 @@ def to_python(values: dict) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(values).items()}
 
 
-def interval_metrics(seconds: float, steps: int, rows_per_step: int, seq_len: int, counts: dict,
+def interval_metrics(seconds: float, steps: int, rows: int, seq_len: int, counts: dict,
                      config: BertConfig, peak_flops: float, sbo: bool = False) -> dict[str, float]:
-    """Throughput and utilisation over `steps` steps that took `seconds`; `counts`: the steps' summed
-    real_tokens, masked_tokens and instances (as the train step reports them); `sbo`: the SBO head runs."""
+    """Throughput and utilisation over `steps` steps of `rows` rows in all (a batch-size warmup's steps have fewer)
+    that took `seconds`; `counts`: the steps' summed real_tokens, masked_tokens and instances (as the train step
+    reports them); `sbo`: the SBO head runs."""
     flops = train_flops(config, seq_len, counts["real_tokens"], counts["masked_tokens"], counts["instances"], sbo)
     per_device = flops / seconds / jax.device_count()
-    return {"steps_per_s": steps / seconds, "sequences_per_s": steps * rows_per_step / seconds,
-            "tokens_per_s": steps * rows_per_step * seq_len / seconds,
+    return {"steps_per_s": steps / seconds, "sequences_per_s": rows / seconds,
+            "tokens_per_s": rows * seq_len / seconds,
             "real_tokens_per_s": counts["real_tokens"] / seconds, "instances_per_s": counts["instances"] / seconds,
             "tflops_per_device": per_device / 1e12, "mfu": per_device / peak_flops}
 
@@ -239,13 +240,16 @@ class MetricsWriter:
     line with its ETA to the console."""
 
     def __init__(self, workdir: str, total_steps: int, enabled: bool = True, console: Console | None = None,
-                 start_step: int | None = None, wandb_project: str = "", run_config: dict | None = None):
-        """`start_step`: the step a run starts (or resumes) at. What an earlier run logged past it (steps this run
+                 start_step: int | None = None, wandb_project: str = "", run_config: dict | None = None,
+                 work=None):
+        """`work`: step -> the work before it, what the ETA extrapolates (a batch-size warmup's steps are smaller:
+        BatchSchedule.full_steps_before); default the step count. `start_step`: the step a run starts (or resumes) at. What an earlier run logged past it (steps this run
         recomputes), and a last line cut by a kill mid-write, are dropped from metrics.jsonl, and TensorBoard is
         told to drop them too, so both read as one run with increasing steps. `wandb_project`: also log to
         Weights & Biases (`run_config` as the run's config), one W&B run per workdir, continued by restarts."""
         self.enabled = enabled
         self.total_steps = total_steps
+        self.work = work or (lambda step: step)
         self.console_out = console or Console(enabled)
         self.start_time = time.time()
         self.start_step: int | None = None
@@ -325,10 +329,11 @@ class MetricsWriter:
         self.start_step, self.start_time = step, time.time()
         self._aside_seconds, self._aside_steps = 0.0, 0
 
-    def set_aside(self, seconds: float, steps: int = 0) -> None:
-        """Time since `mark_start` the ETA does not extrapolate from: `steps` steps that compiled (a fine-tune's
-        batch of a length not met before), an evaluation that compiled its step. The ETA is the other steps' mean
-        time (with what else they paid) times the steps left; "?" until there is one."""
+    def set_aside(self, seconds: float, steps: float = 0) -> None:
+        """Time since `mark_start` the ETA does not extrapolate from: `steps` steps (in `work`'s units) that compiled
+        (a fine-tune's batch of a length not met before, a batch-size warmup's next size), an evaluation that
+        compiled its step. The ETA is the other steps' mean time (with what else they paid) times the work left;
+        "?" until there is one."""
         self._aside_seconds += seconds
         self._aside_steps += steps
 
@@ -337,12 +342,12 @@ class MetricsWriter:
         """`step 40/100 loss=2.301 ... eta 1m05s`: `values` in the order of `keys`, each named by its `labels` entry
         (its key without one) and followed by its `notes` entry in parentheses (what a value is: `mean_loss=0.69
         (steps 31-40)`)."""
-        timed = 0 if self.start_step is None else step - self.start_step - self._aside_steps
-        if timed <= 0:
+        timed = 0 if self.start_step is None else self.work(step) - self.work(self.start_step) - self._aside_steps
+        if timed <= 1e-9:
             eta = "?"
         else:
             rate = max(time.time() - self.start_time - self._aside_seconds, 0.0) / timed
-            eta = duration(rate * (self.total_steps - step))
+            eta = duration(rate * (self.work(self.total_steps) - self.work(step)))
         self.console_out.line(" ".join(filter(None, (f"step {step}/{self.total_steps}",
                                                      metric_text(values, keys, labels, notes), f"eta {eta}"))))
 

@@ -199,11 +199,15 @@ class OptimizerConfig:
         return f"optimizer.warmup_steps={self.warmup_steps} applies (optimizer.warmup_ratio is 0)"
 
 
-def make_optimizer(config: OptimizerConfig, num_train_steps: int) -> tuple[optax.GradientTransformation,
-                                                                           optax.Schedule]:
-    """(optimizer, schedule) for `num_train_steps` updates."""
+def make_optimizer(config: OptimizerConfig, num_train_steps: float, steps_done=None) -> tuple[
+        optax.GradientTransformation, optax.Schedule]:
+    """(optimizer, schedule) for `num_train_steps` updates. `steps_done`: the schedule's clock, the update count ->
+    the updates' worth done, `num_train_steps` then in its units (a batch-size warmup's: full steps' worth of
+    tokens, batch_schedule.py); None: the count itself."""
     schedule = warmup_then_decay(config.decay, config.learning_rate, num_train_steps,
                                  config.warmup_for(num_train_steps))
+    if steps_done is not None:
+        schedule = (lambda count, by_steps=schedule: by_steps(steps_done(count)))  # noqa: E731
     # Fully decoupled: lr_t * (weight_decay / peak) = (lr_t / peak) * weight_decay, optimi's and Composer's decay.
     # At a peak of 0 (continued pretraining that only exports) no update is made, decay included.
     weight_decay = ((config.weight_decay / config.learning_rate if config.learning_rate else 0.0)
