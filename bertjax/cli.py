@@ -30,7 +30,7 @@ FIXED_SHAPE_COMMANDS = ("pretrain",)
 # resident memory that a fine-tune on a table file and a prediction do without (their tokenizer is host_tokenizer's).
 WITHOUT_TENSORFLOW = ("config", "launch", "eval", "demo-corpus", "goodput", "predict", "finetune classify")
 # Commands that run JAX on this machine's own devices (`compile` compiles for others, through their plugins).
-OWN_DEVICE_COMMANDS = ("pretrain", "finetune", "predict", "embed")
+OWN_DEVICE_COMMANDS = ("pretrain", "finetune", "predict", "embed", "score")
 # Commands that start neither JAX nor TensorFlow (no address-space floor to check).
 WITHOUT_JAX_OR_TENSORFLOW = ("config", "launch", "eval", "demo-corpus", "goodput")
 # Commands that pass stop signals on to the jobs they run; every other one is stopped by them in one line, its

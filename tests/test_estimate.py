@@ -79,6 +79,32 @@ def test_reading_rules_on_a_hand_written_module():
 
 
 
+def test_the_high_end_charges_each_unpriced_instruction_its_bytes_at_hbm_bandwidth():
+    """The range: the low end prices what XLA left unestimated at 0 (as above), the high end at its operands' and
+    result's bytes over HBM bandwidth; an async copy's tuple result counts less the operand it aliases, and only the
+    conditional branch the estimate takes is charged."""
+    hlo = _HLO.replace(
+        "  ROOT %copy.1 = f32[8]{0} copy(%k), backend_config={\"estimated_cycles\":\"10\"}",
+        "  %never = f32[4096]{0} broadcast(%k), dimensions={}\n"  # in the branch not taken: never charged
+        "  ROOT %copy.1 = f32[8]{0} copy(%k), backend_config={\"estimated_cycles\":\"10\"}").replace(
+        "  %hint = ",
+        "  %big = f32[1024,256]{1,0} parameter(1)\n"
+        "  %copy-start.1 = (f32[1024,256]{1,0:S(1)}, f32[1024,256]{1,0}, u32[]) copy-start(%big)\n"
+        "  %copy-done.1 = f32[1024,256]{1,0:S(1)} copy-done(%copy-start.1)\n"
+        "  %hint = ")
+    assert hlo.count("%never") == 1 and hlo.count("copy-start(%big)") == 1
+    estimate = estimate_program(hlo, clock_hz=1e9, peak_flops=1e12, hbm_bytes_per_second=1e9)
+    assert estimate.seconds == pytest.approx(1866e-9 + 3e-3)  # the low end: as before
+    # By hand: the copy reads 1 MiB and writes 1 MiB (+ its 4-byte context); the add reads two f32[8] and writes
+    # one; the hint reads f32[8] and writes s32[8].
+    assert estimate.unpriced == {
+        "copy-start": {"count": 1, "bytes": 2 * 2**20 + 4, "seconds": (2 * 2**20 + 4) / 1e9},
+        "add": {"count": 1, "bytes": 96, "seconds": 96 / 1e9},
+        "custom-call:AssumeGatherIndicesInBound": {"count": 1, "bytes": 64, "seconds": 64 / 1e9}}
+    assert estimate.high_seconds == pytest.approx(estimate.seconds + (2 * 2**20 + 4 + 96 + 64) / 1e9)
+    assert "broadcast" in estimate.coverage["without_estimate"]  # counted as without estimate, not charged
+
+
 def test_a_pallas_kernel_without_a_cost_estimate_is_named_and_adds_no_time():
     """JAX's splash kernel declares no CostEstimate: the module's kernel without one is counted as such."""
     hlo = _HLO.replace(', "cost_estimate": {"flops": 3000000000, "transcendentals": 0, "bytes_accessed": 1000000}', "")

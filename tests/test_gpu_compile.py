@@ -167,6 +167,8 @@ def test_the_price_of_each_kernel_on_a_hand_written_module():
     assert priced.exposed_communication_seconds == pytest.approx(exposed, rel=1e-9)
     assert priced.seconds == pytest.approx(kernels + exposed, rel=1e-9)
     assert priced.coverage["kernels"] == {"memory-bound": 6, "matmul": 2}
+    # Every kernel has a price here: nothing is left for a high end (`compile` says so), the range is one figure.
+    assert priced.unpriced == {} and priced.high_seconds == priced.seconds
     assert priced.coverage["matmul_flops"] == 2 * 1024 * 2048 * 512 + 2 * 8 * 128 * 128 * 64
     assert [(c.kind, c.group_size, c.is_async) for c in priced.collectives] == [
         ("all-reduce", 4, True), ("all-reduce", 4, True), ("all-gather", 4, False)]

@@ -255,20 +255,33 @@ def test_help_writes_no_native_log_lines():
     assert shown.stderr == ""
 
 
-def test_an_export_that_fails_midway_leaves_nothing_at_out(tmp_path, minilm_dir):
+def test_an_export_that_fails_midway_leaves_nothing_at_out(tmp_path, minilm_dir, monkeypatch):
+    import errno
+
+    from etils.epath import gpath
+
     from bertjax.interop.hf import export_hf
     from bertjax.interop.load import load_pretrained
+    from bertjax.runtime.errors import OutputWriteError
 
     loaded = load_pretrained(str(minilm_dir))
     out = tmp_path / "hf"
-    # A vocabulary that cannot be written as UTF-8 (a lone surrogate): the write fails after the weights.
-    vocab = loaded.vocab[:-1] + ["\udcff"]
-    with pytest.raises(UnicodeEncodeError):
-        export_hf(loaded.params, loaded.config, vocab, str(out))
+    # The disk fills after the weights are written: the tokenizer's files fail (an error injected at the one write).
+    write_text = gpath._GPath.write_text
+
+    def full_at_the_tokenizer(path, text, *args, **kwargs):
+        if path.name == "tokenizer.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_text(path, text, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gpath._GPath, "write_text", full_at_the_tokenizer)
+        with pytest.raises(OutputWriteError, match=f"^cannot write {out}: no space left on device$"):
+            export_hf(loaded.params, loaded.config, loaded.vocab, str(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no half directory, no leftover temporary
     export_hf(loaded.params, loaded.config, loaded.vocab, str(out))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "special_tokens_map.json",
-                                                     "tokenizer_config.json", "vocab.txt"]
+                                                     "tokenizer.json", "tokenizer_config.json", "vocab.txt"]
 
 
 def test_the_readme_puts_bertjax_on_the_path_of_a_new_shell(tmp_path):

@@ -8,7 +8,9 @@ GPU host's (`gpus.py`: deviceless XLA:GPU from the card's target config). Its me
 whether it fits HBM, its cost analysis (per chip; none on GPU) counts the FLOPs XLA will run, and the step time
 and estimated MFU come from the compiled program: XLA:TPU's own cycle estimates (`estimate.py`), or on GPU each
 kernel priced on the card (`gpu_estimate.py`); the hours and chip-hours (GPU-hours) follow (or from an MFU the
-user assumes with --mfu). A program larger than HBM fails to compile (RESOURCE_EXHAUSTED); that is reported as
+user assumes with --mfu), each a range: the low end the estimate, the high end with every instruction the estimate
+leaves unpriced charged its bytes at HBM bandwidth (`StepEstimate.high_seconds`; on GPU every kernel is priced, so
+the two are one). A program larger than HBM fails to compile (RESOURCE_EXHAUSTED); that is reported as
 not fitting, with the size. On a GPU host it also says when the program runs bertjax's Pallas kernels that have
 not passed their check on that card (`model/gpu_kernel_check.py`), and how to check them.
 """
@@ -110,7 +112,10 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         step_seconds, source = model_flops / (chips * topology.peak_flops_per_chip * mfu), "assumed"
     else:
         step_seconds, source = (None, "none") if step is None else (step.seconds, "estimated")
+    # The range's high end: only where the step time is the estimate's (an assumed MFU is one figure).
+    high_seconds = step.high_seconds if source == "estimated" else None
     total_hours = None if step_seconds is None else config.train.steps * step_seconds / 3600
+    total_hours_high = None if high_seconds is None else config.train.steps * high_seconds / 3600
     return {
         "topology": topology.topology, "accelerator_type": topology.accelerator_type,
         "chip": "GPU" if is_gpu(topology) else "chip",
@@ -135,6 +140,12 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         "clock_hz": None if is_gpu(topology) else GENERATIONS[topology.generation].clock_hz,
         "estimated_cycles_per_step": None if step is None else step.cycles,
         "estimated_step_seconds": None if step is None else step.seconds,
+        # The high end: every instruction the estimate left unpriced charged its bytes at HBM bandwidth; their
+        # share of that step, and what they are ({kind: count, bytes, seconds per step}).
+        "estimated_step_seconds_high": None if step is None else step.high_seconds,
+        "estimated_unpriced_share": None if step is None or not step.high_seconds else
+        step.unpriced_seconds / step.high_seconds,
+        "estimated_unpriced": {} if step is None else step.unpriced,
         "estimated_compute_seconds": None if step is None else step.compute_seconds,
         "estimated_communication_seconds": None if step is None else {
             "exposed": step.exposed_communication_seconds, "total": step.communication_seconds},
@@ -148,8 +159,11 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         "step_time_source": source,
         "step_seconds": step_seconds,
         "tokens_per_second": None if step_seconds is None else config.train.batch_size * seq_len / step_seconds,
+        "step_seconds_high": high_seconds,
         "steps": config.train.steps, "total_hours": total_hours,
         "chip_hours": None if total_hours is None else total_hours * chips,
+        "total_hours_high": total_hours_high,
+        "chip_hours_high": None if total_hours_high is None else total_hours_high * chips,
         "detail": compiled.detail,
         "gpu_kernels": gpu_kernels_report(topology, compiled.hlo_text),
     }
@@ -168,24 +182,34 @@ def gpu_kernels_report(topology: Topology, hlo_text: str | None) -> dict | None:
 
 
 def with_cost(report: dict, price_per_chip_hour: float | None) -> dict:
-    """The report with `price_per_chip_hour` (USD, the user's: no price list is built in) and `cost_usd`, its
-    chip-hours at that price (None without a price or a step time); a --fit-batch proposal in it gets the same."""
-    chip_hours = report.get("chip_hours")
-    report = dict(report, price_per_chip_hour=price_per_chip_hour,
-                  cost_usd=None if price_per_chip_hour is None or chip_hours is None else
-                  chip_hours * price_per_chip_hour)
+    """The report with `price_per_chip_hour` (USD, the user's: no price list is built in), `cost_usd` and
+    `cost_usd_high`, its chip-hours at that price at either end of the estimate (None without a price or a step
+    time); a --fit-batch proposal in it gets the same."""
+    def at_price(chip_hours: float | None) -> float | None:
+        return None if price_per_chip_hour is None or chip_hours is None else chip_hours * price_per_chip_hour
+
+    report = dict(report, price_per_chip_hour=price_per_chip_hour, cost_usd=at_price(report.get("chip_hours")),
+                  cost_usd_high=at_price(report.get("chip_hours_high")))
     if report.get("fit"):
         report["fit"] = with_cost(report["fit"], price_per_chip_hour)
     return report
 
 
 def cost_text(report: dict) -> str:
-    """`5,120.00 chip-hours x $1.2 per chip-hour = $6,144.00` (empty without a step time or a price)."""
+    """`5,120.00 chip-hours x $1.2 per chip-hour = $6,144.00`, or as a range `5,120.00-5,400.00 chip-hours x ... =
+    $6,144.00-$6,480.00` where the estimate's high end differs (empty without a step time or a price)."""
     if report.get("cost_usd") is None:
         return ""
     chip = report.get("chip", "chip")
-    return (f"{report['chip_hours']:,.2f} {chip}-hours x ${report['price_per_chip_hour']:g} per {chip}-hour = "
-            f"${report['cost_usd']:,.2f}")
+    return (f"{_range(report['chip_hours'], report.get('chip_hours_high'), '{:,.2f}')} {chip}-hours x "
+            f"${report['price_per_chip_hour']:g} per {chip}-hour = "
+            f"{_range(report['cost_usd'], report.get('cost_usd_high'), '${:,.2f}')}")
+
+
+def _range(low: float, high: float | None, form: str) -> str:
+    """`form` of `low`, or `low-high` where the high end is another figure at that precision."""
+    shown = form.format(low)
+    return shown if high is None or form.format(high) == shown else f"{shown}-{form.format(high)}"
 
 
 # A step whose activations alone need this many times a chip's HBM is refused uncompiled: XLA took hours or the
@@ -318,17 +342,39 @@ def describe(result: dict) -> str:
                         f"declared CostEstimate ({coverage['pallas_kernel_seconds'] * 1e3:.2f} ms)"
                         if coverage["pallas_kernels_from_cost_estimate"] else "")
                      + (f"; without estimate: {unestimated}" if unestimated else ""))
+        lines.append(_unpriced_line(result))
     if result["step_seconds"] is not None:
+        high = result.get("step_seconds_high")
+        ranged = high is not None and f"{high * 1e3:.1f}" != f"{result['step_seconds'] * 1e3:.1f}"
         basis = (f"at an assumed {100 * result['mfu_assumed']:g}% MFU" if result["step_time_source"] == "assumed"
-                 else "by the estimate")
-        lines.append(f"{basis}: {result['step_seconds'] * 1e3:.1f} ms/step, {result['tokens_per_second']:,.0f} "
-                     f"tokens/s; {result['steps']} steps = {result['total_hours']:.2f} h, "
-                     f"{result['chip_hours']:,.0f} {result.get('chip', 'chip')}-hours")
+                 else "by the estimate, low to high" if ranged else "by the estimate")
+        lines.append(f"{basis}: {_range(result['step_seconds'] * 1e3, high and high * 1e3, '{:.1f}')} ms/step, "
+                     f"{result['tokens_per_second']:,.0f} tokens/s{' at the low end' if ranged else ''}; "
+                     f"{result['steps']} steps = "
+                     f"{_range(result['total_hours'], result.get('total_hours_high'), '{:.2f}')} h, "
+                     f"{_range(result['chip_hours'], result.get('chip_hours_high'), '{:,.1f}')} "
+                     f"{result.get('chip', 'chip')}-hours")
         lines.append(f"cost: {cost_text(result)} (--price-per-chip-hour)" if result.get("cost_usd") is not None else
                      "cost: give --price-per-chip-hour USD (no price list is built in; see docs/performance.md)")
     if (result.get("gpu_kernels") or {}).get("note"):
         lines.append(result["gpu_kernels"]["note"])
     return "\n".join(lines)
+
+
+def _unpriced_line(result: dict) -> str:
+    """The estimate's range: what it left unpriced (the kinds moving most bytes), those bytes at HBM bandwidth,
+    their share of the high end."""
+    unpriced = result["estimated_unpriced"]
+    if not unpriced:
+        return "  every instruction priced: the estimate is one figure, no range"
+    kinds = ", ".join(f"{kind} x{entry['count']:,} ({entry['bytes'] / 2**20:,.0f} MiB)"
+                      for kind, entry in list(unpriced.items())[:4]) + (", ..." if len(unpriced) > 4 else "")
+    moved = sum(entry["bytes"] for entry in unpriced.values())
+    extra = result["estimated_step_seconds_high"] - result["estimated_step_seconds"]
+    return (f"  range: {result['estimated_step_seconds'] * 1e3:.1f} ms (low: unpriced instructions at 0) to "
+            f"{result['estimated_step_seconds_high'] * 1e3:.1f} ms (high: their {moved / 2**20:,.0f} MiB at HBM "
+            f"bandwidth, +{extra * 1e3:.1f} ms, {100 * result['estimated_unpriced_share']:.1f}% of the high step); "
+            f"unpriced: {kinds}")
 
 
 def _collectives_and_breakdown(result: dict, *, per: str, priced: str) -> list[str]:
@@ -359,6 +405,7 @@ def _describe_gpu_estimate(result: dict) -> list[str]:
     lines += [f"  {entry['bytes'] / 1e9:7.3f} GB  {entry['kernel']}  {entry['op_name']}"
               for entry in coverage["top_non_matmul"]]
     lines += _collectives_and_breakdown(result, per="GPU", priced="priced")
+    lines.append(_unpriced_line(result))
     if coverage["unknown_trip_counts"]:
         lines.append(f"  loops counted once (trip count unknown): {', '.join(coverage['unknown_trip_counts'])}")
     return lines

@@ -23,6 +23,12 @@ What the text holds (jax 0.10.2, libtpu 0.0.42.1):
   schedule does not hide counts in the step: a synchronous collective all of it, an async pair (`*-start` ...
   `*-done`) what exceeds the estimated compute scheduled between its start and its done. The bandwidth term only:
   a collective's start-up latency (microseconds) is not counted.
+- The instructions that carry no estimate and are not priced here (async copies and slices between memory spaces,
+  XLA:TPU's ConcatBitcast custom calls, index hints, a kernel without a CostEstimate) count nothing in `seconds`,
+  the low end. The high end (`high_seconds`) charges each of them its bytes, operands read plus result written (an
+  async start's result less the operands it aliases; a slice reads only its part), at the chip's HBM bandwidth, one
+  after another, whichever memory they are in: more than they could add where the schedule hides them or they stay
+  in VMEM. `unpriced` says what they are, how many, and their bytes.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
          "after-all", "partition-id", "replica-id", "opt-barrier", "copy-done", "slice-done", "async-done"}
 PALLAS_TARGET = "tpu_custom_call"
+_SLICES = ("slice", "dynamic-slice", "slice-start")   # they read only the part they write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +118,18 @@ class StepEstimate:
     communication_seconds: float = 0.0   # every collective at the ring bandwidth, hidden or not
     exposed_communication_seconds: float = 0.0
     collectives: list = dataclasses.field(default_factory=list)   # [Collective], in program order
+    # The instructions left without a price, by kind: {kind: {"count", "bytes", "seconds"}} per step, the seconds
+    # their bytes at HBM bandwidth (the high end's addition; see the module docstring). Empty where all are priced.
+    unpriced: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def unpriced_seconds(self) -> float:
+        return sum(entry["seconds"] for entry in self.unpriced.values())
+
+    @property
+    def high_seconds(self) -> float:
+        """The step with every unpriced instruction charged its bytes at HBM bandwidth: the estimate's high end."""
+        return self.seconds + self.unpriced_seconds
 
     def collectives_by_kind(self) -> dict:
         """{kind: count, bytes per step (by dtype), seconds and exposed seconds per step}, per chip."""
@@ -234,6 +253,14 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
     partitions = _NUM_PARTITIONS.search(hlo_text[:20000])
     num_partitions = int(partitions[1]) if partitions else 1
     without_estimate, unknown_trip_counts, trip_counts_from_condition = collections.Counter(), [], []
+    # Bytes and counts of the instructions without a price, per kind: one table per conditional branch walked (only
+    # the branch the estimate takes joins its caller's).
+    unpriced_tables = [collections.defaultdict(lambda: [0, 0])]
+
+    def charge(kind: str, instruction: _Instruction, by_name: dict, times: int) -> None:
+        entry = unpriced_tables[-1][kind]
+        entry[0] += times
+        entry[1] += times * unpriced_bytes(instruction, by_name)
     collective_bytes, collectives = collections.Counter(), []
 
     def price(instruction: _Instruction, inner: _Instruction, times: int) -> Collective:
@@ -291,9 +318,12 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
                     own.append((op_name_group(instruction.op_name), 0, times, seconds * times))
                 else:
                     without_estimate["Pallas kernel without a CostEstimate"] += times
+                    charge("Pallas kernel without a CostEstimate", instruction, by_name, times)
             elif opcode not in _FREE and not opcode.endswith("-done"):
                 target = _CUSTOM_TARGET.search(instruction.line)
-                without_estimate[f"{opcode}:{target[1]}" if target else opcode] += times
+                kind = f"{opcode}:{target[1]}" if target else opcode
+                without_estimate[kind] += times
+                charge(kind, instruction, by_name, times)
             if opcode == "while":
                 trips = instruction.trip_count
                 if trips is None:
@@ -310,9 +340,16 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
             elif opcode == "conditional":
                 branches = callees.get("branches") or callees.get("true_computation", []) + callees.get(
                     "false_computation", [])
-                walked = [walk(branch, times) for branch in branches]
+                walked = []
+                for branch in branches:
+                    unpriced_tables.append(collections.defaultdict(lambda: [0, 0]))
+                    walked.append((walk(branch, times), unpriced_tables.pop()))
                 if walked:
-                    own += max(walked, key=lambda branch: sum(c[1] / clock_hz + c[3] for c in branch))
+                    taken, its_unpriced = max(walked, key=lambda w: sum(c[1] / clock_hz + c[3] for c in w[0]))
+                    own += taken
+                    for kind, (count, size) in its_unpriced.items():
+                        unpriced_tables[-1][kind][0] += count
+                        unpriced_tables[-1][kind][1] += size
             elif opcode == "call" or (opcode.endswith("-start") and instruction.cycles is None and inner is None):
                 for callee in callees.get("to_apply", []) + callees.get("calls", []):
                     own += walk(callee, times)
@@ -346,10 +383,25 @@ def estimate_program(hlo_text: str, *, clock_hz: float, peak_flops: float, hbm_b
         "unknown_trip_counts": unknown_trip_counts,
         "trip_counts_from_condition": trip_counts_from_condition,
     }
+    unpriced = {kind: {"count": count, "bytes": size, "seconds": size / hbm_bytes_per_second}
+                for kind, (count, size) in sorted(unpriced_tables[0].items(), key=lambda item: -item[1][1])}
     return StepEstimate(compute + exposed, cycles, kernel_seconds, dict(by_op_name.most_common()), coverage,
                         compute_seconds=compute,
                         communication_seconds=sum(c.seconds * c.times for c in collectives),
-                        exposed_communication_seconds=exposed, collectives=collectives)
+                        exposed_communication_seconds=exposed, collectives=collectives, unpriced=unpriced)
+
+
+def unpriced_bytes(instruction: _Instruction, by_name: dict) -> int:
+    """What an instruction without a price moves: its operands' bytes and its result's, where an async start's
+    result (a tuple holding the operands it aliases, the output and a context) counts less those operands, and a
+    slice reads only what it writes."""
+    read = sum(array_bytes(by_name[name].result_type) for name in instruction.operands if name in by_name)
+    written = array_bytes(instruction.result_type)
+    if instruction.opcode.endswith("-start") and instruction.result_type.startswith("("):
+        written = max(written - read, 0)
+    if instruction.opcode in _SLICES:
+        read = written
+    return read + written
 
 
 def _collective_of(instruction: _Instruction, computations: dict) -> _Instruction | None:

@@ -52,8 +52,14 @@ def _vocab_train(args: argparse.Namespace) -> int:
     vocab = train_vocab(options.from_flags(CorpusConfig, args), args.out, args.vocab_size, args.type,
                         lower_case=args.lower_case, max_sentences=args.max_sentences, min_count=args.min_count,
                         log=console.line)
-    console.line(f"wrote {vocab.path}: {vocab.size} tokens" + (
-        f" of the {args.vocab_size} asked: {vocab.short_because}" if vocab.short_because else ""))
+    learned = vocab.size - vocab.unused
+    line = f"wrote {vocab.path}: {vocab.size} tokens"
+    if vocab.unused:
+        line += f" ({learned} learned and {vocab.unused} [unused] ones, a multiple of 64)" + (
+            f"; {learned}" if vocab.short_because else "")
+    if vocab.short_because:
+        line += f" of the {args.vocab_size} asked: {vocab.short_because}"
+    console.line(line)
     return 0
 
 
@@ -90,21 +96,25 @@ def register(subparsers) -> None:
                         "direct_num_workers=2)")
     create.set_defaults(func=_create)
 
-    vocab = subparsers.add_parser("vocab", help="vocabularies: train (WordPiece or SentencePiece)")
+    vocab = subparsers.add_parser("vocab", help="vocabularies: train (WordPiece, SentencePiece or byte-level BPE)")
     vocab = vocab.add_subparsers(dest="vocab_command", required=True)
-    train = vocab.add_parser("train", help="train a WordPiece or SentencePiece vocab with BERT's special tokens")
+    train = vocab.add_parser("train", help="train a WordPiece, SentencePiece or byte-level BPE (ModernBERT's kind) "
+                             "vocab with BERT's special tokens")
     options.add_flags(train, CorpusConfig, required=("input",))
     train.add_argument("--lower-case", action=argparse.BooleanOptionalAction, default=None,
-                       help="default: true for WordPiece, false for SentencePiece")
+                       help="default: true for WordPiece, false for SentencePiece and BPE")
     train.add_argument("--vocab-size", type=options.ints(1), required=True,
-                       help="the most tokens, the 5 special tokens included (BERT's English vocab: 30522); a small "
-                       "corpus may give fewer, and the closing line says how many and why")
-    train.add_argument("--type", choices=("sentencepiece", "wordpiece"), required=True)
+                       help="the most tokens learned, the 5 special tokens included (BERT's English vocab: 30522; "
+                       "ModernBERT's BPE: 50280); a small corpus may give fewer, and the closing line says how many "
+                       "and why; bpe: then rounded up to a multiple of 64 with [unused0].. tokens")
+    train.add_argument("--type", choices=("sentencepiece", "wordpiece", "bpe"), required=True,
+                       help="wordpiece: vocab.txt (BERT's) | sentencepiece: spm.model (unigram) | bpe: tokenizer.json, "
+                       "a byte-level BPE as ModernBERT's, with tokenizer_config.json beside it")
     train.add_argument("--out", required=True)
     train.add_argument("--max-sentences", type=options.ints(1), default=5_000_000)
-    train.add_argument("--min-count", type=options.ints(1), default=10,
-                       help="wordpiece: keep only pieces seen at least this often (lower it on a small corpus for a "
-                       "larger vocabulary)")
+    train.add_argument("--min-count", type=options.ints(1), default=None,
+                       help="wordpiece: keep only pieces seen at least this often (default 10); bpe: merge only pairs "
+                       "seen at least this often (default 2); lower it on a small corpus for a larger vocabulary")
     train.set_defaults(func=_vocab_train)
 
     corpus = subparsers.add_parser("demo-corpus", help="write the embedded demo corpus (Python's reference "

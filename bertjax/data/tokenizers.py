@@ -99,8 +99,11 @@ class WordPieceTokenizer(_Tokenizer):
 class SentencePieceTokenizer(_Tokenizer):
     """SentencePiece .model via tensorflow-text's SentencepieceTokenizer (in-graph).
 
-    The model must define the BERT special pieces [PAD] [UNK] [CLS] [SEP] [MASK] (as `bertjax vocab
-    train --type sentencepiece` does). Whole words start with the "▁" marker.
+    The model must be a unigram one that defines the BERT special pieces [PAD] [UNK] [CLS] [SEP] [MASK] (as `bertjax
+    vocab train --type sentencepiece` writes). Whole words start with the "▁" marker. Its `spec` is the model as an
+    HF tokenizer.json (tokenizer_json.py: transformers' conversion; the same ids on text, save a near-tie of two
+    segmentations' scores in a long text, and special tokens written in the text, which it keeps whole), which
+    checkpoints keep: fine-tuning, `predict`, `embed` and the export tokenise with it.
     """
 
     WORD_START = "\u2581"
@@ -123,6 +126,9 @@ class SentencePieceTokenizer(_Tokenizer):
         self.pad_id, self.unk_id, self.cls_id = ids["pad"], ids["unk"], ids["cls"]
         self.sep_id, self.mask_id = ids["sep"], ids["mask"]
         self.lower_case = lower_case
+        from bertjax.data.tokenizer_json import sentencepiece_json
+
+        self.spec = {"json": sentencepiece_json(model, lower_case, model_path), "special": dict(SPECIAL_TOKENS)}
         self._tokenizer = tf_text.SentencepieceTokenizer(model=model, out_type=tf.int32)
 
     def _tokenize_normalized(self, texts):

@@ -1,5 +1,5 @@
 """`bertjax finetune glue | classify | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of
-sentences), `predict` (a fine-tuned model on new text).
+sentences), `predict` (a fine-tuned model on new text), `score` (a checkpoint's GLUE dev scores by a named recipe).
 
 The flags come from the fields of `bertjax.finetune.settings`; the jobs (JAX, TensorFlow) are imported only when a
 command runs, so `bertjax --help` stays fast.
@@ -12,6 +12,7 @@ from bertjax import options
 from bertjax.runtime import jsonio
 from bertjax.runtime.console import route_logging_to_console
 from bertjax.finetune.glue_data import TASKS
+from bertjax.finetune.score import ScoreSettings
 from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
 from bertjax.finetune.table_data import PROBLEMS
 from bertjax.interop.cli import ANY_CHECKPOINT_HELP
@@ -155,6 +156,19 @@ def register(subparsers) -> None:
                               "recorded, in its workdir or its export's config.json; else 1.1)")
     predict.add_argument("--batch-size", type=options.ints(1), default=64)
     predict.set_defaults(func=_predict)
+
+    scored = subparsers.add_parser(
+        "score", help="a checkpoint's GLUE dev scores: each task present fine-tuned by MosaicBERT's recipe, once per "
+                      "seed; summary.json and summary.md beside the run")
+    scored.add_argument("checkpoint", help=ANY_CHECKPOINT_HELP + " (a pretraining run: its newest complete step)")
+    scored.add_argument("--glue", required=True, help="GLUE directory (<Task>/train.tsv, dev.tsv ...) or "
+                                                       "'tfds[:DATA_DIR]'")
+    scored.add_argument("--out", help="output directory (default: CHECKPOINT/scores for a pretraining run directory)")
+    options.add_flags(scored, ScoreSettings)
+    scored.add_argument("--overwrite", action="store_true",
+                        help="run again the task/seed runs done with other settings (the same command again skips "
+                             "finished runs and resumes an interrupted one; other settings are refused without this)")
+    scored.set_defaults(func=_score)
 
     evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics: squad")
     evals = evaluate.add_subparsers(dest="job", required=True)
@@ -531,6 +545,27 @@ def _ner(args: argparse.Namespace) -> int:
                      export_hf=args.export_hf)
     _say_outputs(args.workdir)
     print(jsonio.dumps({split: m["overall"] for split, m in result["metrics"].items()}))
+    return 0
+
+
+def _score(args: argparse.Namespace) -> int:
+    import os
+
+    from bertjax.finetune import score
+    from bertjax.runtime.console import Console
+    from bertjax.runtime.workdir_paths import canonical
+
+    route_logging_to_console()
+    settings = options.from_flags(ScoreSettings, args)
+    if args.out is None and not os.path.isdir(os.path.join(args.checkpoint, "checkpoints")):
+        raise ValueError(f"{args.checkpoint} is not a pretraining run directory (WORKDIR, whose scores/ it would "
+                         "hold): give --out DIR")
+    out = canonical(args.out or os.path.join(args.checkpoint, "scores"))
+    if "://" in out:
+        raise ValueError(f"--out {out}: scores are written to a local directory only; give one with --out")
+    summary = score.score(args.checkpoint, args.glue, out, settings, overwrite=args.overwrite, log=Console().line)
+    Console().line(f"scores in {out}: summary.json, summary.md")
+    print(score.summary_table(summary), end="")
     return 0
 
 

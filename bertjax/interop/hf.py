@@ -13,7 +13,9 @@ A fine-tuned head's architecture is held by BERT's class name ("BertForSequenceC
 class written to config.json is the checkpoint's family's (`family.hf_architecture`).
 
 Tokenizers: a directory with vocab.txt is WordPiece (BERT's); one with only tokenizer.json (ModernBERT's BPE) keeps
-that file, which every job then tokenises with and every export writes back.
+that file, which every job then tokenises with and every export writes back. Every export writes a tokenizer.json
+(data/tokenizer_json.py: WordPiece's beside its vocab.txt), which transformers 5 builds a ModernBERT's tokenizer from
+whatever class tokenizer_config.json names, so AutoTokenizer and `pipeline(model=export)` read either family whole.
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ from etils import epath
 from safetensors.numpy import load, load_file, save
 
 from bertjax.checkpoint import read_vocab_file
-from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec, special_tokens_from_config
+from bertjax.data import tokenizer_json
+from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec
+from bertjax.data.token_layout import SPECIAL_TOKENS
 from bertjax.runtime.input_files import check_regular, read_json
 from bertjax.interop import convert
 from bertjax.interop import names as names_lib
@@ -231,7 +235,7 @@ def export_hf(params: Mapping, config: ModelConfig, vocab: list[str], out_dir: s
     one output, else single-label) tells transformers' pipeline which activation the scores take (multi-label:
     sigmoid). `squad`: a span model's SQuAD settings (version, windows, decoding), kept in config.json as
     `squad_settings` (transformers ignores the key) so that `bertjax predict` on the export decodes as the run did.
-    `tokenizer`: a tokenizer.json spec (json_tokenizer.py), written instead of vocab.txt."""
+    `tokenizer`: a tokenizer.json spec (json_tokenizer.py), written instead of a WordPiece vocab.txt."""
     task = family.task_architecture(architecture) if architecture else _architecture(params)
     architecture = family.hf_architecture(config, task)
     if family.is_modernbert(config):
@@ -247,9 +251,12 @@ def export_hf(params: Mapping, config: ModelConfig, vocab: list[str], out_dir: s
         tensors["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"]
         tensors["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"]
     extra = _head_config(params, architecture, id2label, problem_type, squad)
-    files = _hf_files(tensors, sbo, config.to_hf_dict(architecture, **extra), vocab, lower_case,
-                      config.max_position_embeddings)
-    _write_directory(files, out_dir)
+    files = [("model.safetensors", tensors)] + ([(names_lib.SBO_FILE, sbo)] if sbo else [])
+    files += _tokenizer_files(vocab, lower_case, tokenizer, config.max_position_embeddings,
+                              ["input_ids", "token_type_ids", "attention_mask"])
+    # config.json last: what makes the directory a model to transformers.
+    _write_directory(files + [("config.json", json.dumps(config.to_hf_dict(architecture, **extra), indent=2))],
+                     out_dir)
     return architecture
 
 
@@ -281,26 +288,29 @@ def _export_modernbert(params, config, vocab, out_dir, lower_case, task, archite
     extra = _head_config(params, task, id2label, problem_type, squad)
     if task == "BertForQuestionAnswering":
         extra.update(num_labels=2)  # HF's QA model's classifier has num_labels outputs: start and end
-    hf_config = config.to_hf_dict(architecture, **extra)
-    if tokenizer is None:
-        files = _hf_files(tensors, {}, hf_config, vocab, lower_case, config.max_position_embeddings,
-                          model_input_names=["input_ids", "attention_mask"])
-    else:
-        files = _json_tokenizer_files(tensors, hf_config, tokenizer, config.max_position_embeddings)
-    _write_directory(files, out_dir)
+    # ModernBERT has no token types: its tokenizer gives none (as the released models' tokenizer_config.json says).
+    files = [("model.safetensors", tensors)] + _tokenizer_files(vocab, lower_case, tokenizer,
+                                                                config.max_position_embeddings,
+                                                                ["input_ids", "attention_mask"])
+    _write_directory(files + [("config.json", json.dumps(config.to_hf_dict(architecture, **extra), indent=2))],
+                     out_dir)
     return architecture
 
 
-def _json_tokenizer_files(tensors: dict, hf_config: dict, tokenizer: dict, max_positions: int) -> list:
-    """An HF directory's files with a tokenizer.json (PreTrainedTokenizerFast) and no token types, config.json
-    last."""
-    special = {f"{name}_token": token for name, token in tokenizer["special"].items()}
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_positions,
-                        "model_input_names": ["input_ids", "attention_mask"], "clean_up_tokenization_spaces": False}
-    return [("model.safetensors", tensors), ("tokenizer.json", tokenizer["json"]),
-            ("tokenizer_config.json", json.dumps(tokenizer_config, indent=2)),
-            ("special_tokens_map.json", json.dumps(special, indent=2)),
-            ("config.json", json.dumps(hf_config, indent=2))]
+def _tokenizer_files(vocab: list[str], lower_case: bool, tokenizer: dict | None, max_positions: int,
+                     model_input_names: list[str]) -> list[tuple[str, str]]:
+    """An export's tokenizer files, each giving the ids the checkpoint was trained with: a WordPiece vocabulary's
+    vocab.txt (BertTokenizer's) and the tokenizer.json built from it; else the checkpoint's tokenizer.json (BERT's
+    template set where its own post-processor lacks it) with the special tokens it names."""
+    if tokenizer is None:
+        return [("vocab.txt", "".join(t + "\n" for t in vocab))] + tokenizer_json.tokenizer_files(
+            tokenizer_json.wordpiece_json(vocab, lower_case), SPECIAL_TOKENS,
+            tokenizer_class=tokenizer_json.WORDPIECE_CLASS, model_input_names=model_input_names,
+            model_max_length=max_positions, lower_case=lower_case)
+    token_types = "token_type_ids" in model_input_names
+    return tokenizer_json.tokenizer_files(
+        tokenizer_json.with_bert_template(tokenizer["json"], tokenizer["special"], token_types), tokenizer["special"],
+        tokenizer_class=tokenizer_json.JSON_CLASS, model_input_names=model_input_names, model_max_length=max_positions)
 
 
 def _write_directory(files: list, out_dir: str) -> None:
@@ -310,22 +320,6 @@ def _write_directory(files: list, out_dir: str) -> None:
     else:  # beside it, then one rename: a failed or killed export leaves nothing at out_dir
         with replaced_when_whole(out_dir, directory=True) as partial:
             _write_files(files, epath.Path(partial))
-
-
-def _hf_files(tensors: dict, sbo: dict, hf_config: dict, vocab: list[str], lower_case: bool,
-              max_positions: int, model_input_names: list[str] | None = None) -> list[tuple[str, object]]:
-    """(file name, what to write) of an HF directory, config.json last (what makes it a model to transformers)."""
-    tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lower_case,
-                        "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
-                        "mask_token": "[MASK]", "model_max_length": max_positions}
-    if model_input_names:
-        tokenizer_config["model_input_names"] = model_input_names
-    special = {k: tokenizer_config[k] for k in ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")}
-    files = [("model.safetensors", tensors)] + ([(names_lib.SBO_FILE, sbo)] if sbo else [])
-    return files + [("vocab.txt", "".join(t + "\n" for t in vocab)),
-                    ("tokenizer_config.json", json.dumps(tokenizer_config, indent=2)),
-                    ("special_tokens_map.json", json.dumps(special, indent=2)),
-                    ("config.json", json.dumps(hf_config, indent=2))]
 
 
 def _write_files(files: list[tuple[str, object]], out: epath.Path) -> None:

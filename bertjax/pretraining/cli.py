@@ -34,6 +34,12 @@ def register(subparsers) -> None:
     parser.add_argument("--allow-config-change", action="store_true",
                         help="resume a run whose schedule/optimizer/batch/data settings were changed since it "
                              "saved (model and data shapes can never change)")
+    parser.add_argument("--score-glue", metavar="DIR",
+                        help="when the run completes (not when it stops early), score it: `bertjax score WORKDIR "
+                             "--glue DIR` (each GLUE task in DIR fine-tuned by MosaicBERT's recipe; WORKDIR/scores)")
+    parser.add_argument("--score-set", dest="score_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a `bertjax score` setting for --score-glue (repeatable), e.g. --score-set seeds=0,1 "
+                             "--score-set tasks=sst2,mrpc")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config, read one batch, build the mesh and compile the step on this "
                              "machine's devices, print the plan (memory, FLOPs, time) and exit without training")
@@ -99,6 +105,7 @@ def _pretrain(args: argparse.Namespace) -> int:
     args.workdir = canonical(args.workdir)
 
     # Validate what can be validated before touching devices, so a typo fails in a second.
+    scoring = _score_command(args)
     if not args.init:
         config = pretrain_config.load_config(args.config, args.overrides)
     elif args.config != pretrain_config.INIT_CONFIG:  # its data may come from the --init checkpoint: checked below
@@ -130,9 +137,61 @@ def _pretrain(args: argparse.Namespace) -> int:
         result = pretrain.run(config, args.workdir, init_from=args.init, max_steps_this_run=args.max_steps_this_run,
                               allow_config_change=args.allow_config_change, lock=lock,
                               command=args.argv)
+    if scoring and result.status != "completed" and jax.process_index() == 0:
+        Console().line(f"--score-glue: not scored: the run ended at step {result.final_step} of {config.train.steps} "
+                       f"({result.status}); the same command completes it, then scores it")
+    elif scoring and result.status == "completed":
+        return _score(scoring)
     # Stopped before its last step (a signal, --max-steps-this-run), saved: not 0, so that `pretrain ... && export`
     # does not export a half-trained model; a launcher reruns it (preemption.STOPPED_EXIT).
     return 0 if result.status == "completed" else preemption.STOPPED_EXIT
+
+
+def _score_command(args: argparse.Namespace) -> list[str] | None:
+    """The `bertjax score` command line that --score-glue runs after the run (None without it), checked now: a
+    score setting's typo fails before training, not after."""
+    if args.score_glue is None:
+        if args.score_overrides:
+            raise ValueError("--score-set needs --score-glue DIR (the GLUE data to score the run on)")
+        return None
+    from bertjax.finetune.score import command_flags, settings_from_overrides
+
+    settings = settings_from_overrides(args.score_overrides)
+    if "://" in args.workdir:
+        raise ValueError(f"--score-glue writes WORKDIR/scores on a local disk, and --workdir {args.workdir} is not "
+                         "one: run `bertjax score WORKDIR --glue DIR --out LOCAL_DIR` after the run")
+    if args.dry_run:
+        raise ValueError("--score-glue scores a run that trained; --dry-run trains nothing")
+    return ["score", args.workdir, "--glue", args.score_glue, *command_flags(settings)]
+
+
+def _score(command: list[str]) -> int:
+    """Runs `bertjax score` in a process of its own: the fine-tunes start from the saved checkpoint, with none of
+    the pretraining job's devices, mesh or malloc settings (host_memory) held."""
+    import shlex
+    import subprocess
+    import sys
+
+    import jax
+
+    from bertjax.runtime import preemption
+    from bertjax.runtime.console import Console
+
+    if jax.process_index() != 0:
+        return 0
+    if jax.process_count() > 1:  # the fine-tunes run on one host
+        Console().line(f"--score-glue: not scored by a {jax.process_count()}-process job; on one host run: "
+                       + shlex.join(["bertjax", *command]))
+        return 0
+    Console().line("the run completed; scoring it: " + shlex.join(["bertjax", *command]))
+    sys.stdout.flush()
+    child = subprocess.Popen([sys.executable, "-m", "bertjax.cli", *command])
+    try:
+        return child.wait()
+    except preemption.Stopped as stopped:  # passed on: the fine-tune saves its state and ends, resumed by a rerun
+        child.send_signal(stopped.signum)
+        child.wait()
+        raise
 
 
 def _config_with_init(args: argparse.Namespace):
