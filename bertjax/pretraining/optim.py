@@ -199,8 +199,10 @@ def make_optimizer(config: OptimizerConfig, num_train_steps: int) -> tuple[optax
     """(optimizer, schedule) for `num_train_steps` updates."""
     schedule = warmup_then_decay(config.decay, config.learning_rate, num_train_steps,
                                  config.warmup_for(num_train_steps))
-    # Fully decoupled: lr_t * (weight_decay / peak) = (lr_t / peak) * weight_decay, optimi's and Composer's decay.
-    weight_decay = config.weight_decay / config.learning_rate if config.decouple_lr else config.weight_decay
+    # Fully decoupled: lr_t * (weight_decay / peak) = (lr_t / peak) * weight_decay, optimi's and Composer's decay
+    # (at a peak of 0 every lr_t is 0: no decay either).
+    weight_decay = ((config.weight_decay / config.learning_rate if config.learning_rate else 0.0)
+                    if config.decouple_lr else config.weight_decay)
     chain = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm else []
     if config.name == "stableadamw":
         chain.append(scale_by_stable_adam(config.b1, config.b2, config.eps, weight_decay, decay_mask))
