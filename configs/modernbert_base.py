@@ -15,9 +15,13 @@ lr_t / 8e-4 and not on biases or norms (filter_bias_norm_wd); no gradient clippi
 main.py warns that StableAdamW replaces it: clip_norm=0). The schedule: warmup_stable_decay with a 3B-token warmup
 and t_decay 0, so the rate is held after the warmup (decay=constant; the schedule counts tokens: 636 full steps'
 worth = 3B tokens); the decay to 0 is a phase of its own, started from a checkpoint of this run with its optimizer
-state and train.batch_size_warmup_tokens=0 (docs/usage.md, "Phases"). Not reproduced: the 50,368-token vocabulary
-(the vocabulary's size is data.vocab's). Not stated by the paper or the yaml: the decoupled decay's max_lr after a
-phase boundary (optimi's defaults to the run's lr; here the phase's own optimizer.learning_rate).
+state and no batch-size warmup (docs/usage.md, "Phases"). Not stated by the paper or the yaml: the decoupled decay's
+max_lr after a phase boundary (optimi's defaults to the run's lr; here the phase's own optimizer.learning_rate).
+RoPE's theta 10,000 in every layer (the yaml's rotary_emb_base; the context extension raises the global layers' to
+160,000). The embedding table and MLM softmax have ModernBERT's 50,368 rows (its tokenizer's tokens padded to a
+multiple of 64; the yaml's vocab_size): a smaller vocabulary leaves rows unused (said at the start;
+`--set model.vocab_size=0` sizes the table to the vocabulary), a larger one is refused.
+The next phases: configs/modernbert_base_context.py (seq 8,192), then configs/modernbert_base_decay.py.
 
 Run (TPU pod slice):
   bertjax pretrain --config modernbert-base --workdir gs://BUCKET/modernbert-base \
@@ -33,6 +37,8 @@ def get_config():
     c.model.preset = "modernbert-base"
     c.model.dtype = "bfloat16"
     c.model.max_position_embeddings = 8192  # RoPE: no table; the longest input the model takes
+    c.model.vocab_size = 50_368
+    c.model.modernbert.global_rope_theta = 10_000.0
     # GeGLU's GELU by tanh (transformers' "gelu_pytorch_tanh", which the export names), as the BERT TPU presets:
     # tanh runs on TPU's transcendental unit where the exact erf is a long polynomial on the vector unit.
     c.model.modernbert.hidden_activation = "gelu_pytorch_tanh"

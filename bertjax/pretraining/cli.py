@@ -224,6 +224,9 @@ def _config_with_init(args: argparse.Namespace):
         if changed:
             Console().line(f"model: the --init checkpoint's, where --config {args.config} differs: "
                            + ", ".join(changed))
+        over = pretrain_config.recipe_over_init(load(require_data=False), init)
+        if over:
+            Console().line("model: this phase's (model_over_init), over the --init checkpoint's: " + ", ".join(over))
     if load(require_data=False).data.vocab:
         return load()
     vocab_file = _init_vocab_file(args.init, init, args.workdir)

@@ -98,6 +98,9 @@ class PretrainConfig:
     init_optimizer_state: bool = option(False, "with init_from a pretraining step: also start from its optimizer "
                                         "state (Adam's moments and step count), the schedule restarting: a phase "
                                         "that continues the last one's optimizer, as ModernBERT's decay did")
+    model_over_init: str = option("", "with --init: the model keys (after `model.`, comma-separated) this config "
+                                  "sets over the checkpoint's model: a phase that changes the model, as "
+                                  "ModernBERT's context extension raised modernbert.global_rope_theta")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -208,17 +211,36 @@ def init_run_settings(job_config: dict | None) -> dict:
 def _take_init_model(values: ml_collections.ConfigDict, init: ModelCheckpoint, name_or_path: str) -> None:
     """`values` (a preset's, or a file's) with the model of the --init checkpoint `init`: its sizes and every setting
     that shapes what its weights compute (activations, RoPE thetas, window, norms, biases, tied decoder), so that
-    the run continues the model it loads; the recipe's dropout and fresh-weight init stay. A recipe of the other
-    family is refused."""
+    the run continues the model it loads; the recipe's dropout and fresh-weight init stay, and the keys it names in
+    `model_over_init` (a phase that changes the model). A recipe of the other family is refused."""
     checkpoint_family = "ModernBERT" if family.is_modernbert(init.config) else "BERT"
     recipe_family = "ModernBERT" if is_modernbert_preset(values.model.preset) else "BERT"
     if checkpoint_family != recipe_family:
         raise ValueError(f"the --init checkpoint is a {checkpoint_family}, --config {name_or_path} a {recipe_family} "
                          f"recipe (model.preset={values.model.preset}): use a {checkpoint_family} preset, or "
                          f"--config init (the checkpoint's model with the default recipe)")
+    kept = _model_keys(values.model_over_init)
     for key, value in options_of(init.config).items():
-        if key != "preset" and "dropout" not in key and "initializer" not in key:
+        if key != "preset" and "dropout" not in key and "initializer" not in key and key not in kept:
             options.apply_override(values, PretrainConfig, f"model.{key}={value}")
+
+
+def _model_keys(text: str) -> tuple[str, ...]:
+    """The keys of a `model_over_init` value, each checked to be a `model.*` key."""
+    keys = tuple(key.strip() for key in text.split(",") if key.strip())
+    known = options.dotted_keys(ModelOptions)
+    for key in keys:
+        if key not in known:
+            raise ValueError(f"model_over_init: {options.unknown_key(ModelOptions, key, 'model.')}")
+    return keys
+
+
+def recipe_over_init(config: PretrainConfig, init: ModelCheckpoint) -> list[str]:
+    """`model.KEY=VALUE (the --init checkpoint's: OLD)` for each key of `model_over_init` where the run's model
+    differs from the checkpoint's: what the phase changes (said when it starts)."""
+    theirs, ours = options_of(init.config), options_of(config.bert_config(init.config.vocab_size))
+    return [f"model.{key}={ours[key]} (the --init checkpoint's: {theirs[key]})"
+            for key in _model_keys(config.model_over_init) if key in theirs and ours.get(key) != theirs[key]]
 
 
 def model_changes(before: PretrainConfig, after: PretrainConfig) -> list[str]:
@@ -341,6 +363,10 @@ def validate(config: PretrainConfig, num_devices: int | None = None, require_dat
     problems = []
     if config.model.preset not in ALL_PRESETS:
         problems.append(f"model.preset={config.model.preset!r}; expected one of {', '.join(ALL_PRESETS)}")
+    try:
+        _model_keys(config.model_over_init)
+    except ValueError as error:
+        problems.append(str(error))
     else:
         try:  # the model's own checks (ranges, head split), before a vocabulary is read
             config.bert_config(config.model.vocab_size or 30522)
