@@ -56,14 +56,16 @@ def test_classify_own_data_then_predict_equals_the_text_classification_pipeline(
     assert "ModernBertForSequenceClassification" in (work / "hf/README.md").read_text()
 
     new = [_sentence(rng, rng.choice(list(words.values()))) for _ in range(6)] + ["great", "an awful, awful film"]
+    new.append(" ".join(rng.choices(FILLER, k=60)) + " great " + " ".join(rng.choices(FILLER, k=60)))  # > 64 tokens
     source = _write_csv(tmp_path / "new.csv", ["review"], [[t] for t in new])
-    # The default --max-seq-length (128) truncates nothing here, as the pipeline does not.
+    # `predict` reads at the run's --max-seq-length (64), truncating the long review where the training did; at its
+    # former default of 128 this review's scores differ from the pipeline's at the run's length.
     assert cli(["predict", "--model", str(work), "--input", str(source), "--text-column", "review",
                 "--output", str(tmp_path / "out.jsonl")]) == 0
     ours = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     pipe = transformers.pipeline("text-classification", model=str(work / "hf"), top_k=None, device="cpu")
     for text, row in zip(new, ours):
-        theirs = {r["label"]: r["score"] for r in pipe([text])[0]}
+        theirs = {r["label"]: r["score"] for r in pipe([text], truncation=True, max_length=64)[0]}
         assert row["label"] == max(theirs, key=theirs.get), text
         assert row["scores"] == pytest.approx(theirs, abs=1e-5)
 

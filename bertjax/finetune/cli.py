@@ -155,7 +155,8 @@ def register(subparsers) -> None:
     predict.add_argument("--question-column", default="question", help="a span model's question")
     predict.add_argument("--context-column", default="context", help="a span model's context (long ones: windows)")
     predict.add_argument("--max-seq-length", type=options.ints(3),
-                         help="tokens per row (default 128; a span model: per window, as its SQuAD run, else 384)")
+                         help="tokens per row (default: the length the model was fine-tuned at, else 128; a span "
+                              "model: per window, as its SQuAD run, else 384)")
     predict.add_argument("--doc-stride", type=options.ints(1),
                          help="a span model: tokens between window starts (default: as its SQuAD run, else a "
                               "third of --max-seq-length)")
@@ -317,6 +318,7 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
         pairs = pairs[0] if pairs else None
     predictor = Predictor(args.model, max_seq_length=args.max_seq_length, batch_size=args.batch_size,
                           doc_stride=args.doc_stride, version=args.squad_version)
+    Console().line(f"{args.model}: {predictor.length_note}")
     rows = predictor.predict(texts, pairs, wheres) if texts is not None else \
         predictor.answers(questions, contexts, wheres)
     return [jsonio.dumps(row, ensure_ascii=False) + "\n" for row in rows]

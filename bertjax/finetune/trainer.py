@@ -570,11 +570,13 @@ def step_memory(config, num_params: int, rows: int, tokens_per_row: int, mesh, t
     if stats and stats.get("bytes_limit"):
         share = math.ceil(rows / (mesh.shape["data"] * mesh.shape["fsdp"]))
         state = per_param * num_params
-        activations = shapes.activation_floor_bytes(config, share, tokens_per_row, dtype, training)
+        activations = shapes.activation_floor_bytes(config, share, tokens_per_row, dtype, training,
+                                                    devices[0].platform)
         where, memory = f"a {devices[0].device_kind} device", int(stats["bytes_limit"])
     else:
         state = per_param * num_params * len(devices)
-        activations = shapes.activation_floor_bytes(config, rows, tokens_per_row, dtype, training)
+        activations = shapes.activation_floor_bytes(config, rows, tokens_per_row, dtype, training,
+                                                    devices[0].platform)
         where, memory = "this machine", host_memory_bytes()
     return state + activations, state, activations, where, memory
 
@@ -595,6 +597,8 @@ def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_che
             head["problem_type"] = hf_config["problem_type"]
         if hf_config.get("squad"):  # a span model's SQuAD settings: how `bertjax predict` decodes it
             head["squad"] = hf_config["squad"]
+        if hf_config.get("max_seq_length"):  # the length it was trained at: what `bertjax predict` takes
+            head["max_seq_length"] = hf_config["max_seq_length"]
         save_model(str(target), params, init.config, init.vocab, init.lower_case, head=head, tokenizer=init.tokenizer)
     if hf:
         export_hf(params, init.config, init.vocab, str(epath.Path(out_dir) / "hf"), lower_case=init.lower_case,

@@ -186,6 +186,8 @@ def hf_lower_case(directory: str) -> bool:
 
 # config.json's key for a span model's SQuAD settings (bertjax's own; transformers keeps and ignores it).
 SQUAD_KEY = "squad_settings"
+# config.json's key for the length a fine-tuned model was trained at (bertjax's own, as SQUAD_KEY): `predict`'s default.
+LENGTH_KEY = "max_seq_length"
 FINE_TUNED_HEADS = ("BertForSequenceClassification", "BertForTokenClassification", "BertForMultipleChoice",
                     "BertForQuestionAnswering")
 
@@ -204,6 +206,8 @@ def hf_head(directory: str) -> dict | None:
         head["problem_type"] = config["problem_type"]
     if architecture == "BertForQuestionAnswering" and config.get(SQUAD_KEY):
         head["squad"] = config[SQUAD_KEY]
+    if isinstance(config.get(LENGTH_KEY), int):
+        head["max_seq_length"] = config[LENGTH_KEY]
     return head
 
 
@@ -233,18 +237,20 @@ def _architecture(params: Mapping) -> str:
 
 def export_hf(params: Mapping, config: ModelConfig, vocab: list[str], out_dir: str, lower_case: bool = True,
               architecture: str | None = None, id2label: dict[int, str] | None = None,
-              problem_type: str | None = None, squad: dict | None = None, tokenizer: dict | None = None) -> str:
+              problem_type: str | None = None, squad: dict | None = None, tokenizer: dict | None = None,
+              max_seq_length: int | None = None) -> str:
     """Writes an HF directory for `params`; returns the architecture written (inferred from the heads held; given
     by BERT's class name, written as the family's). `problem_type` (a sequence classifier's; default regression for
     one output, else single-label) tells transformers' pipeline which activation the scores take (multi-label:
     sigmoid). `squad`: a span model's SQuAD settings (version, windows, decoding), kept in config.json as
     `squad_settings` (transformers ignores the key) so that `bertjax predict` on the export decodes as the run did.
-    `tokenizer`: a tokenizer.json spec (json_tokenizer.py), written instead of a WordPiece vocab.txt."""
+    `tokenizer`: a tokenizer.json spec (json_tokenizer.py), written instead of vocab.txt. `max_seq_length`: the length
+    a fine-tuned head was trained at, kept in config.json as `max_seq_length` (`bertjax predict`'s default)."""
     task = family.task_architecture(architecture) if architecture else _architecture(params)
     architecture = family.hf_architecture(config, task)
     if family.is_modernbert(config):
         return _export_modernbert(params, config, vocab, out_dir, lower_case, task, architecture, id2label,
-                                  problem_type, squad, tokenizer)
+                                  problem_type, squad, tokenizer, max_seq_length)
     tensors = convert.tensors_from_params(params, config, "hf")
     # Not part of any HF BERT architecture: kept out of model.safetensors (no unexpected keys on load).
     sbo = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("span_boundary.")]}
@@ -254,7 +260,7 @@ def export_hf(params: Mapping, config: ModelConfig, vocab: list[str], out_dir: s
         # HF ties these to the embeddings / bias on load; writing them keeps older transformers happy too.
         tensors["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"]
         tensors["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"]
-    extra = _head_config(params, architecture, id2label, problem_type, squad)
+    extra = _head_config(params, architecture, id2label, problem_type, squad, max_seq_length)
     files = [("model.safetensors", tensors)] + ([(names_lib.SBO_FILE, sbo)] if sbo else [])
     files += _tokenizer_files(vocab, lower_case, tokenizer, config.max_position_embeddings,
                               ["input_ids", "token_type_ids", "attention_mask"])
@@ -264,8 +270,8 @@ def export_hf(params: Mapping, config: ModelConfig, vocab: list[str], out_dir: s
     return architecture
 
 
-def _head_config(params: Mapping, task: str, id2label, problem_type, squad) -> dict:
-    """config.json's keys for a fine-tuned head: labels, problem type, SQuAD settings."""
+def _head_config(params: Mapping, task: str, id2label, problem_type, squad, max_seq_length=None) -> dict:
+    """config.json's keys for a fine-tuned head: labels, problem type, SQuAD settings, the length trained at."""
     extra = {}
     if "classifier" in params and task != "BertForMultipleChoice":  # its one output is not a label
         num_labels = int(np.shape(params["classifier"]["bias"])[0])
@@ -277,11 +283,13 @@ def _head_config(params: Mapping, task: str, id2label, problem_type, squad) -> d
                 "regression" if num_labels == 1 else "single_label_classification")
     if squad and task == "BertForQuestionAnswering":
         extra[SQUAD_KEY] = dict(squad)
+    if max_seq_length:
+        extra[LENGTH_KEY] = max_seq_length
     return extra
 
 
 def _export_modernbert(params, config, vocab, out_dir, lower_case, task, architecture, id2label, problem_type,
-                       squad, tokenizer) -> str:
+                       squad, tokenizer, max_seq_length=None) -> str:
     """A ModernBERT HF directory: the encoder under "model." (bare for ModernBertModel), the prediction head, the
     decoder's bias (its weight tied, not written), a classifier; the tokenizer.json it was trained with."""
     tensors = convert.tensors_from_params(params, config, "hf")
@@ -289,7 +297,7 @@ def _export_modernbert(params, config, vocab, out_dir, lower_case, task, archite
         tensors = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     elif task == "BertForMaskedLM":
         tensors = {k: v for k, v in tensors.items() if not k.startswith("classifier.")}
-    extra = _head_config(params, task, id2label, problem_type, squad)
+    extra = _head_config(params, task, id2label, problem_type, squad, max_seq_length)
     if task == "BertForQuestionAnswering":
         extra.update(num_labels=2)  # HF's QA model's classifier has num_labels outputs: start and end
     # ModernBERT has no token types: its tokenizer gives none (as the released models' tokenizer_config.json says).
