@@ -33,8 +33,8 @@ def main() -> int:
     import transformers
 
     from bertjax.interop.load import load_pretrained
-    from bertjax.model import bert as model_lib
-    from bertjax.model.config import BertConfig
+    from bertjax.model.bert import model as model_lib
+    from bertjax.model.bert.config import BertConfig
 
     torch.set_num_threads(args.threads)
     config = BertConfig.preset(args.preset, dtype=args.dtype)

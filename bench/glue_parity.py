@@ -54,7 +54,7 @@ def run_ours(task: glue_data.GlueTask, splits: dict, args, seed: int) -> dict:
     from bertjax.finetune.settings import TrainSettings
     from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss
     from bertjax.interop.load import load_init
-    from bertjax.model.bert import BertForSequenceClassification
+    from bertjax.model.bert.model import BertForSequenceClassification
 
     ckpt, tokenizer = load_init(args.init)
     settings = TrainSettings(learning_rate=args.learning_rate, batch_size=args.batch_size, epochs=args.epochs,

@@ -4,8 +4,8 @@
 # shapes, forward and gradients (bench/gpu_kernels.py: 14 cases of a few small compiles each, expected well under a
 # minute; kernels.txt): if a case fails the script stops there with its lines and times nothing, the timing of a
 # wrong program being no figure. The verdict is cached for jobs on this machine, and kernels.txt's last line is the
-# entry to record in bertjax/model/gpu_kernel_check.py's PASSED_ON when all pass (`bertjax compile` then says no more
-# that the card's kernels are unchecked). Then the BERT-base MLM+NSP AdamW step in
+# entry to record in bertjax/model/kernels/gpu/gpu_kernel_check.py's PASSED_ON when all pass (`bertjax compile` then
+# says no more that the card's kernels are unchecked). Then the BERT-base MLM+NSP AdamW step in
 # bf16 with BERT's dropout 0.1/0.1 at seq 128 batch 256 and seq 512 batch 32, bertjax beside transformers + torch
 # eager and transformers + torch.compile (bench/train_step.py, the sides taking turns), then a profile of bertjax's
 # seq-128 step and its top kernels (bench/profile_top.py).

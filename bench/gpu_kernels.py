@@ -4,13 +4,13 @@ timed (bench/gpu_check.sh runs this first and stops if it fails).
     python3 bench/gpu_kernels.py                         # on a GPU: BERT-base shapes, the kernels through Triton
     .venv/bin/python bench/gpu_kernels.py --interpret    # anywhere: tiny shapes in Pallas' interpreter
 
-The cases are `bertjax.model.gpu_kernel_check`'s (a job runs them at small shapes before its first step on a card
-without a verdict): each kernel family forward and backward against its XLA reference on the same inputs with the
-same dropout mask, one line per case (the largest relative error of its output and gradients, the tensor, the
-tolerance, ok or FAIL; a case that raises, such as a Triton lowering error, is a FAIL with the error's first line).
-Exit 1 on any FAIL, 2 without a GPU unless --interpret. On a GPU the verdict is also cached for this card, jax
-version and kernel source (so jobs here skip their own check), and its key printed: the line to record in
-`gpu_kernel_check.PASSED_ON` once all pass.
+The cases are `bertjax.model.kernels.gpu.gpu_kernel_check`'s (a job runs them at small shapes before its first step on a
+card without a verdict): each kernel family forward and backward against its XLA reference on the same inputs with the
+same dropout mask, one line per case (the largest relative error of its output and gradients, the tensor, the tolerance,
+ok or FAIL; a case that raises, such as a Triton lowering error, is a FAIL with the error's first line). Exit 1 on any
+FAIL, 2 without a GPU unless --interpret. On a GPU the verdict is also cached for this card, jax version and kernel
+source (so jobs here skip their own check), and its key printed: the line to record in `gpu_kernel_check.PASSED_ON` once
+all pass.
 
 On a GPU: the attention with 12 heads of 64 at batch 4 x seq 128 (padding) and batch 2 x seq 512 (packing), the
 model's blocks (`attention.gpu_query_block`), and ModernBERT's (q/k/v stacked, rotary positions and a window of 128
@@ -32,8 +32,8 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's bertjax, run as a script
 
-from bertjax.model import gpu_kernel_check as check  # noqa: E402
-from bertjax.model.gpu_kernel_check import compare  # noqa: E402, F401 (the tests call it here)
+from bertjax.model.kernels.gpu import gpu_kernel_check as check  # noqa: E402
+from bertjax.model.kernels.gpu.gpu_kernel_check import compare  # noqa: E402, F401 (the tests call it here)
 
 
 def run(found) -> int:

@@ -55,8 +55,8 @@ def step_real_tokens_per_s(configs: dict, model_name: str, steps: int) -> dict[s
     import numpy as np
 
     from bertjax.data.pipeline import make_pretraining_dataset
-    from bertjax.model import bert as model_lib
-    from bertjax.model.config import BertConfig
+    from bertjax.model.bert import model as model_lib
+    from bertjax.model.bert.config import BertConfig
     from bertjax.pretraining import optim
     from bertjax.pretraining import state as train_state
     from bertjax.pretraining import step as train_step

@@ -36,7 +36,7 @@ def _ours(config, batch, seq, masked):
     import jax
 
     from bertjax import sharding
-    from bertjax.model import bert as model_lib
+    from bertjax.model.bert import model as model_lib
     from bertjax.pretraining import optim
     from bertjax.pretraining import state as train_state
     from bertjax.pretraining import step as train_step
@@ -214,7 +214,7 @@ def main() -> int:
 
     import jax
 
-    from bertjax.model.config import BertConfig
+    from bertjax.model.bert.config import BertConfig
     from bertjax.pretraining import metrics
 
     config = BertConfig.preset(args.preset, dtype=args.dtype, hidden_dropout_prob=0.1,

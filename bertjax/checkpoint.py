@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from bertjax.runtime import workdir_paths
 from bertjax.runtime.errors import OutputWriteError, cannot_write, first_line, is_permission_error
 from bertjax.runtime.input_files import Unreadable, check_readable_tree, read_text
-from bertjax.model import bert as model_lib
+from bertjax.model import layer_layout
 from bertjax.model import family, shapes
 from bertjax.model.family import ModelConfig
 from bertjax.options import ints, option, range_problems
@@ -210,7 +210,7 @@ def load_model(directory: str, abstract_params=None) -> ModelCheckpoint:
             **{PARAMS: ocp.args.StandardRestore(abstract_params)}))
     vocab = metadata_only[VOCAB]
     _check_vocab(config, vocab["tokens"], directory, vocab.get("tokenizer"))
-    params = model_lib.with_layout(model_lib.merge_head_axes(restored[PARAMS]), config, stacked=False)
+    params = layer_layout.with_layout(layer_layout.merge_head_axes(restored[PARAMS]), config, stacked=False)
     return ModelCheckpoint(params, config.replace(scan_layers=False), vocab["tokens"], vocab["lower_case"],
                            metadata_only.get(HEAD), vocab.get("tokenizer"))
 
@@ -249,7 +249,7 @@ def check_stored_config(metadata, config: ModelConfig, directory) -> None:
 
 def _has_split_head_kernels(metadata) -> bool:
     leaves = jax.tree_util.tree_leaves_with_path(metadata, is_leaf=lambda x: hasattr(x, "shape"))
-    return any(model_lib.is_split_head_kernel(path, len(leaf.shape)) for path, leaf in leaves)
+    return any(layer_layout.is_split_head_kernel(path, len(leaf.shape)) for path, leaf in leaves)
 
 
 def _abstract_layout(abstract, config: ModelConfig, stacked: bool):
@@ -265,13 +265,13 @@ def _abstract_layout(abstract, config: ModelConfig, stacked: bool):
     def take(leaf, _):
         return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding(leaf, tuple(leaf.sharding.spec)[1:]))
 
-    return model_lib.with_layout(abstract, config, stacked, stack=stack, take=take)
+    return layer_layout.with_layout(abstract, config, stacked, stack=stack, take=take)
 
 
 def _abstract_split_heads(abstract, config: ModelConfig):
     """Abstract arrays with the attention kernels in the split-head shapes of an older checkpoint (replicated)."""
     def split(path, leaf):
-        shape = model_lib.split_head_shape(path, leaf.shape, config)
+        shape = layer_layout.split_head_shape(path, leaf.shape, config)
         if shape == tuple(leaf.shape):
             return leaf
         replicated = jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
@@ -288,7 +288,7 @@ def restore_train_state(step_dir: str, abstract_state):
     check_readable_tree(step_dir, "in the checkpoint")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
         metadata = _stored_params(checkpointer, path)
-        stored, wanted = model_lib.is_stacked(metadata), model_lib.is_stacked(abstract_state.params)
+        stored, wanted = layer_layout.is_stacked(metadata), layer_layout.is_stacked(abstract_state.params)
         split_heads = _has_split_head_kernels(metadata)
         config = load_config(step_dir)
         check_stored_config(metadata, config, step_dir)
@@ -299,7 +299,7 @@ def restore_train_state(step_dir: str, abstract_state):
     state = _train_state_from(restored, target)
     if stored != wanted or split_heads:  # converted on the devices, into the wanted shardings
         shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, abstract_state)
-        state = jax.jit(lambda s: model_lib.with_layout(model_lib.merge_head_axes(s), config, wanted),
+        state = jax.jit(lambda s: layer_layout.with_layout(layer_layout.merge_head_axes(s), config, wanted),
                         out_shardings=shardings)(state)
     return state
 
@@ -314,8 +314,8 @@ def merge_params(initialised: dict, loaded: dict, *, source: str, encoder_only: 
     initialised is told to `note` (default: the log), as a line.
     """
     note = note or log.info
-    if model_lib.is_stacked(initialised):  # a scanned model (`load_model` hands out the per-layer layout)
-        loaded = model_lib.stack_layers(loaded, stack=np.stack)
+    if layer_layout.is_stacked(initialised):  # a scanned model (`load_model` hands out the per-layer layout)
+        loaded = layer_layout.stack_layers(loaded, stack=np.stack)
     flat = traverse_util.flatten_dict(initialised)
     flat_loaded = traverse_util.flatten_dict(loaded)
     merged = {}
@@ -513,14 +513,14 @@ class StepCheckpointer:
         (a fine-tune saved per layer by an older bertjax, resumed scanned): read as saved, then converted on the
         devices into the asked layout and shardings (every array item: params-shaped trees inside it too)."""
         metadata = self.manager.item_metadata(step)[PARAMS]
-        stored = model_lib.is_stacked(getattr(metadata, "tree", metadata))
-        wanted = model_lib.is_stacked(items[PARAMS])
+        stored = layer_layout.is_stacked(getattr(metadata, "tree", metadata))
+        wanted = layer_layout.is_stacked(items[PARAMS])
         if stored == wanted:
             return self.restore_items(step, items)
         arrays = {name: tree for name, tree in items.items() if tree is not None}
         restored = self.restore_items(step, {**items, **_abstract_layout(arrays, config, stored)})
         shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, arrays)
-        converted = jax.jit(lambda trees: model_lib.with_layout(trees, config, wanted),
+        converted = jax.jit(lambda trees: layer_layout.with_layout(trees, config, wanted),
                             out_shardings=shardings)({name: restored[name] for name in arrays})
         return {**restored, **converted}
 

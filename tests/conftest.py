@@ -211,8 +211,8 @@ def save_tiny_checkpoint(path: pathlib.Path, vocab_path: pathlib.Path, seed: int
     import jax
 
     from bertjax.checkpoint import read_vocab_file, save_model
-    from bertjax.model.bert import BertForSequenceClassification, init_params
-    from bertjax.model.config import BertConfig
+    from bertjax.model.bert.model import BertForSequenceClassification, init_params
+    from bertjax.model.bert.config import BertConfig
 
     vocab = read_vocab_file(str(vocab_path))
     config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -230,8 +230,8 @@ def save_tiny_hf(path: pathlib.Path, vocab_path: pathlib.Path, seed: int) -> str
 
     from bertjax.checkpoint import read_vocab_file
     from bertjax.interop.hf import export_hf
-    from bertjax.model.bert import BertModel, init_params
-    from bertjax.model.config import BertConfig
+    from bertjax.model.bert.model import BertModel, init_params
+    from bertjax.model.bert.config import BertConfig
 
     vocab = read_vocab_file(str(vocab_path))
     config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -251,8 +251,8 @@ def save_tiny_classifier_hf(path: pathlib.Path, vocab_path: pathlib.Path, labels
 
     from bertjax.checkpoint import read_vocab_file, save_model
     from bertjax.interop.hf import export_hf
-    from bertjax.model.bert import BertForSequenceClassification, init_params
-    from bertjax.model.config import BertConfig
+    from bertjax.model.bert.model import BertForSequenceClassification, init_params
+    from bertjax.model.bert.config import BertConfig
 
     vocab = read_vocab_file(str(vocab_path))
     config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

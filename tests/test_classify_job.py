@@ -254,11 +254,11 @@ def test_a_batch_larger_than_the_training_file_is_cut_to_it_saying_so(tiny_init,
 def test_a_training_step_beyond_the_machines_memory_is_refused_before_it_allocates(tiny_init, tmp_path, capsys,
                                                                                   monkeypatch):
     """The step's memory (params, gradients and AdamW's moments on every device, the activations' floor) is
-    estimated before the step allocates anything, as a model's size is (model/config.py); over the machine's memory
+    estimated before the step allocates anything, as a model's size is (model/config_base.py); over the machine's memory
     (here made 10 MiB), one line names --batch-size, the estimate and the memory, and the workdir the run made is
     gone."""
     # 10 MiB: below the tiny model's state on one device (~1.1M params x 16 bytes), as on the 8 of a sharding run.
-    monkeypatch.setattr("bertjax.model.config.host_memory_bytes", lambda: 10 << 20)
+    monkeypatch.setattr("bertjax.model.config_base.host_memory_bytes", lambda: 10 << 20)
     assert bertjax_main(_small_job(tmp_path) + ["--init", tiny_init, "--batch-size", "40"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("bertjax finetune: error: --batch-size 40 of 32 tokens a row: a training step needs at "

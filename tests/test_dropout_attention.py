@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from bertjax.model import dropout_attention as da
+from bertjax.model.kernels.tpu import dropout_attention as da
 from bertjax.model.attention import dot_product_attention, reference_attention
 from tests.kernel_references import _inputs, _reference, _segments, _value_and_grads
 

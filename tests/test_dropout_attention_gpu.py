@@ -1,16 +1,16 @@
-"""The fused Pallas GPU attention with attention dropout (bertjax.model.dropout_attention_gpu): forward and gradients
-against the reference attention with the TPU kernel's keep mask (`dropout_attention.dropout_keep_mask`), run in
-Pallas' interpreter on CPU; and `auto`'s choice of it for a GPU, lowered through Triton (no GPU needed)."""
+"""The fused Pallas GPU attention with attention dropout (bertjax.model.kernels.gpu.dropout_attention_gpu): forward and
+gradients against the reference attention with the TPU kernel's keep mask (`dropout_attention.dropout_keep_mask`), run
+in Pallas' interpreter on CPU; and `auto`'s choice of it for a GPU, lowered through Triton (no GPU needed)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax.model import dropout_attention as da
-from bertjax.model import dropout_attention_gpu as dg
+from bertjax.model.kernels.tpu import dropout_attention as da
+from bertjax.model.kernels.gpu import dropout_attention_gpu as dg
 from bertjax.model.attention import dot_product_attention, reference_attention
-from bertjax.model.bert import BertModel
-from bertjax.model.config import BertConfig
+from bertjax.model.bert.model import BertModel
+from bertjax.model.bert.config import BertConfig
 from tests.kernel_references import _biases, _inputs, _reference, _segments, _value_and_grads
 from tests.kernel_references import stacked_attention_kernel_and_reference
 from tests.kernel_references import attention_kernel_and_reference as _kernel_and_reference
@@ -227,8 +227,8 @@ def test_modernbert_training_on_a_gpu_runs_its_attention_in_the_triton_kernels_o
     """ModernBERT's own path on a GPU (`auto`, packed rows, bf16, windows and global layers): each layer's attention is
     a forward and a backward Triton kernel taking the projection's [B, S, 3, H, D] output, and no [S, S] array is left
     outside them."""
-    from bertjax.model import modernbert
-    from bertjax.model.modernbert_config import ModernBertConfig
+    from bertjax.model.modernbert import model as modernbert
+    from bertjax.model.modernbert.config import ModernBertConfig
 
     config = ModernBertConfig(hidden_size=128, num_attention_heads=2, intermediate_size=192, num_hidden_layers=3,
                               local_attention=64, vocab_size=128, pad_token_id=0, dtype="bfloat16")

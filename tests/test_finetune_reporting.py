@@ -80,7 +80,7 @@ def test_a_fine_tune_resumed_at_its_last_step_says_it_trained_nothing(tiny_init,
     from bertjax.finetune.settings import TrainSettings
     from bertjax.finetune.trainer import Preempted, Trainer, classification_loss
     from bertjax.interop.load import load_init
-    from bertjax.model.bert import BertForSequenceClassification
+    from bertjax.model.bert.model import BertForSequenceClassification
 
     data = _synthetic_glue(tmp_path / "glue")
     ckpt, tokenizer = load_init(tiny_init)

@@ -112,7 +112,7 @@ def _check_export(out: Path, task_name: str, data: Path, init: str, dev_metrics:
 
     from bertjax.finetune import glue
     from bertjax.interop.load import load_init, load_pretrained
-    from bertjax.model.bert import BertForSequenceClassification
+    from bertjax.model.bert.model import BertForSequenceClassification
 
     task = glue_data.get_task(task_name)
     _, tokenizer = load_init(init)

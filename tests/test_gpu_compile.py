@@ -206,7 +206,7 @@ def test_our_attention_kernels_are_priced_at_the_matmuls_of_the_pairs_they_decla
     kernels name the query-key pairs they compute (`_p<pairs>`), and the forward is priced at its two matmuls per
     pair (the backward at seven), 2 x head_dim FLOPs each, at FLASH_EFFICIENCY of the peak, or its bytes if longer.
     The pairs are the whole blocks the loops visit: all of them, or those that meet a window."""
-    from bertjax.model import dropout_attention_gpu as dg
+    from bertjax.model.kernels.gpu import dropout_attention_gpu as dg
 
     pairs = 1_000_000
     hlo = f"""HloModule step
@@ -310,7 +310,7 @@ def test_for_a_gpu_the_embeddings_gradient_neither_stores_the_dropout_mask_nor_t
     import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from bertjax.model import bert  # noqa: PLC0415
+    from bertjax.model.bert import model as bert  # noqa: PLC0415
 
     config = load_config("bert-base-phase1", [], require_data=False).bert_config(30522)
     embeddings = bert.Embeddings(config)

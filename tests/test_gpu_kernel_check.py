@@ -1,8 +1,9 @@
-"""The check of bertjax's Pallas GPU kernels on the card before a job's first step (`model/gpu_kernel_check.py`):
-its verdict cached per card, jax version and kernel source, the check run only without one, and a family that
-disagreed with XLA left out of the model (`model/gpu_kernels.py`); `bertjax compile`'s line for a GPU program
-with kernels never checked on that card. The verdicts here are faked (the check's own cases, interpreted, are
-tests/test_gpu_kernels.py's); the model's choice is traced with the GPU as the target platform."""
+"""The check of bertjax's Pallas GPU kernels on the card before a job's first step
+(`model/kernels/gpu/gpu_kernel_check.py`): its verdict cached per card, jax version and kernel source, the check run
+only without one, and a family that disagreed with XLA left out of the model (`model/kernels/gpu/gpu_kernels.py`);
+`bertjax compile`'s line for a GPU program with kernels never checked on that card. The verdicts here are faked (the
+check's own cases, interpreted, are tests/test_gpu_kernels.py's); the model's choice is traced with the GPU as the
+target platform."""
 import json
 import types
 
@@ -13,7 +14,8 @@ import pytest
 
 from bertjax.cloud import compile as aot
 from bertjax.cloud import gpus
-from bertjax.model import attention, gpu_kernel_check, gpu_kernels, layer_norm, layer_norm_gpu, norm_dropout
+from bertjax.model import attention, layer_norm, norm_dropout
+from bertjax.model.kernels.gpu import gpu_kernel_check, gpu_kernels, layer_norm_gpu
 
 H100 = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
 H200 = types.SimpleNamespace(device_kind="NVIDIA H200")

@@ -11,8 +11,8 @@ from bertjax.checkpoint import load_model, save_model
 from bertjax.cli import main as cli
 from bertjax.interop.load import load_pretrained
 from bertjax.interop.tf import write_tf_checkpoint
-from bertjax.model import bert as model_lib
-from bertjax.model.config import BertConfig
+from bertjax.model.bert import model as model_lib
+from bertjax.model.bert.config import BertConfig
 
 BUILTIN_SENTENCES = [
     "Short.",

@@ -1,7 +1,7 @@
-"""The Pallas GPU LayerNorm kernels (bertjax.model.layer_norm_gpu), run in Pallas' interpreter on CPU against the
-XLA custom_vjp they replace on GPUs (`layer_norm._fused`, `layer_norm.layer_norm`), its mask
-(`dropout.keep_mask_fused`) element for element; sharded over a CPU mesh; and the model's LayerNorms lowered for a
-GPU through Triton (no GPU needed)."""
+"""The Pallas GPU LayerNorm kernels (bertjax.model.kernels.gpu.layer_norm_gpu), run in Pallas' interpreter on CPU
+against the XLA custom_vjp they replace on GPUs (`layer_norm._fused`, `layer_norm.layer_norm`), its mask
+(`dropout.keep_mask_fused`) element for element; sharded over a CPU mesh; and the model's LayerNorms lowered for a GPU
+through Triton (no GPU needed)."""
 import re
 
 import flax.linen as nn
@@ -14,9 +14,9 @@ from jax.experimental import pallas as pl
 from bertjax import sharding
 from bertjax.model import dropout as dropout_lib
 from bertjax.model import layer_norm as ln
-from bertjax.model import layer_norm_gpu as lg
-from bertjax.model.bert import BertModel, DenseBeforeLayerNorm
-from bertjax.model.config import BertConfig
+from bertjax.model.kernels.gpu import layer_norm_gpu as lg
+from bertjax.model.bert.model import BertModel, DenseBeforeLayerNorm
+from bertjax.model.bert.config import BertConfig
 from tests.kernel_references import LAYER_NORM_EPS, LAYER_NORM_RATE, layer_norm_inputs, layer_norm_kernel_and_reference
 from tests.kernel_references import layer_norm_value_and_grads as _value_and_grads
 from tests.kernel_references import pre_norm_sum_kernel_and_reference

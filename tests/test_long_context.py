@@ -113,7 +113,7 @@ def test_the_memory_floor_counts_scores_only_where_a_layer_holds_them():
     probabilities a token and layer whatever ran, ~4 GiB a row of 8192 tokens for the tiny model: a CPU refused
     what it runs in ~1 GiB. Counted now where the layer's attention holds them: the reference's."""
     from bertjax.model import shapes
-    from bertjax.model.modernbert_config import ModernBertConfig
+    from bertjax.model.modernbert.config import ModernBertConfig
 
     config = ModernBertConfig.from_hf_dict({**modernbert_fixture.TINY, "model_type": "modernbert",
                                             "max_position_embeddings": 8192, "pad_token_id": 0})

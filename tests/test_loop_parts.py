@@ -11,7 +11,7 @@ import pytest
 
 from bertjax.checkpoint import JOB_CONFIG, PARAMS, ResumeRefused, StepCheckpointer
 from bertjax.runtime.console import Console
-from bertjax.model.config import BertConfig
+from bertjax.model.bert.config import BertConfig
 from bertjax.pretraining import goodput, progress
 from bertjax.pretraining.batch_schedule import BatchSchedule
 from bertjax.pretraining.config import check_resume_config, load_config

@@ -9,8 +9,8 @@ import transformers
 
 from bertjax import sharding
 from bertjax.cli import main as cli
-from bertjax.model import bert as model_lib
-from bertjax.model.config import BertConfig
+from bertjax.model.bert import model as model_lib
+from bertjax.model.bert.config import BertConfig
 
 CONFIG = BertConfig.preset("tiny", vocab_size=96, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                            max_position_embeddings=32)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from bertjax.model.config import PRESETS, BertConfig
+from bertjax.model.bert.config import PRESETS, BertConfig
 
 
 def test_reads_google_bert_config(shared_data):
@@ -75,7 +75,7 @@ def test_param_count_is_the_models(changes):
     import jax
     import numpy as np
 
-    from bertjax.model import bert as model_lib
+    from bertjax.model.bert import model as model_lib
 
     config = BertConfig.preset("tiny", **changes)
     shapes = jax.eval_shape(lambda: model_lib.init_params(model_lib.BertForPreTraining(config), config,
@@ -93,7 +93,7 @@ def test_a_model_too_big_for_the_machine_is_refused_naming_the_field_and_the_mem
 
     import dataclasses
 
-    from bertjax.model.config import _param_count  # the count test_param_count_is_the_models holds to the model
+    from bertjax.model.bert.config import _param_count  # the count test_param_count_is_the_models holds to the model
 
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     count = _param_count({**{f.name: f.default for f in dataclasses.fields(BertConfig)}, **changes})

@@ -12,8 +12,9 @@ from safetensors.numpy import load_file
 from bertjax.cli import main as cli
 from bertjax.checkpoint import save_model
 from bertjax.interop.load import checkpoint_tokenizer, load_pretrained
-from bertjax.model import family, modernbert
-from bertjax.model.modernbert_config import FULL, SLIDING, ModernBertConfig
+from bertjax.model import family
+from bertjax.model.modernbert import model as modernbert
+from bertjax.model.modernbert.config import FULL, SLIDING, ModernBertConfig
 from tests import modernbert_fixture
 
 # Held out from the BPE's training text (examples/), each longer than the window of 8.
@@ -259,7 +260,8 @@ def test_the_tpus_rotation_is_the_rotation_of_the_projection(monkeypatch, hidden
     import jax.numpy as jnp
     from jax.experimental.pallas import tpu as pltpu
 
-    from bertjax.model import rope, rope_tpu
+    from bertjax.model import rope
+    from bertjax.model.kernels.tpu import rope_tpu
 
     config = ModernBertConfig(hidden_size=hidden, num_attention_heads=heads, vocab_size=100, pad_token_id=0,
                               attention_bias=True, dtype=dtype)

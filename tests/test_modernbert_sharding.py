@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from bertjax import sharding
-from bertjax.model import modernbert
-from bertjax.model.modernbert_config import ModernBertConfig
+from bertjax.model.modernbert import model as modernbert
+from bertjax.model.modernbert.config import ModernBertConfig
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])

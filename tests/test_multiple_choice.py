@@ -100,8 +100,8 @@ def test_each_choice_scored_on_its_own_cls():
     import flax.linen as nn
 
     from bertjax.finetune.trainer import classification_loss
-    from bertjax.model.bert import BertForMultipleChoice, init_params
-    from bertjax.model.config import BertConfig
+    from bertjax.model.bert.model import BertForMultipleChoice, init_params
+    from bertjax.model.bert.config import BertConfig
 
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16)

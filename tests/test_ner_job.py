@@ -33,7 +33,7 @@ def test_cli_finetune_ner_writes_predictions_metrics_and_hf_export(shared_data, 
 
     from bertjax.cli import main
     from bertjax.interop.load import load_init, load_pretrained
-    from bertjax.model.bert import BertForTokenClassification
+    from bertjax.model.bert.model import BertForTokenClassification
 
     init = save_tiny_checkpoint(tmp_path / "init", minilm_dir / "vocab.txt", seed=0)
     data = tmp_path / "conll"

@@ -81,7 +81,7 @@ def test_summed_embeddings_and_their_gradients_equal_autodiff_of_the_sum():
     """The embeddings' sum off TPU (one pass over the batch for the positions' and token types' gradients)
     against autodiff of word[ids] + positions + types[segment ids]: the same values, the same gradients (the
     word table's by the same scatter-add, the others summed in another order)."""
-    from bertjax.model import bert  # noqa: PLC0415
+    from bertjax.model.bert import model as bert  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     word, types = (jnp.asarray(rng.normal(0, 1, shape), jnp.float32) for shape in ((50, 16), (3, 16)))

@@ -10,8 +10,8 @@ from bertjax.cli import build_parser
 from bertjax.data.cli import data_config_from_flags
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.finetune.settings import SquadSettings, TrainSettings
-from bertjax.model.config import BertConfig
-from bertjax.model.modernbert_config import ModernBertConfig
+from bertjax.model.bert.config import BertConfig
+from bertjax.model.modernbert.config import ModernBertConfig
 from bertjax.model.model_options import ModelOptions
 from bertjax.pretraining import config as pretrain_config
 

@@ -14,8 +14,9 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from bertjax.data.packing import best_fit_decreasing, pack_instances
-from bertjax.model import bert as model_lib
-from bertjax.model.config import BertConfig
+from bertjax.model.bert import model as model_lib
+from bertjax.model import layer_layout
+from bertjax.model.bert.config import BertConfig
 from bertjax.pretraining import optim
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step
@@ -170,7 +171,7 @@ def test_losses_and_gradients_equal_packed_and_unpacked(params, packed_and_unpac
     optimizer, schedule = optim.make_optimizer(optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=0), 10)
     state = nn.meta.unbox(train_state.init_state(jax.random.key(0), model=model, config=CONFIG, optimizer=optimizer,
                                                  seq_len=SEQ, num_masked=MASKED)).replace(
-        params=model_lib.stack_layers(params))  # the state holds the layers stacked
+        params=layer_layout.stack_layers(params))  # the state holds the layers stacked
     step = jax.jit(functools.partial(train_step.train_step, model=model, optimizer=optimizer, schedule=schedule,
                                      grad_accum_steps=1, nsp_loss=True))
     metrics = [jax.device_get(step(state, {k: jnp.asarray(v) for k, v in b.items()})[1])

@@ -152,7 +152,7 @@ def _modernbert_checkpoint(global_theta: float):
     """A ModernBERT checkpoint's description as --init gives it (no weights needed): tiny sizes, a 300-token
     vocabulary, the global RoPE theta given."""
     from bertjax.checkpoint import ModelCheckpoint
-    from bertjax.model.modernbert_config import ModernBertConfig
+    from bertjax.model.modernbert.config import ModernBertConfig
 
     config = ModernBertConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                               num_attention_heads=2, local_attention=32, global_rope_theta=global_theta,

@@ -1,13 +1,15 @@
-"""ModernBERT's RoPE kernel for TPU (`bertjax.model.rope_tpu`): values and gradients against `rope.apply_rotary`
-(transformers' rotation, which the ModernBERT parity tests hold) in interpret mode on CPU, per-token positions
-(packed rows) and shared ones, heads of 32, 64 and 128; and its compile through Mosaic for a TPU (compile-only)."""
+"""ModernBERT's RoPE kernel for TPU (`bertjax.model.kernels.tpu.rope_tpu`): values and gradients against
+`rope.apply_rotary` (transformers' rotation, which the ModernBERT parity tests hold) in interpret mode on CPU, per-token
+positions (packed rows) and shared ones, heads of 32, 64 and 128; and its compile through Mosaic for a TPU
+(compile-only)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from bertjax.model import rope, rope_tpu
+from bertjax.model import rope
+from bertjax.model.kernels.tpu import rope_tpu
 
 
 def _inputs(batch, length, heads, head_dim, packed, dtype=jnp.float32, seed=0):

@@ -13,8 +13,9 @@ import pytest
 from bertjax import checkpoint as checkpoint_lib
 from bertjax import sharding
 from bertjax.interop.hf import export_hf
-from bertjax.model import bert as model_lib
-from bertjax.model.config import BertConfig
+from bertjax.model.bert import model as model_lib
+from bertjax.model import layer_layout
+from bertjax.model.bert.config import BertConfig
 from bertjax.pretraining import optim
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step
@@ -62,7 +63,7 @@ def _pair(name: str, optimizer: str = "adamw"):
     unrolled = _state(config, mesh, optimizer)
     scanned = _state(config.replace(scan_layers=True), mesh, optimizer)
     state, shardings = scanned[3], scanned[4]
-    stacked = model_lib.stack_layers(jax.device_get(unrolled[3]))
+    stacked = layer_layout.stack_layers(jax.device_get(unrolled[3]))
     stacked = jax.device_put(stacked.replace(rng=state.rng), shardings)
     return config, mesh, unrolled, (*scanned[:3], stacked, shardings)
 
@@ -121,9 +122,9 @@ def test_stacked_layers_take_the_same_optimizer_updates(optimizer):
     """The train state holds the layers stacked: weight decay skips stacked LayerNorm/bias vectors, LAMB's trust
     ratio is per layer, so the updates are those of the same optimizer on the per-layer tensors."""
     config, _, (model, tx, _, state, _), _ = _pair("four_layers", optimizer)
-    per_layer = lambda tree: model_lib.unstack_layers(jax.device_get(tree), config.num_hidden_layers)
+    per_layer = lambda tree: layer_layout.unstack_layers(jax.device_get(tree), config.num_hidden_layers)
     grads = _loss_and_grads(model, state.params, _batches(1, seed=6)[0])[1]
-    assert model_lib.is_stacked(state.params) and model_lib.is_stacked(grads)
+    assert layer_layout.is_stacked(state.params) and layer_layout.is_stacked(grads)
     updates = []
     for params, g in ((state.params, grads), (per_layer(state.params), per_layer(grads))):
         opt_state = tx.init(params)
@@ -161,7 +162,7 @@ def test_hidden_states_are_sown_per_layer_under_scan():
     args = (batch["input_ids"], batch["input_mask"], batch["segment_ids"])
     states = []
     for (_, _, _, state, _), cfg in ((unrolled, config), (scanned, config.replace(scan_layers=True))):
-        params = model_lib.with_layout(state.params["bert"], cfg, stacked=cfg.scan_layers)
+        params = layer_layout.with_layout(state.params["bert"], cfg, stacked=cfg.scan_layers)
         _, sown = model_lib.BertModel(cfg).apply({"params": params}, *args, mutable=["intermediates"])
         states.append(sown["intermediates"]["hidden_states"])
     assert len(states[1]) == config.num_hidden_layers + 1
@@ -203,7 +204,7 @@ def test_a_scanned_checkpoint_reads_and_exports_as_the_unrolled_one(tmp_path):
     config, _, unrolled, scanned = _pair("four_layers")
     vocab = [f"t{i}" for i in range(config.vocab_size)]
     scan_params = jax.device_get(scanned[3].params)
-    params = model_lib.unstack_layers(jax.device_get(unrolled[3].params), config.num_hidden_layers)
+    params = layer_layout.unstack_layers(jax.device_get(unrolled[3].params), config.num_hidden_layers)
     checkpoint_lib.save_model(str(tmp_path / "scanned"), scan_params, config.replace(scan_layers=True), vocab)
     loaded = checkpoint_lib.load_model(str(tmp_path / "scanned"))
     assert not loaded.config.scan_layers and "layer_0" in loaded.params["bert"]
@@ -229,8 +230,8 @@ def test_a_per_layer_step_continues_stacked_and_back(name, tmp_path):
     config, _, unrolled, scanned = _pair(name)
     vocab = [f"t{i}" for i in range(config.vocab_size)]
     stacked = unrolled[3]
-    per_layer = jax.jit(lambda s: model_lib.unstack_layers(s, config.num_hidden_layers))(stacked)
-    assert model_lib.is_stacked(stacked.params) and not model_lib.is_stacked(per_layer.params)
+    per_layer = jax.jit(lambda s: layer_layout.unstack_layers(s, config.num_hidden_layers))(stacked)
+    assert layer_layout.is_stacked(stacked.params) and not layer_layout.is_stacked(per_layer.params)
     for layout, (state, target, cfg) in {"per_layer": (per_layer, stacked, config),
                                          "stacked": (scanned[3], per_layer, config.replace(scan_layers=True))}.items():
         checkpointer = checkpoint_lib.TrainCheckpointer(str(tmp_path / layout),
@@ -254,7 +255,7 @@ def test_a_fine_tune_state_saved_per_layer_resumes_scanned(tmp_path):
 
     config, _, unrolled, scanned = _pair("tiny")
     stacked = unrolled[3]
-    per_layer = jax.jit(lambda s: model_lib.unstack_layers(s, config.num_hidden_layers))(stacked)
+    per_layer = jax.jit(lambda s: layer_layout.unstack_layers(s, config.num_hidden_layers))(stacked)
     for layout, (saved, wanted) in {"per_layer": (per_layer, stacked), "stacked": (stacked, per_layer)}.items():
         best = BestTracker("accuracy", 0)
         best.update(3, {"accuracy": 0.75}, saved.params)
@@ -280,9 +281,9 @@ def test_a_step_with_split_head_kernels_continues_with_2d_kernels(tmp_path):
     stacked = unrolled[3]
 
     def split_heads(state):
-        state = model_lib.unstack_layers(state, config.num_hidden_layers)
+        state = layer_layout.unstack_layers(state, config.num_hidden_layers)
         return jax.tree_util.tree_map_with_path(
-            lambda path, x: x.reshape(model_lib.split_head_shape(path, x.shape, config)), state)
+            lambda path, x: x.reshape(layer_layout.split_head_shape(path, x.shape, config)), state)
     old = jax.jit(split_heads)(stacked)
     query = old.params["bert"]["layer_0"]["attention"]["self"]["query"]["kernel"]
     assert query.shape == (config.hidden_size, config.num_attention_heads, config.head_dim)
@@ -297,7 +298,7 @@ def test_a_step_with_split_head_kernels_continues_with_2d_kernels(tmp_path):
         assert a.sharding == b.sharding
         assert np.array_equal(np.asarray(a), np.asarray(b))
     model = checkpoint_lib.load_model(checkpointer.step_dir(0))
-    per_layer = model_lib.unstack_layers(stacked.params, config.num_hidden_layers)
+    per_layer = layer_layout.unstack_layers(stacked.params, config.num_hidden_layers)
     _assert_close(model.params, per_layer, rtol=0)
 
 

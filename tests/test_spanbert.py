@@ -335,8 +335,8 @@ def test_sbo_head_matches_its_formula_in_numpy():
     import flax.linen as nn
     import jax
 
-    from bertjax.model import bert as model_lib
-    from bertjax.model.config import BertConfig
+    from bertjax.model.bert import model as model_lib
+    from bertjax.model.bert.config import BertConfig
 
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16)
@@ -384,8 +384,8 @@ def test_sbo_weights_are_exported_beside_a_clean_hf_model(tmp_path):
 
     from bertjax.interop.hf import export_hf
     from bertjax.interop.names import SBO_FILE
-    from bertjax.model import bert as model_lib
-    from bertjax.model.config import BertConfig
+    from bertjax.model.bert import model as model_lib
+    from bertjax.model.bert.config import BertConfig
 
     config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16)

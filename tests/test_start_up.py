@@ -62,7 +62,7 @@ from bertjax.checkpoint import merge_params
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.trainer import Trainer
 from bertjax.interop.load import load_pretrained
-from bertjax.model.bert import BertForSequenceClassification, init_params
+from bertjax.model.bert.model import BertForSequenceClassification, init_params
 
 checkpoint = load_pretrained(sys.argv[1])
 module = BertForSequenceClassification(checkpoint.config, 3)

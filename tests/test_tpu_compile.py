@@ -54,7 +54,7 @@ def _compiled(name: str, *overrides: str, num_slices: int = 1, mfu: float | None
 def _param_bytes(config) -> int:
     import jax
 
-    from bertjax.model.bert import BertForPreTraining, init_params
+    from bertjax.model.bert.model import BertForPreTraining, init_params
 
     bert = config.bert_config(tpu_compile.DEFAULT_VOCAB_SIZE)
     shapes = jax.eval_shape(lambda: init_params(BertForPreTraining(bert), bert, jax.random.key(0), length=8,

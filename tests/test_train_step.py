@@ -10,8 +10,8 @@ import transformers
 
 from bertjax import sharding
 from bertjax.interop.hf import export_hf
-from bertjax.model import bert as model_lib
-from bertjax.model.config import BertConfig
+from bertjax.model.bert import model as model_lib
+from bertjax.model.bert.config import BertConfig
 from bertjax.pretraining import optim
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax.model.config import BertConfig
+from bertjax.model.bert.config import BertConfig
 from bertjax.finetune.settings import TrainSettings
 from bertjax.finetune.table_data import TableSpec
 from tests.conftest import save_tiny_hf
@@ -25,7 +25,7 @@ def tiny_init(tmp_path_factory, minilm_dir) -> str:
 def _trainer(init: str, **settings):
     from bertjax.finetune.trainer import Trainer, classification_loss
     from bertjax.interop.load import load_init
-    from bertjax.model.bert import BertForSequenceClassification
+    from bertjax.model.bert.model import BertForSequenceClassification
 
     ckpt, tokenizer = load_init(init)
     config = ckpt.config.replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -51,7 +51,7 @@ def test_grad_accumulation_is_one_big_batch(tiny_init):
 def test_bfloat16_computes_in_bfloat16_and_keeps_float32_weights(tiny_init):
     trainer, arrays = _trainer(tiny_init, dtype="bfloat16")
     assert trainer.module.config.dtype == "bfloat16"
-    from bertjax.model.bert import BertModel
+    from bertjax.model.bert.model import BertModel
 
     hidden = BertModel(trainer.module.config).apply({"params": trainer.params["bert"]}, arrays["input_ids"][:8],
                                                     arrays["input_mask"][:8], arrays["segment_ids"][:8])[0]
@@ -301,11 +301,11 @@ def test_a_cpu_fine_tune_scans_a_bert_encoder_and_writes_it_per_layer(tiny_init,
     from bertjax import checkpoint
     from bertjax.finetune.trainer import scans_layers, write_fine_tuned
     from bertjax.interop.load import load_init
-    from bertjax.model import bert as model_lib
-    from bertjax.model.modernbert_config import ModernBertConfig
+    from bertjax.model import layer_layout
+    from bertjax.model.modernbert.config import ModernBertConfig
 
     trainer, _ = _trainer(tiny_init)
-    assert trainer.config.scan_layers and model_lib.is_stacked(trainer.params)
+    assert trainer.config.scan_layers and layer_layout.is_stacked(trainer.params)
     init = load_init(tiny_init)[0]
     write_fine_tuned(trainer.params, init, str(tmp_path), bertjax_checkpoint=True, hf=False,
                      architecture="BertForSequenceClassification", id2label={0: "a", 1: "b"})

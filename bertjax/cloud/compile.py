@@ -12,7 +12,7 @@ user assumes with --mfu), each a range: the low end the estimate, the high end w
 leaves unpriced charged its bytes at HBM bandwidth (`StepEstimate.high_seconds`; on GPU every kernel is priced, so
 the two are one). A program larger than HBM fails to compile (RESOURCE_EXHAUSTED); that is reported as
 not fitting, with the size. On a GPU host it also says when the program runs bertjax's Pallas kernels that have
-not passed their check on that card (`model/gpu_kernel_check.py`), and how to check them.
+not passed their check on that card (`model/kernels/gpu/gpu_kernel_check.py`), and how to check them.
 """
 from __future__ import annotations
 
@@ -180,10 +180,10 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
 
 def gpu_kernels_report(topology: Topology, hlo_text: str | None) -> dict | None:
     """On a GPU host, bertjax's Pallas kernels in the compiled program and whether they passed their check on the
-    card (`model/gpu_kernel_check.py`): `note` says how to check them when not (None off GPU)."""
+    card (`model/kernels/gpu/gpu_kernel_check.py`): `note` says how to check them when not (None off GPU)."""
     if not is_gpu(topology) or hlo_text is None:
         return None
-    from bertjax.model import gpu_kernel_check
+    from bertjax.model.kernels.gpu import gpu_kernel_check
 
     card = gpus.CARDS[topology.generation].device_kind
     return {"card": card, "in_program": gpu_kernel_check.kernels_in_program(hlo_text),

@@ -40,7 +40,7 @@ from bertjax.runtime.errors import OutputWriteError
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
 from bertjax.interop.hf import export_hf
-from bertjax.model import bert as model_lib
+from bertjax.model import layer_layout
 from bertjax.model import family, shapes
 from bertjax.model.family import init_params
 from bertjax.runtime.preemption import PreemptionFlag, stopped_line
@@ -162,7 +162,7 @@ def scans_layers(config, platform: str) -> bool:
     for BERT's pretraining step on v5e), the layers stay unrolled. Dropout draws other bits scanned than unrolled
     (the same distribution); checkpoints and exports are written per layer either way, and a saved train state
     resumes in either layout."""
-    return platform == "cpu" and not family.is_modernbert(config)
+    return platform == "cpu" and family.of(config).uniform_layers
 
 
 class Trainer:
@@ -181,7 +181,7 @@ class Trainer:
             config = config.replace(scan_layers=True)  # merge_params stacks the checkpoint's layers to match
             module = module.clone(config=config)
         if self.mesh.devices.flat[0].platform == "gpu":   # before any step is traced: kernels that disagree left out
-            from bertjax.model import gpu_kernel_check
+            from bertjax.model.kernels.gpu import gpu_kernel_check
 
             gpu_kernel_check.prepare("gpu", Console().line)
         self.module, self.config, self.settings, self.loss_fn = module, config, settings, loss_fn
@@ -562,7 +562,7 @@ def step_memory(config, num_params: int, rows: int, tokens_per_row: int, mesh, t
     `rows` rows (all devices together) of `tokens_per_row` tokens: params (to train, also gradients and AdamW's
     two moments: 16 bytes a parameter) on every device, and the activations' floor (shapes.activation_floor_bytes).
     On an accelerator per device against its memory; on the CPU the devices together against the machine's."""
-    from bertjax.model.config import host_memory_bytes
+    from bertjax.model.config_base import host_memory_bytes
 
     devices = list(mesh.devices.flat)
     per_param = 16 if training else 4
@@ -586,7 +586,7 @@ def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_che
     """The fine-tuned `params` (config and vocabulary of the `init` checkpoint) as a bertjax checkpoint in
     <out_dir>/checkpoint and/or an HF `architecture` directory in <out_dir>/hf (extra config.json keys: hf_config)."""
     # Per layer, as every checkpoint and export was written before fine-tunes scanned their layers.
-    params = model_lib.with_layout(jax.device_get(params), init.config, stacked=False)
+    params = layer_layout.with_layout(jax.device_get(params), init.config, stacked=False)
     if bertjax_checkpoint:
         target = epath.Path(out_dir) / "checkpoint"
         workdir_paths.remove(target)

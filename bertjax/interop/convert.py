@@ -6,7 +6,7 @@ from typing import Mapping
 import numpy as np
 
 from bertjax.interop import names as names_lib
-from bertjax.model import bert as model_lib
+from bertjax.model import layer_layout
 from bertjax.model import family
 from bertjax.model import shapes as shapes_lib
 from bertjax.model.family import ModelConfig
@@ -27,7 +27,7 @@ def params_from_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, 
     key_of = (lambda n: n.hf) if source == "hf" else (lambda n: n.tf)
     held_groups = {n.group for n in table if key_of(n) in tensors}
     if "encoder" not in held_groups:
-        kind = "ModernBERT" if family.is_modernbert(config) else "BERT"
+        kind = family.of(config).name
         raise ValueError(f"{origin}: no {kind} encoder tensors found (looked for e.g. "
                          f"{key_of(table[0])!r}); is this a {kind} checkpoint?")
     num_labels = None
@@ -72,22 +72,16 @@ def params_from_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, 
                          f"{tuple(np.shape(tensors[beyond[0]]))}")
     if unexpected:
         details = ", ".join(f"{k} {tuple(np.shape(tensors[k]))}" for k in unexpected[:10])
-        kind = "ModernBERT" if family.is_modernbert(config) else "BERT"
+        kind = family.of(config).name
         raise ValueError(f"{origin}: unexpected tensors not part of a {kind} model: {details}"
                          + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""))
-    if family.is_modernbert(config):
-        # HF's layer 0 has no attention norm; ours holds an unused one (one param tree for every layer).
-        layer_0 = params["bert"]["layer_0"]
-        layer_0["attn_norm"] = {"scale": np.ones(shapes[("bert", "layer_0", "attn_norm", "scale")], np.float32)}
-        if config.norm_bias:
-            layer_0["attn_norm"]["bias"] = np.zeros_like(layer_0["attn_norm"]["scale"])
-    return params
+    return family.of(config).with_uncounted_params(params, config, shapes)
 
 
 def tensors_from_params(params: Mapping, config: ModelConfig, target: str) -> dict[str, np.ndarray]:
     """Flat tensor dict named the `target` way ("hf" or "tf") for every param the tree holds (either layer
     layout: stacked layers are named per layer)."""
-    params = model_lib.with_layout(params, config, stacked=False)
+    params = layer_layout.with_layout(params, config, stacked=False)
     table = names_lib.tensor_names_for(config)
     convert = names_lib.to_hf if target == "hf" else names_lib.to_tf
     out = {}

@@ -129,9 +129,15 @@ def _shard_path(directory: epath.Path, index: epath.Path, entry: str) -> epath.P
 def normalize_keys(state: Mapping[str, np.ndarray], config: ModelConfig | None = None) -> dict[str, np.ndarray]:
     """HF keys in the table's naming: BERT's without the "bert." prefix on encoder keys and old gamma/beta LayerNorm
     names; ModernBERT's encoder keys with the task models' "model." prefix."""
-    if config is not None and family.is_modernbert(config):
-        return {("model." + key if key.startswith(_MODERNBERT_ENCODER_PREFIXES) else key): value
-                for key, value in state.items()}
+    return _NORMALIZE[config.model_type if config is not None else "bert"](state)
+
+
+def _modernbert_keys(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {("model." + key if key.startswith(_MODERNBERT_ENCODER_PREFIXES) else key): value
+            for key, value in state.items()}
+
+
+def _bert_keys(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = {}
     for key, value in state.items():
         if key.startswith("bert."):
@@ -147,11 +153,8 @@ def load_hf(directory: str):
     path = epath.Path(directory)
     config = family.config_from_json_file(str(path / "config.json"))
     tensors = normalize_keys(read_state_dict(directory), config)
-    ignored = IGNORED_KEYS
-    if family.is_modernbert(config):
-        ignored = ("decoder.weight",) if config.tie_word_embeddings else ()
     params = convert.params_from_tensors(tensors, config, "hf", origin=directory, config_name="config.json",
-                                         ignored=ignored)
+                                         ignored=_IGNORED[config.model_type](config))
     vocab, lower_case, spec = read_tokenizer(directory)
     return params, config, vocab, lower_case, spec
 
@@ -248,9 +251,14 @@ def export_hf(params: Mapping, config: ModelConfig, vocab: list[str], out_dir: s
     a fine-tuned head was trained at, kept in config.json as `max_seq_length` (`bertjax predict`'s default)."""
     task = family.task_architecture(architecture) if architecture else _architecture(params)
     architecture = family.hf_architecture(config, task)
-    if family.is_modernbert(config):
-        return _export_modernbert(params, config, vocab, out_dir, lower_case, task, architecture, id2label,
-                                  problem_type, squad, tokenizer, max_seq_length)
+    return _EXPORT[config.model_type](params, config, vocab, out_dir, lower_case, task, architecture, id2label,
+                                      problem_type, squad, tokenizer, max_seq_length)
+
+
+def _export_bert(params, config, vocab, out_dir, lower_case, task, architecture, id2label, problem_type, squad,
+                 tokenizer, max_seq_length=None) -> str:
+    """A BERT HF directory: the encoder under "bert." (bare for BertModel), the heads, vocab.txt or tokenizer.json;
+    the span boundary head, which no HF class has, in a file of its own."""
     tensors = convert.tensors_from_params(params, config, "hf")
     # Not part of any HF BERT architecture: kept out of model.safetensors (no unexpected keys on load).
     sbo = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("span_boundary.")]}
@@ -344,3 +352,11 @@ def _write_files(files: list[tuple[str, object]], out: epath.Path) -> None:
                                           metadata={"format": "pt"}))
         else:
             (out / name).write_text(content, encoding="utf-8")
+
+
+# Each family's HF conventions (`family.FAMILIES`' keys): its keys in the table's naming, the keys transformers writes
+# that hold no weights of ours (buffers, tied copies), its export.
+_NORMALIZE = {"bert": _bert_keys, "modernbert": _modernbert_keys}
+_IGNORED = {"bert": lambda config: IGNORED_KEYS,
+            "modernbert": lambda config: ("decoder.weight",) if config.tie_word_embeddings else ()}
+_EXPORT = {"bert": _export_bert, "modernbert": _export_modernbert}

@@ -21,7 +21,6 @@ from bertjax.interop.hf import hf_head, hf_num_labels, load_hf, read_tokenizer
 from bertjax.interop.hub import local_model_path
 from bertjax.interop.tf import load_tf
 from bertjax.model import family
-from bertjax.model.config import BertConfig
 
 
 def detect_format(src: str) -> str:
@@ -175,7 +174,7 @@ def describe_pretrained(src: str) -> ModelCheckpoint:
         vocab, lower_case, spec = read_tokenizer(src)
         return ModelCheckpoint(None, family.config_from_json_file(str(folder / "config.json")), vocab, lower_case,
                                hf_head(src), spec)
-    return ModelCheckpoint(None, BertConfig.from_json_file(str(folder / "bert_config.json")),
+    return ModelCheckpoint(None, family.config_from_json_file(str(folder / "bert_config.json")),
                            read_vocab_file(str(folder / "vocab.txt")), _tf_lower_case(src))
 
 

@@ -298,7 +298,9 @@ def card_text(hf_config: dict, facts: RunFacts | None = None, *, name: str = "mo
         base, hub_id = base_model(facts.init)
     architecture = (hf_config.get("architectures") or ["BertModel"])[0]
     # By the task (BERT's class name) whatever the family: ModernBertForMaskedLM is a fill-mask model too.
-    task = "Bert" + architecture[len("ModernBert"):] if architecture.startswith("ModernBert") else architecture
+    from bertjax.model.family import task_architecture
+
+    task = task_architecture(architecture)
     pipeline_tag = PIPELINE_TAGS.get(task, "feature-extraction")
     front = {"license": inherited.get("license", "other")}
     if "language" in inherited:

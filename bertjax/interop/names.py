@@ -163,10 +163,12 @@ def modernbert_tensor_names(config) -> list[TensorName]:
 
 
 def tensor_names_for(config) -> list[TensorName]:
-    """The table of `config`'s family (a BertConfig or a ModernBertConfig)."""
-    if getattr(config, "model_type", "bert") == "modernbert":
-        return modernbert_tensor_names(config)
-    return tensor_names(config.num_hidden_layers)
+    """The table of `config`'s family, by its model_type."""
+    return _TABLES[config.model_type](config)
+
+
+# HF's tensor names of each family (`family.FAMILIES`' keys).
+_TABLES = {"bert": lambda config: tensor_names(config.num_hidden_layers), "modernbert": modernbert_tensor_names}
 
 
 # ---- layout conversions -------------------------------------------------------------------------------------

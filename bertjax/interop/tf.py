@@ -5,7 +5,7 @@ import numpy as np
 
 from bertjax.runtime.errors import first_line
 from bertjax.interop import convert
-from bertjax.model.config import BertConfig
+from bertjax.model import family
 
 # Optimizer slots and bookkeeping that continued-training checkpoints hold next to the weights.
 _SKIPPED_SUFFIXES = ("/adam_m", "/adam_v", "/Momentum", "/lamb_m", "/lamb_v")
@@ -35,7 +35,7 @@ def read_tf_checkpoint(prefix: str) -> dict[str, np.ndarray]:
 
 def load_tf(prefix: str, config_path: str):
     """(params, config) from an original TF checkpoint prefix and its bert_config.json."""
-    config = BertConfig.from_json_file(config_path)
+    config = family.config_from_json_file(config_path)
     params = convert.params_from_tensors(read_tf_checkpoint(prefix), config, "tf", origin=prefix,
                                          config_name=config_path)
     return params, config

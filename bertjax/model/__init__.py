@@ -1,1 +1,2 @@
-"""The BERT model: its config, the Flax modules, attention backends, dropout, and features from a checkpoint."""
+"""The network: the encoder families (bert/, modernbert/: config, Flax modules, family object; `family.py` finds them
+by model_type), the parts they share, and our Pallas kernels by platform (kernels/tpu, kernels/gpu)."""

@@ -46,7 +46,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from bertjax import sharding
-from bertjax.model import gpu_kernels
+from bertjax.model.kernels.gpu import gpu_kernels
 from bertjax.model.chunked_attention import chunked_attention
 from bertjax.model.dropout import dropout
 from bertjax.sharding import target_platform
@@ -145,7 +145,7 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
             query, key, value, mask=mask, implementation="cudnn" if backend == "cudnn" else None)
     segment_ids = _kernel_segment_ids(input_mask, packing_ids)
     if backend in FUSED_DROPOUT_BACKENDS.values():
-        from bertjax.model.dropout_attention import seed_from_rng
+        from bertjax.model.kernels.tpu.dropout_attention import seed_from_rng
 
         rate = dropout_rate if dropout_active else 0.0
         seed = seed_from_rng(dropout_rng) if rate > 0.0 else jnp.uint32(0)
@@ -321,7 +321,7 @@ def _splash_attention(query, key, value, segment_ids, batch_offset, head_offset,
 
 def _flash_dropout_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset,
                              biases=None, window=None):
-    from bertjax.model.dropout_attention import flash_attention_with_dropout
+    from bertjax.model.kernels.tpu.dropout_attention import flash_attention_with_dropout
 
     # The kernel pads the length to its blocks itself (padding with segment id 0) and slices the output back. Its
     # held block (queries in the forward and dq kernels, keys in dk/dv) is the longest of 512, 256, 128 tokens that
@@ -346,7 +346,7 @@ def gpu_query_block(padded_length: int) -> int:
 def _flash_dropout_gpu_attention(query, key, value, segment_ids, seed, *, dropout_rate, batch_offset, head_offset,
                                  biases=None, window=None, rotary=None):
     """The GPU kernel on (query, key, value), or on q/k/v stacked in `query` (key and value None)."""
-    from bertjax.model.dropout_attention_gpu import flash_attention_with_dropout
+    from bertjax.model.kernels.gpu.dropout_attention_gpu import flash_attention_with_dropout
 
     query, key, value, segment_ids, *rotary, length = _pad_to_block(query, key, value, segment_ids, *(rotary or ()))
     block_q = gpu_query_block(query.shape[1])
@@ -367,7 +367,7 @@ def stacked_gpu_attention(qkv, input_mask, packing_ids=None, *, rotary, dropout_
     `rotary` (cos, sin) float32 [batch or 1, length, head_dim], `rope.apply_rotary`'s values. XLA had rotated q and
     k in a pass of its own and, in the backward, rotated their gradients back and stacked the three for the
     projection (on an H200 ~0.2 ms a ModernBERT-base layer and microbatch, priced)."""
-    from bertjax.model.dropout_attention import seed_from_rng
+    from bertjax.model.kernels.tpu.dropout_attention import seed_from_rng
 
     rate = dropout_rate if not deterministic and dropout_rate > 0.0 else 0.0
     seed = seed_from_rng(dropout_rng) if rate > 0.0 else jnp.uint32(0)

@@ -1,46 +1,60 @@
-"""The two encoder families behind one set of functions: BERT (`bert.py`, BertConfig) and ModernBERT
-(`modernbert.py`, ModernBertConfig). Which config a dict or an HF config.json describes (by `model_type`), and each
-task's module for a config; every job, reader and writer asks here instead of naming a family's classes.
+"""The encoder families, registered by HF's `model_type`: which family a config, a dict or an HF config.json is, and
+each task's module for a config. Every job, reader and writer asks here (or asks `of(config)`, the family object:
+`encoder_family.EncoderFamily` is what it answers) instead of naming a family; a new family is a folder of its own
+(config, modules, family object) and its row in FAMILIES.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from etils import epath
 
+from bertjax.model.bert.family import BERT
+from bertjax.model.config_base import ConfigBase
+from bertjax.model.encoder_family import EncoderFamily
+from bertjax.model.modernbert.family import MODERNBERT
 from bertjax.runtime.input_files import read_json
-from bertjax.model import bert, modernbert
-from bertjax.model.config import BertConfig
-from bertjax.model.modernbert_config import MODEL_TYPE as MODERNBERT
-from bertjax.model.modernbert_config import ModernBertConfig
 
-ModelConfig = Union[BertConfig, ModernBertConfig]
-MODEL_TYPES = ("bert", MODERNBERT)
+ModelConfig = ConfigBase  # a config of any family
+FAMILIES: dict[str, EncoderFamily] = {family.model_type: family for family in (BERT, MODERNBERT)}
+MODEL_TYPES = tuple(FAMILIES)
+# A config JSON without a model_type is BERT's (Google's bert_config.json, bertjax's older checkpoints).
+DEFAULT_MODEL_TYPE = BERT.model_type
 
 
-def is_modernbert(config: ModelConfig) -> bool:
-    return isinstance(config, ModernBertConfig)
+def of(config: ModelConfig) -> EncoderFamily:
+    """The family of a config object."""
+    return FAMILIES[config.model_type]
 
+
+def by_model_type(model_type: str, source: str = "config.json") -> EncoderFamily:
+    """The family HF's `model_type` names; another is refused naming the known ones."""
+    if model_type not in FAMILIES:
+        known = [repr(name) for name in FAMILIES]
+        raise ValueError(f"{source}: model_type {model_type!r} is neither {' nor '.join(known)}")
+    return FAMILIES[model_type]
+
+
+def of_preset(preset: str) -> EncoderFamily:
+    """The family a pretraining job's `model.preset` builds (BERT for a name no family has: the preset itself is
+    refused by `model_options.preset_sizes`)."""
+    return next((family for family in FAMILIES.values() if preset in family.presets), FAMILIES[DEFAULT_MODEL_TYPE])
+
+
+# ---- config readers -----------------------------------------------------------------------------------------------
 
 def config_from_dict(values: dict[str, Any], source: str = "config") -> ModelConfig:
     """A checkpoint's own config JSON: ModernBERT's carries `model_type`, BERT's (older ones too) does not."""
-    if values.get("model_type", "bert") == MODERNBERT:
-        return ModernBertConfig.from_dict(values, source=source)
-    return BertConfig.from_dict({k: v for k, v in values.items() if k != "model_type"}, source=source)
+    return by_model_type(values.get("model_type", DEFAULT_MODEL_TYPE), source).config_from_dict(values, source)
 
 
 def config_from_hf_dict(values: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """An HF config.json's dict, by its model_type ("bert" or "modernbert"; others refused naming them)."""
-    model_type = values.get("model_type", "bert")
-    if model_type == MODERNBERT:
-        return ModernBertConfig.from_hf_dict(values, source=source)
-    if model_type != "bert":
-        raise ValueError(f"{source}: model_type {model_type!r} is neither 'bert' nor 'modernbert'")
-    return BertConfig.from_hf_dict(values, source=source)
+    """An HF config.json's dict, by its model_type (one of MODEL_TYPES; others refused naming them)."""
+    return by_model_type(values.get("model_type", DEFAULT_MODEL_TYPE), source).config_from_hf_dict(values, source)
 
 
 def config_from_json_file(path: str) -> ModelConfig:
-    """Google's bert_config.json, an HF config.json (BERT or ModernBERT), or bertjax's own config.json."""
+    """Google's bert_config.json, an HF config.json (of any family), or bertjax's own config.json."""
     file = epath.Path(path)
     if file.exists():
         try:
@@ -52,50 +66,62 @@ def config_from_json_file(path: str) -> ModelConfig:
             # were "not found", and the user asked whether it is a BERT checkpoint.
             raise ValueError(f"{path}: an HF config.json without model_type (architectures "
                              f"{values['architectures']}): it says which family the model is; add \"model_type\": "
-                             f"\"bert\" or \"modernbert\"")
-        if isinstance(values, dict) and values.get("model_type") == MODERNBERT:
-            if "architectures" in values or "rope_parameters" in values or "global_rope_theta" in values:
-                return ModernBertConfig.from_hf_dict(values, source=path)
-            return ModernBertConfig.from_dict(values, source=path)
-    return BertConfig.from_json_file(path)
+                             + " or ".join(f'"{name}"' for name in MODEL_TYPES))
+        family = FAMILIES.get(values.get("model_type")) if isinstance(values, dict) else None
+        if family is not None and family is not BERT:
+            if family.is_hf_dict(values):
+                return family.config_from_hf_dict(values, path)
+            return family.config_from_dict(values, path)
+    return BERT.config_class.from_json_file(path)
 
 
-# ---- each task's module -------------------------------------------------------------------------------------------
+# ---- each task's module, and the hooks: the config's family answers ---------------------------------------------
 
 def encoder(config: ModelConfig):
     """The bare encoder, returning (sequence [B, L, H], None): no pooler."""
-    return modernbert.ModernBertModel(config) if is_modernbert(config) else bert.BertModel(config, add_pooler=False)
+    return of(config).encoder(config)
 
 
 def sequence_classifier(config: ModelConfig, num_labels: int):
-    if is_modernbert(config):
-        return modernbert.ModernBertForSequenceClassification(config, num_labels)
-    return bert.BertForSequenceClassification(config, num_labels)
+    return of(config).sequence_classifier(config, num_labels)
 
 
 def token_classifier(config: ModelConfig, num_labels: int):
-    if is_modernbert(config):
-        return modernbert.ModernBertForTokenClassification(config, num_labels)
-    return bert.BertForTokenClassification(config, num_labels)
+    return of(config).token_classifier(config, num_labels)
 
 
 def question_answering(config: ModelConfig):
-    if is_modernbert(config):
-        return modernbert.ModernBertForQuestionAnswering(config)
-    return bert.BertForQuestionAnswering(config)
+    return of(config).question_answering(config)
 
 
 def multiple_choice(config: ModelConfig):
-    if is_modernbert(config):
-        return modernbert.ModernBertForMultipleChoice(config)
-    return bert.BertForMultipleChoice(config)
+    return of(config).multiple_choice(config)
+
+
+def pretraining_model(config: ModelConfig, span_boundary_objective: bool = False):
+    """The module a pretraining job trains: BERT's MLM + NSP (+ SBO) model, ModernBERT's masked LM (MLM alone)."""
+    return of(config).pretraining_model(config, span_boundary_objective)
 
 
 def init_params(module, config: ModelConfig, rng, length: int = 8, num_masked: int = 2):
-    """Initial (boxed, logically partitioned) params of any module of either family."""
-    if is_modernbert(config):
-        return modernbert.init_params(module, config, rng, length, num_masked)
-    return bert.init_params(module, config, rng, length, num_masked)
+    """Initial (boxed, logically partitioned) params of any module of any family."""
+    return of(config).init_params(module, config, rng, length, num_masked)
+
+
+def counted_params(params: dict, config: ModelConfig) -> dict:
+    """`params` as transformers counts them (ModernBERT's: without its unused layer-0 attention norm)."""
+    return of(config).counted_params(params)
+
+
+def loop_invariant_params(params: dict, config: ModelConfig) -> dict:
+    """`params` as a loop over microbatches takes them (ModernBERT's projection kernels already in the compute
+    dtype: cast once a step, the same bits)."""
+    return of(config).loop_invariant_params(params, config)
+
+
+def activation(config: ModelConfig) -> str:
+    """The feed-forward activation's name (BERT's hidden_act, ModernBERT's hidden_activation)."""
+    return of(config).activation(config)
 
 
 # ---- HF class names ----------------------------------------------------------------------------------------------
@@ -105,43 +131,15 @@ def init_params(module, config: ModelConfig, rng, length: int = 8, num_masked: i
 def task_architecture(architecture: str | None) -> str | None:
     """An HF class name as the task it is, by BERT's class name ("ModernBertForTokenClassification" ->
     "BertForTokenClassification"); BERT's names and None unchanged."""
-    if architecture and architecture.startswith("ModernBert"):
-        return "Bert" + architecture[len("ModernBert"):]
+    if not architecture:
+        return architecture
+    for family in sorted(FAMILIES.values(), key=lambda f: -len(f.class_prefix)):
+        if architecture.startswith(family.class_prefix):
+            return BERT.class_prefix + architecture[len(family.class_prefix):]
     return architecture
 
 
 def hf_architecture(config: ModelConfig, task: str) -> str:
     """The family's HF class for a task named by BERT's class (ModernBERT has no NSP: pretraining is its
     ModernBertForMaskedLM)."""
-    if not is_modernbert(config):
-        return task
-    return "ModernBertForMaskedLM" if task in ("BertForPreTraining", "BertForMaskedLM") else "Modern" + task
-
-
-def counted_params(params: dict, config: ModelConfig) -> dict:
-    """`params` as transformers counts them: without ModernBERT's unused layer-0 attention norm (HF's Identity)."""
-    layer_0 = params.get("bert", {}).get("layer_0")
-    if not is_modernbert(config) or layer_0 is None or "attn_norm" not in layer_0:
-        return params
-    return {**params, "bert": {**params["bert"],
-                               "layer_0": {k: v for k, v in layer_0.items() if k != "attn_norm"}}}
-
-
-def loop_invariant_params(params: dict, config: ModelConfig) -> dict:
-    """`params` as a loop over microbatches takes them: ModernBERT's projection kernels already in the compute dtype
-    (`modernbert.with_compute_dtype`: cast once a step, the same bits); BERT's as they are."""
-    return modernbert.with_compute_dtype(params, config) if is_modernbert(config) else params
-
-
-def pretraining_model(config: ModelConfig, span_boundary_objective: bool = False):
-    """The module a pretraining job trains: BERT's MLM + NSP (+ SBO) model, ModernBERT's masked LM (MLM alone)."""
-    if is_modernbert(config):
-        if span_boundary_objective:
-            raise ValueError("ModernBERT has no span boundary objective head")
-        return modernbert.ModernBertForMaskedLM(config)
-    return bert.BertForPreTraining(config, span_boundary_objective=span_boundary_objective)
-
-
-def activation(config: ModelConfig) -> str:
-    """The feed-forward activation's name (BERT's hidden_act, ModernBERT's hidden_activation)."""
-    return config.hidden_activation if is_modernbert(config) else config.hidden_act
+    return of(config).hf_architecture(task)

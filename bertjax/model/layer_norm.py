@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import dropout as dropout_lib
-from bertjax.model import gpu_kernels, layer_norm_gpu
-from bertjax.model.config import BertConfig
+from bertjax.model.kernels.gpu import gpu_kernels, layer_norm_gpu
+from bertjax.model.bert.config import BertConfig
 from bertjax.sharding import target_platform
 
 

@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from bertjax.model.config import ACTIVATIONS, ATTENTION_BACKENDS, DTYPES, PRESETS, REMAT_POLICIES, BertConfig
-from bertjax.model.modernbert_config import ModernBertConfig, alternating_layer_types
+from bertjax.model.bert.config import PRESETS, BertConfig
+from bertjax.model.config_base import ACTIVATIONS, ATTENTION_BACKENDS, DTYPES, REMAT_POLICIES
+from bertjax.model.modernbert.config import PRESETS as MODERNBERT_PRESETS
+from bertjax.model.modernbert.config import ModernBertConfig, alternating_layer_types
 from bertjax.options import floats, ints, option
 
-# name -> (layers, hidden, heads, intermediate, window): ModernBERT's released shapes, and a tiny one for tests and
-# the CPU demo (BERT-tiny's width; the window half the demo's 64-token rows).
-MODERNBERT_PRESETS = {
-    "modernbert-tiny": (4, 128, 2, 192, 32),
-    "modernbert-base": (22, 768, 12, 1152, 128),
-    "modernbert-large": (28, 1024, 16, 2624, 128),
-}
 ALL_PRESETS = (*PRESETS, *MODERNBERT_PRESETS)
 # The fields a preset sets (and vocab_size, which a job takes from its vocabulary).
 PRESET_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -123,10 +118,6 @@ ModelOptions = dataclasses.make_dataclass("ModelOptions", _model_option_fields()
                                           namespace={"__module__": __name__})
 
 
-def is_modernbert_preset(preset: str) -> bool:
-    return preset in MODERNBERT_PRESETS
-
-
 def preset_sizes(preset: str) -> dict[str, int]:
     """The sizes a preset gives (PRESET_FIELDS but the vocabulary's)."""
     if preset in MODERNBERT_PRESETS:
@@ -144,7 +135,7 @@ def other_family_keys(model) -> list[str]:
     """`model.*` keys of the family the preset does not name, changed from their defaults (refused: they would be
     ignored)."""
     defaults = ModelOptions()
-    if is_modernbert_preset(model.preset):
+    if model.preset in MODERNBERT_PRESETS:
         bert_only = [f.name for f in dataclasses.fields(BertConfig) if f.name not in SHARED_FIELDS]
         return [f"model.{k}" + (f" (ModernBERT's: {_MODERNBERT_NAME[k]})" if k in _MODERNBERT_NAME else "")
                 for k in bert_only if getattr(model, k) != getattr(defaults, k)]
@@ -160,11 +151,11 @@ def build_model_config(model, vocab_size: int, special_ids: dict[str, int | None
     sizes["vocab_size"] = model.vocab_size or vocab_size
     wrong = other_family_keys(model)
     if wrong:
-        family = "ModernBERT" if is_modernbert_preset(model.preset) else "BERT"
+        family = "ModernBERT" if model.preset in MODERNBERT_PRESETS else "BERT"
         raise ValueError(f"model.preset={model.preset} is a {family} model; {', '.join(wrong)} belong to the other "
                          "family and would be ignored: leave them at their defaults")
     shared = {k: getattr(model, k) for k in SHARED_FIELDS if k not in PRESET_FIELDS}
-    if not is_modernbert_preset(model.preset):
+    if model.preset not in MODERNBERT_PRESETS:
         values = {f.name: getattr(model, f.name) for f in dataclasses.fields(BertConfig)}
         return BertConfig(**{**values, **sizes})
     options = dataclasses.asdict(model.modernbert)

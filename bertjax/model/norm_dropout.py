@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import dropout as dropout_lib
-from bertjax.model import gpu_kernels
+from bertjax.model.kernels.gpu import gpu_kernels
 from bertjax.model.layer_norm import as_rows, layer_norm, normalise_backward, normalise_rows
 from bertjax.sharding import target_platform
 

@@ -12,24 +12,13 @@ import re
 import flax.linen as nn
 import jax
 
-from bertjax.model import bert as model_lib
 from bertjax.model import family
-from bertjax.model import modernbert
-from bertjax.model.config import BertConfig
-from bertjax.model.modernbert_config import ModernBertConfig
+from bertjax.model import layer_layout
+from bertjax.model.bert.family import BERT
 
-# A config whose sizes are all different numbers: the shape the model builds from it tells which field sets each
-# dimension (hidden 39 = 3 heads of 13; the SBO head's first dense takes 3 * hidden).
-_PROBE = BertConfig(vocab_size=43, hidden_size=39, num_hidden_layers=7, num_attention_heads=3, intermediate_size=41,
-                    max_position_embeddings=47, type_vocab_size=5)
+# Each family's probe (`shape_probe`) is a config whose sizes are all different numbers: the shape the model builds
+# from it tells which field sets each dimension (`field_of_size`).
 _PROBE_LABELS = 11
-_FIELD_OF_SIZE = {43: "vocab_size", 39: "hidden_size", 117: "hidden_size", 13: "hidden_size", 7: "num_hidden_layers",
-                  3: "num_attention_heads", 41: "intermediate_size", 47: "max_position_embeddings",
-                  5: "type_vocab_size"}
-# ModernBERT's probe: its head size must be even (rotary embeddings), 3 and 2 are fixed axes of Wqkv and Wi.
-_MODERNBERT_PROBE = ModernBertConfig(vocab_size=43, hidden_size=42, num_hidden_layers=7, num_attention_heads=3,
-                                     intermediate_size=41, max_position_embeddings=47, pad_token_id=0)
-_MODERNBERT_FIELD_OF_SIZE = {43: "vocab_size", 42: "hidden_size", 7: "num_hidden_layers", 41: "intermediate_size"}
 _LAYER = re.compile(r"^layer_\d+$")
 
 Path = tuple[str, ...]
@@ -43,21 +32,14 @@ def _shapes_of(module, config, heads_only: tuple[str, ...] = ()) -> dict[Path, t
 
 
 def param_shapes(config, num_labels: int | None = None) -> dict[Path, tuple[int, ...]]:
-    """Shape of every param path of the config's family's largest model (BERT: BertForPreTraining with the SBO head
-    and the qa_outputs head; ModernBERT: ModernBertForMaskedLM), + a classifier of `num_labels`, in the layer
-    layout `config.scan_layers` says (per layer, or stacked under `bert/layers`)."""
-    if family.is_modernbert(config):
-        shapes = _shapes_of(modernbert.ModernBertForMaskedLM(config.replace(scan_layers=False)), config)
-        if num_labels is not None:
-            shapes.update(_shapes_of(modernbert.ModernBertForSequenceClassification(
-                config.replace(scan_layers=False), num_labels), config, ("classifier",)))
-        return _stacked_shapes(shapes, config.num_hidden_layers) if config.scan_layers else shapes
-    shapes = _shapes_of(model_lib.BertForPreTraining(config, span_boundary_objective=True), config)
-    shapes.update(_shapes_of(model_lib.BertForQuestionAnswering(config), config, ("qa_outputs",)))
-    if num_labels is not None:
-        shapes.update(_shapes_of(model_lib.BertForSequenceClassification(config, num_labels), config,
-                                 ("classifier",)))
-    return shapes
+    """Shape of every param path of the config's family's largest model (`shape_modules`: BERT's BertForPreTraining
+    with the SBO head and the qa_outputs head; ModernBERT's ModernBertForMaskedLM), + a classifier of `num_labels`,
+    in the layer layout `config.scan_layers` says (per layer, or stacked under `bert/layers`)."""
+    shapes = {}
+    for module, heads_only in family.of(config).shape_modules(config, num_labels):
+        shapes.update(_shapes_of(module, config, heads_only))
+    # A family that builds its layers per layer only: stacked here (a stacked build has no layer_N to stack).
+    return _stacked_shapes(shapes, config.num_hidden_layers) if config.scan_layers else shapes
 
 
 def _stacked_shapes(shapes: dict[Path, tuple[int, ...]], layers: int) -> dict[Path, tuple[int, ...]]:
@@ -66,15 +48,15 @@ def _stacked_shapes(shapes: dict[Path, tuple[int, ...]], layers: int) -> dict[Pa
     for path, shape in shapes.items():
         if len(path) > 1 and path[0] == "bert" and _LAYER.match(path[1]):
             if path[1] == "layer_0":
-                out[("bert", model_lib.STACKED) + path[2:]] = (layers, *shape)
+                out[("bert", layer_layout.STACKED) + path[2:]] = (layers, *shape)
         else:
             out[path] = shape
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def _probe_shapes(stacked: bool, modern: bool) -> dict[Path, tuple[int, ...]]:
-    probe = _MODERNBERT_PROBE if modern else _PROBE
+def _probe_shapes(stacked: bool, model_type: str) -> dict[Path, tuple[int, ...]]:
+    probe = family.FAMILIES[model_type].shape_probe
     return param_shapes(probe.replace(scan_layers=stacked), _PROBE_LABELS)
 
 
@@ -82,7 +64,7 @@ def probe_shape(path: Path, stacked: bool = False, config=None) -> tuple[int, ..
     """The shape of `path` in the probe model of `config`'s family (default BERT; any layer_N read as layer_0),
     for `size_field`."""
     path = tuple("layer_0" if _LAYER.match(part) else part for part in path)
-    return _probe_shapes(stacked, config is not None and family.is_modernbert(config)).get(path)
+    return _probe_shapes(stacked, (config or BERT.shape_probe).model_type).get(path)
 
 
 def size_field(probe: tuple[int, ...] | None, stored: tuple[int, ...], expected: tuple[int, ...],
@@ -92,14 +74,14 @@ def size_field(probe: tuple[int, ...] | None, stored: tuple[int, ...], expected:
     rank)."""
     if probe is None or not len(probe) == len(stored) == len(expected):
         return None
-    fields = _MODERNBERT_FIELD_OF_SIZE if config is not None and family.is_modernbert(config) else _FIELD_OF_SIZE
+    fields = family.of(config or BERT.shape_probe).field_of_size
     for size, have, want in zip(probe, stored, expected):
         if have != want:
             return fields.get(size)
     return None
 
 
-def mismatch_message(config: BertConfig, config_name: str, tensor: str, stored: tuple[int, ...],
+def mismatch_message(config: family.ModelConfig, config_name: str, tensor: str, stored: tuple[int, ...],
                      expected: tuple[int, ...], field: str | None) -> str:
     """`config_name says FIELD=VALUE but tensor T has shape S (the config gives E)`."""
     if field is None:
@@ -108,11 +90,11 @@ def mismatch_message(config: BertConfig, config_name: str, tensor: str, stored: 
             f"(the config gives {tuple(expected)})")
 
 
-def check_stored_shapes(stored: dict[Path, tuple[int, ...]], config: BertConfig, config_name: str) -> None:
+def check_stored_shapes(stored: dict[Path, tuple[int, ...]], config: family.ModelConfig, config_name: str) -> None:
     """Refuses tensors (`stored`: our param path -> shape, per layer or stacked) that the model of `config` would
     not hold with that shape: a ValueError naming the config field and value and the tensor and its shape. Every
     encoder tensor must be there; the pooler and heads may be absent (a classifier's label count is its own)."""
-    stacked = any(path[:2] == ("bert", model_lib.STACKED) for path in stored)
+    stacked = any(path[:2] == ("bert", layer_layout.STACKED) for path in stored)
     labels = stored.get(("classifier", "bias"))
     expected = param_shapes(config.replace(scan_layers=stacked), labels[0] if labels else None)
     for path, shape in stored.items():
@@ -124,10 +106,10 @@ def check_stored_shapes(stored: dict[Path, tuple[int, ...]], config: BertConfig,
             raise ValueError(f"tensor {name} {tuple(shape)} is not part of the model {config_name} describes")
         want, probe = expected[path], probe_shape(path, stacked, config)
         keys = [jax.tree_util.DictKey(part) for part in path]
-        if model_lib.is_split_head_kernel(keys, len(shape)):
+        if layer_layout.is_split_head_kernel(keys, len(shape)):
             # An older checkpoint's [H, heads, head_dim] attention kernel: compared in that layout.
-            want = model_lib.split_head_shape(keys, want, config)
-            probe = model_lib.split_head_shape(keys, probe, _PROBE)
+            want = layer_layout.split_head_shape(keys, want, config)
+            probe = layer_layout.split_head_shape(keys, probe, BERT.shape_probe)
         if tuple(shape) != tuple(want):
             raise ValueError(mismatch_message(config, config_name, name, tuple(shape), want,
                                               size_field(probe, tuple(shape), want, config)))
@@ -171,8 +153,8 @@ def _layers_holding_scores(config, length: int, training: bool, platform: str | 
         return config.num_hidden_layers
     from bertjax.model.attention import resolve_backend
 
-    modern = family.is_modernbert(config)
-    rate = config.attention_dropout if modern else config.attention_probs_dropout_prob
+    kind = family.of(config)
+    rate = kind.attention_dropout(config)
     return sum(resolve_backend(config.attention_backend, training and rate > 0, platform, length,
-                               windowed=modern and not config.is_global(layer)) == "reference"
+                               windowed=kind.windowed(config, layer)) == "reference"
                for layer in range(config.num_hidden_layers))

@@ -28,7 +28,6 @@ from bertjax.model.model_options import (
     PRESET_FIELDS,
     ModelOptions,
     build_model_config,
-    is_modernbert_preset,
     options_of,
     preset_sizes,
 )
@@ -213,8 +212,8 @@ def _take_init_model(values: ml_collections.ConfigDict, init: ModelCheckpoint, n
     that shapes what its weights compute (activations, RoPE thetas, window, norms, biases, tied decoder), so that
     the run continues the model it loads; the recipe's dropout and fresh-weight init stay, and the keys it names in
     `model_over_init` (a phase that changes the model). A recipe of the other family is refused."""
-    checkpoint_family = "ModernBERT" if family.is_modernbert(init.config) else "BERT"
-    recipe_family = "ModernBERT" if is_modernbert_preset(values.model.preset) else "BERT"
+    checkpoint_family = family.of(init.config).name
+    recipe_family = family.of_preset(values.model.preset).name
     if checkpoint_family != recipe_family:
         raise ValueError(f"the --init checkpoint is a {checkpoint_family}, --config {name_or_path} a {recipe_family} "
                          f"recipe (model.preset={values.model.preset}): use a {checkpoint_family} preset, or "
@@ -267,7 +266,7 @@ def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool
         values.lock()
         for key, value in options_of(init.config).items():
             options.apply_override(values, PretrainConfig, f"model.{key}={value}")
-        if is_modernbert_preset(values.model.preset):  # its objective: MLM alone
+        if not family.of_preset(values.model.preset).has_nsp_head:  # its objective: MLM alone
             options.apply_override(values, PretrainConfig, "train.nsp_loss=false")
         for key, value in {"optimizer.warmup_ratio": _INIT_WARMUP_RATIO, **(init_run or {})}.items():
             options.apply_override(values, PretrainConfig, f"{key}={value}")
@@ -391,11 +390,12 @@ def validate(config: PretrainConfig, num_devices: int | None = None, require_dat
                         f"model.max_position_embeddings={max_positions}")
     if config.train.nsp_loss and not config.data.next_sentence_prediction:
         problems.append("train.nsp_loss=true needs data.next_sentence_prediction=true")
-    if is_modernbert_preset(config.model.preset):
+    preset_family = family.of_preset(config.model.preset)
+    if not preset_family.has_nsp_head:
         for key in ("nsp_loss", "span_boundary_objective"):
             if getattr(config.train, key):
-                problems.append(f"train.{key}=true: model.preset={config.model.preset} (ModernBERT) has no such "
-                                "head; its objective is MLM alone (set train.nsp_loss=false)")
+                problems.append(f"train.{key}=true: model.preset={config.model.preset} ({preset_family.name}) has no "
+                                "such head; its objective is MLM alone (set train.nsp_loss=false)")
     if config.train.span_boundary_objective and config.data.masking_scheme != "span":
         problems.append(f"train.span_boundary_objective=true needs data.masking_scheme=span (the SBO predicts the "
                         f"tokens of masked spans from their boundaries), got {config.data.masking_scheme!r}")

@@ -31,7 +31,7 @@ from bertjax.runtime.host_memory import memory_warning
 from bertjax.runtime.input_files import read_json
 from bertjax.interop.load import check_init_tokenizer, check_vocab_fits, describe_pretrained, load_pretrained
 from bertjax.runtime.outputs import write_whole
-from bertjax.model import bert as model_lib
+from bertjax.model import layer_layout
 from bertjax.model import family
 from bertjax.runtime.preemption import PreemptionFlag, stopped_line
 from bertjax.pretraining import goodput as goodput_lib
@@ -64,9 +64,9 @@ def _shapes_taken(requested, resolved) -> str:
 
 def _check_gpu_kernels(mesh, log) -> None:
     """On a GPU, before the step is built: our Pallas kernels checked on the card (once per card, jax and kernel
-    source), a family that disagrees with XLA left out of the step (model/gpu_kernel_check.py)."""
+    source), a family that disagrees with XLA left out of the step (model/kernels/gpu/gpu_kernel_check.py)."""
     if mesh.devices.flat[0].platform == "gpu":
-        from bertjax.model import gpu_kernel_check
+        from bertjax.model.kernels.gpu import gpu_kernel_check
 
         gpu_kernel_check.prepare("gpu", log)
 
@@ -128,7 +128,7 @@ def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, ke
     initialised, loaded = jax.device_get(state.params), checkpoint.params
     merged = checkpoint_lib.merge_params(initialised, loaded, source=f"--init {source}", encoder_only=False)
     # The state holds the layers stacked, a checkpoint hands them out per layer: compared by module, not tensor.
-    fresh = _modules_missing(initialised, model_lib.stack_layers(loaded, stack=lambda leaves: leaves[0]))
+    fresh = _modules_missing(initialised, layer_layout.stack_layers(loaded, stack=lambda leaves: leaves[0]))
     log(f"initialised from {source} (fresh optimizer state and schedule)" +
         (f"; not in the checkpoint, freshly initialised: {', '.join(fresh)}" if fresh else ""))
     return state.replace(params=jax.device_put(merged, shardings.params))

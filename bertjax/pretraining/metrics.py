@@ -21,8 +21,8 @@ from bertjax.runtime.errors import OutputWriteError, at_file
 from bertjax.runtime.extras import install_line
 from bertjax.runtime.input_files import read_json, read_text
 from bertjax.runtime.outputs import write_whole
-from bertjax.model.config import BertConfig
-from bertjax.model.modernbert_config import ModernBertConfig
+from bertjax.model import family
+from bertjax.model.family import ModelConfig
 
 # The step metrics shown on the console (all of them go to metrics.jsonl and TensorBoard).
 CONSOLE_KEYS = ("loss", "mlm_loss", "sbo_loss", "mlm_accuracy", "nsp_accuracy", "learning_rate", "padding_fraction",
@@ -43,42 +43,15 @@ PEAK_FLOPS_BY_DEVICE_KIND = {
 }
 
 
-def train_flops(config: BertConfig, seq_len: int, real_tokens: float, masked_tokens: float,
+def train_flops(config: ModelConfig, seq_len: int, real_tokens: float, masked_tokens: float,
                 instances: float, sbo: bool = False) -> float:
-    """Matmul FLOPs of forward + backward (twice the forward) of BertForPreTraining on real tokens only.
-
-    Forward, per layer and real token: Q/K/V/output projections 4*2*H^2, feed-forward 2*2*H*I, attention scores
-    and context 2*2*L*H (L = the row length the kernels attend over); per masked token the MLM head (transform
-    2*H^2, decoder 2*H*V), and with the SBO head (`sbo`) its two layers (2*3H*H + 2*H^2) and decoder again; per
-    instance the pooler and NSP classifier. Padding positions count nothing, so
-    packed and unpacked runs are compared on the work that trains the model.
-    """
-    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    if isinstance(config, ModernBertConfig):
-        return _modernbert_train_flops(config, seq_len, real_tokens, masked_tokens)
-    per_token = layers * (8 * h * h + 4 * h * inter + 4 * seq_len * h)
-    per_masked = 2 * h * h + 2 * h * config.vocab_size
-    if sbo:
-        per_masked += 2 * 3 * h * h + 2 * h * h + 2 * h * config.vocab_size
-    forward = real_tokens * per_token + masked_tokens * per_masked + instances * (2 * h * h + 2 * h * 2)
-    return 3.0 * float(forward)
+    """Matmul FLOPs of forward + backward (twice the forward) of the family's pretraining model on real tokens only,
+    as the family counts them (`EncoderFamily.train_flops`). Padding positions count nothing, so packed and
+    unpacked runs are compared on the work that trains the model."""
+    return family.of(config).train_flops(config, seq_len, real_tokens, masked_tokens, instances, sbo)
 
 
-def _modernbert_train_flops(config: ModernBertConfig, seq_len: int, real_tokens: float,
-                            masked_tokens: float) -> float:
-    """ModernBERT's train_flops: per layer and real token Wqkv and Wo 4*2*H^2, the GeGLU 3*2*H*I (Wi is 2I wide),
-    attention 2*2*S*H where S is the keys a token attends: the row in global layers, the window (local_attention
-    + 1, at most the row) in the others; per masked token the prediction head 2*H^2 and the decoder 2*H*V. A
-    kernel that computes the whole row and masks it does more, which is not the model's work."""
-    h, inter = config.hidden_size, config.intermediate_size
-    spans = [seq_len if config.is_global(i) else min(seq_len, config.local_attention + 1)
-             for i in range(config.num_hidden_layers)]
-    per_token = sum(8 * h * h + 6 * h * inter + 4 * span * h for span in spans)
-    per_masked = 2 * h * h + 2 * h * config.vocab_size
-    return 3.0 * float(real_tokens * per_token + masked_tokens * per_masked)
-
-
-def train_flops_per_sequence(config: BertConfig, seq_len: int, num_masked: int) -> float:
+def train_flops_per_sequence(config: ModelConfig, seq_len: int, num_masked: int) -> float:
     """train_flops of one full (unpadded) sequence with `num_masked` predictions."""
     return train_flops(config, seq_len, seq_len, num_masked, 1)
 
@@ -185,7 +158,7 @@ def to_python(values: dict) -> dict[str, float]:
 
 
 def interval_metrics(seconds: float, steps: int, rows: int, seq_len: int, counts: dict,
-                     config: BertConfig, peak_flops: float, sbo: bool = False) -> dict[str, float]:
+                     config: ModelConfig, peak_flops: float, sbo: bool = False) -> dict[str, float]:
     """Throughput and utilisation over `steps` steps of `rows` rows in all (a batch-size warmup's steps have fewer)
     that took `seconds`; `counts`: the steps' summed real_tokens, masked_tokens and instances (as the train step
     reports them); `sbo`: the SBO head runs."""

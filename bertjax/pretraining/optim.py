@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bertjax.model import bert as model_lib
+from bertjax.model import layer_layout
 from bertjax.options import floats, ints, option, range_problems
 
 
@@ -56,7 +56,7 @@ def decay_mask(params):
     all biases are vectors, so rank >= 2 is exactly BERT's "exclude LayerNorm and bias" rule (the layer axis of
     stacked layers, `model.scan_layers`, not counted)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, p: jnp.ndim(p) - model_lib.is_stacked_path(path) >= 2, params)
+        lambda path, p: jnp.ndim(p) - layer_layout.is_stacked_path(path) >= 2, params)
 
 
 def scale_by_trust_ratio() -> optax.GradientTransformation:
@@ -69,7 +69,7 @@ def scale_by_trust_ratio() -> optax.GradientTransformation:
 
     def update(updates, state, params=None):
         scaled = jax.tree_util.tree_map_with_path(
-            lambda path, u, p: (jax.vmap(one) if model_lib.is_stacked_path(path) else one)(u, p), updates, params)
+            lambda path, u, p: (jax.vmap(one) if layer_layout.is_stacked_path(path) else one)(u, p), updates, params)
         return scaled, state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
@@ -118,7 +118,7 @@ def scale_by_stable_adam(b1: float, b2: float, eps: float, weight_decay: float, 
 
         def clipped(path, update, grad, nu):
             ratio = jnp.square(grad) / jnp.maximum(nu, eps ** 2)
-            per_tensor = tuple(range(int(model_lib.is_stacked_path(path)), ratio.ndim))
+            per_tensor = tuple(range(int(layer_layout.is_stacked_path(path)), ratio.ndim))
             rms = jnp.sqrt(jnp.mean(ratio, axis=per_tensor, keepdims=True))
             return update / jnp.maximum(1.0, rms)
 

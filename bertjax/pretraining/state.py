@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax import sharding
-from bertjax.model import bert as model_lib
+from bertjax.model import layer_layout
 from bertjax.model import family
 from bertjax.model.family import ModelConfig
 from bertjax.pretraining import update_sharding
@@ -36,7 +36,7 @@ def init_state(rng, *, model, config: ModelConfig, optimizer, seq_len: int, num_
     params_rng, dropout_rng = jax.random.split(rng)
     # Held with the encoder's layers stacked whether the model runs them unrolled or scanned: the update then
     # runs on ~30 tensors instead of ~200 (on TPU each is its own kernels, priced at >= 1.2 us each).
-    params = model_lib.stack_layers(
+    params = layer_layout.stack_layers(
         family.init_params(model, config, params_rng, length=seq_len, num_masked=num_masked))
     return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=optimizer.init(params),
                       rng=jax.random.key_data(dropout_rng), nonfinite_total=jnp.zeros([], jnp.int32),

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from bertjax import sharding
-from bertjax.model import bert as model_lib
+from bertjax.model import layer_layout
 from bertjax.model import family
 from bertjax.pretraining import update_sharding as update_sharding_lib
 from bertjax.pretraining import xla_options
@@ -168,7 +168,7 @@ def summarize(sums: dict, nsp_loss: bool) -> dict:
 def compute_layout(model, params):
     """The params as `model` computes with them: the state holds the layers stacked; an unrolled model takes them
     per layer (slices of the stacked tensors)."""
-    return model_lib.with_layout(params, model.config, stacked=model.config.scan_layers)
+    return layer_layout.with_layout(params, model.config, stacked=model.config.scan_layers)
 
 
 def forward(model, params, batch: dict, *, deterministic: bool, rng=None):
@@ -256,7 +256,7 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
             update_sharding, grads_and_sums, update_sharding_lib.gather(update_sharding, compute_params), batch,
             *scalars)
     params = state.params
-    grads = model_lib.with_layout(grads, model.config, stacked=model_lib.is_stacked(params))
+    grads = layer_layout.with_layout(grads, model.config, stacked=layer_layout.is_stacked(params))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
 

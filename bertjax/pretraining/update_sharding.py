@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax import sharding
-from bertjax.model import bert as model_lib
+from bertjax.model import layer_layout
 
 DATA = "data"
 
@@ -67,7 +67,7 @@ def split_shardings(shardings_tree, abstract_tree):
     stacked tensor is never split on its layer axis, so each layer's gradient is reduce-scattered on its own
     before the layers are stacked."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, named, x: _with_data(named, split_dim(named, x.shape, first=int(model_lib.is_stacked_path(
+        lambda path, named, x: _with_data(named, split_dim(named, x.shape, first=int(layer_layout.is_stacked_path(
             path)))), shardings_tree, abstract_tree)
 
 

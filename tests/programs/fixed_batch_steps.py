@@ -19,8 +19,8 @@ if args.num_processes > 1:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 from bertjax import sharding  # noqa: E402
-from bertjax.model import bert as model_lib  # noqa: E402  (after distributed init)
-from bertjax.model.config import BertConfig  # noqa: E402
+from bertjax.model.bert import model as model_lib  # noqa: E402  (after distributed init)
+from bertjax.model.bert.config import BertConfig  # noqa: E402
 from bertjax.pretraining import optim
 from bertjax.pretraining import state as train_state
 from bertjax.pretraining import step as train_step

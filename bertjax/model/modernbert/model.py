@@ -20,13 +20,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import rope, rope_tpu
+from bertjax.model import rope
+from bertjax.model.kernels.tpu import rope_tpu
 from bertjax.model.attention import (FUSED_DROPOUT_BACKENDS, FUSED_DROPOUT_MIN_LENGTH, dot_product_attention,
                                      resolve_backend, stacked_gpu_attention)
-from bertjax.model.bert import activation, gated_activation, gather_positions, init_params as _init_params
+from bertjax.model.bert.model import activation, gated_activation, gather_positions, init_params as _init_params
 from bertjax.model.dropout import Dropout
 from bertjax.model.layer_norm import layer_norm, sum_and_layer_norm
-from bertjax.model.modernbert_config import ModernBertConfig
+from bertjax.model.modernbert.config import ModernBertConfig
 from bertjax.model.split_products import split_products
 from bertjax.sharding import logical_axis_size, target_platform
 

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from bertjax.model.dropout_attention import (
+from bertjax.model.kernels.tpu.dropout_attention import (
     MASK_VALUE,
     MAX_LENGTH,
     NN,

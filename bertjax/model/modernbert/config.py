@@ -5,8 +5,8 @@ here that changes the function is read from and written to an HF config.json und
 spellings (transformers 5's `layer_types` / `rope_parameters`, and the `global_attn_every_n_layers` /
 `global_rope_theta` / `local_rope_theta` of the released checkpoints). Where both spellings are given and disagree,
 the new one wins, as in transformers 5.23 (its `layer_types` is used as given, its `rope_parameters`' rope_theta
-takes the old key's place), and a warning line says so. Like BertConfig it travels with every checkpoint and
-validates itself on construction, naming the field.
+takes the old key's place), and a warning line says so. Validated on construction, as every family's config
+(`config_base.ConfigBase`: the checks and methods both share).
 """
 from __future__ import annotations
 
@@ -14,11 +14,18 @@ import dataclasses
 import logging
 from typing import Any
 
-from bertjax.model.config import ACTIVATIONS, ATTENTION_BACKENDS, DTYPES, REMAT_POLICIES, host_memory_bytes
+from bertjax.model.config_base import ConfigBase, memory_shortfall
 
 MODEL_TYPE = "modernbert"
 FULL, SLIDING = "full_attention", "sliding_attention"
 POOLINGS = ("cls", "mean")
+# name -> (layers, hidden, heads, intermediate, window): ModernBERT's released shapes, and a tiny one for tests and
+# the CPU demo (BERT-tiny's width; the window half the demo's 64-token rows).
+PRESETS = {
+    "modernbert-tiny": (4, 128, 2, 192, 32),
+    "modernbert-base": (22, 768, 12, 1152, 128),
+    "modernbert-large": (28, 1024, 16, 2624, 128),
+}
 # HF's ModernBertConfig.default_theta.
 DEFAULT_GLOBAL_THETA, DEFAULT_LOCAL_THETA = 160_000.0, 10_000.0
 
@@ -37,7 +44,7 @@ def alternating_layer_types(num_layers: int, global_every: int) -> tuple[str, ..
 
 
 @dataclasses.dataclass(frozen=True)
-class ModernBertConfig:
+class ModernBertConfig(ConfigBase):
     """ModernBERT's hyperparameters (HF's names and defaults: ModernBERT-base) plus bertjax's compute settings."""
 
     vocab_size: int = 50368
@@ -86,21 +93,14 @@ class ModernBertConfig:
         if not self.layer_types and isinstance(self.num_hidden_layers, int) and self.num_hidden_layers > 0:
             object.__setattr__(self, "layer_types", alternating_layer_types(self.num_hidden_layers, 3))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        problems = []
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "max_position_embeddings", "local_attention"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                problems.append(f"{name} must be a positive integer, got {value!r}")
+        problems = self.positive_int_problems(("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                               "num_attention_heads", "max_position_embeddings", "local_attention"))
         if not problems:
-            need = 4 * self.param_count()
-            if need > host_memory_bytes():
-                problems.append(f"the model's {need // 4:,} float32 parameters alone need {need / 2**30:,.1f} GiB, "
-                                f"more than this machine's {host_memory_bytes() / 2**30:,.1f} GiB of memory")
-            if self.hidden_size % self.num_attention_heads:
-                problems.append(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                                f"{self.num_attention_heads}")
-            elif self.head_dim % 2:
+            shortfall = memory_shortfall(self.param_count())
+            problems += [shortfall] if shortfall else []
+            heads = self.heads_problems()
+            problems += heads
+            if not heads and self.head_dim % 2:
                 problems.append(f"the head size {self.head_dim} (hidden_size / num_attention_heads) is odd; "
                                 "rotary embeddings rotate pairs of dimensions")
             if len(self.layer_types) != self.num_hidden_layers:
@@ -109,32 +109,14 @@ class ModernBertConfig:
         unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
         if unknown:
             problems.append(f"layer_types holds {unknown}; expected {FULL!r} or {SLIDING!r}")
-        for name in ("hidden_activation", "classifier_activation"):
-            if getattr(self, name) not in ACTIVATIONS:
-                problems.append(f"unknown {name} {getattr(self, name)!r}; expected one of {', '.join(ACTIVATIONS)}")
-        for name in ("attention_dropout", "embedding_dropout", "mlp_dropout", "classifier_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        problems += self.activation_problems(("hidden_activation", "classifier_activation"))
+        problems += self.rate_problems(("attention_dropout", "embedding_dropout", "mlp_dropout", "classifier_dropout"))
         for name in ("global_rope_theta", "local_rope_theta", "norm_eps"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.classifier_pooling not in POOLINGS:
             problems.append(f"classifier_pooling {self.classifier_pooling!r}; expected one of {', '.join(POOLINGS)}")
-        if self.dtype not in DTYPES:
-            problems.append(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
-        if self.remat not in REMAT_POLICIES:
-            problems.append(f"unknown remat {self.remat!r}; expected one of {', '.join(REMAT_POLICIES)}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            problems.append(f"unknown attention_backend {self.attention_backend!r}; "
-                            f"expected one of {', '.join(ATTENTION_BACKENDS)}")
-        if isinstance(self.vocab_size, int) and not 0 <= self.pad_token_id < self.vocab_size:
-            problems.append(f"pad_token_id {self.pad_token_id} is outside the vocabulary of {self.vocab_size}")
-        if problems:
-            raise ValueError("invalid ModernBertConfig: " + "; ".join(problems))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        self.raise_problems(problems + self.compute_problems())
 
     @property
     def window(self) -> int:
@@ -159,31 +141,13 @@ class ModernBertConfig:
         decoder = (0 if self.tie_word_embeddings else self.vocab_size * h) + (self.vocab_size if self.decoder_bias else 0)
         return encoder + head + decoder
 
-    def check_length(self, length: int, flag: str) -> None:
-        """Refuses sequences longer than the model was configured for (`flag` names the option)."""
-        if length > self.max_position_embeddings:
-            raise ValueError(f"{flag} {length} exceeds the model's max_position_embeddings "
-                             f"{self.max_position_embeddings}: give at most {self.max_position_embeddings}")
-
-    def replace(self, **changes) -> "ModernBertConfig":
-        return dataclasses.replace(self, **changes)
-
     # ---- bertjax's own JSON (checkpoints) ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"model_type": MODEL_TYPE, **dataclasses.asdict(self), "layer_types": list(self.layer_types)}
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], source: str = "config") -> "ModernBertConfig":
-        """Builds a config from a dict of its fields (and `model_type`); unknown keys are an error naming them."""
-        values = {k: v for k, v in values.items() if k != "model_type"}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown ModernBertConfig keys {unknown}; expected a subset of {sorted(known)}")
-        try:
-            return cls(**{**values, "layer_types": tuple(values.get("layer_types", ()))})
-        except (ValueError, TypeError) as error:
-            raise ValueError(f"{source}: {error}") from None
+    def fields_from_json(cls, values: dict[str, Any]) -> dict[str, Any]:
+        return {**values, "layer_types": tuple(values.get("layer_types", ()))}
 
     # ---- HF config.json -------------------------------------------------------------------------------------
     @classmethod

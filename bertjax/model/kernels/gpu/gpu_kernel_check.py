@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax.model import dropout as dropout_lib
-from bertjax.model import dropout_attention as da
-from bertjax.model import dropout_attention_gpu as dg
-from bertjax.model import gpu_kernels
+from bertjax.model.kernels.tpu import dropout_attention as da
+from bertjax.model.kernels.gpu import dropout_attention_gpu as dg
+from bertjax.model.kernels.gpu import gpu_kernels
 from bertjax.model import layer_norm as ln
-from bertjax.model import layer_norm_gpu as lg
+from bertjax.model.kernels.gpu import layer_norm_gpu as lg
 from bertjax.model.attention import gpu_query_block, reference_attention
 from bertjax.runtime.errors import OutputWriteError
 from bertjax.runtime.input_files import read_json
@@ -48,7 +48,9 @@ from bertjax.runtime.outputs import write_whole
 PASSED_ON: tuple[tuple[str, str, str], ...] = ()
 
 # The sources whose edit calls for a new check: the kernels and what they compute with (the TPU kernel's hash).
-KERNEL_SOURCES = ("dropout_attention_gpu.py", "layer_norm_gpu.py", "dropout_attention.py", "hashing.py")
+# Paths under bertjax/model/.
+KERNEL_SOURCES = ("kernels/gpu/dropout_attention_gpu.py", "kernels/gpu/layer_norm_gpu.py",
+                  "kernels/tpu/dropout_attention.py", "hashing.py")
 CACHE_FILE = "gpu_kernels.json"
 CHECK_COMMAND = "bash bench/gpu_check.sh"
 
@@ -66,7 +68,7 @@ def fingerprint() -> str:
     """12 hex digits of the kernels' sources (`KERNEL_SOURCES`): a verdict holds for the code it checked."""
     digest = hashlib.sha256()
     for name in KERNEL_SOURCES:
-        digest.update((pathlib.Path(__file__).parent / name).read_bytes())
+        digest.update((pathlib.Path(__file__).parents[2] / name).read_bytes())
     return digest.hexdigest()[:12]
 
 

@@ -1,0 +1,1 @@
+"""Pallas TPU (Mosaic) kernels: attention with dropout, RoPE on q and k."""

@@ -1,0 +1,1 @@
+"""ModernBERT (as transformers' ModernBertModel): its config, its Flax modules, its family object."""
