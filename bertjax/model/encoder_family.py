@@ -74,10 +74,11 @@ class EncoderFamily:
         raise NotImplementedError
 
     def train_flops(self, config, seq_len: int, real_tokens: float, masked_tokens: float, instances: float,
-                    sbo: bool = False) -> float:
+                    sbo: bool = False, windowed: bool = True) -> float:
         """Matmul FLOPs of forward + backward (twice the forward) of the pretraining model on `real_tokens` tokens
         of rows of `seq_len`, `masked_tokens` predictions and `instances` sequences (`sbo`: with a span boundary
-        head); padding counts nothing."""
+        head); padding counts nothing. `windowed`: windowed layers attend over their window (the model's work);
+        False: over the whole row, as a kernel that masks the rest computes."""
         raise NotImplementedError
 
     def init_params(self, module, config, rng, length: int = 8, num_masked: int = 2):

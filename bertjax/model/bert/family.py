@@ -46,7 +46,7 @@ class BertFamily(EncoderFamily):
         """MLM + NSP (+ SBO)."""
         return bert.BertForPreTraining(config, span_boundary_objective=span_boundary_objective)
 
-    def train_flops(self, config, seq_len, real_tokens, masked_tokens, instances, sbo=False):
+    def train_flops(self, config, seq_len, real_tokens, masked_tokens, instances, sbo=False, windowed=True):
         """BertForPreTraining's. Forward, per layer and real token: Q/K/V/output projections 4*2*H^2, feed-forward
         2*2*H*I, attention scores and context 2*2*L*H (L = the row length the kernels attend over); per masked token
         the MLM head (transform 2*H^2, decoder 2*H*V), and with the SBO head (`sbo`) its two layers (2*3H*H + 2*H^2)

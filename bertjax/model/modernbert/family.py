@@ -55,13 +55,13 @@ class ModernBertFamily(EncoderFamily):
             raise ValueError("ModernBERT has no span boundary objective head")
         return modernbert.ModernBertForMaskedLM(config)
 
-    def train_flops(self, config, seq_len, real_tokens, masked_tokens, instances, sbo=False):
+    def train_flops(self, config, seq_len, real_tokens, masked_tokens, instances, sbo=False, windowed=True):
         """Per layer and real token Wqkv and Wo 4*2*H^2, the GeGLU 3*2*H*I (Wi is 2I wide), attention 2*2*S*H where
         S is the keys a token attends: the row in global layers, the window (local_attention + 1, at most the row)
         in the others; per masked token the prediction head 2*H^2 and the decoder 2*H*V. A kernel that computes the
-        whole row and masks it does more, which is not the model's work."""
+        whole row and masks it does more, which is not the model's work (`windowed` False counts it)."""
         h, inter = config.hidden_size, config.intermediate_size
-        spans = [seq_len if config.is_global(i) else min(seq_len, config.local_attention + 1)
+        spans = [seq_len if config.is_global(i) or not windowed else min(seq_len, config.local_attention + 1)
                  for i in range(config.num_hidden_layers)]
         per_token = sum(8 * h * h + 6 * h * inter + 4 * span * h for span in spans)
         per_masked = 2 * h * h + 2 * h * config.vocab_size
