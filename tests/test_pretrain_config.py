@@ -144,7 +144,7 @@ def test_both_warmup_keys_set_are_refused_or_said_never_silent(tmp_path, capsys)
 
     assert main(["pretrain", "--config", "modernbert-base", "--workdir", str(tmp_path / "run"), "--set",
                  f"data.input={tmp_path / 'none.txt'}", "--set", "optimizer.warmup_ratio=0.1"]) == 2
-    assert "note: optimizer.warmup_ratio=0.1 applies: 36,400 warmup steps of train.steps=364,000; " \
+    assert "note: optimizer.warmup_ratio=0.1 applies: 37,490 warmup steps of train.steps=374,901; " \
         "optimizer.warmup_steps=636 is not used" in capsys.readouterr().out
 
 
