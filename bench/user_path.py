@@ -25,8 +25,8 @@ prediction, and writing the outputs. Some overlap (training holds evaluation, wh
 says which. The main table's bertjax rows are then of those runs (the timers' and -X importtime's own cost in them);
 --no-profile runs the plain commands.
 
-  python bench/user_path.py                       # both cases: ~10 minutes on 2 cores
-  python bench/user_path.py --models modernbert --no-profile --epochs 1
+  python bench/user_path.py                       # both cases, 3 epochs each
+  python bench/user_path.py --models modernbert --epochs 1   # 27 minutes on a busy 2-core machine
   python bench/user_path.py --train T.csv --dev D.csv --epochs 1 --text-column review --label-column sentiment
 """
 from __future__ import annotations
