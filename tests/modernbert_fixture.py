@@ -21,8 +21,9 @@ def example_texts() -> list[str]:
     return [t for t in texts if t.strip()]
 
 
-def bpe_tokenizer(vocab_size: int = 300):
-    """A byte-level BPE as ModernBERT's: [CLS] A [SEP] (B [SEP]) template, its special tokens, no token types."""
+def bpe_tokenizer(vocab_size: int = 300, texts: list[str] | None = None):
+    """A byte-level BPE as ModernBERT's: [CLS] A [SEP] (B [SEP]) template, its special tokens, no token types; trained
+    on `texts` (default: example_texts())."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -31,7 +32,7 @@ def bpe_tokenizer(vocab_size: int = 300):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(example_texts(), trainer)
+    tokenizer.train_from_iterator(example_texts() if texts is None else texts, trainer)
     cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])

@@ -248,3 +248,25 @@ def test_a_table_named_for_another_format_than_its_bytes_is_told_as_what_it_is(t
     with pytest.raises(ValueError, match=r"parquet.csv: a Parquet file, not text; expected a CSV file \(UTF-8\)"):
         table_data.read_split(str(tmp_path / "parquet.csv"), TableSpec())
     assert table_data.read_split(str(tmp_path / "train.csv.gz"), TableSpec())[1] == ["0", "1"]
+
+
+def test_features_are_cut_to_the_longest_rows_length_bucket_as_every_batch_is():
+    """classify.cut_to_longest: the token columns past the longest row's bucket (padding no batch reaches) are
+    dropped and the rest kept bit for bit; never wider than given; labels untouched; the wide arrays not viewed."""
+    from bertjax.finetune.classify import cut_to_longest
+
+    rng = np.random.default_rng(0)
+    lengths = np.array([5, 40, 33, 2])   # the longest, 40 tokens, is in the 64 bucket of 32
+    mask = (np.arange(128)[None, :] < lengths[:, None]).astype(np.int32)
+    features = {"input_ids": rng.integers(5, 300, (4, 128)).astype(np.int32) * mask, "input_mask": mask,
+                "segment_ids": np.zeros((4, 128), np.int32), "labels": np.array([0, 1, 1, 0], np.int32)}
+    cut = cut_to_longest(features, 32)
+    for key in ("input_ids", "input_mask", "segment_ids"):
+        assert cut[key].shape == (4, 64) and not np.shares_memory(cut[key], features[key])
+        np.testing.assert_array_equal(cut[key], features[key][:, :64])
+        assert not features[key][:, 64:].any()   # what was dropped was padding
+    assert cut["labels"] is features["labels"]
+    assert cut_to_longest(features, 256)["input_ids"].shape == (4, 128)   # a bucket wider than the rows: as given
+    short = {k: (v[:, :16] if v.ndim == 2 else v) for k, v in features.items()}
+    short["input_mask"] = np.ones((4, 16), np.int32)
+    assert cut_to_longest(short, 32)["input_ids"].shape == (4, 16)

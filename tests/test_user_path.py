@@ -367,6 +367,38 @@ def test_the_user_path_bench_says_where_a_commands_seconds_go(tmp_path):
     table = bench.breakdown_table([bench.breakdown(result, profile), bench.breakdown(result, profile)])
     assert "| process wall | 10.00 | 10.00 |" in table and "| jax: tracing | 1.50 (3x) | 1.50 (3x) |" in table
     assert "(empty cache): jit(step) 5.00 s (2x), jit(_predict_fn) 0.50 s" in table
+    profile.write_text(json.dumps({"seconds": {}, "calls": {}, "compiles": {}, "main_s": 1.0,
+                                   "peaks": {"train": 2.25, "load": 0.75}}))
+    table = bench.breakdown_table([bench.breakdown(result, profile)])
+    assert "Peak RSS, the parts that raised it (GiB at their end, empty cache): load 0.75, train 2.25" in table
+
+
+def test_the_user_path_bench_times_the_first_step_and_measures_the_childs_peak():
+    """bench/user_path.measure, run from a small process as the bench is (a child's ru_maxrss starts at its parent's
+    RSS: measured from this test process, both children below read as pytest's size): the seconds until a child
+    printed that its first step ran (bertjax's console line or the Trainer worker's marker; None where it never
+    did) and the child's peak RSS (one that holds 200 MB more measures about that much more), its last stdout line
+    read back."""
+    import subprocess
+    import sys
+
+    measuring = f"""
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("user_path", {str(REPO_ROOT / "bench" / "user_path.py")!r})
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+child = ("import sys, time; held = bytearray(200 * 2**20) if sys.argv[1] == 'big' else b''; time.sleep(0.3); "
+         "print('step 1 compiled and ran in 0s'); time.sleep(0.5); print('{{\\"done\\": 1}}')")
+print(json.dumps([bench.measure(size, [sys.executable, "-c", child, size], dict(os.environ))
+                  for size in ("big", "small")] + [bench.measure("none", [sys.executable, "-c", "print(1)"],
+                                                                 dict(os.environ))]))
+"""
+    done = subprocess.run([sys.executable, "-c", measuring], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    big, small, none = json.loads(done.stdout)
+    assert 0.3 <= big["first_step_s"] <= big["wall_s"] - 0.5 and json.loads(big["out"]) == {"done": 1}
+    assert 0.15 < big["peak_rss_gib"] - small["peak_rss_gib"] < 0.25
+    assert none["first_step_s"] is None and none["out"] == "1"
 
 
 # ---- install lines: every one the docs, the Makefile, bench/ and the messages give works from a checkout ----------

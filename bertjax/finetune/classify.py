@@ -10,6 +10,7 @@ fine-tuned model with the label names as id2label (bertjax checkpoint and/or HF 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax
@@ -21,10 +22,22 @@ from bertjax.runtime import jsonio
 from bertjax.runtime.console import Console, metric_text
 from bertjax.finetune import glue_data, label_metrics, table_data
 from bertjax.finetune.settings import TrainSettings, check_metric_for_best
-from bertjax.finetune.trainer import Trainer, classification_loss, regression_loss, write_fine_tuned
+from bertjax.finetune.trainer import INPUT_KEYS, Trainer, classification_loss, regression_loss, write_fine_tuned
 from bertjax.interop.load import load_init
 from bertjax.model import family
 from bertjax.runtime.outputs import write_whole
+
+
+def cut_to_longest(features: dict[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:
+    """`features` with the token axis cut to the longest row's length rounded up to `bucket` (never wider than it
+    was): no batch of the Trainer is wider (each is cut to its own longest row's bucket), so the columns past it are
+    padding that only costs memory for the whole run (SST-2's 67k training rows at --max-seq-length 128: 96 MiB;
+    cut to its longest row, 95 tokens of an 8k BPE, 72 MiB). The rows are copied so that the wide arrays are freed."""
+    width = features["input_ids"].shape[-1]
+    longest = int(features["input_mask"].sum(axis=-1).max(initial=0))
+    keep = min(width, max(bucket, math.ceil(longest / bucket) * bucket))
+    return {k: np.ascontiguousarray(v[..., :keep]) if k in INPUT_KEYS and keep < width else v
+            for k, v in features.items()}
 
 
 def multi_label_loss(logits, batch):
@@ -116,8 +129,12 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
     trainer = Trainer(family.sequence_classifier(ckpt.config, num_labels), ckpt.config, ckpt.params,
                       LOSSES[problem], settings, source=init)
     ckpt.params = {}  # the Trainer holds its own copy: the checkpoint's host copy would double them in memory
-    featurize = lambda examples: glue_data.featurize(examples, tokenizer, max_seq_length)  # noqa: E731
+    # Held for the whole run: cut to what the batches are cut to anyway (the longest row's length bucket).
+    featurize = lambda examples: cut_to_longest(  # noqa: E731
+        glue_data.featurize(examples, tokenizer, max_seq_length), settings.length_bucket)
     train_features = featurize(train_examples)
+    num_train_available = len(train_examples)
+    del train_examples  # tokenized: its texts were held to the end (SST-2's training rows: +29 MB RSS, measured)
     dev_features = featurize(dev_examples) if dev_examples is not None else None
 
     def evaluate() -> dict:
@@ -154,7 +171,7 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
     result = {
         "task": "classify", "problem": problem, "labels": names, "metrics": metrics, "majority_baseline": baseline,
         "train": train, "dev": dev, "test": test, "columns": dataclasses.asdict(spec),
-        "num_train_examples": train_info.pop("num_train_rows"), "num_train_available": len(train_examples),
+        "num_train_examples": train_info.pop("num_train_rows"), "num_train_available": num_train_available,
         "max_seq_length": max_seq_length,
         "settings": dataclasses.asdict(settings), **train_info,
         "seconds_per_epoch": [h["seconds"] for h in train_info["history"]],
