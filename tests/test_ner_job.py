@@ -105,7 +105,8 @@ def test_cli_finetune_ner_writes_predictions_metrics_and_hf_export(shared_data, 
     np.testing.assert_allclose(reread.params["classifier"]["kernel"], fine_tuned.params["classifier"]["kernel"])
     # A later `bertjax export` of the saved checkpoint keeps the labels (not LABEL_0, ...).
     assert fine_tuned.head == {"architecture": "BertForTokenClassification",
-                               "id2label": {str(i): l for i, l in enumerate(labels)}}
+                               "id2label": {str(i): l for i, l in enumerate(labels)},
+                               "max_seq_length": 64}  # what `predict` reads it at
     assert reread.head == fine_tuned.head
     assert main(["export", str(work / "checkpoint"), "--out", str(tmp_path / "later")]) == 0
     later = json.loads((tmp_path / "later" / "config.json").read_text())
