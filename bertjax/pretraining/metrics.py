@@ -43,18 +43,19 @@ PEAK_FLOPS_BY_DEVICE_KIND = {
 
 
 def train_flops(config: BertConfig, seq_len: int, real_tokens: float, masked_tokens: float,
-                instances: float, sbo: bool = False) -> float:
+                instances: float, sbo: bool = False, windowed: bool = True) -> float:
     """Matmul FLOPs of forward + backward (twice the forward) of BertForPreTraining on real tokens only.
 
     Forward, per layer and real token: Q/K/V/output projections 4*2*H^2, feed-forward 2*2*H*I, attention scores
     and context 2*2*L*H (L = the row length the kernels attend over); per masked token the MLM head (transform
     2*H^2, decoder 2*H*V), and with the SBO head (`sbo`) its two layers (2*3H*H + 2*H^2) and decoder again; per
     instance the pooler and NSP classifier. Padding positions count nothing, so
-    packed and unpacked runs are compared on the work that trains the model.
+    packed and unpacked runs are compared on the work that trains the model. `windowed`: ModernBERT's sliding
+    layers attend over their window (the model's work); False: over the whole row (see computed_train_flops).
     """
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     if isinstance(config, ModernBertConfig):
-        return _modernbert_train_flops(config, seq_len, real_tokens, masked_tokens)
+        return _modernbert_train_flops(config, seq_len, real_tokens, masked_tokens, windowed)
     per_token = layers * (8 * h * h + 4 * h * inter + 4 * seq_len * h)
     per_masked = 2 * h * h + 2 * h * config.vocab_size
     if sbo:
@@ -64,13 +65,14 @@ def train_flops(config: BertConfig, seq_len: int, real_tokens: float, masked_tok
 
 
 def _modernbert_train_flops(config: ModernBertConfig, seq_len: int, real_tokens: float,
-                            masked_tokens: float) -> float:
+                            masked_tokens: float, windowed: bool = True) -> float:
     """ModernBERT's train_flops: per layer and real token Wqkv and Wo 4*2*H^2, the GeGLU 3*2*H*I (Wi is 2I wide),
     attention 2*2*S*H where S is the keys a token attends: the row in global layers, the window (local_attention
     + 1, at most the row) in the others; per masked token the prediction head 2*H^2 and the decoder 2*H*V. A
-    kernel that computes the whole row and masks it does more, which is not the model's work."""
+    kernel that computes the whole row and masks it does more, which is not the model's work (`windowed`
+    False counts it: S the row in every layer)."""
     h, inter = config.hidden_size, config.intermediate_size
-    spans = [seq_len if config.is_global(i) else min(seq_len, config.local_attention + 1)
+    spans = [seq_len if config.is_global(i) or not windowed else min(seq_len, config.local_attention + 1)
              for i in range(config.num_hidden_layers)]
     per_token = sum(8 * h * h + 6 * h * inter + 4 * span * h for span in spans)
     per_masked = 2 * h * h + 2 * h * config.vocab_size
@@ -80,6 +82,14 @@ def _modernbert_train_flops(config: ModernBertConfig, seq_len: int, real_tokens:
 def train_flops_per_sequence(config: BertConfig, seq_len: int, num_masked: int) -> float:
     """train_flops of one full (unpadded) sequence with `num_masked` predictions."""
     return train_flops(config, seq_len, seq_len, num_masked, 1)
+
+
+def computed_train_flops_per_sequence(config: BertConfig, seq_len: int, num_masked: int) -> float:
+    """The matmul FLOPs of one row's forward + backward as dense kernels compute them, which is what a CPU (XLA's
+    reference attention) spends: every position of the row, padding included; every one of the `num_masked`
+    prediction slots (max_predictions_per_seq), filled or not; ModernBERT's sliding layers over the whole row,
+    masked, not the window. train_flops counts the model's work instead (real tokens, the window): MFU's."""
+    return train_flops(config, seq_len, seq_len, num_masked, 1, windowed=False)
 
 
 def device_peak_flops(device=None, dtype: str = "bfloat16", cache_dir: str | None = None) -> tuple[float, str]:
