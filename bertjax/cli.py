@@ -39,15 +39,24 @@ PASSES_STOP_SIGNALS_ON = ("launch",)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
-    """Help lines end with the option's default, where it has a meaningful one."""
+    """Help lines end with the option's default: every option that takes a value and is not required (`none` where
+    it has none). An option whose default follows another's says so in its own help, `(default: ...)`, kept as is;
+    a flag (store_true) has none to show."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        shown = action.default not in (None, "", argparse.SUPPRESS, False) or isinstance(action.default, bool) \
-            and action.nargs == 0 and not isinstance(action, argparse._StoreTrueAction)
-        if "%(default)" in text or "(default" in text or not action.option_strings or not shown or action.required:
+        flag = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if "(default" in text or not action.option_strings or action.required or flag \
+                or action.default is argparse.SUPPRESS:
             return text
-        return f"{text} (default: %(default)s)"
+        return f"{text} (default: {self._default_text(action)})"
+
+    @staticmethod
+    def _default_text(action) -> str:
+        """`%(default)s`; `none` for an unset one (None, an empty list), '' where the help says what '' means."""
+        if action.default is None or action.default == [] or action.default == "" and "''" not in (action.help or ""):
+            return "none"
+        return "''" if action.default == "" else "%(default)s"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,16 +183,20 @@ def job_error_line(error: BaseException) -> str | None:
     # bertjax's own lines name what they need; a library's raw status (TensorStore's "RESOURCE_EXHAUSTED: ...",
     # an OSError's "[Errno 24] ...") does not.
     raw = re.match(r"[A-Z_]+: |\[Errno \d+\]", str(error))
+    if limit is None and isinstance(error, OSError) and errors.is_file_failure(error):  # the file and why, no errno
+        return errors.file_failure_line(error)
     if isinstance(error, (ValueError, FileNotFoundError, KeyError)) and (limit is None or not raw):
         return str(error)
     if limit is not None:
         where = getattr(error, "filename", None)
         return f"{where}: {limit}" if where and not limit.startswith(str(where)) else limit
-    if isinstance(error, OSError) and error.filename:  # the machine's state (read-only, full, missing), not a bug
+    if isinstance(error, OSError) and error.filename:  # the machine's state, not a bug
         return str(error)
     found = re.search(r"CorpusError: (.*)", str(error))
     if found and type(error).__module__.split(".")[0] == "tensorflow":
         return found.group(1)
+    if errors.is_file_failure(error):  # a library's file failure no boundary (errors.at_file) caught: by its path
+        return errors.file_failure_line(error)
     return None
 
 

@@ -34,7 +34,7 @@ INT_LIMIT = 2**31 - 1
 @dataclasses.dataclass(frozen=True)
 class Range:
     """The values a numeric option may take: `kind` (int or float) from `low` to `high` (None: unbounded; an int is
-    also at most INT_LIMIT, a float always finite), each end included unless `*_open`. As an argparse `type` it
+    then also at most INT_LIMIT, a float always finite), each end included unless `*_open`. As an argparse `type` it
     parses and checks a flag's text (argparse then names the flag)."""
     kind: type
     low: float | None = None
@@ -55,7 +55,7 @@ class Range:
             return f"must be {'>' if self.low_open else '>='} {_num(self.low)}"
         if above:
             return f"must be {'<' if self.high_open else '<='} {_num(self.high)}"
-        if self.kind is int and abs(value) > INT_LIMIT:
+        if self.kind is int and self.high is None and abs(value) > INT_LIMIT:
             return f"must be <= {INT_LIMIT} (a 32-bit integer)" if value > 0 else f"must be >= {-INT_LIMIT}"
         return None
 
@@ -79,7 +79,8 @@ def _num(value) -> str:
 
 
 def ints(low: int | None = None, high: int | None = None) -> Range:
-    """An integer option from `low` to `high`, both included (and at most INT_LIMIT)."""
+    """An integer option from `low` to `high`, both included (without `high`, at most INT_LIMIT: a count held in
+    32 bits)."""
     return Range(int, low, high)
 
 

@@ -22,6 +22,7 @@ def get_config():
     c.train.steps = 8_200
     c.train.batch_size = 4096
     c.train.grad_accum_steps = 1
+    c.train.batch_size_warmup_tokens = 0  # MosaicBERT's batch is full from the first step
     c.optimizer.name = "adamw"  # MosaicBERT's (modernbert-base's StableAdamW is ModernBERT's)
     c.optimizer.learning_rate = 5e-4
     c.optimizer.warmup_ratio = 0.06

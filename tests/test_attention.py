@@ -6,10 +6,12 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from bertjax.model.attention import (
+    CHUNKED_MIN_LENGTH,
     dot_product_attention,
     reference_attention,
     resolve_backend,
 )
+from bertjax.model.chunked_attention import chunk_block, chunked_attention
 
 BATCH, LENGTH, HEADS, HEAD_DIM = 3, 40, 2, 16
 
@@ -63,7 +65,7 @@ def test_reference_matches_naive_attention(inputs, window):
 
 
 @pytest.mark.parametrize("backend, window", [("dot_product", None), ("pallas_tpu", None), ("splash_tpu", None),
-                                             ("dot_product", 5), ("splash_tpu", 5)])
+                                             ("dot_product", 5), ("splash_tpu", 5), ("chunked", 5)])
 def test_backend_matches_reference_forward_and_gradient(inputs, backend, window):
     """With a window (ModernBERT's local layers) as well: 5 tokens each side of rows of 40 with packing; splash
     takes it as its block-sparse local mask."""
@@ -82,6 +84,68 @@ def test_backend_matches_reference_forward_and_gradient(inputs, backend, window)
     for grad, expected in zip(grads, reference_grads):
         assert np.isfinite(np.asarray(grad)).all()
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length, window, block", [
+    (40, 5, 16),     # the length not a multiple of the block; bands overlapping blocks on both sides
+    (40, None, 16),  # global: every key for every block
+    (40, 50, 16),    # a window wider than the row: every key, the window still applied
+    (40, 5, 64),     # one block longer than the row
+    (37, 4, 8),      # an odd length, blocks smaller than the band; the padded example's real tokens end in a block
+])
+def test_chunked_matches_reference_at_every_block_layout(length, window, block):
+    """The chunked backend's blocks and bands against the reference, values and gradients, with a padded row, an
+    almost empty one and two sequences packed into one (their boundary inside a block)."""
+    rng = np.random.default_rng(length)
+    q, k, v = (jnp.asarray(rng.normal(size=(3, length, 2, 8)), jnp.float32) for _ in range(3))
+    input_mask = np.ones((3, length), np.int32)
+    input_mask[1, length * 2 // 3:] = 0
+    input_mask[2, 2:] = 0
+    packing_ids = np.zeros((3, length), np.int32)
+    packing_ids[0, length // 3 + 1:] = 1
+    valid = input_mask.astype(bool)
+    weights = jnp.asarray(input_mask, jnp.float32)[:, :, None, None]   # padding queries' outputs are ignorable
+
+    def loss(attend):
+        return lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)) * weights)
+
+    chunked = lambda q, k, v: chunked_attention(q, k, v, input_mask, packing_ids, window=window, block=block)  # noqa: E731
+    reference = lambda q, k, v: reference_attention(q, k, v, input_mask, packing_ids, window=window)  # noqa: E731
+    out = chunked(q, k, v)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(reference(q, k, v))[valid], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out)[valid], _naive(q, k, v, input_mask, packing_ids, window)[valid],
+                               rtol=1e-5, atol=1e-5)
+    for grad, expected in zip(jax.grad(loss(chunked), argnums=(0, 1, 2))(q, k, v),
+                              jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_memory_grows_linearly_with_a_window():
+    """The claim behind long contexts on a CPU: with a window, the chunked backend's forward and backward hold
+    memory linear in the length (XLA's compiled temporaries, doubling with it), where the reference's [heads, S, S]
+    scores quadruple; without a window its blocks' scores grow with the length once, not its square."""
+    def temporaries(backend, length, window):
+        shape = jax.ShapeDtypeStruct((1, length, 2, 16), jnp.float32)
+        mask = jax.ShapeDtypeStruct((1, length), jnp.int32)
+        attend = chunked_attention if backend == "chunked" else reference_attention
+        loss = lambda q, k, v, m: jnp.sum(attend(q, k, v, m, window=window))  # noqa: E731
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape, mask).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    windowed = [temporaries("chunked", length, 8) for length in (2048, 4096)]
+    assert 1.8 < windowed[1] / windowed[0] < 2.2, windowed
+    reference = temporaries("reference", 4096, 8)
+    assert reference > 4096 * 4096 * 2 * 4 > 20 * windowed[1], (reference, windowed)
+    assert temporaries("chunked", 4096, None) < reference / 4
+
+
+def test_chunked_block_sizes():
+    assert chunk_block(1, 8192, 12, window=64) == 64   # ModernBERT-base's 64 each side: a band of 192 keys
+    assert chunk_block(1, 8192, 12, window=4) == 32
+    assert chunk_block(1, 8192, 12, window=None) == 128   # 12 x 128 x 8192 float32 scores: 48 MiB
+    assert chunk_block(1, 1024, 12, window=None) == 512
+    assert chunk_block(64, 8192, 12, window=None) == 16
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the cuDNN fused attention needs an NVIDIA GPU")
@@ -136,6 +200,14 @@ def test_backend_selection():
     assert resolve_backend("auto", dropout_active=True, platform="gpu", length=512) == "flash_dropout_gpu"
     assert resolve_backend("auto", dropout_active=True, platform="gpu", length=127) == "reference"
     assert resolve_backend("auto", dropout_active=True, platform="cpu") == "reference"
+    # Long rows on a CPU: chunked (scores never held whole), with or without a window; not with dropout.
+    for windowed in (False, True):
+        assert resolve_backend("auto", False, "cpu", CHUNKED_MIN_LENGTH, windowed=windowed) == "chunked"
+        assert resolve_backend("auto", False, "cpu", CHUNKED_MIN_LENGTH - 1, windowed=windowed) == "reference"
+        assert resolve_backend("auto", True, "cpu", 8192, windowed=windowed) == "reference"
+    assert resolve_backend("auto", False, "tpu", 8192) == "splash_tpu"
+    with pytest.raises(ValueError, match="'chunked' has no attention dropout"):
+        resolve_backend("chunked", dropout_active=True)
     assert resolve_backend("auto", dropout_active=True, platform="tpu", length=512) == "flash_dropout_tpu"
     assert resolve_backend("auto", dropout_active=True, platform="tpu", length=256) == "flash_dropout_tpu"
     assert resolve_backend("auto", dropout_active=True, platform="tpu", length=128) == "flash_dropout_tpu"

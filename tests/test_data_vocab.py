@@ -1,5 +1,5 @@
-"""`bertjax vocab train` (WordPiece and SentencePiece with BERT's special tokens) and the SentencePiece
-path through the pretraining pipeline with whole-word masking."""
+"""`bertjax vocab train` (WordPiece, SentencePiece and a byte-level BPE with BERT's special tokens) and the
+SentencePiece path through the pretraining pipeline with whole-word masking."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import pytest
 from bertjax.cli import main as bertjax_main
 from bertjax.data.data_config import PretrainingDataConfig
 from bertjax.data.pipeline import make_pretraining_dataset
-from bertjax.data.tokenizers import SentencePieceTokenizer, WordPieceTokenizer
+from bertjax.data.tokenizers import SentencePieceTokenizer, TokenizerJsonTokenizer, WordPieceTokenizer
 
 RESERVED = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -75,6 +75,15 @@ def test_sentencepiece_vocab_train_and_whole_word_masking(texts, tmp_path, capsy
     assert [reference.id_to_piece(i) for i in range(5)] == RESERVED
     tok = SentencePieceTokenizer(str(model))
     assert tok.tokenize(held_out).to_list() == reference.encode(held_out)
+    # Its tokenizer.json (what checkpoints keep, fine-tuning and exports tokenise with: transformers' conversion)
+    # gives the in-graph ids, lower-cased too.
+    from tokenizers import Tokenizer
+
+    for lower_case in (False, True):
+        in_graph = SentencePieceTokenizer(str(model), lower_case=lower_case)
+        converted = Tokenizer.from_str(in_graph.spec["json"])
+        assert [e.ids for e in converted.encode_batch(held_out, add_special_tokens=False)] == \
+            in_graph.tokenize(held_out).to_list()
 
     # The SentencePiece path of the pipeline: whole-word masking never masks part of a "▁" word.
     config = PretrainingDataConfig(input=(str(train),), vocab=str(model), corpus_format="wrapped",
@@ -130,3 +139,75 @@ def test_wordpiece_min_count_steers_the_vocabulary_size(texts, tmp_path, capsys)
         bertjax_main(["vocab", "train", "--input", str(train), "--vocab-size", "100", "--type", "wordpiece",
                       "--out", str(tmp_path / "bad"), "--min-count", "0"])
     assert refused.value.code == 2 and "argument --min-count: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_bpe_vocab_train_is_modernberts_kind_and_gives_the_tokenizers_librarys_ids(texts, tmp_path, capsys):
+    """A byte-level BPE as ModernBERT's (NFC, byte-level pre-tokeniser and decoder, BERT's template), BERT's special
+    tokens first, its size rounded up to a multiple of 64 with [unused] tokens; bertjax's tokenizer on it gives the
+    `tokenizers` library's own ids and token types, singles and pairs, and AutoTokenizer reads it whole."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    train, held_out = texts
+    out = tmp_path / "bpe"
+    argv = ["vocab", "train", "--input", str(train), "--format", "wrapped", "--vocab-size", "1500", "--type", "bpe",
+            "--out", str(out), "--max-sentences", "3000"]
+    assert bertjax_main(argv) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.endswith("wrote " + str(out / "tokenizer.json") + ": 1536 tokens (1500 learned and 36 [unused] ones, "
+                         "a multiple of 64)"), line
+    assert sorted(os.listdir(out)) == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    spec = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
+    assert spec["normalizer"] == {"type": "NFC"} and spec["decoder"]["type"] == "ByteLevel"
+    assert spec["pre_tokenizer"] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                     "use_regex": True}
+    assert spec["model"]["type"] == "BPE" and spec["model"]["unk_token"] is None
+    added = {token["id"]: token for token in spec["added_tokens"]}
+    assert [added[i]["content"] for i in range(5)] == RESERVED and added[4]["lstrip"]  # "a [MASK]" as ModernBERT's
+    assert [added[i]["content"] for i in range(1500, 1536)] == [f"[unused{i}]" for i in range(36)]
+
+    ours = TokenizerJsonTokenizer(str(out / "tokenizer.json"))
+    library = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert len(ours.vocab) == library.get_vocab_size() == 1536
+    assert (ours.pad_id, ours.unk_id, ours.cls_id, ours.sep_id, ours.mask_id) == (0, 1, 2, 3, 4)
+    first, second = held_out[:90], held_out[90:180]
+    for pairs in (None, second):
+        encoded = ours.encode(first, max_len=2048, text_pairs=pairs)
+        theirs = library.encode_batch(first if pairs is None else list(zip(first, pairs)))
+        assert max(len(e.ids) for e in theirs) < 2048  # nothing truncated: the whole encodings compared
+        for row, encoding in enumerate(theirs):
+            length = len(encoding.ids)
+            assert encoded["input_ids"][row, :length].tolist() == encoding.ids
+            assert encoded["segment_ids"][row, :length].tolist() == encoding.type_ids
+            assert encoded["input_mask"][row].sum() == length
+    assert np.mean(ours.encode(held_out, max_len=2048)["input_ids"] == 1) == 0  # byte-level: no [UNK] ever
+
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf.model_input_names == ["input_ids", "attention_mask"]  # ModernBERT's: no token types
+    pair = hf(first, second, return_token_type_ids=True)
+    encoded = ours.encode(first, max_len=2048, text_pairs=second)
+    for row, (ids, types) in enumerate(zip(pair["input_ids"], pair["token_type_ids"])):
+        assert encoded["input_ids"][row, :len(ids)].tolist() == ids
+        assert encoded["segment_ids"][row, :len(types)].tolist() == types
+    assert hf("It is a [MASK].")["input_ids"] == [2, *library.encode("It is a", add_special_tokens=False).ids, 4,
+                                                   *library.encode(".", add_special_tokens=False).ids, 3]
+    _refused_over_its_own(argv, out / "tokenizer.json", capsys)
+
+
+def test_bpe_min_count_and_lower_case(texts, tmp_path, capsys):
+    """--min-count bounds the merges (pairs seen that often); --lower-case lower-cases before the model."""
+    train, held_out = texts
+    sizes = {}
+    for min_count in (50, 2):
+        out = tmp_path / f"bpe{min_count}"
+        assert bertjax_main(["vocab", "train", "--input", str(train), "--format", "wrapped", "--vocab-size", "6000",
+                             "--type", "bpe", "--out", str(out), "--max-sentences", "3000", "--min-count",
+                             str(min_count)] + (["--lower-case"] if min_count == 2 else [])) == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        sizes[min_count] = TokenizerJsonTokenizer(str(out / "tokenizer.json")).vocab_size
+        assert sizes[min_count] % 64 == 0 and f"of the 6000 asked: limited by --min-count {min_count}" in line, line
+    assert sizes[2] > 1.5 * sizes[50], sizes
+    lowered = TokenizerJsonTokenizer(str(tmp_path / "bpe2" / "tokenizer.json"))
+    assert lowered.token_lists(["ROMEO And Juliet"]) == lowered.token_lists(["romeo and juliet"])

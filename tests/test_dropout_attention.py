@@ -64,25 +64,46 @@ def test_forward_and_gradients_equal_the_reference_with_the_kernels_mask(length,
     assert np.abs(np.asarray(out - no_dropout)).max() > 1e-2
 
 
-@pytest.mark.parametrize("length, heads, head_dim, layout, window, rate, blocks", [
-    # ModernBERT's heads of 64 in pairs; 3 x 3 blocks of 32 with a window of 20: blocks skipped, others cut in two
-    (96, 2, 64, "packing", 20, 0.1, {"block_q": 32, "block_k": 32}),
-    (120, 2, 16, "padding", 8, 0.0, {"block_q": 32, "block_k": 16}),   # held and streamed blocks of other sizes
+def _pallas_grids(function, *args) -> dict:
+    """{kernel name: grid} of the pallas_calls in the jaxpr of `function(*args)` (interpret mode)."""
+    with pltpu.force_tpu_interpret_mode():
+        jaxpr = jax.make_jaxpr(function)(*args).jaxpr
+    return {str(eqn.params["name"]): tuple(eqn.params["grid_mapping"].grid) for eqn in _all_eqns(jaxpr)
+            if eqn.primitive.name == "pallas_call"}
+
+
+@pytest.mark.parametrize("length, heads, head_dim, layout, window, rate, blocks, width", [
+    # ModernBERT's heads of 64 in pairs; 8 blocks of 32 with a window of 20: a held block meets 3 streamed ones
+    # (2 at either end), the others are skipped, and the blocks met at their edge are cut
+    (256, 2, 64, "packing", 20, 0.1, {"block_q": 32, "block_k": 32}, 3),
+    # held and streamed blocks of other sizes: 4 held of 32 over 8 streamed of 16 (padded 120 -> 128)
+    (120, 2, 16, "padding", 8, 0.0, {"block_q": 32, "block_k": 16}, 4),
 ])
 def test_a_window_skips_the_blocks_outside_it_and_masks_the_rest(length, heads, head_dim, layout, window, rate,
-                                                                 blocks):
+                                                                 blocks, width):
     """A sliding window (ModernBERT's local layers): the kernel equals the windowed reference with its own mask,
-    forward and gradients, packed or padded, and fetches and computes only the blocks that meet the window."""
+    forward and gradients, packed or padded, and its grids step only through the blocks that meet the window
+    (`width` streamed blocks a held block, not all of them: nothing fetched, computed or stepped over beyond)."""
     q, k, v = _inputs(1, length, heads, head_dim)
     segment_ids = _segments(1, length, layout)
     kernel, reference = _kernel_and_reference(q, k, v, segment_ids, rate, 7, window=window, **blocks)
     _assert_close(kernel, reference, segment_ids)
     full = _reference(q, k, v, segment_ids, None, 0.0)
     assert np.abs(np.asarray(kernel[0] - full)).max() > 1e-2   # the window mattered
+    attend = lambda q, k, v: jnp.sum(da.flash_attention_with_dropout(q, k, v, segment_ids, dropout_rate=rate, seed=7,
+                                                                     window=window, **blocks))
+    padded = length + -length % max(blocks.values())
+    held = padded // blocks["block_q"]
+    pack = 2 if head_dim == 64 else 1
+    assert _pallas_grids(jax.grad(attend, argnums=(0, 1, 2)), q, k, v) == {
+        name: (1, heads // pack, held, width) for name in ("flash_dropout_fwd", "flash_dropout_dq", "flash_dropout_dkv")}
+    assert width < padded // blocks["block_k"]
     # Held block 1 of 32 (queries 32..63) meets the keys 12..83 within 20: streamed blocks 0..2 of 3 (block_k 32);
     # with 4 blocks of 32 keys and held blocks of 32, the first meets 0..1 only.
     assert da.window_span(1, 32, 32, 3, 20) == (0, 2) and da.window_span(0, 32, 32, 4, 20) == (0, 1)
     assert da._pairs(1, 2, 128, 32, 32, 20) == 2 * (2 + 3 + 3 + 2) * 32 * 32
+    # ModernBERT-base's local layers at 8,192 tokens (64 each side, blocks of 128): 3 grid steps a held block, not 64.
+    assert da.window_width(128, 128, 8192, 64) == 3 and da.window_width(128, 128, 8192, None) == 64
 
 
 @pytest.mark.parametrize("length, head_dim, layout, blocks", [
@@ -336,11 +357,13 @@ def _all_eqns(jaxpr):
 
 
 @pytest.mark.usefixtures("no_cache_writes")
-@pytest.mark.parametrize("topology, batch, length", [("v5e:2x2", 8, 128), ("v5e:2x2", 4, 512),
-                                                     ("v4-8", 8, 128), ("v4-8", 4, 512)])
-def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, length):
+@pytest.mark.parametrize("topology, batch, length, window", [
+    ("v5e:2x2", 8, 128, None), ("v5e:2x2", 4, 512, None), ("v4-8", 8, 128, None), ("v4-8", 4, 512, None),
+    ("v5e:2x2", 1, 2048, 64),   # ModernBERT's local layers: the window's grid, its block indices in the kernels
+])
+def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, length, window):
     """BERT-base attention (12 heads of 64, bf16) forward + backward, compiled by XLA:TPU and Mosaic for
-    compile-only devices of two TPU generations (libtpu; no TPU needed)."""
+    compile-only devices of two TPU generations (libtpu; no TPU needed); a window's kernels too."""
     pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu")
     from bertjax.cloud import topologies
 
@@ -352,7 +375,7 @@ def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, le
 
     def step(q, k, v, segment_ids, seed):
         loss = lambda q, k, v: jnp.sum(da.flash_attention_with_dropout(
-            q, k, v, segment_ids, dropout_rate=0.1, seed=seed).astype(jnp.float32))
+            q, k, v, segment_ids, dropout_rate=0.1, seed=seed, window=window).astype(jnp.float32))
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
     compiled = jax.jit(step).lower(qkv, qkv, qkv, segment_ids, seed).compile()
     hlo = compiled.as_text()
@@ -361,8 +384,10 @@ def test_forward_and_backward_compile_through_mosaic_for_tpu(topology, batch, le
         assert name in hlo
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    # XLA takes the kernels' declared costs: at least the 9 [S, S, 64] matmuls of forward + backward.
-    assert cost["flops"] >= 9 * 2 * 64 * batch * 12 * length * length
+    # XLA takes the kernels' declared costs: at least the 9 [S, S, 64] matmuls of forward + backward (with a
+    # window, of the pairs in the blocks that meet it: 3 blocks of 128 keys a query, 2 at either end).
+    pairs = length * length if window is None else 128 * 128 * (3 * (length // 128) - 2)
+    assert cost["flops"] >= 9 * 2 * 64 * batch * 12 * pairs
 
 
 @pytest.mark.parametrize("backend, heads, head_dim", [

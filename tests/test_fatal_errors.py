@@ -214,7 +214,7 @@ def test_a_workdir_that_cannot_be_made_is_one_line(tmp_path, capsys):
     assert main(["finetune", "glue", "--task", "sst2", "--init", str(tmp_path / "none"), "--data", str(tmp_path),
                  "--workdir", str(workdir)]) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == f"bertjax finetune: error: [Errno 20] Not a directory: '{workdir}'"
+    assert err.strip().splitlines()[-1] == f"bertjax finetune: error: {workdir}: not a directory"
     assert "Traceback" not in err
 
 

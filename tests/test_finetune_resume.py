@@ -241,6 +241,33 @@ def test_a_rerun_on_another_spelling_of_the_workdir_is_the_same_run(tmp_path, ca
     assert json.loads((tmp_path / "w" / "run.json").read_text())["workdir"] == str(tmp_path / "w")
 
 
+def test_inputs_spelled_otherwise_or_named_from_another_directory_are_the_same_run(tmp_path, capsys, monkeypatch):
+    """`glue`, `./glue`, its absolute path, and `../glue` from a folder beside it name one input: run.json records
+    it resolved (and its files' content by resolved path), so a rerun or a resume from another directory is the
+    same run, not "another fine-tuning run ... pass --overwrite". Another file is still another run. The runs stop
+    at their missing task files, after the claim."""
+    data = tmp_path / "glue"
+    data.mkdir()
+    (data / "README").write_text("a file of the data folder: its fingerprint is part of the record\n")
+    (tmp_path / "elsewhere").mkdir()
+    workdir = tmp_path / "w"
+    workdir.mkdir()  # existed before: kept when the run fails
+    for cwd, spelling in ((tmp_path, "glue"), (tmp_path, "./glue"), (tmp_path, str(data)),
+                          (tmp_path / "elsewhere", "../glue")):
+        monkeypatch.chdir(cwd)
+        assert main(_argv(spelling, "no-init", workdir)) == 2
+        err = capsys.readouterr().err
+        assert "belongs to another" not in err and "changed since" not in err, err
+        (workdir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # it ran a step: a run to resume
+    record = json.loads((workdir / "run.json").read_text())
+    assert record["data"] == str(data) and f"input:{data / 'README'}" in record
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "README").write_text("another folder\n")
+    assert main(_argv(tmp_path / "other", "no-init", workdir)) == 2
+    assert f"{workdir} belongs to another fine-tuning run (data: " in capsys.readouterr().err
+
+
 def test_a_full_disk_ends_a_fine_tune_in_one_line(tiny_init, tmp_path, small_disk):  # noqa: F811
     """A disk that fills at the first save: the save's line last, no traceback before it (Orbax's threads and
     TensorStore's writes still in flight printed theirs), nothing taken for a finished run."""

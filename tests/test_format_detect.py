@@ -248,3 +248,62 @@ def test_a_mixed_corpus_makes_one_set_of_shards_with_the_per_format_runs_documen
         resolve(f"jsonl:{book}")
     with pytest.raises(ValueError, match=r"the input mixes formats: .* give each format its own --input"):
         resolve(f"{tmp_path}/*.*")
+
+
+def test_a_name_that_contradicts_the_bytes_is_one_policy_in_every_reader(tales, tmp_path, minilm_dir, capsys):
+    """One policy for a file whose name says one thing and bytes another, in every reader: `data create`, `vocab
+    train`, pretraining's eval input (format_detect.resolve, as `_eval_batches` calls it), and the users' tables of
+    the fine-tunes and `predict` (table_data.read_rows). A name that says what the file is must agree with the
+    bytes, else the file is refused naming both; a gzip-compressed Parquet file is refused the same way in each
+    (`vocab train` detected it as Parquet, then refused it showing gzip bytes); a name that says nothing leaves it
+    to the bytes, said in the detection line."""
+    import gzip
+
+    from bertjax.data import format_detect
+    from bertjax.data.data_config import PretrainingDataConfig
+    from bertjax.data.input_source import resolve
+    from bertjax.finetune.table_data import read_rows
+
+    vocab = minilm_dir / "vocab.txt"
+    parquet_gz, text_jsonl, text_gz = tmp_path / "grimm.parquet.gz", tmp_path / "grimm.jsonl", tmp_path / "grimm.txt.gz"
+    pq.write_table(pa.table({"text": tales, "label": ["a", "b"] * (len(tales) // 2)}), tmp_path / "grimm.parquet")
+    parquet_gz.write_bytes(gzip.compress((tmp_path / "grimm.parquet").read_bytes()))
+    text_jsonl.write_text("\n\n".join(tales), encoding="utf-8")
+    text_gz.write_text("\n\n".join(tales), encoding="utf-8")
+    rows_csv = tmp_path / "rows.csv"  # a table named CSV holding JSON Lines
+    rows_csv.write_text("".join(json.dumps({"text": t, "label": "a"}) + "\n" for t in tales), encoding="utf-8")
+    table_gz = tmp_path / "rows.csv.gz"  # a table named gzip-compressed holding plain CSV
+    table_gz.write_text("text,label\n" + "".join(f"row {i},a\n" for i in range(4)), encoding="utf-8")
+    compressed = (f"{parquet_gz}: a Parquet/Arrow file inside gzip compression: these are read as they are (Parquet "
+                  "compresses its own pages); decompress it")
+    corpus_lines = {parquet_gz: compressed, text_gz: f"{text_gz}: named as gzip-compressed, but its bytes are not ",
+                    text_jsonl: f"{text_jsonl}: named as jsonl but its bytes are plain text: rename it, or set "}
+
+    def last_error():
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    for path, line in corpus_lines.items():
+        assert main(["data", "create", "--input", str(path), "--vocab", str(vocab), "--out",
+                     str(tmp_path / "records")]) == 2
+        assert last_error().startswith(f"bertjax data: error: {line}")
+        assert main(["vocab", "train", "--input", str(path), "--type", "wordpiece", "--vocab-size", "300",
+                     "--out", str(tmp_path / "vocab")]) == 2
+        assert last_error().startswith(f"bertjax vocab: error: {line}")
+        eval_data = PretrainingDataConfig(input=str(path), vocab=str(vocab), max_seq_length=64)
+        with pytest.raises(ValueError) as caught:
+            resolve(eval_data, "data.eval_input", log=lambda said: None)
+        assert str(caught.value).startswith(line)
+    for path, line in ((parquet_gz, compressed), (text_jsonl, f"{text_jsonl}: named as JSON Lines but its bytes are "
+                                                             "plain text: rename it to what it is"),
+                       (rows_csv, f"{rows_csv}: named as CSV but its bytes are JSON Lines (each line a JSON "
+                                  "object): rename it to what it is"),
+                       (table_gz, f"{table_gz}: named as gzip-compressed, but its bytes are not ")):
+        with pytest.raises(ValueError) as caught:
+            read_rows(str(path), ["text"])
+        assert str(caught.value).startswith(line), str(caught.value)
+
+    # A name that says nothing: the bytes decide, said.
+    unnamed = tmp_path / "grimm.data"
+    unnamed.write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in tales).encode()))
+    assert format_detect.detect([str(unnamed)]) == ("jsonl", f"{unnamed}: JSON Lines (each line a JSON object), by "
+                                                             "its bytes")

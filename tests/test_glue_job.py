@@ -208,10 +208,16 @@ def test_cli_finetune_glue(tiny_init, tmp_path, capsys):
                             f"{tmp_path / 'w'}` uses it; --no-save-checkpoint keeps none)"), out[-2]
     dev = (tmp_path / "w" / "dev_predictions.tsv").read_text().splitlines()
     assert dev[0] == "split\tindex\tprediction\tlabel" and len(dev) == 1 + 48
+    # The kept model works with predict as that line says: the dev sentences get the job's own dev predictions.
+    assert main(["predict", "--model", str(tmp_path / "w"), "--input", str(data / "SST-2" / "dev.tsv"),
+                 "--text-column", "sentence", "--max-seq-length", "32", "--output", str(tmp_path / "p.jsonl")]) == 0
+    predicted = [json.loads(line)["label"] for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert predicted == [line.split("\t")[2] for line in dev[1:]]
     # One console style: timestamped lines, the compile, progress with learning rate and ETA.
     assert all(re.match(r"\d\d:\d\d:\d\d ", line) for line in out[:-1]), out
     assert any("compiling the train step" in line for line in out)
-    assert any(re.search(r" step \d+/\d+ epoch=1 loss=\S+ learning_rate=\S+ examples_per_s=\S+ eta \S+$", line)
+    assert any(re.search(r" step (\d+)/\1 epoch=1 mean_loss=\S+ \(steps 1-\1\) learning_rate=\S+ examples_per_s=\S+ "
+                         r"eta \S+$", line)
                for line in out), out
     # Bad input: a TSV row with the wrong column count is one clear error line naming file and line.
     with open(data / "SST-2" / "train.tsv", "a", encoding="utf-8") as f:

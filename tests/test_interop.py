@@ -281,3 +281,70 @@ def test_fine_tuning_heads_match_transformers_and_round_trip(architecture, tmp_p
     reloaded = getattr(transformers, architecture).from_pretrained(str(tmp_path / "hf"))
     for (name, a), (_, b) in zip(reference.state_dict().items(), reloaded.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+# ---- every export's tokenizer: each vocabulary kind x each family, read whole by transformers ----------------------
+
+VOCABULARY_KINDS = {"wordpiece": "vocab.txt", "sentencepiece": "spm.model", "bpe": "tokenizer.json"}
+
+
+@pytest.fixture(scope="module")
+def trained_vocabularies(tmp_path_factory):
+    """A vocabulary of each kind, trained by `vocab train`'s code on the demo corpus: {kind: its file}."""
+    from bertjax.data.corpus import CorpusConfig
+    from bertjax.data.demo_corpus import write_demo_corpus
+    from bertjax.data.vocab import train_vocab
+
+    folder = tmp_path_factory.mktemp("vocabularies")
+    train_path, _ = write_demo_corpus(str(folder))
+    paths = {}
+    for kind, name in VOCABULARY_KINDS.items():
+        trained = train_vocab(CorpusConfig(input=(train_path,)), str(folder / kind), 1000, kind, min_count=2,
+                              log=lambda line: None)
+        assert trained.path.endswith(name)
+        paths[kind] = trained.path
+    return paths
+
+
+@pytest.mark.parametrize("kind", list(VOCABULARY_KINDS))
+@pytest.mark.parametrize("preset", ["tiny", "modernbert-tiny"])
+def test_every_export_loads_whole_in_autotokenizer_and_the_fill_mask_pipeline(trained_vocabularies, kind, preset,
+                                                                               real_sentences, tmp_path):
+    """A pretraining checkpoint of either family on any vocabulary, exported: AutoTokenizer gives the ids (and, for
+    BERT, the token types) of the tokenizer the run trained with (data/tokenizers.load_tokenizer), singles and
+    pairs, and `pipeline("fill-mask", model=export)` scores the masked word as the checkpoint's own model does."""
+    import flax.linen as nn
+    import jax
+
+    from bertjax.data.tokenizers import load_tokenizer
+    from bertjax.model import family
+    from bertjax.model.model_options import ModelOptions, build_model_config
+
+    trained_with = load_tokenizer(trained_vocabularies[kind])  # what `pretrain --set data.vocab=...` tokenises with
+    config = build_model_config(ModelOptions(preset=preset), len(trained_with.vocab), trained_with.special_token_ids)
+    model = family.pretraining_model(config)
+    params = nn.meta.unbox(family.init_params(model, config, jax.random.PRNGKey(0)))
+    save_model(str(tmp_path / "ckpt"), params, config, trained_with.vocab, trained_with.lower_case,
+               tokenizer=getattr(trained_with, "spec", None))
+    assert cli(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    bert = preset == "tiny"
+    assert ("token_type_ids" in hf.model_input_names) == bert  # ModernBERT has no token types
+    first, second = real_sentences[:32], real_sentences[32:64]
+    for text_pairs in (None, second):
+        ours = trained_with.encode(first, max_len=512, text_pairs=text_pairs)
+        theirs = hf(first, text_pairs, return_token_type_ids=True)
+        for row, (ids, types) in enumerate(zip(theirs["input_ids"], theirs["token_type_ids"])):
+            assert len(ids) < 512 and ours["input_ids"][row, :len(ids)].tolist() == ids
+            assert ours["segment_ids"][row, :len(types)].tolist() == types and ours["input_mask"][row].sum() == len(ids)
+
+    text = f"The film is {hf.mask_token} and the story moves."
+    found = transformers.pipeline("fill-mask", model=str(tmp_path / "hf"), top_k=5)(text)
+    encoded = hf(text, return_tensors="np", return_token_type_ids=True)
+    position = int(np.flatnonzero(encoded["input_ids"][0] == hf.mask_token_id)[0])
+    logits = model.apply({"params": params}, encoded["input_ids"], encoded["attention_mask"],
+                         encoded["token_type_ids"], np.array([[position]]))["mlm_logits"]
+    probabilities = np.asarray(jax.nn.softmax(np.asarray(logits, np.float64).reshape(-1)[:len(trained_with.vocab)]))
+    assert [r["token"] for r in found] == list(np.argsort(-probabilities)[:5])
+    np.testing.assert_allclose([r["score"] for r in found], np.sort(probabilities)[::-1][:5], rtol=1e-4)

@@ -13,6 +13,7 @@ from bertjax.checkpoint import JOB_CONFIG, PARAMS, ResumeRefused, StepCheckpoint
 from bertjax.runtime.console import Console
 from bertjax.model.config import BertConfig
 from bertjax.pretraining import goodput, progress
+from bertjax.pretraining.batch_schedule import BatchSchedule
 from bertjax.pretraining.config import check_resume_config, load_config
 from bertjax.pretraining.loop import _NonFiniteGuard, majority_nsp_accuracy
 from bertjax.pretraining.metrics import MetricsWriter
@@ -32,7 +33,8 @@ def _counts(real, masked, instances):
 def clock(tmp_path):
     account = goodput.RunAccount(str(tmp_path), enabled=False)
     writer = MetricsWriter(str(tmp_path), 100, enabled=False, console=Console(enabled=False))
-    return progress.StepClock(0, 100, batch_size=BATCH, seq_len=SEQ_LEN, bert_config=CONFIG, peak_flops=PEAK,
+    return progress.StepClock(0, 100, batches=BatchSchedule(BATCH, 1, SEQ_LEN), seq_len=SEQ_LEN, bert_config=CONFIG,
+                              peak_flops=PEAK,
                               sbo=False, run_start=time.perf_counter(), account=account, writer=writer,
                               console=Console(enabled=False))
 
@@ -61,7 +63,31 @@ def test_the_clock_times_the_steps_after_the_compiling_one(clock):
     mean = _per_step(clock.mean())
     assert mean["real_tokens_per_s"] == pytest.approx(30 / 3)
     assert mean["instances_per_s"] == pytest.approx(6 / 3)
-    assert mean["sequences_per_s"] == pytest.approx(1)  # the summary's mean counts rows of one
+    assert mean["sequences_per_s"] == pytest.approx(BATCH)
+
+
+def test_a_batch_size_warmups_next_size_compiles_apart_and_each_step_counts_its_rows(tmp_path):
+    """Steps of 1 then 2 microbatches of BATCH rows: the first step at 2 compiles its program, so it is charged to
+    compile_s and left out of the interval and the ETA; the timed steps count their own rows."""
+    account = goodput.RunAccount(str(tmp_path), enabled=False)
+    writer = MetricsWriter(str(tmp_path), 100, enabled=False, console=Console(enabled=False))
+    lines = []
+    console = Console(enabled=False)
+    console.line = lines.append
+    clock = progress.StepClock(0, 100, batches=BatchSchedule(BATCH, 2, SEQ_LEN, ((1, 2),)), seq_len=SEQ_LEN,
+                               bert_config=CONFIG, peak_flops=PEAK, sbo=False, run_start=time.perf_counter(),
+                               account=account, writer=writer, console=console)
+    for step, counts in enumerate([_counts(1, 1, 1), _counts(10, 3, 2), _counts(1000, 1000, 1000),
+                                   _counts(20, 6, 4)]):
+        clock.before_step(step)
+        clock.after_step(step + 1, counts)
+    assert lines[2:] == [f"compiling the train step for {2 * BATCH} rows (step 3 includes it) ...",
+                         lines[3]] and lines[3].startswith("step 3 compiled and ran in ")
+    assert account.timed_steps == 2 and writer._aside_steps == 1.0  # step 3: one full step's worth set aside
+    per_step = _per_step(clock.interval())  # steps 2 and 4: BATCH and 2 BATCH rows
+    assert per_step["sequences_per_s"] == pytest.approx(1.5 * BATCH)
+    assert per_step["tokens_per_s"] == pytest.approx(1.5 * BATCH * SEQ_LEN)
+    assert per_step["real_tokens_per_s"] == pytest.approx(15)
 
 
 def test_the_summary_says_how_far_how_fast_and_where(clock, tmp_path):

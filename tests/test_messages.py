@@ -492,3 +492,80 @@ def test_an_error_quoting_a_users_row_is_cut_to_a_readable_length(tmp_path, caps
     from bertjax.runtime.errors import clipped
 
     assert len(clipped("x" * 5000)) <= 1000 and "(4,040 characters cut)" in clipped("x" * 5000)
+
+
+# ------------------------------------------------------------------------------------------- nothing silently wrong
+
+def test_non_finite_weights_are_refused_at_load_naming_the_tensor(minilm_dir, tmp_path, capsys):
+    """NaN or infinite weights gave NaN embeddings and predictions with exit 0; every load (embed, predict, a
+    fine-tune's --init, convert, export: interop.load.load_pretrained) refuses them naming the tensor."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.conftest import save_tiny_hf
+
+    model = Path(save_tiny_hf(tmp_path / "hf", minilm_dir / "vocab.txt", seed=0))
+    tensors = load_file(str(model / "model.safetensors"))
+    query = next(name for name in tensors if "layer.0.attention.self.query.weight" in name)
+    tensors[query][0, :2], tensors[query][1, 0] = np.nan, np.inf
+    save_file(tensors, str(model / "model.safetensors"))
+    lines = tmp_path / "lines.txt"
+    lines.write_text("a sentence\n")
+    for argv in (["embed", "--checkpoint", str(model), "--input", str(lines), "--output", str(tmp_path / "e.npy")],
+                 ["convert", str(model), "--from", "hf", "--out", str(tmp_path / "converted")]):
+        line = _error(capsys, argv)
+        assert re.fullmatch(rf"bertjax {argv[0]}: error: {re.escape(str(model))}: tensor bert/layer_0/"
+                            rf"attention/self/query/kernel holds 2 NaN and 1 infinite values of {tensors[query].size:,}"
+                            r"; the weights are damaged \(a run that diverged before it was saved\?\): use another "
+                            r"checkpoint", line), line
+    assert not (tmp_path / "e.npy").exists() and not (tmp_path / "converted").exists()
+
+
+def test_embed_says_how_many_lines_it_cut_to_its_max_length(minilm_dir, tmp_path, capsys):
+    from tests.conftest import save_tiny_hf
+
+    model = save_tiny_hf(tmp_path / "hf", minilm_dir / "vocab.txt", seed=0)
+    lines = tmp_path / "lines.txt"
+    lines.write_text("one two three four five six seven eight nine\nshort\nten eleven twelve\n")
+    assert bertjax_main(["embed", "--checkpoint", model, "--input", str(lines), "--output", str(tmp_path / "e.npy"),
+                         "--max-len", "7"]) == 0
+    # 9 words, one token each in MiniLM's vocabulary, with [CLS] and [SEP]: 11 tokens, cut to 7; 3 words: 5 fit.
+    assert f"--input {lines}: 1 of 3 line(s) longer than --max-len 7 tokens ([CLS] and [SEP] included), cut to it " \
+           "(lines 1); raise --max-len to embed more of them" in capsys.readouterr().out
+    assert np.load(tmp_path / "e.npy").shape[0] == 3
+
+
+def test_a_glue_row_whose_text_is_only_spaces_is_refused_as_classify_refuses_it(tmp_path, capsys):
+    """`finetune glue` scored a dev row that is only spaces as if it were a text (classify and predict refuse it);
+    it is refused naming its file, line and column, before any model loads."""
+    glue = tmp_path / "glue" / "SST-2"
+    glue.mkdir(parents=True)
+    (glue / "train.tsv").write_text("sentence\tlabel\n" + "".join(f"a film {i}\t{i % 2}\n" for i in range(8)))
+    (glue / "dev.tsv").write_text("sentence\tlabel\na good film\t1\n   \t0\n")
+    line = _error(capsys, ["finetune", "glue", "--task", "sst2", "--data", str(tmp_path / "glue"), "--init",
+                           str(tmp_path / "no-model"), "--workdir", str(tmp_path / "w")])
+    assert line == f"bertjax finetune: error: {glue / 'dev.tsv'}:3: column 1 (the first text) is empty; expected " \
+                   "the text"
+
+
+def test_a_config_without_model_type_is_told_what_is_missing(tmp_path, capsys):
+    """An HF config.json without model_type was read as BERT's, and a ModernBERT's tensors were "not found ... is
+    this a BERT checkpoint?"; the line now says what is missing (transformers refuses such a config too)."""
+    from tests import modernbert_fixture
+
+    model = modernbert_fixture.write_masked_lm(tmp_path / "modernbert")
+    config = json.loads((model / "config.json").read_text())
+    del config["model_type"]
+    (model / "config.json").write_text(json.dumps(config))
+    assert _error(capsys, ["info", str(model)]) == (
+        f"bertjax info: error: {model / 'config.json'}: an HF config.json without model_type (architectures "
+        "['ModernBertForMaskedLM']): it says which family the model is; add \"model_type\": \"bert\" or "
+        "\"modernbert\"")
+
+
+def test_a_symlink_loop_in_a_workdir_is_named_as_one(tmp_path, capsys):
+    """A workdir, or a folder in it, that is a symbolic link to itself was a raw `[Errno 17] File exists`."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert _error(capsys, _classify(tmp_path, loop)) == (
+        f"bertjax finetune: error: {loop} is a symbolic link that leads back to itself (a loop); remove it, or point "
+        "it at a folder")

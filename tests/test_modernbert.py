@@ -222,6 +222,32 @@ def test_config_reads_both_of_hfs_spellings_and_refuses_what_it_cannot_compute()
         ModernBertConfig(hidden_size=28, num_attention_heads=4, vocab_size=100, pad_token_id=0)
 
 
+def test_a_config_whose_new_keys_contradict_its_old_ones_is_read_as_transformers_reads_it_said_in_a_line(caplog):
+    """`layer_types` against `global_attn_every_n_layers`, `rope_parameters` against `*_rope_theta`: transformers
+    5.23 lets the new keys win; so does bertjax, and it says so in a warning line each (it did it silently)."""
+    contradicting = {"model_type": "modernbert", "num_hidden_layers": 5, "global_attn_every_n_layers": 2,
+                     "layer_types": [FULL, FULL, SLIDING, SLIDING, FULL], "global_rope_theta": 5000.0,
+                     "local_rope_theta": 20.0, "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 7000.0},
+                                                                   SLIDING: {"rope_type": "default",
+                                                                             "rope_theta": 20.0}},
+                     "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 40, "vocab_size": 100,
+                     "pad_token_id": 0}
+    with caplog.at_level("WARNING"):
+        config = family.config_from_hf_dict(contradicting, source="x/config.json")
+    hf = transformers.ModernBertConfig.from_dict(contradicting)
+    assert list(config.layer_types) == hf.layer_types == [FULL, FULL, SLIDING, SLIDING, FULL]
+    assert (config.global_rope_theta, config.local_rope_theta) == (
+        hf.rope_parameters[FULL]["rope_theta"], hf.rope_parameters[SLIDING]["rope_theta"]) == (7000.0, 20.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "x/config.json: layer_types and global_attn_every_n_layers=2 disagree; layer_types is used, as transformers "
+        "does",
+        "x/config.json: rope_parameters.full_attention.rope_theta=7000.0 and global_rope_theta=5000.0 disagree; "
+        "rope_parameters.full_attention.rope_theta is used, as transformers does"]
+    caplog.clear()
+    family.config_from_hf_dict(config.to_hf_dict())  # agreeing spellings: nothing said
+    assert caplog.records == []
+
+
 @pytest.mark.parametrize("hidden, heads, length, dtype", [
     (768, 12, 8, "float32"), (768, 12, 8, "bfloat16"),     # the Pallas kernel (rope_tpu), interpreted
     (768, 12, 5, "float32"), (96, 3, 8, "bfloat16")])       # shapes it does not take: the rotation by the weights

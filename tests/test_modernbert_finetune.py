@@ -56,14 +56,16 @@ def test_classify_own_data_then_predict_equals_the_text_classification_pipeline(
     assert "ModernBertForSequenceClassification" in (work / "hf/README.md").read_text()
 
     new = [_sentence(rng, rng.choice(list(words.values()))) for _ in range(6)] + ["great", "an awful, awful film"]
+    new.append(" ".join(rng.choices(FILLER, k=60)) + " great " + " ".join(rng.choices(FILLER, k=60)))  # > 64 tokens
     source = _write_csv(tmp_path / "new.csv", ["review"], [[t] for t in new])
-    # The default --max-seq-length (128) truncates nothing here, as the pipeline does not.
+    # `predict` reads at the run's --max-seq-length (64), truncating the long review where the training did; at its
+    # former default of 128 this review's scores differ from the pipeline's at the run's length.
     assert cli(["predict", "--model", str(work), "--input", str(source), "--text-column", "review",
                 "--output", str(tmp_path / "out.jsonl")]) == 0
     ours = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     pipe = transformers.pipeline("text-classification", model=str(work / "hf"), top_k=None, device="cpu")
     for text, row in zip(new, ours):
-        theirs = {r["label"]: r["score"] for r in pipe([text])[0]}
+        theirs = {r["label"]: r["score"] for r in pipe([text], truncation=True, max_length=64)[0]}
         assert row["label"] == max(theirs, key=theirs.get), text
         assert row["scores"] == pytest.approx(theirs, abs=1e-5)
 
@@ -92,6 +94,11 @@ def test_glue_sst2_learns_and_its_export_gives_the_dev_predictions(init, tmp_pat
                                    return_tensors="pt")).logits.numpy()
     predictions = (work / "dev_predictions.tsv").read_text().splitlines()[1:]
     assert [int(line.split("\t")[2]) for line in predictions] == logits.argmax(-1).tolist()  # split, index, prediction, label
+    # The checkpoint the run kept (by default) predicts as the job did.
+    assert cli(["predict", "--model", str(work / "checkpoint"), "--input", str(tmp_path / "glue/SST-2/dev.tsv"),
+                "--text-column", "sentence", "--max-seq-length", "64", "--output", str(tmp_path / "p.jsonl")]) == 0
+    assert [json.loads(line)["label"] for line in (tmp_path / "p.jsonl").read_text().splitlines()] == \
+        [line.split("\t")[2] for line in predictions]
 
     # The feature-based job on the same data, from the frozen encoder (its features: test_modernbert.py's embed).
     assert cli(["finetune", "features", "--task", "sst2", "--data", str(tmp_path / "glue"), "--init", init,
@@ -144,6 +151,9 @@ def test_ner_learns_and_its_export_gives_the_jobs_logits_and_predict_its_entitie
                 "--input", str(_write_csv(tmp_path / "in.csv", ["text"], [[text]]))]) == 0
     entities = json.loads((tmp_path / "entities.jsonl").read_text())["entities"]
     assert [(e["entity_group"], e["word"]) for e in entities] == [("PER", "alice"), ("LOC", "paris"), ("PER", "bob")]
+    assert cli(["predict", "--model", str(work / "checkpoint"), "--output", str(tmp_path / "kept.jsonl"),
+                "--input", str(tmp_path / "in.csv")]) == 0  # the checkpoint the run kept: the same entities
+    assert json.loads((tmp_path / "kept.jsonl").read_text())["entities"] == entities
 
 
 def test_squad_v2_from_modernbert_and_its_export_gives_the_same_answers(init, shared_data, tmp_path):
@@ -175,6 +185,15 @@ def test_squad_v2_from_modernbert_and_its_export_gives_the_same_answers(init, sh
     hf_preds, *_ = predict_answers(examples, features, out.start_logits.numpy(), out.end_logits.numpy(),
                                    version_2=True)
     assert hf_preds == preds
+    # The checkpoint the run kept (by default), as `predict --model` takes it: the job's answers, its SQuAD 2.0
+    # settings from the checkpoint's head (it read the question/context rows as a classifier's `text` column).
+    rows = [(qa["id"], qa["question"], p["context"]) for a in data["data"] for p in a["paragraphs"] for qa in p["qas"]]
+    with open(tmp_path / "questions.csv", "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([("question", "context")] + [(q, c) for _, q, c in rows])
+    assert cli(["predict", "--model", str(work / "checkpoint"), "--input", str(tmp_path / "questions.csv"),
+                "--output", str(tmp_path / "answers.jsonl"), "--batch-size", "8"]) == 0
+    answers = [json.loads(line)["answer"] for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert answers == [preds[qid] for qid, _, _ in rows]
 
 
 def test_multiple_choice_learns_and_its_export_gives_the_jobs_scores(init, tmp_path):

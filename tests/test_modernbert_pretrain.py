@@ -1,7 +1,8 @@
 """ModernBERT pretrained from scratch (`--config modernbert-tiny`, the modern recipe: MLM alone at 30%, packing, no
 NSP) on a text corpus with an HF tokenizer.json as its vocabulary: stopped by SIGTERM and rerun, it ends with the
 bits of an uninterrupted run; its export is transformers' ModernBertForMaskedLM with the same logits as the
-checkpoint, and the tokenizer it trained with."""
+checkpoint, and the tokenizer it trained with. The README's former command, on a WordPiece vocab.txt, exports a
+directory that transformers' fill-mask pipeline reads whole."""
 import json
 import os
 import signal
@@ -102,3 +103,40 @@ def test_the_export_loads_as_automodelformaskedlm_with_the_checkpoints_logits(un
         theirs = model(**tokenizer(text, return_tensors="pt")).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-4)
     assert "ModernBertForMaskedLM" in (tmp_path / "hf/README.md").read_text()
+
+
+def test_the_readmes_wordpiece_command_exports_what_the_fill_mask_pipeline_reads_whole(corpus, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """`pretrain --config modernbert-tiny --set data.vocab=vocab/vocab.txt` (the README's command until its
+    ModernBERT path moved to a BPE; a few steps) on a vocabulary from `vocab train --type wordpiece`, exported:
+    AutoTokenizer gives the ids the run trained with and `pipeline("fill-mask", model=export)` the checkpoint's own
+    scores at the mask (transformers 5 read no tokenizer from the export: it had no tokenizer.json)."""
+    from bertjax.data.tokenizers import WordPieceTokenizer
+
+    train_path, eval_path, _ = corpus
+    _run_here(["vocab", "train", "--input", train_path, "--type", "wordpiece", "--vocab-size", "4000", "--out",
+               str(tmp_path / "vocab")], monkeypatch, capsys)
+    vocab = str(tmp_path / "vocab" / "vocab.txt")
+    _run_here(["pretrain", "--config", "modernbert-tiny", "--workdir", str(tmp_path / "modern"), "--set",
+               f"data.input={train_path}", "--set", f"data.vocab={vocab}", "--set", "train.steps=2"],
+              monkeypatch, capsys)
+    _run_here(["export", str(tmp_path / "modern"), "--out", str(tmp_path / "hf")], monkeypatch, capsys)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    sentences = [line for line in open(eval_path, encoding="utf-8").read().splitlines() if 0 < len(line) < 300][:64]
+    assert len(sentences) == 64
+    ours = WordPieceTokenizer(vocab).encode(sentences[:32], max_len=512, text_pairs=sentences[32:])
+    theirs = tokenizer(sentences[:32], sentences[32:])
+    for row, ids in enumerate(theirs["input_ids"]):
+        assert ours["input_ids"][row, :len(ids)].tolist() == ids and ours["input_mask"][row].sum() == len(ids)
+
+    text = "Methods are [MASK] that are called using the attribute notation."
+    found = transformers.pipeline("fill-mask", model=str(tmp_path / "hf"), top_k=5)(text)
+    encoded = tokenizer(text, return_tensors="np")
+    checkpoint = load_model(str(tmp_path / "modern" / "checkpoints" / "2"))
+    logits = family.pretraining_model(checkpoint.config).apply(
+        {"params": checkpoint.params}, encoded["input_ids"], encoded["attention_mask"])["mlm_logits"]
+    position = int(np.flatnonzero(encoded["input_ids"][0] == tokenizer.mask_token_id)[0])
+    probabilities = np.asarray(torch.softmax(torch.from_numpy(np.asarray(logits[0, position], np.float64)), -1))
+    assert [r["token"] for r in found] == list(np.argsort(-probabilities)[:5])
+    np.testing.assert_allclose([r["score"] for r in found], np.sort(probabilities)[::-1][:5], rtol=1e-4)

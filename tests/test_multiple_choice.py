@@ -123,9 +123,9 @@ def test_each_choice_scored_on_its_own_cls():
     np.testing.assert_allclose(loss, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_multiple_choice_job_learns_separable_example_and_exports(minilm_dir, tmp_path):
+def test_multiple_choice_job_learns_separable_example_and_exports(minilm_dir, tmp_path, capsys):
     """A short run picks the gold ending of unseen examples; the HF export gives BertForMultipleChoice the same
-    scores."""
+    scores. Its closing line says `bertjax predict` does not run the model it kept, and predict refuses it so."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from bertjax.cli import main as cli
@@ -141,6 +141,16 @@ def test_multiple_choice_job_learns_separable_example_and_exports(minilm_dir, tm
                 "--max-seq-length", "32", "--learning-rate", "1e-2", "--batch-size", "16", "--epochs", "8",
                 "--eval-batch-size", "16", "--seed", "1", "--export-hf", "--save-checkpoint", "--eval-every",
                 "24"]) == 0
+    closing = capsys.readouterr().out.strip().splitlines()[-2]
+    assert closing.endswith(f"fine-tuned model: {work / 'checkpoint'} and {work / 'hf'} (another job's --init reads "
+                            "it; `bertjax predict` runs no multiple-choice head: this job scores the test.csv beside "
+                            "its train.csv; --no-save-checkpoint keeps none)"), closing
+    for kept in (work, work / "checkpoint"):
+        assert cli(["predict", "--model", str(kept), "--input", str(data / "test.csv")]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"bertjax predict: error: {kept}: a multiple-choice model (finetune multiple-choice): `bertjax predict` "
+            "runs classifiers, token classifiers and span models; the multiple-choice job scores the test.csv "
+            "beside its train.csv")
     result = json.loads((work / "metrics.json").read_text())
     assert result["metrics"]["accuracy"] >= 0.9, result
     records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]

@@ -40,7 +40,7 @@ def test_cli_finetune_ner_writes_predictions_metrics_and_hf_export(shared_data, 
     _slice(shared_data / "conll2003", data, 48)
     work = tmp_path / "work"
     rc = main(["finetune", "ner", "--data", str(data), "--init", init, "--workdir", str(work), "--epochs", "4",
-               "--batch-size", "16", "--learning-rate", "3e-3", "--max-seq-length", "64", "--doc-stride", "32",
+               "--batch-size", "16", "--learning-rate", "3e-3", "--max-seq-length", "64",   # --doc-stride: 32
                "--eval-batch-size", "32", "--length-bucket", "64", "--save-checkpoint", "--export-hf",
                "--eval-every", "6", "--max-eval-examples", "40"])
     assert rc == 0
@@ -52,6 +52,8 @@ def test_cli_finetune_ner_writes_predictions_metrics_and_hf_export(shared_data, 
     assert labels == json.loads((work / "labels.json").read_text())
     assert labels[0] == "O" and len(labels) == 9
     assert result["num_train_sentences"] == 48 and len(result["seconds_per_epoch"]) == 4
+    # --max-seq-length alone: the stride followed it (half the window), recorded as used.
+    assert result["ner_settings"] == {"max_seq_length": 64, "doc_stride": 32}
     history = [h["train_loss"] for h in result["history"]]
     assert history[-1] < history[0]  # it learns (a random tiny encoder gets far from chance on the O tags)
     # --eval-every 6 of 12 steps: valid's entity scores, the last equal to the final ones

@@ -75,6 +75,67 @@ def test_finetune_flags_default_to_the_settings_with_each_jobs_recipe():
     assert options.from_flags(TrainSettings, args) == TrainSettings(warmup_proportion=0.2)
 
 
+def test_a_window_option_defaults_to_its_share_of_the_window():
+    """A default that goes with a length follows it (`finetune ner --max-seq-length 64` was refused: the fixed
+    default --doc-stride 64 did not fit its window). At the jobs' default lengths the derived values are the fixed
+    ones they replace (NER 64 of 128; SQuAD 128 and 64 of 384, run_squad.py's); one given is kept, and one that does
+    not fit is still refused, naming it."""
+    from bertjax.finetune.settings import NerSettings
+
+    ner = ["finetune", "ner", "--data", "d", "--init", "i", "--workdir", "w"]
+    assert options.from_flags(NerSettings, build_parser().parse_args(ner)) == NerSettings(128, 64)
+    assert options.from_flags(NerSettings, build_parser().parse_args([*ner, "--max-seq-length", "64"])) == \
+        NerSettings(64, 32)
+    assert NerSettings(max_seq_length=3).doc_stride == 1   # the shortest window: [CLS] one sub-token [SEP]
+    assert options.from_flags(NerSettings, build_parser().parse_args([*ner, "--max-seq-length", "64", "--doc-stride",
+                                                                      "10"])).doc_stride == 10
+    with pytest.raises(ValueError, match=r"doc_stride=64 must be in \[1, max_seq_length - 2 = 62\]"):
+        NerSettings(max_seq_length=64, doc_stride=64)
+    squad = ["finetune", "squad", "--version", "2.0", "--init", "i", "--workdir", "w"]
+    found = options.from_flags(SquadSettings, build_parser().parse_args(squad))
+    assert (found.max_seq_length, found.doc_stride, found.max_query_length) == (384, 128, 64)
+    found = options.from_flags(SquadSettings, build_parser().parse_args([*squad, "--max-seq-length", "64"]))
+    assert (found.doc_stride, found.max_query_length) == (21, 16)   # 64 // 3, 64 // 4
+    found = options.from_flags(SquadSettings, build_parser().parse_args([*squad, "--max-seq-length", "1024"]))
+    assert found.max_query_length == 64   # a quarter, capped at run_squad.py's 64
+    found = options.from_flags(SquadSettings, build_parser().parse_args([*squad, "--max-seq-length", "64",
+                                                                         "--max-query-length", "20"]))
+    assert (found.doc_stride, found.max_query_length) == (21, 20)
+    assert dataclasses.asdict(found)["doc_stride"] == 21   # what a run records: the value it used
+
+
+def test_every_option_shows_its_default_in_help(capsys):
+    """`--help` of every command: each option ends with its default (`none` where it has none, 0 too), or says in
+    its help how its default follows another option; a required option and a flag have none to show. (`finetune classify --help` showed no default for --max-seq-length: an option without help text
+    printed nothing, and a default of 0 or '' was left out.)"""
+    import argparse
+    import re
+
+    from bertjax.cli import walk_commands
+
+    parser = build_parser()
+    missing = []
+    for path, command in walk_commands(parser):
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            shown = formatter._expand_help(action) if action.help else ""
+            flag = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+            if not (action.required or flag or "(default" in shown):
+                missing.append(f"bertjax {' '.join(path)} {action.option_strings[0]}: {shown!r}")
+    assert not missing, "\n".join(missing)
+    for argv, option, default in ((["finetune", "classify"], "--max-seq-length MAX_SEQ_LENGTH", "128"),
+                                  (["finetune", "glue"], "--max-steps MAX_STEPS", "0"),
+                                  (["pretrain"], "--init INIT, --init-from INIT", "none"),
+                                  (["finetune", "ner"], "--doc-stride DOC_STRIDE", "half of --max-seq-length")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--help"])
+        printed = capsys.readouterr().out
+        entry = printed.split(f"  {option}\n", 1)[1].split("\n  -", 1)[0]   # the option's lines, as printed
+        assert f"(default: {default}" in " ".join(entry.split()), entry
+
+
 # ---- ranges: every number a command line takes is checked as it is parsed, naming the flag or key -----------------
 
 def _config_classes():
@@ -121,6 +182,9 @@ def test_every_numeric_option_declares_its_range_and_every_numeric_flag_parses_b
      "argument --learning-rate: must be a finite number, got inf"),
     (["data", "create", "--input", "x", "--vocab", "v", "--out", "o", "--masked-lm-prob", "1"],
      "argument --masked-lm-prob: must be in (0, 1), got 1"),
+    # Finite, but no run's: it passed parsing and failed later on the step count it gave, naming no flag.
+    (["finetune", "classify", "--train", "t.csv", "--init", "i", "--workdir", "w", "--epochs", "1e30"],
+     "argument --epochs: must be in (0, 100000], got 1e30"),
 ])
 def test_a_value_out_of_its_range_is_refused_at_parsing_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

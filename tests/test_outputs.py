@@ -186,6 +186,51 @@ def test_a_stop_signal_ends_a_command_in_one_line_and_leaves_nothing_behind(comm
     assert "out" in os.listdir(tmp_path)
 
 
+# A stop signal to this process the moment TensorFlow's import returns: inside the quiet start
+# (quiet.native_output_held), where its native start-up lines are held.
+STOPPED_AT_START = r"""
+import builtins, os, signal, sys
+signum, real_import = getattr(signal, sys.argv[1]), builtins.__import__
+def importing(name, *args, **kwargs):
+    module = real_import(name, *args, **kwargs)
+    if name == "tensorflow" and not getattr(importing, "sent", False):
+        importing.sent = True
+        os.kill(os.getpid(), signum)
+    return module
+builtins.__import__ = importing
+from bertjax import cli
+sys.argv = ["bertjax", *sys.argv[2:]]
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.parametrize("command, name", [("data create", "SIGTERM"), ("export", "SIGINT")])
+def test_a_stop_during_tensorflows_start_says_its_line_alone(command, name, models, tmp_path):
+    """A stop signal that lands while TensorFlow starts (held quiet) wrote TensorFlow's native start-up lines
+    ("All log messages before absl::InitializeLog()", "Could not find cuda drivers") back as if the start had failed:
+    now the command's one line is all it says (in a user's shell: TF_CPP_MIN_LOG_LEVEL unset)."""
+    env = _env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    result = subprocess.run([sys.executable, "-c", STOPPED_AT_START, name, *_stopped_argv(command, models, tmp_path)],
+                            env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 128 + getattr(signal, name), result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [f"bertjax {command.split()[0]}: stopped by {name}"], \
+        result.stderr[-3000:]
+
+
+def test_demo_corpus_starts_no_tensorflow(tmp_path):
+    """`demo-corpus` (a command without TensorFlow) imported it through its --out's lock, and printed TensorFlow's
+    native start-up lines on every run."""
+    env = _env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    program = ("import sys; from bertjax import cli; code = cli.main(['demo-corpus', '--out', sys.argv[1]]); "
+               "print('tensorflow' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", program, str(tmp_path / "corpus")], env=env, cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().splitlines()[-1] == "False" and result.stderr == "", result.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "corpus")) == ["eval.txt", "train.txt"]
+
+
 def test_an_output_file_keeps_its_permissions_and_a_link_stays_a_link(models, tmp_path):
     """Written beside and renamed: an earlier output's mode is kept, and an --output that is a symlink writes the
     file it points to (the link stays, as writing through it did)."""

@@ -4,6 +4,7 @@ and scores; on a SQuAD 2.0 run (the real sample) the job's own answers, and on i
 transformers' question-answering pipeline. (The classification side is checked in test_classify_job.py.)"""
 from __future__ import annotations
 
+import csv
 import io
 import json
 import random
@@ -47,7 +48,7 @@ def ner_run(tmp_path_factory, minilm_dir):
     _write_conll(root / "valid.txt", [_sentence(rng) for _ in range(16)])
     settings = TrainSettings(learning_rate=5e-3, batch_size=16, epochs=8, seed=1, eval_batch_size=16)
     result = ner.run(str(root), str(root / "work"), settings, NerSettings(max_seq_length=32, doc_stride=16),
-                     init=init, export_hf=True)
+                     init=init, save_checkpoint=True, export_hf=True)
     texts = [" ".join(w for w, _ in _sentence(rng)).replace("alice", "Alice") + "." for _ in range(12)]
     return root / "work", result, texts
 
@@ -84,6 +85,16 @@ def test_predict_token_classification_equals_pipeline(ner_run, tmp_path):
     piped = [json.loads(line) for line in run.stdout.splitlines()]  # nothing else on stdout
     assert [row["where"] for row in piped] == [f"stdin:{i + 1}" for i in range(len(texts))]
     assert [row["entities"] for row in piped] == [row["entities"] for row in ours]
+
+
+def test_a_ner_runs_kept_checkpoint_predicts_as_its_export(ner_run):
+    """The model a NER run keeps by default (checkpoint/) gives `predict` the entities its export gives."""
+    from bertjax.finetune.predict import Predictor
+
+    work, _, texts = ner_run
+    kept, exported = Predictor(str(work / "checkpoint")), Predictor(str(work / "hf"))
+    ours = kept.predict(texts)
+    assert ours == exported.predict(texts) and any(row["entities"] for row in ours)
 
 
 def test_predict_refuses_an_unclosed_quote_and_bad_outputs_before_the_model_loads(ner_run, tmp_path, capsys):
@@ -158,7 +169,8 @@ def squad_run(tmp_path_factory, minilm_dir, shared_data):
     init = save_tiny_hf(root / "init", minilm_dir / "vocab.txt", seed=1)
     result = squad.run(str(root / "work"), TrainSettings(learning_rate=1e-3, batch_size=8, epochs=3, seed=0),
                        SquadSettings(version="2.0", max_seq_length=128, doc_stride=32, max_query_length=32),
-                       init=init, train_file=str(sample), predict_file=str(sample), export_hf=True)
+                       init=init, train_file=str(sample), predict_file=str(sample), save_checkpoint=True,
+                       export_hf=True)
     assert result["num_train_windows"] > result["num_train_examples"]  # long contexts: several windows
     data = json.loads(sample.read_text(encoding="utf-8"))
     rows = [(qa["id"], qa["question"], p["context"]) for a in data["data"] for p in a["paragraphs"] for qa in p["qas"]]
@@ -268,6 +280,42 @@ def test_a_squad2_export_keeps_its_version_and_windows_for_predict(squad_run, tm
     job = json.loads((work / "predictions.json").read_text(encoding="utf-8"))
     assert [row["answer"] for row in mine] == [job[qid] for qid, _, _ in rows]
     assert "" in job.values()  # a no-answer among them: what a 1.1 decoding would not give
+
+
+def test_a_squad_run_that_kept_only_its_checkpoint_answers_as_the_job_did(squad_run, tmp_path, capsys):
+    """A SQuAD run keeps its checkpoint by default, and its closing line says `predict --model WORKDIR` uses it: on a
+    run that kept only that (no hf/), predict refused a question/context file (`no column 'text'`, the checkpoint's
+    head was not read before the input) and ran a `text` file's rows as a token classifier (an IndexError). Now
+    it answers as the job did, and a file of texts is refused naming the columns a span model reads."""
+    import shutil
+
+    work, rows = squad_run
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(work / "checkpoint", run / "checkpoint")
+    shutil.copy(work / "metrics.json", run / "metrics.json")
+    source = tmp_path / "in.csv"
+    with open(source, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([("question", "context")] + [(q, c) for _, q, c in rows])
+    assert bertjax_main(["predict", "--model", str(run), "--input", str(source), "--output",
+                         str(tmp_path / "out.jsonl"), "--batch-size", "8"]) == 0
+    job = json.loads((work / "predictions.json").read_text(encoding="utf-8"))
+    answers = [json.loads(line)["answer"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert answers == [job[qid] for qid, _, _ in rows]
+    # Decoded as SQuAD 1.1 (this barely trained model's 2.0 answers are all no-answers): the best non-empty span of
+    # the job's n best, over several windows a context.
+    assert bertjax_main(["predict", "--model", str(run), "--input", str(source), "--output",
+                         str(tmp_path / "v1.jsonl"), "--batch-size", "8", "--squad-version", "1.1"]) == 0
+    nbest = json.loads((work / "nbest_predictions.json").read_text(encoding="utf-8"))
+    best = {qid: next((n["text"] for n in candidates if n["text"]), "") for qid, candidates in nbest.items()}
+    answers = [json.loads(line)["answer"] for line in (tmp_path / "v1.jsonl").read_text().splitlines()]
+    assert answers == [best[qid] for qid, _, _ in rows] and any(answers)
+
+    texts = tmp_path / "texts.csv"
+    texts.write_text("text\nWho wrote the report?\n")
+    assert bertjax_main(["predict", "--model", str(run), "--input", str(texts)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"bertjax predict: error: {texts}") and "'question'" in last, last
 
 
 def test_predict_spans_names_a_missing_column(squad_run, tmp_path, capsys):

@@ -4,6 +4,7 @@ import pathlib
 
 import pytest
 
+from bertjax.model.model_options import options_of
 from bertjax.pretraining import config as pretrain_config
 
 
@@ -119,3 +120,87 @@ def test_a_warmup_ratio_follows_the_steps(capsys):
     assert [float(schedule(s)) for s in (0, 1, 2, 5, 8)] == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.0])
     with pytest.raises(ValueError, match=r"warmup_ratio=1.5 must be in \[0, 1\]"):
         OptimizerConfig(warmup_ratio=1.5)
+
+
+def test_both_warmup_keys_set_are_refused_or_said_never_silent(tmp_path, capsys):
+    """`--set optimizer.warmup_steps=... --set optimizer.warmup_ratio=...`: the ratio replaced the steps silently.
+    Both set on the command line are refused naming both; a config file holding both (as a run's config.json of a
+    preset with warmup steps and a --set ratio does) gives the note a run prints, which key applies."""
+    tiny = str(PRESET_FILES / "bert_tiny.py")
+    with pytest.raises(ValueError, match=r"^optimizer.warmup_steps=5 and optimizer.warmup_ratio=0.2 are both set "
+                                         r"\(--set\): a ratio replaces the steps; set one of them$"):
+        pretrain_config.load_config(tiny, ["data.input=x", "optimizer.warmup_steps=5", "optimizer.warmup_ratio=0.2"])
+    zeroed = pretrain_config.load_config(tiny, ["data.input=x", "optimizer.warmup_steps=5",
+                                                "optimizer.warmup_ratio=0"])  # a ratio of 0 sets nothing
+    assert zeroed.optimizer.warmup_for(300) == 5 and not zeroed.optimizer.sets_both_warmups()
+    base = pretrain_config.load_config(str(PRESET_FILES / "modernbert_base.py"),
+                                       ["data.input=x", "optimizer.warmup_ratio=0.1"])
+    assert base.optimizer.sets_both_warmups() and base.optimizer.warmup_note(1000) == (
+        "optimizer.warmup_ratio=0.1 applies: 100 warmup steps of train.steps=1,000; optimizer.warmup_steps=636 is "
+        "not used")
+    assert not pretrain_config.load_config(tiny, ["data.input=x"]).optimizer.sets_both_warmups()
+    # `pretrain` says it before its run (here one that stops at its missing input, right after).
+    from bertjax.cli import main
+
+    assert main(["pretrain", "--config", "modernbert-base", "--workdir", str(tmp_path / "run"), "--set",
+                 f"data.input={tmp_path / 'none.txt'}", "--set", "optimizer.warmup_ratio=0.1"]) == 2
+    assert "note: optimizer.warmup_ratio=0.1 applies: 36,400 warmup steps of train.steps=364,000; " \
+        "optimizer.warmup_steps=636 is not used" in capsys.readouterr().out
+
+
+def _modernbert_checkpoint(global_theta: float):
+    """A ModernBERT checkpoint's description as --init gives it (no weights needed): tiny sizes, a 300-token
+    vocabulary, the global RoPE theta given."""
+    from bertjax.checkpoint import ModelCheckpoint
+    from bertjax.model.modernbert_config import ModernBertConfig
+
+    config = ModernBertConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                              num_attention_heads=2, local_attention=32, global_rope_theta=global_theta,
+                              hidden_activation="gelu", pad_token_id=0, cls_token_id=1, sep_token_id=2,
+                              bos_token_id=1, eos_token_id=2)
+    return ModelCheckpoint(params={}, config=config, vocab=[f"t{i}" for i in range(300)], lower_case=False)
+
+
+def test_modernberts_three_phases_chain_by_init_at_its_figures():
+    """modernbert-base -> -context -> -decay (ModernBERT's released yamls): the same 4,718,592 tokens a step, phase
+    1's RoPE theta 10,000 raised to 160,000 over the phase-1 checkpoint's by the context extension (the one model key
+    its recipe sets over an --init checkpoint, named when it starts), every other model setting the checkpoint's;
+    the decay keeps the checkpoint's model as it is; both phases continue the optimizer state, restart the schedule
+    and warm up no more. 50,368 vocabulary rows without --init."""
+    files = {name: str(PRESET_FILES / f"modernbert_base{suffix}.py")
+             for name, suffix in (("pretrain", ""), ("context", "_context"), ("decay", "_decay"))}
+    data = ["data.input=x", "data.vocab=v"]
+    pretrain, context, decay = (pretrain_config.load_config(files[n], data) for n in ("pretrain", "context", "decay"))
+    for config in (pretrain, context, decay):
+        assert config.train.batch_size * config.data.max_seq_length == 4_718_592 and config.model.vocab_size == 50_368
+    assert (pretrain.model.modernbert.global_rope_theta, pretrain.model.modernbert.local_rope_theta) == (1e4, 1e4)
+    assert (context.data.max_seq_length, context.data.max_predictions_per_seq, context.train.steps) == (8192, 2458,
+                                                                                                        52_982)
+    assert (context.optimizer.learning_rate, context.optimizer.decay, context.optimizer.warmup_for(52_982)) == (
+        3e-4, "constant", 0)
+    assert (decay.train.steps, decay.optimizer.decay, decay.optimizer.warmup_for(10_597)) == (10_597, "1-sqrt", 0)
+    assert context.init_optimizer_state and decay.init_optimizer_state and context.reset_schedule
+    assert pretrain.train.batch_size_warmup_tokens == 50e9
+    assert context.train.batch_size_warmup_tokens == decay.train.batch_size_warmup_tokens == 0
+    # 250B and 50B tokens, as the yamls' max_duration, in whole steps
+    assert 52_981 * 4_718_592 < 250e9 <= 52_982 * 4_718_592 and 10_596 * 4_718_592 < 50e9 <= 10_597 * 4_718_592
+
+    phase1 = _modernbert_checkpoint(global_theta=1e4)
+    extended = pretrain_config.load_config(files["context"], data, init=phase1)
+    theirs = options_of(phase1.config)
+    ours = options_of(extended.bert_config(300))
+    assert ours["modernbert.global_rope_theta"] == 160_000.0 and ours["modernbert.local_rope_theta"] == 1e4
+    assert {k: v for k, v in ours.items() if k != "modernbert.global_rope_theta"} == {
+        k: v for k, v in theirs.items() if k != "modernbert.global_rope_theta"}
+    assert pretrain_config.recipe_over_init(extended, phase1) == [
+        "model.modernbert.global_rope_theta=160000.0 (the --init checkpoint's: 10000.0)"]
+    # --set still wins; the decay (and any recipe without model_over_init) takes the checkpoint's theta
+    assert pretrain_config.load_config(files["context"], [*data, "model.modernbert.global_rope_theta=5e5"],
+                                       init=phase1).model.modernbert.global_rope_theta == 5e5
+    for theta in (160_000.0, 1e4):
+        decayed = pretrain_config.load_config(files["decay"], data, init=_modernbert_checkpoint(theta))
+        assert decayed.model.modernbert.global_rope_theta == theta and decayed.model.hidden_size == 64
+        assert pretrain_config.recipe_over_init(decayed, phase1) == []
+    with pytest.raises(ValueError, match=r"model_over_init: model\.modernbert\.global_rope: unknown config key \(did "
+                                         r"you mean model\.modernbert\.global_rope_theta\?\)"):
+        pretrain_config.load_config(files["context"], [*data, "model_over_init=modernbert.global_rope"])

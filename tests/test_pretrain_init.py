@@ -158,33 +158,41 @@ def _explicit_batch(tokenizer, seq: int, masked: int, rows: int = 8, seed: int =
                 next_sentence_labels=np.zeros((rows, 1), np.int32))
 
 
-def _torch_step(directory, batch, lr: float, b2: float, eps: float, weight_decay: float):
-    """transformers' ModernBertForMaskedLM from `directory`, one torch AdamW step on `batch` (labels -100 but at the
-    masked positions), decay on the matrices only (embeddings and kernels, as the recipe's decay_mask), the
-    gradient clipped at norm 1: (loss, {name: updated tensor})."""
+def _torch_step(directory, batch, optimizer_config):
+    """transformers' ModernBertForMaskedLM from `directory`, one step of the recipe's optimizer on `batch` (labels
+    -100 but at the masked positions), decay on the matrices only (embeddings and kernels, as the recipe's
+    decay_mask): optimi's StableAdamW (ModernBERT's, fully decoupled decay) for `stableadamw`, else torch's AdamW;
+    the gradient clipped at `clip_norm` where set: (loss, {name: updated tensor})."""
+    config = optimizer_config
     model = transformers.ModernBertForMaskedLM.from_pretrained(directory, attn_implementation="eager").train()
     labels = np.full(batch["input_ids"].shape, -100, np.int64)
     for row, (positions, ids, weights) in enumerate(zip(batch["masked_lm_positions"], batch["masked_lm_ids"],
                                                         batch["masked_lm_weights"])):
         labels[row, positions[weights > 0]] = ids[weights > 0]
     named = dict(model.named_parameters())  # the tied decoder weight is the embeddings' one parameter
-    optimizer = torch.optim.AdamW([{"params": [p for p in named.values() if p.ndim >= 2],
-                                    "weight_decay": weight_decay},
-                                   {"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0}],
-                                  lr=lr, betas=(0.9, b2), eps=eps)
+    groups = [{"params": [p for p in named.values() if p.ndim >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0}]
+    if config.name == "stableadamw":
+        optimi = pytest.importorskip("optimi")
+        optimizer = optimi.StableAdamW(groups, lr=config.learning_rate, betas=(config.b1, config.b2),
+                                       eps=config.eps, decouple_lr=config.decouple_lr, max_lr=config.learning_rate,
+                                       kahan_sum=False, foreach=False, triton=False)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=config.learning_rate, betas=(config.b1, config.b2), eps=config.eps)
     loss = model(input_ids=torch.from_numpy(batch["input_ids"]).long(),
                  attention_mask=torch.from_numpy(batch["input_mask"]).long(), labels=torch.from_numpy(labels)).loss
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if config.clip_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
     optimizer.step()
     return loss.item(), {name: p.detach().numpy() for name, p in model.state_dict().items()}
 
 
-def test_one_step_from_a_released_modernbert_equals_transformers_adamw_step(released):
+def test_one_step_from_a_released_modernbert_equals_transformers_step_with_the_recipes_optimizer(released):
     """`--config modernbert-base --init DIR`: the checkpoint's model (its activation, RoPE thetas, window, sizes)
     under the recipe, every tensor from the checkpoint (encoder, the head's dense and norm, the tied decoder, its
-    bias), a fresh AdamW: one step on an explicit batch gives transformers' loss and, tensor by tensor through the
-    interop table, the weights torch's AdamW gives the same model."""
+    bias), a fresh optimizer (the recipe's StableAdamW): one step on an explicit batch gives transformers' loss and,
+    tensor by tensor through the interop table, the weights optimi's StableAdamW gives the same model in torch."""
     import jax
 
     from bertjax import sharding
@@ -206,7 +214,7 @@ def test_one_step_from_a_released_modernbert_equals_transformers_adamw_step(rele
     job = build_job_step(config, mesh, len(tokenizer.vocab), tokenizer.special_token_ids)
     state = train_state.init_sharded_state(job.rng, job.shardings, mesh, **job.state_args)
     lines = []
-    state = loop._init_from(state, str(released), job.shardings, job.abstract_state, True, tokenizer.vocab,
+    state = loop._init_from(state, str(released), job.shardings, job.abstract_state, True, False, tokenizer.vocab,
                             family.activation(job.bert_config), lines.append)
     assert lines == [f"initialised from {released} (fresh optimizer state and schedule)"]  # nothing left fresh
     before = convert.tensors_from_params(jax.device_get(state.params), job.bert_config, "hf")
@@ -215,8 +223,8 @@ def test_one_step_from_a_released_modernbert_equals_transformers_adamw_step(rele
         state, metrics = job.train_step(state, sharding.global_batch(batch, mesh))
     ours = convert.tensors_from_params(jax.device_get(state.params), job.bert_config, "hf")
 
-    loss, theirs = _torch_step(released, batch, config.optimizer.learning_rate, config.optimizer.b2,
-                               config.optimizer.eps, config.optimizer.weight_decay)
+    assert config.optimizer.name == "stableadamw" and config.optimizer.decouple_lr  # the recipe's, as ModernBERT's
+    loss, theirs = _torch_step(released, batch, config.optimizer)
     np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=1e-5)
     assert set(ours) == set(theirs) - {"decoder.weight"} and len(ours) == 29
     for name, tensor in ours.items():

@@ -146,3 +146,39 @@ def test_the_readme_examples_run_as_written_on_what_the_path_built(shared_data, 
     assert (tmp_path / "runs/mp/COMPLETED").exists()
     steps = [json.loads(line).get("step") for line in (tmp_path / "runs/mp/metrics.jsonl").read_text().splitlines()]
     assert max(s for s in steps if s is not None) == 100
+
+
+@pytest.mark.slow  # ~1 minute of CPU (3 minutes of wall on a busy 2-core machine): six commands, each a start
+def test_the_readmes_modernbert_path_runs_offline_from_text_to_fill_mask_and_a_fine_tune(tmp_path):
+    """README.md's `<!-- the-modernbert-path -->` block, as written, at tiny size offline, on "the corpus above" (the
+    README's `demo-corpus`) in a directory with the checkout's examples: a BPE vocabulary of ModernBERT's kind, its
+    shards, modernbert-tiny pretrained on them, the export filling a mask in transformers' pipeline with the tokenizer
+    the run trained with, and a fine-tune from the run."""
+    [block] = readme_blocks("the-modernbert-path")
+    shutil.copytree(REPO_ROOT / "examples", tmp_path / "examples")
+    bin_dir = pathlib.Path(sys.executable).parent
+    env = dict(os.environ, STEPS="5", EPOCHS="0.01", HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"),
+               JAX_PLATFORMS="cpu", XLA_FLAGS=SUITE_COMPILE_FLAGS,
+               PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    result = subprocess.run(["bash", "-c", "set -euo pipefail\nbertjax demo-corpus --out corpus/\n" + block],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    tokenizer = json.loads((tmp_path / "bpe/tokenizer.json").read_text(encoding="utf-8"))
+    size = len(tokenizer["model"]["vocab"]) + sum(t["id"] >= len(tokenizer["model"]["vocab"])
+                                                  for t in tokenizer["added_tokens"])
+    assert size % 64 == 0 and tokenizer["pre_tokenizer"]["type"] == "ByteLevel"
+    metadata = json.loads(next((tmp_path / "shards").glob("*.json")).read_text())
+    assert metadata["config"]["vocab"] == str((tmp_path / "bpe/tokenizer.json").resolve())
+    assert metadata["config"]["packing"] and not metadata["config"]["next_sentence_prediction"]
+    steps = [json.loads(line).get("step") for line in (tmp_path / "runs/modern/metrics.jsonl").read_text().splitlines()]
+    assert max(s for s in steps if s is not None) == 5
+    # The export carries the tokenizer the run trained with; the pipeline filled the mask with one of its tokens.
+    assert (tmp_path / "modern-hf/tokenizer.json").read_text() == (tmp_path / "bpe/tokenizer.json").read_text()
+    assert json.loads((tmp_path / "modern-hf/config.json").read_text())["architectures"] == ["ModernBertForMaskedLM"]
+    filled = [line for line in result.stdout.splitlines() if line.startswith("{'score': ")]
+    assert len(filled) == 1 and "'sequence': 'A" in filled[0], result.stdout[-2000:]
+    reviews = _strict((tmp_path / "runs/reviews-modern/metrics.json").read_text())
+    assert reviews["labels"] == ["negative", "positive"] and reviews["num_train_examples"] == 40
+    assert (tmp_path / "runs/reviews-modern/hf/tokenizer.json").exists()
+    assert not (tmp_path / "hub").exists()  # nothing fetched

@@ -1,4 +1,5 @@
-"""WordPiece / SentencePiece tokenizers against independent references (HF tokenizers, sentencepiece)."""
+"""WordPiece / SentencePiece tokenizers against independent references (HF tokenizers, sentencepiece), and the
+tokenizer.json an export writes for a WordPiece vocabulary against the in-graph tokenizer."""
 from __future__ import annotations
 
 import csv
@@ -10,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from bertjax.data.host_tokenizer import HostWordPieceTokenizer
+from bertjax.data.tokenizer_json import wordpiece_json
 from bertjax.data.tokenizers import SentencePieceTokenizer, WordPieceTokenizer, read_vocab
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -136,6 +138,26 @@ def test_real_bert_uncased_vocab_matches_hf(kind):
     _assert_same_encoding(tok.encode(subset, max_len=160), hf(subset, max_length=160, padding="max_length"))
 
 
+@pytest.mark.parametrize("lower_case", [True, False])
+def test_the_wordpiece_tokenizer_json_of_an_export_gives_the_in_graph_ids(lower_case):
+    """What transformers reads from an export of a WordPiece run (its tokenizer.json, with the special tokens and
+    BERT's template) gives the ids and token types the run trained with, singles and pairs."""
+    from tokenizers import Tokenizer
+
+    vocab = _minilm_vocab()
+    ours = WordPieceTokenizer(str(vocab), lower_case=lower_case)
+    library = Tokenizer.from_str(wordpiece_json(read_vocab(str(vocab)), lower_case))
+    singles, pairs = _glue_dev_sentences()
+    for texts, text_pairs in ((singles, None), ([p[0] for p in pairs], [p[1] for p in pairs])):
+        encoded = ours.encode(texts, max_len=256, text_pairs=text_pairs)
+        theirs = library.encode_batch(texts if text_pairs is None else list(zip(texts, text_pairs)))
+        assert max(len(e.ids) for e in theirs) < 256  # nothing truncated: whole encodings compared
+        for row, encoding in enumerate(theirs):
+            assert encoded["input_ids"][row, :len(encoding.ids)].tolist() == encoding.ids
+            assert encoded["segment_ids"][row, :len(encoding.ids)].tolist() == encoding.type_ids
+            assert encoded["input_mask"][row].sum() == len(encoding.ids)
+
+
 def test_vocab_without_special_token_is_a_clear_error(tmp_path):
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "the", "##s"]) + "\n")  # no [SEP] ([MASK] is optional)
@@ -145,7 +167,7 @@ def test_vocab_without_special_token_is_a_clear_error(tmp_path):
         WordPieceTokenizer(str(tmp_path / "nope.txt"))
 
 
-def _train_sentencepiece(tmp_path: Path, user_symbols: list[str]) -> Path:
+def _train_sentencepiece(tmp_path: Path, user_symbols: list[str], model_type: str = "unigram") -> Path:
     spm = pytest.importorskip("sentencepiece")
     corpus = tmp_path / "corpus.txt"
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma"]
@@ -153,7 +175,7 @@ def _train_sentencepiece(tmp_path: Path, user_symbols: list[str]) -> Path:
     corpus.write_text("\n".join(" ".join(rng.choice(words, 8)) for _ in range(400)) + "\n")
     prefix = tmp_path / "sp"
     spm.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(prefix), vocab_size=40, model_type="unigram", hard_vocab_limit=False,
+        input=str(corpus), model_prefix=str(prefix), vocab_size=40, model_type=model_type, hard_vocab_limit=False,
         pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece="[PAD]", unk_piece="[UNK]",
         user_defined_symbols=user_symbols, minloglevel=2)
     return Path(f"{prefix}.model")
@@ -180,4 +202,12 @@ def test_sentencepiece_matches_library_and_encodes(tmp_path):
 def test_sentencepiece_without_bert_specials_is_a_clear_error(tmp_path):
     model = _train_sentencepiece(tmp_path, ["[CLS]"])
     with pytest.raises(ValueError, match=r"sp\.model has no \[SEP\] token"):
+        SentencePieceTokenizer(str(model))
+
+
+def test_a_sentencepiece_model_other_than_unigram_is_a_clear_error(tmp_path):
+    """Its tokenizer.json (what fine-tuning and exports tokenise with) is built as transformers' converter builds a
+    unigram model's; another kind is refused before a job starts rather than exported with other ids."""
+    model = _train_sentencepiece(tmp_path, ["[CLS]", "[SEP]", "[MASK]"], model_type="bpe")
+    with pytest.raises(ValueError, match=r"^\S*sp\.model: a SentencePiece bpe model; bertjax reads unigram models"):
         SentencePieceTokenizer(str(model))

@@ -192,6 +192,11 @@ def test_the_cost_is_the_chip_hours_at_the_price_given(capsys):
     assert (priced["price_per_chip_hour"], priced["cost_usd"]) == (1.5, pytest.approx(chip_hours * 1.5))
     assert f"cost: {chip_hours:,.2f} chip-hours x $1.5 per chip-hour = ${chip_hours * 1.5:,.2f} " \
            "(--price-per-chip-hour)" in tpu_compile.describe(priced).splitlines()
+    # One rounding of the run's chip-hours on every line that shows them (the step line said 7.9 where the cost
+    # line said 7.93), for an assumed MFU and for the estimate's range alike.
+    for report in (priced, tpu_compile.with_cost(_compiled("v5e:2x2", mfu=None), 1.5)):
+        shown = re.findall(r"([\d,.]+(?:-[\d,.]+)?) chip-hours", tpu_compile.describe(report))
+        assert len(shown) == 2 and shown[0] == shown[1] == tpu_compile.chip_hours_text(report).split()[0], shown
     unpriced = tpu_compile.with_cost(_compiled("v5e:2x2"), None)
     assert unpriced["cost_usd"] is None
     assert "cost: give --price-per-chip-hour USD (no price list is built in; see docs/performance.md)" in \
@@ -341,3 +346,17 @@ def test_the_estimate_counts_every_microbatch_of_gradient_accumulation():
     assert accumulated["estimate_coverage"]["unknown_trip_counts"] == []
     ratio = accumulated["estimated_step_seconds"] / _compiled("v5e:2x2")["estimated_step_seconds"]
     assert 0.8 < ratio < 2.0
+
+
+@pytest.mark.slow  # a compile of its own (~20 CPU-s: 4 microbatches); the report's warmup lines without a compile:
+# test_batch_warmup.py
+def test_the_command_prices_the_full_step_and_names_a_batch_size_warmups_steps(capsys):
+    assert bertjax_main(["compile", "--config", "bert-tiny", "--topology", "v5e:2x2", "--mfu", "0.5",
+                         "--set", ONE_LAYER, "--set", BF16, "--set", "train.grad_accum_steps=4",
+                         "--set", "train.batch_size_warmup_tokens=12288"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 32 (per chip 2 per microbatch, grad_accum_steps 4), seq 128" in out  # the full step's program
+    assert ("batch-size warmup: 6 steps at 3 size(s) from 8 to 24 rows (a microbatch of 8 at a time, 2 steps each), "
+            "12,288 tokens; then 32 rows a step") in out
+    assert "300 steps (6 of them the warmup's, each at its share of the full step's microbatches: 297 full steps' " \
+           "worth) = " in out

@@ -226,6 +226,29 @@ def test_a_short_run_written_to_a_log_says_where_it_is_every_tenth_of_its_steps(
     assert steps == list(range(2, 21, 2))  # before: only step 20 (log_every 50)
 
 
+def test_the_console_loss_is_the_mean_since_the_last_record_and_says_of_which_steps(tiny_init, tmp_path):
+    """A progress line's loss is the mean of the steps since the last metrics.jsonl record (at a logged step, that
+    record's own loss), not the step's: its label says so, with the steps it averages."""
+    import contextlib
+    import io
+    import re
+
+    trainer, arrays = _trainer(tiny_init, epochs=3, log_every=4)   # 3 steps an epoch; a line every step (9 // 10)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer.train(arrays, workdir=str(tmp_path))
+    lines = re.findall(r"step (\d+)/9 epoch=\S+ mean_loss=(\S+) \((steps? [\d-]+)\) learning_rate=", out.getvalue())
+    assert [(int(step), averaged) for step, _, averaged in lines] == [
+        (1, "step 1"), (2, "steps 1-2"), (3, "steps 1-3"), (4, "steps 1-4"), (5, "step 5"), (6, "steps 5-6"),
+        (7, "steps 5-7"), (8, "steps 5-8"), (9, "step 9")], out.getvalue()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    recorded = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(recorded) == [4, 8, 9]
+    for step, shown, _ in lines:
+        if int(step) in recorded:
+            assert float(shown) == pytest.approx(recorded[int(step)], rel=1e-3)
+
+
 def test_a_second_evaluation_compiles_nothing_and_each_eval_line_says_its_rows_and_seconds(short_run):
     import re
 

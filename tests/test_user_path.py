@@ -255,20 +255,33 @@ def test_help_writes_no_native_log_lines():
     assert shown.stderr == ""
 
 
-def test_an_export_that_fails_midway_leaves_nothing_at_out(tmp_path, minilm_dir):
+def test_an_export_that_fails_midway_leaves_nothing_at_out(tmp_path, minilm_dir, monkeypatch):
+    import errno
+
+    from etils.epath import gpath
+
     from bertjax.interop.hf import export_hf
     from bertjax.interop.load import load_pretrained
+    from bertjax.runtime.errors import OutputWriteError
 
     loaded = load_pretrained(str(minilm_dir))
     out = tmp_path / "hf"
-    # A vocabulary that cannot be written as UTF-8 (a lone surrogate): the write fails after the weights.
-    vocab = loaded.vocab[:-1] + ["\udcff"]
-    with pytest.raises(UnicodeEncodeError):
-        export_hf(loaded.params, loaded.config, vocab, str(out))
+    # The disk fills after the weights are written: the tokenizer's files fail (an error injected at the one write).
+    write_text = gpath._GPath.write_text
+
+    def full_at_the_tokenizer(path, text, *args, **kwargs):
+        if path.name == "tokenizer.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_text(path, text, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gpath._GPath, "write_text", full_at_the_tokenizer)
+        with pytest.raises(OutputWriteError, match=f"^cannot write {out}: no space left on device$"):
+            export_hf(loaded.params, loaded.config, loaded.vocab, str(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no half directory, no leftover temporary
     export_hf(loaded.params, loaded.config, loaded.vocab, str(out))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "special_tokens_map.json",
-                                                     "tokenizer_config.json", "vocab.txt"]
+                                                     "tokenizer.json", "tokenizer_config.json", "vocab.txt"]
 
 
 def test_the_readme_puts_bertjax_on_the_path_of_a_new_shell(tmp_path):
@@ -354,3 +367,169 @@ def test_the_user_path_bench_says_where_a_commands_seconds_go(tmp_path):
     table = bench.breakdown_table([bench.breakdown(result, profile), bench.breakdown(result, profile)])
     assert "| process wall | 10.00 | 10.00 |" in table and "| jax: tracing | 1.50 (3x) | 1.50 (3x) |" in table
     assert "(empty cache): jit(step) 5.00 s (2x), jit(_predict_fn) 0.50 s" in table
+
+
+# ---- install lines: every one the docs, the Makefile, bench/ and the messages give works from a checkout ----------
+
+INSTALL_SOURCES = ("README.md", "Makefile", "docs/*.md", "bench/*", "bertjax/**/*.py")
+# Installed with pip beside the project but not its requirements: pip itself, and GKE's launcher (its own CLI).
+INSTALLED_BESIDE = {"pip", "xpk"}
+
+
+def _install_texts() -> list[tuple[str, str]]:
+    """(file, text) of each place an install line may sit: a Markdown file's code (fenced blocks, and inline spans
+    with their line breaks joined), another file's lines with continuations (`\\` at a line's end) joined."""
+    texts = []
+    for pattern in INSTALL_SOURCES:
+        for path in sorted(REPO_ROOT.glob(pattern)):
+            if not path.is_file():
+                continue
+            text, name = path.read_text(encoding="utf-8"), str(path.relative_to(REPO_ROOT))
+            if path.suffix == ".md":
+                blocks = re.findall(r"```\w*\n(.*?)```", text, re.S)
+                spans = re.findall(r"`([^`]+)`", re.sub(r"```\w*\n.*?```", "", text, flags=re.S))
+                texts += [(name, block.replace("\\\n", " ")) for block in blocks]
+                texts += [(name, span.replace("\n", " ")) for span in spans]
+            else:
+                texts.append((name, re.sub(r"\\{1,2}\n\s*", " ", text)))
+    return texts
+
+
+def _install_lines() -> list[tuple[str, list[str]]]:
+    """(file, words) of each `pip install ...`: its words up to the end of its command (`;`, `&&`, `|`, a comment,
+    the line's end, a closing quote or parenthesis of the text around it), quotes stripped."""
+    found = []
+    for name, text in _install_texts():
+        for match in re.finditer(r"pip install\b(.*)", text):
+            words = []
+            for word in match.group(1).split():
+                if word in ("&&", "|", "||") or word.startswith("#"):
+                    break
+                quoted = len(word) > 1 and word[0] == word[-1] and word[0] in "'\""
+                inner = word[1:-1] if quoted else word
+                words.append(inner.strip("'\"`);:,"))
+                if inner.endswith(("'", '"', "`", ")", ";", ":")):
+                    break
+            found.append((name, [w for w in words if w]))
+    return found
+
+
+def _named(token: str) -> tuple[str, str | None, str]:
+    """(name, extras, version spec) of a requirement as pip takes one (`jax[cuda12]==0.10.2`)."""
+    name, extras, spec = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?:\[([^\]]*)\])?(.*)", token).groups()
+    return name.lower().replace("_", "-"), extras, spec
+
+
+def _extras_named(words: list[str]) -> list[str]:
+    """The extras that the install words name from the project itself: a path's or a wheel's `[X]`."""
+    named = []
+    for word in words:
+        local = word.startswith((".", "/", "$")) or word.startswith("{")
+        if local and re.search(r"\[([^\]]+)\]$", word):
+            named += re.search(r"\[([^\]]+)\]$", word).group(1).split(",")
+    return named
+
+
+def test_every_install_line_names_an_extra_that_exists_in_a_form_that_works_from_a_checkout():
+    """bertjax is not on PyPI: an install line names the project by its checkout (`pip install -e '.[cloud]'`, `make
+    install-cloud`, a message's `pip install -e '/path/checkout[gpu]'`) or a wheel built from it, each extra one of
+    pyproject.toml's; another package only where pyproject.toml requires it (jax at its pin: an unpinned `jax[cuda12]`
+    replaces the project's jax), or the tools installed beside it. Parsed, not run (the GPU extra is 5 GB): the next
+    test runs the form itself."""
+    import tomllib
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = set(project["optional-dependencies"])
+    required = {}
+    for requirement in project["dependencies"] + sum(project["optional-dependencies"].values(), []):
+        name, _, spec = _named(requirement.split(";")[0].replace(" ", ""))
+        required[name] = spec or required.get(name, "")
+
+    def placeholder(extra: str) -> bool:  # the docs' `.[EXTRA]`, the Makefile's `$*`
+        return extra.isupper() or extra == "$*"
+
+    problems, lines = [], _install_lines()
+    assert len(lines) >= 10, lines  # the reader finds them
+    for name, words in lines:
+        line = f"{name}: pip install {' '.join(words)}"
+        values = iter(words)
+        for word in values:
+            if word in ("--python", "--reinstall-package", "--target", "-t", "-r", "--requirement"):
+                next(values, None)   # an option's value, not a requirement
+                continue
+            if word.startswith("-"):
+                continue
+            if word.startswith((".", "/", "$", "{")):   # the checkout, a wheel built from it, or a wheel directory
+                problems += [f"{line}: no extra {x!r} in pyproject.toml" for x in _extras_named([word])
+                             if x not in extras and not placeholder(x)]
+                continue
+            package, _, spec = _named(word)
+            if package == "bertjax":
+                problems.append(f"{line}: bertjax is not on PyPI (from the checkout: pip install -e '.[EXTRA]')")
+            elif package in INSTALLED_BESIDE:
+                continue
+            elif package not in required:
+                problems.append(f"{line}: {package} is not a requirement of pyproject.toml")
+            elif "{" not in spec and (spec or package == "jax") and spec != required[package]:
+                problems.append(f"{line}: {package}{spec or ' unpinned'}, where pyproject.toml pins "
+                                f"{package}{required[package]}")
+    for name, text in _install_texts():
+        problems += [f"{name}: make install-{extra}: no such extra in pyproject.toml"
+                     for extra in re.findall(r"make install-([\w$*]+)", text)
+                     if extra not in extras and not placeholder(extra)]
+        problems += [f"{name}: {text[max(m.start() - 20, 0):m.end() + 10]!r}: bertjax is not on PyPI"
+                     for m in re.finditer(r"(?<![\w./{}-])bertjax\[", text)]
+    for path in sorted((REPO_ROOT / "bertjax").rglob("*.py")):   # the messages' lines, made by install_line
+        problems += [f"{path.relative_to(REPO_ROOT)}: install_line({extra!r}): no such extra"
+                     for extra in re.findall(r"install_line\(['\"](\w+)['\"]\)", path.read_text(encoding="utf-8"))
+                     if extra not in extras]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checkouts_install_form_resolves_each_extra_offline():
+    """`pip install -e '.[EXTRA]'` in the checkout (what `make install-EXTRA` runs), as pip resolves it: dry, offline.
+    The extras the test extras hold resolve to what is installed; pip warns about an extra the project lacks and goes
+    on (it would install nothing of it), which this run sees; `gpu`, which the test extras leave out, resolves to the
+    jax CUDA plugin at jax's pin (no index here: not found, unless it is installed)."""
+    import importlib.metadata
+    import subprocess
+    import sys
+    import tomllib
+
+    extras = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+                 ["optional-dependencies"])
+    pip = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
+           "--disable-pip-version-check", "-e"]
+    held = sorted(extras - {"gpu", "test"})
+    done = subprocess.run([*pip, f".[{','.join(held + ['nope'])}]"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "Would install bertjax-" in done.stdout, done.stdout[-2000:] + done.stderr
+    assert re.findall(r"does not provide the extra '(\w+)'", done.stderr) == ["nope"], done.stderr
+    gpu = subprocess.run([*pip, ".[gpu]"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    try:
+        importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        assert gpu.returncode != 0 and "jax-cuda12-plugin<=0.10.2,>=0.10.2" in gpu.stderr, gpu.stderr
+    else:
+        assert gpu.returncode == 0, gpu.stderr
+
+
+def test_a_missing_extra_is_named_with_the_line_that_installs_it_where_bertjax_runs(tmp_path):
+    """From a checkout: this interpreter's pip installs the extra from it (any directory); installed from a wheel:
+    the extra's own requirements, as pyproject.toml lists them."""
+    import shlex
+    import sys
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from bertjax.runtime.extras import install_line
+
+    python = shlex.quote(sys.executable)
+    assert install_line("gpu") == f"{python} -m pip install -e '{REPO_ROOT}[gpu]'"
+    listed = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"]
+    for extra in ("gpu", "beam"):
+        words = shlex.split(install_line(extra, package_parent=str(tmp_path)))   # no pyproject.toml there
+        assert words[:4] == [sys.executable, "-m", "pip", "install"]
+        assert sorted(map(Requirement, words[4:]), key=str) == sorted(map(Requirement, listed[extra]), key=str)

@@ -82,10 +82,12 @@ def register(subparsers) -> None:
     gke.add_argument("--cluster", required=True, help="the GKE cluster (with its TPU node pools, e.g. by xpk)")
     gke.add_argument("--name", required=True, help="the xpk workload name")
     gke.add_argument("--tpu-type", required=True, help="gcloud accelerator type of one slice, e.g. v5litepod-16")
-    gke.add_argument("--num-slices", type=options.ints(1), default=1)
+    gke.add_argument("--num-slices", type=options.ints(1), default=1,
+                     help="multi-slice: this many slices (mesh.dcn_data)")
     gke.add_argument("--zone", required=True)
     gke.add_argument("--project", required=True)
-    gke.add_argument("--base-docker-image", default="python:3.11-slim")
+    gke.add_argument("--base-docker-image", default="python:3.11-slim",
+                     help="the image each pod starts from (the wheel with its `tpu` extra is installed on it)")
     _add_job_flags(gke, restarts="JobSet restarts after failures/preemptions",
                    dry_run="print the xpk command instead of running it")
     gke.set_defaults(func=_launch_gke)
@@ -158,10 +160,10 @@ def _time_and_cost(report: dict) -> str:
     """`; step 41.2 ms, 1000 steps = 0.01 h, 0.05 chip-hours` of a compile report (empty without a step time)."""
     if report.get("step_seconds") is None:
         return ""
-    from bertjax.cloud.compile import cost_text
+    from bertjax.cloud.compile import chip_hours_text, cost_text
 
     return (f"; step {report['step_seconds'] * 1e3:.1f} ms, {report['steps']} steps = {report['total_hours']:.2f} h, "
-            + (cost_text(report) or f"{report['chip_hours']:,.2f} chip-hours"))
+            + (cost_text(report) or chip_hours_text(report)))
 
 
 def _wheel_name() -> str:

@@ -97,7 +97,8 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
     """The fit and cost figures of one compiled configuration (the keys `bertjax compile --json` prints).
 
     Step time, tokens/s and hours come from the estimate of the compiled step (`estimate_step`) unless `mfu` is
-    given, which assumes that MFU instead (`step_time_source` says which).
+    given, which assumes that MFU instead (`step_time_source` says which). The step priced is the full batch's; a
+    batch-size warmup's steps (`batch_warmup`) are counted in the hours at their share of its microbatches.
     """
     chips = topology.chips
     data, fsdp, tensor = config.mesh.shape(chips)
@@ -114,8 +115,11 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         step_seconds, source = (None, "none") if step is None else (step.seconds, "estimated")
     # The range's high end: only where the step time is the estimate's (an assumed MFU is one figure).
     high_seconds = step.high_seconds if source == "estimated" else None
-    total_hours = None if step_seconds is None else config.train.steps * step_seconds / 3600
-    total_hours_high = None if high_seconds is None else config.train.steps * high_seconds / 3600
+    batches = config.batch_schedule()
+    # A warmup step of k of the K microbatches at k / K of the full step's time (its update's fixed cost aside).
+    full_steps = batches.full_steps_before(config.train.steps)
+    total_hours = None if step_seconds is None else full_steps * step_seconds / 3600
+    total_hours_high = None if high_seconds is None else full_steps * high_seconds / 3600
     return {
         "topology": topology.topology, "accelerator_type": topology.accelerator_type,
         "chip": "GPU" if is_gpu(topology) else "chip",
@@ -160,7 +164,12 @@ def report(config: PretrainConfig, topology: Topology, mfu: float | None, compil
         "step_seconds": step_seconds,
         "tokens_per_second": None if step_seconds is None else config.train.batch_size * seq_len / step_seconds,
         "step_seconds_high": high_seconds,
-        "steps": config.train.steps, "total_hours": total_hours,
+        "steps": config.train.steps, "tokens": batches.tokens_before(config.train.steps),
+        "batch_warmup": None if not batches.warming else {
+            "sizes": [[size * batches.microbatch_rows, steps] for size, steps in batches.warmup],
+            "steps": batches.warmup_steps, "tokens": batches.tokens_before(batches.warmup_steps),
+            "full_step_equivalents": full_steps, "description": batches.describe(config.train.steps)},
+        "total_hours": total_hours,
         "chip_hours": None if total_hours is None else total_hours * chips,
         "total_hours_high": total_hours_high,
         "chip_hours_high": None if total_hours_high is None else total_hours_high * chips,
@@ -195,14 +204,19 @@ def with_cost(report: dict, price_per_chip_hour: float | None) -> dict:
     return report
 
 
+def chip_hours_text(report: dict) -> str:
+    """`5,120.00 chip-hours` (`GPU-hours` on a GPU host), or `5,120.00-5,400.00 chip-hours` where the estimate's high
+    end differs: the run's chip-hours at one rounding, wherever a line shows them."""
+    hours = _range(report["chip_hours"], report.get("chip_hours_high"), "{:,.2f}")
+    return f"{hours} {report.get('chip', 'chip')}-hours"
+
+
 def cost_text(report: dict) -> str:
     """`5,120.00 chip-hours x $1.2 per chip-hour = $6,144.00`, or as a range `5,120.00-5,400.00 chip-hours x ... =
     $6,144.00-$6,480.00` where the estimate's high end differs (empty without a step time or a price)."""
     if report.get("cost_usd") is None:
         return ""
-    chip = report.get("chip", "chip")
-    return (f"{_range(report['chip_hours'], report.get('chip_hours_high'), '{:,.2f}')} {chip}-hours x "
-            f"${report['price_per_chip_hour']:g} per {chip}-hour = "
+    return (f"{chip_hours_text(report)} x ${report['price_per_chip_hour']:g} per {report.get('chip', 'chip')}-hour = "
             f"{_range(report['cost_usd'], report.get('cost_usd_high'), '${:,.2f}')}")
 
 
@@ -274,7 +288,9 @@ def fit_batch(config: PretrainConfig, topology: Topology, mfu: float | None = No
     devices = compile_only_devices(topology)
     data, fsdp, _ = config.mesh.shape(topology.chips)
     per_step = config.train.batch_size // (data * fsdp)
-    choices = [a for a in _divisors(per_step) if a >= config.train.grad_accum_steps]
+    warmup_min = config.train.batch_size_warmup_min  # stays a whole number of microbatches
+    choices = [a for a in _divisors(per_step) if a >= config.train.grad_accum_steps
+               and warmup_min % (config.train.batch_size // a) == 0]
     results = {} if requested is None else {requested["grad_accum_steps"]: requested}
 
     def compiled(accum: int) -> dict:
@@ -348,14 +364,19 @@ def describe(result: dict) -> str:
         ranged = high is not None and f"{high * 1e3:.1f}" != f"{result['step_seconds'] * 1e3:.1f}"
         basis = (f"at an assumed {100 * result['mfu_assumed']:g}% MFU" if result["step_time_source"] == "assumed"
                  else "by the estimate, low to high" if ranged else "by the estimate")
+        warmup = result.get("batch_warmup")
+        counted = ("" if not warmup or not warmup["sizes"] else
+                   f" ({warmup['steps']:,} of them the warmup's, each at its share of the full step's microbatches: "
+                   f"{warmup['full_step_equivalents']:,.0f} full steps' worth)")
         lines.append(f"{basis}: {_range(result['step_seconds'] * 1e3, high and high * 1e3, '{:.1f}')} ms/step, "
                      f"{result['tokens_per_second']:,.0f} tokens/s{' at the low end' if ranged else ''}; "
-                     f"{result['steps']} steps = "
+                     f"{result['steps']} steps{counted} = "
                      f"{_range(result['total_hours'], result.get('total_hours_high'), '{:.2f}')} h, "
-                     f"{_range(result['chip_hours'], result.get('chip_hours_high'), '{:,.1f}')} "
-                     f"{result.get('chip', 'chip')}-hours")
+                     f"{chip_hours_text(result)}")
         lines.append(f"cost: {cost_text(result)} (--price-per-chip-hour)" if result.get("cost_usd") is not None else
                      "cost: give --price-per-chip-hour USD (no price list is built in; see docs/performance.md)")
+    if result.get("batch_warmup"):
+        lines.insert(2, result["batch_warmup"]["description"])
     if (result.get("gpu_kernels") or {}).get("note"):
         lines.append(result["gpu_kernels"]["note"])
     return "\n".join(lines)

@@ -19,9 +19,7 @@ import os
 import re
 
 from bertjax.cloud.topologies import Topology
-
-GPU_EXTRA = "pip install 'bertjax[gpu]' (jax[cuda12] at the installed jax's version)"
-
+from bertjax.runtime.extras import install_line
 
 @dataclasses.dataclass(frozen=True)
 class Card:
@@ -130,8 +128,8 @@ def compile_only_devices(topology: Topology) -> list:
     try:
         import jax_plugins.xla_cuda12  # noqa: F401, PLC0415
     except ImportError as error:
-        raise ValueError(f"compiling for {topology.accelerator_type} needs the jax CUDA plugin: "
-                         f"{GPU_EXTRA}") from error
+        raise ValueError(f"compiling for {topology.accelerator_type} needs the jax CUDA plugin (the `gpu` "
+                         f"extra): {install_line('gpu')}") from error
     from jax.experimental import topologies  # noqa: PLC0415 (keeps jax out of this module's import)
     desc = topologies.get_topology_desc(platform="cuda", topology=topology.topology,
                                         target_config=CARDS[topology.generation].target_config())

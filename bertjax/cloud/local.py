@@ -204,8 +204,9 @@ def _signal_name(number: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The launcher's flags (`bertjax launch local` and `python launch/local.py` alike)."""
-    parser.add_argument("--processes", type=options.ints(1), default=2)
-    parser.add_argument("--devices-per-process", type=options.ints(1), default=4)
+    parser.add_argument("--processes", type=options.ints(1), default=2, help="jax.distributed processes to run")
+    parser.add_argument("--devices-per-process", type=options.ints(1), default=4,
+                        help="CPU devices each process gets (XLA's host platform device count)")
     parser.add_argument("--max-restarts", type=options.ints(0), default=0,
                         help="babysit a pretrain command: run it again after a preemption (a worker killed) until "
                              "its workdir has the completion marker, at most this many times")

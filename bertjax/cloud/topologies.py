@@ -145,7 +145,7 @@ def parse_topology(name: str, num_slices: int = 1) -> Topology:
 
 
 def compile_only_devices(topology: Topology) -> list:
-    """The slice's compile-only jax devices (needs libtpu: `pip install 'jax[tpu]'`); works on a CPU machine.
+    """The slice's compile-only jax devices (needs libtpu: the `tpu` extra); works on a CPU machine.
 
     Sets the libtpu environment a machine without TPUs needs (unless already set) before libtpu is loaded:
     without TPU_WORKER_HOSTNAMES libtpu logs an error, without TPU_ACCELERATOR_TYPE a warning.

@@ -11,6 +11,8 @@ import os
 import time
 from collections.abc import Callable
 
+from bertjax.runtime.extras import install_line
+
 # The API's states that mean "this slice is not coming back": delete it and queue a new one.
 PREEMPTED_STATES = ("SUSPENDING", "SUSPENDED")
 # Node states that mean the workers are gone (the queued resource may still say ACTIVE for a moment).
@@ -27,7 +29,11 @@ def tpu_client():
     """google-cloud-tpu's v2alpha1 client: Google's endpoint with the environment's credentials, or the emulator
     at $BERTJAX_TPU_EMULATOR_HOST (host:port, plaintext gRPC, no credentials). gRPC, because the library has no
     REST transport for v2alpha1 (the version with queued resources' `guaranteed.reserved`)."""
-    from google.cloud import tpu_v2alpha1 as tpu
+    try:
+        from google.cloud import tpu_v2alpha1 as tpu
+    except ImportError:
+        raise ValueError(f"the TPU API client needs google-cloud-tpu (the `cloud` extra): {install_line('cloud')}") \
+            from None
 
     host = os.environ.get(EMULATOR_HOST_ENV)
     if not host:

@@ -37,6 +37,8 @@ import tensorflow as tf
 
 from bertjax.data import file_readers
 from bertjax.data.data_config import CorpusConfig
+from bertjax.runtime.extras import install_line
+from bertjax.runtime.errors import at_file
 from bertjax.runtime.input_files import read_json
 
 # A sentence ends at . ! ? (plus closing quotes/brackets) followed by whitespace and an upper-case
@@ -58,19 +60,24 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
             if part.startswith("hf:"):
                 files.extend(hf_dataset_files(part))
                 continue
-            if tf.io.gfile.isdir(part):
-                files.extend(_directory_files(part))
-                continue
-            matched = sorted(tf.io.gfile.glob(part))
-            if not matched and tf.io.gfile.exists(part):  # a name with glob characters: `corp[1].txt` itself
-                matched = [part]
-            matched = [m for m in matched if not tf.io.gfile.isdir(m)]
-            if not matched:
-                raise FileNotFoundError(f"input pattern {part!r} matches no files")
-            files.extend(matched)
+            with at_file(part):
+                files.extend(_matched_files(part))
     if not files:
         raise FileNotFoundError("no input files given")
     return sorted(dict.fromkeys(files))
+
+
+def _matched_files(part: str) -> list[str]:
+    """The files one input names: a directory's data files, or a glob's (or the path's itself) matches."""
+    if tf.io.gfile.isdir(part):
+        return _directory_files(part)
+    matched = sorted(tf.io.gfile.glob(part))
+    if not matched and tf.io.gfile.exists(part):  # a name with glob characters: `corp[1].txt` itself
+        matched = [part]
+    matched = [m for m in matched if not tf.io.gfile.isdir(m)]
+    if not matched:
+        raise FileNotFoundError(f"input pattern {part!r} matches no files")
+    return matched
 
 
 def file_formats(config: CorpusConfig) -> dict[str, str]:
@@ -115,7 +122,8 @@ def hf_dataset_files(spec: str) -> list[str]:
         import huggingface_hub
         from huggingface_hub import errors
     except ImportError:
-        raise ImportError(f"{spec}: hf: inputs need huggingface_hub (pip install 'bertjax[hub]')") from None
+        raise ImportError(f"{spec}: hf: inputs need huggingface_hub (the `hub` extra): {install_line('hub')}") \
+            from None
 
     name, _, split = spec[len("hf:"):].partition("@")
     name, _, config = name.partition(":")

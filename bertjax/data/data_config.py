@@ -226,7 +226,8 @@ class PretrainingDataConfig(CorpusConfig, InstanceConfig, MaskingConfig):
         if not self.inputs:
             raise ValueError("data.input is empty: give corpus files or `data create` shards (--set data.input=GLOB)")
         if self.input_kind == "text" and not self.vocab:
-            raise ValueError("data.vocab is empty: text input needs a vocab.txt or SentencePiece .model")
+            raise ValueError("data.vocab is empty: text input needs a vocab.txt, a SentencePiece .model or an HF "
+                             "tokenizer.json")
 
     @property
     def instances_per_row(self) -> int | None:

@@ -143,7 +143,7 @@ class _Decompressed(io.RawIOBase):
 
 def _head(path: str) -> tuple[str, bytes]:
     """(compression, first decompressed bytes) of a file."""
-    with _open_raw(path) as f:
+    with errors.at_file(path), _open_raw(path) as f:
         raw = f.read(_SNIFF_BYTES)
     kind = compression_of(path, raw)
     if not kind:
@@ -187,7 +187,7 @@ def read_text_bytes(path: str, data: bytes | None = None, expected: str = "UTF-8
     and refused, in one line naming it and `expected`, where a corpus file is: another format's bytes (Parquet,
     Arrow, an archive), a NUL byte anywhere (named by its line), mostly invalid UTF-8 in the first 64 KiB."""
     if data is None:
-        with _open_raw(path) as f:
+        with errors.at_file(path), _open_raw(path) as f:
             data = f.read()
     compression = compression_of(path, data[:4])
     if compression:
@@ -216,15 +216,23 @@ def read_text(path: str, expected: str = "UTF-8 text") -> str:
             from None
 
 
+def compressed_table(path: str, compression: str) -> str:
+    """The line for Parquet or Arrow bytes inside a compression (`x.parquet.gz`): refused by every reader."""
+    return (f"{path}: a Parquet/Arrow file inside {compression} compression: these are read as they are (Parquet "
+            f"compresses its own pages); decompress it")
+
+
 def parquet_table(path: str):
     """A Parquet file a command reads as a table (`finetune classify`, `predict`), as a pyarrow ParquetFile (a
     context manager): its bytes checked first, so a CSV or a compressed file named .parquet is told as what it is."""
     import pyarrow.parquet as pq
 
-    with _open_raw(path) as f:
+    with errors.at_file(path), _open_raw(path) as f:
         head = f.read(_SNIFF_BYTES)
     if not head.startswith(b"PAR1"):
         compression = next((name for name, (magic, _) in COMPRESSIONS.items() if head.startswith(magic)), "")
+        if compression and _head(path)[1].startswith((b"PAR1", b"ARROW1", b"\xff\xff\xff\xff")):
+            raise ValueError(compressed_table(path, compression))
         seen = f"{compression}-compressed" if compression else (_text_problem(head) or "text")
         raise ValueError(f"{path}: named as Parquet but its bytes are {seen} (no PAR1 magic); rename it to what it is")
     # A local path: pyarrow opens and closes the file itself (closing a ParquetFile leaves a file given to it open).

@@ -8,12 +8,19 @@ Parquet and Arrow files are told by their magic bytes (or .parquet / .arrow), JS
 JSON object (or .jsonl / .ndjson / .json), both after decompression; any other UTF-8 text is the `sentences`
 layout, the original format (the text layouts cannot be told apart by their bytes: --format names the others).
 
+One policy for a file whose name contradicts its bytes, in every reader (corpora here; users' tables in
+finetune/table_data.py; every command's text input in file_readers): a name that says what a file is (a
+compression's extension, .jsonl, .parquet; a table's .csv) must agree with the bytes, else the file is refused
+naming both (`named_otherwise`); a name that says nothing (.txt, none) leaves it to the bytes, and the detection line
+says so. Parquet or Arrow inside a compression is refused the same way: those formats are read as they are.
+
 Each input entry is one format: its own `FORMAT:` (`wrapped:books/*.txt`), else --format's, else what its files are
 detected as. Entries of different formats make a mixed corpus (corpus_format `mixed`, every entry then naming its
 format), read file by file in its own format (corpus.file_formats); one entry whose files differ is refused.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import os
 from typing import Callable, Sequence, TypeVar
@@ -44,11 +51,15 @@ def by_name(path: str) -> str | None:
 
 
 def by_bytes(path: str) -> str:
-    """"parquet" | "jsonl" | "text" from a file's first 64 KiB (decompressed)."""
-    _, head = file_readers._head(path)
+    """"parquet" | "jsonl" | "text" from a file's first 64 KiB (decompressed); Parquet or Arrow inside a compression
+    is an error naming both (file_readers.compressed_table)."""
+    compression, head = file_readers._head(path)
+    head = head.removeprefix(codecs.BOM_UTF8)  # Excel's "UTF-8" files start with the byte-order mark
     # Parquet, the Arrow IPC file format, and the Arrow IPC stream format (`datasets.save_to_disk`'s .arrow files:
     # a 0xFFFFFFFF continuation marker first, no magic).
     if head.startswith((b"PAR1", b"ARROW1", b"\xff\xff\xff\xff")):
+        if compression:
+            raise ValueError(file_readers.compressed_table(path, compression))
         return "parquet"
     first = next((line.strip() for line in head.split(b"\n")[:-1] if line.strip()), b"")
     if first.startswith(b"{"):
@@ -77,8 +88,7 @@ def detect(files: Sequence[str], key: str = "--format") -> tuple[str, str]:
             continue
         seen = by_bytes(path)
         if named and named != seen:
-            raise ValueError(f"{path}: named as {named} but its bytes are {_what(seen)}: rename it, or set "
-                             f"{key}")
+            raise ValueError(named_otherwise(path, named, seen, f"rename it, or set {key}"))
         kinds.append((path, seen, "its extension and bytes" if named else "its bytes"))
     first = kinds[0]
     other = next((k for k in kinds if k[1] != first[1]), None)
@@ -87,6 +97,12 @@ def detect(files: Sequence[str], key: str = "--format") -> tuple[str, str]:
                            f"{_what(other[1])}; give each format its own --input (FORMAT:PATTERN names it)")
     return first[1], f"{first[0]}: {_what(first[1])}, by {first[2]}" + (
         f" (and {len(files) - 1} more file(s) alike)" if len(files) > 1 else "")
+
+
+def named_otherwise(path: str, named: str, seen: str, fix: str = "rename it to what it is") -> str:
+    """The line for a file named as one format (`named`: jsonl, parquet, CSV, ...) whose bytes are another (`seen`:
+    a family by_bytes gives), and how to put it right (`fix`)."""
+    return f"{path}: named as {named} but its bytes are {_what(seen)}: {fix}"
 
 
 def _what(family: str) -> str:

@@ -26,18 +26,23 @@ def ragged_pieces(tokenizer: RustTokenizer, texts: Sequence[str]) -> tuple[np.nd
     return ids, splits
 
 
+def wordpiece_tokenizer(vocab: Sequence[str], lower_case: bool) -> RustTokenizer:
+    """WordPiece over `vocab` (id = position) with BERT's normaliser and pre-tokeniser, no special tokens added."""
+    tokenizer = RustTokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)},
+                                               unk_token=SPECIAL_TOKENS["unk"], max_input_chars_per_word=100))
+    # strip_accents=None: accents go with lower-casing, as BertTokenizerFast(do_lower_case=...) has it.
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lower_case)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return tokenizer
+
+
 class HostWordPieceTokenizer(Tokenizer):
     """BERT WordPiece over a vocabulary given as its tokens (id = position), e.g. a checkpoint's."""
 
     def __init__(self, vocab: Sequence[str], lower_case: bool = True, source: str | None = None):
         self._take_vocabulary(vocab, source or "the given token list", lower_case)
-        self._tokenizer = RustTokenizer(models.WordPiece(
-            {token: i for i, token in enumerate(self.vocab)}, unk_token=SPECIAL_TOKENS["unk"],
-            max_input_chars_per_word=100))
-        # strip_accents=None: accents go with lower-casing, as BertTokenizerFast(do_lower_case=...) has it.
-        self._tokenizer.normalizer = normalizers.BertNormalizer(
-            clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lower_case)
-        self._tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        self._tokenizer = wordpiece_tokenizer(self.vocab, lower_case)
 
     def pieces(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         return ragged_pieces(self._tokenizer, texts)

@@ -16,6 +16,7 @@ from typing import Callable
 import tensorflow as tf
 
 from bertjax.runtime.console import Console
+from bertjax.runtime.errors import at_file
 from bertjax.data import corpus, format_detect, tfrecord
 from bertjax.data.data_config import PretrainingDataConfig
 
@@ -64,11 +65,16 @@ def resolve(config: PretrainingDataConfig, key: str = "data.input",
     config = _shapes_from_metadata(config, [meta for _, meta in metadata])
     if not config.vocab:
         recorded = [meta.get("config", {}).get("vocab") for _, meta in metadata]
-        readable = [v for v in recorded if v and tf.io.gfile.exists(v)]
+        readable = [v for v in recorded if v and _exists(v)]
         if readable:
             config = config.replace(vocab=readable[0])
     _check_shapes(config, metadata)
     return InputSource(config, tuple(files))
+
+
+def _exists(path: str) -> bool:
+    with at_file(path):
+        return tf.io.gfile.exists(path)
 
 
 def check_set_keys(config: PretrainingDataConfig, set_keys, key: str = "data.input") -> None:

@@ -8,6 +8,7 @@ Metaspace tokenisers mark a word's start in its first piece, so a text's words g
 """
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import numpy as np

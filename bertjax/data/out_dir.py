@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-import tensorflow as tf
 from etils import epath
 
 from bertjax.runtime.new_workdir import removed_if_failed_before_saving
@@ -39,6 +38,8 @@ def owned(out_dir: str, log=print, name: str = LOCK_NAME) -> Iterator[None]:
 
 def remove_quietly(*paths: str) -> None:
     """Removes what a failed run began (on a full disk, or one gone read-only, a removal may fail too)."""
+    import tensorflow as tf  # here: `demo-corpus` takes its --out's lock without starting TensorFlow
+
     for path in paths:
         try:
             if tf.io.gfile.exists(path):

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from bertjax.runtime import jsonio
-from bertjax.runtime.errors import OutputWriteError, cannot_write
+from bertjax.runtime.errors import OutputWriteError, at_file, cannot_write
 from bertjax.runtime.input_files import read_json
 from bertjax.data import schema
 from bertjax.data.corpus import expand_inputs, file_order
@@ -101,12 +101,11 @@ def write_metadata(out_dir: str, prefix: str, summary: dict) -> str:
 
 def read_metadata(directory: str) -> list[tuple[str, dict]]:
     """(path, content) of every `data create` metadata file in `directory` (none for a file or glob)."""
-    if not tf.io.gfile.isdir(directory):
-        return []
-    found = []
-    for path in sorted(tf.io.gfile.glob(os.path.join(directory, "*" + METADATA_SUFFIX))):
-        found.append((path, read_json(path, "data create's metadata (JSON)")))
-    return found
+    with at_file(directory):
+        if not tf.io.gfile.isdir(directory):
+            return []
+        paths = sorted(tf.io.gfile.glob(os.path.join(directory, "*" + METADATA_SUFFIX)))
+    return [(path, read_json(path, "data create's metadata (JSON)")) for path in paths]
 
 
 def shard_paths(out_dir: str, num_shards: int, prefix: str = "pretrain") -> list[str]:
@@ -199,28 +198,35 @@ def find_shards(patterns: Sequence[str]) -> list[str]:
     """
     found = []
     for pattern in patterns:
-        listed = [(meta_path, name, size) for meta_path, meta in read_metadata(pattern)
-                  for name, size in zip(meta.get("shards", []),
-                                        meta.get("bytes_per_shard", [None] * len(meta.get("shards", []))))]
-        if not listed:
-            if tf.io.gfile.isdir(pattern):
-                _refuse_unfinished(pattern, named_as_directory=True)
-                pattern = os.path.join(pattern, f"*{SHARD_SUFFIX}")
-            files = [f for f in expand_inputs([pattern]) if ".tmp-" not in os.path.basename(f)]
-            for directory in sorted({os.path.dirname(f) for f in files}):
-                _refuse_unfinished(directory, named_as_directory=False)
-            found += files
-            continue
-        for meta_path, name, size in listed:
-            path = os.path.join(pattern, name)
-            if not tf.io.gfile.exists(path):
-                raise FileNotFoundError(f"{path}: listed in {meta_path} but missing")
-            actual = tf.io.gfile.stat(path).length
-            if size is not None and actual != size:
-                raise ValueError(f"{path}: {actual} bytes, but {meta_path} recorded {size}: the shard is truncated "
-                                 f"or was replaced; write it again (bertjax data create --overwrite)")
-            found.append(path)
+        with at_file(pattern):
+            found += _shards_of(pattern)
     return sorted(dict.fromkeys(found))
+
+
+def _shards_of(pattern: str) -> list[str]:
+    """find_shards of one pattern."""
+    listed = [(meta_path, name, size) for meta_path, meta in read_metadata(pattern)
+              for name, size in zip(meta.get("shards", []),
+                                    meta.get("bytes_per_shard", [None] * len(meta.get("shards", []))))]
+    if not listed:
+        if tf.io.gfile.isdir(pattern):
+            _refuse_unfinished(pattern, named_as_directory=True)
+            pattern = os.path.join(pattern, f"*{SHARD_SUFFIX}")
+        files = [f for f in expand_inputs([pattern]) if ".tmp-" not in os.path.basename(f)]
+        for directory in sorted({os.path.dirname(f) for f in files}):
+            _refuse_unfinished(directory, named_as_directory=False)
+        return files
+    found = []
+    for meta_path, name, size in listed:
+        path = os.path.join(pattern, name)
+        if not tf.io.gfile.exists(path):
+            raise FileNotFoundError(f"{path}: listed in {meta_path} but missing")
+        actual = tf.io.gfile.stat(path).length
+        if size is not None and actual != size:
+            raise ValueError(f"{path}: {actual} bytes, but {meta_path} recorded {size}: the shard is truncated "
+                             f"or was replaced; write it again (bertjax data create --overwrite)")
+        found.append(path)
+    return found
 
 
 def _refuse_unfinished(directory: str, named_as_directory: bool) -> None:
@@ -263,15 +269,16 @@ def detect_kind(patterns: Sequence[str]) -> str:
     for pattern in patterns:
         if pattern.startswith(("tfds:", "hf:")):
             return "text"
-        if tf.io.gfile.isdir(pattern):
-            if read_metadata(pattern):
-                return "tfrecord"
-            files = sorted(os.path.join(pattern, f) for f in tf.io.gfile.listdir(pattern))
-        else:
-            files = sorted(tf.io.gfile.glob(pattern))
-        files = [f for f in files if not tf.io.gfile.isdir(f) and tf.io.gfile.stat(f).length > 0]
-        if files:
-            return "tfrecord" if is_tfrecord_file(files[0]) else "text"
+        with at_file(pattern):
+            if tf.io.gfile.isdir(pattern):
+                if read_metadata(pattern):
+                    return "tfrecord"
+                files = sorted(os.path.join(pattern, f) for f in tf.io.gfile.listdir(pattern))
+            else:
+                files = sorted(tf.io.gfile.glob(pattern))
+            files = [f for f in files if not tf.io.gfile.isdir(f) and tf.io.gfile.stat(f).length > 0]
+            if files:
+                return "tfrecord" if is_tfrecord_file(files[0]) else "text"
     return "text"
 
 
@@ -326,11 +333,13 @@ def damaged_record_index(path: str, offset: int) -> int | None:
 
 
 @contextlib.contextmanager
-def damaged_records_named(files: Sequence[str]) -> Iterator[None]:
+def damaged_records_named(files: Sequence[str], key: str = "data.input") -> Iterator[None]:
     """TensorFlow's DataLossError for a record of `files` that fails its CRC, raised as one line naming the file, the
-    record and its byte offset (ValueError)."""
+    record and its byte offset (ValueError); a file of the input `key` that tf.data cannot read (permission, gone)
+    as `cannot read FILE (of KEY): why` (errors.at_file)."""
     try:
-        yield
+        with at_file(key):
+            yield
     except tf.errors.DataLossError as error:
         found = _CORRUPTED_AT.search(str(error))
         if not found:

@@ -11,15 +11,17 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_text as tf_text
 
+from bertjax.runtime.errors import at_file
 from bertjax.data.token_layout import SPECIAL_TOKENS, Tokenizer, _special_ids, check_unique  # noqa: F401
 
 
 def read_vocab(vocab_path: str) -> list[str]:
     """Tokens of a vocab.txt file (one per line, id = line number); gs:// paths work via tf.io.gfile."""
-    if not tf.io.gfile.exists(vocab_path):
-        raise FileNotFoundError(f"vocab file not found: {vocab_path}")
-    with tf.io.gfile.GFile(vocab_path, "rb") as f:
-        text = f.read().decode("utf-8")
+    with at_file(vocab_path):
+        if not tf.io.gfile.exists(vocab_path):
+            raise FileNotFoundError(f"vocab file not found: {vocab_path}")
+        with tf.io.gfile.GFile(vocab_path, "rb") as f:
+            text = f.read().decode("utf-8")
     vocab = text.split("\n")
     if vocab and vocab[-1] == "":
         vocab.pop()
@@ -99,8 +101,11 @@ class WordPieceTokenizer(_Tokenizer):
 class SentencePieceTokenizer(_Tokenizer):
     """SentencePiece .model via tensorflow-text's SentencepieceTokenizer (in-graph).
 
-    The model must define the BERT special pieces [PAD] [UNK] [CLS] [SEP] [MASK] (as `bertjax vocab
-    train --type sentencepiece` does). Whole words start with the "▁" marker.
+    The model must be a unigram one that defines the BERT special pieces [PAD] [UNK] [CLS] [SEP] [MASK] (as `bertjax
+    vocab train --type sentencepiece` writes). Whole words start with the "▁" marker. Its `spec` is the model as an
+    HF tokenizer.json (tokenizer_json.py: transformers' conversion; the same ids on text, save a near-tie of two
+    segmentations' scores in a long text, and special tokens written in the text, which it keeps whole), which
+    checkpoints keep: fine-tuning, `predict`, `embed` and the export tokenise with it.
     """
 
     WORD_START = "\u2581"
@@ -108,10 +113,11 @@ class SentencePieceTokenizer(_Tokenizer):
     def __init__(self, model_path: str, lower_case: bool = False):
         import sentencepiece  # the vocab listing; tokenization itself is tensorflow-text's
 
-        if not tf.io.gfile.exists(model_path):
-            raise FileNotFoundError(f"sentencepiece model not found: {model_path}")
-        with tf.io.gfile.GFile(model_path, "rb") as f:
-            model = f.read()
+        with at_file(model_path):
+            if not tf.io.gfile.exists(model_path):
+                raise FileNotFoundError(f"sentencepiece model not found: {model_path}")
+            with tf.io.gfile.GFile(model_path, "rb") as f:
+                model = f.read()
         processor = sentencepiece.SentencePieceProcessor()
         try:
             processor.LoadFromSerializedProto(model)
@@ -123,6 +129,9 @@ class SentencePieceTokenizer(_Tokenizer):
         self.pad_id, self.unk_id, self.cls_id = ids["pad"], ids["unk"], ids["cls"]
         self.sep_id, self.mask_id = ids["sep"], ids["mask"]
         self.lower_case = lower_case
+        from bertjax.data.tokenizer_json import sentencepiece_json
+
+        self.spec = {"json": sentencepiece_json(model, lower_case, model_path), "special": dict(SPECIAL_TOKENS)}
         self._tokenizer = tf_text.SentencepieceTokenizer(model=model, out_type=tf.int32)
 
     def _tokenize_normalized(self, texts):
@@ -146,12 +155,15 @@ class TokenizerJsonTokenizer(_Tokenizer):
         from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec
         from bertjax.runtime.input_files import read_json
 
-        if not tf.io.gfile.exists(path):
-            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        with at_file(path):
+            if not tf.io.gfile.exists(path):
+                raise FileNotFoundError(f"tokenizer file not found: {path}")
         beside = {}
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
             other = path.rsplit("/", 1)[0] + "/" + name if "/" in path else name
-            if tf.io.gfile.exists(other):
+            with at_file(other):
+                found = tf.io.gfile.exists(other)
+            if found:
                 values = read_json(other, f"a tokenizer's {name}")
                 beside[name] = values if isinstance(values, dict) else {}
         spec = read_spec(path, beside.get("tokenizer_config.json", {}), beside.get("special_tokens_map.json", {}))

@@ -149,7 +149,8 @@ def run(train: str, workdir: str, settings: TrainSettings, spec: table_data.Tabl
 
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
                      architecture="BertForSequenceClassification",
-                     id2label=None if names is None else dict(enumerate(names)), problem_type=problem)
+                     id2label=None if names is None else dict(enumerate(names)), problem_type=problem,
+                     max_seq_length=max_seq_length)
     result = {
         "task": "classify", "problem": problem, "labels": names, "metrics": metrics, "majority_baseline": baseline,
         "train": train, "dev": dev, "test": test, "columns": dataclasses.asdict(spec),

@@ -17,6 +17,8 @@ from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
 from bertjax.finetune.table_data import PROBLEMS
 from bertjax.interop.cli import ANY_CHECKPOINT_HELP
 
+# Every fine-tune's --max-seq-length (an option that derives from it says so in its own help).
+MAX_SEQ_HELP = "tokens per example, [CLS] and [SEP] included (a pair's two texts together); longer ones are cut"
 INIT_HELP = ("checkpoint to start from: a bertjax run directory (its newest complete step) or step, an HF model "
              "directory or a TF checkpoint prefix")
 
@@ -43,7 +45,7 @@ def register(subparsers) -> None:
     glue = jobs.add_parser("glue", help="fine-tune and evaluate GLUE tasks; writes dev metrics and submission TSVs")
     glue.add_argument("--task", required=True, choices=TASKS + ("all",))
     glue.add_argument("--data", required=True, help="GLUE directory (<Task>/train.tsv ...) or 'tfds[:DATA_DIR]'")
-    glue.add_argument("--max-seq-length", type=options.ints(3), default=128)
+    glue.add_argument("--max-seq-length", type=options.ints(3), default=128, help=MAX_SEQ_HELP)
     glue.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
     _add_train_args(glue, learning_rate=2e-5, batch_size=32, epochs=3.0)
     glue.set_defaults(func=_glue)
@@ -55,14 +57,15 @@ def register(subparsers) -> None:
                                                          "gs://, with a header (CSV/TSV) naming the columns")
     classify.add_argument("--dev", help="file scored after training (its labels must be among the training file's)")
     classify.add_argument("--test", help="file to predict (labels not needed)")
-    classify.add_argument("--text-column", default="text")
+    classify.add_argument("--text-column", default="text", help="the column holding the text")
     classify.add_argument("--text-pair-column", help="second text of a pair (e.g. NLI's hypothesis)")
-    classify.add_argument("--label-column", default="label")
+    classify.add_argument("--label-column", default="label",
+                          help="the column holding the label (multi-label: several, see --problem)")
     classify.add_argument("--problem", default="single_label_classification", choices=PROBLEMS,
                           help="multi-label: a list per row (JSON Lines, Parquet) or one string cut at "
                                "--label-separator; regression: numbers (Pearson/Spearman)")
     classify.add_argument("--label-separator", default=",", help="multi-label labels given as one string")
-    classify.add_argument("--max-seq-length", type=options.ints(3), default=128)
+    classify.add_argument("--max-seq-length", type=options.ints(3), default=128, help=MAX_SEQ_HELP)
     classify.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
     _add_train_args(classify, learning_rate=2e-5, batch_size=32, epochs=3.0)
     classify.set_defaults(func=_classify)
@@ -77,24 +80,27 @@ def register(subparsers) -> None:
     features.add_argument("--layers", default="last",
                           help="last | second-to-last | sum-last-4 | concat-last-4 | N[,M...] (0 = embeddings "
                                "output, as transformers' output_hidden_states)")
-    features.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    features.add_argument("--pooling", choices=("cls", "mean"), default="cls",
+                          help="cls: the [CLS] token's vector; mean: the mean of the tokens' vectors")
     features.add_argument("--classifier", choices=("logreg",), default="logreg",
                           help="logreg: LogisticRegressionCV (STS-B: RidgeCV)")
     features.add_argument("--max-train-examples", type=options.ints(1),
                           help="fit on a seeded random subset of this many training examples (CPU budgets)")
     features.add_argument("--max-eval-examples", type=options.ints(0), default=0,
                           help="score the first N dev examples of each split (0: all), for quick runs")
-    features.add_argument("--max-seq-length", type=options.ints(3), default=128)
+    features.add_argument("--max-seq-length", type=options.ints(3), default=128, help=MAX_SEQ_HELP)
     features.add_argument("--batch-size", type=options.ints(1), default=64,
                           help="sequences per feature-extraction step")
-    features.add_argument("--cv-folds", type=options.ints(2), default=5)
+    features.add_argument("--cv-folds", type=options.ints(2), default=5,
+                          help="cross-validation folds that choose the classifier's C (STS-B: the ridge's alpha)")
     features.add_argument("--seed", type=options.ints(0), default=42, help="training subset and CV folds")
     features.set_defaults(func=_features)
 
     choice = jobs.add_parser("multiple-choice", help="fine-tune on SWAG-layout CSVs (train.csv, val.csv, optional "
                                                      "test.csv); val accuracy and predictions")
     choice.add_argument("--data", required=True, help="directory with SWAG's train.csv and val.csv (test.csv optional)")
-    choice.add_argument("--max-seq-length", type=options.ints(3), default=128)
+    choice.add_argument("--max-seq-length", type=options.ints(3), default=128,
+                        help="tokens per choice (the context and one ending), [CLS] and [SEP] included")
     # The BERT paper's SWAG recipe: lr 2e-5, batch 16, 3 epochs.
     _add_train_args(choice, learning_rate=2e-5, batch_size=16, epochs=3.0)
     choice.set_defaults(func=_multiple_choice)
@@ -127,8 +133,9 @@ def register(subparsers) -> None:
                             "concatenated in the order given)")
     embed.add_argument("--pooling", choices=("cls", "mean", "none"), default="cls",
                        help="none: every token's vector with a map from whitespace words to token positions")
-    embed.add_argument("--max-len", type=options.ints(3), default=128)
-    embed.add_argument("--batch-size", type=options.ints(1), default=64)
+    embed.add_argument("--max-len", type=options.ints(3), default=128,
+                       help="tokens per sentence, [CLS] and [SEP] included; longer ones are cut")
+    embed.add_argument("--batch-size", type=options.ints(1), default=64, help="sentences per step")
     embed.add_argument("--show-neighbours", action="store_true",
                        help="print each sentence's nearest neighbour by cosine similarity (cls/mean)")
     embed.set_defaults(func=_embed)
@@ -148,13 +155,16 @@ def register(subparsers) -> None:
     predict.add_argument("--question-column", default="question", help="a span model's question")
     predict.add_argument("--context-column", default="context", help="a span model's context (long ones: windows)")
     predict.add_argument("--max-seq-length", type=options.ints(3),
-                         help="tokens per row (default 128; a span model: per window, as its SQuAD run, else 384)")
+                         help="tokens per row (default: the length the model was fine-tuned at, else 128; a span "
+                              "model: per window, as its SQuAD run, else 384)")
     predict.add_argument("--doc-stride", type=options.ints(1),
-                         help="a span model: tokens between window starts (default: as its SQuAD run, else 128)")
+                         help="a span model: tokens between window starts (default: as its SQuAD run, else a "
+                              "third of --max-seq-length)")
     predict.add_argument("--squad-version", choices=("1.1", "2.0"),
                          help="a span model: 2.0 answers \"\" when no answer wins (default: as its SQuAD run "
                               "recorded, in its workdir or its export's config.json; else 1.1)")
-    predict.add_argument("--batch-size", type=options.ints(1), default=64)
+    predict.add_argument("--batch-size", type=options.ints(1), default=64, help="rows (a span model: windows) per "
+                                                                                  "prediction step")
     predict.set_defaults(func=_predict)
 
     scored = subparsers.add_parser(
@@ -176,7 +186,9 @@ def register(subparsers) -> None:
     squad_eval.add_argument("--data", required=True, help="dataset JSON (its 'version' picks v1.1 or v2.0)")
     squad_eval.add_argument("--predictions", required=True, help="predictions JSON {question id: answer text}")
     squad_eval.add_argument("--na-prob-file", help="v2.0: null odds / no-answer probabilities JSON")
-    squad_eval.add_argument("--na-prob-thresh", type=options.floats(), default=1.0)
+    squad_eval.add_argument("--na-prob-thresh", type=options.floats(), default=1.0,
+                            help="v2.0: a question whose no-answer probability is above this counts as answered "
+                                 "\"\" (the official script's)")
     squad_eval.add_argument("--version", choices=("1.1", "2.0"), help="override the dataset's version")
     squad_eval.set_defaults(func=_eval_squad)
 
@@ -186,7 +198,7 @@ def _embed(args: argparse.Namespace) -> int:
     from etils import epath
 
     from bertjax.data.file_readers import read_text_bytes
-    from bertjax.finetune.embed import embed_sentences, embed_tokens, nearest_neighbours
+    from bertjax.finetune.embed import cut_lines, embed_sentences, embed_tokens, nearest_neighbours
     from bertjax.interop.load import load_pretrained
     from bertjax.runtime.outputs import check_file_target, one_writer, replaced_when_whole
 
@@ -204,6 +216,12 @@ def _embed(args: argparse.Namespace) -> int:
                f"{', ...' if len(invalid) > 5 else ''}), their bad bytes read as U+FFFD" if invalid else ""))
     with one_writer(args.output, "--output"):
         loaded = load_pretrained(args.checkpoint)
+        cut = cut_lines(loaded, sentences, args.max_len)
+        if cut:  # embedded from their first tokens: said, not silent
+            shown = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
+            print(f"--input {args.input}: {len(cut)} of {len(sentences)} line(s) longer than --max-len "
+                  f"{args.max_len} tokens ([CLS] and [SEP] included), cut to it (lines {shown}); raise --max-len "
+                  "to embed more of them")
         if args.pooling == "none":
             arrays = embed_tokens(loaded, sentences, layers=args.layers, max_len=args.max_len,
                                   batch_size=args.batch_size)
@@ -300,6 +318,7 @@ def _predicted_lines(args: argparse.Namespace) -> list[str]:
         pairs = pairs[0] if pairs else None
     predictor = Predictor(args.model, max_seq_length=args.max_seq_length, batch_size=args.batch_size,
                           doc_stride=args.doc_stride, version=args.squad_version)
+    Console().line(f"{args.model}: {predictor.length_note}")
     rows = predictor.predict(texts, pairs, wheres) if texts is not None else \
         predictor.answers(questions, contexts, wheres)
     return [jsonio.dumps(row, ensure_ascii=False) + "\n" for row in rows]
@@ -335,10 +354,10 @@ def input_lines(data: bytes) -> tuple[list[str], list[int]]:
     return lines, invalid
 
 
-def _say_outputs(workdir: str, fine_tuned: bool = True, predicts: bool = True) -> None:
+def _say_outputs(workdir: str, fine_tuned: bool = True, predicts: bool | str = True) -> None:
     """The job's closing lines: what it left in its workdir (metrics, predictions, curves), then, for a job that
-    fine-tunes (`fine_tuned`), where its model is and, for a head `bertjax predict` runs (`predicts`), how it takes
-    it (or that it kept none)."""
+    fine-tunes (`fine_tuned`), where its model is (or that it kept none) and, for a head `bertjax predict` runs
+    (`predicts` True), how it takes it; else (`predicts`: why) that it does not."""
     from etils import epath
 
     from bertjax.runtime.console import Console
@@ -356,7 +375,8 @@ def _say_outputs(workdir: str, fine_tuned: bool = True, predicts: bool = True) -
     if not kinds:
         console.line("no fine-tuned model kept (--no-save-checkpoint; by default it is kept in WORKDIR/checkpoint)")
         return
-    use = "another job's --init reads it"
+    use = "another job's --init reads it" + (f"; {predicts}" if isinstance(predicts, str) else "")
+    predicts = predicts is True
     if len(runs) == 1:
         use = f"`bertjax predict --model {runs[0]}` uses it" if predicts else use
         console.line(f"fine-tuned model: {' and '.join(str(runs[0] / k) for k in kinds)} ({use}; "
@@ -517,7 +537,8 @@ def _multiple_choice(args: argparse.Namespace) -> int:
     result = multiple_choice.run(args.data, args.workdir, options.from_flags(TrainSettings, args), init=args.init,
                                  max_seq_length=args.max_seq_length, save_checkpoint=args.save_checkpoint,
                                  export_hf=args.export_hf)
-    _say_outputs(args.workdir, predicts=False)
+    _say_outputs(args.workdir, predicts="`bertjax predict` runs no multiple-choice head: this job scores the "
+                                        "test.csv beside its train.csv")
     print(jsonio.dumps(result["metrics"]))
     return 0
 

@@ -129,6 +129,13 @@ def _tokenizer(checkpoint: ModelCheckpoint):
     return WordPieceTokenizer(checkpoint.vocab, lower_case=checkpoint.lower_case, source="the checkpoint")
 
 
+def cut_lines(checkpoint: ModelCheckpoint, sentences: list[str], max_len: int) -> list[int]:
+    """The 1-based numbers of the sentences whose tokens, with [CLS] and [SEP], exceed `max_len` (embedded cut to
+    it, as `encode` truncates)."""
+    _, splits = _tokenizer(checkpoint).pieces(sentences)
+    return (np.flatnonzero(np.diff(splits) > max_len - 2) + 1).tolist()
+
+
 def embed_sentences(checkpoint: ModelCheckpoint, sentences: list[str], *, pooling: str = "cls",
                     layers: str = "last", max_len: int = 128, batch_size: int = 64) -> np.ndarray:
     """float32 [len(sentences), D]: the [CLS] vector or the mean of the token vectors of the chosen layers."""

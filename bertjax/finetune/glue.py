@@ -138,7 +138,8 @@ def run_task(task_name: str, data: str, workdir: str, settings: TrainSettings, *
 
     id2label = None if task.is_regression else dict(enumerate(task.labels))
     write_fine_tuned(trainer.params, ckpt, out_dir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
-                     architecture="BertForSequenceClassification", id2label=id2label)
+                     architecture="BertForSequenceClassification", id2label=id2label,
+                     max_seq_length=max_seq_length)
 
     result = {
         "task": task.name, "metrics": metrics, "score": score, "majority_baseline": baseline,

@@ -172,6 +172,16 @@ def read_split(task: GlueTask, path: str, layout: Layout) -> Examples:
                 skipped += 1
                 continue
             raise ValueError(f"{where}: expected {layout.columns} tab-separated columns for {task.name}, got {len(row)}")
+        # A text that is only spaces is no text: refused as `finetune classify` and `predict` refuse it (it was
+        # scored as if it were one); QQP's rows without one are malformed rows, skipped as its short ones are.
+        empty = next((column for column in (layout.text_a, layout.text_b)
+                      if column is not None and not row[column].strip()), None)
+        if empty is not None:
+            if task.skip_short_rows:
+                skipped += 1
+                continue
+            raise ValueError(f"{where}: column {empty + 1} (the {'first' if empty == layout.text_a else 'second'} "
+                             f"text) is empty; expected the text")
         guids.append(row[layout.index] if layout.index is not None else str(len(guids)))
         text_a.append(row[layout.text_a])
         if layout.text_b is not None:
@@ -179,7 +189,7 @@ def read_split(task: GlueTask, path: str, layout: Layout) -> Examples:
         if layout.label is not None:
             labels.append(_parse_label(task, row[layout.label], where))
     if skipped:
-        log.warning("%s: skipped %d malformed rows (too few columns)", path, skipped)
+        log.warning("%s: skipped %d malformed rows (too few columns, or a text missing)", path, skipped)
     if not guids:
         raise ValueError(f"{path}: no examples ({len(rows)} line(s), header included)")
     label_array = None

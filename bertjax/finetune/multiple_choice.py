@@ -79,7 +79,7 @@ def run(data: str, workdir: str, settings: TrainSettings, *, init: str | None = 
         test_logits = trainer.predict(swag_data.featurize(test, tokenizer, max_seq_length))
         write_predictions(os.path.join(workdir, "test_predictions.csv"), test, test_logits)
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
-                     architecture="BertForMultipleChoice")
+                     architecture="BertForMultipleChoice", max_seq_length=max_seq_length)
 
     result = {"metrics": metrics, "num_train_examples": train_info.pop("num_train_rows"),
               "num_train_available": len(train), "num_val_examples": len(val),

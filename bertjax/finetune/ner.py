@@ -72,7 +72,8 @@ def run(data: str, workdir: str, settings: TrainSettings, ner: NerSettings, *, i
                  overall["recall"], overall["f1"], len(sentences), len(eval_features[split]))
 
     write_fine_tuned(trainer.params, ckpt, workdir, bertjax_checkpoint=save_checkpoint, hf=export_hf,
-                     architecture="BertForTokenClassification", id2label=dict(enumerate(labels)))
+                     architecture="BertForTokenClassification", id2label=dict(enumerate(labels)),
+                     max_seq_length=ner.max_seq_length)
     result = {"metrics": metrics, "labels": labels, "num_train_sentences": len(train),
               "num_train_windows": train_info.pop("num_train_rows"),
               "num_train_windows_available": len(train_features), "settings": dataclasses.asdict(settings),

@@ -36,6 +36,10 @@ HEADS = {"BertForSequenceClassification": family.sequence_classifier,
          "BertForTokenClassification": family.token_classifier,
          "BertForQuestionAnswering": lambda config, num_labels: family.question_answering(config)}
 SPANS = "BertForQuestionAnswering"
+MULTIPLE_CHOICE = "BertForMultipleChoice"
+_MULTIPLE_CHOICE_REFUSED = ("{model}: a multiple-choice model (finetune multiple-choice): `bertjax predict` runs "
+                            "classifiers, token classifiers and span models; the multiple-choice job scores the "
+                            "test.csv beside its train.csv")
 _WORD = re.compile(r"\w+|[^\w\s]")
 
 
@@ -66,9 +70,12 @@ def recorded_columns(model: str) -> tuple[str | None, str | None] | None:
 
 
 def answers_questions(model: str) -> bool:
-    """Whether `model` (as `--model` takes it) has a span head, told by its description (no tensors loaded)."""
-    head = describe_pretrained(resolve_model(model)).head or {}
-    return head.get("architecture") == SPANS
+    """Whether `model` (as `--model` takes it) has a span head, told by its description (no tensors loaded); a
+    head `predict` does not run (multiple choice) is refused here, before the input is read."""
+    architecture = (describe_pretrained(resolve_model(model)).head or {}).get("architecture")
+    if architecture == MULTIPLE_CHOICE:
+        raise ValueError(_MULTIPLE_CHOICE_REFUSED.format(model=model))
+    return architecture == SPANS
 
 
 def squad_settings(model: str, head: dict | None = None, **overrides) -> SquadSettings:
@@ -84,11 +91,31 @@ def squad_settings(model: str, head: dict | None = None, **overrides) -> SquadSe
     return SquadSettings(**{**settings, **{k: v for k, v in overrides.items() if v is not None}})
 
 
+# What `predict` takes for a model that records no length it was trained at (one fine-tuned before runs recorded it).
+DEFAULT_MAX_SEQ_LENGTH = 128
+
+
+def trained_length(model: str, head: dict | None) -> tuple[int, str] | None:
+    """(the --max-seq-length the fine-tune of `model` trained at, where that was read): the model's own record (a
+    checkpoint's head, an export's config.json `max_seq_length`), else its run's run.json (`model` a fine-tune
+    workdir, or the checkpoint/ or hf/ in one); None where neither says."""
+    if isinstance((head or {}).get("max_seq_length"), int):
+        return head["max_seq_length"], "the length it was fine-tuned at, recorded with the model"
+    root = epath.Path(model)
+    for run in (root, root.parent) if root.name in MODELS else (root,):
+        path = run / RUN_RECORD
+        record = squad_data.read_json(str(path)) if path.is_file() else None
+        if isinstance(record, dict) and isinstance(record.get("max_seq_length"), int):
+            return record["max_seq_length"], f"the length its run was fine-tuned at ({path})"
+    return None
+
+
 class Predictor:
     """A fine-tuned classifier, token classifier or span (question-answering) model, ready to predict batches.
 
-    max_seq_length: None for the default (128; a span model: its SQuAD settings' window). A span model's
-    settings are squad_settings(model, **squad): SquadSettings fields to override, None for the recorded one."""
+    max_seq_length: None for the length the model was fine-tuned at (`trained_length`; a span model: its SQuAD
+    settings' window), else DEFAULT_MAX_SEQ_LENGTH. A span model's settings are squad_settings(model, **squad):
+    SquadSettings fields to override, None for the recorded one. `length_note` says which length it took and why."""
 
     def __init__(self, model: str, *, max_seq_length: int | None = None, batch_size: int = 64, **squad):
         self.source = resolve_model(model)
@@ -97,15 +124,21 @@ class Predictor:
         self.architecture = head.get("architecture")
         self.spans = self.architecture == SPANS
         # BERT's span head is `qa_outputs`, ModernBERT's `classifier` (HF's names).
+        if self.architecture == MULTIPLE_CHOICE:
+            raise ValueError(_MULTIPLE_CHOICE_REFUSED.format(model=model))
         if self.architecture not in HEADS or not {"qa_outputs", "classifier"} & set(ckpt.params):
             raise ValueError(f"{model}: no fine-tuned classifier, token classifier or span head (architecture "
                              f"{self.architecture!r}); `bertjax predict` needs a model a fine-tune job wrote")
+        given = max_seq_length
         if self.spans:
             self.squad = squad_settings(model, head, **squad, max_seq_length=max_seq_length)
             max_seq_length, self.lower_case = self.squad.max_seq_length, ckpt.lower_case
+            why = "the window of its SQuAD settings"
             module = family.question_answering(ckpt.config)
         else:
-            max_seq_length = 128 if max_seq_length is None else max_seq_length
+            if given is None:
+                max_seq_length, why = trained_length(model, head) or (
+                    DEFAULT_MAX_SEQ_LENGTH, "the default: the model records no length it was fine-tuned at")
             num_labels = int(np.shape(ckpt.params["classifier"]["bias"])[0])
             self.id2label = [head.get("id2label", {}).get(str(i), f"LABEL_{i}") for i in range(num_labels)]
             self.problem = head.get("problem_type") or (
@@ -113,13 +146,16 @@ class Predictor:
             module = HEADS[self.architecture](ckpt.config, num_labels)
         ckpt.config.check_length(max_seq_length, "--max-seq-length")
         self.max_seq_length = max_seq_length
+        self.length_note = f"--max-seq-length {max_seq_length} ({'as given' if given is not None else why})"
         # batch_size: the Trainer's check that it divides over the devices applies to both fields.
         settings = TrainSettings(batch_size=batch_size, eval_batch_size=batch_size)
         self.trainer = Trainer(module, ckpt.config, ckpt.params, loss_fn=None, settings=settings, source=self.source)
         self.trainer.predict_flag = "--batch-size"
 
     def predict(self, texts: list[str], pairs: list[str] | None = None, wheres: list[str] | None = None) -> list[dict]:
-        """One JSON-ready dict per text."""
+        """One JSON-ready dict per text (a span model answers questions: `answers`)."""
+        if self.spans:
+            raise ValueError(f"{self.source} answers questions: it takes a question and a context a row, not texts")
         wheres = wheres or [str(i + 1) for i in range(len(texts))]
         if self.architecture == "BertForSequenceClassification":
             encoded = self.tokenizer.encode(texts, self.max_seq_length, text_pairs=pairs)

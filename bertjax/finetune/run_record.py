@@ -39,6 +39,14 @@ FREE_KEYS = ("compilation_cache_dir", "eval_batch_size", "save_checkpoint", "exp
 RESUMABLE_KEYS = ("metric_for_best", "eval_every", "early_stopping_patience", "log_every", "save_every")
 # Recorded, not compared: the command as typed (for the model card); flags in another order are the same run.
 UNCOMPARED_KEYS = ("argv",)
+# Settings that name a file or directory the run reads: recorded and compared resolved (`train.csv`, `./train.csv`,
+# its absolute path, or the same file named from another directory are one input), their content by `input:` keys.
+PATH_KEYS = ("data", "train", "dev", "test", "predict", "init")
+
+
+def _resolved(value):
+    """A local path that exists, resolved (workdir_paths.canonical); anything else (a hub id, gs://) as given."""
+    return workdir_paths.canonical(value) if isinstance(value, str) and os.path.exists(value) else value
 
 
 def run_outputs(root: epath.Path, subruns: tuple[str, ...] = ()) -> list[epath.Path]:
@@ -60,7 +68,8 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log, subruns: tuple[st
     run's when the files it read changed since (`input:` keys, see input_fingerprints). `subruns`: see
     run_outputs (a task's folder left by --overwrite was read by the new run as that task finished)."""
     root = epath.Path(workdir)
-    record = {k: v for k, v in json.loads(json.dumps(record)).items() if k not in FREE_KEYS}
+    record = {k: _resolved(v) if k in PATH_KEYS else v for k, v in json.loads(json.dumps(record)).items()
+              if k not in FREE_KEYS}
     for name in RUN_OUTPUTS:  # a user's own file or folder under a name a run writes: not a run's, never removed
         other = root / name
         if other.exists() and other.is_dir() != (name in RUN_DIRECTORIES):
@@ -74,6 +83,8 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log, subruns: tuple[st
         raise ValueError(f"{path}: expected a JSON object (the fine-tune's run record), got {type(earlier).__name__}")
     if earlier is not None and isinstance(earlier.get("workdir"), str):  # recorded before workdirs were canonical
         earlier["workdir"] = workdir_paths.canonical(earlier["workdir"])
+    if earlier is not None:  # recorded before inputs were resolved: as they resolve here
+        earlier.update({k: _resolved(earlier[k]) for k in PATH_KEYS if k in earlier})
     outputs = run_outputs(root, subruns)
     if earlier is not None and not outputs:
         earlier = None  # recorded, but it stopped before writing anything (bad input): nothing to keep

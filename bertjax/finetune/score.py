@@ -23,7 +23,6 @@ command again skips the finished runs and resumes an interrupted one; other sett
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
@@ -32,6 +31,7 @@ from bertjax.finetune import glue_data
 from bertjax.finetune.settings import TrainSettings
 from bertjax.options import floats, ints, option, range_problems
 from bertjax.runtime import jsonio
+from bertjax.runtime.input_files import read_json
 from bertjax.runtime.outputs import open_whole
 
 SOURCE = ("MosaicBERT's GLUE recipe (Portes et al. 2023; mosaicml/examples benchmarks/bert "
@@ -196,8 +196,7 @@ def score(checkpoint: str, data: str, out: str, settings: ScoreSettings, *, over
                           "max_seq_length": settings.max_seq_length, **dataclasses.asdict(train), **inputs}
                 if claim(where, record, overwrite=overwrite, log=log) == "completed":
                     log(f"{task} seed {seed}: finished earlier ({where}/metrics.json)")
-                    with open(os.path.join(where, "metrics.json"), encoding="utf-8") as f:
-                        result = json.load(f)
+                    result = read_json(os.path.join(where, "metrics.json"), "a finished task's metrics (JSON)")
                 else:
                     log(f"{task} seed {seed}: fine-tuning (lr {train.learning_rate:g}, batch {train.batch_size}, "
                         f"{train.epochs:g} epochs) into {where}")

@@ -6,6 +6,10 @@ import dataclasses
 
 from bertjax.options import floats, ints, option, range_problems
 
+# The most passes over a training set a fine-tune takes: far beyond any recipe's (BERT's 2-4, a tiny set's dozens),
+# and a bound the parser checks (`--epochs 1e30` passed it and failed later on a step count naming no flag).
+MAX_EPOCHS = 100_000
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
@@ -14,7 +18,8 @@ class TrainSettings:
     learning_rate: float = option(2e-5, "peak learning rate (linear warmup, then linear decay to 0)",
                                   valid=floats(0, low_open=True))
     batch_size: int = option(32, "sequences per step", valid=ints(1))
-    epochs: float = option(3.0, "passes over the training set (fractions allowed)", valid=floats(0, low_open=True))
+    epochs: float = option(3.0, "passes over the training set (fractions allowed)",
+                           valid=floats(0, MAX_EPOCHS, low_open=True))
     warmup_proportion: float = option(0.1, "share of the steps spent warming up", valid=floats(0, 1))
     weight_decay: float = option(0.01, "AdamW decoupled weight decay (not on LayerNorm and biases)",
                                  valid=floats(0))
@@ -86,14 +91,25 @@ def greater_is_better(metric: str) -> bool:
     return not any(word in metric.lower() for word in ("loss", "mse", "error"))
 
 
+def derived(settings, name: str, value: int) -> None:
+    """Sets the field `name` of the frozen `settings` to `value` where it was left None: a default that follows the
+    length it goes with (a window's stride, the question's share of it), so that changing the length alone never
+    leaves a default that does not fit it. The instance then holds, and its run records, the value used."""
+    if getattr(settings, name) is None:
+        object.__setattr__(settings, name, value)
+
+
 @dataclasses.dataclass(frozen=True)
 class SquadSettings:
-    """SQuAD windowing and answer decoding (run_squad.py's flags and defaults)."""
+    """SQuAD windowing and answer decoding (run_squad.py's flags and defaults; at its 384 tokens a window, its stride
+    128 and query 64, which the derived defaults keep)."""
 
     version: str = option("1.1", "1.1 | 2.0 (2.0 may predict no answer)")
     max_seq_length: int = option(384, "tokens per window", valid=ints(5))
-    doc_stride: int = option(128, "tokens between window starts", valid=ints(1))
-    max_query_length: int = option(64, "question tokens kept", valid=ints(1))
+    doc_stride: int | None = option(None, "tokens between window starts (default: a third of --max-seq-length, "
+                                    "128 of 384)", valid=ints(1))
+    max_query_length: int | None = option(None, "question tokens kept (default: a quarter of --max-seq-length, at "
+                                          "most 64: run_squad.py's 64 of 384)", valid=ints(1))
     n_best_size: int = option(20, "candidates per question in nbest_predictions.json", valid=ints(1))
     max_answer_length: int = option(30, "longest answer in tokens", valid=ints(1))
     null_score_diff_threshold: float = option(0.0, "2.0: predict no answer when null score - best > this",
@@ -102,6 +118,10 @@ class SquadSettings:
     def __post_init__(self):
         if self.version not in ("1.1", "2.0"):
             raise ValueError(f"SQuAD version {self.version!r}; expected 1.1 or 2.0")
+        derived(self, "doc_stride", max(self.max_seq_length // 3, 1))
+        # A quarter, capped at run_squad.py's 64: a sixth kept 21 tokens of a 128-token window, cutting questions
+        # that BERT's own defaults would have kept whole (few SQuAD questions pass 32 WordPiece tokens).
+        derived(self, "max_query_length", max(min(self.max_seq_length // 4, 64), 1))
         problems = range_problems(self)
         if problems:
             raise ValueError("SQuAD settings: " + "; ".join(problems))
@@ -116,10 +136,11 @@ class NerSettings:
     """CoNLL-2003 NER windowing (the label sits on each word's first sub-token)."""
 
     max_seq_length: int = option(128, "tokens per window, [CLS] and [SEP] included", valid=ints(3))
-    doc_stride: int = option(64, "sub-tokens between window starts when a sentence needs several windows",
-                            valid=ints(1))
+    doc_stride: int | None = option(None, "sub-tokens between window starts when a sentence needs several windows "
+                                    "(default: half of --max-seq-length, 64 of 128)", valid=ints(1))
 
     def __post_init__(self):
+        derived(self, "doc_stride", self.max_seq_length // 2)
         problems = range_problems(self)
         if problems:
             raise ValueError("NER settings: " + "; ".join(problems))

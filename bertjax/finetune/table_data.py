@@ -21,7 +21,7 @@ import sys
 import numpy as np
 from etils import epath
 
-from bertjax.data import file_readers
+from bertjax.data import file_readers, format_detect
 from bertjax.runtime import jsonio
 from bertjax.runtime.errors import shown, shown_list
 from bertjax.finetune.glue_data import Examples
@@ -67,6 +67,9 @@ def read_rows(path: str, columns: list[str]) -> list[tuple[str, dict]]:
             values = parquet.read(columns=columns).to_pylist()
         return [(f"{path}: row {i + 1}", row) for i, row in enumerate(values)]
     text = file_readers.read_text(path, f"a {kind.upper() if kind != 'jsonl' else 'JSON Lines'} file (UTF-8)")
+    seen = format_detect.by_bytes(path)  # a name that contradicts the bytes: refused, as in every reader
+    if (seen == "jsonl") != (kind == "jsonl") and text.strip():
+        raise ValueError(format_detect.named_otherwise(path, "JSON Lines" if kind == "jsonl" else kind.upper(), seen))
     if kind == "jsonl":
         rows, seen = [], set()
         for number, line in enumerate(text.splitlines(), start=1):

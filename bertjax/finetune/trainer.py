@@ -6,9 +6,11 @@ weighted mean), so every step has one of at most max_len / bucket shapes and not
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import sys
 import time
 from typing import Callable
 
@@ -20,7 +22,7 @@ import numpy as np
 import optax
 from etils import epath
 
-from bertjax import sharding
+from bertjax import options, sharding
 from bertjax.runtime import compile_cache, host_memory, workdir_paths
 from bertjax.checkpoint import (
     BEST,
@@ -34,6 +36,7 @@ from bertjax.checkpoint import (
     save_model,
 )
 from bertjax.runtime.console import Console, LineSchedule, Progress, duration, metric_text
+from bertjax.runtime.errors import OutputWriteError
 from bertjax.finetune.run_record import TRAIN_STATE
 from bertjax.finetune.settings import TrainSettings, greater_is_better
 from bertjax.interop.hf import export_hf
@@ -310,6 +313,10 @@ class Trainer:
         total_steps = max(1, int(math.ceil(steps_per_epoch * s.epochs)))
         if s.max_steps:
             total_steps = min(total_steps, s.max_steps)
+        if total_steps > options.INT_LIMIT:  # a derived count told by the flags that make it, not by its own name
+            raise ValueError(f"--epochs {s.epochs:g} of {steps_per_epoch:,} step(s) each (--batch-size "
+                             f"{s.batch_size}) is {total_steps:,} steps, more than {options.INT_LIMIT:,}: lower "
+                             "--epochs (or set --max-steps)")
         warmup = int(s.warmup_proportion * total_steps)
         optimizer, schedule = make_optimizer(OptimizerConfig(
             learning_rate=s.learning_rate, warmup_steps=warmup, weight_decay=s.weight_decay,
@@ -354,7 +361,10 @@ class Trainer:
                                    start_step=step_index)
             history, resumed_at, stopped_early = [], step_index, False
             nonfinite_total, nonfinite_run = 0, 0
+            # The steps since the last metrics record: their mean loss is the record's, and the console's lines
+            # between records say which steps they average.
             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
+            interval_first = step_index + 1
             console.start_progress(total_steps, initial=step_index)
             lines = LineSchedule(total_steps, s.log_every)
             preemption = PreemptionFlag()
@@ -421,11 +431,15 @@ class Trainer:
                                       "learning_rate": float(schedule(step_index - 1)),
                                       "epoch": step_index / steps_per_epoch,  # fractional: where in the data
                                       "examples_per_s": interval_steps * s.batch_size / seconds}
+                            averaged = f"step {step_index}" if interval_first == step_index else \
+                                f"steps {interval_first}-{step_index}"
                             writer.console(step_index, values,
-                                           keys=("epoch", "loss", "learning_rate", "examples_per_s"))
+                                           keys=("epoch", "loss", "learning_rate", "examples_per_s"),
+                                           labels={"loss": "mean_loss"}, notes={"loss": averaged})
                         if logged:
                             writer.write(step_index, values)
                             interval_losses, interval_start, interval_steps = [], time.perf_counter(), 0
+                            interval_first = step_index + 1
                         # --metric-for-best without --eval-every: an evaluation at each epoch's last step (before
                         # a save of that step, so that a resumed run has it too).
                         if evaluate and (s.eval_every and step_index % s.eval_every == 0 or best is not None and
@@ -472,7 +486,10 @@ class Trainer:
             finally:
                 preemption.restore()
                 console.close_progress()
-                writer.close()
+                # The disk that failed a write fails this one too: the error on its way out is the one to name.
+                failing = sys.exc_info()[1] is not None
+                with contextlib.suppress(OSError, OutputWriteError) if failing else contextlib.nullcontext():
+                    writer.close()
         if states is not None:  # trained: the state only a resume needed goes (a BERT-large one is 4 GB)
             states.remove()
         if best is not None and best.params is not None:  # what the job evaluates and exports from here on
@@ -553,11 +570,13 @@ def step_memory(config, num_params: int, rows: int, tokens_per_row: int, mesh, t
     if stats and stats.get("bytes_limit"):
         share = math.ceil(rows / (mesh.shape["data"] * mesh.shape["fsdp"]))
         state = per_param * num_params
-        activations = shapes.activation_floor_bytes(config, share, tokens_per_row, dtype, training)
+        activations = shapes.activation_floor_bytes(config, share, tokens_per_row, dtype, training,
+                                                    devices[0].platform)
         where, memory = f"a {devices[0].device_kind} device", int(stats["bytes_limit"])
     else:
         state = per_param * num_params * len(devices)
-        activations = shapes.activation_floor_bytes(config, rows, tokens_per_row, dtype, training)
+        activations = shapes.activation_floor_bytes(config, rows, tokens_per_row, dtype, training,
+                                                    devices[0].platform)
         where, memory = "this machine", host_memory_bytes()
     return state + activations, state, activations, where, memory
 
@@ -578,6 +597,8 @@ def write_fine_tuned(params, init: ModelCheckpoint, out_dir: str, *, bertjax_che
             head["problem_type"] = hf_config["problem_type"]
         if hf_config.get("squad"):  # a span model's SQuAD settings: how `bertjax predict` decodes it
             head["squad"] = hf_config["squad"]
+        if hf_config.get("max_seq_length"):  # the length it was trained at: what `bertjax predict` takes
+            head["max_seq_length"] = hf_config["max_seq_length"]
         save_model(str(target), params, init.config, init.vocab, init.lower_case, head=head, tokenizer=init.tokenizer)
     if hf:
         export_hf(params, init.config, init.vocab, str(epath.Path(out_dir) / "hf"), lower_case=init.lower_case,

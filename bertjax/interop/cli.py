@@ -27,7 +27,8 @@ def register(subparsers) -> None:
 
     export = subparsers.add_parser("export", help="export a checkpoint to an HF directory (safetensors)")
     export.add_argument("checkpoint", help=ANY_CHECKPOINT_HELP)
-    export.add_argument("--to", choices=("hf",), default="hf")
+    export.add_argument("--to", choices=("hf",), default="hf",
+                        help="the format: hf, a transformers directory (safetensors, config, tokenizer files)")
     export.add_argument("--out", required=True, help="output HF directory (must not exist)")
     export.set_defaults(func=_export)
 
@@ -94,7 +95,8 @@ def _export(args: argparse.Namespace) -> int:
             architecture = export_hf(loaded.params, loaded.config, loaded.vocab, partial,
                                      lower_case=loaded.lower_case, architecture=head.get("architecture"),
                                      id2label=id2label, problem_type=head.get("problem_type"),
-                                     squad=head.get("squad"), tokenizer=loaded.tokenizer)
+                                     squad=head.get("squad"), tokenizer=loaded.tokenizer,
+                                     max_seq_length=head.get("max_seq_length"))
             write_card(partial, run_dir, step=step, source=source, name=epath.Path(args.out).name)
     card = str(epath.Path(args.out) / CARD)
     print(f"wrote {args.out} as {architecture} (from {source}), model card {card}")

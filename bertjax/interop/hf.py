@@ -13,7 +13,9 @@ A fine-tuned head's architecture is held by BERT's class name ("BertForSequenceC
 class written to config.json is the checkpoint's family's (`family.hf_architecture`).
 
 Tokenizers: a directory with vocab.txt is WordPiece (BERT's); one with only tokenizer.json (ModernBERT's BPE) keeps
-that file, which every job then tokenises with and every export writes back.
+that file, which every job then tokenises with and every export writes back. Every export writes a tokenizer.json
+(data/tokenizer_json.py: WordPiece's beside its vocab.txt), which transformers 5 builds a ModernBERT's tokenizer from
+whatever class tokenizer_config.json names, so AutoTokenizer and `pipeline(model=export)` read either family whole.
 """
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ from etils import epath
 from safetensors.numpy import load, load_file, save
 
 from bertjax.checkpoint import read_vocab_file
-from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec, special_tokens_from_config
+from bertjax.data import tokenizer_json
+from bertjax.data.json_tokenizer import HostJsonTokenizer, read_spec
+from bertjax.data.token_layout import SPECIAL_TOKENS
+from bertjax.runtime.errors import at_file
 from bertjax.runtime.input_files import check_regular, read_json
 from bertjax.interop import convert
 from bertjax.interop import names as names_lib
@@ -50,6 +55,9 @@ def _load_safetensors(path) -> dict[str, np.ndarray]:
     from safetensors import SafetensorError
 
     check_regular(path, "a safetensors file")
+    if "://" not in str(path):  # safetensors calls a file it may not read "No such file or directory"
+        with at_file(path), open(path, "rb"):
+            pass
     try:
         return load_file(str(path)) if "://" not in str(path) else load(epath.Path(path).read_bytes())
     except SafetensorError as error:
@@ -178,6 +186,8 @@ def hf_lower_case(directory: str) -> bool:
 
 # config.json's key for a span model's SQuAD settings (bertjax's own; transformers keeps and ignores it).
 SQUAD_KEY = "squad_settings"
+# config.json's key for the length a fine-tuned model was trained at (bertjax's own, as SQUAD_KEY): `predict`'s default.
+LENGTH_KEY = "max_seq_length"
 FINE_TUNED_HEADS = ("BertForSequenceClassification", "BertForTokenClassification", "BertForMultipleChoice",
                     "BertForQuestionAnswering")
 
@@ -196,6 +206,8 @@ def hf_head(directory: str) -> dict | None:
         head["problem_type"] = config["problem_type"]
     if architecture == "BertForQuestionAnswering" and config.get(SQUAD_KEY):
         head["squad"] = config[SQUAD_KEY]
+    if isinstance(config.get(LENGTH_KEY), int):
+        head["max_seq_length"] = config[LENGTH_KEY]
     return head
 
 
@@ -225,18 +237,20 @@ def _architecture(params: Mapping) -> str:
 
 def export_hf(params: Mapping, config: ModelConfig, vocab: list[str], out_dir: str, lower_case: bool = True,
               architecture: str | None = None, id2label: dict[int, str] | None = None,
-              problem_type: str | None = None, squad: dict | None = None, tokenizer: dict | None = None) -> str:
+              problem_type: str | None = None, squad: dict | None = None, tokenizer: dict | None = None,
+              max_seq_length: int | None = None) -> str:
     """Writes an HF directory for `params`; returns the architecture written (inferred from the heads held; given
     by BERT's class name, written as the family's). `problem_type` (a sequence classifier's; default regression for
     one output, else single-label) tells transformers' pipeline which activation the scores take (multi-label:
     sigmoid). `squad`: a span model's SQuAD settings (version, windows, decoding), kept in config.json as
     `squad_settings` (transformers ignores the key) so that `bertjax predict` on the export decodes as the run did.
-    `tokenizer`: a tokenizer.json spec (json_tokenizer.py), written instead of vocab.txt."""
+    `tokenizer`: a tokenizer.json spec (json_tokenizer.py), written instead of vocab.txt. `max_seq_length`: the length
+    a fine-tuned head was trained at, kept in config.json as `max_seq_length` (`bertjax predict`'s default)."""
     task = family.task_architecture(architecture) if architecture else _architecture(params)
     architecture = family.hf_architecture(config, task)
     if family.is_modernbert(config):
         return _export_modernbert(params, config, vocab, out_dir, lower_case, task, architecture, id2label,
-                                  problem_type, squad, tokenizer)
+                                  problem_type, squad, tokenizer, max_seq_length)
     tensors = convert.tensors_from_params(params, config, "hf")
     # Not part of any HF BERT architecture: kept out of model.safetensors (no unexpected keys on load).
     sbo = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("span_boundary.")]}
@@ -246,15 +260,18 @@ def export_hf(params: Mapping, config: ModelConfig, vocab: list[str], out_dir: s
         # HF ties these to the embeddings / bias on load; writing them keeps older transformers happy too.
         tensors["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"]
         tensors["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"]
-    extra = _head_config(params, architecture, id2label, problem_type, squad)
-    files = _hf_files(tensors, sbo, config.to_hf_dict(architecture, **extra), vocab, lower_case,
-                      config.max_position_embeddings)
-    _write_directory(files, out_dir)
+    extra = _head_config(params, architecture, id2label, problem_type, squad, max_seq_length)
+    files = [("model.safetensors", tensors)] + ([(names_lib.SBO_FILE, sbo)] if sbo else [])
+    files += _tokenizer_files(vocab, lower_case, tokenizer, config.max_position_embeddings,
+                              ["input_ids", "token_type_ids", "attention_mask"])
+    # config.json last: what makes the directory a model to transformers.
+    _write_directory(files + [("config.json", json.dumps(config.to_hf_dict(architecture, **extra), indent=2))],
+                     out_dir)
     return architecture
 
 
-def _head_config(params: Mapping, task: str, id2label, problem_type, squad) -> dict:
-    """config.json's keys for a fine-tuned head: labels, problem type, SQuAD settings."""
+def _head_config(params: Mapping, task: str, id2label, problem_type, squad, max_seq_length=None) -> dict:
+    """config.json's keys for a fine-tuned head: labels, problem type, SQuAD settings, the length trained at."""
     extra = {}
     if "classifier" in params and task != "BertForMultipleChoice":  # its one output is not a label
         num_labels = int(np.shape(params["classifier"]["bias"])[0])
@@ -266,11 +283,13 @@ def _head_config(params: Mapping, task: str, id2label, problem_type, squad) -> d
                 "regression" if num_labels == 1 else "single_label_classification")
     if squad and task == "BertForQuestionAnswering":
         extra[SQUAD_KEY] = dict(squad)
+    if max_seq_length:
+        extra[LENGTH_KEY] = max_seq_length
     return extra
 
 
 def _export_modernbert(params, config, vocab, out_dir, lower_case, task, architecture, id2label, problem_type,
-                       squad, tokenizer) -> str:
+                       squad, tokenizer, max_seq_length=None) -> str:
     """A ModernBERT HF directory: the encoder under "model." (bare for ModernBertModel), the prediction head, the
     decoder's bias (its weight tied, not written), a classifier; the tokenizer.json it was trained with."""
     tensors = convert.tensors_from_params(params, config, "hf")
@@ -278,29 +297,32 @@ def _export_modernbert(params, config, vocab, out_dir, lower_case, task, archite
         tensors = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     elif task == "BertForMaskedLM":
         tensors = {k: v for k, v in tensors.items() if not k.startswith("classifier.")}
-    extra = _head_config(params, task, id2label, problem_type, squad)
+    extra = _head_config(params, task, id2label, problem_type, squad, max_seq_length)
     if task == "BertForQuestionAnswering":
         extra.update(num_labels=2)  # HF's QA model's classifier has num_labels outputs: start and end
-    hf_config = config.to_hf_dict(architecture, **extra)
-    if tokenizer is None:
-        files = _hf_files(tensors, {}, hf_config, vocab, lower_case, config.max_position_embeddings,
-                          model_input_names=["input_ids", "attention_mask"])
-    else:
-        files = _json_tokenizer_files(tensors, hf_config, tokenizer, config.max_position_embeddings)
-    _write_directory(files, out_dir)
+    # ModernBERT has no token types: its tokenizer gives none (as the released models' tokenizer_config.json says).
+    files = [("model.safetensors", tensors)] + _tokenizer_files(vocab, lower_case, tokenizer,
+                                                                config.max_position_embeddings,
+                                                                ["input_ids", "attention_mask"])
+    _write_directory(files + [("config.json", json.dumps(config.to_hf_dict(architecture, **extra), indent=2))],
+                     out_dir)
     return architecture
 
 
-def _json_tokenizer_files(tensors: dict, hf_config: dict, tokenizer: dict, max_positions: int) -> list:
-    """An HF directory's files with a tokenizer.json (PreTrainedTokenizerFast) and no token types, config.json
-    last."""
-    special = {f"{name}_token": token for name, token in tokenizer["special"].items()}
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_positions,
-                        "model_input_names": ["input_ids", "attention_mask"], "clean_up_tokenization_spaces": False}
-    return [("model.safetensors", tensors), ("tokenizer.json", tokenizer["json"]),
-            ("tokenizer_config.json", json.dumps(tokenizer_config, indent=2)),
-            ("special_tokens_map.json", json.dumps(special, indent=2)),
-            ("config.json", json.dumps(hf_config, indent=2))]
+def _tokenizer_files(vocab: list[str], lower_case: bool, tokenizer: dict | None, max_positions: int,
+                     model_input_names: list[str]) -> list[tuple[str, str]]:
+    """An export's tokenizer files, each giving the ids the checkpoint was trained with: a WordPiece vocabulary's
+    vocab.txt (BertTokenizer's) and the tokenizer.json built from it; else the checkpoint's tokenizer.json (BERT's
+    template set where its own post-processor lacks it) with the special tokens it names."""
+    if tokenizer is None:
+        return [("vocab.txt", "".join(t + "\n" for t in vocab))] + tokenizer_json.tokenizer_files(
+            tokenizer_json.wordpiece_json(vocab, lower_case), SPECIAL_TOKENS,
+            tokenizer_class=tokenizer_json.WORDPIECE_CLASS, model_input_names=model_input_names,
+            model_max_length=max_positions, lower_case=lower_case)
+    token_types = "token_type_ids" in model_input_names
+    return tokenizer_json.tokenizer_files(
+        tokenizer_json.with_bert_template(tokenizer["json"], tokenizer["special"], token_types), tokenizer["special"],
+        tokenizer_class=tokenizer_json.JSON_CLASS, model_input_names=model_input_names, model_max_length=max_positions)
 
 
 def _write_directory(files: list, out_dir: str) -> None:
@@ -310,22 +332,6 @@ def _write_directory(files: list, out_dir: str) -> None:
     else:  # beside it, then one rename: a failed or killed export leaves nothing at out_dir
         with replaced_when_whole(out_dir, directory=True) as partial:
             _write_files(files, epath.Path(partial))
-
-
-def _hf_files(tensors: dict, sbo: dict, hf_config: dict, vocab: list[str], lower_case: bool,
-              max_positions: int, model_input_names: list[str] | None = None) -> list[tuple[str, object]]:
-    """(file name, what to write) of an HF directory, config.json last (what makes it a model to transformers)."""
-    tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lower_case,
-                        "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
-                        "mask_token": "[MASK]", "model_max_length": max_positions}
-    if model_input_names:
-        tokenizer_config["model_input_names"] = model_input_names
-    special = {k: tokenizer_config[k] for k in ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")}
-    files = [("model.safetensors", tensors)] + ([(names_lib.SBO_FILE, sbo)] if sbo else [])
-    return files + [("vocab.txt", "".join(t + "\n" for t in vocab)),
-                    ("tokenizer_config.json", json.dumps(tokenizer_config, indent=2)),
-                    ("special_tokens_map.json", json.dumps(special, indent=2)),
-                    ("config.json", json.dumps(hf_config, indent=2))]
 
 
 def _write_files(files: list[tuple[str, object]], out: epath.Path) -> None:

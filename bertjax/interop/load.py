@@ -1,6 +1,8 @@
 """Loading any checkpoint a job starts from: a bertjax checkpoint, an HF directory or a TF checkpoint prefix."""
 from __future__ import annotations
 
+import jax
+import numpy as np
 from etils import epath
 
 from bertjax.checkpoint import (
@@ -41,9 +43,16 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
     Hugging Face hub id: its files in the hub cache, downloaded where a network is available).
 
     A TF checkpoint takes its bert_config.json and vocab.txt from `config_path` / `vocab_path`, defaulting to
-    the files beside the prefix, as Google's releases lay them out.
+    the files beside the prefix, as Google's releases lay them out. Weights that are not finite are refused
+    (check_finite).
     """
     src = resolve_checkpoint(local_model_path(src))
+    checkpoint = _loaded(src, config_path, vocab_path)
+    check_finite(checkpoint.params, src)
+    return checkpoint
+
+
+def _loaded(src: str, config_path: str | None, vocab_path: str | None) -> ModelCheckpoint:
     kind = detect_format(src)
     if kind == "bertjax":
         checkpoint = load_model(src)
@@ -62,6 +71,24 @@ def load_pretrained(src: str, config_path: str | None = None, vocab_path: str | 
     vocab = read_vocab_file(vocab_file)
     check_vocab_fits(len(vocab), embedding_rows(params), vocab_file, src)
     return ModelCheckpoint(params, config, vocab, _tf_lower_case(src))
+
+
+def check_finite(params: dict, source: str) -> None:
+    """Weights that are NaN or infinite (a run that diverged and was saved, a damaged file) are refused at load,
+    naming the first such tensor and how many of its values are: read as they are, every embedding and prediction
+    came out NaN, with exit status 0."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for path, value in leaves:
+        value = np.asarray(value)
+        if not np.issubdtype(value.dtype, np.floating) or np.isfinite(value).all():
+            continue
+        name = "/".join(str(getattr(key, "key", key)) for key in path)
+        nan, inf = int(np.isnan(value).sum()), int(np.isinf(value).sum())
+        bad = sum(1 for _, v in leaves if np.issubdtype(np.asarray(v).dtype, np.floating)
+                  and not np.isfinite(np.asarray(v)).all())
+        raise ValueError(f"{source}: tensor {name} holds {nan:,} NaN and {inf:,} infinite values of {value.size:,}"
+                         + (f" ({bad} tensors hold some)" if bad > 1 else "") + "; the weights are damaged (a "
+                         "run that diverged before it was saved?): use another checkpoint")
 
 
 # The heads whose outputs are labels (a multiple-choice head's one output scores a choice).

@@ -196,7 +196,8 @@ def finetune_facts(run: dict, result: dict) -> RunFacts:
     dev = run.get("dev") or result.get("dev")
     if job not in DATASETS and dev:
         dataset, dataset_id = _dataset_name([(shown_name(dev), _recorded_fingerprint(run, dev))])
-    return RunFacts(argv=run.get("argv"), init=run.get("init") or result.get("init"), job=job, dataset=dataset,
+    # The init as the command gave it (metrics.json's): run.json records it resolved, to compare runs by.
+    return RunFacts(argv=run.get("argv"), init=result.get("init") or run.get("init"), job=job, dataset=dataset,
                     dataset_id=dataset_id, files=files, weights=weights,
                     metrics=flat_metrics(result.get("metrics") or {}), settings=result.get("settings") or {})
 

@@ -11,6 +11,9 @@ A query row whose keys are all masked (a padding position) gives a finite, ignor
 Backends:
 - "reference": einsum + float32 softmax in plain JAX; supports attention dropout. The definition the others are
   tested against.
+- "chunked": the reference's values (no dropout) a block of queries at a time against only the keys they may see,
+  with flash attention's backward (`chunked_attention.py`): memory linear in the length with a window (and the
+  band's FLOPs only), a block x length of scores without. What a CPU runs from CHUNKED_MIN_LENGTH tokens.
 - "dot_product": `jax.nn.dot_product_attention`, which dispatches to cuDNN's fused flash attention on GPU when
   the shapes/dtypes allow and to XLA otherwise.
 - "cudnn": the same call forcing the cuDNN implementation (GPU, bf16/fp16 only).
@@ -22,13 +25,13 @@ Backends:
   backward, never stored. Its seed is a uint32 drawn from `dropout_rng`, so the same key gives the same mask.
 - "flash_dropout_gpu": the same on GPU, a Pallas kernel lowered through Triton (`dropout_attention_gpu.py`), with
   the TPU kernel's mask bit for bit; interpreted off GPU.
-- "auto": without attention dropout splash on TPU, dot_product on GPU, reference on CPU; with it the platform's
-  flash_dropout_* from FUSED_DROPOUT_MIN_LENGTH tokens and the reference otherwise (with a window, whose masks the
-  dropout kernels do not take: the reference). The platform is the one the
-  program is compiled for (the active mesh's), not the machine tracing it, so `bertjax compile` on a CPU compiles
-  what the TPU would run.
-The other fused backends have no attention-probability dropout; asking for one of them explicitly while attention
-dropout is active is an error (dropout is part of BERT's definition).
+- "auto": without attention dropout splash on TPU, dot_product on GPU, reference on CPU (chunked from
+  CHUNKED_MIN_LENGTH tokens); with it the platform's flash_dropout_* from FUSED_DROPOUT_MIN_LENGTH tokens and the
+  reference otherwise (with a window, whose masks the dropout kernels do not take: the reference). The platform is
+  the one the program is compiled for (the active mesh's), not the machine tracing it, so `bertjax compile` on a
+  CPU compiles what the TPU would run.
+The other fused backends and chunked have no attention-probability dropout; asking for one of them explicitly while
+attention dropout is active is an error (dropout is part of BERT's definition).
 Pallas kernels (Mosaic, Triton) cannot be partitioned by XLA: on a mesh they run per device (`per_device_shard`).
 """
 from __future__ import annotations
@@ -44,10 +47,19 @@ from jax.sharding import PartitionSpec
 
 from bertjax import sharding
 from bertjax.model import gpu_kernels
+from bertjax.model.chunked_attention import chunked_attention
 from bertjax.model.dropout import dropout
 from bertjax.sharding import target_platform
 
-FUSED_BACKENDS = ("dot_product", "cudnn", "pallas_tpu", "splash_tpu")
+# The backends without attention-probability dropout.
+NO_DROPOUT_BACKENDS = ("dot_product", "cudnn", "pallas_tpu", "splash_tpu", "chunked")
+
+# From this length up, `auto` on a CPU (without attention dropout) runs the chunked backend: the reference's
+# [batch, heads, S, S] scores, kept for the backward, grow with the square of the length (at 1024 tokens a layer of
+# 12 heads holds 50 MB an example; ModernBERT-base's 22 layers at 8192 tokens ~70 GB). One attention's forward and
+# backward (12 heads of 64, batch 16; a busy machine, load 16) at 512 tokens: 2.1 vs 4.3 s and 0.81 vs 1.57 GB peak
+# with a window of 64 each side, 3.9 vs 5.2 s and 1.05 vs 1.71 GB without; at 1024, 4.1 vs 18.6 s and 20.9 vs 24.5 s.
+CHUNKED_MIN_LENGTH = 512
 
 
 # From this length up, `auto` runs attention dropout in the fused TPU kernel. XLA:TPU's estimates (BERT-base on v5e,
@@ -61,10 +73,11 @@ FUSED_DROPOUT_MIN_LENGTH = 128
 FUSED_DROPOUT_BACKENDS = {"tpu": "flash_dropout_tpu", "gpu": "flash_dropout_gpu"}
 
 
-# The backends that take a sliding window: the reference and dot_product in the mask they build, splash as its
+# The backends that take a sliding window: the reference and dot_product in the mask they build, chunked in its
+# blocks' bands, splash as its
 # block-sparse local mask, our TPU kernel in its index maps and block mask (blocks outside every window are skipped,
 # not computed and masked).
-WINDOW_BACKENDS = ("reference", "dot_product", "splash_tpu", "flash_dropout_tpu", "flash_dropout_gpu")
+WINDOW_BACKENDS = ("reference", "chunked", "dot_product", "splash_tpu", "flash_dropout_tpu", "flash_dropout_gpu")
 
 
 def resolve_backend(backend: str, dropout_active: bool, platform: str | None = None, length: int = 0,
@@ -80,13 +93,15 @@ def resolve_backend(backend: str, dropout_active: bool, platform: str | None = N
         if backend == "auto":
             if platform in FUSED_DROPOUT_BACKENDS and length >= FUSED_DROPOUT_MIN_LENGTH:
                 return FUSED_DROPOUT_BACKENDS[platform]
+            if platform == "cpu" and not dropout_active and length >= CHUNKED_MIN_LENGTH:
+                return "chunked"
             if dropout_active or platform == "cpu":
                 return "reference"
             return {"tpu": "splash_tpu", "gpu": "dot_product"}.get(platform, "reference")
         if backend not in WINDOW_BACKENDS:
             raise ValueError(f"attention backend {backend!r} has no sliding window; use attention_backend 'auto', "
                              f"{' or '.join(repr(b) for b in WINDOW_BACKENDS)}")
-        if backend in FUSED_BACKENDS and dropout_active:
+        if backend in NO_DROPOUT_BACKENDS and dropout_active:
             raise ValueError(f"attention backend {backend!r} has no attention dropout; set attention_dropout=0 "
                              "or use attention_backend 'auto' or 'reference'")
         return backend
@@ -94,8 +109,10 @@ def resolve_backend(backend: str, dropout_active: bool, platform: str | None = N
         if dropout_active:
             fused = FUSED_DROPOUT_BACKENDS.get(platform)
             return fused if fused and length >= FUSED_DROPOUT_MIN_LENGTH else "reference"
+        if platform == "cpu" and length >= CHUNKED_MIN_LENGTH:
+            return "chunked"
         return {"tpu": "splash_tpu", "gpu": "dot_product"}.get(platform, "reference")
-    if backend in FUSED_BACKENDS and dropout_active:
+    if backend in NO_DROPOUT_BACKENDS and dropout_active:
         raise ValueError(f"attention backend {backend!r} has no attention dropout; set "
                          "attention_probs_dropout_prob=0 or use attention_backend 'auto' or 'reference'")
     return backend
@@ -117,6 +134,8 @@ def dot_product_attention(query, key, value, input_mask, packing_ids=None, *, ba
     backend = resolve_backend(backend, dropout_active, length=query.shape[1], windowed=window is not None)
     if biases is not None and backend not in FUSED_DROPOUT_BACKENDS.values():
         query, key, value = (x + b.astype(x.dtype) for x, b in zip((query, key, value), biases))
+    if backend == "chunked":
+        return chunked_attention(query, key, value, input_mask, packing_ids, window=window)
     if backend == "reference":
         return reference_attention(query, key, value, input_mask, packing_ids, dropout_rate=dropout_rate,
                                    dropout_rng=dropout_rng, deterministic=deterministic, window=window)

@@ -46,7 +46,7 @@ BERT_CONFIG_KEYS = (
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "tanh", "silu", "swish")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "dots", "full")
-ATTENTION_BACKENDS = ("auto", "reference", "dot_product", "cudnn", "pallas_tpu", "splash_tpu",
+ATTENTION_BACKENDS = ("auto", "reference", "chunked", "dot_product", "cudnn", "pallas_tpu", "splash_tpu",
                       "flash_dropout_tpu", "flash_dropout_gpu")
 
 # name -> (layers, hidden, heads); intermediate = 4 * hidden, vocab 30522 (uncased WordPiece).

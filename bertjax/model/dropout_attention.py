@@ -187,11 +187,19 @@ def _scores(a, b, a_seg, b_seg, scale, window=None, a_start=0, b_start=0):
     return jnp.where(allowed, s, MASK_VALUE)
 
 
-def _meets_window(held_start, held_block, streamed_start, streamed_block, window):
-    """Whether a held block and a streamed block (positions from their starts) have a pair within `window`: the
-    kernels compute only such blocks (the others' keys are all masked), and the index maps fetch no others."""
-    return ((streamed_start <= held_start + held_block - 1 + window)
-            & (streamed_start + streamed_block - 1 >= held_start - window))
+def window_block(held, step, held_block: int, streamed_block: int, streamed_blocks: int, window: int):
+    """(the streamed block that grid step `step` of held block `held` covers, whether it computes it). With a window
+    the kernels' streamed grid axis is only as long as the most blocks a held block meets (`window_width`): step s
+    is the held block's first streamed block in its window plus s; a step past its last (at the sequence's ends)
+    computes nothing and names the last block again, which Pallas does not copy again. Plain ints in, plain ints
+    out (the index maps counted on the host, `_block_fetches`); traced int32 scalars in the kernels."""
+    if isinstance(held, int) and isinstance(step, int):
+        first, last = window_span(held, held_block, streamed_block, streamed_blocks, window)
+        return min(first + step, last), first + step <= last
+    # lax.div (truncating) of non-negative ints: jnp's floor division lowers to a sign op Mosaic asks a chip about.
+    first = lax.div(jnp.maximum(held * held_block - window, 0), streamed_block)
+    last = jnp.minimum(lax.div(held * held_block + held_block - 1 + window, streamed_block), streamed_blocks - 1)
+    return jnp.minimum(first + step, last), first + step <= last
 
 
 def _kernel_stream(seed_ref, batch_index, head_index):
@@ -258,7 +266,8 @@ def _biased(x_ref, bias_ref, factor=1.0):
 
 
 def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_sc,
-                l_sc, acc_sc, qseg_sc, q_sc, hash_sc, *, scale, prescale, threshold, inv_keep, head_dim, window):
+                l_sc, acc_sc, qseg_sc, q_sc, hash_sc, *, scale, prescale, threshold, inv_keep, head_dim, window,
+                streamed_blocks):
     b, hb, qi, ki = (pl.program_id(i) for i in range(4))
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
     pack = lse_ref.shape[0]
@@ -275,10 +284,12 @@ def _fwd_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref,
             if threshold is not None:
                 _init_block_hash(hash_sc, j, seed_ref, b, hb * pack + j)
 
-    @pl.when(True if window is None else _meets_window(qi * block_q, block_q, ki * block_k, block_k, window))
+    streamed, runs = (ki, True) if window is None else window_block(qi, ki, block_q, block_k, streamed_blocks, window)
+
+    @pl.when(runs)
     def _block():
         _fwd_block(seed_ref, k_ref, v_ref, kb_ref, vb_ref, kseg_ref, m_sc, l_sc, acc_sc, qseg_sc, q_sc, hash_sc, b, hb,
-                   qi * block_q, ki * block_k, scale=scale, threshold=threshold, head_dim=head_dim, window=window)
+                   qi * block_q, streamed * block_k, scale=scale, threshold=threshold, head_dim=head_dim, window=window)
 
     @pl.when(ki == pl.num_programs(3) - 1)
     def _finish():
@@ -325,7 +336,7 @@ def probs_and_dscores(s, lse_kept, di_kept, dp, keep):
 
 def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, kseg_ref, lse_ref, o_ref, do_ref,
                dq_ref, dqsum_ref, di_ref, dq_sc, qseg_sc, lse_sc, di_sc, q_sc, do_sc, hash_sc, *, scale, prescale,
-               dq_scale, threshold, inv_keep, head_dim, window):
+               dq_scale, threshold, inv_keep, head_dim, window, streamed_blocks):
     """Also computes D = rowsum(dO * O) per head from the held blocks, and writes it (lane-dense) for dk/dv."""
     b, hb, qi, ki = (pl.program_id(i) for i in range(4))
     block_q, block_k = q_ref.shape[0], k_ref.shape[0]
@@ -347,14 +358,16 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, 
             if threshold is not None:
                 _init_block_hash(hash_sc, j, seed_ref, b, hb * pack + j)
 
-    @pl.when(True if window is None else _meets_window(qi * block_q, block_q, ki * block_k, block_k, window))
+    streamed, runs = (ki, True) if window is None else window_block(qi, ki, block_q, block_k, streamed_blocks, window)
+
+    @pl.when(runs)
     def _block():
         k, v = _biased(k_ref, kb_ref), _biased(v_ref, vb_ref)
         products = []
         for j in range(pack):
-            s = _scores(q_sc[j], k, qseg_sc[...][:, :1], kseg_ref[...], scale, window, qi * block_q, ki * block_k)
+            s = _scores(q_sc[j], k, qseg_sc[...][:, :1], kseg_ref[...], scale, window, qi * block_q, streamed * block_k)
             keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q,
-                                                              ki * block_k, threshold)
+                                                              streamed * block_k, threshold)
             dp = dot(do_sc[j], v, NT)       # d(P*Z) = dO V^T
             _, ds = probs_and_dscores(s, lse_sc[j][:, :1], di_sc[j][:, :1], dp, keep)
             products.append(dot(ds.astype(k.dtype), k, NN))
@@ -369,7 +382,7 @@ def _dq_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, 
 
 def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref, kseg_ref, lse_ref, di_ref, do_ref,
                 dk_ref, dv_ref, dksum_ref, dvsum_ref, dk_sc, dv_sc, kseg_sc, k_sc, v_sc, hash_sc, *, scale, prescale,
-                threshold, inv_keep, head_dim, window):
+                threshold, inv_keep, head_dim, window, streamed_blocks):
     """Scores transposed: s^T = K Q^T [block_k, block_q], so dV = (P*Z)^T dO and dK = dS^T Q are plain matmuls and
     the per-query statistics and segment ids are lane rows."""
     b, hb, ki, qi = (pl.program_id(i) for i in range(4))   # key blocks outer, query blocks inner (reduced)
@@ -388,13 +401,16 @@ def _dkv_kernel(seed_ref, q_ref, k_ref, v_ref, qb_ref, kb_ref, vb_ref, qseg_ref,
             if threshold is not None:
                 _init_block_hash(hash_sc, j, seed_ref, b, hb * pack + j, transposed=True)
 
-    @pl.when(True if window is None else _meets_window(ki * block_k, block_k, qi * block_q, block_q, window))
+    streamed, runs = (qi, True) if window is None else window_block(ki, qi, block_k, block_q, streamed_blocks, window)
+
+    @pl.when(runs)
     def _block():
         q, do = _biased(q_ref, qb_ref, prescale), do_ref[...]
         dk_parts, dv_parts = [], []
         for j in range(pack):
-            s_t = _scores(k_sc[j], q, kseg_sc[...][:, :1], qseg_ref[...], scale, window, ki * block_k, qi * block_q)
-            keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, qi * block_q,
+            q_start = streamed * block_q
+            s_t = _scores(k_sc[j], q, kseg_sc[...][:, :1], qseg_ref[...], scale, window, ki * block_k, q_start)
+            keep = None if threshold is None else _block_keep(hash_sc, j, seed_ref, b, hb * pack + j, q_start,
                                                               ki * block_k, threshold)
             dp_t = dot(v_sc[j], do, NT)             # (dO V^T)^T = V dO^T
             pz_t, ds_t = probs_and_dscores(s_t, lse_ref[j] - math.log(inv_keep), di_ref[j] * (1.0 / inv_keep),
@@ -498,32 +514,35 @@ def _layout(heads: int, head_dim: int) -> _Layout:
 
 
 def window_span(held: int, held_block: int, streamed_block: int, streamed_blocks: int, window: int):
-    """(first, last) streamed block a held block meets within `window` (`_meets_window`)."""
+    """(first, last) streamed block a held block meets within `window`: every block between them meets it."""
     first = max(0, held * held_block - window) // streamed_block
     last = (held * held_block + held_block - 1 + window) // streamed_block
     return first, min(streamed_blocks - 1, last)
 
 
+def window_width(held_block: int, streamed_block: int, length: int, window: int | None) -> int:
+    """The kernels' streamed grid axis: every streamed block, or with a `window` the most that one held block meets
+    (3 for ModernBERT's 64 tokens each side in blocks of 128, at any length: the grid grows with the sequence, not
+    with its square)."""
+    streamed_blocks = length // streamed_block
+    if window is None:
+        return streamed_blocks
+    return max(last - first + 1 for first, last in (window_span(i, held_block, streamed_block, streamed_blocks, window)
+                                                    for i in range(length // held_block)))
+
+
 def _streamed_index(window, held_block, streamed_block, streamed_blocks):
-    """grid -> the streamed block to fetch: grid axis 3, or with a `window` the nearest block the held one (grid
-    axis 2) meets: out of the window the same block index again, which Pallas does not copy again."""
+    """grid -> the streamed block to fetch: grid axis 3, or with a `window` the one that step covers in the held
+    block's (grid axis 2) window (`window_block`)."""
     if window is None:
         return lambda g: g[3]
-
-    def index(g):
-        if isinstance(g[2], int):   # counted on the host (`_block_fetches`): plain ints, nothing staged
-            first, last = window_span(g[2], held_block, streamed_block, streamed_blocks, window)
-            return min(max(g[3], first), last)
-        first = jnp.maximum(g[2] * held_block - window, 0) // streamed_block
-        last = jnp.minimum((g[2] * held_block + held_block - 1 + window) // streamed_block, streamed_blocks - 1)
-        return jnp.clip(g[3], first, last)
-    return index
+    return lambda g: window_block(g[2], g[3], held_block, streamed_block, streamed_blocks, window)[0]
 
 
 def _specs(layout, block_q, block_k, q_axis: int, k_axis: int, window=None, length=None):
     """BlockSpecs indexed by grid (b, head block, *) with the query block index at grid axis `q_axis`, key at
     `k_axis` (the held block's at 2, the streamed one's at 3); the per-query statistics hold the block's `pack`
-    heads. With a `window` the streamed blocks outside the held block's window are not fetched."""
+    heads. With a `window` grid axis 3 steps through the held block's window alone (`window_block`)."""
     held_block, streamed_block = (block_q, block_k) if q_axis == 2 else (block_k, block_q)
     streamed = _streamed_index(window, held_block, streamed_block, (length or 0) // streamed_block)
     q_index = (lambda g: g[2]) if q_axis == 2 else streamed
@@ -606,8 +625,9 @@ def _forward(q, k, v, biases, segment_ids, seed, rate, block_q, block_k, layout,
             "threshold": kwargs["threshold"], "exps": 1}
     return _pallas_call(
         functools.partial(_fwd_kernel, scale=scale, prescale=q_factor, head_dim=layout.head_dim, window=window,
-                          **kwargs),
-        "flash_dropout_fwd", (batch, layout.heads // pack, length // block_q, length // block_k),
+                          streamed_blocks=length // block_k, **kwargs),
+        "flash_dropout_fwd", (batch, layout.heads // pack, length // block_q,
+                              window_width(block_q, block_k, length, window)),
         [q_spec, k_spec, k_spec, bias_spec, bias_spec, bias_spec, qseg_spec, kseg_spec], [q_spec, q_stat],
         [pltpu.VMEM((pack, block_q, LANES), jnp.float32), pltpu.VMEM((pack, block_q, LANES), jnp.float32),
          pltpu.VMEM((block_q, width), jnp.float32), _column_scratch(block_q, jnp.int32),
@@ -623,9 +643,11 @@ def _backward(q, k, v, biases, segment_ids, seed, o, lse, do, rate, block_q, blo
     scale, q_factor = _scales(layout, prescale)
     unscaled = scale == 1.0   # one VPU op per pair fewer
     nq, nk = length // block_q, length // block_k
-    grid = (batch, layout.heads // pack, nq, nk)
+    # Both kernels hold blocks of block_q (queries in dq, keys in dk/dv) over streamed blocks of block_k.
+    grid = (batch, layout.heads // pack, nq, window_width(block_q, block_k, length, window))
     seg = segment_ids.reshape(batch, 1, length)
-    kwargs = dict(_kernel_args(rate), head_dim=layout.head_dim, scale=scale, prescale=q_factor, window=window)
+    kwargs = dict(_kernel_args(rate), head_dim=layout.head_dim, scale=scale, prescale=q_factor, window=window,
+                  streamed_blocks=nk)
     cost = {"pairs": _pairs(batch, layout.heads, length, block_q, block_k, window), "width": width,
             "threshold": kwargs["threshold"], "exps": 1}
     windowed = 0 if window is None else WINDOW_VPU_OPS
@@ -727,7 +749,8 @@ def flash_attention_with_dropout(query, key, value, segment_ids, *, dropout_rate
     summed over the sequence inside the kernels, where XLA's reduction of each [batch, length, heads, 64] gradient
     (64 lanes padded to 128) is priced at ~0.12 ms a layer on v5e at seq 512, batch 16.
     window: a query attends only to keys at most this many positions away (ModernBERT's sliding-window layers); the
-    kernels skip the blocks outside it, neither fetching nor computing them.
+    kernels' grids step only through the blocks that meet it (`window_width`): the others are neither fetched, nor
+    computed, nor stepped over.
     """
     dropout_rate = float(dropout_rate)
     if not 0.0 <= dropout_rate < 1.0:

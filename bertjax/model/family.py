@@ -47,6 +47,12 @@ def config_from_json_file(path: str) -> ModelConfig:
             values = read_json(file, "a model config (JSON)")
         except ValueError:  # told by BertConfig.from_json_file below
             values = None
+        if isinstance(values, dict) and "architectures" in values and "model_type" not in values:
+            # transformers refuses it too ("Should have a `model_type` key"); read as BERT, a ModernBERT's tensors
+            # were "not found", and the user asked whether it is a BERT checkpoint.
+            raise ValueError(f"{path}: an HF config.json without model_type (architectures "
+                             f"{values['architectures']}): it says which family the model is; add \"model_type\": "
+                             f"\"bert\" or \"modernbert\"")
         if isinstance(values, dict) and values.get("model_type") == MODERNBERT:
             if "architectures" in values or "rope_parameters" in values or "global_rope_theta" in values:
                 return ModernBertConfig.from_hf_dict(values, source=path)

@@ -140,10 +140,21 @@ def _forward_of_pair(y, approximate):
     return _gated_gelu_of_pair(y, approximate), y
 
 
+def _after(x, g):
+    """x, as a value XLA cannot compute on before g exists (x + 0 * one element of g: the same values, NaN where that
+    element is not finite, when the gradient is not finite either). XLA:CPU computed the GELU's float32 parts of
+    every layer's backward, which depend on the forward's y alone, right after the forward and held them to the
+    backward: 4 of [tokens, 2 * intermediate] a layer, 0.63 of 2.93 GB of temporaries in a 3-layer
+    ModernBERT-base step at 8192 tokens (bench/long_context.py). An optimization barrier does not order them:
+    XLA:CPU removes barriers before it schedules."""
+    return x + (0 * g.reshape(-1)[0]).astype(x.dtype)
+
+
 def _backward_of_pair(approximate, y, g):
     # One elementwise kernel over y's elements, each operand repeated along the pair (x | x, gate | gate, g | g)
     # and the pair merged into the last axis: computed as two halves, XLA:GPU joined dx and dgate in passes of
     # their own; repeated along the pair's own axis, it wrote the GELU's float32 parts to memory.
+    y = _after(y, g)
     pair_shape = y.shape
     both = lambda t: jnp.broadcast_to(t[..., None, :], pair_shape).reshape(*pair_shape[:-2], -1)
     dx, dgate = _gated_gradients(both(y[..., 0, :]), both(y[..., 1, :]), both(g), approximate)

@@ -45,8 +45,8 @@ FIELD_HELP = {
     "pad_token_id": "the padding token's id",
     "dtype": f"compute dtype of the matmuls: {' | '.join(DTYPES)} (params stay float32; softmax, LayerNorm and the "
              "losses run in float32)",
-    "attention_backend": f"{' | '.join(ATTENTION_BACKENDS)} (auto: by the platform compiled for, and attention "
-                         "dropout)",
+    "attention_backend": f"{' | '.join(ATTENTION_BACKENDS)} (auto: by the platform compiled for, the length and "
+                         "attention dropout)",
     "scan_layers": "run the encoder as one nn.scan over stacked layers (XLA compiles one layer; slower steps)",
     # ModernBERT's own (model.modernbert.*)
     "hidden_activation": f"ModernBERT's GeGLU activation: {' | '.join(ACTIVATIONS)}",

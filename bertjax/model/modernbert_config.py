@@ -3,12 +3,15 @@
 The contract is transformers' `models/modernbert` (configuration_modernbert.py, modeling_modernbert.py): every field
 here that changes the function is read from and written to an HF config.json under HF's name, in both of its
 spellings (transformers 5's `layer_types` / `rope_parameters`, and the `global_attn_every_n_layers` /
-`global_rope_theta` / `local_rope_theta` of the released checkpoints). Like BertConfig it travels with every
-checkpoint and validates itself on construction, naming the field.
+`global_rope_theta` / `local_rope_theta` of the released checkpoints). Where both spellings are given and disagree,
+the new one wins, as in transformers 5.23 (its `layer_types` is used as given, its `rope_parameters`' rope_theta
+takes the old key's place), and a warning line says so. Like BertConfig it travels with every checkpoint and
+validates itself on construction, naming the field.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from bertjax.model.config import ACTIVATIONS, ATTENTION_BACKENDS, DTYPES, REMAT_POLICIES, host_memory_bytes
@@ -192,10 +195,13 @@ class ModernBertConfig:
             raise ValueError(f"{source}: model_type {values.get('model_type')!r} is not {MODEL_TYPE!r}")
         fields = {key: values[key] for key in _HF_KEYS if values.get(key) is not None}
         layers = fields.get("num_hidden_layers", cls.num_hidden_layers)
+        every = values.get("global_attn_every_n_layers", 3)
         if values.get("layer_types"):
             fields["layer_types"] = tuple(values["layer_types"])
+            if "global_attn_every_n_layers" in values and isinstance(every, int) and every > 0 and \
+                    fields["layer_types"] != alternating_layer_types(len(fields["layer_types"]), every):
+                _said_new_key_wins(source, "layer_types", f"global_attn_every_n_layers={every}")
         else:
-            every = values.get("global_attn_every_n_layers", 3)
             if not isinstance(every, int) or every <= 0:
                 raise ValueError(f"{source}: global_attn_every_n_layers must be a positive integer, got {every!r}")
             if isinstance(layers, int) and layers > 0:
@@ -212,6 +218,9 @@ class ModernBertConfig:
                 raise ValueError(f"{source}: {layer_type} layers use rope_type {kind!r}; only the default rotary "
                                  "embeddings (ModernBERT's) are supported")
             theta = params.get("rope_theta", values.get(old_key))
+            if "rope_theta" in params and values.get(old_key) is not None and values[old_key] != theta:
+                _said_new_key_wins(source, f"rope_parameters.{layer_type}.rope_theta={theta}",
+                                   f"{old_key}={values[old_key]}")
             if theta is not None:
                 fields[field] = float(theta)
         return cls.from_dict(fields, source=source)
@@ -229,3 +238,9 @@ class ModernBertConfig:
         )
         values.update(extra)
         return values
+
+
+def _said_new_key_wins(source: str, new: str, old: str) -> None:
+    """One warning line: a config.json's two spellings of one setting disagree, and transformers' new one is used."""
+    logging.getLogger(__name__).warning("%s: %s and %s disagree; %s is used, as transformers does", source, new, old,
+                                        new.split("=")[0])

@@ -141,20 +141,38 @@ def check_stored_shapes(stored: dict[Path, tuple[int, ...]], config: BertConfig,
 
 
 def activation_floor_bytes(config, rows: int, tokens_per_row: int, dtype: str | None = None,
-                           training: bool = True) -> int:
+                           training: bool = True, platform: str | None = None) -> int:
     """What the activations of `rows` rows of `tokens_per_row` tokens must take at the least (a floor: XLA keeps
     more), to tell a batch that cannot fit before anything is compiled or allocated. Per token and layer: its input,
     q, k, v, context, projection, two LayerNorm inputs, the FFN's input, its intermediate before and after the
-    activation, and a row of attention probabilities a head, in `dtype` (default: the config's); training keeps
-    every layer's for the backward (under remat, each layer's input and one layer's whole), prediction one layer's."""
+    activation, and a row of attention probabilities a head in the layers whose attention holds them (on `platform`:
+    those that run the reference; all where no platform is given), in `dtype` (default: the config's); training
+    keeps every layer's for the backward (under remat, each layer's input and one layer's whole), prediction one
+    layer's."""
     dtype = dtype or getattr(config, "dtype", "float32")
-    per_token = (9 * config.hidden_size + 2 * config.intermediate_size
-                 + config.num_attention_heads * tokens_per_row) * (4 if dtype == "float32" else 2)
+    width = 4 if dtype == "float32" else 2
+    per_token = (9 * config.hidden_size + 2 * config.intermediate_size) * width
+    scores = config.num_attention_heads * tokens_per_row * width
+    holding = _layers_holding_scores(config, tokens_per_row, training, platform)
     if not training:
-        return rows * tokens_per_row * per_token
+        return rows * tokens_per_row * (per_token + (scores if holding else 0))
     layers = config.num_hidden_layers
     if getattr(config, "remat", "none") != "none":
-        per_token_all = config.hidden_size * (4 if dtype == "float32" else 2) * layers + per_token
+        per_token_all = config.hidden_size * width * layers + per_token + (scores if holding else 0)
     else:
-        per_token_all = per_token * layers
+        per_token_all = per_token * layers + scores * holding
     return rows * tokens_per_row * per_token_all
+
+
+def _layers_holding_scores(config, length: int, training: bool, platform: str | None) -> int:
+    """How many layers' attention keeps its [heads, length] probabilities a query: those whose backend on `platform`
+    is the reference (the kernels and the chunked backend recompute them); every layer where `platform` is None."""
+    if platform is None:
+        return config.num_hidden_layers
+    from bertjax.model.attention import resolve_backend
+
+    modern = family.is_modernbert(config)
+    rate = config.attention_dropout if modern else config.attention_probs_dropout_prob
+    return sum(resolve_backend(config.attention_backend, training and rate > 0, platform, length,
+                               windowed=modern and not config.is_global(layer)) == "reference"
+               for layer in range(config.num_hidden_layers))

@@ -27,8 +27,10 @@ def register(subparsers) -> None:
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() with auto-detection (TPU pods, SLURM...)")
     parser.add_argument("--coordinator", help="host:port of process 0 (multi-process without auto-detection)")
-    parser.add_argument("--num-processes", type=options.ints(1))
-    parser.add_argument("--process-id", type=options.ints(0))
+    parser.add_argument("--num-processes", type=options.ints(1),
+                        help="with --coordinator and --process-id: the job's number of processes")
+    parser.add_argument("--process-id", type=options.ints(0),
+                        help="with --coordinator and --num-processes: this process's index, from 0")
     parser.add_argument("--max-steps-this-run", type=options.ints(1),
                         help="stop (with a checkpoint) after this many steps")
     parser.add_argument("--allow-config-change", action="store_true",
@@ -130,6 +132,9 @@ def _pretrain(args: argparse.Namespace) -> int:
         from bertjax.pretraining import loop as pretrain
 
         check_set_keys(config.data, {override.split("=", 1)[0].strip() for override in args.overrides})
+        if config.optimizer.sets_both_warmups():  # not silently: the ratio replaces the steps the config gives
+            note = config.optimizer.warmup_note(config.train.steps)
+            Console(enabled=jax.process_index() == 0).line(f"note: {note}")
 
         if args.dry_run:
             print(pretrain.plan(config, args.workdir, init_from=args.init))
@@ -219,6 +224,9 @@ def _config_with_init(args: argparse.Namespace):
         if changed:
             Console().line(f"model: the --init checkpoint's, where --config {args.config} differs: "
                            + ", ".join(changed))
+        over = pretrain_config.recipe_over_init(load(require_data=False), init)
+        if over:
+            Console().line("model: this phase's (model_over_init), over the --init checkpoint's: " + ", ".join(over))
     if load(require_data=False).data.vocab:
         return load()
     vocab_file = _init_vocab_file(args.init, init, args.workdir)

@@ -33,6 +33,7 @@ from bertjax.model.model_options import (
     preset_sizes,
 )
 from bertjax.options import ints, option, range_problems
+from bertjax.pretraining import batch_schedule
 from bertjax.pretraining.optim import OptimizerConfig
 from bertjax.sharding import MeshConfig
 
@@ -48,6 +49,15 @@ class TrainConfig:
     batch_size: int = option(256, "global batch, in sequences", valid=ints(1))
     grad_accum_steps: int = option(1, "microbatches per step (each forward pass sees batch_size / this)",
                                    valid=ints(1))
+    batch_size_warmup_tokens: int = option(0, "batch-size warmup: over the first this many tokens (rows x "
+                                           "data.max_seq_length) the batch grows from batch_size_warmup_min to "
+                                           "batch_size a microbatch at a time, each size for about the same steps, "
+                                           "and the learning-rate schedule counts tokens (ModernBERT's; 0: none)",
+                                           valid=ints(0, 10**15))  # a Python int: never a 32-bit counter
+    batch_size_warmup_min: int = option(0, "the batch the warmup starts from, in sequences: a multiple of the "
+                                        "microbatch (batch_size / grad_accum_steps); 0: one microbatch (ModernBERT's "
+                                        "start; with grad_accum_steps=1 the batch is full from the start)",
+                                        valid=ints(0))
     seed: int = option(0, "parameter initialisation and dropout", valid=ints(0))
     log_every: int = option(100, "steps between metric lines", valid=ints(1))
     eval_every: int = option(0, "steps between evaluations on data.eval_input (0: none)", valid=ints(0))
@@ -88,6 +98,9 @@ class PretrainConfig:
     init_optimizer_state: bool = option(False, "with init_from a pretraining step: also start from its optimizer "
                                         "state (Adam's moments and step count), the schedule restarting: a phase "
                                         "that continues the last one's optimizer, as ModernBERT's decay did")
+    model_over_init: str = option("", "with --init: the model keys (after `model.`, comma-separated) this config "
+                                  "sets over the checkpoint's model: a phase that changes the model, as "
+                                  "ModernBERT's context extension raised modernbert.global_rope_theta")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -96,6 +109,10 @@ class PretrainConfig:
         """The model config the job trains, BERT's or ModernBERT's by the preset (`vocab_size`: its vocabulary's,
         unless model.vocab_size is set; `special_ids`: the vocabulary's [PAD]/[CLS]/[SEP] ids, ModernBERT's)."""
         return build_model_config(self.model, vocab_size, special_ids)
+
+    def batch_schedule(self) -> batch_schedule.BatchSchedule:
+        """The rows of each step (the batch-size warmup's, then train.batch_size) and the tokens before it."""
+        return batch_schedule.of(self.train, self.data.max_seq_length)
 
     def with_model_sizes(self, vocab_size: int = 0) -> "PretrainConfig":
         """This config with the model sizes left at 0 written out: the preset's sizes and, when `vocab_size` is
@@ -194,17 +211,36 @@ def init_run_settings(job_config: dict | None) -> dict:
 def _take_init_model(values: ml_collections.ConfigDict, init: ModelCheckpoint, name_or_path: str) -> None:
     """`values` (a preset's, or a file's) with the model of the --init checkpoint `init`: its sizes and every setting
     that shapes what its weights compute (activations, RoPE thetas, window, norms, biases, tied decoder), so that
-    the run continues the model it loads; the recipe's dropout and fresh-weight init stay. A recipe of the other
-    family is refused."""
+    the run continues the model it loads; the recipe's dropout and fresh-weight init stay, and the keys it names in
+    `model_over_init` (a phase that changes the model). A recipe of the other family is refused."""
     checkpoint_family = "ModernBERT" if family.is_modernbert(init.config) else "BERT"
     recipe_family = "ModernBERT" if is_modernbert_preset(values.model.preset) else "BERT"
     if checkpoint_family != recipe_family:
         raise ValueError(f"the --init checkpoint is a {checkpoint_family}, --config {name_or_path} a {recipe_family} "
                          f"recipe (model.preset={values.model.preset}): use a {checkpoint_family} preset, or "
                          f"--config init (the checkpoint's model with the default recipe)")
+    kept = _model_keys(values.model_over_init)
     for key, value in options_of(init.config).items():
-        if key != "preset" and "dropout" not in key and "initializer" not in key:
+        if key != "preset" and "dropout" not in key and "initializer" not in key and key not in kept:
             options.apply_override(values, PretrainConfig, f"model.{key}={value}")
+
+
+def _model_keys(text: str) -> tuple[str, ...]:
+    """The keys of a `model_over_init` value, each checked to be a `model.*` key."""
+    keys = tuple(key.strip() for key in text.split(",") if key.strip())
+    known = options.dotted_keys(ModelOptions)
+    for key in keys:
+        if key not in known:
+            raise ValueError(f"model_over_init: {options.unknown_key(ModelOptions, key, 'model.')}")
+    return keys
+
+
+def recipe_over_init(config: PretrainConfig, init: ModelCheckpoint) -> list[str]:
+    """`model.KEY=VALUE (the --init checkpoint's: OLD)` for each key of `model_over_init` where the run's model
+    differs from the checkpoint's: what the phase changes (said when it starts)."""
+    theirs, ours = options_of(init.config), options_of(config.bert_config(init.config.vocab_size))
+    return [f"model.{key}={ours[key]} (the --init checkpoint's: {theirs[key]})"
+            for key in _model_keys(config.model_over_init) if key in theirs and ours.get(key) != theirs[key]]
 
 
 def model_changes(before: PretrainConfig, after: PretrainConfig) -> list[str]:
@@ -245,6 +281,10 @@ def load_config(name_or_path: str, overrides: list[str] = (), require_data: bool
     overridden = {override.split("=", 1)[0].strip() for override in overrides}
     if "optimizer.warmup_steps" in overridden and "optimizer.warmup_ratio" not in overridden:
         values.optimizer.warmup_ratio = 0.0  # a ratio would replace the steps asked for
+    if {"optimizer.warmup_steps", "optimizer.warmup_ratio"} <= overridden and values.optimizer.warmup_ratio:
+        raise ValueError(f"optimizer.warmup_steps={values.optimizer.warmup_steps} and optimizer.warmup_ratio="
+                         f"{values.optimizer.warmup_ratio:g} are both set (--set): a ratio replaces the steps; set "
+                         "one of them")
     try:
         config = options.from_config_dict(PretrainConfig, values)
     except (TypeError, ValueError) as error:
@@ -323,14 +363,28 @@ def validate(config: PretrainConfig, num_devices: int | None = None, require_dat
     problems = []
     if config.model.preset not in ALL_PRESETS:
         problems.append(f"model.preset={config.model.preset!r}; expected one of {', '.join(ALL_PRESETS)}")
+    try:
+        _model_keys(config.model_over_init)
+    except ValueError as error:
+        problems.append(str(error))
     else:
         try:  # the model's own checks (ranges, head split), before a vocabulary is read
             config.bert_config(config.model.vocab_size or 30522)
         except ValueError as error:
             problems.append(f"model: {error}")
-    if config.optimizer.warmup_for(config.train.steps) > config.train.steps:
-        problems.append(f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be in [0, train.steps="
-                        f"{config.train.steps}] (or set optimizer.warmup_ratio, e.g. 0.1 of the steps)")
+    train = config.train
+    microbatch = train.batch_size // train.grad_accum_steps
+    if train.batch_size_warmup_min % microbatch or train.batch_size_warmup_min > train.batch_size:
+        problems.append(f"train.batch_size_warmup_min={train.batch_size_warmup_min} must be a multiple of the "
+                        f"microbatch (train.batch_size / grad_accum_steps = {microbatch}) and at most "
+                        f"train.batch_size={train.batch_size} (0: one microbatch)")
+    else:
+        schedule_steps = config.batch_schedule().full_steps_before(train.steps)
+        if config.optimizer.warmup_for(schedule_steps) > schedule_steps:
+            counted = (f" (with the batch-size warmup the schedule counts tokens: train.steps={train.steps} are "
+                       f"{schedule_steps:,.1f} full steps' worth)" if schedule_steps != train.steps else "")
+            problems.append(f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be in [0, train.steps="
+                            f"{train.steps}]{counted} (or set optimizer.warmup_ratio, e.g. 0.1 of the steps)")
     max_positions = config.model.max_position_embeddings
     if config.data.max_seq_length > max_positions:
         problems.append(f"data.max_seq_length={config.data.max_seq_length} exceeds "

@@ -18,6 +18,7 @@ from etils import epath
 
 from bertjax.runtime import jsonio
 from bertjax.runtime.input_files import read_json, read_text
+from bertjax.runtime.errors import at_file
 from bertjax.runtime.outputs import write_whole
 
 GOODPUT_DIR = "goodput"
@@ -112,7 +113,8 @@ class RunAccount:
             return
         document = {"run": self.run_id, "process_start": self.clock.start, "updated": self.clock.last,
                     "ended": ended, "status": status, **self.record()}
-        self.directory.mkdir(parents=True, exist_ok=True)
+        with at_file(self.directory, writing=True):
+            self.directory.mkdir(parents=True, exist_ok=True)
         write_whole(self.directory / f"{self.run_id}.json", jsonio.dumps(document, indent=1) + "\n")
         self._written = time.time()
 
@@ -120,13 +122,14 @@ class RunAccount:
 def launcher_event(workdir: str, event: str, **fields) -> None:
     """Appends {"event", "time", **fields} to WORKDIR/goodput/launcher.jsonl (a launcher's start/end of a run)."""
     path = epath.Path(workdir) / GOODPUT_DIR / LAUNCHER_LOG
-    path.parent.mkdir(parents=True, exist_ok=True)
     line = jsonio.dumps({"event": event, "time": time.time(), **fields}) + "\n"
-    if "://" in str(path):  # objects cannot be appended to: rewritten whole (the launcher is the only writer)
-        path.write_text((path.read_text() if path.exists() else "") + line)
-    else:
-        with open(path, "a") as f:
-            f.write(line)
+    with at_file(path, writing=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if "://" in str(path):  # objects cannot be appended to: rewritten whole (the launcher is the only writer)
+            path.write_text((path.read_text() if path.exists() else "") + line)
+        else:
+            with open(path, "a") as f:
+                f.write(line)
 
 
 def run_snapshots(workdir: str) -> list[dict]:

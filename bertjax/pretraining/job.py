@@ -43,7 +43,12 @@ def build_job_step(config: PretrainConfig, mesh, vocab_size: int, special_ids: d
     [PAD]/[CLS]/[SEP] ids (ModernBERT's config records them)."""
     bert_config = config.bert_config(vocab_size, special_ids)
     model = family.pretraining_model(bert_config, config.train.span_boundary_objective)
-    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+    batches = config.batch_schedule()
+    # With a batch-size warmup the learning-rate schedule counts tokens: a step of k of the K microbatches is k / K
+    # of a full step (batch_schedule.py); without, the step count itself (the same program as before it existed).
+    optimizer, schedule = (make_optimizer(config.optimizer, batches.full_steps_before(config.train.steps),
+                                          steps_done=batches.traced_full_steps_before) if batches.warming else
+                           make_optimizer(config.optimizer, config.train.steps))
     state_args = dict(model=model, config=bert_config, optimizer=optimizer, seq_len=config.data.max_seq_length,
                       num_masked=config.data.max_predictions_per_seq)
     rng = jax.random.key(config.train.seed)
@@ -52,7 +57,7 @@ def build_job_step(config: PretrainConfig, mesh, vocab_size: int, special_ids: d
     update = train_state.make_update_sharding(rng, mesh=mesh, reduce_in_float32=config.mesh.reduce_in_float32,
                                               **state_args) if shard_update else None
     step_fn, eval_fn = train_step.compile_steps(
-        model=model, optimizer=optimizer, schedule=schedule, grad_accum_steps=config.train.grad_accum_steps,
+        model=model, optimizer=optimizer, schedule=schedule, microbatch_rows=batches.microbatch_rows,
         nsp_loss=config.train.nsp_loss, state_shardings_tree=shardings, mesh=mesh, update_sharding=update)
     return JobStep(bert_config, rng, state_args, shardings, abstract, step_fn, eval_fn, shard_update)
 
@@ -83,7 +88,8 @@ class CompiledStep:
 
 
 def abstract_batch(config: PretrainConfig, mesh) -> dict:
-    """The shapes, dtypes and shardings of one global batch of the job, for lowering its step ahead of time."""
+    """The shapes, dtypes and shardings of one global batch of the job (the full batch: a batch-size warmup's steps
+    are programs of fewer of its microbatches), for lowering its step ahead of time."""
     batch_sharding = sharding.batch_sharding(mesh)
     shapes = config.data.feature_shapes()
     dtypes = schema.feature_dtypes(shapes)

@@ -75,6 +75,28 @@ def _numpy_batch(element) -> dict:
     return {k: v.numpy() for k, v in element.items()}
 
 
+def _step_rows(iterator, elements: int) -> dict:
+    """This process's rows of the next step: `elements` of the pipeline's (a batch-size warmup's microbatches, or
+    one full batch), element i interleaved as rows j * elements + i: the train step's microbatch i."""
+    taken = [_numpy_batch(next(iterator)) for _ in range(elements)]
+    if elements == 1:
+        return taken[0]
+    return {key: np.stack([element[key] for element in taken], axis=1).reshape((-1,) + value.shape[1:])
+            for key, value in taken[0].items()}
+
+
+def _refuse_warmup_from_init(config: PretrainConfig, init_from: str) -> None:
+    """A run that starts a trained model's next phase from step 0 (--init, the schedule reset) with a batch-size
+    warmup would grow its batch again from a microbatch: ModernBERT's later phases ran at their full batch. Refused,
+    naming the key (a preset's warmup is easily inherited)."""
+    batches = config.batch_schedule()
+    if init_from and config.reset_schedule and batches.warmup_steps:
+        raise ValueError(f"--init {init_from}: train.batch_size_warmup_tokens={config.train.batch_size_warmup_tokens} "
+                         f"would warm the batch up again ({batches.warmup_steps:,} steps from "
+                         f"{batches.rows_at(0):,} rows), which is for a training from scratch: set "
+                         f"train.batch_size_warmup_tokens=0 for a phase that continues a model")
+
+
 def _init_from(state, source: str, shardings, abstract, reset_schedule: bool, keep_optimizer: bool,
                vocab: list[str], hidden_act: str, log):
     """The state started from a checkpoint: a trainer step directory continues its schedule unless
@@ -229,9 +251,13 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     mesh = config.mesh.build()
     _check_gpu_kernels(mesh, Console(enabled=jax.process_index() == 0).line)
     tokenizer = load_tokenizer(config.data.vocab, config.data.lower_case)
+    batches = config.batch_schedule()
     with tfrecord.damaged_records_named(source.files):
         batch = _numpy_batch(next(iter(pipeline_lib.make_pretraining_dataset(
-            source, config.train.batch_size, jax.process_index(), jax.process_count()))))
+            source, batches.pipeline_rows, jax.process_index(), jax.process_count()))))
+    saved = checkpoint_lib.complete_steps(workdir)
+    if not saved:
+        _refuse_warmup_from_init(config, init_from or config.init_from)
     if init_from or config.init_from:  # readable, and its tokenizer the data's, before any device time is spent
         check_init_tokenizer(load_pretrained(init_from or config.init_from), init_from or config.init_from,
                              config.data.vocab, getattr(tokenizer, "spec", None))
@@ -244,7 +270,6 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
     flops = config.train.batch_size * metrics_lib.train_flops_per_sequence(
         bert_config, config.data.max_seq_length, config.data.max_predictions_per_seq)
     step_seconds = flops / (jax.device_count() * peak * assumed_mfu)
-    saved = checkpoint_lib.complete_steps(workdir)
     gib = 2**30
     warning = memory_warning(compiled.hbm_bytes_per_chip or 0, jax.local_devices()[0], jax.local_device_count())
     return "\n".join([
@@ -260,7 +285,9 @@ def plan(config: PretrainConfig, workdir: str, *, init_from: str = "", assumed_m
         *([warning] if warning else []),
         f"model FLOPs per step {flops:.4g}; at {assumed_mfu:.0%} MFU of {peak / 1e12:.3g} TFLOP/s per device "
         f"({peak_source}): {step_seconds:.3g} s/step, {config.train.steps} steps = "
-        f"{duration(config.train.steps * step_seconds)}",
+        f"{duration(batches.full_steps_before(config.train.steps) * step_seconds)}"
+        + (" (a warmup step at its share of the full step's microbatches)" if batches.warmup else ""),
+        *([batches.describe(config.train.steps)] if batches.warming else []),
         f"workdir {workdir}: " + (f"would resume from step {saved[-1]} (checkpoints: {saved})" if saved else
                                   "no checkpoints; would start at step 0"
                                   + (f" from {init_from or config.init_from}" if init_from or config.init_from
@@ -331,13 +358,15 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
         effective = config.with_model_sizes(len(vocab)).to_dict()
         write_whole(epath.Path(workdir) / "config.json", json.dumps(effective, indent=2) + "\n")
     input_stats = collections.Counter()
-    dataset = pipeline_lib.make_pretraining_dataset(source, config.train.batch_size, process_index,
+    batches = config.batch_schedule()
+    dataset = pipeline_lib.make_pretraining_dataset(source, batches.pipeline_rows, process_index,
                                                     process_count, stats=input_stats)
     account.mark("setup_s")
     cache_stats = account.cache_stats = compile_cache.CacheStats().start()  # the compiles from here: init, steps
     try:
         resumed = _resume(checkpointer, abstract, dataset, config, allow_config_change, process_index, log)
         if resumed is None and init_from:  # before any device time is spent
+            _refuse_warmup_from_init(config, init_from)
             check_init_tokenizer(describe_pretrained(init_from), init_from, config.data.vocab,
                                  getattr(tokenizer, "spec", None))
     except ValueError:
@@ -364,13 +393,15 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
                     if config.train.eval_every else None)
     writer = metrics_lib.MetricsWriter(workdir, config.train.steps, enabled=process_index == 0, console=console,
                                        start_step=int(state.step), wandb_project=config.train.wandb_project,
-                                       run_config=config.to_dict())
+                                       run_config=config.to_dict(), work=batches.full_steps_before)
     peak_flops, peak_source = metrics_lib.device_peak_flops(dtype=bert_config.dtype)
     log(f"mesh {dict(mesh.shape)}, {jax.device_count()} devices, {process_count} processes; model "
         f"{sum(np.size(x) for x in jax.tree_util.tree_leaves(abstract.params)):,} params; batch "
         f"{config.train.batch_size} x {seq_len} tokens; peak {peak_flops / 1e12:.3g} TFLOP/s per device "
         f"({peak_source})")
-    clock = progress_lib.StepClock(int(state.step), config.train.steps, batch_size=config.train.batch_size,
+    if batches.warming:
+        log(batches.describe(config.train.steps))
+    clock = progress_lib.StepClock(int(state.step), config.train.steps, batches=batches,
                                    seq_len=seq_len, bert_config=bert_config, peak_flops=peak_flops,
                                    sbo=config.train.span_boundary_objective, run_start=run_start, account=account,
                                    writer=writer, console=console)
@@ -378,9 +409,10 @@ def _start(config: PretrainConfig, workdir: str, *, init_from: str, allow_config
                   lower_case=lower_case, tokenizer=getattr(tokenizer, "spec", None))
     evaluate = _Evaluator(job.eval_step, eval_batches, config.train.eval_every, mesh, config.train.nsp_loss, writer,
                           log, account)
-    return _Run(config=config, mesh=mesh, train_step=job.train_step, iterator=iterator, input_files=source.files,
-                input_stats=input_stats, account=account, cache_stats=cache_stats, console=console, writer=writer,
-                clock=clock, checkpointer=checkpointer, save=save, evaluate=evaluate), state
+    return _Run(config=config, mesh=mesh, train_step=job.train_step, batches=batches, iterator=iterator,
+                input_files=source.files, input_stats=input_stats, account=account, cache_stats=cache_stats,
+                console=console, writer=writer, clock=clock, checkpointer=checkpointer, save=save,
+                evaluate=evaluate), state
 
 
 @dataclasses.dataclass
@@ -389,6 +421,7 @@ class _Run:
     config: PretrainConfig  # its data resolved
     mesh: object
     train_step: object
+    batches: object  # batch_schedule.BatchSchedule: the rows of each step
     iterator: object
     input_files: tuple[str, ...]  # what the iterator reads (all processes')
     input_stats: collections.Counter  # the input pipeline's counters (this process's)
@@ -422,7 +455,8 @@ def _run(config: PretrainConfig, workdir: str, *, init_from: str, max_steps_this
             lines = LineSchedule(config.train.steps, config.train.log_every)
             while step < config.train.steps:
                 with account.charged_to("input_wait_s"):
-                    batch = sharding.global_batch(_numpy_batch(next(run.iterator)), run.mesh)
+                    batch = sharding.global_batch(_step_rows(run.iterator, run.batches.elements_at(step)),
+                                                  run.mesh)
                 run.clock.before_step(step)
                 state, step_metrics = run.train_step(state, batch)
                 step += 1
@@ -575,7 +609,7 @@ def _eval_batches(config: PretrainConfig, corpus_format: str, process_index: int
     `corpus_format`: as asked for (not as data.input resolved it): the eval input's own is detected."""
     source = input_source.resolve(config.eval_data().replace(corpus_format=corpus_format), "data.eval_input", log)
     dataset = pipeline_lib.make_pretraining_dataset(source, config.train.batch_size, process_index, process_count)
-    with tfrecord.damaged_records_named(source.files):
+    with tfrecord.damaged_records_named(source.files, "data.eval_input"):
         return [_numpy_batch(element) for element in dataset.take(config.train.eval_batches)]
 
 

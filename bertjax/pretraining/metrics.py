@@ -17,7 +17,8 @@ from etils import epath
 
 from bertjax.runtime import jsonio
 from bertjax.runtime.console import Console, duration, metric_text
-from bertjax.runtime.errors import OutputWriteError
+from bertjax.runtime.errors import OutputWriteError, at_file
+from bertjax.runtime.extras import install_line
 from bertjax.runtime.input_files import read_json, read_text
 from bertjax.runtime.outputs import write_whole
 from bertjax.model.config import BertConfig
@@ -193,14 +194,15 @@ def to_python(values: dict) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(values).items()}
 
 
-def interval_metrics(seconds: float, steps: int, rows_per_step: int, seq_len: int, counts: dict,
+def interval_metrics(seconds: float, steps: int, rows: int, seq_len: int, counts: dict,
                      config: BertConfig, peak_flops: float, sbo: bool = False) -> dict[str, float]:
-    """Throughput and utilisation over `steps` steps that took `seconds`; `counts`: the steps' summed
-    real_tokens, masked_tokens and instances (as the train step reports them); `sbo`: the SBO head runs."""
+    """Throughput and utilisation over `steps` steps of `rows` rows in all (a batch-size warmup's steps have fewer)
+    that took `seconds`; `counts`: the steps' summed real_tokens, masked_tokens and instances (as the train step
+    reports them); `sbo`: the SBO head runs."""
     flops = train_flops(config, seq_len, counts["real_tokens"], counts["masked_tokens"], counts["instances"], sbo)
     per_device = flops / seconds / jax.device_count()
-    return {"steps_per_s": steps / seconds, "sequences_per_s": steps * rows_per_step / seconds,
-            "tokens_per_s": steps * rows_per_step * seq_len / seconds,
+    return {"steps_per_s": steps / seconds, "sequences_per_s": rows / seconds,
+            "tokens_per_s": rows * seq_len / seconds,
             "real_tokens_per_s": counts["real_tokens"] / seconds, "instances_per_s": counts["instances"] / seconds,
             "tflops_per_device": per_device / 1e12, "mfu": per_device / peak_flops}
 
@@ -212,11 +214,12 @@ def _wandb_run(project: str, directory: epath.Path, run_config: dict | None):
     try:
         import wandb
     except ImportError:
-        raise ValueError("train.wandb_project needs Weights & Biases: pip install 'bertjax[tracking]' (or wandb)") \
-            from None
+        raise ValueError(f"train.wandb_project needs Weights & Biases (the `tracking` extra): "
+                         f"{install_line('tracking')}") from None
     run_id = hashlib.sha1(str(directory.absolute()).encode()).hexdigest()[:16]
-    return wandb.init(project=project, name=directory.name, id=run_id, resume="allow", dir=str(directory),
-                      config=run_config or {})
+    with at_file(directory / "wandb", writing=True):
+        return wandb.init(project=project, name=directory.name, id=run_id, resume="allow", dir=str(directory),
+                          config=run_config or {})
 
 
 def _tensorboard_restart(logdir: str, step: int) -> None:
@@ -228,12 +231,13 @@ def _tensorboard_restart(logdir: str, step: int) -> None:
     # Event files are read in name order, and names start with the second they were created: the marker's must
     # come after the killed run's files, and the new summary writer's after the marker's.
     _next_second()
-    writer = EventFileWriter(logdir)
-    # TensorBoard takes a run's first START for its beginning, not a restart: runs before this one wrote none.
-    for _ in range(2):
-        writer.add_event(event_pb2.Event(wall_time=time.time(), step=step + 1,
-                                         session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
-    writer.close()
+    with at_file(logdir, writing=True):
+        writer = EventFileWriter(logdir)
+        # TensorBoard takes a run's first START for its beginning, not a restart: runs before this one wrote none.
+        for _ in range(2):
+            writer.add_event(event_pb2.Event(wall_time=time.time(), step=step + 1,
+                                             session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        writer.close()
     _next_second()
 
 
@@ -246,13 +250,16 @@ class MetricsWriter:
     line with its ETA to the console."""
 
     def __init__(self, workdir: str, total_steps: int, enabled: bool = True, console: Console | None = None,
-                 start_step: int | None = None, wandb_project: str = "", run_config: dict | None = None):
-        """`start_step`: the step a run starts (or resumes) at. What an earlier run logged past it (steps this run
+                 start_step: int | None = None, wandb_project: str = "", run_config: dict | None = None,
+                 work=None):
+        """`work`: step -> the work before it, what the ETA extrapolates (a batch-size warmup's steps are smaller:
+        BatchSchedule.full_steps_before); default the step count. `start_step`: the step a run starts (or resumes) at. What an earlier run logged past it (steps this run
         recomputes), and a last line cut by a kill mid-write, are dropped from metrics.jsonl, and TensorBoard is
         told to drop them too, so both read as one run with increasing steps. `wandb_project`: also log to
         Weights & Biases (`run_config` as the run's config), one W&B run per workdir, continued by restarts."""
         self.enabled = enabled
         self.total_steps = total_steps
+        self.work = work or (lambda step: step)
         self.console_out = console or Console(enabled)
         self.start_time = time.time()
         self.start_step: int | None = None
@@ -262,7 +269,8 @@ class MetricsWriter:
         self.tensorboard_dir = directory / "tensorboard"
         if not enabled:
             return
-        directory.mkdir(parents=True, exist_ok=True)
+        with at_file(directory, writing=True):
+            directory.mkdir(parents=True, exist_ok=True)
         if start_step is not None:
             self._continue_from(start_step)
         from bertjax.runtime.tensorboard_events import ScalarWriter
@@ -298,51 +306,60 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {"step": int(step), **{prefix + k: float(v) for k, v in values.items()}}
-        with self.jsonl_path.open("a") as f:
-            f.write(jsonio.dumps(record) + "\n")
+        self._append(record)
         for key, value in record.items():
             if key != "step":
                 self.tensorboard.scalar(key, value, step)
         self.tensorboard.flush()
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
+        self._to_wandb({k: v for k, v in record.items() if k != "step"}, step)
 
     def write_event(self, step: int, event: str, values: dict) -> None:
         """One `{"step", "event", ...}` record (e.g. the run's goodput account); TensorBoard gets its numbers as
         EVENT/KEY scalars."""
         if not self.enabled:
             return
-        with self.jsonl_path.open("a") as f:
-            f.write(jsonio.dumps({"step": int(step), "event": event, **values}) + "\n")
+        self._append({"step": int(step), "event": event, **values})
         for key, value in values.items():
             if isinstance(value, (int, float)):
                 self.tensorboard.scalar(f"{event}/{key}", value, step)
         self.tensorboard.flush()
+        self._to_wandb({f"{event}/{k}": v for k, v in values.items() if isinstance(v, (int, float))}, step)
+
+    def _append(self, record: dict) -> None:
+        with at_file(self.jsonl_path, writing=True), self.jsonl_path.open("a") as f:
+            f.write(jsonio.dumps(record) + "\n")
+
+    def _to_wandb(self, values: dict, step: int) -> None:
         if self.wandb is not None:
-            self.wandb.log({f"{event}/{k}": v for k, v in values.items() if isinstance(v, (int, float))},
-                           step=int(step))
+            with at_file(self.jsonl_path.parent / "wandb", writing=True):
+                self.wandb.log(values, step=int(step))
 
     def mark_start(self, step: int) -> None:
         """The ETA extrapolates from here (call after the first, compiling, step)."""
         self.start_step, self.start_time = step, time.time()
         self._aside_seconds, self._aside_steps = 0.0, 0
 
-    def set_aside(self, seconds: float, steps: int = 0) -> None:
-        """Time since `mark_start` the ETA does not extrapolate from: `steps` steps that compiled (a fine-tune's
-        batch of a length not met before), an evaluation that compiled its step. The ETA is the other steps' mean
-        time (with what else they paid) times the steps left; "?" until there is one."""
+    def set_aside(self, seconds: float, steps: float = 0) -> None:
+        """Time since `mark_start` the ETA does not extrapolate from: `steps` steps (in `work`'s units) that compiled
+        (a fine-tune's batch of a length not met before, a batch-size warmup's next size), an evaluation that
+        compiled its step. The ETA is the other steps' mean time (with what else they paid) times the work left;
+        "?" until there is one."""
         self._aside_seconds += seconds
         self._aside_steps += steps
 
-    def console(self, step: int, values: dict[str, float], keys=CONSOLE_KEYS) -> None:
-        timed = 0 if self.start_step is None else step - self.start_step - self._aside_steps
-        if timed <= 0:
+    def console(self, step: int, values: dict[str, float], keys=CONSOLE_KEYS, labels: dict | None = None,
+                notes: dict | None = None) -> None:
+        """`step 40/100 loss=2.301 ... eta 1m05s`: `values` in the order of `keys`, each named by its `labels` entry
+        (its key without one) and followed by its `notes` entry in parentheses (what a value is: `mean_loss=0.69
+        (steps 31-40)`)."""
+        timed = 0 if self.start_step is None else self.work(step) - self.work(self.start_step) - self._aside_steps
+        if timed <= 1e-9:
             eta = "?"
         else:
             rate = max(time.time() - self.start_time - self._aside_seconds, 0.0) / timed
-            eta = duration(rate * (self.total_steps - step))
-        self.console_out.line(" ".join(filter(None, (f"step {step}/{self.total_steps}", metric_text(values, keys),
-                                                     f"eta {eta}"))))
+            eta = duration(rate * (self.work(self.total_steps) - self.work(step)))
+        self.console_out.line(" ".join(filter(None, (f"step {step}/{self.total_steps}",
+                                                     metric_text(values, keys, labels, notes), f"eta {eta}"))))
 
     def close(self) -> None:
         if self.enabled:
@@ -350,8 +367,9 @@ class MetricsWriter:
             if self.wandb is not None:
                 import wandb
 
-                self.wandb.finish()
-                # finish() returns once W&B's service process took the run's end, not once it wrote it: its run
-                # file (offline) could still lack the history under load. teardown waits for that process to end,
-                # which W&B otherwise leaves to an atexit hook (not run when a fatal error ends the job).
-                wandb.teardown()
+                with at_file(self.jsonl_path.parent / "wandb", writing=True):
+                    self.wandb.finish()
+                    # finish() returns once W&B's service process took the run's end, not once it wrote it: its
+                    # run file (offline) could still lack the history under load. teardown waits for that process
+                    # to end, which W&B otherwise leaves to an atexit hook (not run when a fatal error ends the job).
+                    wandb.teardown()

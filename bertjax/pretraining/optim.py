@@ -185,6 +185,11 @@ class OptimizerConfig:
         """The warmup steps of a run of `num_train_steps`: warmup_ratio of them where set, else warmup_steps."""
         return int(round(self.warmup_ratio * num_train_steps)) if self.warmup_ratio else self.warmup_steps
 
+    def sets_both_warmups(self) -> bool:
+        """Whether the config gives both a warmup ratio and warmup steps other than the default (a config file or
+        a run's config.json can hold both: the ratio applies, which a run says in a line)."""
+        return bool(self.warmup_ratio) and self.warmup_steps != OptimizerConfig.warmup_steps
+
     def warmup_note(self, num_train_steps: int) -> str:
         """Which of the two warmup keys sets the warmup of a run of `num_train_steps` (a config holds both)."""
         if self.warmup_ratio:
@@ -194,13 +199,19 @@ class OptimizerConfig:
         return f"optimizer.warmup_steps={self.warmup_steps} applies (optimizer.warmup_ratio is 0)"
 
 
-def make_optimizer(config: OptimizerConfig, num_train_steps: int) -> tuple[optax.GradientTransformation,
-                                                                           optax.Schedule]:
-    """(optimizer, schedule) for `num_train_steps` updates."""
+def make_optimizer(config: OptimizerConfig, num_train_steps: float, steps_done=None) -> tuple[
+        optax.GradientTransformation, optax.Schedule]:
+    """(optimizer, schedule) for `num_train_steps` updates. `steps_done`: the schedule's clock, the update count ->
+    the updates' worth done, `num_train_steps` then in its units (a batch-size warmup's: full steps' worth of
+    tokens, batch_schedule.py); None: the count itself."""
     schedule = warmup_then_decay(config.decay, config.learning_rate, num_train_steps,
                                  config.warmup_for(num_train_steps))
+    if steps_done is not None:
+        schedule = (lambda count, by_steps=schedule: by_steps(steps_done(count)))  # noqa: E731
     # Fully decoupled: lr_t * (weight_decay / peak) = (lr_t / peak) * weight_decay, optimi's and Composer's decay.
-    weight_decay = config.weight_decay / config.learning_rate if config.decouple_lr else config.weight_decay
+    # At a peak of 0 (continued pretraining that only exports) no update is made, decay included.
+    weight_decay = ((config.weight_decay / config.learning_rate if config.learning_rate else 0.0)
+                    if config.decouple_lr else config.weight_decay)
     chain = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm else []
     if config.name == "stableadamw":
         chain.append(scale_by_stable_adam(config.b1, config.b2, config.eps, weight_decay, decay_mask))

@@ -16,40 +16,62 @@ COUNTED = ("real_tokens", "masked_tokens", "instances")
 
 class StepClock:
     """Times a run's steps. The first includes compilation: logged, charged to the goodput account's compile_s and
-    not timed. The rest are timed steps: counted in the account, advanced on the progress bar, and measured per
-    logging interval (`interval`) and over the run (`mean`)."""
+    not timed; so does the first step at each other batch size of a batch-size warmup (its program compiles then),
+    its time taken out of its interval's. The rest are timed steps: counted in the account, advanced on the
+    progress bar, and measured per logging interval (`interval`) and over the run (`mean`). `batches`: the rows of
+    each step (batch_schedule.BatchSchedule)."""
 
-    def __init__(self, start_step: int, total_steps: int, *, batch_size: int, seq_len: int, bert_config,
+    def __init__(self, start_step: int, total_steps: int, *, batches, seq_len: int, bert_config,
                  peak_flops: float, sbo: bool, run_start: float, account, writer, console):
         self.start_step, self.total_steps, self.run_start = start_step, total_steps, run_start
-        self._shape = dict(rows_per_step=batch_size, seq_len=seq_len, config=bert_config, peak_flops=peak_flops,
-                           sbo=sbo)
+        self.batches = batches
+        self._shape = dict(seq_len=seq_len, config=bert_config, peak_flops=peak_flops, sbo=sbo)
         self.account, self.writer, self.console = account, writer, console
-        self.totals = collections.Counter()  # the timed steps' real tokens and seconds, for the run's mean
-        self._compile_start = None
+        self.totals = collections.Counter()  # the timed steps' real tokens, rows and seconds, for the run's mean
+        self._compile_start, self._compiled_rows, self._last = None, set(), None
         self._restart()
 
     def _restart(self) -> None:
-        self._start, self._steps, self._counts = time.perf_counter(), 0, None
+        self._start, self._steps, self._rows, self._counts = time.perf_counter(), 0, 0, None
 
     def before_step(self, step: int) -> None:
         """Call before the train step that leads to step + 1."""
+        rows = self.batches.rows_at(step)
         if step == self.start_step:
             self.console.line(f"compiling the train step (step {step + 1} includes it) ...")
             self._compile_start = time.perf_counter()
+        elif rows not in self._compiled_rows:  # a batch-size warmup's next size: a program of its own
+            jax.block_until_ready(self._last)  # the steps before it end first: their time is theirs
+            self.account.mark("step_s")
+            self.console.line(f"compiling the train step for {rows:,} rows (step {step + 1} includes it) ...")
+            self._compile_start = time.perf_counter()
+        self._compiled_rows.add(rows)
 
     def after_step(self, step: int, step_metrics: dict) -> None:
         """Call once the train step that led to `step` is dispatched."""
+        self._last = step_metrics
         if step == self.start_step + 1:
             jax.block_until_ready(step_metrics)  # the first step includes compilation: not timed
             self.console.line(f"step {step} compiled and ran in "
                               f"{duration(time.perf_counter() - self._compile_start)}")
             self.account.mark("compile_s")
+            self._compile_start = None
             self._restart()
             self.writer.mark_start(step)
             self.console.start_progress(self.total_steps, initial=step)
             return
+        if self._compile_start is not None:  # not timed: its time leaves the interval's and the ETA's
+            jax.block_until_ready(step_metrics)
+            seconds, self._compile_start = time.perf_counter() - self._compile_start, None
+            self.account.mark("compile_s")
+            self._start += seconds
+            self.writer.set_aside(seconds, self.batches.full_steps_before(step)
+                                  - self.batches.full_steps_before(step - 1))
+            self.console.line(f"step {step} compiled and ran in {duration(seconds)}")
+            self.console.advance()
+            return
         self._steps += 1
+        self._rows += self.batches.rows_at(step - 1)
         self.account.timed_steps += 1
         self.console.advance()
         # Summed on the device (asynchronous adds), read only when logging.
@@ -63,8 +85,9 @@ class StepClock:
         if self._steps:
             seconds = time.perf_counter() - self._start
             counted = metrics_lib.to_python(self._counts)
-            values = metrics_lib.interval_metrics(seconds, self._steps, counts=counted, **self._shape)
-            self.totals.update(seconds=seconds, steps=self._steps, **counted)
+            values = metrics_lib.interval_metrics(seconds, self._steps, rows=self._rows, counts=counted,
+                                                  **self._shape)
+            self.totals.update(seconds=seconds, steps=self._steps, rows=self._rows, **counted)
         self._restart()
         return values
 
@@ -72,8 +95,8 @@ class StepClock:
         """The throughput over the run's timed steps that were logged (None without any)."""
         if not self.totals["seconds"]:
             return None
-        return metrics_lib.interval_metrics(self.totals["seconds"], self.totals["steps"], counts=self.totals,
-                                            **{**self._shape, "rows_per_step": 1})
+        return metrics_lib.interval_metrics(self.totals["seconds"], self.totals["steps"], rows=self.totals["rows"],
+                                            counts=self.totals, **self._shape)
 
 
 def summary(status: str, step: int, clock: StepClock, last_metrics: dict, evals: list, saved_step, workdir: str,

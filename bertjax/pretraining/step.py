@@ -194,9 +194,11 @@ def skip_by_select(platform: str) -> bool:
 
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: optax.GradientTransformation,
-               schedule, grad_accum_steps: int, nsp_loss: bool, skip_nonfinite: str | None = None,
-               update_sharding: update_sharding_lib.UpdateSharding | None = None):
-    """One optimizer update over the global batch (split into `grad_accum_steps` microbatches).
+               schedule, grad_accum_steps: int = 1, nsp_loss: bool, skip_nonfinite: str | None = None,
+               update_sharding: update_sharding_lib.UpdateSharding | None = None, microbatch_rows: int | None = None):
+    """One optimizer update over the global batch (split into `grad_accum_steps` microbatches, or where
+    `microbatch_rows` is given, into as many microbatches of that many rows as the batch holds: a batch-size
+    warmup's smaller steps are programs of fewer microbatches of the same shape).
 
     A non-finite gradient skips the update (params and optimizer state unchanged) and is counted, by a branch
     (`skip_nonfinite="cond"`) or a select per leaf ("select"); None: the faster of the two on the platform the
@@ -205,6 +207,11 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, optimizer: o
     on the slices (`update_sharding.py`).
     """
     accum = grad_accum_steps
+    if microbatch_rows:
+        rows = batch["input_ids"].shape[0]
+        if rows % microbatch_rows:
+            raise ValueError(f"a batch of {rows} rows is not a whole number of {microbatch_rows}-row microbatches")
+        accum = rows // microbatch_rows
     total_weight = jnp.maximum(jnp.sum(batch["masked_lm_weights"].astype(jnp.float32)), 1e-5)
     total_count = jnp.maximum(jnp.sum(_nsp_weights(batch)), 1.0)
 
@@ -293,13 +300,15 @@ def eval_sums(params, batch: dict, *, model: nn.Module) -> dict:
     return pretraining_sums(forward(model, params, batch, deterministic=True), batch)
 
 
-def compile_steps(*, model, optimizer, schedule, grad_accum_steps: int, nsp_loss: bool, state_shardings_tree,
-                  mesh, update_sharding=None):
-    """The jitted train step (state donated) and eval step, with batches split over data x fsdp."""
+def compile_steps(*, model, optimizer, schedule, grad_accum_steps: int = 1, nsp_loss: bool, state_shardings_tree,
+                  mesh, update_sharding=None, microbatch_rows: int | None = None):
+    """The jitted train step (state donated) and eval step, with batches split over data x fsdp; with
+    `microbatch_rows`, one compiled program per batch size (train_step)."""
     batch_sharding = sharding.batch_sharding(mesh)
     train = jax.jit(
         functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
-                          grad_accum_steps=grad_accum_steps, nsp_loss=nsp_loss, update_sharding=update_sharding),
+                          grad_accum_steps=grad_accum_steps, nsp_loss=nsp_loss, update_sharding=update_sharding,
+                          microbatch_rows=microbatch_rows),
         in_shardings=(state_shardings_tree, batch_sharding),
         out_shardings=(state_shardings_tree, sharding.replicated(mesh)),
         donate_argnums=(0,), compiler_options=xla_options.compiler_options(mesh))

@@ -20,10 +20,12 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def metric_text(values: dict, keys=None) -> str:
-    """`loss=2.301 mlm_accuracy=0.4112` for the given keys (all of them by default), in that order."""
+def metric_text(values: dict, keys=None, labels: dict | None = None, notes: dict | None = None) -> str:
+    """`loss=2.301 mlm_accuracy=0.4112` for the given keys (all of them by default), in that order; a key in
+    `labels` shown by its label, one in `notes` followed by its note: `mean_loss=2.301 (steps 41-50)`."""
     keys = values.keys() if keys is None else [k for k in keys if k in values]
-    return " ".join(f"{k}={values[k]:.4g}" for k in keys)
+    labels, notes = labels or {}, notes or {}
+    return " ".join(f"{labels.get(k, k)}={values[k]:.4g}" + (f" ({notes[k]})" if k in notes else "") for k in keys)
 
 
 def _columns(stream) -> int:

@@ -1,12 +1,29 @@
-"""How a caught error is told in one line (the command line prints one line per failure, never a traceback)."""
+"""How a caught error is told in one line (the command line prints one line per failure, never a traceback).
+
+And the rule for every boundary where a library (TensorFlow, TensorStore, a writer: TensorBoard's, W&B's) touches a
+user's file: `at_file(path)` around it turns a failure of the file or its file system (permission, a full or
+read-only disk, a process limit, a file gone) into one line naming the file and why (`cannot read PATH: ...`,
+`cannot write PATH: ...`), exit 2. A disk that filled during a TensorBoard flush was `OSError: [Errno 28]` naming no
+file, and an unreadable data.input TensorFlow's PermissionDeniedError, both tracebacks with exit 1. What escapes
+every boundary is still told by the path its library named (`file_failure_line`, the command line's last resort).
+"""
 from __future__ import annotations
 
+import contextlib
 import errno
+import getpass
+import os
+import re
+from typing import Iterator
 
 
 class OutputWriteError(ValueError):
     """An output could not be written (a full or read-only disk, ...): one line, exit 2 (the machine's state, not a
     bug, and not worth a retry); the writer has removed what it began."""
+
+
+class FileReadError(ValueError):
+    """A user's file could not be read (permission, a process limit, gone): one line naming it, exit 2."""
 
 
 # The longest an error line may be (a line quoting a whole table row ran to thousands of characters).
@@ -55,14 +72,138 @@ def is_full_disk(error: BaseException) -> bool:
 
 
 def cannot_write(what: str, error: BaseException) -> str:
-    """`cannot write WHAT: no space left on device` for a full disk, the process limit it hit, else the error's
-    first line."""
+    """`cannot write WHAT: no space left on device` for a full disk, the process limit it hit, else why (`cause`)."""
+    return f"cannot write {what}: {cause(error, what)}"
+
+
+def cannot_read(what: str, error: BaseException) -> str:
+    """`cannot read WHAT: permission denied to USER; ...`: the file the error names where it names one inside
+    WHAT (a file of a directory, of a glob), and why (`cause`)."""
+    named = failed_path(error)
+    where = f"{named} (of {what})" if named and named.rstrip("/") != str(what).rstrip("/") else what
+    line = f"cannot read {where}: {cause(error, what)}"
+    if is_permission_error(error):
+        line += "; give this user read access to it (chmod u+r, a directory u+rx), or run as its owner"
+    return line
+
+
+def user() -> str:
+    """This process's user name (its uid where it has none)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"
+
+
+def is_permission_error(error: BaseException) -> bool:
+    """An OSError's EACCES/EPERM, or TensorStore's or TensorFlow's PERMISSION_DENIED in an error's message."""
+    text = str(error)
+    return isinstance(error, PermissionError) or "PERMISSION_DENIED" in text or "Permission denied" in text
+
+
+# TensorFlow's statuses of a file or its file system (their class names: TensorFlow is not imported here).
+_TENSORFLOW_FILE_ERRORS = ("PermissionDeniedError", "NotFoundError", "ResourceExhaustedError",
+                           "FailedPreconditionError")
+# TensorFlow's file errors read "PATH; REASON" (inside a tf.data op: "{{function_node ...}} PATH; REASON [Op:...]").
+_TENSORFLOW_NAMED = re.compile(r"^(?:\{\{[^}]*\}\}\s*)?(?P<path>[^\s;{}][^;{}]*?); (?P<reason>[A-Z][^;\[\n]*?)"
+                               r"\s*(?:\[Op:|$)", re.M)
+
+
+def _from_tensorflow(error: BaseException) -> bool:
+    return type(error).__module__.startswith("tensorflow") and type(error).__name__ in _TENSORFLOW_FILE_ERRORS
+
+
+# The system's errors of a file or its file system (not a network's: a refused connection may be worth a retry).
+_FILE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENOENT,
+                errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EFBIG, errno.EMFILE, errno.ENFILE, errno.ENAMETOOLONG,
+                errno.EEXIST, errno.ENOTEMPTY, errno.EXDEV}
+
+
+def is_file_failure(error: BaseException) -> bool:
+    """A failure of a file or its file system, not a bug: an OSError the system raised for a file (full, read-only,
+    permission, gone, a limit), TensorFlow's file statuses, TensorStore's permission and space statuses."""
+    if isinstance(error, OSError):
+        return error.errno in _FILE_ERRNOS
+    return _from_tensorflow(error) or is_permission_error(error) or is_full_disk(error) \
+        or limit_line(error) is not None
+
+
+def failed_path(error: BaseException) -> str | None:
+    """The path a file failure names: an OSError's filename, the PATH of TensorFlow's "PATH; REASON"."""
+    if isinstance(error, OSError):
+        return str(error.filename) if error.filename else None
+    found = _TENSORFLOW_NAMED.search(getattr(error, "message", None) or str(error)) if _from_tensorflow(error) \
+        else None
+    return found.group("path") if found else None
+
+
+def cause(error: BaseException, where=None) -> str:
+    """Why a file could not be read or written, in a few words: the process limit hit (with its value), no space
+    left, permission denied to this user, a symbolic link that leads back to itself on the way to the file (its path
+    or `where`), the system's or TensorFlow's reason, else the error's first line."""
+    if isinstance(error, OSError) and error.errno in (errno.EEXIST, errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+        loop = link_loop(error.filename or where)  # told as "File exists" or "Not a directory" by the system
+        if loop is not None:
+            return f"{loop} is a symbolic link that leads back to itself (a loop); remove it, or point it at a folder"
     limit = limit_line(error)
     if limit is not None:
-        return f"cannot write {what}: {limit}"
+        return limit
     if is_full_disk(error):
-        return f"cannot write {what}: no space left on device"
-    return f"cannot write {what}: {first_line(error)}"
+        return "no space left on device"
+    if is_permission_error(error):
+        return f"permission denied to {user()}"
+    reason = error.strerror if isinstance(error, OSError) else None
+    if reason is None and _from_tensorflow(error):
+        found = _TENSORFLOW_NAMED.search(getattr(error, "message", None) or str(error))
+        reason = found.group("reason") if found else None
+    return reason[0].lower() + reason[1:] if reason else first_line(error)
+
+
+def link_loop(path) -> str | None:
+    """The symbolic link on the way to local `path` (itself or a folder above it) that leads back to itself, or
+    None."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in str(path):
+        return None
+    parts = os.path.abspath(path).split(os.sep)
+    for end in range(2, len(parts) + 1):
+        prefix = os.sep.join(parts[:end])
+        if os.path.islink(prefix):
+            try:
+                os.path.realpath(prefix, strict=True)
+            except OSError as error:
+                if error.errno == errno.ELOOP:
+                    return prefix
+                return None  # a link to nothing: not a loop
+    return None
+
+
+def _told(error: BaseException) -> bool:
+    """An error bertjax has already put in its one line (not a library's raw status: "RESOURCE_EXHAUSTED: ...")."""
+    return isinstance(error, ValueError) and not re.match(r"[A-Z_]+: ", str(error))
+
+
+@contextlib.contextmanager
+def at_file(path, *, writing: bool = False) -> Iterator[None]:
+    """Around a boundary where a library reads (or, `writing`, writes) the user's file or directory `path`: a file
+    failure (`is_file_failure`) inside is raised as one line naming it, FileReadError (`cannot read PATH: why`)
+    or OutputWriteError (`cannot write PATH: why`); every other error passes unchanged."""
+    try:
+        yield
+    except Exception as error:
+        if _told(error) or not is_file_failure(error):
+            raise
+        if writing:
+            raise OutputWriteError(cannot_write(path, error)) from None
+        raise FileReadError(cannot_read(path, error)) from None
+
+
+def file_failure_line(error: BaseException) -> str:
+    """The last resort's line for a file failure no boundary caught: the path its library named, and why."""
+    named = failed_path(error)
+    if not named:
+        return f"a file could not be read or written ({cause(error)})"
+    why = cause(error, named)
+    return why if why.startswith(f"{named} is ") else f"{named}: {why}"
 
 
 # Process limits, as resource.getrlimit names them, with the shell's spelling and what a failure says about each.

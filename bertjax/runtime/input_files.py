@@ -13,7 +13,6 @@ below both the fine-tune's record and interop's card.
 """
 from __future__ import annotations
 
-import getpass
 import hashlib
 import os
 import stat
@@ -22,6 +21,7 @@ from typing import Any
 from etils import epath
 
 from bertjax.runtime import jsonio
+from bertjax.runtime.errors import FileReadError, at_file, user
 
 # What a JSON document bertjax reads can be at most (a tokenizer.json is ~10 MB; configs and records far less).
 JSON_LIMIT = 256 << 20
@@ -29,22 +29,9 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (
           (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
 
 
-class Unreadable(ValueError):
+class Unreadable(FileReadError):
     """A file or directory this user may not read: told as a permission problem, never taken for a damaged or
     missing one (a checkpoint set aside as corrupt, a tensor called missing)."""
-
-
-def is_permission_error(error: BaseException) -> bool:
-    """An OSError's EACCES/EPERM, or TensorStore's or TensorFlow's PERMISSION_DENIED in an error's message."""
-    text = str(error)
-    return isinstance(error, PermissionError) or "PERMISSION_DENIED" in text or "Permission denied" in text
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return f"uid {os.getuid()}"
 
 
 def check_readable_tree(root, what: str) -> None:
@@ -56,7 +43,7 @@ def check_readable_tree(root, what: str) -> None:
 
     def refused(error: OSError) -> None:
         if isinstance(error, PermissionError):
-            raise Unreadable(f"{error.filename or root}: permission denied to {_user()} ({what} {root}); give "
+            raise Unreadable(f"{error.filename or root}: permission denied to {user()} ({what} {root}); give "
                              "this user read access to it (chmod -R u+rX), or run as its owner") from None
         raise error
 
@@ -91,7 +78,8 @@ def check_regular(path, what: str, limit: int | None = None) -> int:
 
 def read_bytes(path, what: str, limit: int | None = None) -> bytes:
     check_regular(path, what, limit)
-    return epath.Path(path).read_bytes()
+    with at_file(path):
+        return epath.Path(path).read_bytes()
 
 
 def read_text(path, what: str, limit: int | None = None) -> str:
@@ -125,14 +113,14 @@ def input_fingerprints(paths) -> dict:
                       if not name.startswith(".")]
         else:
             files.append(path)
-    return {INPUT_KEY + file: fingerprint(file) for file in sorted(os.path.abspath(f) for f in files)}
+    return {INPUT_KEY + file: fingerprint(file) for file in sorted(os.path.realpath(f) for f in files)}
 
 
 def fingerprint(path: str) -> str:
     """"<size> bytes, sha256 <first 16 hex digits>" of a file, local or gs://: what a fine-tune's run record keeps
     of each input file, `data create` of each corpus file, and a model card shows."""
     digest, size = hashlib.sha256(), 0
-    with open(path, "rb") if "://" not in path else epath.Path(path).open("rb") as f:
+    with at_file(path), open(path, "rb") if "://" not in path else epath.Path(path).open("rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
             size += len(block)

@@ -5,8 +5,9 @@ Importing TensorFlow writes C++ log lines straight to file descriptor 2 before i
 its first device query writes "failed call to cuInit: ... UNKNOWN ERROR (303)" on a machine without a GPU.
 TF_CPP_MIN_LOG_LEVEL does not reach them, so fd 2 is pointed at a temporary file for exactly those two moments;
 what was captured is discarded when they succeed and written back when they fail, so a real import or device
-error is never hidden. Later native messages (a crash report) reach the terminal as they always do. Joining a
-multi-process job on CPU, gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks" per process: held the same way.
+error is never hidden (a stop signal that lands there is no failure: its one line is all that is said). Later
+native messages (a crash report) reach the terminal as they always do. Joining a multi-process job on CPU, gloo
+prints "[Gloo] Rank 0 is connected to 1 peer ranks" per process: held the same way.
 Worker processes a job starts (Beam's DirectRunner in multi_processing mode) import TensorFlow themselves and
 inherit fd 2: while they run, fd 2 is a pipe whose lines reach the terminal as they come, except the known
 start-up lines (`native_lines_dropped`), so a worker's traceback is never held back.
@@ -36,7 +37,7 @@ START_UP_LINE = re.compile(
 @contextlib.contextmanager
 def native_output_held(verbose: bool = False, fds: tuple[int, ...] = (2,)):
     """Hold what native code writes to the file descriptors `fds` inside the block; write it back only if the
-    block raises."""
+    block fails (an Exception: not a stop signal's preemption.Stopped or KeyboardInterrupt)."""
     if verbose:
         yield
         return
@@ -48,7 +49,7 @@ def native_output_held(verbose: bool = False, fds: tuple[int, ...] = (2,)):
         os.dup2(held[fd].fileno(), fd)
     try:
         yield
-    except BaseException:
+    except Exception:
         for fd in fds:
             os.dup2(saved[fd], fd)
             held[fd].seek(0)

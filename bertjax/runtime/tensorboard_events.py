@@ -19,6 +19,8 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.util import tensor_util
 
+from bertjax.runtime.errors import at_file
+
 
 def _masked_crc(data: bytes) -> int:
     """TFRecord's masked CRC-32C of `data`."""
@@ -33,20 +35,24 @@ def record(data: bytes) -> bytes:
 
 
 class ScalarWriter:
-    """Scalars into a new event file in `logdir` (local or gs://): events.out.tfevents.<second>.<host>.<pid>.v2."""
+    """Scalars into a new event file in `logdir` (local or gs://): events.out.tfevents.<second>.<host>.<pid>.v2.
+    A write that fails (a full disk at a flush) is one line naming the file (errors.at_file)."""
 
     def __init__(self, logdir: str):
         directory = epath.Path(logdir)
-        directory.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.v2"
+        self.path = str(directory / name)
         # A local path's open() is the file; a gs:// one's (etils) a context manager giving it: entered alike.
         self._open = contextlib.ExitStack()
-        self._file = self._open.enter_context((directory / name).open("wb"))
+        with at_file(self.path, writing=True):
+            directory.mkdir(parents=True, exist_ok=True)
+            self._file = self._open.enter_context((directory / name).open("wb"))
         self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
         self._metadata = scalar_metadata.create_summary_metadata(display_name=None, description=None)
 
     def _add(self, event: event_pb2.Event) -> None:
-        self._file.write(record(event.SerializeToString()))
+        with at_file(self.path, writing=True):
+            self._file.write(record(event.SerializeToString()))
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         tensor = tensor_util.make_tensor_proto(np.float32(value))
@@ -54,7 +60,9 @@ class ScalarWriter:
         self._add(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
 
     def flush(self) -> None:
-        self._file.flush()
+        with at_file(self.path, writing=True):
+            self._file.flush()
 
     def close(self) -> None:
-        self._open.close()
+        with at_file(self.path, writing=True):
+            self._open.close()
