@@ -161,6 +161,9 @@ def unigram_loss(train: str, vocab: str, batches: list[dict]) -> float:
     return float(-(logp[targets] * weights).sum() / weights.sum())
 
 
+_EVALUATORS: dict = {}   # one compiled evaluator per model configuration: every checkpoint of an arm shares it
+
+
 def held_out_loss(checkpoint: str, batches: list[dict]) -> float:
     """MLM cross-entropy (mean over the masked tokens) of a checkpoint on the held-out batches."""
     import jax
@@ -170,19 +173,22 @@ def held_out_loss(checkpoint: str, batches: list[dict]) -> float:
     from bertjax.model import family
 
     model = load_model(checkpoint)
-    module = family.pretraining_model(model.config)
+    key = repr(model.config)
+    if key not in _EVALUATORS:
+        module = family.pretraining_model(model.config)
 
-    @jax.jit
-    def nll_sum(params, batch):
-        out = module.apply({"params": params}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
-                           batch["masked_lm_positions"])
-        logp = jax.nn.log_softmax(out["mlm_logits"].astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(logp, batch["masked_lm_ids"][..., None], axis=-1)[..., 0]
-        return jnp.sum(nll * batch["masked_lm_weights"]), jnp.sum(batch["masked_lm_weights"])
+        @jax.jit
+        def nll_sum(params, batch):
+            out = module.apply({"params": params}, batch["input_ids"], batch["input_mask"], batch["segment_ids"],
+                               batch["masked_lm_positions"])
+            logp = jax.nn.log_softmax(out["mlm_logits"].astype(jnp.float32), axis=-1)
+            nll = -jnp.take_along_axis(logp, batch["masked_lm_ids"][..., None], axis=-1)[..., 0]
+            return jnp.sum(nll * batch["masked_lm_weights"]), jnp.sum(batch["masked_lm_weights"])
 
+        _EVALUATORS[key] = nll_sum
     total = count = 0.0
     for batch in batches:
-        a, b = nll_sum(model.params, batch)
+        a, b = _EVALUATORS[key](model.params, batch)
         total, count = total + float(a), count + float(b)
     return total / count if math.isfinite(total) else math.inf
 
@@ -366,37 +372,40 @@ def main() -> int:
                     entry[f"{key}_share"] = None if at is None else at / theirs[-1][key]
                 crossings[f"{arm} reaches {other} seed {seed}"] = entry
 
-    # Downstream: each full run's final checkpoint scored on the four GLUE tasks.
-    scores, score_commands = {}, {}
-
-    def score_run(arm: str, seed: int) -> None:
-        out = work / "scores" / f"{arm}-seed{seed}"
-        argv = score(work / f"{arm}-seed{seed}", out, args, log)
-        score_commands[f"{arm} seed {seed}"] = "bertjax " + shlex.join(argv)
-        summary = json.loads((out / "summary.json").read_text())
-        scores[f"{arm} seed {seed}"] = {"average": summary["average"],
-                                        **{task: entry["score"] for task, entry in summary["tasks"].items()}}
-        print(f"scores {arm} seed {seed}: " + ", ".join(f"{k} {100 * v:.2f}"
-                                                         for k, v in scores[f'{arm} seed {seed}'].items()), flush=True)
-
-    list(pool.map(lambda job: score_run(*job), [(arm, seed) for seed in seeds for arm in ARMS]))
-
     results = {"seq": SEQ, "batch": BATCH, "budget_flops": budget, "steps": steps, "step_flops": flops,
                "unigram_loss": unigram, "held_out_targets": targets, "sweep_fraction": args.sweep_fraction,
                "sweep": {arm: {f"{lr:g}": v for lr, v in sorted(sweep[arm].items())} for arm in ARMS},
-               "best_lr": best_lr, "curves": curves, "crossings": crossings, "scores": scores,
+               "best_lr": best_lr, "curves": curves, "crossings": crossings, "scores": {},
                "score_settings": {"tasks": TASKS, "seeds": args.score_seeds, "max_seq_length": SEQ,
                                   "max_train_examples": args.score_max_train or None,
                                   "max_eval_examples": args.score_max_eval or None,
                                   "epochs": args.score_epochs or "the recipe's"},
                "commands": {"bench": "python bench/learning_per_flop.py " + shlex.join(sys.argv[1:]),
-                            **commands, "full": full_commands, "score": score_commands}}
-    (work / "results.json").write_text(json.dumps(results, indent=2))
-    (work / "results.md").write_text(tables(results, seeds))
+                            **commands, "full": full_commands, "score": {}}}
+    write(results, seeds, work)   # the losses before the scores: a long scoring stage leaves them readable
     svg(curves, unigram, work / "learning_per_flop.svg")
+
+    # Downstream: each full run's final checkpoint scored on the four GLUE tasks.
+    def score_run(arm: str, seed: int) -> None:
+        out = work / "scores" / f"{arm}-seed{seed}"
+        argv = score(work / f"{arm}-seed{seed}", out, args, log)
+        results["commands"]["score"][f"{arm} seed {seed}"] = "bertjax " + shlex.join(argv)
+        summary = json.loads((out / "summary.json").read_text())
+        entry = {"average": summary["average"], **{task: e["score"] for task, e in summary["tasks"].items()}}
+        results["scores"][f"{arm} seed {seed}"] = entry
+        print(f"scores {arm} seed {seed}: " + ", ".join(f"{k} {100 * v:.2f}" for k, v in entry.items()), flush=True)
+
+    list(pool.map(lambda job: score_run(*job), [(arm, seed) for seed in seeds for arm in ARMS]))
+    results["scores"] = {name: results["scores"][name] for name in curves}   # the curves' order
+    write(results, seeds, work)
     print(tables(results, seeds))
     print(f"wrote {work / 'results.json'}, {work / 'results.md'} and {work / 'learning_per_flop.svg'}")
     return 0
+
+
+def write(results: dict, seeds: list[int], work: Path) -> None:
+    (work / "results.json").write_text(json.dumps(results, indent=2))
+    (work / "results.md").write_text(tables(results, seeds))
 
 
 def tables(results: dict, seeds: list[int]) -> str:
@@ -429,6 +438,8 @@ def tables(results: dict, seeds: list[int]) -> str:
         arm, other = pair.split(" reaches ")
         out.append(f"| {arm} | {other} ({entry['target_loss']:.3f}) | {seed} | " +
                    " | ".join(share(entry, key) for key in ("flops", "model_flops", "real_tokens", "seconds")) + " |")
+    if not results["scores"]:
+        return "\n".join(out + ["", "Downstream scores: not yet run."]) + "\n"
     tasks = results["score_settings"]["tasks"].split(",")
     out += ["", "| arm | seed | " + " | ".join(tasks) + " | mean of the four |", "|---|---|" + "---|" * (len(tasks) + 1)]
     for name, entry in results["scores"].items():
