@@ -41,6 +41,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,6 +61,7 @@ ARMS = {  # name: (preset, overrides)
     "bert-tiny-modern": ("bert-tiny", {**MODERN_RECIPE, **NO_DROPOUT}),
     "modernbert-tiny": ("modernbert-tiny", {}),
 }
+WRITING = threading.Lock()   # the jobs' threads add to one results dict and rewrite its files
 COLORS = {"bert-tiny": "#1b62a5", "bert-tiny-modern": "#1b9e77", "modernbert-tiny": "#d95f02"}
 
 
@@ -338,77 +340,81 @@ def main() -> int:
     best_lr = {arm: min(sweep[arm], key=lambda lr: sweep[arm][lr]["loss"]) for arm in ARMS}
     print("best learning rates: " + ", ".join(f"{arm} {best_lr[arm]:g}" for arm in ARMS), flush=True)
 
-    # The full runs, each arm at its best learning rate, every seed; a checkpoint at every twentieth.
+    # The full runs, each arm at its best learning rate, every seed, a checkpoint at every twentieth; each run's
+    # final checkpoint then scored downstream in the same job, so a run cut short leaves whole (arm, seed) results.
     seeds = [int(s) for s in args.seeds.split(",")]
-    curves, full_commands = {}, {}
-
-    def full_run(arm: str, seed: int) -> None:
-        run = work / f"{arm}-seed{seed}"
-        argv = pretrain(arm, run, steps[arm], best_lr[arm], seed, steps[arm] // CHECKPOINTS, train, vocab, log)
-        full_commands[f"{arm} seed {seed}"] = "bertjax " + shlex.join(argv)
-        counts = run_counts(run)
-        curve = []
-        for step in saved_steps(run):
-            curve.append({"step": step, "flops": step * flops[arm], **counts[step],
-                          "loss": held_out_loss(str(run / "checkpoints" / str(step)), batches)})
-        curves[f"{arm} seed {seed}"] = curve
-        print(f"{arm} seed {seed}: " + ", ".join(f"{p['step']}:{p['loss']:.3f}" for p in curve), flush=True)
-
-    list(pool.map(lambda job: full_run(*job), [(arm, seed) for seed in seeds for arm in ARMS]))
-    curves = {f"{arm} seed {seed}": curves[f"{arm} seed {seed}"] for seed in seeds for arm in ARMS}
-
-    # Crossings: where each arm's curve reaches each other arm's final loss, as a share of that arm's budget.
-    crossings = {}
-    for seed in seeds:
-        for arm in ARMS:
-            for other in ARMS:
-                if arm == other:
-                    continue
-                mine, theirs = curves[f"{arm} seed {seed}"], curves[f"{other} seed {seed}"]
-                entry = {"target_loss": theirs[-1]["loss"]}
-                for key in ("flops", "model_flops", "real_tokens", "seconds"):
-                    at = reach(mine, theirs[-1]["loss"], key)
-                    entry[key] = at
-                    entry[f"{key}_share"] = None if at is None else at / theirs[-1][key]
-                crossings[f"{arm} reaches {other} seed {seed}"] = entry
-
     results = {"seq": SEQ, "batch": BATCH, "budget_flops": budget, "steps": steps, "step_flops": flops,
                "unigram_loss": unigram, "held_out_targets": targets, "sweep_fraction": args.sweep_fraction,
                "sweep": {arm: {f"{lr:g}": v for lr, v in sorted(sweep[arm].items())} for arm in ARMS},
-               "best_lr": best_lr, "curves": curves, "crossings": crossings, "scores": {},
+               "best_lr": best_lr, "curves": {}, "crossings": {}, "scores": {},
                "score_settings": {"tasks": TASKS, "seeds": args.score_seeds, "max_seq_length": SEQ,
                                   "max_train_examples": args.score_max_train or None,
                                   "max_eval_examples": args.score_max_eval or None,
                                   "epochs": args.score_epochs or "the recipe's"},
                "commands": {"bench": "python bench/learning_per_flop.py " + shlex.join(sys.argv[1:]),
-                            **commands, "full": full_commands, "score": {}}}
-    write(results, seeds, work)   # the losses before the scores: a long scoring stage leaves them readable
-    svg(curves, unigram, work / "learning_per_flop.svg")
+                            **commands, "full": {}, "score": {}}}
+    names = [f"{arm} seed {seed}" for seed in seeds for arm in ARMS]
 
-    # Downstream: each full run's final checkpoint scored on the four GLUE tasks.
-    def score_run(arm: str, seed: int) -> None:
+    def full_run(arm: str, seed: int) -> None:
+        name, run = f"{arm} seed {seed}", work / f"{arm}-seed{seed}"
+        argv = pretrain(arm, run, steps[arm], best_lr[arm], seed, steps[arm] // CHECKPOINTS, train, vocab, log)
+        results["commands"]["full"][name] = "bertjax " + shlex.join(argv)
+        counts = run_counts(run)
+        curve = []
+        for step in saved_steps(run):
+            curve.append({"step": step, "flops": step * flops[arm], **counts[step],
+                          "loss": held_out_loss(str(run / "checkpoints" / str(step)), batches)})
+        print(f"{name}: " + ", ".join(f"{p['step']}:{p['loss']:.3f}" for p in curve), flush=True)
+        with WRITING:
+            results["curves"][name] = curve
+            write(results, names, work)
+
         out = work / "scores" / f"{arm}-seed{seed}"
-        argv = score(work / f"{arm}-seed{seed}", out, args, log)
-        results["commands"]["score"][f"{arm} seed {seed}"] = "bertjax " + shlex.join(argv)
+        argv = score(run, out, args, log)
         summary = json.loads((out / "summary.json").read_text())
         entry = {"average": summary["average"], **{task: e["score"] for task, e in summary["tasks"].items()}}
-        results["scores"][f"{arm} seed {seed}"] = entry
-        print(f"scores {arm} seed {seed}: " + ", ".join(f"{k} {100 * v:.2f}" for k, v in entry.items()), flush=True)
+        print(f"scores {name}: " + ", ".join(f"{k} {100 * v:.2f}" for k, v in entry.items()), flush=True)
+        with WRITING:
+            results["commands"]["score"][name] = "bertjax " + shlex.join(argv)
+            results["scores"][name] = entry
+            write(results, names, work)
 
-    list(pool.map(lambda job: score_run(*job), [(arm, seed) for seed in seeds for arm in ARMS]))
-    results["scores"] = {name: results["scores"][name] for name in curves}   # the curves' order
-    write(results, seeds, work)
-    print(tables(results, seeds))
+    list(pool.map(lambda job: full_run(*job), [(arm, seed) for seed in seeds for arm in ARMS]))
+    print(tables(results))
     print(f"wrote {work / 'results.json'}, {work / 'results.md'} and {work / 'learning_per_flop.svg'}")
     return 0
 
 
-def write(results: dict, seeds: list[int], work: Path) -> None:
+def crossings(curves: dict[str, list[dict]]) -> dict[str, dict]:
+    """Where each arm's curve reaches each other arm's final loss (same seed), as a share of that arm's FLOPs,
+    tokens and seconds; for the pairs of runs finished so far."""
+    found = {}
+    for name, mine in curves.items():
+        arm, seed = name.rsplit(" seed ", 1)
+        for other in ARMS:
+            theirs = curves.get(f"{other} seed {seed}")
+            if other == arm or theirs is None:
+                continue
+            entry = {"target_loss": theirs[-1]["loss"]}
+            for key in ("flops", "model_flops", "real_tokens", "seconds"):
+                at = reach(mine, theirs[-1]["loss"], key)
+                entry[key] = at
+                entry[f"{key}_share"] = None if at is None else at / theirs[-1][key]
+            found[f"{arm} reaches {other} seed {seed}"] = entry
+    return found
+
+
+def write(results: dict, names: list[str], work: Path) -> None:
+    """results.json and results.md as they stand: the runs finished so far, in the bench's order."""
+    results["curves"] = {name: results["curves"][name] for name in names if name in results["curves"]}
+    results["scores"] = {name: results["scores"][name] for name in names if name in results["scores"]}
+    results["crossings"] = crossings(results["curves"])
     (work / "results.json").write_text(json.dumps(results, indent=2))
-    (work / "results.md").write_text(tables(results, seeds))
+    (work / "results.md").write_text(tables(results))
+    svg(results["curves"], results["unigram_loss"], work / "learning_per_flop.svg")
 
 
-def tables(results: dict, seeds: list[int]) -> str:
+def tables(results: dict) -> str:
     """The Markdown tables: the sweep, the final losses, the crossings and the downstream scores."""
     def share(entry, key):
         value = entry[f"{key}_share"]
