@@ -24,10 +24,12 @@ a sweep; two seeds; then each final checkpoint's downstream scores (`bertjax sco
   frequencies of the training text, add-one smoothed).
 - Crossings: for each seed, the FLOPs (computed and the model's), real tokens and seconds at which an arm's curve
   first reaches another arm's final held-out loss (interpolated between checkpoints), as a share of that arm's.
-- Downstream: `bertjax score` on each full run's final checkpoint: SST-2, MRPC, STS-B, CoLA from --glue, with
-  fine-tune seeds --score-seeds, MosaicBERT's per-task recipe at seq 128 (the models' positions), the caps given.
+- Downstream: `bertjax score` on each full run's final checkpoint as soon as the run ends (in its job): SST-2, MRPC,
+  STS-B, CoLA from --glue, with fine-tune seeds --score-seeds, MosaicBERT's per-task recipe at seq 128 (the models'
+  positions), the caps given.
 - Output (--workdir): results.json, results.md (the tables), learning_per_flop.svg (the curves), log.txt (every
-  bertjax command's output). Runs already complete are not run again (rerun to continue).
+  bertjax command's output), rewritten after each full run and each scoring, so a bench cut short leaves whole
+  (arm, seed) results. Runs already complete are not run again (rerun to continue).
 
     .venv/bin/python bench/learning_per_flop.py [--bert-steps 3000] [--sweep-fraction 0.25] [--lrs 1e-3,3e-3,1e-2]
         [--seeds 0,1] [--score-seeds 0,1] [--score-max-train 2000] [--jobs 3]
