@@ -44,16 +44,25 @@ PEAK_FLOPS_BY_DEVICE_KIND = {
 
 
 def train_flops(config: ModelConfig, seq_len: int, real_tokens: float, masked_tokens: float,
-                instances: float, sbo: bool = False) -> float:
+                instances: float, sbo: bool = False, windowed: bool = True) -> float:
     """Matmul FLOPs of forward + backward (twice the forward) of the family's pretraining model on real tokens only,
     as the family counts them (`EncoderFamily.train_flops`). Padding positions count nothing, so packed and
-    unpacked runs are compared on the work that trains the model."""
-    return family.of(config).train_flops(config, seq_len, real_tokens, masked_tokens, instances, sbo)
+    unpacked runs are compared on the work that trains the model. `windowed`: ModernBERT's sliding layers attend
+    over their window (the model's work); False: over the whole row (see computed_train_flops_per_sequence)."""
+    return family.of(config).train_flops(config, seq_len, real_tokens, masked_tokens, instances, sbo, windowed)
 
 
 def train_flops_per_sequence(config: ModelConfig, seq_len: int, num_masked: int) -> float:
     """train_flops of one full (unpadded) sequence with `num_masked` predictions."""
     return train_flops(config, seq_len, seq_len, num_masked, 1)
+
+
+def computed_train_flops_per_sequence(config: ModelConfig, seq_len: int, num_masked: int) -> float:
+    """The matmul FLOPs of one row's forward + backward as dense kernels compute them, which is what a CPU (XLA's
+    reference attention) spends: every position of the row, padding included; every one of the `num_masked`
+    prediction slots (max_predictions_per_seq), filled or not; ModernBERT's sliding layers over the whole row,
+    masked, not the window. train_flops counts the model's work instead (real tokens, the window): MFU's."""
+    return train_flops(config, seq_len, seq_len, num_masked, 1, windowed=False)
 
 
 def device_peak_flops(device=None, dtype: str = "bfloat16", cache_dir: str | None = None) -> tuple[float, str]:
