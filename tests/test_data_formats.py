@@ -164,6 +164,7 @@ def test_data_create_writes_the_text_files_records(corpus, tmp_path):
         assert metadata["input_formats"] == {"wiki.parquet": {"parquet": 1}, "wiki.jsonl.gz": {"jsonl+gzip": 1}}[name]
 
 
+@pytest.mark.slow  # ~43 s, two fresh processes; the in-process resume tests hold the same reader positions
 def test_resume_mid_parquet_and_mid_zstd_file_in_a_fresh_process(corpus, tmp_path):
     """Saved after 30 batches of 8 (about half of the ~500 instances of an epoch: the Parquet file's second of 3 row
     groups; inside the .jsonl.zst and .txt.zst files, whose readers are reopened and skipped in the new process):

@@ -312,7 +312,8 @@ def test_the_tpus_feed_forward_product_in_the_lanes_is_the_pair_elsewhere(monkey
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("remat", ["dots", "full"])
+# "full" slow-marked, for the default suite's time (~30 s): the same remat wrapper as "dots", another policy.
+@pytest.mark.parametrize("remat", ["dots", pytest.param("full", marks=pytest.mark.slow)])
 def test_rematerialised_layers_give_the_same_values_and_gradients(remat):
     """`model.remat` wraps each layer (its (hidden, branch) in and out, `deterministic` static) in nn.remat: the
     encoder's output and every gradient those without it, with dropout on (the same masks recomputed)."""

@@ -125,6 +125,7 @@ def test_fsdp_splits_the_params_and_moments_over_chips():
     assert sharded["hbm_bytes_per_chip"] < replicated["hbm_bytes_per_chip"]
 
 
+@pytest.mark.slow  # ~38 s of compiles, for the default suite's time
 def test_two_slices_spread_the_data_axis_over_the_slices():
     result = _compiled("v5e:2x2", num_slices=2)
     assert (result["chips"], result["hosts"], result["num_slices"], result["fits"]) == (8, 2, 2, True)
