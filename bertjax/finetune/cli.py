@@ -1,4 +1,4 @@
-"""`bertjax finetune glue | classify | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of
+"""`bertjax finetune glue | classify | embedding | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of
 sentences), `predict` (a fine-tuned model on new text), `score` (a checkpoint's GLUE dev scores by a named recipe).
 
 The flags come from the fields of `bertjax.finetune.settings`; the jobs (JAX, TensorFlow) are imported only when a
@@ -69,6 +69,37 @@ def register(subparsers) -> None:
     classify.add_argument("--eval-each-epoch", action="store_true", help="also record dev metrics after every epoch")
     _add_train_args(classify, learning_rate=2e-5, batch_size=32, epochs=3.0)
     classify.set_defaults(func=_classify)
+
+    embedding = jobs.add_parser(
+        "embedding", help="fine-tune a sentence-embedding model on your own (anchor, positive[, negative]) pairs "
+                          "(the multiple-negatives ranking loss over the global batch); a sentence-transformers "
+                          "directory with --export-hf")
+    embedding.add_argument("--train", required=True, help="training pairs: .csv, .tsv, .jsonl or .parquet, local, "
+                                                          "with a header (CSV/TSV) naming the columns")
+    embedding.add_argument("--dev", help="held-out pairs, embedded by the trained model at the end")
+    embedding.add_argument("--anchor-column", default="anchor", help="the column holding the anchor (query)")
+    embedding.add_argument("--positive-column", default="positive", help="the column holding its positive")
+    embedding.add_argument("--negative-column", default="negative",
+                           help="the column holding a hard negative, read where the file has it")
+    embedding.add_argument("--max-seq-length", type=options.ints(3), default=128,
+                           help="tokens per text, [CLS] and [SEP] included; longer ones are cut")
+    embedding.add_argument("--pooling", choices=("mean", "cls"), default="mean",
+                           help="mean: the mean of the tokens' vectors (padding excluded); cls: the first token's")
+    embedding.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
+                           help="unit-length embeddings (sentence-transformers' Normalize module in the export)")
+    embedding.add_argument("--scale", type=options.floats(0, 100, low_open=True), default=20.0,
+                           help="what cosine similarities are multiplied by before the softmax (sentence-"
+                                "transformers' 20); with --learned-scale, its start")
+    embedding.add_argument("--learned-scale", action="store_true",
+                           help="learn the scale (as log scale, at most 100: CLIP's temperature)")
+    embedding.add_argument("--symmetric", action="store_true",
+                           help="also each positive against every anchor, the two terms averaged (sentence-"
+                                "transformers' MultipleNegativesSymmetricRankingLoss)")
+    embedding.add_argument("--cache-chunk", type=options.ints(0), default=0,
+                           help="cached gradients (GradCache): embed and backpropagate the batch in chunks of this "
+                                "many rows, the gradients the one-pass ones (0: one pass)")
+    _add_train_args(embedding, learning_rate=2e-5, batch_size=32, epochs=1.0)
+    embedding.set_defaults(func=_embedding)
 
     features = jobs.add_parser(
         "features", help="frozen features + scikit-learn logistic regression (C by cross-validation on train); "
@@ -510,6 +541,24 @@ def _classify(args: argparse.Namespace) -> int:
                           export_hf=args.export_hf)
     _say_outputs(args.workdir)
     print(jsonio.dumps({"problem": result["problem"], "labels": result["labels"], "metrics": result["metrics"]}))
+    return 0
+
+
+@_owned_run
+def _embedding(args: argparse.Namespace) -> int:
+    from bertjax.finetune import embedding
+
+    route_logging_to_console()
+    spec = embedding.PairSpec(args.anchor_column, args.positive_column, args.negative_column)
+    settings = embedding.EmbeddingSettings(pooling=args.pooling, normalize=args.normalize, scale=args.scale,
+                                           learned_scale=args.learned_scale, symmetric=args.symmetric,
+                                           cache_chunk=args.cache_chunk)
+    result = embedding.run(args.train, args.workdir, options.from_flags(TrainSettings, args), settings, spec,
+                           init=args.init, dev=args.dev, max_seq_length=args.max_seq_length,
+                           save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)
+    _say_outputs(args.workdir, predicts="`bertjax embed --checkpoint WORKDIR/checkpoint` embeds with it; WORKDIR/hf "
+                                        "(--export-hf) is a sentence-transformers directory")
+    print(jsonio.dumps(result["metrics"]))
     return 0
 
 

@@ -53,18 +53,20 @@ def file_format(path: str) -> str:
     return FORMATS[suffix]
 
 
-def read_rows(path: str, columns: list[str]) -> list[tuple[str, dict]]:
+def read_rows(path: str, columns: list[str], optional: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
     """(where, {column: value}) for every data row of `path`; `where` is `file:line` (`file: row N` for Parquet).
-    A column of `columns` the file lacks is an error naming the columns it has. The text formats are read by
-    file_readers.read_text (compressed files decompressed; Parquet, binary and NUL bytes refused)."""
+    A column of `columns` the file lacks is an error naming the columns it has; one of `optional` is read where the
+    file has it. The text formats are read by file_readers.read_text (compressed files decompressed; Parquet,
+    binary and NUL bytes refused)."""
     kind = file_format(path)
     source = epath.Path(path)
     if not source.exists():
         raise FileNotFoundError(f"{path}: no such file")
     if kind == "parquet":
         with file_readers.parquet_table(path) as parquet:
-            _check_columns(path, parquet.schema_arrow.names, columns)
-            values = parquet.read(columns=columns).to_pylist()
+            names = parquet.schema_arrow.names
+            _check_columns(path, names, columns)
+            values = parquet.read(columns=columns + [c for c in optional if c in names]).to_pylist()
         return [(f"{path}: row {i + 1}", row) for i, row in enumerate(values)]
     text = file_readers.read_text(path, f"a {kind.upper() if kind != 'jsonl' else 'JSON Lines'} file (UTF-8)")
     seen = format_detect.by_bytes(path)  # a name that contradicts the bytes: refused, as in every reader
@@ -77,7 +79,7 @@ def read_rows(path: str, columns: list[str]) -> list[tuple[str, dict]]:
                 continue
             where = f"{path}:{number}"
             row = jsonio.loads(line, where, "a JSON object", row=True,
-                               object_pairs_hook=lambda pairs: _named_once(where, pairs, columns))
+                               object_pairs_hook=lambda pairs: _named_once(where, pairs, columns + list(optional)))
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
             seen |= set(row)

@@ -1,0 +1,217 @@
+"""The embedding job (`finetune embedding`): an encoder of either family fine-tuned into a sentence-embedding model on
+the user's (anchor, positive[, negative]) pairs, exported as a sentence-transformers directory.
+
+The pairs are read as `finetune classify` reads its files (table_data.read_rows: CSV/TSV/JSON Lines/Parquet, a bad
+row named by file:line and column), each text tokenized alone ([CLS] text [SEP], as sentence-transformers'
+Transformer module does) into [N, k, L] rows: anchor, positive, then the hard negative where the file has one. The
+shared Trainer trains a `SentenceEmbedder` with contrastive.py's ranking loss over the global batch (every anchor
+scored against every device's positives and negatives), cached in chunks with --cache-chunk. Writes to the workdir:
+metrics.json, the training curve, the model as a bertjax checkpoint (WORKDIR/checkpoint, an encoder any job's --init
+reads) and, with --export-hf, WORKDIR/hf: a sentence-transformers directory (modules.json, the transformer's HF
+weights and tokenizer, 1_Pooling, 2_Normalize when normalised) that `SentenceTransformer(dir)` loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import numpy as np
+from etils import epath
+
+from bertjax.finetune import contrastive, table_data
+from bertjax.finetune.settings import TrainSettings
+from bertjax.finetune.trainer import Trainer, write_fine_tuned
+from bertjax.interop.hf import export_hf
+from bertjax.interop.load import load_init
+from bertjax.model import layer_layout
+from bertjax.model.sentence_embedder import POOLINGS, SentenceEmbedder
+from bertjax.runtime import jsonio
+from bertjax.runtime.console import Console
+from bertjax.runtime.outputs import replaced_when_whole, write_whole
+
+# The sentence-transformers release whose directory layout the export writes (config_sentence_transformers.json).
+SENTENCE_TRANSFORMERS_VERSION = "6.3.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class PairSpec:
+    """Which columns hold the anchor, its positive and (where the file has the column) a hard negative."""
+    anchor_column: str = "anchor"
+    positive_column: str = "positive"
+    negative_column: str = "negative"
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingSettings:
+    """The model and loss `finetune embedding` trains."""
+    pooling: str = "mean"
+    normalize: bool = True
+    scale: float = 20.0
+    learned_scale: bool = False
+    symmetric: bool = False
+    cache_chunk: int = 0  # rows a chunk of the cached-gradient pass (0: one pass)
+
+    def __post_init__(self):
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"--pooling {self.pooling!r}; expected one of {', '.join(POOLINGS)}")
+        if not 0 < self.scale <= contrastive.MAX_SCALE:
+            raise ValueError(f"--scale {self.scale:g} must be in (0, {contrastive.MAX_SCALE:g}]")
+        if self.cache_chunk < 0:
+            raise ValueError(f"--cache-chunk {self.cache_chunk} must be >= 0")
+
+    @property
+    def loss(self) -> contrastive.RankingLoss:
+        return contrastive.RankingLoss(scale=self.scale, learned=self.learned_scale, symmetric=self.symmetric)
+
+
+@dataclasses.dataclass
+class Pairs:
+    """One file's rows: where each came from, and its texts per column (negatives None without the column)."""
+    wheres: list[str]
+    anchors: list[str]
+    positives: list[str]
+    negatives: list[str] | None
+
+
+def read_pairs(path: str, spec: PairSpec) -> Pairs:
+    """The (anchor, positive[, negative]) rows of a table file; a missing column, an empty file or a row with an
+    empty text is a ValueError naming file, line and column."""
+    rows = table_data.read_rows(path, [spec.anchor_column, spec.positive_column], optional=(spec.negative_column,))
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    has_negative = any(spec.negative_column in row for _, row in rows)
+    texts = {column: [table_data.non_blank_text(where, row, column) for where, row in rows]
+             for column in (spec.anchor_column, spec.positive_column)
+             + ((spec.negative_column,) if has_negative else ())}
+    return Pairs([where for where, _ in rows], texts[spec.anchor_column], texts[spec.positive_column],
+                 texts.get(spec.negative_column))
+
+
+def featurize(columns: list[list[str]], tokenizer, max_seq_length: int) -> dict[str, np.ndarray]:
+    """input_ids/input_mask/segment_ids [N, k, max_seq_length] int32: row i holds the i-th text of each column,
+    each tokenized alone ([CLS] text [SEP], cut to max_seq_length)."""
+    encoded = [tokenizer.encode(texts, max_seq_length) for texts in columns]
+    return {key: np.stack([np.asarray(e[key], np.int32) for e in encoded], axis=1)
+            for key in ("input_ids", "input_mask", "segment_ids")}
+
+
+class EmbeddingTrainer(Trainer):
+    """The Trainer with the ranking loss over the whole (global) batch in place of a per-row loss: the loss is not a
+    sum over rows, so a batch is not split into micro-batches (--grad-accum-steps) but, with `cache_chunk`, embedded
+    and backpropagated in chunks (GradCache), which gives the one-pass gradients."""
+
+    def __init__(self, module, config, pretrained_params, settings: TrainSettings, embedding: EmbeddingSettings,
+                 source: str = "checkpoint", mesh=None):
+        if settings.grad_accum_steps > 1:
+            raise ValueError("--grad-accum-steps: the ranking loss scores each anchor against the whole batch, which "
+                             "micro-batches would cut; --cache-chunk N trains the same batch in chunks of N rows")
+        self.ranking, self.cache_chunk = embedding.loss, embedding.cache_chunk
+        super().__init__(module, config, pretrained_params, None, settings, source=source, mesh=mesh)
+
+    def _loss_and_grads(self, params, batch, rng):
+        rows = batch["input_ids"].shape[0]
+        chunks = rows // self.cache_chunk if self.cache_chunk and rows > self.cache_chunk else 1
+        if rows % chunks:
+            raise ValueError(f"--cache-chunk {self.cache_chunk} does not divide a batch of {rows} rows")
+        return contrastive.loss_and_grads(self.module, params, batch, rng, self.ranking, chunks=chunks)
+
+
+def embed_texts(trainer: Trainer, texts: list[str], tokenizer, max_seq_length: int) -> np.ndarray:
+    """float32 [len(texts), H]: the trained model's embeddings of `texts`."""
+    features = {k: v[:, 0] for k, v in featurize([texts], tokenizer, max_seq_length).items()}
+    return trainer.predict(features)
+
+
+def dev_embeddings(trainer: Trainer, pairs: Pairs, tokenizer, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The trained model's embeddings of the --dev file's anchors and of its positives, [N, H] each: what a
+    retrieval evaluation scores (each anchor's positive among all the positives)."""
+    return (embed_texts(trainer, pairs.anchors, tokenizer, max_seq_length),
+            embed_texts(trainer, pairs.positives, tokenizer, max_seq_length))
+
+
+def write_sentence_transformers(params, init, out_dir: str, embedding: EmbeddingSettings, max_seq_length: int) -> None:
+    """`params` (the embedder's: the encoder under `bert`) as a sentence-transformers directory: the transformer's
+    HF weights, config and tokenizer at its root (as `export_hf` writes a bare encoder), modules.json naming
+    Transformer -> Pooling (-> Normalize), their configs. Written beside `out_dir` and renamed whole."""
+    params = layer_layout.with_layout(jax.device_get({"bert": params["bert"]}), init.config, stacked=False)
+    hidden = init.config.hidden_size
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if embedding.normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": embedding.pooling == "cls",
+               "pooling_mode_mean_tokens": embedding.pooling == "mean", "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+               "pooling_mode_lasttoken": False, "include_prompt": True}
+    with replaced_when_whole(out_dir, directory=True) as partial:
+        export_hf(params, init.config, init.vocab, partial, lower_case=init.lower_case, architecture="BertModel",
+                  tokenizer=init.tokenizer)
+        root = epath.Path(partial)
+        files = {"modules.json": modules, "1_Pooling/config.json": pooling,
+                 "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": False},
+                 "config_sentence_transformers.json": {
+                     "__version__": {"sentence_transformers": SENTENCE_TRANSFORMERS_VERSION},
+                     "prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}}
+        for name, content in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(json.dumps(content, indent=2), encoding="utf-8")
+        if embedding.normalize:
+            (root / "2_Normalize").mkdir()
+
+
+def run(train: str, workdir: str, settings: TrainSettings, embedding: EmbeddingSettings, spec: PairSpec, *,
+        init: str, dev: str | None = None, max_seq_length: int = 128, save_checkpoint: bool = True,
+        export_hf: bool = False) -> dict:
+    """Fine-tune an embedding model on `train`'s pairs; returns the metrics.json content. Every file is read and
+    checked before the model is loaded, so a bad row fails in seconds."""
+    console = Console()
+    train_pairs = read_pairs(train, spec)
+    dev_pairs = read_pairs(dev, spec) if dev else None
+    ckpt, tokenizer = load_init(init)
+    ckpt.config.check_length(max_seq_length, "--max-seq-length")
+    out = epath.Path(workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    module = SentenceEmbedder(ckpt.config, embedding.pooling, embedding.normalize,
+                              embedding.scale if embedding.learned_scale else 0.0)
+    trainer = EmbeddingTrainer(module, ckpt.config, ckpt.params, settings, embedding, source=init)
+    ckpt.params = {}  # the Trainer holds its own copy
+    columns = [train_pairs.anchors, train_pairs.positives] + ([train_pairs.negatives] if train_pairs.negatives
+                                                              else [])
+    train_features = featurize(columns, tokenizer, max_seq_length)
+    console.line(f"{train}: {len(train_pairs.wheres):,} pairs" + (" with a hard negative each"
+                                                                   if train_pairs.negatives else "")
+                 + f"; each anchor scored against the batch's {len(columns) - 1} x --batch-size candidates")
+    if embedding.cache_chunk:
+        n_data = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
+        batch = trainer._rows_at_most(settings.batch_size, len(train_pairs.wheres))
+        if batch > embedding.cache_chunk and batch % embedding.cache_chunk:
+            raise ValueError(f"--cache-chunk {embedding.cache_chunk} does not divide the batch of {batch} rows "
+                             f"(--batch-size {settings.batch_size}); give a divisor of it (a multiple of the "
+                             f"{n_data} data-parallel devices)")
+    train_info = trainer.train(train_features, workdir=workdir)
+    del train_features
+    metrics: dict = {}
+    if dev_pairs is not None:
+        anchors, positives = dev_embeddings(trainer, dev_pairs, tokenizer, max_seq_length)
+        # The retrieval evaluation (each anchor's positive among all the dev positives) scores these.
+        metrics["dev"] = {"pairs": len(anchors)}
+    learned = trainer.params.get(contrastive.LOG_SCALE)
+    if learned is not None:
+        train_info["learned_scale"] = float(embedding.loss.scale_of(jax.device_get(trainer.params)))
+    if save_checkpoint:
+        write_fine_tuned({"bert": trainer.params["bert"]}, ckpt, workdir, bertjax_checkpoint=True, hf=False,
+                         architecture="BertModel")
+    if export_hf:
+        write_sentence_transformers(trainer.params, ckpt, str(out / "hf"), embedding, max_seq_length)
+    result = {
+        "task": "embedding", "metrics": metrics, "train": train, "dev": dev, "columns": dataclasses.asdict(spec),
+        "hard_negatives": train_pairs.negatives is not None, "embedding": dataclasses.asdict(embedding),
+        "num_train_examples": train_info.pop("num_train_rows"), "max_seq_length": max_seq_length,
+        "settings": dataclasses.asdict(settings), **train_info,
+        "total_seconds": time.perf_counter() - started, "init": init,
+    }
+    write_whole(out / "metrics.json", jsonio.dumps(result, indent=2))
+    return result
