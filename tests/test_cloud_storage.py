@@ -410,7 +410,7 @@ def test_the_compilation_cache_on_gs_is_read_back_by_a_restart(gcs_dir):
 @pytest.mark.parametrize("job", [["glue", "--task", "sst2", "--data", "glue"],
                                  ["features", "--task", "sst2", "--data", "glue"],
                                  ["ner", "--data", "conll"], ["squad", "--train", "train.json", "--version", "1.1"],
-                                 ["multiple-choice", "--data", "swag"]])
+                                 ["multiple-choice", "--data", "swag"], ["embedding", "--train", "pairs.csv"]])
 def test_fine_tunes_that_write_locally_refuse_a_gs_workdir_in_one_line(gcs_dir, tmp_path, monkeypatch, capsys,
                                                                        job):
     """Only `finetune classify` writes its workdir through epath; another fine-tune given a gs:// workdir wrote

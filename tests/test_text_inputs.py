@@ -48,6 +48,7 @@ def _squad(i_max: int = BAD_LINE + 20) -> bytes:
 SENTENCES = _payload("", lambda i: f"sentence number {i} of the file")
 CSV = _payload("text,label", lambda i: f"the review number {i},{i % 2}")
 TSV = _payload("sentence\tlabel", lambda i: f"the review number {i}\t{i % 2}")
+PAIRS = _payload("anchor,positive", lambda i: f"query number {i},the passage that answers it")
 CONLL = _payload("", lambda i: "" if i % 7 == 6 else f"word{i}-of-a-sentence NN O {'B-PER' if i % 7 == 0 else 'O'}")
 SWAG = _payload(",video-id,fold-ind,startphrase,sent1,sent2,gold-source,ending0,ending1,ending2,ending3,label",
                 lambda i: f"{i},v,f,s,the sent {i},then,gold,end a,end b,end c,end d,{i % 4}")
@@ -84,6 +85,9 @@ COMMANDS = {
     "finetune classify": (CSV, lambda root, c: _write(root / "train.csv", c),
                           lambda root, path, model: ["finetune", "classify", "--train", str(path), "--init", INIT,
                                                      "--workdir", str(root / "w")]),
+    "finetune embedding": (PAIRS, lambda root, c: _write(root / "train.csv", c),
+                           lambda root, path, model: ["finetune", "embedding", "--train", str(path), "--init", INIT,
+                                                      "--workdir", str(root / "w")]),
     "finetune glue": (TSV, _glue, lambda root, path, model: ["finetune", "glue", "--task", "sst2", "--data",
                                                              str(root / "glue"), "--init", INIT, "--workdir",
                                                              str(root / "w")]),

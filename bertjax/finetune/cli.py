@@ -13,7 +13,7 @@ from bertjax.runtime import jsonio
 from bertjax.runtime.console import route_logging_to_console
 from bertjax.finetune.glue_data import TASKS
 from bertjax.finetune.score import ScoreSettings
-from bertjax.finetune.settings import NerSettings, SquadSettings, TrainSettings
+from bertjax.finetune.settings import EmbeddingSettings, NerSettings, SquadSettings, TrainSettings
 from bertjax.finetune.table_data import PROBLEMS
 from bertjax.interop.cli import ANY_CHECKPOINT_HELP
 
@@ -38,8 +38,9 @@ def _add_train_args(parser: argparse.ArgumentParser, **job_defaults) -> None:
 
 def register(subparsers) -> None:
     finetune = subparsers.add_parser(
-        "finetune", help="fine-tune: classify (your own CSV/TSV/JSON Lines/Parquet files), glue, squad, ner "
-                         "(CoNLL-2003), multiple-choice (SWAG); or features (a classifier on frozen features)")
+        "finetune", help="fine-tune: classify (your own CSV/TSV/JSON Lines/Parquet files), embedding (your "
+                         "pairs, a sentence-transformers model), glue, squad, ner (CoNLL-2003), multiple-choice "
+                         "(SWAG); or features (a classifier on frozen features)")
     jobs = finetune.add_subparsers(dest="job", required=True)
 
     glue = jobs.add_parser("glue", help="fine-tune and evaluate GLUE tasks; writes dev metrics and submission TSVs")
@@ -83,21 +84,7 @@ def register(subparsers) -> None:
                            help="the column holding a hard negative, read where the file has it")
     embedding.add_argument("--max-seq-length", type=options.ints(3), default=128,
                            help="tokens per text, [CLS] and [SEP] included; longer ones are cut")
-    embedding.add_argument("--pooling", choices=("mean", "cls"), default="mean",
-                           help="mean: the mean of the tokens' vectors (padding excluded); cls: the first token's")
-    embedding.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
-                           help="unit-length embeddings (sentence-transformers' Normalize module in the export)")
-    embedding.add_argument("--scale", type=options.floats(0, 100, low_open=True), default=20.0,
-                           help="what cosine similarities are multiplied by before the softmax (sentence-"
-                                "transformers' 20); with --learned-scale, its start")
-    embedding.add_argument("--learned-scale", action="store_true",
-                           help="learn the scale (as log scale, at most 100: CLIP's temperature)")
-    embedding.add_argument("--symmetric", action="store_true",
-                           help="also each positive against every anchor, the two terms averaged (sentence-"
-                                "transformers' MultipleNegativesSymmetricRankingLoss)")
-    embedding.add_argument("--cache-chunk", type=options.ints(0), default=0,
-                           help="cached gradients (GradCache): embed and backpropagate the batch in chunks of this "
-                                "many rows, the gradients the one-pass ones (0: one pass)")
+    options.add_flags(embedding, EmbeddingSettings)
     _add_train_args(embedding, learning_rate=2e-5, batch_size=32, epochs=1.0)
     embedding.set_defaults(func=_embedding)
 
@@ -550,10 +537,8 @@ def _embedding(args: argparse.Namespace) -> int:
 
     route_logging_to_console()
     spec = embedding.PairSpec(args.anchor_column, args.positive_column, args.negative_column)
-    settings = embedding.EmbeddingSettings(pooling=args.pooling, normalize=args.normalize, scale=args.scale,
-                                           learned_scale=args.learned_scale, symmetric=args.symmetric,
-                                           cache_chunk=args.cache_chunk)
-    result = embedding.run(args.train, args.workdir, options.from_flags(TrainSettings, args), settings, spec,
+    result = embedding.run(args.train, args.workdir, options.from_flags(TrainSettings, args),
+                           options.from_flags(EmbeddingSettings, args), spec,
                            init=args.init, dev=args.dev, max_seq_length=args.max_seq_length,
                            save_checkpoint=args.save_checkpoint, export_hf=args.export_hf)
     _say_outputs(args.workdir, predicts="`bertjax embed --checkpoint WORKDIR/checkpoint` embeds with it; WORKDIR/hf "

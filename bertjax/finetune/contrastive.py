@@ -29,10 +29,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from bertjax.finetune.settings import MAX_SCALE
 from bertjax.model.sentence_embedder import LOG_SCALE, unit_length
 
-# CLIP's bound on a learned scale (its logit scale is clipped at 100): past it the softmax is nearly a max.
-MAX_SCALE = 100.0
 # A padding row's scores: finite, so that a column with no real score (the symmetric term's padding positive) has a
 # finite log-partition and gradient (-inf there made 0 * inf = NaN in the backward); exp of it is 0 in float32.
 MASKED = -1e30

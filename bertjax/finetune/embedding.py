@@ -21,12 +21,12 @@ import numpy as np
 from etils import epath
 
 from bertjax.finetune import contrastive, table_data
-from bertjax.finetune.settings import TrainSettings
+from bertjax.finetune.settings import EmbeddingSettings, TrainSettings
 from bertjax.finetune.trainer import Trainer, write_fine_tuned
 from bertjax.interop.hf import export_hf
 from bertjax.interop.load import load_init
 from bertjax.model import layer_layout
-from bertjax.model.sentence_embedder import POOLINGS, SentenceEmbedder
+from bertjax.model.sentence_embedder import SentenceEmbedder
 from bertjax.runtime import jsonio
 from bertjax.runtime.console import Console
 from bertjax.runtime.outputs import replaced_when_whole, write_whole
@@ -43,27 +43,9 @@ class PairSpec:
     negative_column: str = "negative"
 
 
-@dataclasses.dataclass(frozen=True)
-class EmbeddingSettings:
-    """The model and loss `finetune embedding` trains."""
-    pooling: str = "mean"
-    normalize: bool = True
-    scale: float = 20.0
-    learned_scale: bool = False
-    symmetric: bool = False
-    cache_chunk: int = 0  # rows a chunk of the cached-gradient pass (0: one pass)
-
-    def __post_init__(self):
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"--pooling {self.pooling!r}; expected one of {', '.join(POOLINGS)}")
-        if not 0 < self.scale <= contrastive.MAX_SCALE:
-            raise ValueError(f"--scale {self.scale:g} must be in (0, {contrastive.MAX_SCALE:g}]")
-        if self.cache_chunk < 0:
-            raise ValueError(f"--cache-chunk {self.cache_chunk} must be >= 0")
-
-    @property
-    def loss(self) -> contrastive.RankingLoss:
-        return contrastive.RankingLoss(scale=self.scale, learned=self.learned_scale, symmetric=self.symmetric)
+def ranking_loss(settings: EmbeddingSettings) -> contrastive.RankingLoss:
+    """The loss `settings` ask for."""
+    return contrastive.RankingLoss(scale=settings.scale, learned=settings.learned_scale, symmetric=settings.symmetric)
 
 
 @dataclasses.dataclass
@@ -107,8 +89,14 @@ class EmbeddingTrainer(Trainer):
         if settings.grad_accum_steps > 1:
             raise ValueError("--grad-accum-steps: the ranking loss scores each anchor against the whole batch, which "
                              "micro-batches would cut; --cache-chunk N trains the same batch in chunks of N rows")
-        self.ranking, self.cache_chunk = embedding.loss, embedding.cache_chunk
+        self.ranking, self.cache_chunk = ranking_loss(embedding), embedding.cache_chunk
         super().__init__(module, config, pretrained_params, None, settings, source=source, mesh=mesh)
+
+    def check_memory(self, batch_size: int, row_shape: tuple[int, ...], training: bool) -> None:
+        """A cached step holds one chunk's activations (and the batch's embeddings, [B, k, H]: small beside them)."""
+        if training and self.cache_chunk and batch_size > self.cache_chunk:
+            batch_size = self.cache_chunk
+        super().check_memory(batch_size, row_shape, training)
 
     def _loss_and_grads(self, params, batch, rng):
         rows = batch["input_ids"].shape[0]
@@ -196,11 +184,12 @@ def run(train: str, workdir: str, settings: TrainSettings, embedding: EmbeddingS
     metrics: dict = {}
     if dev_pairs is not None:
         anchors, positives = dev_embeddings(trainer, dev_pairs, tokenizer, max_seq_length)
-        # The retrieval evaluation (each anchor's positive among all the dev positives) scores these.
-        metrics["dev"] = {"pairs": len(anchors)}
+        # Where the retrieval evaluation goes: its scores of these (each anchor's positive ranked among all the dev
+        # positives) in metrics["dev"], which the command prints and metrics.json and the model card hold.
+        train_info["num_dev_pairs"] = len(anchors)
     learned = trainer.params.get(contrastive.LOG_SCALE)
     if learned is not None:
-        train_info["learned_scale"] = float(embedding.loss.scale_of(jax.device_get(trainer.params)))
+        train_info["learned_scale"] = float(ranking_loss(embedding).scale_of(jax.device_get(trainer.params)))
     if save_checkpoint:
         write_fine_tuned({"bert": trainer.params["bert"]}, ckpt, workdir, bertjax_checkpoint=True, hf=False,
                          architecture="BertModel")

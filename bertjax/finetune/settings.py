@@ -147,3 +147,34 @@ class NerSettings:
         if not 1 <= self.doc_stride <= self.max_seq_length - 2:
             raise ValueError(f"doc_stride={self.doc_stride} must be in [1, max_seq_length - 2 = "
                              f"{self.max_seq_length - 2}]")
+
+
+# What the ranking loss's learned scale is bounded by (CLIP's logit scale is clipped at 100: past it the softmax is
+# nearly a max); --scale too.
+MAX_SCALE = 100.0
+POOLINGS = ("mean", "cls")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingSettings:
+    """The model and loss `finetune embedding` trains (sentence-transformers' Pooling, Normalize and
+    MultipleNegativesRankingLoss, its defaults)."""
+
+    pooling: str = option("mean", "mean: the mean of the tokens' vectors (padding excluded); cls: the first token's")
+    normalize: bool = option(True, "unit-length embeddings (the export's Normalize module); --no-normalize: none")
+    scale: float = option(20.0, "what cosine similarities are multiplied by before the softmax (sentence-"
+                          "transformers' 20); with --learned-scale, its start", valid=floats(0, MAX_SCALE,
+                                                                                               low_open=True))
+    learned_scale: bool = option(False, "learn the scale (as its log; at most 100, CLIP's bound)")
+    symmetric: bool = option(False, "also each positive against every anchor, the two terms averaged (sentence-"
+                             "transformers' MultipleNegativesSymmetricRankingLoss)")
+    cache_chunk: int = option(0, "cached gradients (GradCache): embed and backpropagate the batch in chunks of this "
+                              "many rows, the one-pass gradients in one chunk's activation memory (0: one pass)",
+                              valid=ints(0))
+
+    def __post_init__(self):
+        problems = range_problems(self)
+        if self.pooling not in POOLINGS:
+            problems.append(f"pooling={self.pooling!r} must be one of {', '.join(POOLINGS)}")
+        if problems:
+            raise ValueError("embedding settings: " + "; ".join(problems))
