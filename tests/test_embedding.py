@@ -6,6 +6,7 @@ and embeds as `bertjax embed` does, for BERT and ModernBERT; bad input is one li
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import jax
@@ -197,6 +198,7 @@ def test_job_exports_a_sentence_transformers_model_that_embeds_as_bertjax_embed(
     assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["Transformer", "Pooling", "Normalize"]
     assert json.loads((hf / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"]
     model = SentenceTransformer(str(hf), device="cpu", local_files_only=True)
+    assert model.max_seq_length == LENGTH  # the length trained at (sentence_bert_config.json)
     theirs = model.encode(ANCHORS, convert_to_numpy=True)
     ours = _embed(str(work / "checkpoint"), ANCHORS, tmp_path)
     np.testing.assert_allclose(theirs, _unit(ours), atol=2e-5)
@@ -221,9 +223,25 @@ def test_modernbert_job_runs_and_exports(tmp_path, monkeypatch):
     assert not (hf / "2_Normalize").exists()
     assert json.loads((hf / "config.json").read_text())["architectures"] == ["ModernBertModel"]
     model = SentenceTransformer(str(hf), device="cpu", local_files_only=True)
+    assert model.max_seq_length == 64
     theirs = model.encode(ANCHORS, convert_to_numpy=True)
     ours = _embed(str(work / "checkpoint"), ANCHORS, tmp_path, pooling="cls")
     np.testing.assert_allclose(theirs, ours, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--grad-accum-steps", "2"], r"--grad-accum-steps: the ranking loss scores each anchor against the whole batch"),
+    (["--metric-for-best", "loss"], r"--metric-for-best loss: `finetune embedding` computes no dev metrics"),
+    (["--pooling", "max"], r"pooling='max' must be one of mean, cls"),
+    (["--scale", "0"], r"argument --scale: must be in \(0, 100\], got 0"),
+])
+def test_options_the_job_cannot_take_are_refused_before_the_checkpoint_loads(tmp_path, capsys, flags, said):
+    path = tmp_path / "train.csv"
+    path.write_text("anchor,positive\na,b\n")
+    assert bertjax_main(["finetune", "embedding", "--train", str(path), "--init", "none", "--workdir",
+                         str(tmp_path / "w"), *flags]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(said, last), last
 
 
 @pytest.mark.parametrize("content, said", [
@@ -240,5 +258,5 @@ def test_bad_input_is_one_line_naming_file_line_and_column(tmp_path, capsys, con
     assert bertjax_main(["finetune", "embedding", "--train", str(path), "--init", "none", "--workdir",
                          str(tmp_path / "w")]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert __import__("re").search(said, last), last
+    assert re.search(said, last), last
     assert not os.path.exists(tmp_path / "w")

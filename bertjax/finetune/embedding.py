@@ -79,6 +79,16 @@ def featurize(columns: list[list[str]], tokenizer, max_seq_length: int) -> dict[
             for key in ("input_ids", "input_mask", "segment_ids")}
 
 
+def check_settings(settings: TrainSettings) -> None:
+    """The Trainer's options this job cannot take, refused before anything loads."""
+    if settings.grad_accum_steps > 1:
+        raise ValueError("--grad-accum-steps: the ranking loss scores each anchor against the whole batch, which "
+                         "micro-batches would cut; --cache-chunk N trains the same batch in chunks of N rows")
+    if settings.metric_for_best:
+        raise ValueError(f"--metric-for-best {settings.metric_for_best}: `finetune embedding` computes no dev metrics "
+                         "to choose by (its --dev pairs are embedded at the end)")
+
+
 class EmbeddingTrainer(Trainer):
     """The Trainer with the ranking loss over the whole (global) batch in place of a per-row loss: the loss is not a
     sum over rows, so a batch is not split into micro-batches (--grad-accum-steps) but, with `cache_chunk`, embedded
@@ -86,9 +96,7 @@ class EmbeddingTrainer(Trainer):
 
     def __init__(self, module, config, pretrained_params, settings: TrainSettings, embedding: EmbeddingSettings,
                  source: str = "checkpoint", mesh=None):
-        if settings.grad_accum_steps > 1:
-            raise ValueError("--grad-accum-steps: the ranking loss scores each anchor against the whole batch, which "
-                             "micro-batches would cut; --cache-chunk N trains the same batch in chunks of N rows")
+        check_settings(settings)
         self.ranking, self.cache_chunk = ranking_loss(embedding), embedding.cache_chunk
         super().__init__(module, config, pretrained_params, None, settings, source=source, mesh=mesh)
 
@@ -154,6 +162,7 @@ def run(train: str, workdir: str, settings: TrainSettings, embedding: EmbeddingS
         export_hf: bool = False) -> dict:
     """Fine-tune an embedding model on `train`'s pairs; returns the metrics.json content. Every file is read and
     checked before the model is loaded, so a bad row fails in seconds."""
+    check_settings(settings)
     console = Console()
     train_pairs = read_pairs(train, spec)
     dev_pairs = read_pairs(dev, spec) if dev else None
