@@ -32,9 +32,6 @@ import jax.numpy as jnp
 from bertjax.finetune.settings import MAX_SCALE
 from bertjax.model.sentence_embedder import LOG_SCALE, unit_length
 
-# A padding row's scores: finite, so that a column with no real score (the symmetric term's padding positive) has a
-# finite log-partition and gradient (-inf there made 0 * inf = NaN in the backward); exp of it is 0 in float32.
-MASKED = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +59,11 @@ def ranking_loss(embeddings, weights, scale, symmetric: bool = False):
     candidates = nn.with_logical_constraint(candidates, (None, None))
     real = weights > 0
     scores = scale * jnp.einsum("bd,nd->bn", anchors, candidates)
-    scores = jnp.where(jnp.tile(real, texts - 1)[None, :], scores, MASKED)
+    scores = jnp.where(jnp.tile(real, texts - 1)[None, :], scores, -jnp.inf)
     positive = scale * jnp.sum(anchors * unit[:, 1], axis=-1)
     log_partition = jax.nn.logsumexp(scores, axis=1)
     if symmetric:  # each positive against every anchor: the columns of the positives' block
-        backward = jnp.where(real[:, None], scores[:, :rows], MASKED)
+        backward = jnp.where(real[:, None], scores[:, :rows], -jnp.inf)
         log_partition = (log_partition + jax.nn.logsumexp(backward, axis=0)) / 2
     per_anchor = jnp.where(real, log_partition - positive, 0.0)
     return jnp.sum(per_anchor * weights) / jnp.maximum(jnp.sum(weights), 1.0)
