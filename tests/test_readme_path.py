@@ -121,6 +121,26 @@ def test_the_quick_path_runs_offline_from_minilm_by_its_hub_id(tmp_path, minilm_
     assert not (tmp_path / "hub").exists()  # nothing fetched
 
 
+@pytest.mark.slow  # MiniLM fine-tuned for a step of 32 pairs, then sentence-transformers on the export
+def test_the_readmes_embedding_path_runs_offline_from_minilm_by_its_hub_id(tmp_path, minilm_dir):
+    """The README's embedding block, as written, offline: the checkout's pairs in, a directory out that
+    sentence-transformers loads and embeds with (MiniLM's 384 dimensions)."""
+    shutil.copytree(REPO_ROOT / "examples", tmp_path / "examples")
+    bin_dir = pathlib.Path(sys.executable).parent
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=SUITE_COMPILE_FLAGS, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    [block] = readme_blocks("the-embedding-path")
+    result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "(1, 384)"
+    metrics = _strict((tmp_path / "runs/search/metrics.json").read_text())
+    assert metrics["num_train_examples"] == 32 and metrics["total_steps"] == 1
+    modules = _strict((tmp_path / "runs/search/hf/modules.json").read_text())
+    assert [m["path"] for m in modules] == ["", "1_Pooling", "2_Normalize"]
+    assert not (tmp_path / "hub").exists()  # nothing fetched
+
+
 @pytest.mark.slow  # ~4 minutes here beside the path's 3
 def test_the_readme_examples_run_as_written_on_what_the_path_built(shared_data, path_run):
     """The fine-tune examples and the `launch local` example, each block after its marker, as written."""
