@@ -205,6 +205,8 @@ def test_job_exports_a_sentence_transformers_model_that_embeds_as_bertjax_embed(
     modules = json.loads((hf / "modules.json").read_text())
     assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["Transformer", "Pooling", "Normalize"]
     assert json.loads((hf / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"]
+    card = (hf / "README.md").read_text()  # the Hub files it as a sentence-transformers model
+    assert "\nlibrary_name: sentence-transformers\n" in card and "SentenceTransformer(\"REPO\")" in card
     model = SentenceTransformer(str(hf), device="cpu", local_files_only=True)
     assert model.max_seq_length == LENGTH  # the length trained at (sentence_bert_config.json)
     theirs = model.encode(ANCHORS, convert_to_numpy=True)

@@ -1,5 +1,6 @@
-"""`bertjax finetune glue | classify | embedding | squad | ner | features | multiple-choice`, `eval squad`, `embed` (features of
-sentences), `predict` (a fine-tuned model on new text), `score` (a checkpoint's GLUE dev scores by a named recipe).
+"""`bertjax finetune glue | classify | embedding | squad | ner | features | multiple-choice`, `eval squad`, `embed`
+(features of sentences), `predict` (a fine-tuned model on new text), `score` (a checkpoint's GLUE dev scores by a
+named recipe).
 
 The flags come from the fields of `bertjax.finetune.settings`; the jobs (JAX, TensorFlow) are imported only when a
 command runs, so `bertjax --help` stays fast.

@@ -301,11 +301,13 @@ def card_text(hf_config: dict, facts: RunFacts | None = None, *, name: str = "mo
     from bertjax.model.family import task_architecture
 
     task = task_architecture(architecture)
-    pipeline_tag = PIPELINE_TAGS.get(task, "feature-extraction")
+    # `finetune embedding`'s export is a sentence-transformers directory: the Hub files it under that library.
+    sentence_model = facts.job == "embedding"
+    pipeline_tag = "sentence-similarity" if sentence_model else PIPELINE_TAGS.get(task, "feature-extraction")
     front = {"license": inherited.get("license", "other")}
     if "language" in inherited:
         front["language"] = inherited["language"]
-    front["library_name"] = "transformers"
+    front["library_name"] = "sentence-transformers" if sentence_model else "transformers"
     if hub_id:
         front["base_model"] = hub_id
     front["pipeline_tag"] = pipeline_tag
@@ -345,8 +347,10 @@ def card_text(hf_config: dict, facts: RunFacts | None = None, *, name: str = "mo
     if facts.metrics:
         lines += ["## Results", ""] + ([facts.metrics_note, ""] if facts.metrics_note else []) + \
                  ["| metric | value |", "|---|---|"] + [f"| {k} | {v:.4f} |" for k, v in facts.metrics.items()] + [""]
-    lines += ["## Use", "", "```python", "from transformers import pipeline",
-              f'pipe = pipeline("{pipeline_tag}", model="REPO")', "```", "",
+    use = (["from sentence_transformers import SentenceTransformer", 'model = SentenceTransformer("REPO")']
+           if sentence_model else
+           ["from transformers import pipeline", f'pipe = pipeline("{pipeline_tag}", model="REPO")'])
+    lines += ["## Use", "", "```python", *use, "```", "",
               "Publish this directory with the Hub's own client: `hf upload REPO DIR`.", ""]
     return "\n".join(lines)
 
