@@ -207,6 +207,10 @@ def test_job_exports_a_sentence_transformers_model_that_embeds_as_bertjax_embed(
     assert json.loads((hf / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"]
     card = (hf / "README.md").read_text()  # the Hub files it as a sentence-transformers model
     assert "\nlibrary_name: sentence-transformers\n" in card and "SentenceTransformer(\"REPO\")" in card
+    from transformers import BertModel
+
+    _, loading = BertModel.from_pretrained(str(hf), output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]  # the init's pooler kept for it
     model = SentenceTransformer(str(hf), device="cpu", local_files_only=True)
     assert model.max_seq_length == LENGTH  # the length trained at (sentence_bert_config.json)
     theirs = model.encode(ANCHORS, convert_to_numpy=True)

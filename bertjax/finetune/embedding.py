@@ -174,6 +174,9 @@ def run(train: str, workdir: str, settings: TrainSettings, embedding: EmbeddingS
     module = SentenceEmbedder(ckpt.config, embedding.pooling, embedding.normalize,
                               embedding.scale if embedding.learned_scale else 0.0)
     trainer = EmbeddingTrainer(module, ckpt.config, ckpt.params, settings, embedding, source=init)
+    # The pooler, where the checkpoint has one, goes into the export unchanged (the embeddings do not use it):
+    # transformers' BertModel then loads every tensor it expects, as from the released sentence-transformers models.
+    pooler = ckpt.params.get("bert", {}).get("pooler")
     ckpt.params = {}  # the Trainer holds its own copy
     columns = [train_pairs.anchors, train_pairs.positives] + ([train_pairs.negatives] if train_pairs.negatives
                                                               else [])
@@ -203,7 +206,8 @@ def run(train: str, workdir: str, settings: TrainSettings, embedding: EmbeddingS
         write_fine_tuned({"bert": trainer.params["bert"]}, ckpt, workdir, bertjax_checkpoint=True, hf=False,
                          architecture="BertModel")
     if export_hf:
-        write_sentence_transformers(trainer.params, ckpt, str(out / "hf"), embedding, max_seq_length)
+        encoder = {**trainer.params["bert"], **({"pooler": pooler} if pooler is not None else {})}
+        write_sentence_transformers({"bert": encoder}, ckpt, str(out / "hf"), embedding, max_seq_length)
     result = {
         "task": "embedding", "metrics": metrics, "train": train, "dev": dev, "columns": dataclasses.asdict(spec),
         "hard_negatives": train_pairs.negatives is not None, "embedding": dataclasses.asdict(embedding),
