@@ -31,7 +31,8 @@ from bertjax.runtime import jsonio
 from bertjax.runtime.console import Console
 from bertjax.runtime.outputs import replaced_when_whole, write_whole
 
-# The sentence-transformers release whose directory layout the export writes (config_sentence_transformers.json).
+# The sentence-transformers release the export is checked against (tests/test_embedding.py loads it there); the layout
+# written is its v2 one (`sentence_transformers.models.*` modules), which every release since reads.
 SENTENCE_TRANSFORMERS_VERSION = "6.3.0"
 
 
@@ -199,8 +200,7 @@ def run(train: str, workdir: str, settings: TrainSettings, embedding: EmbeddingS
         # Where the retrieval evaluation goes: its scores of these (each anchor's positive ranked among all the dev
         # positives) in metrics["dev"], which the command prints and metrics.json and the model card hold.
         train_info["num_dev_pairs"] = len(anchors)
-    learned = trainer.params.get(contrastive.LOG_SCALE)
-    if learned is not None:
+    if embedding.learned_scale:
         train_info["learned_scale"] = float(ranking_loss(embedding).scale_of(jax.device_get(trainer.params)))
     if save_checkpoint:
         write_fine_tuned({"bert": trainer.params["bert"]}, ckpt, workdir, bertjax_checkpoint=True, hf=False,
