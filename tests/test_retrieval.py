@@ -218,7 +218,7 @@ def test_minilm_ranks_held_out_squad_questions_above_chance_and_writes_the_train
     assert _chance_p_value(scores["mrr@10"], squad["queries"], squad["passages"]) < 0.05, scores
 
 
-@pytest.mark.slow  # ~3.5 min on the 2-core machine: 3,000 sentences through MiniLM
+@pytest.mark.slow  # 3 min on the 2-core machine (busy): 3,000 sentences through MiniLM
 def test_minilm_scores_stsb_dev_as_published(shared_data, minilm_dir, tmp_path):
     sample, stsb = shared_data / "squad" / "sample-dev-v2.0.json", shared_data / "glue" / "STS-B" / "dev.tsv"
     assert bertjax_main(["eval", "embedding", "--checkpoint", str(minilm_dir), "--squad", str(sample), "--stsb",
