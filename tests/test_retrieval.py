@@ -122,7 +122,8 @@ def test_scores_equal_sentence_transformers_evaluators_on_the_same_embeddings():
     a, b = rng.normal(size=(50, 16)).astype(np.float32), rng.normal(size=(50, 16)).astype(np.float32)
     gold = np.round(rng.uniform(0, 5, 50), 1)  # rounded: tied gold scores, as STS-B has
     sts = EmbeddingSimilarityEvaluator([name(i) for i in range(50)], [name(50 + i) for i in range(50)], gold.tolist(),
-                                       similarity_fn_names=["cosine"], write_csv=False)(_static_model(np.concatenate([a, b])))
+                                       similarity_fn_names=["cosine"], write_csv=False)
+    sts = sts(_static_model(np.concatenate([a, b])))
     assert sts_spearman(a, b, gold) == pytest.approx(sts["spearman_cosine"], abs=1e-6)
 
 
@@ -173,13 +174,17 @@ def test_squad_without_data_and_stsb_with_a_bad_score_are_one_line_before_the_mo
     header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
     stsb.write_text(header + "0\tg\tf\ty\t0\ts\ts\tA man.\tA person.\t4.2\n1\tg\tf\ty\t1\ts\ts\tA dog.\tA cat.\tfive\n")
     missing = str(tmp_path / "no-such-checkpoint")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept\n")
     for argv, expected in [
-            ([ "--squad", str(bad_squad)], f"{bad_squad}: not a SQuAD JSON file (no 'data' key)"),
-            (["--squad", squad, "--stsb", str(stsb)], f"{stsb}:3: label 'five' is not a number")]:
+            (["--squad", str(bad_squad)], f"{bad_squad}: not a SQuAD JSON file (no 'data' key)"),
+            (["--squad", squad, "--stsb", str(stsb)], f"{stsb}:3: label 'five' is not a number"),
+            (["--squad", squad, "--output", str(a_file)],
+             f"--output {a_file} is a file; expected a directory (metrics.json, summary.md)")]:
         code = bertjax_main(["eval", "embedding", "--checkpoint", missing, "--output", str(tmp_path / "out"), *argv])
         lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bertjax ")]
         assert code == 2 and lines == [f"bertjax eval: error: {expected}"]
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and a_file.read_text() == "kept\n"
 
 
 def _chance_p_value(mrr: float, queries: int, passages: int) -> float:
