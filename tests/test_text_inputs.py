@@ -107,6 +107,9 @@ COMMANDS = {
     "eval squad": (SQUAD, lambda root, c: _write(root / "dev.json", c),
                    lambda root, path, model: ["eval", "squad", "--data", str(path), "--predictions",
                                               str(_write(root / "p.json", b'{"q0": "here"}'))]),
+    "eval embedding": (SQUAD, lambda root, c: _write(root / "dev.json", c),
+                       lambda root, path, model: ["eval", "embedding", "--checkpoint", INIT, "--squad", str(path),
+                                                  "--output", str(root / "w")]),
     "data create": (SENTENCES, lambda root, c: _write(root / "corpus.txt", c),
                     lambda root, path, model: ["data", "create", "--input", str(path), "--vocab", model + "/vocab.txt",
                                                "--out", str(root / "out"), "--max-seq-length", "32",
@@ -172,7 +175,8 @@ def test_every_command_reads_text_by_the_one_reader(command, case, tmp_path, cla
     assert not (tmp_path / "w").exists() and not (tmp_path / "out.npy").exists()
 
 
-INPUT_FLAGS = ("--input", "--train", "--dev", "--test", "--data", "--predict", "--predictions", "--na-prob-file")
+INPUT_FLAGS = ("--input", "--train", "--dev", "--test", "--data", "--predict", "--predictions", "--na-prob-file",
+               "--squad", "--stsb")
 
 
 def test_every_command_that_takes_an_input_file_is_listed():

@@ -1,6 +1,6 @@
-"""`bertjax finetune glue | classify | embedding | squad | ner | features | multiple-choice`, `eval squad`, `embed`
-(features of sentences), `predict` (a fine-tuned model on new text), `score` (a checkpoint's GLUE dev scores by a
-named recipe).
+"""`bertjax finetune glue | classify | embedding | squad | ner | features | multiple-choice`, `eval squad | embedding`,
+`embed` (features of sentences), `predict` (a fine-tuned model on new text), `score` (a checkpoint's GLUE dev scores
+by a named recipe).
 
 The flags come from the fields of `bertjax.finetune.settings`; the jobs (JAX, TensorFlow) are imported only when a
 command runs, so `bertjax --help` stays fast.
@@ -199,7 +199,8 @@ def register(subparsers) -> None:
                              "finished runs and resumes an interrupted one; other settings are refused without this)")
     scored.set_defaults(func=_score)
 
-    evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics: squad")
+    evaluate = subparsers.add_parser("eval", help="score predictions with the official metrics: squad; or a "
+                                                  "checkpoint's sentence embeddings as retrieval and STS: embedding")
     evals = evaluate.add_subparsers(dest="job", required=True)
     squad_eval = evals.add_parser("squad", help="the official SQuAD v1.1 / v2.0 evaluation of a predictions file")
     squad_eval.add_argument("--data", required=True, help="dataset JSON (its 'version' picks v1.1 or v2.0)")
@@ -210,6 +211,29 @@ def register(subparsers) -> None:
                                  "\"\" (the official script's)")
     squad_eval.add_argument("--version", choices=("1.1", "2.0"), help="override the dataset's version")
     squad_eval.set_defaults(func=_eval_squad)
+
+    embedding_eval = evals.add_parser(
+        "embedding", help="a checkpoint's sentence embeddings scored without training: recall@1/5/10, MRR@10, "
+                          "nDCG@10 of held-out SQuAD questions among the file's contexts; STS-B Spearman")
+    embedding_eval.add_argument("--checkpoint", required=True, help=ANY_CHECKPOINT_HELP)
+    embedding_eval.add_argument("--squad", required=True,
+                                help="SQuAD 1.1/2.0 JSON: the answerable questions of half its articles (by a hash of "
+                                     "the title) are the queries, every unique context a passage")
+    embedding_eval.add_argument("--stsb", help="STS-B dev.tsv (GLUE layout): Spearman's rho of the pairs' cosine "
+                                               "similarity against their gold scores")
+    embedding_eval.add_argument("--output", required=True, help="directory for metrics.json and summary.md")
+    embedding_eval.add_argument("--write-train-pairs", metavar="JSONL",
+                                help="also write the other articles' (question, context) pairs as JSON Lines "
+                                     "{anchor, positive}: what `finetune embedding --train` reads, no held-out "
+                                     "question among them")
+    embedding_eval.add_argument("--pooling", choices=("mean", "cls"), default="mean",
+                                help="mean: the mean of the last layer's token vectors (sentence-transformers' "
+                                     "models, all-MiniLM-L6-v2's); cls: the [CLS] vector")
+    embedding_eval.add_argument("--max-seq-length", type=options.ints(3), default=256,
+                                help="tokens per text, [CLS] and [SEP] included; longer ones are cut (256: "
+                                     "all-MiniLM-L6-v2's, most SQuAD contexts whole)")
+    embedding_eval.add_argument("--batch-size", type=options.ints(1), default=64, help="texts per step")
+    embedding_eval.set_defaults(func=_eval_embedding)
 
 
 def _embed(args: argparse.Namespace) -> int:
@@ -630,4 +654,55 @@ def _eval_squad(args: argparse.Namespace) -> int:
 
     print(jsonio.dumps(evaluate_file(args.data, args.predictions, args.na_prob_file, args.na_prob_thresh, args.version),
                      indent=2))
+    return 0
+
+
+def _eval_embedding(args: argparse.Namespace) -> int:
+    import os
+
+    from bertjax.finetune import retrieval
+    from bertjax.finetune.embed import cut_lines, embed_sentences
+    from bertjax.interop.load import load_pretrained
+    from bertjax.runtime.console import Console
+    from bertjax.runtime.outputs import check_file_target, one_writer, write_whole
+
+    route_logging_to_console()
+    console = Console()
+    inputs = [args.squad] + ([args.stsb] if args.stsb else [])
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output} is a file; expected a directory (metrics.json, summary.md)")
+    if args.write_train_pairs:
+        check_file_target(args.write_train_pairs, "--write-train-pairs", inputs)
+    # Both sets are read and checked before the model loads: a bad file fails in seconds.
+    squad = retrieval.squad_retrieval_set(args.squad)
+    stsb = retrieval.stsb_pairs(args.stsb) if args.stsb else None
+    os.makedirs(args.output, exist_ok=True)
+    with one_writer(os.path.join(args.output, "metrics.json"), "--output", log=console.line):
+        if args.write_train_pairs:
+            retrieval.write_train_pairs(squad.train_pairs, args.write_train_pairs)
+            console.line(f"wrote {args.write_train_pairs}: {len(squad.train_pairs)} (question, context) pairs of "
+                         f"{len(squad.train_titles)} article(s) ({', '.join(squad.train_titles) or 'none'})")
+        loaded = load_pretrained(args.checkpoint)
+
+        def embedded(texts: list[str], what: str):
+            cut = cut_lines(loaded, texts, args.max_seq_length)
+            if cut:  # embedded from their first tokens: said, not silent
+                console.line(f"{len(cut)} of {len(texts)} {what} longer than --max-seq-length {args.max_seq_length} "
+                             "tokens, cut to it")
+            return embed_sentences(loaded, texts, pooling=args.pooling, max_len=args.max_seq_length,
+                                   batch_size=args.batch_size)
+
+        metrics = {"checkpoint": args.checkpoint, "pooling": args.pooling, "max_seq_length": args.max_seq_length,
+                   "squad": {"file": args.squad, "queries": len(squad.queries), "passages": len(squad.passages),
+                             "heldout_titles": squad.heldout_titles, "train_titles": squad.train_titles,
+                             "scores": retrieval.retrieval_scores(embedded(squad.queries, "questions"),
+                                                                  embedded(squad.passages, "contexts"),
+                                                                  squad.positives)}}
+        if stsb is not None:
+            metrics["stsb"] = {"file": args.stsb, "pairs": len(stsb), "spearman": retrieval.sts_spearman(
+                embedded(stsb.text_a, "first sentences"), embedded(stsb.text_b, "second sentences"), stsb.labels)}
+        write_whole(os.path.join(args.output, "metrics.json"), jsonio.dumps(metrics, indent=2) + "\n")
+        write_whole(os.path.join(args.output, "summary.md"), retrieval.summary_markdown(metrics))
+    console.line(f"scores in {args.output}: metrics.json, summary.md")
+    print(retrieval.summary_markdown(metrics), end="")
     return 0

@@ -17,7 +17,7 @@ import numpy as np
 
 from bertjax.runtime import jsonio
 from bertjax.runtime.console import Console, metric_text
-from bertjax.finetune import glue_data, glue_metrics
+from bertjax.finetune import glue_data, glue_metrics, run_record
 from bertjax.finetune.settings import TrainSettings, check_metric_for_best
 from bertjax.finetune.trainer import (
     Trainer,
@@ -177,11 +177,7 @@ def run_all(data: str, workdir: str, settings: TrainSettings, *, init: str, task
     done = [r["score"] for r in rows.values() if "score" in r]
     summary = {"tasks": rows, "glue_average": float(np.mean(done)) if done else None,
                "tasks_scored": len(done), "tasks_total": len(tasks)}
-    os.makedirs(workdir, exist_ok=True)
-    with open_whole(os.path.join(workdir, "summary.json"), "w") as f:
-        jsonio.dump(summary, f, indent=2)
-    with open_whole(os.path.join(workdir, "summary.md"), "w") as f:
-        f.write(summary_table(summary))
+    run_record.write_summary(workdir, summary, summary_table(summary))
     return summary
 
 

@@ -14,9 +14,9 @@ import os
 
 from etils import epath
 
-from bertjax.runtime import workdir_paths
+from bertjax.runtime import jsonio, workdir_paths
 from bertjax.runtime.input_files import INPUT_KEY, read_json
-from bertjax.runtime.outputs import write_whole
+from bertjax.runtime.outputs import open_whole, write_whole
 
 RUN_RECORD = "run.json"
 TRAIN_STATE = "train_state"
@@ -127,3 +127,12 @@ def claim(workdir: str, record: dict, *, overwrite: bool, log, subruns: tuple[st
 def _shown(value) -> str:
     """A setting's value as the user typed it ("" as '')."""
     return repr(value) if value in ("", None) else str(value)
+
+
+def write_summary(directory: str, summary: dict, table: str) -> None:
+    """A finished multi-task run's summary.json and its Markdown table summary.md, each written whole."""
+    os.makedirs(directory, exist_ok=True)
+    with open_whole(os.path.join(directory, "summary.json"), "w") as f:
+        jsonio.dump(summary, f, indent=2)
+    with open_whole(os.path.join(directory, "summary.md"), "w") as f:
+        f.write(table)

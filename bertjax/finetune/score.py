@@ -27,12 +27,10 @@ import os
 
 import numpy as np
 
-from bertjax.finetune import glue_data
+from bertjax.finetune import glue_data, run_record
 from bertjax.finetune.settings import TrainSettings
 from bertjax.options import floats, ints, option, range_problems
-from bertjax.runtime import jsonio
 from bertjax.runtime.input_files import read_json
-from bertjax.runtime.outputs import open_whole
 
 SOURCE = ("MosaicBERT's GLUE recipe (Portes et al. 2023; mosaicml/examples benchmarks/bert "
           "src/glue/finetuning_jobs.py)")
@@ -167,7 +165,6 @@ def score(checkpoint: str, data: str, out: str, settings: ScoreSettings, *, over
     run finished earlier)."""
     from bertjax.checkpoint import resolve_checkpoint
     from bertjax.finetune import glue
-    from bertjax.finetune.run_record import claim
     from bertjax.interop.hub import local_model_path
     from bertjax.interop.load import load_init
     from bertjax.runtime.input_files import input_fingerprints
@@ -194,7 +191,7 @@ def score(checkpoint: str, data: str, out: str, settings: ScoreSettings, *, over
                 where, train = run_dir(out, task, seed), settings.train_settings(task, seed)
                 record = {"job": "score", "task": task, "seed": seed, "data": data, "init": source,
                           "max_seq_length": settings.max_seq_length, **dataclasses.asdict(train), **inputs}
-                if claim(where, record, overwrite=overwrite, log=log) == "completed":
+                if run_record.claim(where, record, overwrite=overwrite, log=log) == "completed":
                     log(f"{task} seed {seed}: finished earlier ({where}/metrics.json)")
                     result = read_json(os.path.join(where, "metrics.json"), "a finished task's metrics (JSON)")
                 else:
@@ -206,11 +203,7 @@ def score(checkpoint: str, data: str, out: str, settings: ScoreSettings, *, over
                 runs.setdefault(task, []).append({"seed": seed, "metrics": result["metrics"],
                                                   "score": result["score"], "run": os.path.relpath(where, out)})
         summary = summarize(runs, missing, source=source, data=data, settings=settings)
-        os.makedirs(out, exist_ok=True)
-        with open_whole(os.path.join(out, "summary.json"), "w") as f:
-            jsonio.dump(summary, f, indent=2)
-        with open_whole(os.path.join(out, "summary.md"), "w") as f:
-            f.write(summary_table(summary))
+        run_record.write_summary(out, summary, summary_table(summary))
     return summary
 
 
