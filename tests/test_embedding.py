@@ -15,7 +15,7 @@ import pytest
 
 from bertjax import sharding
 from bertjax.cli import main as bertjax_main
-from bertjax.finetune import contrastive, embedding
+from bertjax.finetune import contrastive, embedding, retrieval
 from bertjax.interop import convert
 from bertjax.interop.load import load_init
 from bertjax.model import layer_layout
@@ -216,6 +216,10 @@ def test_job_exports_a_sentence_transformers_model_that_embeds_as_bertjax_embed(
     theirs = model.encode(ANCHORS, convert_to_numpy=True)
     ours = _embed(str(work / "checkpoint"), ANCHORS, tmp_path)
     np.testing.assert_allclose(theirs, _unit(ours), atol=2e-5)
+    # The dev pairs scored as retrieval: the job's scores are those of the export's embeddings.
+    expected = retrieval.retrieval_scores(model.encode(ANCHORS[:4]), model.encode(POSITIVES[:4]), [0, 1, 2, 3])
+    assert set(result["metrics"]["dev"]) == {"recall@1", "recall@5", "recall@10", "mrr@10", "ndcg@10"}
+    assert result["metrics"]["dev"] == pytest.approx(expected, abs=1e-6)
     np.testing.assert_allclose(np.linalg.norm(theirs, axis=-1), 1.0, atol=1e-5)
 
 
@@ -245,7 +249,7 @@ def test_modernbert_job_runs_and_exports(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flags, said", [
     (["--grad-accum-steps", "2"], r"--grad-accum-steps: the ranking loss scores each anchor against the whole batch"),
-    (["--metric-for-best", "loss"], r"--metric-for-best loss: `finetune embedding` computes no dev metrics"),
+    (["--metric-for-best", "loss"], r"--metric-for-best loss: `finetune embedding` scores its --dev pairs once, at the end"),
     (["--pooling", "max"], r"pooling='max' must be one of mean, cls"),
     (["--scale", "0"], r"argument --scale: must be in \(0, 100\], got 0"),
 ])

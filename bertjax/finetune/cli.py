@@ -78,7 +78,8 @@ def register(subparsers) -> None:
                           "directory with --export-hf")
     embedding.add_argument("--train", required=True, help="training pairs: .csv, .tsv, .jsonl or .parquet, local, "
                                                           "with a header (CSV/TSV) naming the columns")
-    embedding.add_argument("--dev", help="held-out pairs, embedded by the trained model at the end")
+    embedding.add_argument("--dev", help="held-out pairs, scored at the end as retrieval: each anchor's positive "
+                                          "among all their positives (recall@1/5/10, MRR@10, nDCG@10)")
     embedding.add_argument("--anchor-column", default="anchor", help="the column holding the anchor (query)")
     embedding.add_argument("--positive-column", default="positive", help="the column holding its positive")
     embedding.add_argument("--negative-column", default="negative",

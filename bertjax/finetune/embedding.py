@@ -6,9 +6,10 @@ row named by file:line and column), each text tokenized alone ([CLS] text [SEP],
 Transformer module does) into [N, k, L] rows: anchor, positive, then the hard negative where the file has one. The
 shared Trainer trains a `SentenceEmbedder` with contrastive.py's ranking loss over the global batch (every anchor
 scored against every device's positives and negatives), cached in chunks with --cache-chunk. Writes to the workdir:
-metrics.json, the training curve, the model as a bertjax checkpoint (WORKDIR/checkpoint, an encoder any job's --init
-reads) and, with --export-hf, WORKDIR/hf: a sentence-transformers directory (modules.json, the transformer's HF
-weights and tokenizer, 1_Pooling, 2_Normalize when normalised) that `SentenceTransformer(dir)` loads.
+metrics.json (the --dev pairs scored as retrieval), the training curve, the model as a bertjax checkpoint
+(WORKDIR/checkpoint, an encoder any job's --init reads) and, with --export-hf, WORKDIR/hf: a sentence-transformers
+directory (modules.json, the transformer's HF weights and tokenizer, 1_Pooling, 2_Normalize when normalised) that
+`SentenceTransformer(dir)` loads.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from bertjax.finetune import contrastive, table_data
+from bertjax.finetune import contrastive, retrieval, table_data
 from bertjax.finetune.settings import EmbeddingSettings, TrainSettings
 from bertjax.finetune.trainer import Trainer, write_fine_tuned
 from bertjax.interop.hf import export_hf
@@ -28,7 +29,7 @@ from bertjax.interop.load import load_init
 from bertjax.model import layer_layout
 from bertjax.model.sentence_embedder import SentenceEmbedder
 from bertjax.runtime import jsonio
-from bertjax.runtime.console import Console
+from bertjax.runtime.console import Console, metric_text
 from bertjax.runtime.outputs import replaced_when_whole, write_whole
 
 # The sentence-transformers release the export is checked against (tests/test_embedding.py loads it there); the layout
@@ -86,8 +87,8 @@ def check_settings(settings: TrainSettings) -> None:
         raise ValueError("--grad-accum-steps: the ranking loss scores each anchor against the whole batch, which "
                          "micro-batches would cut; --cache-chunk N trains the same batch in chunks of N rows")
     if settings.metric_for_best:
-        raise ValueError(f"--metric-for-best {settings.metric_for_best}: `finetune embedding` computes no dev metrics "
-                         "to choose by (its --dev pairs are embedded at the end)")
+        raise ValueError(f"--metric-for-best {settings.metric_for_best}: `finetune embedding` scores its --dev pairs "
+                         "once, at the end: no evaluation during training to choose by")
 
 
 class EmbeddingTrainer(Trainer):
@@ -121,11 +122,15 @@ def embed_texts(trainer: Trainer, texts: list[str], tokenizer, max_seq_length: i
     return trainer.predict(features)
 
 
-def dev_embeddings(trainer: Trainer, pairs: Pairs, tokenizer, max_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """The trained model's embeddings of the --dev file's anchors and of its positives, [N, H] each: what a
-    retrieval evaluation scores (each anchor's positive among all the positives)."""
-    return (embed_texts(trainer, pairs.anchors, tokenizer, max_seq_length),
-            embed_texts(trainer, pairs.positives, tokenizer, max_seq_length))
+def dev_retrieval(trainer: Trainer, pairs: Pairs, tokenizer, max_seq_length: int) -> dict[str, float]:
+    """The --dev pairs scored as retrieval (retrieval.retrieval_scores: recall@1/5/10, MRR@10, nDCG@10): each anchor's
+    positive ranked among all the file's positives, each distinct text once (a repeated one would rank beside
+    itself as a miss)."""
+    passages = list(dict.fromkeys(pairs.positives))
+    index = {text: i for i, text in enumerate(passages)}
+    return retrieval.retrieval_scores(embed_texts(trainer, pairs.anchors, tokenizer, max_seq_length),
+                                      embed_texts(trainer, passages, tokenizer, max_seq_length),
+                                      [index[text] for text in pairs.positives])
 
 
 def write_sentence_transformers(params, init, out_dir: str, embedding: EmbeddingSettings, max_seq_length: int) -> None:
@@ -196,10 +201,10 @@ def run(train: str, workdir: str, settings: TrainSettings, embedding: EmbeddingS
     del train_features
     metrics: dict = {}
     if dev_pairs is not None:
-        anchors, positives = dev_embeddings(trainer, dev_pairs, tokenizer, max_seq_length)
-        # Where the retrieval evaluation goes: its scores of these (each anchor's positive ranked among all the dev
-        # positives) in metrics["dev"], which the command prints and metrics.json and the model card hold.
-        train_info["num_dev_pairs"] = len(anchors)
+        metrics["dev"] = dev_retrieval(trainer, dev_pairs, tokenizer, max_seq_length)
+        train_info["num_dev_pairs"] = len(dev_pairs.anchors)
+        console.line(f"dev: {len(dev_pairs.anchors):,} anchors, each against the {len(set(dev_pairs.positives)):,} "
+                     f"positives: {metric_text(metrics['dev'])}")
     if embedding.learned_scale:
         train_info["learned_scale"] = float(ranking_loss(embedding).scale_of(jax.device_get(trainer.params)))
     if save_checkpoint:
