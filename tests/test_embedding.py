@@ -249,7 +249,7 @@ def test_modernbert_job_runs_and_exports(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flags, said", [
     (["--grad-accum-steps", "2"], r"--grad-accum-steps: the ranking loss scores each anchor against the whole batch"),
-    (["--metric-for-best", "loss"], r"--metric-for-best loss: `finetune embedding` scores its --dev pairs once, at the end"),
+    (["--metric-for-best", "loss"], r"--metric-for-best loss: `finetune embedding` scores its --dev pairs once"),
     (["--pooling", "max"], r"pooling='max' must be one of mean, cls"),
     (["--scale", "0"], r"argument --scale: must be in \(0, 100\], got 0"),
 ])
