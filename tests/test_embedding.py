@@ -250,6 +250,8 @@ def test_modernbert_job_runs_and_exports(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flags, said", [
     (["--grad-accum-steps", "2"], r"--grad-accum-steps: the ranking loss scores each anchor against the whole batch"),
     (["--metric-for-best", "loss"], r"--metric-for-best loss: `finetune embedding` scores its --dev pairs once"),
+    (["--eval-every", "10"], r"--eval-every: `finetune embedding` has no use for it"),
+    (["--no-predict-test"], r"--predict-test: `finetune embedding` has no use for it"),
     (["--pooling", "max"], r"pooling='max' must be one of mean, cls"),
     (["--scale", "0"], r"argument --scale: must be in \(0, 100\], got 0"),
 ])

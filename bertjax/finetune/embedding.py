@@ -81,6 +81,10 @@ def featurize(columns: list[list[str]], tokenizer, max_seq_length: int) -> dict[
             for key in ("input_ids", "input_mask", "segment_ids")}
 
 
+# The Trainer's settings of a per-step evaluation or a test split, which this job has not.
+UNUSED_SETTINGS = ("eval_every", "early_stopping_patience", "max_eval_examples", "predict_test")
+
+
 def check_settings(settings: TrainSettings) -> None:
     """The Trainer's options this job cannot take, refused before anything loads."""
     if settings.grad_accum_steps > 1:
@@ -89,6 +93,11 @@ def check_settings(settings: TrainSettings) -> None:
     if settings.metric_for_best:
         raise ValueError(f"--metric-for-best {settings.metric_for_best}: `finetune embedding` scores its --dev pairs "
                          "once, at the end: no evaluation during training to choose by")
+    defaults = TrainSettings()
+    for name in UNUSED_SETTINGS:  # a flag taken and ignored would say the run did what it did not
+        if getattr(settings, name) != getattr(defaults, name):
+            raise ValueError(f"--{name.replace('_', '-')}: `finetune embedding` has no use for it (its --dev pairs "
+                             "are scored whole, once, at the end; there is no test split)")
 
 
 class EmbeddingTrainer(Trainer):
