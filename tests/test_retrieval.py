@@ -180,10 +180,14 @@ def test_squad_without_data_and_stsb_with_a_bad_score_are_one_line_before_the_mo
             (["--squad", str(bad_squad)], f"{bad_squad}: not a SQuAD JSON file (no 'data' key)"),
             (["--squad", squad, "--stsb", str(stsb)], f"{stsb}:3: label 'five' is not a number"),
             (["--squad", squad, "--output", str(a_file)],
-             f"--output {a_file} is a file; expected a directory (metrics.json, summary.md)")]:
+             f"--output {a_file} is a file; expected a directory (metrics.json, summary.md)"),
+            ([], "eval embedding: nothing to score; give --squad, --pairs and/or --stsb"),
+            (["--stsb", str(stsb), "--write-train-pairs", str(tmp_path / "p.jsonl")],
+             "--write-train-pairs writes SQuAD's training articles: it needs --squad"),
+            (["--pairs", str(a_file)], f"{a_file}: unknown table format")]:
         code = bertjax_main(["eval", "embedding", "--checkpoint", missing, "--output", str(tmp_path / "out"), *argv])
         lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bertjax ")]
-        assert code == 2 and lines == [f"bertjax eval: error: {expected}"]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"bertjax eval: error: {expected}"), lines
     assert not (tmp_path / "out").exists() and a_file.read_text() == "kept\n"
 
 
@@ -221,6 +225,21 @@ def test_minilm_ranks_held_out_squad_questions_above_chance_and_writes_the_train
     scores = squad["scores"]
     assert scores["recall@10"] == 1.0
     assert _chance_p_value(scores["mrr@10"], squad["queries"], squad["passages"]) < 0.05, scores
+
+    # The written pairs scored as held-out pairs (--pairs): each anchor's positive among the distinct positives,
+    # the scores those of sentence-transformers' MiniLM embeddings (mean pooling, 256 tokens) ranked alike.
+    assert bertjax_main(["eval", "embedding", "--checkpoint", str(minilm_dir), "--pairs", str(pairs), "--output",
+                         str(tmp_path / "pairs")]) == 0
+    scored = json.loads((tmp_path / "pairs" / "metrics.json").read_text())["pairs"]
+    passages = list(dict.fromkeys(row["positive"] for row in train))
+    assert (scored["queries"], scored["passages"]) == (len(train), len(passages))
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(minilm_dir), device="cpu", local_files_only=True)
+    model.max_seq_length = 256
+    theirs = retrieval_scores(model.encode([row["anchor"] for row in train]), model.encode(passages),
+                              [passages.index(row["positive"]) for row in train])
+    assert scored["scores"] == pytest.approx(theirs, abs=1e-6)
 
 
 @pytest.mark.slow  # 3 min on the 2-core machine (busy): 3,000 sentences through MiniLM

@@ -215,11 +215,15 @@ def register(subparsers) -> None:
 
     embedding_eval = evals.add_parser(
         "embedding", help="a checkpoint's sentence embeddings scored without training: recall@1/5/10, MRR@10, "
-                          "nDCG@10 of held-out SQuAD questions among the file's contexts; STS-B Spearman")
+                          "nDCG@10 of held-out SQuAD questions among the file's contexts, or of held-out pairs; "
+                          "STS-B Spearman")
     embedding_eval.add_argument("--checkpoint", required=True, help=ANY_CHECKPOINT_HELP)
-    embedding_eval.add_argument("--squad", required=True,
+    embedding_eval.add_argument("--squad",
                                 help="SQuAD 1.1/2.0 JSON: the answerable questions of half its articles (by a hash of "
                                      "the title) are the queries, every unique context a passage")
+    embedding_eval.add_argument("--pairs", help="held-out (anchor, positive) pairs, as `finetune embedding --dev` "
+                                                "reads and scores them: each anchor's positive among the distinct "
+                                                "positives")
     embedding_eval.add_argument("--stsb", help="STS-B dev.tsv (GLUE layout): Spearman's rho of the pairs' cosine "
                                                "similarity against their gold scores")
     embedding_eval.add_argument("--output", required=True, help="directory for metrics.json and summary.md")
@@ -669,13 +673,20 @@ def _eval_embedding(args: argparse.Namespace) -> int:
 
     route_logging_to_console()
     console = Console()
-    inputs = [args.squad] + ([args.stsb] if args.stsb else [])
+    from bertjax.finetune.embedding import PairSpec, read_pairs
+
+    inputs = [path for path in (args.squad, args.pairs, args.stsb) if path]
+    if not inputs:
+        raise ValueError("eval embedding: nothing to score; give --squad, --pairs and/or --stsb")
+    if args.write_train_pairs and not args.squad:
+        raise ValueError("--write-train-pairs writes SQuAD's training articles: it needs --squad")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise ValueError(f"--output {args.output} is a file; expected a directory (metrics.json, summary.md)")
     if args.write_train_pairs:
         check_file_target(args.write_train_pairs, "--write-train-pairs", inputs)
     # Both sets are read and checked before the model loads: a bad file fails in seconds.
-    squad = retrieval.squad_retrieval_set(args.squad)
+    squad = retrieval.squad_retrieval_set(args.squad) if args.squad else None
+    pairs = read_pairs(args.pairs, PairSpec()) if args.pairs else None
     stsb = retrieval.stsb_pairs(args.stsb) if args.stsb else None
     os.makedirs(args.output, exist_ok=True)
     with one_writer(os.path.join(args.output, "metrics.json"), "--output", log=console.line):
@@ -693,12 +704,18 @@ def _eval_embedding(args: argparse.Namespace) -> int:
             return embed_sentences(loaded, texts, pooling=args.pooling, max_len=args.max_seq_length,
                                    batch_size=args.batch_size)
 
-        metrics = {"checkpoint": args.checkpoint, "pooling": args.pooling, "max_seq_length": args.max_seq_length,
-                   "squad": {"file": args.squad, "queries": len(squad.queries), "passages": len(squad.passages),
-                             "heldout_titles": squad.heldout_titles, "train_titles": squad.train_titles,
-                             "scores": retrieval.retrieval_scores(embedded(squad.queries, "questions"),
-                                                                  embedded(squad.passages, "contexts"),
-                                                                  squad.positives)}}
+        metrics = {"checkpoint": args.checkpoint, "pooling": args.pooling, "max_seq_length": args.max_seq_length}
+        if squad is not None:
+            metrics["squad"] = {"file": args.squad, "queries": len(squad.queries), "passages": len(squad.passages),
+                                "heldout_titles": squad.heldout_titles, "train_titles": squad.train_titles,
+                                "scores": retrieval.retrieval_scores(embedded(squad.queries, "questions"),
+                                                                     embedded(squad.passages, "contexts"),
+                                                                     squad.positives)}
+        if pairs is not None:
+            passages, positives = retrieval.distinct_passages(pairs.positives)
+            metrics["pairs"] = {"file": args.pairs, "queries": len(pairs.anchors), "passages": len(passages),
+                                "scores": retrieval.retrieval_scores(embedded(pairs.anchors, "anchors"),
+                                                                     embedded(passages, "positives"), positives)}
         if stsb is not None:
             metrics["stsb"] = {"file": args.stsb, "pairs": len(stsb), "spearman": retrieval.sts_spearman(
                 embedded(stsb.text_a, "first sentences"), embedded(stsb.text_b, "second sentences"), stsb.labels)}

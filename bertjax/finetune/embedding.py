@@ -133,13 +133,10 @@ def embed_texts(trainer: Trainer, texts: list[str], tokenizer, max_seq_length: i
 
 def dev_retrieval(trainer: Trainer, pairs: Pairs, tokenizer, max_seq_length: int) -> dict[str, float]:
     """The --dev pairs scored as retrieval (retrieval.retrieval_scores: recall@1/5/10, MRR@10, nDCG@10): each anchor's
-    positive ranked among all the file's positives, each distinct text once (a repeated one would rank beside
-    itself as a miss)."""
-    passages = list(dict.fromkeys(pairs.positives))
-    index = {text: i for i, text in enumerate(passages)}
+    positive ranked among all the file's positives (retrieval.distinct_passages)."""
+    passages, positives = retrieval.distinct_passages(pairs.positives)
     return retrieval.retrieval_scores(embed_texts(trainer, pairs.anchors, tokenizer, max_seq_length),
-                                      embed_texts(trainer, passages, tokenizer, max_seq_length),
-                                      [index[text] for text in pairs.positives])
+                                      embed_texts(trainer, passages, tokenizer, max_seq_length), positives)
 
 
 def write_sentence_transformers(params, init, out_dir: str, embedding: EmbeddingSettings, max_seq_length: int) -> None:

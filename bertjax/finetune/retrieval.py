@@ -174,6 +174,14 @@ def squad_retrieval_set(path: str, heldout_fraction: float = 0.5) -> RetrievalSe
                         sorted({a["title"] for a in titled} - held))
 
 
+def distinct_passages(positives: Sequence[str]) -> tuple[list[str], list[int]]:
+    """Held-out (anchor, positive) pairs as retrieval: the distinct positive texts (the passages, each once: a
+    repeated one would rank beside itself as a miss) and, for each pair, its positive's index among them."""
+    passages = list(dict.fromkeys(positives))
+    index = {text: i for i, text in enumerate(passages)}
+    return passages, [index[text] for text in positives]
+
+
 def write_train_pairs(pairs: Sequence[tuple[str, str]], target: str) -> None:
     """The pairs as JSON Lines with sentence-transformers' column names, {"anchor": ..., "positive": ...} a line,
     written whole (what `bertjax finetune embedding --train` reads)."""
@@ -202,6 +210,10 @@ def summary_markdown(metrics: dict) -> str:
     if squad:
         name = f"SQuAD held-out ({squad['queries']} questions, {squad['passages']} passages)"
         lines += [f"| {name} | {key} | {value:.4f} |" for key, value in squad["scores"].items()]
+    pairs = metrics.get("pairs")
+    if pairs:
+        name = f"{pairs['file']} ({pairs['queries']} anchors, {pairs['passages']} positives)"
+        lines += [f"| {name} | {key} | {value:.4f} |" for key, value in pairs["scores"].items()]
     stsb = metrics.get("stsb")
     if stsb:
         lines.append(f"| STS-B ({stsb['pairs']} pairs) | spearman_cosine | {stsb['spearman']:.4f} |")
