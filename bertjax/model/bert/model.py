@@ -129,7 +129,10 @@ def table_gradient(table, ids, rows):
 
 
 def take_rows(table, ids):
-    """`jnp.take(table, ids, axis=0)` (the same bits) whose gradient is `table_gradient`'s."""
+    """`jnp.take(table, ids, axis=0)` (the same bits); off TPU its gradient is `table_gradient`'s (on TPU, as
+    `summed_embeddings`, XLA:TPU is left its own differentiation)."""
+    if target_platform() == "tpu":
+        return jnp.take(table, ids, axis=0)
     return _take_rows(table, ids)
 
 
