@@ -116,6 +116,44 @@ def _summed(word, positions, types, input_ids, segment_ids):
             + small_table_lookup(types, segment_ids))
 
 
+def table_gradient(table, ids, rows):
+    """The gradient of `table[ids]` whose cotangent is `rows` [ids.size, H]: autodiff's scatter-add into a zeroed
+    table, the zeros made only once `rows` exists. Differentiated as written, the zeros depend on nothing and
+    XLA:CPU made them in the forward pass, so the whole table (ModernBERT's 50,368 x 768: 148 MiB) was held through
+    the backward pass's peak; torch allocates it at the end of its backward. The zero is computed from a value of
+    `rows` (an optimization barrier on a constant is folded away on XLA:CPU); +0.0 whatever that value is (NaN and
+    infinities made finite first), and a float x * 0 XLA does not fold: the same bits as autodiff's zeros."""
+    first = rows.reshape(-1)[0]
+    zero = jnp.abs(jnp.nan_to_num(first, nan=0.0, posinf=0.0, neginf=0.0) * 0)
+    return jnp.broadcast_to(zero, table.shape).astype(table.dtype).at[ids.reshape(-1)].add(rows)
+
+
+def take_rows(table, ids):
+    """`jnp.take(table, ids, axis=0)` (the same bits); off TPU its gradient is `table_gradient`'s (on TPU, as
+    `summed_embeddings`, XLA:TPU is left its own differentiation)."""
+    if target_platform() == "tpu":
+        return jnp.take(table, ids, axis=0)
+    return _take_rows(table, ids)
+
+
+@jax.custom_vjp
+def _take_rows(table, ids):
+    return jnp.take(table, ids, axis=0)
+
+
+def _take_rows_forward(table, ids):
+    # The table itself (a param, in memory anyway) for its shape and dtype: a zeros residual would be written here.
+    return jnp.take(table, ids, axis=0), (table, ids)
+
+
+def _take_rows_backward(saved, dx):
+    table, ids = saved
+    return table_gradient(table, ids, dx.reshape(-1, dx.shape[-1]).astype(table.dtype)), None
+
+
+_take_rows.defvjp(_take_rows_forward, _take_rows_backward)
+
+
 @jax.custom_vjp
 def _summed_embeddings(word, positions, types, input_ids, segment_ids):
     return _summed(word, positions, types, input_ids, segment_ids)
@@ -129,7 +167,7 @@ def _summed_embeddings_forward(word, positions, types, input_ids, segment_ids):
 def _summed_embeddings_backward(saved, dx):
     word, types, input_ids, segment_ids = saved
     rows = dx.reshape(-1, dx.shape[-1]).astype(word.dtype)
-    dword = jnp.zeros(word.shape, word.dtype).at[input_ids.reshape(-1)].add(rows)   # autodiff's scatter-add
+    dword = table_gradient(word, input_ids, rows)
     # Reductions over the major axis only: the positions' over the batch ([B, L * H] rows), each token type's
     # over all rows ([B * L, H]).
     dpositions = dx.reshape(dx.shape[0], -1).sum(0).reshape(dx.shape[1:])

@@ -24,7 +24,7 @@ from bertjax.model import rope
 from bertjax.model.kernels.tpu import rope_tpu
 from bertjax.model.attention import (FUSED_DROPOUT_BACKENDS, FUSED_DROPOUT_MIN_LENGTH, dot_product_attention,
                                      resolve_backend, stacked_gpu_attention)
-from bertjax.model.bert.model import activation, gated_activation, gather_positions, init_params as _init_params
+from bertjax.model.bert.model import activation, gated_activation, gather_positions, init_params as _init_params, take_rows
 from bertjax.model.dropout import Dropout
 from bertjax.model.layer_norm import layer_norm, sum_and_layer_norm
 from bertjax.model.modernbert.config import ModernBertConfig
@@ -114,7 +114,7 @@ class Embeddings(nn.Module):
         self.drop = Dropout(c.embedding_dropout)
 
     def __call__(self, input_ids, deterministic: bool):
-        x = jnp.take(self.tok_embeddings, input_ids, axis=0)
+        x = take_rows(self.tok_embeddings, input_ids)  # its gradient's zeroed table made late (`table_gradient`)
         return self.drop(self.norm(x), deterministic=deterministic)
 
     def attend(self, x):
