@@ -121,6 +121,7 @@ def report(step: EmbeddingStep, topology: Topology, compiled: CompiledStep,
         return chips * price_per_chip_hour * step_seconds / 3600 / step.batch_size * 1e6
 
     collectives = {} if estimate is None else estimate.collectives_by_kind()
+    chunks = step.batch_size // step.cache_chunk if step.cache_chunk and step.batch_size > step.cache_chunk else 1
     return {
         "task": "embedding", "topology": topology.topology, "accelerator_type": topology.accelerator_type,
         "chip": "GPU" if is_gpu(topology) else "chip", "num_slices": topology.num_slices, "chips": chips,
@@ -137,7 +138,10 @@ def report(step: EmbeddingStep, topology: Topology, compiled: CompiledStep,
         "collectives": collectives,
         "all_gather_bytes_per_chip": collectives.get("all-gather", {}).get("bytes"),
         "model_flops_per_step": model_flops,
-        "xla_flops_per_step": None if compiled.xla_flops_per_chip is None else compiled.xla_flops_per_chip * chips,
+        # XLA's cost analysis counts a loop's body once: a cached step's is scaled by its chunks (which counts the
+        # loss and the update, a small part of it, that many times too), as compile.py scales accumulation.
+        "xla_flops_per_step": None if compiled.xla_flops_per_chip is None else
+        compiled.xla_flops_per_chip * chips * chunks,
         "clock_hz": None if is_gpu(topology) else GENERATIONS[topology.generation].clock_hz,
         "step_time_source": "none" if estimate is None else "estimated",
         "estimated_step_seconds": seconds, "estimated_step_seconds_high": high,
