@@ -123,6 +123,8 @@ def test_the_command_checks_its_flags_before_compiling(capsys, monkeypatch):
                        (["--init-config", "mini", "--max-seq-length", "4096"], "--max-seq-length")):
         assert bertjax_main(base + args) == 2, args
         assert said in capsys.readouterr().err.strip().splitlines()[-1], args
+    assert bertjax_main(["compile", "--topology", "v5e:2x2"]) == 2  # neither step named
+    assert "give --config (a pretraining preset) or --embedding --init-config MODEL" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a compile of its own through the command (~1 min on a busy 2-core machine)
