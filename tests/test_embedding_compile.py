@@ -138,6 +138,7 @@ def test_the_command_prints_the_report_in_json(capsys, tmp_path):
                          "--batch-size", "64", "--max-seq-length", "32", "--price-per-chip-hour", "1.2",
                          "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert (result["task"], result["global_batch"], result["hidden_size"], result["fits"]) == ("embedding", 64, 64, True)
+    assert (result["task"], result["global_batch"], result["hidden_size"], result["fits"]) == ("embedding", 64, 64,
+                                                                                                True)
     assert result["usd_per_million_pairs"] == pytest.approx(
         4 * 1.2 * result["estimated_step_seconds"] / 3600 / 64 * 1e6)

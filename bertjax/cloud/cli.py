@@ -44,13 +44,14 @@ def register(subparsers) -> None:
     aot.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     embedding = aot.add_argument_group("the embedding step (`finetune embedding`'s) instead of pretraining's")
     embedding.add_argument("--embedding", action="store_true", help="compile `finetune embedding`'s train step (the "
-                           "ranking loss over the global batch, the candidates all-gathered): fit, the gather, pairs/s, "
-                           "the price per million pairs; --fit-batch: the largest global batch that fits")
+                           "ranking loss over the global batch, the candidates all-gathered): fit, the gather, pairs/s,"
+                           " the price per million pairs; --fit-batch: the largest global batch that fits")
     embedding.add_argument("--init-config", metavar="MODEL", help="with --embedding: the encoder, a model preset "
                            "(bert-base, modernbert-base, ...) or a config.json (no weights needed)")
     embedding.add_argument("--batch-size", type=options.ints(1), default=1024, help="with --embedding: the global "
                            "batch of (anchor, positive) rows")
-    embedding.add_argument("--max-seq-length", type=options.ints(1), default=128, help="with --embedding: tokens a text")
+    embedding.add_argument("--max-seq-length", type=options.ints(1), default=128,
+                           help="with --embedding: tokens a text")
     embedding.add_argument("--hard-negatives", action="store_true", help="with --embedding: a hard negative a row")
     embedding.add_argument("--cache-chunk", type=options.ints(0), default=0, help="with --embedding: cached gradients "
                            "in chunks of this many rows (0: one pass)")
@@ -184,7 +185,7 @@ def _compile_embedding(args: argparse.Namespace, topology) -> int:
     pretraining_only = [flag for flag, given in (("--config", args.config), ("--set", args.overrides),
                                                  ("--mfu", args.mfu), ("--dump-hlo", args.dump_hlo)) if given]
     if pretraining_only or not args.init_config:
-        raise ValueError(f"--embedding takes --init-config MODEL" + (f", not {', '.join(pretraining_only)} (the "
+        raise ValueError("--embedding takes --init-config MODEL" + (f", not {', '.join(pretraining_only)} (the "
                          "pretraining step's)" if pretraining_only else ""))
     step = embedding_compile.EmbeddingStep(
         embedding_compile.model_config(args.init_config), args.batch_size, args.max_seq_length,

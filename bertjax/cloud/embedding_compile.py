@@ -182,7 +182,8 @@ def fit_batch(step: EmbeddingStep, topology: Topology, devices: list, price_per_
             found = results[batch]
             log(f"--fit-batch: {batch:,} needs {found['hbm_bytes_per_chip'] / 2**30:.2f} GiB of "
                 f"{found['hbm_capacity_bytes_per_chip'] / 2**30:.2f} per chip: "
-                f"{'fits' if found['fits'] else 'does not fit'} (compiled in {duration(time.perf_counter() - started)})")
+                f"{'fits' if found['fits'] else 'does not fit'} "
+                f"(compiled in {duration(time.perf_counter() - started)})")
         return results[batch]
 
     batch = max(unit, step.batch_size // unit * unit)
@@ -236,10 +237,12 @@ def describe(result: dict) -> str:
     seconds = result["estimated_step_seconds"]
     if seconds is not None:
         high = result["estimated_step_seconds_high"]
-        lines.append(f"step time, XLA's estimate (not a measurement): {_range(seconds * 1e3, high and high * 1e3, '{:.1f}')}"
+        shown = _range(seconds * 1e3, high and high * 1e3, '{:.1f}')
+        lines.append(f"step time, XLA's estimate (not a measurement): {shown}"
                      f" ms, {100 * result['estimated_mfu']:.1f}% MFU, {result['pairs_per_second']:,.0f} pairs/s")
         price = result["price_per_chip_hour"]
-        lines.append(f"cost: ${_range(result['usd_per_million_pairs'], result['usd_per_million_pairs_high'], '{:,.4f}')}"
+        usd = _range(result['usd_per_million_pairs'], result['usd_per_million_pairs_high'], '{:,.4f}')
+        lines.append(f"cost: ${usd}"
                      f" per million pairs at ${price:g} per {result['chip']}-hour" if price is not None else
                      "cost: give --price-per-chip-hour USD for the price per million pairs")
     if "fit_resolution" in result:
