@@ -23,7 +23,7 @@ from bertjax import options
 def register(subparsers) -> None:
     aot = subparsers.add_parser("compile", help="compile the pretraining step for a TPU slice or a GPU host on "
                                 "this machine: HBM fit, FLOPs, time and chip-hours before renting it")
-    aot.add_argument("--config", required=True, help="preset name in configs/ or a .py path")
+    aot.add_argument("--config", help="preset name in configs/ or a .py path (the pretraining step; or --embedding)")
     aot.add_argument("--topology", required=True, help="gcloud accelerator type (v5litepod-16, v4-32, v5p-16, "
                      "v6e-16) or topology (v5e:4x4, v4:2x2x4); or a GPU host: h100, h200, a100, or K cards on one "
                      "host such as h100x8 (needs the gpu extra)")
@@ -42,6 +42,21 @@ def register(subparsers) -> None:
                      "the cost is the chip-hours at it, on one line and in --json as cost_usd (no price list is "
                      "built in)")
     aot.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    embedding = aot.add_argument_group("the embedding step (`finetune embedding`'s) instead of pretraining's")
+    embedding.add_argument("--embedding", action="store_true", help="compile `finetune embedding`'s train step (the "
+                           "ranking loss over the global batch, the candidates all-gathered): fit, the gather, pairs/s,"
+                           " the price per million pairs; --fit-batch: the largest global batch that fits")
+    embedding.add_argument("--init-config", metavar="MODEL", help="with --embedding: the encoder, a model preset "
+                           "(bert-base, modernbert-base, ...) or a config.json (no weights needed)")
+    embedding.add_argument("--batch-size", type=options.ints(1), default=1024, help="with --embedding: the global "
+                           "batch of (anchor, positive) rows")
+    embedding.add_argument("--max-seq-length", type=options.ints(1), default=128,
+                           help="with --embedding: tokens a text")
+    embedding.add_argument("--hard-negatives", action="store_true", help="with --embedding: a hard negative a row")
+    embedding.add_argument("--cache-chunk", type=options.ints(0), default=0, help="with --embedding: cached gradients "
+                           "in chunks of this many rows (0: one pass)")
+    embedding.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                           help="with --embedding: the matmuls' compute dtype (finetune's --dtype)")
     aot.set_defaults(func=_compile)
 
     launch = subparsers.add_parser(
@@ -114,6 +129,10 @@ def _compile(args: argparse.Namespace) -> int:
     from bertjax.pretraining import config as pretrain_config
 
     topology = tpu_compile.parse_target(args.topology, args.num_slices)
+    if args.embedding:
+        return _compile_embedding(args, topology)
+    if not args.config:
+        raise ValueError("give --config (a pretraining preset) or --embedding --init-config MODEL")
     config = pretrain_config.load_config(args.config, args.overrides, require_data=False)
     if args.dump_hlo:
         from bertjax.runtime.outputs import check_file_target, one_writer
@@ -153,6 +172,40 @@ def _compiled(args: argparse.Namespace, config, topology) -> int:
                 if fit["fits"] else
                 "no grad_accum_steps fits either: try a larger mesh.fsdp or more chips")
         print(f"bertjax compile: the step does not fit HBM: {over:.2f} GiB per chip over; {hint}", file=sys.stderr)
+    return 0 if result["fits"] else 1
+
+
+def _compile_embedding(args: argparse.Namespace, topology) -> int:
+    """`compile --embedding`: `finetune embedding`'s step for `topology`, and with --fit-batch the largest batch."""
+    from bertjax.cloud import compile as tpu_compile
+    from bertjax.cloud import embedding_compile
+    from bertjax.runtime import jsonio
+    from bertjax.runtime.console import Console, duration
+
+    pretraining_only = [flag for flag, given in (("--config", args.config), ("--set", args.overrides),
+                                                 ("--mfu", args.mfu), ("--dump-hlo", args.dump_hlo)) if given]
+    if pretraining_only or not args.init_config:
+        raise ValueError("--embedding takes --init-config MODEL" + (f", not {', '.join(pretraining_only)} (the "
+                         "pretraining step's)" if pretraining_only else ""))
+    step = embedding_compile.EmbeddingStep(
+        embedding_compile.model_config(args.init_config), args.batch_size, args.max_seq_length,
+        args.hard_negatives, args.cache_chunk, args.dtype)
+    embedding_compile.check_step(step, topology)
+    console = Console(stream=sys.stderr if args.json else sys.stdout)
+    console.line(f"compiling the embedding step of {args.init_config} for {args.topology} (minutes for BERT-base) ...")
+    devices = tpu_compile.compile_only_devices(topology)
+    started = time.perf_counter()
+    result = embedding_compile.compile_for_topology(step, topology, devices, args.price_per_chip_hour)
+    console.line(f"compiled in {duration(time.perf_counter() - started)}")
+    if args.fit_batch:
+        result["fit"] = embedding_compile.fit_batch(step, topology, devices, args.price_per_chip_hour,
+                                                    requested=result, log=console.line)
+    print(jsonio.dumps(result) if args.json else embedding_compile.describe(result) + (
+        "\n--fit-batch:\n  " + embedding_compile.describe(result["fit"]).replace("\n", "\n  ") if "fit" in result
+        else ""))
+    if not result["fits"]:
+        print(f"bertjax compile: the embedding step does not fit HBM"
+              + ("" if args.fit_batch else ": try --fit-batch, --cache-chunk or more chips"), file=sys.stderr)
     return 0 if result["fits"] else 1
 
 

@@ -118,11 +118,21 @@ class EmbeddingTrainer(Trainer):
         super().check_memory(batch_size, row_shape, training)
 
     def _loss_and_grads(self, params, batch, rng):
+        return embedding_loss_and_grads(self.module, self.ranking, self.cache_chunk)(params, batch, rng)
+
+
+def embedding_loss_and_grads(module, ranking: contrastive.RankingLoss, cache_chunk: int):
+    """(params, batch, rng) -> (loss, grads) of the ranking loss over the whole batch, cached in chunks of
+    `cache_chunk` rows where the batch has more (0: one pass): what EmbeddingTrainer's step and `bertjax compile
+    --embedding` run."""
+    def loss_and_grads(params, batch, rng):
         rows = batch["input_ids"].shape[0]
-        chunks = rows // self.cache_chunk if self.cache_chunk and rows > self.cache_chunk else 1
+        chunks = rows // cache_chunk if cache_chunk and rows > cache_chunk else 1
         if rows % chunks:
-            raise ValueError(f"--cache-chunk {self.cache_chunk} does not divide a batch of {rows} rows")
-        return contrastive.loss_and_grads(self.module, params, batch, rng, self.ranking, chunks=chunks)
+            raise ValueError(f"--cache-chunk {cache_chunk} does not divide a batch of {rows} rows")
+        return contrastive.loss_and_grads(module, params, batch, rng, ranking, chunks=chunks)
+
+    return loss_and_grads
 
 
 def embed_texts(trainer: Trainer, texts: list[str], tokenizer, max_seq_length: int) -> np.ndarray:

@@ -165,6 +165,25 @@ def scans_layers(config, platform: str) -> bool:
     return platform == "cpu" and family.of(config).uniform_layers
 
 
+def train_step_fn(loss_and_grads: Callable, optimizer):
+    """The fine-tune's step (params, opt_state, batch, rng) -> (params, opt_state, loss, finite): `loss_and_grads`'
+    gradient, the optax update, skipped where the gradient is not finite. What `Trainer.train` jits, and what
+    `bertjax compile --embedding` compiles for a slice."""
+    def step(params, opt_state, batch, rng):
+        loss, grads = loss_and_grads(params, batch, rng)
+        finite = jnp.isfinite(optax.tree.norm(grads))
+
+        def update(params, opt_state):
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt_state
+
+        # As in pretraining: a non-finite gradient skips the update (params and moments unchanged).
+        params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), params, opt_state)
+        return params, opt_state, loss, finite
+
+    return step
+
+
 class Trainer:
     """Holds a model, its params on a mesh, and jitted train / predict steps for one loss."""
 
@@ -326,18 +345,7 @@ class Trainer:
         if best is not None and evaluate is None:
             raise ValueError(f"--metric-for-best {s.metric_for_best}: this run has no dev set to evaluate")
 
-        def step(params, opt_state, batch, rng):
-            loss, grads = self._loss_and_grads(params, batch, rng)
-            finite = jnp.isfinite(optax.tree.norm(grads))
-
-            def update(params, opt_state):
-                updates, new_opt_state = optimizer.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), new_opt_state
-
-            # As in pretraining: a non-finite gradient skips the update (params and moments unchanged).
-            params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), params, opt_state)
-            return params, opt_state, loss, finite
-
+        step = train_step_fn(self._loss_and_grads, optimizer)
         epochs = total_steps / steps_per_epoch  # what the steps cover: --max-steps may end before s.epochs
         console.line(f"training: {n:,} examples" + (f" (a seeded subset of {available:,})" if n < available else "")
                      + f", {total_steps:,} steps of {s.batch_size} = {epochs:.3g} epochs"

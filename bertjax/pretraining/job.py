@@ -106,6 +106,12 @@ def compile_step(config: PretrainConfig, devices: list, vocab_size: int,
     job = build_job_step(config, mesh, vocab_size, special_ids)
     with sharding.activate(mesh):
         lowered = job.train_step.lower(job.abstract_state, abstract_batch(config, mesh))
+    return compile_lowered(lowered, job.update_sharded)
+
+
+def compile_lowered(lowered, update_sharded: bool = False) -> CompiledStep:
+    """Compiles a lowered step (never runs it): the per-chip need, FLOPs and program, or, where XLA says it does not
+    fit HBM, the size it asked for."""
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as error:
@@ -114,7 +120,7 @@ def compile_step(config: PretrainConfig, devices: list, vocab_size: int,
             raise
         need = int(float(match[1]) * _UNITS[match[2]])
         return CompiledStep(False, need, None, detail=str(error).strip().splitlines()[0][:400],
-                            update_sharded=job.update_sharded)
+                            update_sharded=update_sharded)
     memory = compiled.memory_analysis()
     need = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
             - memory.alias_size_in_bytes)
@@ -122,4 +128,4 @@ def compile_step(config: PretrainConfig, devices: list, vocab_size: int,
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops = None if cost is None else float(cost.get("flops", 0.0))
     return CompiledStep(True, int(need), flops, int(memory.argument_size_in_bytes),
-                        int(memory.temp_size_in_bytes), hlo_text=compiled.as_text(), update_sharded=job.update_sharded)
+                        int(memory.temp_size_in_bytes), hlo_text=compiled.as_text(), update_sharded=update_sharded)
