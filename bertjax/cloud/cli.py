@@ -204,7 +204,7 @@ def _compile_embedding(args: argparse.Namespace, topology) -> int:
         "\n--fit-batch:\n  " + embedding_compile.describe(result["fit"]).replace("\n", "\n  ") if "fit" in result
         else ""))
     if not result["fits"]:
-        print(f"bertjax compile: the embedding step does not fit HBM"
+        print("bertjax compile: the embedding step does not fit HBM"
               + ("" if args.fit_batch else ": try --fit-batch, --cache-chunk or more chips"), file=sys.stderr)
     return 0 if result["fits"] else 1
 
