@@ -20,6 +20,7 @@ FILE_DEVICES = {
     "test_layer_norm_gpu.py": 4,  # the GPU LayerNorm kernels per shard on data=2 x tensor=2
     "test_modernbert_sharding.py": 4,  # ModernBERT's feed-forward on data=2 x tensor=2
     "test_dropout.py": 8,  # the same dropout mask when sharded over every device
+    "test_embedding.py": 8,  # the ranking loss over an 8-device global batch equals one device's
 }
 # Not here though they name meshes: test_scan_layers.py (its default tests compare numbers and partition specs, the
 # same on one device; its sharded train step is slow-marked) and test_tpu_compile.py (libtpu's compile-only TPU
