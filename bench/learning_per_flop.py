@@ -27,12 +27,12 @@ a sweep; two seeds; then each final checkpoint's downstream scores (`bertjax sco
   frequencies of the training text, add-one smoothed).
 - Crossings: for each seed, the FLOPs (computed and the model's), real tokens and seconds at which an arm's curve
   first reaches another arm's final held-out loss (interpolated between checkpoints), as a share of that arm's.
-- Downstream: `bertjax score` on each full run's final checkpoint as soon as the run ends (in its job): SST-2, MRPC,
+- Downstream: `bertjax score` on each full run's final checkpoint once every full run has ended: SST-2, MRPC,
   STS-B, CoLA from --glue, with fine-tune seeds --score-seeds, MosaicBERT's per-task recipe at seq 128 (the models'
   positions), the caps given.
 - Output (--workdir): results.json, results.md (the tables), learning_per_flop.svg (the curves), log.txt (every
-  bertjax command's output), rewritten after each full run and each scoring, so a bench cut short leaves whole
-  (arm, seed) results. Runs already complete are not run again (rerun to continue).
+  bertjax command's output), rewritten after each full run and each scoring, so a bench cut short leaves every
+  result it finished. Runs and scores already complete are not run again (rerun to continue).
 
     .venv/bin/python bench/learning_per_flop.py [--bert-steps 3000] [--sweep-fraction 1] [--lrs 1e-3,3e-3,1e-2]
         [--seeds 0,1] [--score-seeds 0,1] [--score-max-train 2000] [--jobs 3]
@@ -350,8 +350,9 @@ def main() -> int:
     best_lr = {arm: min(sweep[arm], key=lambda lr: sweep[arm][lr]["loss"]) for arm in ARMS}
     print("best learning rates: " + ", ".join(f"{arm} {best_lr[arm]:g}" for arm in ARMS), flush=True)
 
-    # The full runs, each arm at its best learning rate, every seed, a checkpoint at every twentieth; each run's
-    # final checkpoint then scored downstream in the same job, so a run cut short leaves whole (arm, seed) results.
+    # The full runs, each arm at its best learning rate, every seed, a checkpoint at every twentieth; then each
+    # run's final checkpoint scored downstream. Curves first: a bench cut short has every arm's curve at every seed
+    # (the comparison) before the scores, which cost more CPU than the runs here.
     seeds = [int(s) for s in args.seeds.split(",")]
     results = {"seq": SEQ, "batch": BATCH, "budget_flops": budget, "steps": steps, "step_flops": flops,
                "unigram_loss": unigram, "held_out_targets": targets, "sweep_fraction": args.sweep_fraction,
@@ -379,6 +380,8 @@ def main() -> int:
             results["curves"][name] = curve
             write(results, names, work)
 
+    def score_run(arm: str, seed: int) -> None:
+        name, run = f"{arm} seed {seed}", run_folder(work, arm, best_lr[arm], seed, steps[arm])
         out = work / "scores" / run.name
         argv = score(run, out, args, log)
         summary = json.loads((out / "summary.json").read_text())
@@ -389,7 +392,9 @@ def main() -> int:
             results["scores"][name] = entry
             write(results, names, work)
 
-    list(pool.map(lambda job: full_run(*job), [(arm, seed) for seed in seeds for arm in ARMS]))
+    jobs = [(arm, seed) for seed in seeds for arm in ARMS]
+    list(pool.map(lambda job: full_run(*job), jobs))
+    list(pool.map(lambda job: score_run(*job), jobs))
     print(tables(results))
     print(f"wrote {work / 'results.json'}, {work / 'results.md'} and {work / 'learning_per_flop.svg'}")
     return 0
