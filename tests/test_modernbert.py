@@ -312,6 +312,50 @@ def test_the_tpus_feed_forward_product_in_the_lanes_is_the_pair_elsewhere(monkey
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("backend", ["reference", pytest.param("flash_dropout_gpu", marks=pytest.mark.slow)])
+def test_the_scanned_encoder_is_the_unrolled_one(backend):
+    """`scan_layers` (what a fine-tune on a CPU runs): one layer scanned over the stacked params, told by its flags
+    whether it is layer 0 (no attention norm) and global (no window, the global theta): on padded, packed rows
+    with windows that matter, every hidden state, the output and each param's gradient are the unrolled
+    encoder's (transformers' values, tests above), to float32 rounding; on the GPU attention kernel (run
+    interpreted, q/k/v handed to it stacked) too."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from bertjax.model import layer_layout
+
+    config = ModernBertConfig(hidden_size=32, num_attention_heads=2, intermediate_size=48, num_hidden_layers=4,
+                              local_attention=4, vocab_size=50, pad_token_id=0, attention_backend=backend,
+                              global_rope_theta=500.0, local_rope_theta=20.0)
+    ids = jnp.asarray(np.random.default_rng(13).integers(1, 50, (2, 12)), jnp.int32)
+    mask = jnp.ones_like(ids).at[1, 10:].set(0)
+    packing = jnp.asarray([[1] * 5 + [2] * 7, [1] * 10 + [0] * 2], jnp.int32)
+    positions = jnp.asarray([list(range(5)) + list(range(7)), list(range(12))], jnp.int32)
+    weights = jnp.asarray(np.random.default_rng(14).normal(size=(2, 12, 32)), jnp.float32) * mask[..., None]
+    params = nn.meta.unbox(modernbert.ModernBertModel(config).init(jax.random.key(0), ids, mask))["params"]
+    params = jax.tree.map(lambda x: x + 0.1 * jnp.sin(jnp.arange(x.size).reshape(x.shape)), params)
+
+    def run(config, params):
+        def loss(p):
+            (out, _), state = modernbert.ModernBertModel(config).apply(
+                {"params": p}, ids, mask, packing_ids=packing, position_ids=positions, mutable=["intermediates"])
+            return jnp.sum(out * weights), state["intermediates"]["hidden_states"]
+        return jax.value_and_grad(loss, has_aux=True)(params)
+
+    (want_loss, want_states), want_grads = run(config, params)
+    scanned = config.replace(scan_layers=True)
+    (got_loss, got_states), got_grads = run(scanned, layer_layout.with_layout(params, scanned, stacked=True))
+    assert "layers" in got_grads and len(got_states) == len(want_states) == 5
+    got_grads = layer_layout.with_layout(got_grads, config, stacked=False)
+    for g, w in zip(jax.tree_util.tree_leaves((got_loss, got_states, got_grads)),
+                    jax.tree_util.tree_leaves((want_loss, want_states, want_grads)), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
+    # The windows and thetas matter here: a model of global layers alone differs.
+    (all_global, _), _ = run(config.replace(local_attention=64, local_rope_theta=500.0), params)
+    assert abs(float(all_global) - float(want_loss)) > 1e-3 * abs(float(want_loss))
+
+
 # "full" slow-marked, for the default suite's time (~30 s): the same remat wrapper as "dots", another policy.
 @pytest.mark.parametrize("remat", ["dots", pytest.param("full", marks=pytest.mark.slow)])
 def test_rematerialised_layers_give_the_same_values_and_gradients(remat):

@@ -140,3 +140,22 @@ def test_the_readmes_wordpiece_command_exports_what_the_fill_mask_pipeline_reads
     probabilities = np.asarray(torch.softmax(torch.from_numpy(np.asarray(logits[0, position], np.float64)), -1))
     assert [r["token"] for r in found] == list(np.argsort(-probabilities)[:5])
     np.testing.assert_allclose([r["score"] for r in found], np.sort(probabilities)[::-1][:5], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_scanned_run_starts_where_the_unrolled_one_is_and_trains_on(uninterrupted, corpus, tmp_path):
+    """`model.scan_layers` pretraining (packed rows, dropout on): initialised from the unrolled run's checkpoint, its
+    first loss is that of trained weights, it trains on, and its checkpoint is written per layer, as the unrolled
+    run's (the same tree)."""
+    workdir = tmp_path / "scanned"
+    argv = _argv(workdir, corpus, "--set", "model.scan_layers=true", "--init", str(uninterrupted))
+    argv[argv.index(f"train.steps={STEPS}")] = "train.steps=4"
+    output = _run(argv, devices=DEVICES)
+    assert "completed at step 4/4" in output, output[-3000:]
+    losses, fresh = _losses(workdir), _losses(uninterrupted)
+    assert losses[1] < fresh[1] - 0.5 and losses[4] < losses[1] + 0.5
+    import jax
+
+    ours = load_model(str(workdir / "checkpoints" / "4")).params
+    theirs = load_model(str(uninterrupted / "checkpoints" / str(STEPS))).params
+    assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(theirs)

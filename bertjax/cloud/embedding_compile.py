@@ -80,7 +80,7 @@ def compile_embedding_step(step: EmbeddingStep, devices: list, num_slices: int =
     the Trainer's defaults (AdamW, the seed's keys, a fixed scale of 20) on its data-parallel mesh; never runs it."""
     settings = TrainSettings(batch_size=step.batch_size, dtype=step.dtype)
     config = step.model.replace(dtype=step.dtype)
-    if scans_layers(config, devices[0].platform):  # as the Trainer runs it on that platform
+    if scans_layers(devices[0].platform):  # as the Trainer runs it on that platform
         config = config.replace(scan_layers=True)
     module = SentenceEmbedder(config)
     mesh = sharding.make_mesh(devices=devices, dcn_data=num_slices)

@@ -154,15 +154,15 @@ def fresh_params(params: dict, module: nn.Module, config, key) -> dict:
     return traverse_util.unflatten_dict({**flat, **{path: values["/".join(path)] for path in missing}})
 
 
-def scans_layers(config, platform: str) -> bool:
-    """Whether a fine-tune runs the encoder as one scan over its stacked layers: BERT's (ModernBERT's alternate
-    global and windowed attention) on a CPU. XLA:CPU then compiles one layer, not N: MiniLM's train step compiled
-    in ~9 s unrolled and ~3 s scanned, its steps as fast; a first small fine-tune's wall time halved. On TPUs and
-    GPUs, where compiles are fast against the run and the scan's stacked residuals cost step time (+35-86% priced
-    for BERT's pretraining step on v5e), the layers stay unrolled. Dropout draws other bits scanned than unrolled
-    (the same distribution); checkpoints and exports are written per layer either way, and a saved train state
-    resumes in either layout."""
-    return platform == "cpu" and family.of(config).uniform_layers
+def scans_layers(platform: str) -> bool:
+    """Whether a fine-tune runs the encoder as one scan over its stacked layers: on a CPU, either family's
+    (ModernBERT's layers told by scanned flags which is global). XLA:CPU then compiles one layer, not N: MiniLM's
+    train step compiled in ~9 s unrolled and ~3 s scanned, its steps as fast; a first small fine-tune's wall time
+    halved. On TPUs and GPUs, where compiles are fast against the run and the scan's stacked residuals cost step
+    time (+35-86% priced for BERT's pretraining step on v5e), the layers stay unrolled. Dropout draws other bits
+    scanned than unrolled (the same distribution); checkpoints and exports are written per layer either way, and a
+    saved train state resumes in either layout."""
+    return platform == "cpu"
 
 
 def train_step_fn(loss_and_grads: Callable, optimizer):
@@ -196,7 +196,7 @@ class Trainer:
         compile_cache.enable(settings.compilation_cache_dir, key="compilation_cache_dir")
         host_memory.release_freed_memory_after_compiles(os.environ)
         self.mesh = mesh or sharding.make_mesh()
-        if scans_layers(config, self.mesh.devices.flat[0].platform) and not config.scan_layers:
+        if scans_layers(self.mesh.devices.flat[0].platform) and not config.scan_layers:
             config = config.replace(scan_layers=True)  # merge_params stacks the checkpoint's layers to match
             module = module.clone(config=config)
         if self.mesh.devices.flat[0].platform == "gpu":   # before any step is traced: kernels that disagree left out

@@ -20,8 +20,6 @@ class EncoderFamily:
     class_prefix: str      # its HF classes' prefix: "Bert" + "ForMaskedLM"
     presets: tuple[str, ...] = ()  # the `model.preset` names a pretraining job builds it from
     has_nsp_head: bool = False     # a next-sentence (and span boundary) head beside the masked LM
-    # Every layer the same function, so the layers can run as one scan (a fine-tune on a CPU compiles one layer).
-    uniform_layers: bool = False
     # A config whose sizes are all different numbers (`shapes.size_field`: which field sets a dimension), and the
     # field each of its sizes is.
     shape_probe: Any = None

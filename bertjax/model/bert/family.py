@@ -13,7 +13,6 @@ class BertFamily(EncoderFamily):
     class_prefix = "Bert"
     presets = tuple(PRESETS)
     has_nsp_head = True
-    uniform_layers = True
     # hidden 39 = 3 heads of 13; the SBO head's first dense takes 3 * hidden.
     shape_probe = BertConfig(vocab_size=43, hidden_size=39, num_hidden_layers=7, num_attention_heads=3,
                              intermediate_size=41, max_position_embeddings=47, type_vocab_size=5)

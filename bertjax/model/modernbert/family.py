@@ -15,7 +15,6 @@ class ModernBertFamily(EncoderFamily):
     class_prefix = "ModernBert"
     presets = tuple(PRESETS)
     has_nsp_head = False  # its objective: MLM alone
-    uniform_layers = False  # global and windowed attention alternate
     # Its head size must be even (rotary embeddings); 3 and 2 are fixed axes of Wqkv and Wi.
     shape_probe = ModernBertConfig(vocab_size=43, hidden_size=42, num_hidden_layers=7, num_attention_heads=3,
                                    intermediate_size=41, max_position_embeddings=47, pad_token_id=0)

@@ -179,37 +179,50 @@ class Attention(nn.Module):
     biases in the kernels, the gradient of the three one array)."""
 
     config: ModernBertConfig
-    layer: int
+    layer: int | None   # None: a scanned layer, global or windowed as its `is_global` input says
 
     @nn.compact
-    def __call__(self, x, input_mask, packing_ids, rotary, deterministic: bool):
+    def __call__(self, x, input_mask, packing_ids, rotary, deterministic: bool, is_global=None):
         c = self.config
         heads, head_dim = c.num_attention_heads, c.head_dim
         dropout_active = not deterministic and c.attention_dropout > 0
         backend = c.attention_backend
         platform = target_platform()
-        window = None if c.is_global(self.layer) else c.window
+        # The windows this layer may have: one, or in a scan both (a global layer's None, a windowed one's).
+        windows = [None, c.window] if self.layer is None else [None if c.is_global(self.layer) else c.window]
         if backend == "auto" and platform in FUSED_DROPOUT_BACKENDS and x.shape[1] >= FUSED_DROPOUT_MIN_LENGTH:
             # Global layers too, the same kernel as the windowed ones: on TPU ours reads q/k/v in the projections'
             # [B, S, heads * 64] layout where splash wants [heads, S, 64] per example (transposes, 64 lanes padded to
             # 128) and declares no cost to price; on GPU cuDNN's fused attention takes no packed segments.
             backend = FUSED_DROPOUT_BACKENDS[platform]
         dropout = dict(dropout_rate=c.attention_dropout,
-                       dropout_rng=self.make_rng("dropout") if dropout_active else None, deterministic=deterministic,
-                       window=window)
-        if resolve_backend(backend, dropout_active, platform, x.shape[1], window is not None) == "flash_dropout_gpu":
+                       dropout_rng=self.make_rng("dropout") if dropout_active else None, deterministic=deterministic)
+        stacked = all(resolve_backend(backend, dropout_active, platform, x.shape[1], window is not None)
+                      == "flash_dropout_gpu" for window in windows)
+        if stacked:
             qkv, bias = RotaryQKV(c, name="Wqkv")(x, rotary, stacked=True)
             qkv = _constrain(qkv.reshape(x.shape[:2] + (3, heads, head_dim)),
                              ("activation_batch", "activation_length", None, "activation_heads", "activation_kv"))
             biases = None if bias is None else tuple(bias.reshape(3, heads, head_dim))
-            context = stacked_gpu_attention(qkv, input_mask, packing_ids, rotary=rotary, biases=biases, **dropout)
+            operands = (qkv,)
+
+            def attend(window, qkv):
+                return stacked_gpu_attention(qkv, input_mask, packing_ids, rotary=rotary, biases=biases,
+                                             window=window, **dropout)
         else:
             query, key, value = RotaryQKV(c, name="Wqkv")(x, rotary)
-            query, key, value = (_constrain(t.reshape(x.shape[:2] + (heads, head_dim)),
-                                            ("activation_batch", "activation_length", "activation_heads",
-                                             "activation_kv"))
-                                 for t in (query, key, value))
-            context = dot_product_attention(query, key, value, input_mask, packing_ids, backend=backend, **dropout)
+            operands = tuple(_constrain(t.reshape(x.shape[:2] + (heads, head_dim)),
+                                        ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+                             for t in (query, key, value))
+
+            def attend(window, query, key, value):
+                return dot_product_attention(query, key, value, input_mask, packing_ids, backend=backend,
+                                             window=window, **dropout)
+        if len(windows) == 1:
+            context = attend(windows[0], *operands)
+        else:   # only the attention itself branches: the projections, the same params either way, stay outside
+            context = jax.lax.cond(is_global, lambda *ops: attend(None, *ops), lambda *ops: attend(c.window, *ops),
+                                   *operands)
         context = context.reshape(x.shape[:2] + (c.hidden_size,))
         out = Projection(c, (c.hidden_size,), ("heads", "embed"), _out_std(c), c.attention_bias, name="Wo")(context)
         return Dropout(c.attention_dropout, name="out_drop")(out, deterministic=deterministic)
@@ -248,22 +261,31 @@ class Layer(nn.Module):
 
     Its input is hidden + branch (the previous layer's two parts; branch None: hidden alone), its output likewise
     (hidden, the feed-forward's output): each sum is taken by the norm that reads it (`Norm` with a residual: on a
-    GPU one kernel writes the sum and the norm, the sum's gradient added in its backward)."""
+    GPU one kernel writes the sum and the norm, the sum's gradient added in its backward).
+
+    `layer` None: one layer of a scan, told which it is by `flags` (is_first, is_global) and given both rotary
+    tables (global, local), picked by is_global; layer 0's branch comes in as zeros (hidden + 0 is hidden)."""
 
     config: ModernBertConfig
-    layer: int
+    layer: int | None
 
     @nn.compact
-    def __call__(self, hidden, branch, input_mask, packing_ids, rotary, deterministic: bool):
+    def __call__(self, hidden, branch, input_mask, packing_ids, rotary, deterministic: bool, flags=None):
         c = self.config
         attn_norm = Norm(c, name="attn_norm")
         if branch is not None:
             hidden, normed = attn_norm(branch, hidden)
         else:
             normed = attn_norm(hidden)
-        if self.layer == 0:   # HF's layer 0 has no attention norm (its input is the embeddings' norm)
+        is_global = None
+        if self.layer is None:
+            is_first, is_global = flags
+            normed = jnp.where(is_first, hidden, normed)
+            rotary = tuple(jnp.where(is_global, g, l) for g, l in zip(*rotary))
+        elif self.layer == 0:   # HF's layer 0 has no attention norm (its input is the embeddings' norm)
             normed = hidden
-        attended = Attention(c, self.layer, name="attn")(normed, input_mask, packing_ids, rotary, deterministic)
+        attended = Attention(c, self.layer, name="attn")(normed, input_mask, packing_ids, rotary, deterministic,
+                                                         is_global)
         hidden, normed = Norm(c, name="mlp_norm")(attended, hidden)
         return (_constrain(hidden, _BATCH_LENGTH_EMBED),
                 _constrain(GatedMLP(c, name="mlp")(normed, deterministic), _BATCH_LENGTH_EMBED))
@@ -276,8 +298,10 @@ _REMAT_POLICIES = {"dots": jax.checkpoint_policies.checkpoint_dots,
 def _layer_class(config: ModernBertConfig):
     if config.remat == "none":
         return Layer
-    # `deterministic` (argument 6, counting the module) is a Python bool that dropout branches on.
-    return nn.remat(Layer, policy=_REMAT_POLICIES[config.remat], static_argnums=(6,))
+    # `deterministic` (argument 6, counting the module) is a Python bool that dropout branches on. Inside a scan
+    # the loop already keeps XLA from merging the recomputation into the forward pass (as BERT's).
+    return nn.remat(Layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers,
+                    static_argnums=(6,))
 
 
 class ModernBertModel(nn.Module):
@@ -290,12 +314,12 @@ class ModernBertModel(nn.Module):
 
     def setup(self):
         c = self.config
-        if c.scan_layers:
-            raise ValueError("scan_layers is not supported for ModernBERT yet: its layers differ (global and "
-                             "sliding-window attention); set model.scan_layers=false")
         self.embeddings = Embeddings(c)
         layer = _layer_class(c)
-        self.layers = [layer(c, i, name=f"layer_{i}") for i in range(c.num_hidden_layers)]
+        if c.scan_layers:
+            self.layers = layer(c, None)   # params bert/layers/..., stacked by `_scan_layers`
+        else:
+            self.layers = [layer(c, i, name=f"layer_{i}") for i in range(c.num_hidden_layers)]
         self.final_norm = Norm(c)
 
     def __call__(self, input_ids, input_mask, segment_ids=None, *, packing_ids=None, position_ids=None,
@@ -304,9 +328,16 @@ class ModernBertModel(nn.Module):
         if position_ids is None:
             position_ids = jnp.arange(input_ids.shape[-1], dtype=jnp.int32)[None]
         rotary = {theta: rope.cos_sin(position_ids, c.head_dim, theta)
-                  for theta in {c.rope_theta(i) for i in range(c.num_hidden_layers)}}
+                  for theta in {c.global_rope_theta, c.local_rope_theta}}
         hidden = _constrain(self.embeddings(input_ids, deterministic), _BATCH_LENGTH_EMBED)
         self.sow("intermediates", "hidden_states", hidden)
+        if c.scan_layers:
+            hidden, branch = self._scan_layers(hidden, input_mask, packing_ids,
+                                               (rotary[c.global_rope_theta], rotary[c.local_rope_theta]),
+                                               deterministic)
+            _, hidden = self.final_norm(branch, hidden)
+            self.sow("intermediates", "hidden_states", hidden)
+            return hidden, None
         branch = None
         for i, layer in enumerate(self.layers):
             hidden, branch = layer(hidden, branch, input_mask, packing_ids, rotary[c.rope_theta(i)], deterministic)
@@ -315,6 +346,28 @@ class ModernBertModel(nn.Module):
         _, hidden = self.final_norm(branch, hidden)
         self.sow("intermediates", "hidden_states", hidden)
         return hidden, None
+
+    def _scan_layers(self, hidden, input_mask, packing_ids, rotary, deterministic: bool):
+        """The layers as one `nn.scan` over the stacked params (XLA compiles one layer, not N): each layer told by
+        the scanned flags whether it is the first (no attention norm) and global (no window, the global rotary
+        table), the attention alone branching (`lax.cond`). (hidden, branch) after the last layer. As BERT's scan:
+        other dropout bits than the unrolled layers' (the same distribution), the same values without dropout."""
+        c = self.config
+        collect = self.is_mutable_collection("intermediates")
+        layers = range(c.num_hidden_layers)
+        flags = (jnp.asarray([i == 0 for i in layers]), jnp.asarray([c.is_global(i) for i in layers]))
+
+        def body(layer, carry, flags):
+            carry = layer(*carry, input_mask, packing_ids, rotary, deterministic, flags)
+            return carry, (carry[0] + carry[1] if collect else None)
+
+        scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                       length=c.num_hidden_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+        carry, states = scan(self.layers, (hidden, jnp.zeros_like(hidden)), flags)
+        if collect:
+            for i in range(c.num_hidden_layers - 1):
+                self.sow("intermediates", "hidden_states", states[i])
+        return carry
 
     def attend(self, x):
         return self.embeddings.attend(x)
