@@ -37,6 +37,27 @@ def _trainer(init: str, **settings):
     return trainer, {**encoded, "labels": labels}
 
 
+def test_the_dev_set_predicted_again_with_the_same_params_is_not_run_again(tiny_init):
+    """A job evaluates its dev set after the last epoch, then predicts it for its metrics and predictions file: the
+    second ask, the same arrays with the same params, returns the first outputs without running the model; after
+    a step (new params) or for other arrays it runs again, and gives what a fresh run of the model gives."""
+    trainer, arrays = _trainer(tiny_init)
+    dev = {k: v[:20] for k, v in arrays.items()}
+    first = trainer.predict(dev)
+    rows = trainer.predicted_rows
+    assert trainer.predict(dev) is first and trainer.predicted_rows == rows
+    copy = {k: v.copy() for k, v in dev.items()}
+    np.testing.assert_array_equal(trainer.predict(copy), first)
+    assert trainer.predicted_rows == rows + 20
+    trainer.train(arrays, epoch_end=lambda epoch, seconds: {"rows": len(trainer.predict(dev))})
+    after = trainer.predicted_rows
+    trained = trainer.predict(dev)
+    assert trainer.predicted_rows == after and after == rows + 40   # evaluated once after training, not again
+    assert not np.allclose(trained, first)
+    np.testing.assert_allclose(trained, np.asarray(trainer._predict(trainer.params, {
+        k: dev[k] for k in ("input_ids", "input_mask", "segment_ids")})), rtol=1e-5, atol=1e-6)
+
+
 def test_grad_accumulation_is_one_big_batch(tiny_init):
     whole, arrays = _trainer(tiny_init)
     whole.train(arrays)
