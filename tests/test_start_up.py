@@ -46,9 +46,15 @@ def test_finetune_classify_and_predict_start_without_tensorflow_and_reuse_compil
     assert first["tensorflow"] == [] and first["plugins"] == []
     assert first["misses"] > 0 and any(cache.iterdir()), "the compilation cache is on by default"
     # A program that compiles in under compile_cache.MIN_COMPILE_SECONDS is not stored (predict's, on an idle
-    # machine): the train step is, and the next process reads it back and compiles nothing slow again.
+    # machine): the train step is, and the next process reads back every program stored.
+    stored = {entry.name for entry in cache.iterdir()}
+    assert any(name.startswith("jit_step-") for name in stored), stored
     again = _run([finetune(tmp_path / "work-again"), predict + [str(tmp_path / "again.jsonl")]], cache, tmp_path)
-    assert again["tensorflow"] == [] and again["hits"] > 0 and again["misses"] == 0
+    assert again["tensorflow"] == [] and again["hits"] >= len(stored)
+    # A miss is a program stored now: on a loaded machine one that compiled just under the threshold in the first
+    # process can take longer in the second (CI, load ~6: one). Never a train step: those were read back.
+    new = {entry.name for entry in cache.iterdir()} - stored
+    assert again["misses"] == len(new) and not any(name.startswith("jit_step-") for name in new), new
     assert (tmp_path / "again.jsonl").read_text() == (tmp_path / "first.jsonl").read_text()
     assert (tmp_path / "first.jsonl").read_text().count("\n") == sum(1 for _ in open(REVIEWS / "new.csv")) - 1
 
