@@ -539,7 +539,7 @@ class Trainer:
         """Model outputs for every row of `arrays`; per_token outputs ([B, L] or [B, L, labels] logits) are padded
         back to the full length with a very negative logit. The same `arrays` object asked again with the same
         params (the dev set evaluated after the last epoch, then predicted for the job's metrics and predictions
-        file) gets the outputs computed the first time: on a CPU that second pass was a sixth of a short fine-tune."""
+        file) gets the outputs computed the first time (idle, a ModernBERT fine-tune's two passes: 12.0 s of 84.5)."""
         last = self._last_prediction
         if last is not None and last[0] is arrays and last[1] is self.params and last[2] == per_token:
             return last[3]

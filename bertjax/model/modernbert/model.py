@@ -335,14 +335,13 @@ class ModernBertModel(nn.Module):
             hidden, branch = self._scan_layers(hidden, input_mask, packing_ids,
                                                (rotary[c.global_rope_theta], rotary[c.local_rope_theta]),
                                                deterministic)
-            _, hidden = self.final_norm(branch, hidden)
-            self.sow("intermediates", "hidden_states", hidden)
-            return hidden, None
-        branch = None
-        for i, layer in enumerate(self.layers):
-            hidden, branch = layer(hidden, branch, input_mask, packing_ids, rotary[c.rope_theta(i)], deterministic)
-            if i < c.num_hidden_layers - 1:
-                self.sow("intermediates", "hidden_states", hidden + branch)
+        else:
+            branch = None
+            for i, layer in enumerate(self.layers):
+                hidden, branch = layer(hidden, branch, input_mask, packing_ids, rotary[c.rope_theta(i)],
+                                       deterministic)
+                if i < c.num_hidden_layers - 1:
+                    self.sow("intermediates", "hidden_states", hidden + branch)
         _, hidden = self.final_norm(branch, hidden)
         self.sow("intermediates", "hidden_states", hidden)
         return hidden, None
